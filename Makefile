@@ -1,0 +1,28 @@
+# The two commands of the README:
+#   make course   set up, then open the course in JupyterLab
+#   make test     set up, then run every test (unit tests, notebooks under nbval, browser)
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup course test unit notebooks figures bench site clean
+
+setup:
+	./tools/setup.sh
+
+course: setup
+	$(VENV)/bin/jupyter lab notebooks/
+
+test: setup
+	$(PY) -m pytest
+
+unit: setup
+	$(PY) -m pytest tests
+
+notebooks: setup
+	$(PY) -m pytest notebooks
+
+figures: setup
+	$(PY) -m lessons_lib.figures
+
+clean:
+	rm -rf site test-artifacts .pytest_cache
