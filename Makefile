@@ -24,5 +24,11 @@ notebooks: setup
 figures: setup
 	$(PY) -m lessons_lib.figures
 
+bench: setup
+	$(PY) -m lessons_lib.bench
+
+site: setup
+	$(PY) tools/build_site.py
+
 clean:
 	rm -rf site test-artifacts .pytest_cache
