@@ -9,16 +9,16 @@ PY=${PYTHON:-python3}
 PIP=".venv/bin/python -m pip"
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    $PIP install "torch>=2.5,<2.15"
+    $PIP install -q "torch>=2.5,<2.15"
   else
     # The CPU wheel index is tried briefly; where it is unreachable pip uses PyPI / local wheels.
-    $PIP install --retries 0 --timeout 10 --extra-index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}" "torch==2.13.0"
+    $PIP install -q --retries 0 --timeout 10 --extra-index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}" "torch==2.13.0"
   fi
 fi
 stamp=.venv/.requirements.sha
 want=$(sha256sum requirements.txt | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  $PIP install -r requirements.txt
+  $PIP install -q -r requirements.txt
   echo "$want" > "$stamp"
 fi
 # The browser test drives Debian's Chromium (never a downloaded browser).
