@@ -139,6 +139,9 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}")
     if not (q.device == k.device == v.device == cu_seqlens_q.device == cu_seqlens_k.device):
         raise ValueError(f"q, k, v, cu_seqlens must be on one device, got q:{q.device} k:{k.device} "
                          f"v:{v.device} cu_seqlens_q:{cu_seqlens_q.device} cu_seqlens_k:{cu_seqlens_k.device}")
@@ -148,6 +151,12 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         raise ValueError(f"q, k, v must have the same d_head, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k and v must have the same total_tokens, got {k.shape[0]} and {v.shape[0]}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        # A dense backend multiplies masked probabilities (0) by every value row, and
+        # 0 * NaN = NaN: one request's NaN would leak into the others. Refuse it up front.
+        if t.device.type != "meta" and t.numel() and not bool(torch.isfinite(t).all()):
+            row = int((~torch.isfinite(t)).flatten(1).any(1).nonzero()[0, 0])
+            raise ValueError(f"{name} contains NaN or Inf (first at row {row})")
     cu_q = validate_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
     cu_k = validate_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
     if len(cu_q) != len(cu_k):

@@ -28,6 +28,8 @@ def validate_cu_seqlens(cu_seqlens: Tensor, total_tokens: int | None = None, nam
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of int32, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device: its values are needed to find the requests")
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"{name} must be int32, got {str(cu_seqlens.dtype).replace('torch.', '')}")
     if cu_seqlens.dim() != 1:
@@ -101,10 +103,51 @@ class PackedBatch:
         """``[R]`` int64: the flat row of each request's last token (``cu_seqlens[1:] - 1``)."""
         return self.cu_seqlens[1:].long() - 1
 
+    def validate(self, name: str = "batch") -> list[int]:
+        """Check that the fields agree with each other; return ``cu_seqlens`` as a list.
+
+        A hand-built batch whose ``positions`` do not restart per request, whose ``seq_lens``
+        disagree with ``cu_seqlens`` or whose ``max_seqlen`` is below the real maximum would
+        give a silently wrong forward; each raises ValueError naming the field and value.
+        """
+        if (self.input_ids is None) == (self.hidden is None):
+            raise ValueError(f"{name} needs exactly one of input_ids / hidden, got "
+                             f"input_ids={_shape(self.input_ids)}, hidden={_shape(self.hidden)}")
+        rows = self.input_ids if self.input_ids is not None else self.hidden
+        if self.input_ids is not None and (rows.dim() != 1 or rows.is_floating_point() or rows.is_complex()
+                                           or rows.dtype == torch.bool):
+            raise ValueError(f"{name}.input_ids must be 1-D integer [T], got {rows.dtype} shape {tuple(rows.shape)}")
+        if self.hidden is not None and (rows.dim() != 2 or not rows.is_floating_point()):
+            raise ValueError(f"{name}.hidden must be 2-D floating [T, d], got {rows.dtype} shape {tuple(rows.shape)}")
+        t = rows.shape[0]
+        cu = validate_cu_seqlens(self.cu_seqlens, t, f"{name}.cu_seqlens")
+        lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+        if list(self.seq_lens) != lens:
+            raise ValueError(f"{name}.seq_lens={list(self.seq_lens)} disagrees with {name}.cu_seqlens={cu}")
+        if isinstance(self.max_seqlen, bool) or not isinstance(self.max_seqlen, int) or self.max_seqlen < max(lens):
+            raise ValueError(f"{name}.max_seqlen={self.max_seqlen!r} must be an int >= the longest request ({max(lens)})")
+        pos = self.positions
+        if pos.shape != (t,) or pos.is_floating_point() or pos.dtype == torch.bool or pos.device != rows.device:
+            raise ValueError(f"{name}.positions must be integer [T={t}] on {rows.device}, got {pos.dtype} "
+                             f"shape {tuple(pos.shape)} on {pos.device}")
+        starts = torch.tensor(cu[:-1], dtype=torch.int64, device=pos.device)
+        expected = torch.arange(t, device=pos.device) - torch.repeat_interleave(
+            starts, torch.tensor(lens, device=pos.device))  # [T]: 0, 1, ... restarting per request
+        bad = (pos.long() != expected).nonzero()
+        if bad.numel():
+            row = int(bad[0, 0])
+            raise ValueError(f"{name}.positions must restart at 0 for every request: row {row} has position "
+                             f"{int(pos[row])}, expected {int(expected[row])}")
+        return cu
+
     def to(self, device) -> "PackedBatch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PackedBatch(move(self.input_ids), move(self.hidden), move(self.positions),
                            move(self.cu_seqlens), self.max_seqlen, list(self.seq_lens))
+
+
+def _shape(t: Tensor | None):
+    return None if t is None else tuple(t.shape)
 
 
 def _as_request_tensor(i: int, req) -> Tensor:
@@ -178,6 +221,10 @@ def pad(requests: Sequence, pad_value=0) -> tuple[Tensor, Tensor]:
     if isinstance(requests, torch.Tensor) or not isinstance(requests, (list, tuple)) or len(requests) == 0:
         raise ValueError("requests must be a non-empty list of requests")
     tensors = [_as_request_tensor(i, r) for i, r in enumerate(requests)]
+    kinds = {(tuple(t.shape[1:]), t.is_floating_point()) for t in tensors}
+    if len(kinds) != 1:
+        raise ValueError(f"requests must all be token ids or all hidden rows of one width, got "
+                         f"(row shape, floating) = {sorted(kinds)}")
     lmax = max(t.shape[0] for t in tensors)
     first = tensors[0]
     out = torch.full((len(tensors), lmax, *first.shape[1:]), pad_value, dtype=first.dtype, device=first.device)

@@ -41,6 +41,9 @@ class ModelConfig:
                 "each rank must own whole heads")
         if self.d_ffn % self.tp_size:
             raise ValueError(f"ModelConfig.d_ffn={self.d_ffn} is not divisible by tp_size={self.tp_size}")
+        if isinstance(self.layer_norm_eps, bool) or not isinstance(self.layer_norm_eps, (int, float)) \
+                or not 0 < self.layer_norm_eps < 1:
+            raise ValueError(f"ModelConfig.layer_norm_eps must be a float in (0, 1), got {self.layer_norm_eps!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"ModelConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
 

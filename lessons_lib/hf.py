@@ -43,6 +43,14 @@ def full_weights_from_hf(state_dict: dict[str, Tensor], n_layers: int | None = N
         raise ValueError("not a GPT-2 state dict: no 'wte.weight' (or 'transformer.wte.weight') key")
     if n_layers is None:
         n_layers = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("h."))
+    parts = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+             "attn.c_proj.weight", "attn.c_proj.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight",
+             "mlp.c_proj.bias")
+    missing = [k for k in ["wpe.weight", "ln_f.weight", "ln_f.bias"] if k not in sd] + [
+        f"h.{i}.{p}" for i in range(n_layers) for p in parts if f"h.{i}.{p}" not in sd]
+    if missing:
+        raise ValueError(f"GPT-2 state dict for n_layers={n_layers} is missing {len(missing)} tensors, "
+                         f"e.g. {missing[:3]}")
     w = {"wte": sd["wte.weight"], "wpe": sd["wpe.weight"], "ln_f.weight": sd["ln_f.weight"], "ln_f.bias": sd["ln_f.bias"]}
     for i in range(n_layers):
         h, p = f"h.{i}.", f"layers.{i}."
@@ -77,6 +85,9 @@ def from_hf_gpt2(hf_model_or_state_dict, cfg: ModelConfig | None = None, **model
             raise ValueError("from_hf_gpt2(state_dict) needs cfg=ModelConfig(...) (a state dict carries no config)")
         sd = obj
     else:
+        if not hasattr(obj, "state_dict") or not hasattr(obj, "config"):
+            raise ValueError(f"from_hf_gpt2 takes a HF GPT2Model / GPT2LMHeadModel or a state dict, "
+                             f"got {type(obj).__name__}")
         sd = obj.state_dict()
         if cfg is None:
             cfg = config_from_hf(obj.config, dtype=next(obj.parameters()).dtype)

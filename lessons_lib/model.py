@@ -106,6 +106,14 @@ class Transformer(nn.Module):
         missing = [n for n in init_weight_names(self.cfg) if n not in w]
         if missing:
             raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
+        d = self.cfg.d_model
+        for name, shape in [("wte", (self.cfg.vocab_size, d)), ("wpe", (self.cfg.max_position, d)),
+                            ("ln_f.weight", (d,)), ("ln_f.bias", (d,))] + [
+                (f"layers.{i}.{ln}.{p}", (d,)) for i in range(self.cfg.n_layers)
+                for ln in ("ln_1", "ln_2") for p in ("weight", "bias")]:
+            if tuple(w[name].shape) != shape:
+                raise ValueError(f"weights[{name!r}] must have shape {shape} for this config, "
+                                 f"got {tuple(w[name].shape)}")
         self.wte.copy_(w["wte"])
         self.wpe.copy_(w["wpe"])
         for i, b in enumerate(self.layers):
@@ -130,14 +138,16 @@ class Transformer(nn.Module):
             if x.dtype != self.cfg.dtype:
                 raise ValueError(f"hidden rows must be {self.cfg.dtype}, got {x.dtype}")
             if not torch.isfinite(x).all():
-                raise ValueError("hidden rows contain NaN or Inf")
+                row = int((~torch.isfinite(x)).any(1).nonzero()[0, 0])
+                raise ValueError(f"batch.hidden contains NaN or Inf (first at row {row})")
             return x
         ids = batch.input_ids
         if ids.numel() and (int(ids.max()) >= self.cfg.vocab_size or int(ids.min()) < 0):
             raise ValueError(f"input_ids must be in [0, vocab_size={self.cfg.vocab_size}), "
                              f"got min {int(ids.min())}, max {int(ids.max())}")
-        if batch.max_seqlen > self.cfg.max_position:
-            raise ValueError(f"a request of {batch.max_seqlen} tokens exceeds max_position={self.cfg.max_position}")
+        longest = int(batch.positions.max()) + 1 if batch.positions.numel() else 0  # the wpe rows really read
+        if longest > self.cfg.max_position:
+            raise ValueError(f"a request of {longest} tokens exceeds max_position={self.cfg.max_position}")
         return self.wte[ids] + self.wpe[batch.positions]
 
     @torch.no_grad()
@@ -150,6 +160,7 @@ class Transformer(nn.Module):
             raise ValueError(f"forward takes a PackedBatch (see batch.pack), got {type(batch).__name__}")
         if batch.positions.device != self.wte.device:
             raise ValueError(f"batch is on {batch.positions.device} but the model is on {self.wte.device}")
+        batch.validate()
         backend = resolve_backend(attn_backend or self.attn_backend, self.wte.device, self.cfg.dtype)
         cu, max_len = batch.cu_seqlens, batch.max_seqlen
 
