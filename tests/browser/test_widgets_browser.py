@@ -1,0 +1,212 @@
+"""End to end: the lesson widgets move in a real browser, and show what lessons_lib computes.
+
+For lesson 03 and lesson 05 this opens the notebook in JupyterLab (Debian's Chromium, headless),
+waits for a really connected kernel, runs all cells, reads the live counts off the widget,
+moves a slider with the keyboard, and checks that the counts become exactly what
+``lessons_lib.widgets`` computes for the new setting and that the figure was redrawn (a new
+``<img>`` source). Screenshots before/after go to ``test-artifacts/browser/``.
+
+The update latency (key press on the slider -> new figure decoded and painted) is measured
+in the page for several moves and printed; never asserted (timings vary by machine).
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+import pytest
+
+from course_browser import ARTIFACTS
+
+from lessons_lib import flops
+from lessons_lib import widgets as lessons_widgets
+from lessons_lib.config import ModelConfig
+
+SHOTS = ARTIFACTS / "browser"
+KERNEL_TIMEOUT_MS = 90_000
+RUN_ALL_TIMEOUT_MS = 180_000   # the whole lesson runs before its widget appears
+UPDATE_TIMEOUT_MS = 30_000
+MOVES = 5                      # latency samples per lesson
+
+COUNTS_RE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted (\d+)")
+FLOPS_RE = re.compile(r"linear (\d+) \| attention (\d+) \| dominant (linear|attention)")
+
+# A kernel whose status reads "Idle" but is not yet connected drops a Run All clicked then:
+# wait for the status bar's "<kernel name> | Idle" (it says "No Kernel" until connected).
+KERNEL_IDLE_JS = """() => [...document.querySelectorAll('.jp-StatusBar-Item')].some(e => {
+    const t = e.textContent.trim();
+    return /\\|\\s*Idle$/.test(t) && !/No Kernel/i.test(t);
+})"""
+
+# Arms a one-shot latency probe: t0 = the next (trusted) keydown anywhere in the page,
+# t1 = when a new <img> (different src) in the figure output is decoded and a frame painted.
+ARM_PROBE_JS = """(sel) => {
+    const out = document.querySelector(sel);
+    const oldSrc = (out.querySelector('img') || {}).src || null;
+    const probe = window.__probe = {t0: null, t1: null, src: null};
+    document.addEventListener('keydown', () => { if (probe.t0 === null) probe.t0 = performance.now(); },
+                              {capture: true, once: true});
+    const obs = new MutationObserver(() => {
+        const img = out.querySelector('img');
+        if (!img || !img.src || img.src === oldSrc || probe.src !== null) return;
+        probe.src = img.src;
+        obs.disconnect();
+        img.decode().catch(() => null).then(() => requestAnimationFrame(() => {
+            probe.t1 = performance.now();
+        }));
+    });
+    obs.observe(out, {childList: true, subtree: true, attributes: true, attributeFilter: ['src']});
+}"""
+
+
+def _open_and_run_all(context, lab_server, notebook: str):
+    page = context.new_page()
+    console_errors = []
+    page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: console_errors.append(str(e)))
+    # Name what failed (a console line only says "404"): e.g. a lesson image outside the server root.
+    page.on("response", lambda r: console_errors.append(f"HTTP {r.status} {r.url.split('?')[0]}")
+            if r.status >= 400 else None)
+    page.on("requestfailed", lambda r: console_errors.append(f"request failed {r.url.split('?')[0]}"))
+    page.goto(lab_server.lab_url(notebook), wait_until="domcontentloaded")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=KERNEL_TIMEOUT_MS)
+    page.wait_for_function(KERNEL_IDLE_JS, timeout=KERNEL_TIMEOUT_MS)
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator("[data-command='runmenu:run-all']").click()
+    return page, console_errors
+
+
+def _text(page, selector: str) -> str:
+    return page.locator(selector).inner_text().strip()
+
+
+def _wait_text(page, selector: str, predicate_js: str, timeout=UPDATE_TIMEOUT_MS):
+    page.wait_for_function(f"""() => {{ const e = document.querySelector({selector!r});
+        if (!e) return false; const t = e.innerText.trim(); return ({predicate_js})(t); }}""", timeout=timeout)
+
+
+def _parse_counts(text: str) -> dict:
+    found = {m: tuple(int(x) for x in rest) for m, *rest in COUNTS_RE.findall(text)}
+    assert set(found) == set(flops.METHODS), f"counts widget text does not list all methods: {text!r}"
+    return found
+
+
+def _expected_counts(num_requests: int, length: int, pattern: str) -> dict:
+    state = lessons_widgets.diagonal_block_state(num_requests, length, pattern)
+    # Independent of the widget module's own bookkeeping: recount from the lengths it reports.
+    assert state["seq_lens"] == lessons_widgets.explorer_seq_lens(num_requests, length, pattern)
+    for m in flops.METHODS:
+        assert state["counts"][m] == flops.attention_cells(state["seq_lens"], m)
+    return {m: (c.computed, c.useful, c.wasted) for m, c in state["counts"].items()}
+
+
+def _parse_flops(text: str) -> tuple:
+    match = FLOPS_RE.fullmatch(text)
+    assert match, f"FLOPs widget text not in the contract's format: {text!r}"
+    return int(match[1]), int(match[2]), match[3]
+
+
+def _expected_flops(num_requests: int, length: int) -> tuple:
+    state = lessons_widgets.flop_regime_state(num_requests, length)
+    assert state["seq_lens"] == [length] * num_requests
+    f = flops.forward_flops(ModelConfig(), state["seq_lens"], "varlen")
+    assert state["flops"] == f
+    return f.linear, f.attention, f.dominant
+
+
+def _readout(page, slider_cls: str) -> int:
+    return int(_text(page, f".{slider_cls} .widget-readout"))
+
+
+def _move(page, slider_cls: str, figure_sel: str, key: str) -> tuple[float, str]:
+    """Press ``key`` on the slider's handle; return (latency ms, new figure src)."""
+    page.evaluate(ARM_PROBE_JS, figure_sel)
+    page.locator(f".{slider_cls} .noUi-handle").first.focus()
+    page.keyboard.press(key)
+    page.wait_for_function("() => window.__probe.t1 !== null", timeout=UPDATE_TIMEOUT_MS)
+    probe = page.evaluate("() => window.__probe")
+    return probe["t1"] - probe["t0"], probe["src"]
+
+
+def _report(capsys, lesson: str, latencies: list[float], console_errors: list[str]) -> None:
+    with capsys.disabled():
+        print(f"\n[browser] lesson {lesson}: slider -> new figure on screen, {len(latencies)} moves: "
+              f"median {statistics.median(latencies):.0f} ms, min {min(latencies):.0f} ms, "
+              f"max {max(latencies):.0f} ms (goal < 300 ms)")
+        for line in console_errors[:5]:
+            print(f"[browser] lesson {lesson}: console/network error: {line[:200]}")
+    (SHOTS / f"{lesson}_latency_ms.txt").write_text("\n".join(f"{x:.1f}" for x in latencies) + "\n")
+
+
+def test_lesson03_diagonal_block_explorer(lab_server, browser_context, capsys):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    page, console_errors = _open_and_run_all(browser_context, lab_server, "03_masked_vs_varlen_attention.ipynb")
+    _wait_text(page, ".dbx-counts", r"t => /varlen: computed \d+/.test(t)", timeout=RUN_ALL_TIMEOUT_MS)
+    page.wait_for_selector(".dbx-figure img", timeout=UPDATE_TIMEOUT_MS)
+    widget = page.locator(".dbx")
+    widget.scroll_into_view_if_needed()
+    widget.screenshot(path=str(SHOTS / "03_before.png"))
+
+    pattern = page.locator(".dbx-pattern select").input_value()
+    r, length = _readout(page, "dbx-num-requests"), _readout(page, "dbx-length")
+    assert _parse_counts(_text(page, ".dbx-counts")) == _expected_counts(r, length, pattern)
+    src = page.locator(".dbx-figure img").first.get_attribute("src")
+
+    latencies = []
+    for _ in range(MOVES):
+        ms, new_src = _move(page, "dbx-num-requests", ".dbx-figure", "ArrowRight")
+        latencies.append(ms)
+        assert new_src != src, "the attention-matrix figure was not redrawn"
+        src = new_src
+        r_new = _readout(page, "dbx-num-requests")
+        assert r_new == r + 1, f"ArrowRight on the slider moved R from {r} to {r_new}"
+        r = r_new
+        want = _expected_counts(r, length, pattern)
+        want_text = "\n".join(f"{m}: computed {c} | useful {u} | wasted {w}" for m, (c, u, w) in want.items())
+        _wait_text(page, ".dbx-counts", f"t => t === {want_text!r}")
+        assert _parse_counts(_text(page, ".dbx-counts")) == want
+
+    widget.screenshot(path=str(SHOTS / "03_after.png"))
+    page.screenshot(path=str(SHOTS / "03_page.png"))
+    _report(capsys, "03", latencies, console_errors)
+    with capsys.disabled():
+        print(f"[browser] lesson 03 end to end: {time.monotonic() - t_start:.1f} s")
+    page.close()
+
+
+def test_lesson05_flop_regime_explorer(lab_server, browser_context, capsys):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    page, console_errors = _open_and_run_all(browser_context, lab_server, "05_flop_regimes.ipynb")
+    _wait_text(page, ".frx-flops", r"t => /dominant (linear|attention)/.test(t)", timeout=RUN_ALL_TIMEOUT_MS)
+    page.wait_for_selector(".frx-figure img", timeout=UPDATE_TIMEOUT_MS)
+    widget = page.locator(".frx")
+    widget.scroll_into_view_if_needed()
+    widget.screenshot(path=str(SHOTS / "05_before.png"))
+
+    r, length = _readout(page, "frx-num-requests"), _readout(page, "frx-length")
+    assert _parse_flops(_text(page, ".frx-flops")) == _expected_flops(r, length)
+    src = page.locator(".frx-figure img").first.get_attribute("src")
+
+    latencies = []
+    # Small steps first, then End (the slider's max): long requests flip the dominant term.
+    for key in ["ArrowRight"] * (MOVES - 1) + ["End"]:
+        ms, new_src = _move(page, "frx-length", ".frx-figure", key)
+        latencies.append(ms)
+        assert new_src != src, "the FLOPs figure was not redrawn"
+        src = new_src
+        length = _readout(page, "frx-length")
+        want = _expected_flops(r, length)
+        _wait_text(page, ".frx-flops", f"t => t === {'linear %d | attention %d | dominant %s' % want!r}")
+        assert _parse_flops(_text(page, ".frx-flops")) == want
+    max_len = int(page.locator(".frx-length .noUi-handle").first.get_attribute("aria-valuemax").split(".")[0])
+    assert length == max_len, f"End on the length slider left L={length}, slider max is {max_len}"
+
+    widget.screenshot(path=str(SHOTS / "05_after.png"))
+    page.screenshot(path=str(SHOTS / "05_page.png"))
+    _report(capsys, "05", latencies, console_errors)
+    with capsys.disabled():
+        print(f"[browser] lesson 05 end to end: {time.monotonic() - t_start:.1f} s")
+    page.close()
