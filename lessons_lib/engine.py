@@ -1,0 +1,411 @@
+"""A prefill-only serving engine: FCFS scheduling under a token budget, one flat forward per batch.
+
+Pieces (nano-vllm / vLLM names):
+
+- ``Request``: one prompt (``request_id``, ``prompt_token_ids``), validated on creation.
+- ``Scheduler``: first come, first served. A batch takes waiting requests in arrival order
+  while ``Σ L_i <= max_num_batched_tokens`` and ``R <= max_num_seqs`` (vLLM's two knobs). It
+  never skips a request to fill a hole, and never splits one: every request is prefilled whole
+  in one batch (claim S3; chunked prefill is article 06). A prompt longer than
+  ``max_num_batched_tokens`` could never be scheduled, so it is rejected at submit.
+- ``Engine``: packs each batch, runs the forward by one of three methods and returns one
+  ``RequestOutput`` per request in submission order, plus one ``BatchStats`` per batch.
+
+Methods (the same model and weights; only how a batch is laid out changes):
+
+========  =====================================================  ==========================
+method    forward                                                attention score cells
+========  =====================================================  ==========================
+varlen    flat ``[T, d]``, per-request attention (``attn_backend``)  Σ L_i² (no waste)
+masked    flat ``[T, d]``, full ``[T, T]`` scores + block mask   T²
+padded    ``[R, Lmax, d]`` right-padded (``forward_padded``)     R · Lmax² (and R · Lmax rows)
+========  =====================================================  ==========================
+
+Cell counts in ``BatchStats`` are per head per layer and count whole diagonal blocks (the
+article's convention, ``flops.attention_cells(causal=False)``); FLOP counts are causal (what a
+causal model really needs: the lower triangle of each block).
+
+Taught in notebooks/06_prefill_engine.ipynb.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from .attention import resolve_backend
+from .batch import pack, pad
+from .config import ModelConfig
+from .flops import attention_cells, forward_flops
+from .model import Transformer, init_weights
+
+Tensor = torch.Tensor
+
+METHODS = ("varlen", "masked", "padded")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_SEQS = 256
+# progress=None shows a bar only for runs at least this long (a notebook's A+B stays quiet).
+_AUTO_PROGRESS_TOKENS = 50_000
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+@dataclass(slots=True)
+class Request:
+    """One prefill request.
+
+    request_id: a str or int, unique among the requests waiting in one engine.
+    prompt_token_ids: the prompt, a non-empty list of non-negative ints (a 1-D integer tensor or
+    numpy array is converted to a list). ``len(request)`` is its token count L.
+    return_hidden: also return the final hidden rows of every prompt token (``[L, d_model]``).
+    """
+
+    request_id: str | int
+    prompt_token_ids: list[int]
+    return_hidden: bool = False
+
+    def __post_init__(self) -> None:
+        rid = self.request_id
+        if isinstance(rid, bool) or not isinstance(rid, (str, int, np.integer)):
+            raise ValueError(f"request_id must be a str or int, got {rid!r}")
+        self.prompt_token_ids = _token_list(self.prompt_token_ids, rid)
+        if not isinstance(self.return_hidden, bool):
+            raise ValueError(f"request {rid!r}: return_hidden must be a bool, got {self.return_hidden!r}")
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def _token_list(ids, rid) -> list[int]:
+    where = f"request {rid!r}: prompt_token_ids"
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        if ids.ndim != 1:
+            raise ValueError(f"{where} must be 1-D, got shape {tuple(ids.shape)}")
+        kind_ok = (not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool
+                   if isinstance(ids, torch.Tensor) else np.issubdtype(ids.dtype, np.integer))
+        if not kind_ok:
+            raise ValueError(f"{where} must hold integers, got dtype {ids.dtype}")
+        ids = ids.tolist()
+    elif isinstance(ids, (list, tuple)):
+        ids = list(ids)
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"{where}[{i}] must be an int token id, got {t!r}")
+        ids = [int(t) for t in ids]
+    else:
+        raise ValueError(f"{where} must be a list of int token ids, got {type(ids).__name__}")
+    if not ids:
+        raise ValueError(f"{where} is empty: a prefill needs at least one token")
+    low = min(ids)
+    if low < 0:
+        raise ValueError(f"{where}[{ids.index(low)}] is negative ({low}): token ids are >= 0")
+    return ids
+
+
+class Scheduler:
+    """FCFS prefill scheduler with vLLM's budget knobs.
+
+    max_num_batched_tokens: most prompt tokens in one batch (Σ L_i over the batch).
+    max_num_seqs: most requests in one batch.
+    Requests are never split (S3), never reordered: a request that does not fit the current
+    batch waits for the next one, and so does everyone behind it.
+    """
+
+    def __init__(self, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS):
+        self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
+        self.waiting: deque[Request] = deque()
+
+    def check_fits(self, req: Request) -> None:
+        """Raise ValueError if ``req`` could never be scheduled whole."""
+        if len(req) > self.max_num_batched_tokens:
+            raise ValueError(
+                f"request {req.request_id!r} has {len(req)} prompt tokens, more than "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}: every request must fit whole in one "
+                "batch (no chunked prefill); raise max_num_batched_tokens or shorten the prompt")
+
+    def add(self, req: Request) -> None:
+        self.check_fits(req)
+        self.waiting.append(req)
+
+    def schedule(self) -> list[Request]:
+        """Pop the next batch: the longest FCFS prefix of the queue within both budgets."""
+        batch: list[Request] = []
+        tokens = 0
+        while self.waiting and len(batch) < self.max_num_seqs:
+            n = len(self.waiting[0])
+            if tokens + n > self.max_num_batched_tokens:
+                break
+            batch.append(self.waiting.popleft())
+            tokens += n
+        return batch
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting)
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one request gets back.
+
+    last_hidden: ``[d_model]`` final hidden state (after ``ln_f``) of its last prompt token.
+    logits: ``[vocab_size]`` next-token logits of that row (``Transformer.compute_logits``), or
+    None when the engine runs with ``compute_logits=False``.
+    hidden: ``[L, d_model]`` final hidden rows of every prompt token if the request asked for
+    them, else None.
+    batch_index: which batch of the run served it.
+    """
+
+    request_id: str | int
+    num_tokens: int
+    last_hidden: Tensor
+    logits: Tensor | None
+    hidden: Tensor | None
+    batch_index: int
+
+
+@dataclass(slots=True)
+class BatchStats:
+    """One batch of one run. Cells are per head per layer (whole blocks, see the module doc).
+
+    executed_rows: rows the linear layers processed (padded: R·Lmax; flat methods: T).
+    padding_rows / padding_cells: rows and score cells spent on pad tokens (padded only).
+    masked_cells: cross-request score cells computed then masked out (masked only).
+    flops_executed / flops_useful: whole-forward FLOPs (``flops.forward_flops``, causal).
+    wall_s: wall-clock seconds of the forward (and logits), measured.
+    """
+
+    index: int
+    method: str
+    num_seqs: int
+    num_tokens: int
+    max_seqlen: int
+    executed_rows: int
+    padding_rows: int
+    attn_cells_computed: int
+    attn_cells_useful: int
+    padding_cells: int
+    masked_cells: int
+    flops_executed: int
+    flops_useful: int
+    wall_s: float
+    request_ids: list = field(default_factory=list)
+
+    @property
+    def attn_cells_wasted(self) -> int:
+        return self.attn_cells_computed - self.attn_cells_useful
+
+
+def batch_stats(cfg: ModelConfig, seq_lens: Sequence[int], method: str, index: int = 0, wall_s: float = 0.0,
+                request_ids: list | None = None) -> BatchStats:
+    """The analytic part of ``BatchStats`` for one batch of ``seq_lens`` run by ``method``."""
+    cells = attention_cells(seq_lens, method)
+    t, r, lmax = sum(seq_lens), len(seq_lens), max(seq_lens)
+    rows = r * lmax if method == "padded" else t
+    return BatchStats(
+        index=index, method=method, num_seqs=r, num_tokens=t, max_seqlen=lmax, executed_rows=rows,
+        padding_rows=rows - t, attn_cells_computed=cells.computed, attn_cells_useful=cells.useful,
+        padding_cells=cells.wasted if method == "padded" else 0,
+        masked_cells=cells.wasted if method == "masked" else 0,
+        flops_executed=forward_flops(cfg, seq_lens, method, causal=True).total,
+        flops_useful=forward_flops(cfg, seq_lens, method, causal=True, useful_only=True).total,
+        wall_s=wall_s, request_ids=list(request_ids or []))
+
+
+def _progress_enabled(progress, total_tokens: int) -> bool:
+    if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+        return False
+    if progress is None:
+        return total_tokens >= _AUTO_PROGRESS_TOKENS
+    return bool(progress)
+
+
+class Engine:
+    """Serve prefill requests with one model: ``submit`` them, then ``run`` (or ``prefill(list)``).
+
+    cfg: model sizes (default: the article's ``ModelConfig()``).
+    tp_size: 1 runs the model in this process; 2 runs it on two worker processes through
+    ``tp.TPRuntime`` (started at the first batch; ``close()`` or ``with Engine(...)`` stops it).
+    ``cfg.tp_size`` describes a deployment; this argument decides what actually runs.
+    method: "varlen" (default), "masked" or "padded" — see the module doc.
+    attn_backend: attention backend for ``method="varlen"`` ("auto" = fastest here, see
+    ``attention.resolve_backend``). The other methods fix their own attention.
+    weights: full weights (``model.init_weights`` or ``hf.full_weights_from_hf``); default
+    ``init_weights(cfg, seed)``.
+    max_num_batched_tokens, max_num_seqs: the scheduler's budgets (vLLM's meaning).
+    compute_logits: also return last-token logits (``[vocab_size]`` per request).
+    progress: a tqdm bar over prompt tokens; None = only for runs of >= 50,000 tokens.
+    Never shown when the environment has ``CI=true``.
+    """
+
+    def __init__(self, cfg: ModelConfig | None = None, tp_size: int = 1, attn_backend: str = "auto",
+                 weights: dict[str, Tensor] | None = None, seed: int = 0, *,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, method: str = "varlen", compute_logits: bool = True,
+                 progress: bool | None = None, tp_backend: str = "auto", tp_timeout: float = 120.0):
+        self.cfg = cfg = cfg if cfg is not None else ModelConfig()
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+        if tp_size not in (1, 2) or isinstance(tp_size, bool):
+            raise ValueError(f"tp_size must be 1 or 2, got {tp_size!r}")
+        if cfg.n_heads % tp_size or cfg.d_ffn % tp_size:
+            raise ValueError(f"tp_size={tp_size} must divide n_heads={cfg.n_heads} and d_ffn={cfg.d_ffn}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if method != "varlen" and attn_backend not in ("auto", method):
+            raise ValueError(f"attn_backend={attn_backend!r} applies to method='varlen' only; "
+                             f"method={method!r} fixes its own attention")
+        if method == "varlen" and attn_backend in ("masked", "padded"):
+            raise ValueError(f"attn_backend={attn_backend!r} is not a varlen backend: use method={attn_backend!r}")
+        if method == "padded" and tp_size != 1:
+            raise ValueError("method='padded' runs Transformer.forward_padded in this process: use tp_size=1")
+        self.method, self.tp_size = method, tp_size
+        self.attn_backend = resolve_backend("masked" if method == "masked" else attn_backend, "cpu", cfg.dtype)
+        self.scheduler = Scheduler(max_num_batched_tokens, max_num_seqs)
+        self.compute_logits, self.progress = bool(compute_logits), progress
+        self.weights = weights if weights is not None else init_weights(cfg, seed)
+        # TP=1 runs here; under TP=2 this copy still serves the replicated LM head (and references).
+        self.model = Transformer(cfg, self.weights, attn_backend=self.attn_backend)
+        self._tp_kw = dict(backend=tp_backend, timeout=tp_timeout)
+        self._runtime = None
+        self._next_id = 0
+        self._pending_ids: set = set()
+        self.stats: list[BatchStats] = []
+
+    # ---- requests in -------------------------------------------------------------------
+    def _make_request(self, item, return_hidden: bool) -> Request:
+        if isinstance(item, Request):
+            req = item
+        else:
+            req = Request(self._next_id, item, return_hidden)
+        self._next_id += 1
+        n = len(req)
+        if n > self.cfg.max_position:
+            raise ValueError(f"request {req.request_id!r} has {n} prompt tokens, more than "
+                             f"max_position={self.cfg.max_position} (the model has no position embedding beyond it)")
+        self.scheduler.check_fits(req)
+        top = max(req.prompt_token_ids)
+        if top >= self.cfg.vocab_size:
+            raise ValueError(f"request {req.request_id!r}: prompt_token_ids[{req.prompt_token_ids.index(top)}]={top} "
+                             f"is out of range [0, vocab_size={self.cfg.vocab_size})")
+        return req
+
+    def submit(self, prompt, return_hidden: bool = False) -> Request:
+        """Queue one request: a ``Request`` or a list of token ids (its id is then a running int).
+
+        Raises ValueError (and queues nothing) for a bad, oversize or duplicate request.
+        """
+        return self.submit_many([prompt], return_hidden)[0]
+
+    def submit_many(self, prompts: Iterable, return_hidden: bool = False) -> list[Request]:
+        """Queue several requests in order; all are validated before any is queued."""
+        if isinstance(prompts, (torch.Tensor, np.ndarray, str)) or not isinstance(prompts, Iterable):
+            raise ValueError(f"requests must be a list of requests, got {type(prompts).__name__}")
+        reqs = [self._make_request(p, return_hidden) for p in prompts]
+        seen = set(self._pending_ids)
+        for r in reqs:
+            if r.request_id in seen:
+                raise ValueError(f"request_id {r.request_id!r} is already waiting in this engine")
+            seen.add(r.request_id)
+        for r in reqs:
+            self.scheduler.add(r)
+        self._pending_ids = seen
+        return reqs
+
+    # ---- running -----------------------------------------------------------------------
+    def run(self) -> list[RequestOutput]:
+        """Prefill every waiting request; outputs in submission order. ``self.stats`` gets one
+        ``BatchStats`` per batch of this run. Nothing waiting → ``[]``."""
+        total = sum(len(r) for r in self.scheduler.waiting)
+        self.stats = []
+        outputs: list[RequestOutput] = []
+        bar = None
+        if _progress_enabled(self.progress, total):
+            from tqdm.auto import tqdm
+            bar = tqdm(total=total, unit="tok", desc=f"prefill ({self.method})")
+        try:
+            while self.scheduler.has_unfinished():
+                reqs = self.scheduler.schedule()
+                t0 = time.perf_counter()
+                outputs.extend(self._execute(reqs, len(self.stats)))
+                wall = time.perf_counter() - t0
+                lens = [len(r) for r in reqs]
+                self.stats.append(batch_stats(self.cfg, lens, self.method, len(self.stats), wall,
+                                              [r.request_id for r in reqs]))
+                self._pending_ids.difference_update(r.request_id for r in reqs)
+                if bar is not None:
+                    bar.update(sum(lens))
+        finally:
+            if bar is not None:
+                bar.close()
+        return outputs
+
+    def prefill(self, requests: Sequence) -> list[RequestOutput]:
+        """``submit_many(requests)`` then ``run()``. An empty list gives ``[]``. Requests
+        submitted earlier and still waiting are served too (they come first)."""
+        if isinstance(requests, (torch.Tensor, np.ndarray, str)) or not isinstance(requests, (list, tuple)):
+            raise ValueError(f"requests must be a list of requests, got {type(requests).__name__}")
+        self.submit_many(requests)
+        return self.run()
+
+    def _execute(self, reqs: list[Request], index: int) -> list[RequestOutput]:
+        seqs = [torch.tensor(r.prompt_token_ids, dtype=torch.int64) for r in reqs]
+        lens = [len(r) for r in reqs]
+        if self.method == "padded":
+            ids, mask = pad(seqs)                                   # [R, Lmax] each
+            out = self.model.forward_padded(ids, mask)               # [R, Lmax, d]
+            rows = torch.tensor(lens) - 1
+            last = out[torch.arange(len(reqs)), rows]                # [R, d]
+            full = lambda i: out[i, :lens[i]].clone()                # noqa: E731
+        else:
+            batch = pack(seqs)
+            hidden = self._flat_forward(batch)                       # [T, d]
+            last = hidden[batch.last_token_indices]                  # [R, d]
+            starts = batch.cu_seqlens.tolist()
+            full = lambda i: hidden[starts[i]:starts[i + 1]].clone()  # noqa: E731
+        logits = self.model.compute_logits(last) if self.compute_logits else None  # [R, vocab]
+        return [RequestOutput(r.request_id, lens[i], last[i], None if logits is None else logits[i],
+                              full(i) if r.return_hidden else None, index) for i, r in enumerate(reqs)]
+
+    def _flat_forward(self, batch) -> Tensor:
+        if self.tp_size == 1:
+            return self.model(batch, attn_backend=self.attn_backend)
+        if self._runtime is None:
+            try:
+                from .tp import TPRuntime
+            except ImportError as exc:
+                raise NotImplementedError(f"tp_size=2 needs lessons_lib.tp.TPRuntime, not importable here: {exc}")
+            self._runtime = TPRuntime(self.cfg, self.weights, world_size=self.tp_size,
+                                      attn_backend=self.attn_backend, **self._tp_kw)
+        return self._runtime.forward(batch).output
+
+    def close(self) -> None:
+        """Stop the TP workers (if any were started). Safe to call twice."""
+        if self._runtime is not None:
+            runtime, self._runtime = self._runtime, None
+            runtime.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

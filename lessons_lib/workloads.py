@@ -1,0 +1,126 @@
+"""Request-length workloads for benchmarks and load tests, each reproducible from a seed.
+
+The four mixes FlashAttention's varlen benchmarks and serving papers use:
+
+==========  ==========================================================  =========================
+name        lengths                                                     what it stresses
+==========  ==========================================================  =========================
+constant    every request ``length`` tokens                             nothing: padding is free
+uniform     uniform integers in ``[low, high]``                         mild padding waste
+long-tail   lognormal (median ``median``, shape ``sigma``), clipped      a few long prompts among
+            to ``[min_len, max_len]``                                   many short ones
+bimodal     ``short`` tokens, or ``long`` tokens with prob ``p_long``   "a 50-token question beside
+                                                                        a 5,000-token draft"
+==========  ==========================================================  =========================
+
+Every generator returns a list of Python ints (lengths); ``make_requests`` turns lengths into
+token-id lists, and ``generate(name, n, seed, **kw)`` does both. Same seed → same lists.
+
+Taught in notebooks/06_prefill_engine.ipynb.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+WORKLOADS = ("constant", "uniform", "long-tail", "bimodal")
+
+
+def _positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    return int(seed)
+
+
+def constant_lengths(n: int, length: int = 256) -> list[int]:
+    """``n`` requests of ``length`` tokens each (no seed needed: nothing is random)."""
+    return [_positive_int("length", length)] * _positive_int("n", n, 0)
+
+
+def uniform_lengths(n: int, low: int = 16, high: int = 1024, seed: int = 0) -> list[int]:
+    """``n`` lengths drawn uniformly from the integers ``[low, high]``."""
+    n, low, high = _positive_int("n", n, 0), _positive_int("low", low), _positive_int("high", high)
+    if high < low:
+        raise ValueError(f"high={high} must be >= low={low}")
+    return np.random.default_rng(_seed(seed)).integers(low, high + 1, size=n).tolist()
+
+
+def long_tail_lengths(n: int, median: int = 128, sigma: float = 1.0, min_len: int = 1, max_len: int = 2048,
+                      seed: int = 0) -> list[int]:
+    """``n`` lognormal lengths: ``round(median · exp(sigma · N(0, 1)))`` clipped to ``[min_len, max_len]``.
+
+    With ``sigma=1`` about 16 % of requests are longer than ``2.7 × median`` and 2 % longer than
+    ``7.4 × median``: most prompts are short, a few are long — the shape of real chat traffic.
+    """
+    n, median = _positive_int("n", n, 0), _positive_int("median", median)
+    min_len, max_len = _positive_int("min_len", min_len), _positive_int("max_len", max_len)
+    if max_len < min_len:
+        raise ValueError(f"max_len={max_len} must be >= min_len={min_len}")
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
+        raise ValueError(f"sigma must be a finite float >= 0, got {sigma!r}")
+    raw = np.random.default_rng(_seed(seed)).lognormal(math.log(median), sigma, size=n)
+    return np.clip(np.rint(raw), min_len, max_len).astype(np.int64).tolist()
+
+
+def bimodal_lengths(n: int, short: int = 50, long: int = 5000, p_long: float = 0.1, seed: int = 0) -> list[int]:
+    """``n`` lengths, each ``long`` with probability ``p_long``, else ``short``.
+
+    The default is the article's "a 50-token question beside a 5,000-token draft".
+    """
+    n, short, long = _positive_int("n", n, 0), _positive_int("short", short), _positive_int("long", long)
+    if isinstance(p_long, bool) or not isinstance(p_long, (int, float)) or not 0.0 <= p_long <= 1.0:
+        raise ValueError(f"p_long must be a probability in [0, 1], got {p_long!r}")
+    draws = np.random.default_rng(_seed(seed)).random(n) < p_long
+    return [long if d else short for d in draws.tolist()]
+
+
+def fixed_total_mixes(total_tokens: int, num_requests: list[int]) -> dict[int, list[int]]:
+    """Split ``total_tokens`` into R equal requests for each R (C14: 1 × 1000 vs 10 × 100).
+
+    Every R must divide ``total_tokens`` so each mix holds exactly the same tokens.
+    """
+    total = _positive_int("total_tokens", total_tokens)
+    out = {}
+    for r in num_requests:
+        r = _positive_int("num_requests", r)
+        if total % r:
+            raise ValueError(f"num_requests={r} does not divide total_tokens={total}")
+        out[r] = [total // r] * r
+    return out
+
+
+def make_requests(lengths: list[int], vocab_size: int = 50257, seed: int = 0) -> list[list[int]]:
+    """Token-id lists of the given lengths, ids uniform in ``[0, vocab_size)``.
+
+    Returns one list of Python ints per request (what ``Engine.submit`` takes).
+    """
+    vocab_size = _positive_int("vocab_size", vocab_size)
+    lengths = [_positive_int(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
+    ids = np.random.default_rng(_seed(seed)).integers(0, vocab_size, size=sum(lengths))
+    cuts = np.cumsum([0] + lengths)
+    return [ids[cuts[i]:cuts[i + 1]].tolist() for i in range(len(lengths))]
+
+
+def workload_lengths(name: str, n: int, seed: int = 0, **kw) -> list[int]:
+    """Lengths of workload ``name`` (one of ``WORKLOADS``); ``kw`` go to its generator."""
+    if name == "constant":
+        return constant_lengths(n, **kw)
+    if name == "uniform":
+        return uniform_lengths(n, seed=seed, **kw)
+    if name == "long-tail":
+        return long_tail_lengths(n, seed=seed, **kw)
+    if name == "bimodal":
+        return bimodal_lengths(n, seed=seed, **kw)
+    raise ValueError(f"unknown workload {name!r}; choose one of {WORKLOADS}")
+
+
+def generate(name: str, n: int, seed: int = 0, vocab_size: int = 50257, **kw) -> list[list[int]]:
+    """``n`` token-id requests of workload ``name``; ``kw`` go to the length generator."""
+    return make_requests(workload_lengths(name, n, seed, **kw), vocab_size, seed + 1)
