@@ -1,0 +1,366 @@
+"""Tensor parallelism on a real process group: the model's forward on TP ranks, traced.
+
+Every rank builds ``model.Transformer(cfg, weights, group=DistGroup)`` from the SAME full
+weights and keeps only its shard (``linear.py``), so TP=1 and TP=2 compute the same function.
+Embeddings, LayerNorms and the LM head are replicated; the only collectives are the two
+row-parallel all-reduces per layer (attention out proj, FFN-down): exactly
+``2 · n_layers = 16`` all-reduces of ``[T, d_model] = [T, 512]`` per forward, whatever the
+requests are (claims C1, C12).
+
+``traced_forward`` instruments one forward on a rank:
+
+- QKV output shape per layer, from a forward hook (``[T, 768]`` per rank under TP=2, C6);
+- collectives issued inside attention: the trace length when QKV returns equals the trace
+  length when out proj starts (C11); and PyTorch's ``CommDebugMode`` counts every c10d
+  collective of the forward, which must equal the trace length (so no collective bypasses the
+  trace). On torch 2.13 + gloo ``CommDebugMode`` counts a plain ``dist.all_reduce``.
+
+``TPRuntime`` keeps the workers alive between forwards (startup paid once); ``tp_forward`` is
+the one-shot form. Both return a ``TPResult``.
+
+Taught in notebooks/04_tp2_invariance.ipynb.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+
+from .attention import resolve_backend
+from .batch import PackedBatch
+from .config import ModelConfig
+from .model import Transformer, init_weights
+from .parallel import CollectiveRecord, WorkerPool
+
+Tensor = torch.Tensor
+
+
+@dataclass(slots=True)
+class Fault:
+    """An injected worker fault (for the fault tests and the lesson's "what if a rank dies").
+
+    kind: "raise" (RuntimeError), "sigkill" (the process kills itself) or "hang" (sleeps
+    forever); it fires on ``rank`` just before layer ``layer``'s attention out proj, i.e. in the
+    middle of a forward, after ``2·layer`` all-reduces.
+    """
+
+    kind: str
+    rank: int = 1
+    layer: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("raise", "sigkill", "hang"):
+            raise ValueError(f"Fault.kind must be 'raise', 'sigkill' or 'hang', got {self.kind!r}")
+
+    def fire(self, rank: int) -> None:
+        if rank != self.rank:
+            return
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault on rank {rank} before layer {self.layer}'s out proj")
+        if self.kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # "hang": never returns; the caller's deadline must catch it
+            time.sleep(3600)
+
+
+@dataclass(slots=True)
+class ForwardReport:
+    """What one rank saw during one forward.
+
+    records: the all-reduces of this forward (``CollectiveRecord``), in call order.
+    qkv_shapes: QKV output shape per layer, e.g. ``(T, 768)`` under TP=2.
+    attn_collectives: per layer, collectives issued between QKV output and out proj input.
+    comm_debug_count: c10d collectives counted by ``CommDebugMode`` over the whole forward.
+    forward_s: wall seconds of the forward on this rank.
+    """
+
+    records: list
+    qkv_shapes: list
+    attn_collectives: list
+    comm_debug_count: int
+    forward_s: float
+
+
+def traced_forward(model: Transformer, batch: PackedBatch, *, fault: Fault | None = None) -> tuple[Tensor, ForwardReport]:
+    """Run ``model(batch)`` once with the instrumentation of the module docstring.
+
+    Returns ``(hidden [T, d_model], ForwardReport)``. Works on TP=1 too (no records).
+    """
+    group = model.group
+    start = len(group.trace)
+    qkv_shapes: list[tuple] = []
+    attn_collectives: list[int] = []
+    mark = [0]
+
+    def after_qkv(_mod, _inp, out):
+        qkv_shapes.append(tuple(out.shape))
+        mark[0] = len(group.trace)
+
+    def make_before_out_proj(layer: int):
+        def before_out_proj(_mod, _inp):
+            attn_collectives.append(len(group.trace) - mark[0])  # attention ran in between
+            if fault is not None and fault.layer == layer:
+                fault.fire(group.rank)
+        return before_out_proj
+
+    handles = []
+    for i, block in enumerate(model.layers):
+        handles.append(block.qkv.register_forward_hook(after_qkv))
+        handles.append(block.out_proj.register_forward_pre_hook(make_before_out_proj(i)))
+    try:
+        with CommDebugMode() as comm:
+            t0 = time.perf_counter()
+            out = model(batch)  # [T, d_model]
+            forward_s = time.perf_counter() - t0
+    finally:
+        for h in handles:
+            h.remove()
+    return out, ForwardReport(list(group.trace[start:]), qkv_shapes, attn_collectives, comm.get_total_counts(),
+                              forward_s)
+
+
+def expected_layers(cfg: ModelConfig) -> list[str]:
+    """The ``layer`` names of the 2·n_layers all-reduces of one forward, in order."""
+    return [f"layers.{i}.{part}" for i in range(cfg.n_layers) for part in ("attn.out_proj", "mlp.fc_down")]
+
+
+def format_trace(records: list[CollectiveRecord]) -> str:
+    """One line per collective: ``rank r  #k  all_reduce  [T, 512] float32  N B  layer``."""
+    return "\n".join(f"rank {r.rank}  #{i:2d}  {r.op}  {list(r.shape)}  {r.dtype}  {r.bytes:,} B  {r.layer}"
+                     for i, r in enumerate(records))
+
+
+def summarize_trace(records: list[CollectiveRecord]) -> str:
+    """``16 × all_reduce [40, 512] float32, 81,920 B each`` (groups equal records)."""
+    groups: dict[tuple, int] = {}
+    for r in records:
+        key = (r.op, r.shape, r.dtype, r.bytes)
+        groups[key] = groups.get(key, 0) + 1
+    return "; ".join(f"{n} × {op} {list(shape)} {dtype}, {b:,} B each" for (op, shape, dtype, b), n in groups.items()) \
+        or "no collectives"
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side
+
+def _serve(group, channel, cfg: ModelConfig, weights_path: str | None, seed: int, attn_backend: str) -> None:
+    """Worker loop of TPRuntime: build the rank's shard once, then one forward per command."""
+    weights = torch.load(weights_path, mmap=True, weights_only=True) if weights_path else init_weights(cfg, seed)
+    model = Transformer(cfg, weights, group=group, attn_backend=attn_backend).to(group.device)
+    del weights
+    channel.send({"attn_backend": resolve_backend(attn_backend, group.device, cfg.dtype)})
+    while True:
+        try:
+            cmd = channel.recv()
+        except EOFError:  # the caller is gone
+            return
+        if cmd[0] == "close":
+            return
+        _, batch, fault = cmd
+        out, report = traced_forward(model, batch.to(group.device), fault=fault)
+        channel.send((out.cpu(), report))
+
+
+def shard_checks(group, cfg: ModelConfig, seed: int = 0, seq_lens: tuple = (10, 30)) -> dict:
+    """A ``launch`` worker: the layers of ``linear.py`` on a real group, checked by the caller.
+
+    Returns this rank's row-parallel output (bias added after the all-reduce, as it should be),
+    the buggy variant (bias added before the all-reduce, i.e. tp times), the column-parallel
+    and QKV shards, layer 0's attention output on this rank's heads, and what CommDebugMode
+    counted for one plain all-reduce.
+    """
+    from .batch import pack
+    from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    g = torch.Generator().manual_seed(seed)
+    d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
+    x = torch.randn(sum(seq_lens), d, generator=g)             # [T, d], the same on every rank
+    w_row, b_row = torch.randn(d, f, generator=g) * 0.02, torch.randn(d, generator=g)
+    row = RowParallelLinear(f, d, group=group, name="check.row").load_full_(w_row, b_row)
+    h = torch.randn(x.shape[0], f, generator=g)                 # [T, f] full input of the row layer
+    n = f // group.world_size
+    h_local = h[:, group.rank * n:(group.rank + 1) * n]         # [T, f/tp]: what this rank holds
+    y_row = row(h_local)                                        # [T, d]
+    partial_plus_bias = torch.nn.functional.linear(h_local, row.weight, row.bias)  # the bug: bias on every rank
+    y_row_bug = group.all_reduce(partial_plus_bias, layer="check.row_bias_before_reduce")
+    w_col, b_col = torch.randn(f, d, generator=g) * 0.02, torch.randn(f, generator=g)
+    y_col = ColumnParallelLinear(d, f, group=group).load_full_(w_col, b_col)(x)  # [T, f/tp]
+    w_qkv, b_qkv = torch.randn(3 * k, d, generator=g) * 0.02, torch.randn(3 * k, generator=g)
+    qkv = QKVParallelLinear(d, cfg.n_heads, cfg.d_head, group=group).load_full_(w_qkv, b_qkv)
+    y_qkv = qkv(x)                                              # [T, 3·H_local·D]
+
+    model = Transformer(cfg, init_weights(cfg, seed), group=group)
+    captured = {}
+    handle = model.layers[0].out_proj.register_forward_pre_hook(lambda _m, inp: captured.setdefault("o", inp[0].clone()))
+    trace_before = len(group.trace)
+    batch = pack([torch.arange(n_tok) % cfg.vocab_size for n_tok in seq_lens])
+    with CommDebugMode() as comm_model:
+        model(batch)
+    handle.remove()
+    model_records = len(group.trace) - trace_before
+    with CommDebugMode() as comm_one:
+        group.all_reduce(torch.ones(3, 512), layer="check.commdebugmode")
+    return {"y_row": y_row, "y_row_bug": y_row_bug, "y_col": y_col, "y_qkv": y_qkv,
+            "attn_out_layer0": captured["o"], "model_records": model_records,
+            "model_comm_debug": comm_model.get_total_counts(),
+            "comm_debug_one": comm_one.get_total_counts(),
+            "comm_debug_ops": sorted(str(op) for op in comm_one.get_comm_counts())}
+
+
+# ----------------------------------------------------------------------------------------------
+# Caller side
+
+@dataclass
+class TPResult:
+    """One tensor-parallel forward as the caller sees it.
+
+    output: ``[T, d_model]`` final hidden states (rank 0's; every rank's was checked equal).
+    traces: ``traces[r]``: rank r's ``CollectiveRecord`` list for this forward (16 under the
+    article's 8 layers: 8 × attn out proj + 8 × FFN-down, each ``[T, d_model]``).
+    backend: "gloo" or "nccl". world_size: TP degree.
+    startup_s: seconds to start the workers and build the shards (paid once per TPRuntime).
+    forward_s: the slowest rank's forward, in-worker seconds. call_s: caller-side round trip.
+    qkv_shapes: ``qkv_shapes[r][layer]``, e.g. ``(T, 768)`` (C6).
+    attn_collectives: ``attn_collectives[r][layer]``: collectives inside attention (C11: all 0).
+    comm_debug_counts: per rank, CommDebugMode's count of c10d collectives in the forward.
+    attn_backend: the attention backend the workers resolved.
+    """
+
+    output: Tensor
+    traces: list
+    backend: str
+    world_size: int
+    startup_s: float
+    forward_s: float
+    call_s: float
+    qkv_shapes: list
+    attn_collectives: list
+    comm_debug_counts: list
+    attn_backend: str = ""
+    seq_lens: list = field(default_factory=list)
+
+    @property
+    def all_reduce_counts(self) -> list[int]:
+        return [sum(r.op == "all_reduce" for r in t) for t in self.traces]
+
+
+def _validate_batch(cfg: ModelConfig, batch) -> None:
+    # Checked before sending: a bad batch must not kill a healthy runtime.
+    if not isinstance(batch, PackedBatch):
+        raise ValueError(f"batch must be a PackedBatch (see batch.pack), got {type(batch).__name__}")
+    if batch.input_ids is not None:
+        ids = batch.input_ids
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+            raise ValueError(f"batch.input_ids must be in [0, vocab_size={cfg.vocab_size}), "
+                             f"got min {int(ids.min())}, max {int(ids.max())}")
+        if batch.max_seqlen > cfg.max_position:
+            raise ValueError(f"a request of {batch.max_seqlen} tokens exceeds max_position={cfg.max_position}")
+    else:
+        x = batch.hidden
+        if x.dim() != 2 or x.shape[1] != cfg.d_model or x.dtype != cfg.dtype:
+            raise ValueError(f"batch.hidden must be [T, d_model={cfg.d_model}] {cfg.dtype}, got "
+                             f"{tuple(x.shape)} {x.dtype}")
+        if not torch.isfinite(x).all():
+            raise ValueError("batch.hidden contains NaN or Inf")
+
+
+class TPRuntime:
+    """Workers that hold the model's TP shards and run forwards on request.
+
+    cfg: model sizes (default: the article's ModelConfig). weights: full state dict
+    (``model.init_weights`` / ``hf.full_weights_from_hf``), shared with the workers through a
+    file in a fresh temp dir; None = each worker builds ``init_weights(cfg, seed)`` itself.
+    world_size: TP degree (must divide n_heads and d_ffn). backend: see ``parallel.launch``.
+    timeout: seconds allowed for startup and for each forward.
+
+    Use as a context manager; ``forward(batch)`` → ``TPResult``. After a worker failure the
+    runtime is closed (every worker terminated) and ``forward`` raises ``WorkerFailed`` /
+    ``WorkerTimeout``; start a new one. Embedding/LN/LM head are replicated, so each forward
+    makes exactly 2·n_layers all-reduces.
+
+    Taught in notebooks/04_tp2_invariance.ipynb.
+    """
+
+    def __init__(self, cfg: ModelConfig | None = None, weights: dict[str, Tensor] | None = None, world_size: int = 2,
+                 backend: str = "auto", attn_backend: str = "auto", timeout: float = 120.0, *, seed: int = 0,
+                 verbose: bool = True):
+        self.cfg = cfg = cfg if cfg is not None else ModelConfig()
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1 \
+                or cfg.n_heads % world_size or cfg.d_ffn % world_size:
+            raise ValueError(f"world_size={world_size!r} must be a positive int dividing n_heads={cfg.n_heads} "
+                             f"and d_ffn={cfg.d_ffn}")
+        t0 = time.perf_counter()
+        self._pool = WorkerPool(world_size, backend, timeout, verbose=verbose, name="TPRuntime")
+        self.world_size, self.backend, self.attn_backend = world_size, self._pool.backend, attn_backend
+        try:
+            weights_path = None
+            if weights is not None:
+                weights_path = os.path.join(self._pool.workdir, "weights.pt")
+                torch.save({k: v.detach().cpu() for k, v in weights.items()}, weights_path)
+            self._pool.start(_serve, (cfg, weights_path, seed, attn_backend))
+            info = self._pool.collect("result", what="building the model shards")
+        except BaseException:
+            self._pool.close(graceful=False)
+            raise
+        self.attn_backend = info[0]["attn_backend"]  # resolved ("auto" → e.g. "sdpa")
+        self.startup_s = time.perf_counter() - t0
+
+    @property
+    def pids(self) -> list[int]:
+        """Worker process ids, rank order."""
+        return self._pool.pids
+
+    @property
+    def closed(self) -> bool:
+        return self._pool.closed
+
+    def forward(self, batch: PackedBatch, *, timeout: float | None = None, fault: Fault | None = None) -> TPResult:
+        """One TP forward of a flat batch: ``[T]`` tokens → ``TPResult`` (output ``[T, d_model]``)."""
+        _validate_batch(self.cfg, batch)
+        if fault is not None and not isinstance(fault, Fault):
+            raise ValueError(f"fault must be a tp.Fault or None, got {fault!r}")
+        t0 = time.perf_counter()
+        self._pool.broadcast(("forward", batch.to("cpu"), fault))
+        outs = self._pool.collect("result", timeout=timeout, what=f"running a forward of {batch.num_tokens} tokens")
+        call_s = time.perf_counter() - t0
+        outputs, reports = [o[0] for o in outs], [o[1] for o in outs]
+        for r, out in enumerate(outputs[1:], start=1):
+            if not torch.equal(out, outputs[0]):  # after each all-reduce every rank holds the same rows
+                diff = (out - outputs[0]).abs().max().item()
+                raise RuntimeError(f"rank {r}'s output differs from rank 0's (max abs diff {diff:.3e})")
+        return TPResult(outputs[0], [rep.records for rep in reports], self.backend, self.world_size, self.startup_s,
+                        max(rep.forward_s for rep in reports), call_s, [rep.qkv_shapes for rep in reports],
+                        [rep.attn_collectives for rep in reports], [rep.comm_debug_count for rep in reports],
+                        self.attn_backend, list(batch.seq_lens))
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        self._pool.close()
+
+    def __enter__(self) -> "TPRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.close(graceful=exc[0] is None)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "running"
+        return f"TPRuntime(world_size={self.world_size}, backend={self.backend!r}, {state})"
+
+
+def tp_forward(batch: PackedBatch, world_size: int = 2, cfg: ModelConfig | None = None,
+               weights: dict[str, Tensor] | None = None, backend: str = "auto", attn_backend: str = "auto",
+               timeout: float = 120.0, *, seed: int = 0, verbose: bool = True) -> TPResult:
+    """One-shot TP forward: start ``TPRuntime``, run ``batch``, stop. ``startup_s`` says what
+    the start cost; for repeated forwards keep a ``TPRuntime`` open instead.
+
+    Taught in notebooks/04_tp2_invariance.ipynb.
+    """
+    with TPRuntime(cfg, weights, world_size, backend, attn_backend, timeout, seed=seed, verbose=verbose) as rt:
+        return rt.forward(batch)
