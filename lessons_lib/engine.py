@@ -203,6 +203,7 @@ class BatchStats:
     flops_useful: int
     wall_s: float
     request_ids: list = field(default_factory=list)
+    all_reduces: int | None = None  # per forward, rank 0's trace (TP=2 only; C12: 2 * n_layers)
 
     @property
     def attn_cells_wasted(self) -> int:
@@ -281,6 +282,7 @@ class Engine:
         self.model = Transformer(cfg, self.weights, attn_backend=self.attn_backend)
         self._tp_kw = dict(backend=tp_backend, timeout=tp_timeout)
         self._runtime = None
+        self._last_all_reduces = None
         self._next_id = 0
         self._pending_ids: set = set()
         self.stats: list[BatchStats] = []
@@ -343,8 +345,9 @@ class Engine:
                 outputs.extend(self._execute(reqs, len(self.stats)))
                 wall = time.perf_counter() - t0
                 lens = [len(r) for r in reqs]
-                self.stats.append(batch_stats(self.cfg, lens, self.method, len(self.stats), wall,
-                                              [r.request_id for r in reqs]))
+                stats = batch_stats(self.cfg, lens, self.method, len(self.stats), wall, [r.request_id for r in reqs])
+                stats.all_reduces, self._last_all_reduces = self._last_all_reduces, None
+                self.stats.append(stats)
                 self._pending_ids.difference_update(r.request_id for r in reqs)
                 if bar is not None:
                     bar.update(sum(lens))
@@ -389,8 +392,10 @@ class Engine:
             except ImportError as exc:
                 raise NotImplementedError(f"tp_size=2 needs lessons_lib.tp.TPRuntime, not importable here: {exc}")
             self._runtime = TPRuntime(self.cfg, self.weights, world_size=self.tp_size,
-                                      attn_backend=self.attn_backend, **self._tp_kw)
-        return self._runtime.forward(batch).output
+                                      attn_backend=self.attn_backend, verbose=False, **self._tp_kw)
+        result = self._runtime.forward(batch)
+        self._last_all_reduces = result.all_reduce_counts[0]
+        return result.output
 
     def close(self) -> None:
         """Stop the TP workers (if any were started). Safe to call twice."""

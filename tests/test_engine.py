@@ -201,3 +201,18 @@ def test_progress_bar_on_request_and_off_under_ci(capsys, monkeypatch):
     monkeypatch.delenv("CI")
     Engine(CFG).prefill([[1] * 5])  # progress=None: short runs stay quiet
     assert "prefill" not in capsys.readouterr().err
+
+
+def test_tp2_engine_equals_tp1():
+    reqs = generate("long-tail", 9, seed=8, vocab_size=CFG.vocab_size, median=10, max_len=60)
+    kw = dict(max_num_batched_tokens=96, max_num_seqs=4, seed=2)
+    one = Engine(CFG, tp_size=1, **kw).prefill(reqs)
+    with Engine(CFG, tp_size=2, **kw) as eng:
+        two = eng.prefill(reqs)
+        assert len(eng.stats) > 1 and all(s.all_reduces == 2 * CFG.n_layers for s in eng.stats)
+    assert [o.request_id for o in two] == [o.request_id for o in one]
+    for a, b in zip(one, two):
+        # TP=2 sums two partial matmuls where TP=1 does one: equal up to fp32 rounding (C12).
+        torch.testing.assert_close(b.last_hidden, a.last_hidden, atol=ATOL, rtol=0)
+        torch.testing.assert_close(b.logits, a.logits, atol=ATOL * 10, rtol=0)
+    assert eng._runtime is None, "closing the engine stops the TP workers"
