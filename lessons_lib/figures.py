@@ -1,0 +1,223 @@
+"""Every figure a lesson shows, written into ``figures/`` by one command, byte for byte reproducible.
+
+    python -m lessons_lib.figures            # all figures -> figures/
+    python -m lessons_lib.figures --list     # names, lessons, captions
+    python -m lessons_lib.figures --out DIR --only 03_attention_patterns
+
+A figure is a zero-argument builder registered under a name that starts with its lesson
+number (``NN_what``). Builders draw only from exact numbers or fixed seeds, so running
+the command twice writes identical bytes: Agg renders the PNG, the rc settings are reset to
+matplotlib's defaults plus ``STYLE``, and the PNG carries no metadata (no version, no date).
+
+Adding a figure for another lesson::
+
+    @register("04_trace_timeline", lesson="04", caption="...")
+    def _trace_timeline():
+        return viz.some_figure(...)
+
+A notebook shows the same bytes with ``figures.show(name)``.
+
+Taught in every lesson that shows a figure (notebooks/01_flat_batch.ipynb onwards).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import pathlib
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import matplotlib
+from matplotlib.figure import Figure
+
+from . import viz
+from .config import ModelConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_DIR = ROOT / "figures"
+DPI = 100
+# Only what differs from matplotlib's defaults; everything else is reset by rcdefaults().
+STYLE = {"font.family": "DejaVu Sans", "axes.spines.top": False, "axes.spines.right": False,
+         "savefig.facecolor": "white", "figure.facecolor": "white", "svg.hashsalt": "lessons",
+         "image.interpolation": "nearest"}
+_NAME = re.compile(r"^\d\d_[a-z0-9_]+$")
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    name: str      # file stem, "NN_what"
+    lesson: str    # "NN", the notebook that shows it
+    caption: str
+    build: Callable[[], Figure]
+
+
+REGISTRY: dict[str, FigureSpec] = {}
+
+
+def register(name: str, lesson: str, caption: str):
+    """Decorator: add a zero-argument Figure builder to the registry under ``name``."""
+    if not _NAME.match(name):
+        raise ValueError(f"figure name must look like 'NN_what' (lesson number, snake case), got {name!r}")
+    if not name.startswith(lesson + "_"):
+        raise ValueError(f"figure name {name!r} must start with its lesson number {lesson!r}")
+
+    def deco(fn: Callable[[], Figure]) -> Callable[[], Figure]:
+        if name in REGISTRY:
+            raise ValueError(f"figure {name!r} is registered twice")
+        REGISTRY[name] = FigureSpec(name, lesson, caption, fn)
+        return fn
+    return deco
+
+
+@contextlib.contextmanager
+def style():
+    """matplotlib's defaults plus STYLE, whatever the user's matplotlibrc says."""
+    with matplotlib.rc_context():
+        matplotlib.rcdefaults()
+        matplotlib.rcParams.update(STYLE)
+        yield
+
+
+def _spec(name: str) -> FigureSpec:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown figure {name!r}; registered: {sorted(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def build(name: str) -> Figure:
+    """The registered figure, drawn under ``style()``."""
+    spec = _spec(name)
+    with style():
+        fig = spec.build()
+    if not isinstance(fig, Figure):
+        raise TypeError(f"figure builder {name!r} returned {type(fig).__name__}, not a matplotlib Figure")
+    return fig
+
+
+def render(name: str) -> bytes:
+    """PNG bytes of a registered figure, exactly what ``write`` puts in the file."""
+    fig = build(name)
+    with style():
+        return viz.to_png(fig, dpi=DPI)
+
+
+def show(name: str):
+    """Inline image of a registered figure for a notebook (same bytes as ``figures/<name>.png``)."""
+    from IPython.display import Image
+    return Image(data=render(name))
+
+
+def write(names: Iterable[str] | None = None, out_dir: str | pathlib.Path = DEFAULT_DIR) -> list[pathlib.Path]:
+    """Write ``<out_dir>/<name>.png`` for each name (default: all registered). Returns the paths."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in sorted(names) if names is not None else sorted(REGISTRY):
+        path = out / f"{name}.png"
+        path.write_bytes(render(name))
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    matplotlib.use("Agg")  # a command-line run never needs a GUI
+    ap = argparse.ArgumentParser(prog="python -m lessons_lib.figures", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(DEFAULT_DIR), help="output folder (default: figures/ of the repo)")
+    ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="write only these figures")
+    ap.add_argument("--list", action="store_true", help="list the registered figures and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for spec in sorted(REGISTRY.values(), key=lambda s: s.name):
+            print(f"{spec.name:32s} lesson {spec.lesson}  {spec.caption}")
+        return 0
+    if args.only is not None:
+        for n in args.only:
+            _spec(n)
+    for path in write(args.only, args.out):
+        print(path)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The figures. A = 10 tokens, B = 30 tokens (S2) unless a caption says otherwise.
+ARTICLE_LENS = [10, 30]
+
+
+@register("01_token_strip", lesson="01", caption="A and B flattened into 40 rows, ticks at cu_seqlens = [0, 10, 40] (C3)")
+def _token_strip() -> Figure:
+    return viz.token_strip(ARTICLE_LENS)
+
+
+@register("01_padded_vs_flat", lesson="01", caption="padding to [2 x 30] (20 pad rows) vs the flat [40] rows (C2, C3)")
+def _padded_vs_flat() -> Figure:
+    return viz.padded_vs_flat(ARTICLE_LENS)
+
+
+@register("02_who_reads_whom", lesson="02",
+          caption="which input rows change which output rows: per-token layers vs attention (C4, C5, C7, C10)")
+def _who_reads_whom() -> Figure:
+    return viz.dependency_maps(_dependency_panels(ARTICLE_LENS), ARTICLE_LENS)
+
+
+def _dependency_panels(lens: list[int]) -> dict:
+    """Measured with probe.row_dependency on the real modules (fixed seed, bool results)."""
+    import torch
+    from .attention import plain_attention, varlen_attention
+    from .batch import seq_lens_to_cu_seqlens
+    from .probe import row_dependency
+    g = torch.Generator().manual_seed(0)
+    d, h = 64, 4
+    x = torch.randn(sum(lens), d, generator=g)
+    w_up, w_down = torch.randn(4 * d, d, generator=g) / 8, torch.randn(d, 4 * d, generator=g) / 16
+    w_qkv = torch.randn(3 * d, d, generator=g) / 8
+    cu = seq_lens_to_cu_seqlens(lens)
+    ln = torch.nn.functional.layer_norm
+
+    def per_token(t):  # LN -> FFN-up -> GeLU -> FFN-down -> residual, as in a block
+        return t + torch.nn.functional.gelu(ln(t, (d,)) @ w_up.T, approximate="tanh") @ w_down.T
+
+    def qkv(t):
+        return (ln(t, (d,)) @ w_qkv.T).view(t.shape[0], 3, h, d // h).unbind(1)
+
+    return {"LN + FFN + residual (per token)": row_dependency(per_token, x).numpy(),
+            "plain causal attention on flat rows": row_dependency(lambda t: plain_attention(*qkv(t)), x).numpy(),
+            "varlen causal attention": row_dependency(lambda t: varlen_attention(*qkv(t), cu, backend="loop"), x).numpy()}
+
+
+@register("02_qkv_shards", lesson="02", caption="TP=2: rank 0 and rank 1 each own Q, K, V rows of 4 heads, [40 x 768] (C6)")
+def _qkv_shards() -> Figure:
+    return viz.qkv_shards(ModelConfig(), tokens=sum(ARTICLE_LENS))
+
+
+@register("03_attention_patterns", lesson="03",
+          caption="padded, masked and varlen score matrices for A, B: 1800/1600/1000 computed, 1000 useful (C2, C8, C10)")
+def _attention_patterns() -> Figure:
+    return viz.attention_patterns(ARTICLE_LENS)
+
+
+@register("03_masked_growth", lesson="03", caption="masked computes (R L)^2 cells, varlen R L^2 (C9)")
+def _masked_growth() -> Figure:
+    return viz.masked_growth(64)
+
+
+@register("05_flops_1x1000_vs_10x100", lesson="05",
+          caption="same 1000 tokens: 1 x 1000 vs 10 x 100 vs 100 x 10, whole-forward FLOPs (C14)")
+def _flops_bars() -> Figure:
+    return viz.flops_bars([("1 x 1000", [1000]), ("10 x 100", [100] * 10), ("100 x 10", [10] * 100)],
+                          ModelConfig(), figsize=(6, 4))
+
+
+@register("05_attention_share", lesson="05", caption="attention share of FLOPs against request length (C14)")
+def _attention_share() -> Figure:
+    return viz.attention_share_curve(ModelConfig(), marks=(100, 1000, 8000))
+
+
+@register("05_intensity", lesson="05", caption="arithmetic intensity of a linear layer vs tokens, and decode (C13, C15)")
+def _intensity() -> Figure:
+    return viz.intensity_curves()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Measurements on this machine: wall time, peak allocated bytes, and a forward's time split.
+
+Everything here MEASURES, so its numbers vary from run to run and machine to machine.
+Lessons show them (cells marked ``# NBVAL_IGNORE_OUTPUT``) next to the exact analytic counts
+of ``flops``; tests never assert a timing.
+
+- ``time_call`` / ``peak_bytes``: fastest-of-N wall time; bytes allocated at the peak of one
+  call (``torch.profiler`` memory events on the CPU, ``torch.cuda`` statistics on a GPU).
+- ``measure_attention``: one varlen backend on random q, k, v (claim C9's masked vs varlen).
+- ``forward_time_split``: a model forward split into linear layers, attention and the rest
+  (claim C14's measured counterpart).
+- ``matmul_throughput``: GFLOP/s of one linear layer against the token count (claim C13).
+
+Taught in notebooks/03_masked_vs_varlen_attention.ipynb and notebooks/05_flop_regimes.ipynb.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .attention import varlen_attention
+from .batch import PackedBatch, _check_lengths, seq_lens_to_cu_seqlens
+
+Tensor = torch.Tensor
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, device="cpu") -> float:
+    """Fastest of ``repeats`` calls, in seconds (the fastest is the least disturbed by a shared machine)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """The CPU profiler logs its start and stop on file descriptor 2 from C++; those lines would
+    land in a notebook cell's output, so they go to /dev/null for the profiler's lifetime."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 (embedded interpreters): nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _profile(fn: Callable[[], object], memory: bool):
+    from torch.profiler import ProfilerActivity, profile
+    with _quiet_native_stderr():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=memory) as prof:
+            fn()
+    return prof
+
+
+def peak_bytes(fn: Callable[[], object], device="cpu") -> int:
+    """Bytes allocated at the peak of one call of ``fn``, above what was live before it.
+
+    CPU: the profiler's allocation (op self memory) and free (``[memory]``) events, summed in
+    time order. CUDA: ``torch.cuda.max_memory_allocated``. Kernel-internal scratch that never
+    goes through PyTorch's allocator is not seen.
+    """
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - base)
+    prof = _profile(fn, memory=True)
+    deltas = []
+    for e in prof.profiler.function_events:
+        if e.name == "[memory]":
+            deltas.append((e.time_range.start, 1, e.cpu_memory_usage))  # a free (negative)
+        elif e.self_cpu_memory_usage > 0:
+            deltas.append((e.time_range.start, 0, e.self_cpu_memory_usage))
+    live = peak = 0
+    for _, _, nbytes in sorted(deltas):
+        live += nbytes
+        peak = max(peak, live)
+    return int(peak)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionRun:
+    """One measured attention call: ``seconds`` (fastest of N) and ``peak_bytes`` (one call)."""
+
+    backend: str
+    seq_lens: tuple
+    seconds: float
+    peak_bytes: int
+
+
+def random_qkv(seq_lens: Sequence[int], n_heads: int = 8, d_head: int = 64, *, seed: int = 0, device="cpu",
+               dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Random ``q, k, v [T, H, D]`` and int32 ``cu_seqlens [R+1]`` for a batch of requests."""
+    lens = _check_lengths(seq_lens)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(sum(lens), n_heads, d_head, generator=g).to(device=device, dtype=dtype) for _ in range(3))
+    return q, k, v, seq_lens_to_cu_seqlens(lens, device=device)
+
+
+def measure_attention(seq_lens: Sequence[int], backend: str, n_heads: int = 8, d_head: int = 64, *,
+                      causal: bool = False, repeats: int = 3, device="cpu", dtype: torch.dtype = torch.float32,
+                      seed: int = 0) -> AttentionRun:
+    """Time and peak memory of ``varlen_attention(..., backend=backend)`` on random inputs."""
+    q, k, v, cu = random_qkv(seq_lens, n_heads, d_head, seed=seed, device=device, dtype=dtype)
+
+    def call():
+        return varlen_attention(q, k, v, cu, causal=causal, backend=backend)
+
+    seconds = time_call(call, repeats=repeats, device=device)
+    return AttentionRun(backend, tuple(int(n) for n in seq_lens), seconds, peak_bytes(call, device))
+
+
+# Top-level operator names the profiler reports for each part of a forward.
+_LINEAR_OPS = ("aten::linear",)
+_ATTENTION_OPS = ("aten::scaled_dot_product_attention",)
+
+
+def forward_time_split(model, batch: PackedBatch, repeats: int = 2) -> dict[str, float]:
+    """Seconds of one forward spent in linear layers, in attention and elsewhere.
+
+    Runs ``model.forward(batch, attn_backend="sdpa")`` under the CPU profiler (fastest of
+    ``repeats`` by total) and sums the inclusive CPU time of ``aten::linear`` and
+    ``aten::scaled_dot_product_attention``; "other" is the rest of the wall time (LayerNorm,
+    GeLU, residual adds, slicing, copies, profiler overhead). Also returns ``wall`` measured
+    without the profiler. On a GPU the CPU times would measure launches, not kernels:
+    use the CPU.
+    """
+    def run():
+        return model.forward(batch, attn_backend="sdpa")
+
+    wall = time_call(run, repeats=repeats)
+    best = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        prof = _profile(run, memory=False)
+        total = time.perf_counter() - t0
+        parts = {"linear": 0.0, "attention": 0.0}
+        for ev in prof.key_averages():
+            if ev.key in _LINEAR_OPS:
+                parts["linear"] += ev.cpu_time_total / 1e6
+            elif ev.key in _ATTENTION_OPS:
+                parts["attention"] += ev.cpu_time_total / 1e6
+        parts["other"] = max(total - parts["linear"] - parts["attention"], 0.0)
+        parts["profiled_total"] = total
+        if best is None or total < best["profiled_total"]:
+            best = parts
+    best["wall"] = wall
+    return best
+
+
+def matmul_throughput(tokens: int, d_in: int = 512, d_out: int = 2048, repeats: int = 5, device="cpu",
+                      dtype: torch.dtype = torch.float32) -> float:
+    """GFLOP/s of ``F.linear`` on ``[tokens, d_in]`` with a ``[d_out, d_in]`` weight (fastest of N)."""
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, d_in, generator=g).to(device=device, dtype=dtype)
+    w = torch.randn(d_out, d_in, generator=g).to(device=device, dtype=dtype)
+    seconds = time_call(lambda: F.linear(x, w), repeats=repeats, device=device)
+    return 2 * tokens * d_in * d_out / seconds / 1e9
