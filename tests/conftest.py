@@ -1,0 +1,50 @@
+"""Shared test fixtures: a tiny model config, random flat q/k/v, and the fp32 tolerance rule."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `pytest` without `python -m` finds lessons_lib
+
+from lessons_lib import ModelConfig, seq_lens_to_cu_seqlens  # noqa: E402
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _fp32_bound(ref32: torch.Tensor, ref64: torch.Tensor) -> float:
+    """FlashAttention's test rule: an fp32 result may be at most twice as far from the fp64
+    truth as the fp32 reference itself, plus a rounding floor of 2 ulp at the output's
+    magnitude (needed where the fp32 reference happens to be exact, e.g. length-1 requests)."""
+    err = (ref32.double() - ref64).abs().max().item() if ref64.numel() else 0.0
+    scale = max(1.0, ref64.abs().max().item()) if ref64.numel() else 1.0
+    return 2 * err + 2 * EPS32 * scale
+
+
+@pytest.fixture(scope="session")
+def fp32_bound():
+    return _fp32_bound
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg() -> ModelConfig:
+    """2 layers, d_model 64, 4 heads of 16: the article's shape of model, small enough for many examples."""
+    return ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300,
+                       max_position=256, tp_size=2)
+
+
+def _make_qkv(lens_q, lens_k=None, heads=2, d_head=32, seed=0, dtype=torch.float32, device="cpu"):
+    """Random flat ``q [T_q, H, D]``, ``k, v [T_k, H, D]`` and int32 ``cu_seqlens_q, cu_seqlens_k``."""
+    lens_k = lens_q if lens_k is None else lens_k
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), heads, d_head, generator=g)
+    k, v = (torch.randn(sum(lens_k), heads, d_head, generator=g) for _ in range(2))
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    return q, k, v, seq_lens_to_cu_seqlens(lens_q, device), seq_lens_to_cu_seqlens(lens_k, device)
+
+
+@pytest.fixture(scope="session")
+def make_qkv():
+    return _make_qkv
