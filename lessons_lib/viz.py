@@ -442,7 +442,7 @@ def measured_series(x: Sequence[float], series: Mapping[str, Sequence[float]], x
 def time_split_bars(rows: Sequence[tuple[str, Mapping[str, float]]], parts: Sequence[str] = ("linear", "attention", "other")) -> Figure:
     """Horizontal 100 % bars: for each row label, the share of each part (measured time or
     analytic FLOPs, as the label says)."""
-    fig = Figure(figsize=(7, 0.5 + 0.45 * len(rows)))
+    fig = Figure(figsize=(7, 0.6 + 0.45 * len(rows)))
     ax = fig.add_subplot()
     colors = {"linear": "#8c8c8c", "attention": CELL_COLORS[USEFUL], "other": "#e0c060"}
     for y, (label, values) in enumerate(rows):
@@ -460,5 +460,6 @@ def time_split_bars(rows: Sequence[tuple[str, Mapping[str, float]]], parts: Sequ
     ax.set_xlim(0, 100)
     ax.set_xlabel("share (%)")
     ax.legend(fontsize=7, ncol=len(parts), frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0))
-    fig.subplots_adjust(left=0.3, right=0.97, bottom=0.8 / (0.5 + 0.45 * len(rows)), top=1 - 0.45 / (0.5 + 0.45 * len(rows)))
+    height = 0.5 + 0.45 * len(rows)
+    fig.subplots_adjust(left=0.3, right=0.97, bottom=0.5 / height, top=1 - 0.35 / height)
     return fig
