@@ -77,6 +77,32 @@ def _open_and_run_all(context, lab_server, notebook: str):
     return page, console_errors
 
 
+# Run All done or stopped: nothing queued/running ("[*]") and the kernel idle.
+RUN_SETTLED_JS = """() => ![...document.querySelectorAll('.jp-InputPrompt')].some(p => p.textContent.includes('*'))
+    && [...document.querySelectorAll('.jp-StatusBar-Item')].some(e => /\\|\\s*Idle$/.test(e.textContent.trim()))"""
+ERROR_OUTPUTS_JS = """() => [...document.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
+    .map(e => e.innerText).filter(t => /Error|Traceback/.test(t))"""
+
+
+def _wait_widget(page, ready_js: str, what: str) -> None:
+    """Wait for the widget after Run All; fail fast, with the error, if the run stopped without it."""
+    deadline = time.monotonic() + RUN_ALL_TIMEOUT_MS / 1000
+    settled_since = None
+    while time.monotonic() < deadline:
+        if page.evaluate(ready_js):
+            return
+        if page.evaluate(RUN_SETTLED_JS):
+            settled_since = settled_since or time.monotonic()
+            if time.monotonic() - settled_since > 5:  # idle, nothing queued, still no widget
+                errors = page.evaluate(ERROR_OUTPUTS_JS)
+                pytest.fail(f"Run All finished without showing {what}; "
+                            f"last error output: {errors[-1][-1500:] if errors else '(none)'}", pytrace=False)
+        else:
+            settled_since = None
+        time.sleep(0.5)
+    pytest.fail(f"{what} did not appear within {RUN_ALL_TIMEOUT_MS / 1000:.0f} s of Run All", pytrace=False)
+
+
 def _text(page, selector: str) -> str:
     return page.locator(selector).inner_text().strip()
 
@@ -143,8 +169,8 @@ def test_lesson03_diagonal_block_explorer(lab_server, browser_context, capsys):
     SHOTS.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     page, console_errors = _open_and_run_all(browser_context, lab_server, "03_masked_vs_varlen_attention.ipynb")
-    _wait_text(page, ".dbx-counts", r"t => /varlen: computed \d+/.test(t)", timeout=RUN_ALL_TIMEOUT_MS)
-    page.wait_for_selector(".dbx-figure img", timeout=UPDATE_TIMEOUT_MS)
+    _wait_widget(page, r"""() => /varlen: computed \d+/.test((document.querySelector('.dbx-counts') || {}).innerText || '')
+                           && !!document.querySelector('.dbx-figure img')""", "the diagonal-block explorer")
     widget = page.locator(".dbx")
     widget.scroll_into_view_if_needed()
     widget.screenshot(path=str(SHOTS / "03_before.png"))
@@ -180,8 +206,8 @@ def test_lesson05_flop_regime_explorer(lab_server, browser_context, capsys):
     SHOTS.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     page, console_errors = _open_and_run_all(browser_context, lab_server, "05_flop_regimes.ipynb")
-    _wait_text(page, ".frx-flops", r"t => /dominant (linear|attention)/.test(t)", timeout=RUN_ALL_TIMEOUT_MS)
-    page.wait_for_selector(".frx-figure img", timeout=UPDATE_TIMEOUT_MS)
+    _wait_widget(page, r"""() => /dominant (linear|attention)/.test((document.querySelector('.frx-flops') || {}).innerText || '')
+                           && !!document.querySelector('.frx-figure img')""", "the FLOP-regime explorer")
     widget = page.locator(".frx")
     widget.scroll_into_view_if_needed()
     widget.screenshot(path=str(SHOTS / "05_before.png"))
