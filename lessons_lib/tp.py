@@ -13,7 +13,8 @@ requests are (claims C1, C12).
 - collectives issued inside attention: the trace length when QKV returns equals the trace
   length when out proj starts (C11); and PyTorch's ``CommDebugMode`` counts every c10d
   collective of the forward, which must equal the trace length (so no collective bypasses the
-  trace). On torch 2.13 + gloo ``CommDebugMode`` counts a plain ``dist.all_reduce``.
+  trace). On torch 2.13 + gloo ``CommDebugMode`` counts a plain ``dist.all_reduce``. It is
+  opt-in (``comm_debug=True``): importing it costs each worker ≈ 1-2 s of startup.
 
 ``TPRuntime`` keeps the workers alive between forwards (startup paid once); ``tp_forward`` is
 the one-shot form. Both return a ``TPResult``.
@@ -27,8 +28,9 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+import contextlib
+
 import torch
-from torch.distributed.tensor.debug import CommDebugMode
 
 from .attention import resolve_backend
 from .batch import PackedBatch
@@ -74,21 +76,29 @@ class ForwardReport:
     records: the all-reduces of this forward (``CollectiveRecord``), in call order.
     qkv_shapes: QKV output shape per layer, e.g. ``(T, 768)`` under TP=2.
     attn_collectives: per layer, collectives issued between QKV output and out proj input.
-    comm_debug_count: c10d collectives counted by ``CommDebugMode`` over the whole forward.
+    comm_debug_count: c10d collectives counted by ``CommDebugMode`` over the whole forward
+    (None unless ``comm_debug=True``).
     forward_s: wall seconds of the forward on this rank.
     """
 
     records: list
     qkv_shapes: list
     attn_collectives: list
-    comm_debug_count: int
+    comm_debug_count: int | None
     forward_s: float
 
 
-def traced_forward(model: Transformer, batch: PackedBatch, *, fault: Fault | None = None) -> tuple[Tensor, ForwardReport]:
+def _comm_debug_mode():
+    from torch.distributed.tensor.debug import CommDebugMode  # heavy import (≈ 1-2 s): only when asked
+    return CommDebugMode()
+
+
+def traced_forward(model: Transformer, batch: PackedBatch, *, fault: Fault | None = None,
+                   comm_debug: bool = False) -> tuple[Tensor, ForwardReport]:
     """Run ``model(batch)`` once with the instrumentation of the module docstring.
 
     Returns ``(hidden [T, d_model], ForwardReport)``. Works on TP=1 too (no records).
+    comm_debug: also count c10d collectives with PyTorch's CommDebugMode.
     """
     group = model.group
     start = len(group.trace)
@@ -112,15 +122,16 @@ def traced_forward(model: Transformer, batch: PackedBatch, *, fault: Fault | Non
         handles.append(block.qkv.register_forward_hook(after_qkv))
         handles.append(block.out_proj.register_forward_pre_hook(make_before_out_proj(i)))
     try:
-        with CommDebugMode() as comm:
+        comm = _comm_debug_mode() if comm_debug else contextlib.nullcontext()
+        with comm:
             t0 = time.perf_counter()
             out = model(batch)  # [T, d_model]
             forward_s = time.perf_counter() - t0
     finally:
         for h in handles:
             h.remove()
-    return out, ForwardReport(list(group.trace[start:]), qkv_shapes, attn_collectives, comm.get_total_counts(),
-                              forward_s)
+    return out, ForwardReport(list(group.trace[start:]), qkv_shapes, attn_collectives,
+                              comm.get_total_counts() if comm_debug else None, forward_s)
 
 
 def expected_layers(cfg: ModelConfig) -> list[str]:
@@ -147,11 +158,14 @@ def summarize_trace(records: list[CollectiveRecord]) -> str:
 # ----------------------------------------------------------------------------------------------
 # Worker side
 
-def _serve(group, channel, cfg: ModelConfig, weights_path: str | None, seed: int, attn_backend: str) -> None:
+def _serve(group, channel, cfg: ModelConfig, weights_path: str | None, seed: int, attn_backend: str,
+           comm_debug: bool) -> None:
     """Worker loop of TPRuntime: build the rank's shard once, then one forward per command."""
     weights = torch.load(weights_path, mmap=True, weights_only=True) if weights_path else init_weights(cfg, seed)
     model = Transformer(cfg, weights, group=group, attn_backend=attn_backend).to(group.device)
     del weights
+    if comm_debug:
+        _comm_debug_mode()  # pay the import during startup, not in the first forward
     channel.send({"attn_backend": resolve_backend(attn_backend, group.device, cfg.dtype)})
     while True:
         try:
@@ -161,8 +175,20 @@ def _serve(group, channel, cfg: ModelConfig, weights_path: str | None, seed: int
         if cmd[0] == "close":
             return
         _, batch, fault = cmd
-        out, report = traced_forward(model, batch.to(group.device), fault=fault)
+        out, report = traced_forward(model, batch.to(group.device), fault=fault, comm_debug=comm_debug)
         channel.send((out.cpu(), report))
+
+
+def forward_worker(group, cfg: ModelConfig, batch: PackedBatch, *, seed: int = 0, fault: Fault | None = None,
+                   comm_debug: bool = False):
+    """A ``launch`` worker: build this rank's shard of ``init_weights(cfg, seed)`` and run one
+    traced forward. Returns ``(hidden [T, d_model], ForwardReport)``.
+
+    ``launch(forward_worker, 2, args=(cfg, batch))`` is ``tp_forward`` spelled out.
+    """
+    model = Transformer(cfg, init_weights(cfg, seed), group=group).to(group.device)
+    out, report = traced_forward(model, batch.to(group.device), fault=fault, comm_debug=comm_debug)
+    return out.cpu(), report
 
 
 def shard_checks(group, cfg: ModelConfig, seed: int = 0, seq_lens: tuple = (10, 30)) -> dict:
@@ -198,11 +224,11 @@ def shard_checks(group, cfg: ModelConfig, seed: int = 0, seq_lens: tuple = (10, 
     handle = model.layers[0].out_proj.register_forward_pre_hook(lambda _m, inp: captured.setdefault("o", inp[0].clone()))
     trace_before = len(group.trace)
     batch = pack([torch.arange(n_tok) % cfg.vocab_size for n_tok in seq_lens])
-    with CommDebugMode() as comm_model:
+    with _comm_debug_mode() as comm_model:
         model(batch)
     handle.remove()
     model_records = len(group.trace) - trace_before
-    with CommDebugMode() as comm_one:
+    with _comm_debug_mode() as comm_one:
         group.all_reduce(torch.ones(3, 512), layer="check.commdebugmode")
     return {"y_row": y_row, "y_row_bug": y_row_bug, "y_col": y_col, "y_qkv": y_qkv,
             "attn_out_layer0": captured["o"], "model_records": model_records,
@@ -226,7 +252,8 @@ class TPResult:
     forward_s: the slowest rank's forward, in-worker seconds. call_s: caller-side round trip.
     qkv_shapes: ``qkv_shapes[r][layer]``, e.g. ``(T, 768)`` (C6).
     attn_collectives: ``attn_collectives[r][layer]``: collectives inside attention (C11: all 0).
-    comm_debug_counts: per rank, CommDebugMode's count of c10d collectives in the forward.
+    comm_debug_counts: per rank, CommDebugMode's count of c10d collectives in the forward
+    (None per rank unless the runtime was started with ``comm_debug=True``).
     attn_backend: the attention backend the workers resolved.
     """
 
@@ -275,7 +302,8 @@ class TPRuntime:
     (``model.init_weights`` / ``hf.full_weights_from_hf``), shared with the workers through a
     file in a fresh temp dir; None = each worker builds ``init_weights(cfg, seed)`` itself.
     world_size: TP degree (must divide n_heads and d_ffn). backend: see ``parallel.launch``.
-    timeout: seconds allowed for startup and for each forward.
+    timeout: seconds allowed for startup and for each forward. comm_debug: cross-check every
+    forward's trace with PyTorch's CommDebugMode (costs ≈ 1-2 s of startup per worker).
 
     Use as a context manager; ``forward(batch)`` → ``TPResult``. After a worker failure the
     runtime is closed (every worker terminated) and ``forward`` raises ``WorkerFailed`` /
@@ -287,7 +315,7 @@ class TPRuntime:
 
     def __init__(self, cfg: ModelConfig | None = None, weights: dict[str, Tensor] | None = None, world_size: int = 2,
                  backend: str = "auto", attn_backend: str = "auto", timeout: float = 120.0, *, seed: int = 0,
-                 verbose: bool = True):
+                 comm_debug: bool = False, verbose: bool = True):
         self.cfg = cfg = cfg if cfg is not None else ModelConfig()
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
@@ -303,7 +331,7 @@ class TPRuntime:
             if weights is not None:
                 weights_path = os.path.join(self._pool.workdir, "weights.pt")
                 torch.save({k: v.detach().cpu() for k, v in weights.items()}, weights_path)
-            self._pool.start(_serve, (cfg, weights_path, seed, attn_backend))
+            self._pool.start(_serve, (cfg, weights_path, seed, attn_backend, bool(comm_debug)))
             info = self._pool.collect("result", what="building the model shards")
         except BaseException:
             self._pool.close(graceful=False)
@@ -356,11 +384,12 @@ class TPRuntime:
 
 def tp_forward(batch: PackedBatch, world_size: int = 2, cfg: ModelConfig | None = None,
                weights: dict[str, Tensor] | None = None, backend: str = "auto", attn_backend: str = "auto",
-               timeout: float = 120.0, *, seed: int = 0, verbose: bool = True) -> TPResult:
+               timeout: float = 120.0, *, seed: int = 0, comm_debug: bool = False, verbose: bool = True) -> TPResult:
     """One-shot TP forward: start ``TPRuntime``, run ``batch``, stop. ``startup_s`` says what
     the start cost; for repeated forwards keep a ``TPRuntime`` open instead.
 
     Taught in notebooks/04_tp2_invariance.ipynb.
     """
-    with TPRuntime(cfg, weights, world_size, backend, attn_backend, timeout, seed=seed, verbose=verbose) as rt:
+    with TPRuntime(cfg, weights, world_size, backend, attn_backend, timeout, seed=seed, comm_debug=comm_debug,
+                   verbose=verbose) as rt:
         return rt.forward(batch)

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, (name, lens) in enumerate(demo_batches(cfg, opts.seed).items()):
         g = torch.Generator().manual_seed(opts.seed + i)
         batch = pack([torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lens])
-        out, report = traced_forward(model, batch.to(device))
+        out, report = traced_forward(model, batch.to(device), comm_debug=True)
         reports = [None] * group.world_size
         dist.gather_object(report, reports if group.rank == 0 else None, dst=0)  # not traced: outside the model
         if group.rank != 0:

@@ -1,0 +1,99 @@
+"""Worker faults on a real TP=2 gloo group: a clear error, in bounded time, nothing left behind.
+
+Each test injects one fault (``tp.Fault``) on rank 1 in the middle of a forward (after
+``2·layer`` all-reduces), then checks: the exception names rank 1 (or the ranks that went
+silent), it arrived well within the deadline, no worker process is left (psutil), and a
+following launch in this same Python process works. A small model keeps each launch ≈ 1-3 s.
+"""
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from lessons_lib import ModelConfig, pack
+from lessons_lib.parallel import WorkerFailed, WorkerTimeout, all_reduce_probe, launch
+from lessons_lib.tp import Fault, TPRuntime, forward_worker
+
+SMALL = ModelConfig(n_layers=8, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=256, max_position=256)
+BATCH = pack([list(range(10)), list(range(30))])  # A=10 + B=30
+
+
+def _children() -> set[int]:
+    """Live child processes of this test process, except multiprocessing's resource tracker
+    (started once by the first spawn and kept for the session, by design)."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                out.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture
+def no_leftovers():
+    before = _children()
+    yield
+    left = _children() - before
+    assert not left, f"worker processes left behind: {left}"
+
+
+def _next_launch_works():
+    res = launch(all_reduce_probe, world_size=2, backend="gloo", timeout=60, args=(2,), verbose=False)
+    assert res.results == [[3.0, 3.0], [3.0, 3.0]]  # 1 + 2 on every row, on both ranks
+
+
+def test_launch_worker_raising_on_rank1_names_rank1(no_leftovers):
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        launch(forward_worker, world_size=2, backend="gloo", timeout=60, args=(SMALL, BATCH),
+               kwargs={"fault": Fault("raise", rank=1, layer=2)})
+    elapsed = time.monotonic() - t0
+    err = info.value
+    print(f"\nraise on rank 1 -> {type(err).__name__} after {elapsed:.1f} s: {str(err).splitlines()[0][:160]}")
+    assert err.rank == 1 and "rank 1 of 2 raised RuntimeError: injected fault on rank 1" in str(err)
+    assert "injected fault" in err.child_traceback and "traced_forward" in err.child_traceback
+    assert elapsed < 60
+    _next_launch_works()
+
+
+def test_runtime_worker_sigkilled_mid_forward(no_leftovers):
+    rt = TPRuntime(SMALL, world_size=2, backend="gloo", timeout=60, verbose=False)
+    pids = rt.pids
+    good = rt.forward(BATCH)
+    assert good.all_reduce_counts == [16, 16]
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        rt.forward(BATCH, fault=Fault("sigkill", rank=1, layer=3))
+    elapsed = time.monotonic() - t0
+    err = info.value
+    print(f"\nSIGKILL on rank 1 -> {type(err).__name__} after {elapsed:.1f} s: {str(err)[:160]}")
+    assert err.rank == 1 and err.exitcode == -9 and "killed by signal SIGKILL" in str(err)
+    assert elapsed < 15  # detected from the process sentinel, not from the 60 s deadline
+    assert rt.closed and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                 for p in pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        rt.forward(BATCH)
+    _next_launch_works()
+
+
+def test_runtime_hung_worker_times_out(no_leftovers):
+    with TPRuntime(SMALL, world_size=2, backend="gloo", timeout=60, verbose=False) as rt:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeout) as info:
+            rt.forward(BATCH, fault=Fault("hang", rank=1, layer=5), timeout=3)
+        elapsed = time.monotonic() - t0
+        print(f"\nhang on rank 1 -> {type(info.value).__name__} after {elapsed:.1f} s: {info.value}")
+        # rank 1 sleeps; rank 0 waits in layer 5's all-reduce for it: neither answers
+        assert info.value.ranks == [0, 1] and "within 3 s" in str(info.value)
+        assert 3 <= elapsed < 3 + 10
+        assert rt.closed
+    _next_launch_works()
+
+
+def test_fault_arguments_are_checked():
+    with pytest.raises(ValueError, match="Fault.kind must be 'raise', 'sigkill' or 'hang', got 'segfault'"):
+        Fault("segfault")
