@@ -23,7 +23,8 @@ def hf_config(cfg: ModelConfig):
         raise ValueError(f"GPT-2 needs n_heads*d_head == d_model, got {cfg.n_heads}*{cfg.d_head} != {cfg.d_model}")
     return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_position, n_embd=cfg.d_model,
                       n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.d_ffn, activation_function="gelu_new",
-                      layer_norm_epsilon=cfg.layer_norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                      layer_norm_epsilon=cfg.layer_norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                      bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1)  # GPT-2: 50256
 
 
 def make_hf_gpt2(cfg: ModelConfig, attn_implementation: str = "sdpa", seed: int = 0):

@@ -1,0 +1,161 @@
+"""flops.py against independent counts: brute-force masks, the score tensors the backends
+really build, and torch.utils.flop_counter.FlopCounterMode (claims C8, C9, C10, C13, C14, C15)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from lessons_lib.attention import block_diag_mask, varlen_attention
+from lessons_lib.batch import pack, pad, seq_lens_to_cu_seqlens
+from lessons_lib.config import ModelConfig
+from lessons_lib.flops import (attention_cells, decode_attention_intensity, executed_tokens, forward_flops,
+                               linear_flops_per_token, linear_intensity)
+from lessons_lib.model import Transformer
+
+
+def _brute_force(lens, causal):
+    """(masked computed, useful, padded computed) counted from tensors, not formulas."""
+    mask = block_diag_mask(seq_lens_to_cu_seqlens(lens), causal=causal)  # [T, T]
+    _, pad_mask = pad([[0] * n for n in lens])                           # [R, Lmax]
+    return mask.numel(), int(mask.sum()), pad_mask.shape[0] * pad_mask.shape[1] ** 2
+
+
+def _softmax_cells(lens, backend, heads=1):
+    """Score cells per head a backend really builds: the numel of its softmax inputs."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lens), heads, 4, generator=g) for _ in range(3))
+    seen = []
+    real = torch.Tensor.softmax
+
+    def spy(self, *a, **kw):
+        seen.append(self.numel())
+        return real(self, *a, **kw)
+
+    torch.Tensor.softmax = spy
+    try:
+        varlen_attention(q, k, v, seq_lens_to_cu_seqlens(lens), causal=False, backend=backend)
+    finally:
+        torch.Tensor.softmax = real
+    return sum(seen) // heads
+
+
+def test_c8_masked_counts_a10_b30_computed_1600_useful_1000_wasted_600():
+    cells = attention_cells([10, 30], "masked")
+    computed, useful, _ = _brute_force([10, 30], causal=False)
+    assert (computed, useful) == (1600, 1000)
+    assert (cells.computed, cells.useful, cells.wasted) == (computed, useful, computed - useful) == (1600, 1000, 600)
+    assert _softmax_cells([10, 30], "masked") == 1600
+    causal = attention_cells([10, 30], "masked", causal=True)  # the lower triangles only: 55 + 465
+    assert causal.useful == _brute_force([10, 30], causal=True)[1] == 520 and causal.computed == 1600
+
+
+LENS_SETS = [[10, 30], [1], [1, 1, 1], [7, 3, 64, 1, 1, 20], [5] * 9, [100, 1]]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lens", LENS_SETS, ids=str)
+def test_attention_cells_match_brute_force_mask_counts(lens, causal):
+    masked_computed, useful, padded_computed = _brute_force(lens, causal)
+    for method, computed in (("masked", masked_computed), ("padded", padded_computed), ("varlen", useful)):
+        cells = attention_cells(lens, method, causal=causal)
+        assert (cells.computed, cells.useful, cells.wasted) == (computed, useful, computed - useful), method
+
+
+@pytest.mark.parametrize("lens", LENS_SETS, ids=str)
+def test_attention_cells_match_the_score_tensors_backends_build(lens):
+    """Non-causal: what loop / masked / padded materialise is exactly what flops.py says they
+    compute. (Causal: flops.py counts varlen as the triangles a real kernel like FlashAttention
+    visits; our loop builds the full L_i x L_i squares and masks them, so causal is not compared here.)"""
+    for backend, method in (("loop", "varlen"), ("masked", "masked"), ("padded", "padded")):
+        assert _softmax_cells(lens, backend, heads=2) == attention_cells(lens, method).computed, backend
+
+
+@pytest.mark.parametrize("r", [1, 2, 4, 8])
+@pytest.mark.parametrize("l", [1, 4, 16])
+def test_c9_masked_computes_rl_squared_needs_r_l_squared(r, l):
+    cells = attention_cells([l] * r, "masked")
+    computed, useful, _ = _brute_force([l] * r, causal=False)
+    assert cells.computed == computed == (r * l) ** 2 and cells.useful == useful == r * l * l
+    assert cells.wasted == r * (r - 1) * l * l  # waste/useful = R - 1: quadratic vs linear in R
+
+
+def test_c10_varlen_computes_1000_with_no_waste():
+    cells = attention_cells([10, 30], "varlen")
+    assert (cells.computed, cells.useful, cells.wasted) == (1000, 1000, 0)
+    assert _softmax_cells([10, 30], "loop") == 1000  # each request's own [L_i x L_i], nothing else
+
+
+def test_c14_same_1000_tokens_1x1000_is_10x_the_attention_of_10x100():
+    long, short = attention_cells([1000], "varlen"), attention_cells([100] * 10, "varlen")
+    assert (long.computed, short.computed) == (10**6, 10**5)
+    assert (_softmax_cells([1000], "loop"), _softmax_cells([100] * 10, "loop")) == (10**6, 10**5)
+    cfg = ModelConfig()
+    f_long, f_short = forward_flops(cfg, [1000]), forward_flops(cfg, [100] * 10)
+    assert f_long.linear == f_short.linear  # same 1000 tokens through the same weights
+    assert f_long.attention == 10 * f_short.attention
+    # The bottleneck moves: attention overtakes the linear layers once a request's length L
+    # satisfies n_layers * n_heads * 4 * d_head * L^2 > L * linear_flops_per_token.
+    crossover = linear_flops_per_token(cfg) / (cfg.n_layers * cfg.n_heads * 4 * cfg.d_head)
+    assert 1000 < crossover < 10_000
+    assert forward_flops(cfg, [10_000]).dominant == "attention" and f_short.dominant == "linear"
+
+
+def _counted(fn):
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return {str(op).removeprefix("aten."): n for op, n in counter.get_flop_counts()["Global"].items()}
+
+
+@pytest.mark.parametrize("backend,method", [("loop", "varlen"), ("masked", "masked"), ("padded", "padded")])
+def test_forward_flops_matches_flop_counter_mode(backend, method, tiny_cfg):
+    """FlopCounterMode counts 2*m*k*n per matrix product (mm, addmm, bmm, ...) and nothing else:
+    no softmax, LayerNorm, GeLU, residual adds or embedding lookups, the same convention as
+    flops.py. Linear layers appear as addmm (with bias) / mm (row-parallel, bias added after
+    the all-reduce); attention as bmm (Q K^T and P V). The SDPA backend's fused CPU kernel is not
+    in FlopCounterMode's table, which is why the matmul backends are the ones counted."""
+    lens = [10, 30, 7, 1]
+    model = Transformer(tiny_cfg, seed=0)
+    reqs = [[1] * n for n in lens]
+    counts = _counted(lambda: model(pack(reqs), attn_backend=backend))
+    # The flat forward runs its linear layers on the T flat rows whatever the attention backend
+    # (even "padded" pads only inside attention); causal=False: these backends build whole squares.
+    assert counts["addmm"] + counts["mm"] == forward_flops(tiny_cfg, lens, "varlen").linear
+    assert counts["bmm"] == forward_flops(tiny_cfg, lens, method).attention
+    assert set(counts) <= {"addmm", "mm", "bmm"}
+
+
+def test_forward_flops_padded_forward_counts_pad_rows(tiny_cfg):
+    lens = [10, 30, 7, 1]
+    model = Transformer(tiny_cfg, seed=0)
+    ids, mask = pad([[1] * n for n in lens])
+    counts = _counted(lambda: model.forward_padded(ids, mask))
+    want = forward_flops(tiny_cfg, lens, "padded")
+    assert executed_tokens(lens, "padded") == ids.numel() == 4 * 30
+    assert counts["addmm"] + counts["mm"] == want.linear and counts["bmm"] == want.attention
+    useful = forward_flops(tiny_cfg, lens, "padded", useful_only=True)
+    assert useful.linear == sum(lens) * linear_flops_per_token(tiny_cfg)
+    assert useful.attention == tiny_cfg.n_layers * tiny_cfg.n_heads * 4 * tiny_cfg.d_head * sum(n * n for n in lens)
+
+
+@pytest.mark.parametrize("tokens", [1, 10, 40, 1000, 100_000])
+def test_c13_linear_intensity_is_flops_over_bytes_and_grows_with_tokens(tokens):
+    d_in, d_out = 512, 2048
+    x, w = torch.empty(tokens, d_in, device="meta"), torch.empty(d_out, d_in, device="meta")
+    flops = _counted(lambda: F.linear(x, w))["mm"]
+    bytes_moved = 4 * (w.numel() + x.numel() + tokens * d_out)  # read W once, read X, write Y (fp32)
+    assert linear_intensity(tokens, d_in, d_out) == pytest.approx(flops / bytes_moved, rel=1e-12)
+    if tokens > 1:
+        assert linear_intensity(tokens, d_in, d_out) > linear_intensity(tokens // 10 or 1, d_in, d_out)
+    assert linear_intensity(tokens, d_in, d_out) < 2 * d_in * d_out / (4 * (d_in + d_out))  # saturation
+
+
+@pytest.mark.parametrize("kv_len", [16, 1024, 32_768])
+def test_c15_decode_attention_intensity_is_about_1_flop_per_byte(kv_len):
+    q, k = torch.empty(1, 64, device="meta"), torch.empty(kv_len, 64, device="meta")
+    flops = _counted(lambda: q @ k.T)["mm"]
+    bytes_moved = 2 * (k.numel() + q.numel() + kv_len)  # bf16: read K and q, write the scores
+    got = decode_attention_intensity(kv_len, 64)
+    assert got == pytest.approx(flops / bytes_moved, rel=1e-12)
+    assert 0.7 < got < 1.0 and math.isclose(got, 1.0, rel_tol=0.3)
