@@ -1,0 +1,75 @@
+"""figures: one command writes every lesson figure, byte for byte the same on every run."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from matplotlib.figure import Figure
+
+from lessons_lib import figures
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_figures_command_is_byte_for_byte_reproducible(tmp_path):
+    a = figures.write(out_dir=tmp_path / "a")
+    b = figures.write(out_dir=tmp_path / "b")
+    assert [p.name for p in a] == [f"{n}.png" for n in sorted(figures.REGISTRY)]
+    for pa, pb in zip(a, b):
+        data = pa.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        assert data == pb.read_bytes(), f"{pa.name} differs between two runs"
+        assert b"Software" not in data  # no matplotlib version in the file
+
+
+def test_every_registered_figure_is_committed_and_every_committed_figure_is_registered():
+    committed = {p.stem for p in (ROOT / "figures").glob("*.png")}
+    assert set(figures.REGISTRY) <= committed, f"run `make figures`: missing {sorted(set(figures.REGISTRY) - committed)}"
+    assert committed <= set(figures.REGISTRY), f"stale files in figures/: {sorted(committed - set(figures.REGISTRY))}"
+
+
+def test_registry_names_match_their_lessons_notebooks():
+    for spec in figures.REGISTRY.values():
+        assert spec.name.startswith(spec.lesson + "_")
+        assert list((ROOT / "notebooks").glob(f"{spec.lesson}_*.ipynb")), f"no notebook for lesson {spec.lesson}"
+
+
+def test_notebooks_show_only_registered_figures_of_their_own_lesson():
+    shown = 0
+    for nb_path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb_path.read_text())["cells"]
+        for name in re.findall(r'figures\.show\("([^"]+)"\)', "\n".join("".join(c["source"]) for c in cells)):
+            assert name in figures.REGISTRY, f"{nb_path.name} shows unregistered figure {name!r}"
+            assert name.startswith(nb_path.name[:2] + "_"), f"{nb_path.name} shows another lesson's figure {name!r}"
+            shown += 1
+    assert shown >= len([s for s in figures.REGISTRY.values() if s.lesson in ("01", "02", "03", "05")])
+
+
+def test_build_render_and_show_agree():
+    fig = figures.build("01_token_strip")
+    assert isinstance(fig, Figure)
+    png = figures.render("01_token_strip")
+    assert figures.show("01_token_strip").data == png
+
+
+def test_register_validates_names_and_duplicates():
+    with pytest.raises(ValueError, match="NN_what"):
+        figures.register("TokenStrip", lesson="01", caption="")
+    with pytest.raises(ValueError, match="lesson number"):
+        figures.register("02_strip", lesson="01", caption="")
+    with pytest.raises(ValueError, match="twice"):
+        figures.register("01_token_strip", lesson="01", caption="")(lambda: Figure())
+    with pytest.raises(ValueError, match="unknown figure"):
+        figures.build("99_nothing")
+
+
+def test_main_lists_and_writes_only_what_is_asked(tmp_path, capsys):
+    assert figures.main(["--list"]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in figures.REGISTRY)
+    assert figures.main(["--out", str(tmp_path), "--only", "03_attention_patterns"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["03_attention_patterns.png"]
+    with pytest.raises(ValueError, match="unknown figure"):
+        figures.main(["--out", str(tmp_path), "--only", "03_nothing"])
