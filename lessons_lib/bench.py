@@ -1,0 +1,550 @@
+"""One benchmark command: varlen against padding, masking and Hugging Face, on the same requests.
+
+    python3 -m lessons_lib.bench            # full run (a few minutes on 2 cores) -> bench/results/
+    python3 -m lessons_lib.bench --quick    # tiny config smoke run (seconds)
+
+In ONE process, with ONE set of weights (a Hugging Face ``GPT2Model`` converted with
+``hf.full_weights_from_hf``) and the SAME requests per workload, it times:
+
+1. ``varlen``            our engine, flat batch, per-request SDPA (the best CPU backend)
+2. ``masked``            our engine, flat batch, full ``[T, T]`` scores + block-diagonal mask
+3. ``padded``            our engine, each batch right-padded to its longest request
+4. ``hf_padded``         HF ``GPT2Model`` (sdpa), the same batches padded + ``attention_mask``
+5. ``hf_one_at_a_time``  HF, one request per forward (no padding, no batching)
+6. ``hf_packed``         HF, each batch packed into one row with ``position_ids`` restarting
+                         per request (transformers derives a block-diagonal mask from them)
+
+Every method's last-token hidden states are checked against varlen's. Reported per method:
+tokens/s, speedup of varlen (``time(method) / time(varlen)``), the speedup the FLOP counts
+predict (``executed FLOPs(method) / executed FLOPs(varlen)``), that prediction minus the
+measured per-request loop overhead of varlen, and efficiency = useful FLOPs / (time × GEMM
+peak), the peak being a ``[T × d_model] @ [d_model × d_ffn]`` fp32 matmul timed in this run
+(fastest of all samples, so the efficiency is the conservative one).
+
+Also: 1,000 requests of 4 tokens (the per-request loop overhead, measured as varlen minus
+padded: for equal lengths padding adds no work, so the difference is the loop), and two
+attention-only sweeps of masked vs varlen, time and peak bytes: R requests of fixed L (C9)
+and fixed total tokens split into R requests (C14).
+
+Writes ``bench.json`` (schema ``lessons_lib.bench/1``) and PNG plots. Timings are measured
+and vary run to run; tests check the JSON's structure and arithmetic, never a timing.
+
+Taught in notebooks/06_prefill_engine.ipynb.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config import ModelConfig
+from .engine import Engine, Scheduler, Request
+from .flops import attention_cells, forward_flops
+from .profile import measure_attention
+from .workloads import fixed_total_mixes, make_requests, workload_lengths
+
+SCHEMA = "lessons_lib.bench/1"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "bench" / "results"
+METHODS = ("varlen", "masked", "padded", "hf_padded", "hf_one_at_a_time", "hf_packed")
+# Which engine method's FLOP accounting each HF run matches (what it executes).
+FLOP_METHOD = {"varlen": "varlen", "masked": "masked", "padded": "padded", "hf_padded": "padded",
+               "hf_one_at_a_time": "varlen", "hf_packed": "masked"}
+TARGET_EFFICIENCY = 0.6
+
+
+@dataclass
+class Plan:
+    """Sizes of one benchmark run."""
+
+    cfg: ModelConfig
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    workloads: dict            # name -> (n, generator kwargs)
+    repeats: int               # timed runs per method (fastest kept); slow methods run once
+    slow_s: float              # a method whose first run takes longer than this is not repeated
+    tiny: tuple                # (num_requests, tokens each) for the loop-overhead run
+    sweep_len: int             # C9: fixed L
+    sweep_rs: list             # C9: numbers of requests
+    sweep_total: int           # C14: fixed total tokens
+    sweep_mix_rs: list         # C14: numbers of requests sharing the total
+    max_padded_bytes: int      # skip a padded run whose [R, H, Lmax, Lmax] scores would exceed this
+    seed: int = 0
+    quick: bool = False
+
+
+def full_plan() -> Plan:
+    """The article's model (8 layers, d_model 512, 8 heads, FFN 2048), fp32, TP=1, 2-core sized."""
+    return Plan(cfg=ModelConfig(tp_size=1), max_num_batched_tokens=4096, max_num_seqs=16,
+                workloads={"constant": (16, dict(length=256)),
+                           "uniform": (16, dict(low=16, high=1024)),
+                           "long-tail": (40, dict(median=128, sigma=1.0, max_len=2048)),
+                           # the article's "50-token question beside a draft"; draft 2,000 not 5,000
+                           # so that the padded runs fit this machine's memory and minutes
+                           "bimodal": (32, dict(short=50, long=2000, p_long=0.1))},
+                repeats=3, slow_s=10.0, tiny=(1000, 4), sweep_len=256, sweep_rs=[1, 2, 4, 8, 16],
+                sweep_total=4096, sweep_mix_rs=[1, 4, 16, 64, 256], max_padded_bytes=3 << 30)
+
+
+def quick_plan() -> Plan:
+    """A smoke run on a tiny model: every code path, a few seconds."""
+    cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=1000,
+                      max_position=512, tp_size=1)
+    return Plan(cfg=cfg, max_num_batched_tokens=256, max_num_seqs=8,
+                workloads={"constant": (6, dict(length=16)), "uniform": (6, dict(low=2, high=40)),
+                           "long-tail": (12, dict(median=12, sigma=1.0, max_len=120)),
+                           "bimodal": (10, dict(short=5, long=100, p_long=0.2))},
+                repeats=1, slow_s=1.0, tiny=(50, 4), sweep_len=16, sweep_rs=[1, 2, 4], sweep_total=64,
+                sweep_mix_rs=[1, 4, 16], max_padded_bytes=1 << 28, quick=True)
+
+
+# ---- measurement helpers ---------------------------------------------------------------------
+def gemm_peak(tokens: int, d_in: int, d_out: int, repeats: int = 10) -> float:
+    """FLOP/s of the fastest of ``repeats`` fp32 ``[tokens × d_in] @ [d_in × d_out]`` matmuls."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(tokens, d_in, generator=g), torch.randn(d_in, d_out, generator=g)
+    out = torch.empty(tokens, d_out)
+    torch.mm(a, b, out=out)  # warm-up: threads, first-touch pages
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * tokens * d_in * d_out / best
+
+
+def _read_status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def measure_peak_rss(fn):
+    """Run ``fn()``; return ``(its result, peak RSS above the RSS at the start, in bytes)``.
+
+    Linux: resets the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``) and reads
+    ``VmHWM`` afterwards, so earlier peaks of this process do not count. Elsewhere: samples
+    RSS every 2 ms in a thread (psutil), which can miss a short spike.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _read_status_kib("VmRSS")
+        result = fn()
+        return result, max(0, _read_status_kib("VmHWM") - base) * 1024
+    except OSError:
+        import threading
+
+        import psutil
+        proc, stop, peak = psutil.Process(), threading.Event(), [0]
+        base = proc.memory_info().rss
+
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], proc.memory_info().rss)
+                time.sleep(0.002)
+
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        try:
+            result = fn()
+        finally:
+            stop.set()
+            th.join()
+        return result, max(0, max(peak[0], proc.memory_info().rss) - base)
+
+
+def machine_info() -> dict:
+    model = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    import transformers
+    return {"cpu": model, "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "platform": platform.platform(), "dtype": "float32", "device": "cpu"}
+
+
+# ---- the six ways to run one workload -------------------------------------------------------
+def plan_batches(lengths: list[int], max_num_batched_tokens: int, max_num_seqs: int) -> list[list[int]]:
+    """Request indices per batch, exactly as the engine's FCFS scheduler forms them."""
+    s = Scheduler(max_num_batched_tokens, max_num_seqs)
+    for i, n in enumerate(lengths):
+        s.add(Request(i, [0] * n))
+    out = []
+    while s.has_unfinished():
+        out.append([r.request_id for r in s.schedule()])
+    return out
+
+
+def _engine_runner(plan: Plan, weights, method: str, reqs):
+    eng = Engine(plan.cfg, weights=weights, method=method, compute_logits=False, progress=False,
+                 max_num_batched_tokens=plan.max_num_batched_tokens, max_num_seqs=plan.max_num_seqs)
+
+    def run():
+        return torch.stack([o.last_hidden for o in eng.prefill(reqs)])  # [R, d]
+    return run
+
+
+@torch.no_grad()
+def _hf_runner(hf, method: str, reqs, batches):
+    ids = [torch.tensor(r, dtype=torch.int64) for r in reqs]
+
+    def padded():
+        out = []
+        for b in batches:
+            lens = [len(ids[i]) for i in b]
+            x = torch.zeros(len(b), max(lens), dtype=torch.int64)
+            mask = torch.zeros_like(x)
+            for j, i in enumerate(b):
+                x[j, :lens[j]], mask[j, :lens[j]] = ids[i], 1  # right padding: default positions are right
+            h = hf(input_ids=x, attention_mask=mask, use_cache=False).last_hidden_state
+            out += [h[j, lens[j] - 1] for j in range(len(b))]
+        return torch.stack(out)
+
+    def one_at_a_time():
+        return torch.stack([hf(input_ids=t[None], use_cache=False).last_hidden_state[0, -1] for t in ids])
+
+    def packed():
+        out = []
+        for b in batches:
+            x = torch.cat([ids[i] for i in b])[None]                                  # [1, T]
+            pos = torch.cat([torch.arange(len(ids[i])) for i in b])[None]              # restarts per request
+            h = hf(input_ids=x, position_ids=pos, use_cache=False).last_hidden_state[0]  # [T, d]
+            ends = torch.cumsum(torch.tensor([len(ids[i]) for i in b]), 0) - 1
+            out += list(h[ends])
+        return torch.stack(out)
+
+    return {"hf_padded": padded, "hf_one_at_a_time": one_at_a_time, "hf_packed": packed}[method]
+
+
+def hf_packed_support(hf, cfg: ModelConfig) -> dict:
+    """Does this transformers version run packed sequences (restarting position_ids) correctly on CPU?"""
+    import transformers
+    reqs = make_requests([5, 9, 3], cfg.vocab_size, seed=7)
+    try:
+        with torch.no_grad():
+            flat = torch.tensor(sum(reqs, []))[None]
+            pos = torch.cat([torch.arange(len(r)) for r in reqs])[None]
+            packed = hf(input_ids=flat, position_ids=pos, use_cache=False).last_hidden_state[0]
+            alone = torch.cat([hf(input_ids=torch.tensor(r)[None], use_cache=False).last_hidden_state[0] for r in reqs])
+        diff = (packed - alone).abs().max().item()
+    except Exception as exc:  # an older transformers, or an attention implementation without packing
+        return {"supported": False, "why": f"{type(exc).__name__}: {exc}"[:300]}
+    ok = diff < 1e-4
+    return {"supported": ok, "max_abs_diff_vs_separate": diff,
+            "why": (f"transformers {transformers.__version__} with attn_implementation='sdpa' finds the request "
+                    "starts where position_ids restart (masking_utils.find_packed_sequence_indices) and builds a "
+                    "block-diagonal causal mask over the whole [T, T]: masked-style work. The varlen path "
+                    "(cu_seq_lens to flash_attn_varlen_func) needs attn_implementation='flash_attention_2', "
+                    "CUDA only.") if ok else f"packed output differs from separate forwards by {diff:.3e}"}
+
+
+def padded_score_bytes(cfg: ModelConfig, batches_lens: list[list[int]]) -> int:
+    """Bytes of the largest ``[R, H, Lmax, Lmax]`` fp32 score tensor our padded attention makes."""
+    return max(len(b) * cfg.n_heads * max(b) ** 2 * 4 for b in batches_lens)
+
+
+def bench_workload(plan: Plan, weights, hf, name: str, lengths: list[int], peaks: list[float],
+                   methods=METHODS, log=print) -> dict:
+    """Time every method on one workload; return its JSON record."""
+    cfg = plan.cfg
+    reqs = make_requests(lengths, cfg.vocab_size, seed=plan.seed + 1)
+    batches = plan_batches(lengths, plan.max_num_batched_tokens, plan.max_num_seqs)
+    blens = [[lengths[i] for i in b] for b in batches]
+    runners, skipped = {}, {}
+    for m in methods:
+        if m in ("padded",) and padded_score_bytes(cfg, blens) > plan.max_padded_bytes:
+            skipped[m] = (f"skipped: the [R, H, Lmax, Lmax] scores would need "
+                          f"{padded_score_bytes(cfg, blens) / 2**30:.1f} GiB (limit {plan.max_padded_bytes / 2**30:.1f})")
+            continue
+        runners[m] = _engine_runner(plan, weights, m, reqs) if m in ("varlen", "masked", "padded") \
+            else _hf_runner(hf, m, reqs, batches)
+    times = {m: [] for m in runners}
+    outs = {}
+    for rep in range(plan.repeats):
+        peaks.append(gemm_peak(plan.max_num_batched_tokens, cfg.d_model, cfg.d_ffn))
+        for m, run in runners.items():
+            if rep and times[m][0] > plan.slow_s:
+                continue  # slow baselines: one run is plenty to see the gap
+            t0 = time.perf_counter()
+            outs[m] = run()
+            times[m].append(time.perf_counter() - t0)
+    useful = forward_flops(cfg, lengths, "varlen", causal=True, useful_only=True).total
+    executed = {m: (sum(forward_flops(cfg, b, FLOP_METHOD[m], causal=True).total for b in blens)
+                    if m != "hf_one_at_a_time" else forward_flops(cfg, lengths, "varlen", causal=True).total)
+                for m in METHODS}
+    peak = max(peaks)
+    rec = {"num_requests": len(lengths), "num_tokens": sum(lengths), "min_len": min(lengths),
+           "median_len": statistics.median(lengths), "max_len": max(lengths), "num_batches": len(batches),
+           "batch_tokens": [sum(b) for b in blens], "batch_seqs": [len(b) for b in blens],
+           "flops_useful": useful, "methods": {}}
+    t_var = min(times["varlen"])
+    for m in METHODS:
+        if m not in runners:
+            rec["methods"][m] = {"skipped": skipped.get(m, "not run")}
+            continue
+        t = min(times[m])
+        rec["methods"][m] = {
+            "time_s": t, "times_s": times[m], "tokens_per_s": sum(lengths) / t,
+            "flops_executed": executed[m], "efficiency": useful / (t * peak),
+            "speedup_of_varlen": t / t_var, "predicted_speedup": executed[m] / executed["varlen"],
+            "max_abs_diff_vs_varlen": (outs[m] - outs["varlen"]).abs().max().item()}
+    log(_table(name, rec))
+    return rec
+
+
+def _table(name: str, rec: dict) -> str:
+    lines = [f"\n{name}: {rec['num_requests']} requests, {rec['num_tokens']} tokens (median {rec['median_len']}, "
+             f"max {rec['max_len']}), {rec['num_batches']} batches",
+             f"  {'method':<17}{'time s':>9}{'tok/s':>10}{'varlen x':>10}{'FLOPs pred':>11}{'eff':>7}{'|diff|':>10}"]
+    for m, r in rec["methods"].items():
+        if "skipped" in r:
+            lines.append(f"  {m:<17}{r['skipped']}")
+            continue
+        lines.append(f"  {m:<17}{r['time_s']:>9.3f}{r['tokens_per_s']:>10.0f}{r['speedup_of_varlen']:>10.2f}"
+                     f"{r['predicted_speedup']:>11.2f}{r['efficiency']:>7.2f}{r['max_abs_diff_vs_varlen']:>10.1e}")
+    return "\n".join(lines)
+
+
+def bench_tiny(plan: Plan, weights, peaks: list[float], log=print) -> dict:
+    """``n`` requests of ``L`` tokens in ONE batch: varlen's per-request loop against padded
+    (equal lengths: padded does exactly the same FLOPs with one batched attention call)."""
+    n, length = plan.tiny
+    cfg = plan.cfg
+    reqs = make_requests([length] * n, cfg.vocab_size, seed=plan.seed + 2)
+    rec = {"num_requests": n, "tokens_each": length, "methods": {}}
+    for m in ("varlen", "padded", "masked"):
+        eng = Engine(cfg, weights=weights, method=m, compute_logits=False, progress=False,
+                     max_num_batched_tokens=max(n * length, 1), max_num_seqs=n)
+        eng.prefill(reqs[:2])  # warm-up
+        best = float("inf")
+        for _ in range(max(plan.repeats, 2)):
+            t0 = time.perf_counter()
+            eng.prefill(reqs)
+            best = min(best, time.perf_counter() - t0)
+        rec["methods"][m] = {"time_s": best, "tokens_per_s": n * length / best}
+    peaks.append(gemm_peak(plan.max_num_batched_tokens, cfg.d_model, cfg.d_ffn))
+    useful = forward_flops(cfg, [length] * n, "varlen", causal=True, useful_only=True).total
+    for r in rec["methods"].values():
+        r["efficiency"] = useful / (r["time_s"] * max(peaks))
+    loop = rec["methods"]["varlen"]["time_s"] - rec["methods"]["padded"]["time_s"]
+    rec["loop_overhead_s_per_request"] = max(loop, 0.0) / n
+    rec["loop_overhead_s_per_request_per_layer"] = rec["loop_overhead_s_per_request"] / cfg.n_layers
+    log(f"\n{n} requests x {length} tokens, one batch: " + ", ".join(
+        f"{m} {r['time_s']:.3f} s" for m, r in rec["methods"].items())
+        + f"; varlen loop overhead {rec['loop_overhead_s_per_request'] * 1e6:.0f} us per request "
+          f"({rec['loop_overhead_s_per_request_per_layer'] * 1e6:.1f} us per request per layer)")
+    return rec
+
+
+def sweeps(plan: Plan, log=print) -> dict:
+    """Attention only (random q, k, v; causal; fastest of N; peak bytes from the allocator)."""
+    cfg, out = plan.cfg, {}
+    cases = {"c9": ("R requests of L tokens", {r: [plan.sweep_len] * r for r in plan.sweep_rs}),
+             "c14": (f"{plan.sweep_total} tokens split into R requests", fixed_total_mixes(plan.sweep_total,
+                                                                                        plan.sweep_mix_rs))}
+    for key, (what, mixes) in cases.items():
+        points = []
+        for r, lens in mixes.items():
+            p = {"R": r, "L": lens[0], "tokens": sum(lens)}
+            for label, backend in (("masked", "masked"), ("varlen", "auto")):
+                run = measure_attention(lens, backend, cfg.n_heads, cfg.d_head, causal=True, repeats=2)
+                p[f"{label}_s"], p[f"{label}_peak_bytes"] = run.seconds, run.peak_bytes
+                p[f"{label}_cells"] = attention_cells(lens, label, causal=True).computed
+            points.append(p)
+        out[key] = {"what": what, "points": points}
+        log(f"\n{key.upper()} sweep ({what}), attention only, one layer, {cfg.n_heads} heads:")
+        for p in points:
+            log(f"  R={p['R']:>4} L={p['L']:>5}: masked {p['masked_s'] * 1e3:8.1f} ms {p['masked_peak_bytes'] / 2**20:8.1f} MiB"
+                f" | varlen {p['varlen_s'] * 1e3:8.1f} ms {p['varlen_peak_bytes'] / 2**20:8.1f} MiB")
+    return out
+
+
+def checks(result: dict) -> dict:
+    """The issue's must-show comparisons, from the measured numbers in ``result``."""
+    out = {}
+    c_req = result["tiny_requests"]["loop_overhead_s_per_request"]
+    for name in ("long-tail", "bimodal"):
+        w = result["workloads"].get(name)
+        if not w:
+            continue
+        var = w["methods"]["varlen"]
+        overhead = min(c_req * w["num_requests"] / var["time_s"], 1.0)
+        rows = {}
+        for m in ("padded", "masked"):
+            r = w["methods"][m]
+            if "skipped" in r:
+                continue
+            need = r["predicted_speedup"] * (1 - overhead)
+            rows[f"varlen_vs_{m}"] = {"predicted_by_flops": r["predicted_speedup"], "varlen_loop_overhead_fraction": overhead,
+                                      "required": need, "measured": r["speedup_of_varlen"],
+                                      "holds": r["speedup_of_varlen"] >= need}
+        hf1 = w["methods"]["hf_one_at_a_time"]
+        if "skipped" not in hf1:
+            rows["varlen_vs_hf_one_at_a_time"] = {"required": 1.0, "measured": hf1["speedup_of_varlen"],
+                                                  "holds": hf1["speedup_of_varlen"] >= 1.0}
+        out[name] = rows
+    if "long-tail" in result["workloads"]:
+        eff = result["workloads"]["long-tail"]["methods"]["varlen"]["efficiency"]
+        out["efficiency_long_tail"] = {"value": eff, "target": TARGET_EFFICIENCY, "holds": eff >= TARGET_EFFICIENCY}
+    return out
+
+
+# ---- plots -------------------------------------------------------------------------------------
+def write_plots(result: dict, out_dir: pathlib.Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from .viz import measured_series, to_png
+
+    files = {}
+    names = [n for n in result["workloads"]]
+    fig = Figure(figsize=(9, 3.8))
+    ax = fig.add_subplot()
+    width = 0.8 / (len(METHODS) - 1)
+    for k, m in enumerate(METHODS[1:]):
+        xs, ys, preds = [], [], []
+        for i, n in enumerate(names):
+            r = result["workloads"][n]["methods"][m]
+            if "skipped" in r:
+                continue
+            xs.append(i + (k - (len(METHODS) - 2) / 2) * width)
+            ys.append(r["speedup_of_varlen"])
+            preds.append(r["predicted_speedup"])
+        ax.bar(xs, ys, width=width * 0.95, label=m)
+        ax.plot(xs, preds, "k_", markersize=10)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("time / varlen time (log)")
+    ax.set_title("How much slower than varlen (bars: measured; black ticks: FLOP-count prediction)", fontsize=9)
+    ax.legend(fontsize=7, frameon=False, ncol=3)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.1, top=0.9)
+    files["methods_speedup.png"] = to_png(fig)
+
+    fig = Figure(figsize=(9, 3.4))
+    ax = fig.add_subplot()
+    for k, m in enumerate(METHODS):
+        xs, ys = [], []
+        for i, n in enumerate(names):
+            r = result["workloads"][n]["methods"][m]
+            if "skipped" not in r:
+                xs.append(i + (k - (len(METHODS) - 1) / 2) * (0.8 / len(METHODS)))
+                ys.append(r["efficiency"])
+        ax.bar(xs, ys, width=0.8 / len(METHODS) * 0.95, label=m)
+    ax.axhline(TARGET_EFFICIENCY, color="gray", ls="--", lw=0.8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("useful FLOPs / (time x GEMM peak)")
+    ax.set_title(f"Efficiency against the measured fp32 GEMM peak ({result['gemm_peak']['flops_per_s'] / 1e9:.0f} GFLOP/s)",
+                 fontsize=9)
+    ax.legend(fontsize=7, frameon=False, ncol=3)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.1, top=0.9)
+    files["efficiency.png"] = to_png(fig)
+
+    for key, sweep in result["sweeps"].items():
+        pts = sweep["points"]
+        rs = [p["R"] for p in pts]
+        for what, unit, scale in (("s", "ms", 1e3), ("peak_bytes", "MiB", 1 / 2**20)):
+            series = {m: [max(p[f"{m}_{what}"] * scale, 1e-3) for p in pts] for m in ("masked", "varlen")}
+            label = "time" if what == "s" else "peak memory"
+            fig = measured_series(rs, series, f"R ({sweep['what']})", f"{label} ({unit})",
+                                  f"{key.upper()}: attention {label}, masked vs varlen (measured)")
+            files[f"{key}_{'time' if what == 's' else 'memory'}.png"] = to_png(fig)
+    for fname, data in files.items():
+        (out_dir / fname).write_bytes(data)
+    return sorted(files)
+
+
+# ---- main ----------------------------------------------------------------------------------------
+def run(plan: Plan, out_dir: pathlib.Path, command: str, workloads=None, methods=METHODS, do_sweeps=True,
+        log=print) -> dict:
+    from .hf import full_weights_from_hf, make_hf_gpt2
+
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    cfg = plan.cfg
+    hf = make_hf_gpt2(cfg, attn_implementation="sdpa", seed=plan.seed)
+    weights = full_weights_from_hf(hf.state_dict(), cfg.n_layers)  # one set of weights for all six runs
+    peaks = [gemm_peak(plan.max_num_batched_tokens, cfg.d_model, cfg.d_ffn)]
+    result = {"schema": SCHEMA, "command": command, "quick": plan.quick, "machine": machine_info(),
+              "config": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(cfg).items()},
+              "scheduler": {"max_num_batched_tokens": plan.max_num_batched_tokens, "max_num_seqs": plan.max_num_seqs,
+                            "policy": "FCFS, each request whole (S3)"},
+              "hf_packed": hf_packed_support(hf, cfg), "workloads": {}}
+    log(f"model {cfg.n_layers} layers d_model={cfg.d_model} heads={cfg.n_heads} d_ffn={cfg.d_ffn} fp32, "
+        f"torch threads {torch.get_num_threads()}; budget {plan.max_num_batched_tokens} tokens / {plan.max_num_seqs} seqs")
+    log(f"hf_packed: supported={result['hf_packed']['supported']}: {result['hf_packed']['why']}")
+    names = workloads or list(plan.workloads)
+    for name in names:
+        n, kw = plan.workloads[name]
+        lengths = workload_lengths(name, n, seed=plan.seed, **kw)
+        rec = bench_workload(plan, weights, hf, name, lengths, peaks, methods, log)
+        rec["generator"] = {"name": name, "n": n, "seed": plan.seed, **kw}
+        result["workloads"][name] = rec
+    result["tiny_requests"] = bench_tiny(plan, weights, peaks, log)
+    result["sweeps"] = sweeps(plan, log) if do_sweeps else {}
+    result["gemm_peak"] = {"shape": [plan.max_num_batched_tokens, cfg.d_model, cfg.d_ffn], "flops_per_s": max(peaks),
+                           "median_flops_per_s": statistics.median(peaks), "samples": peaks,
+                           "how": "fastest of 10 torch.mm calls, sampled before every timed round; the max is used"}
+    # Efficiencies were computed against the peak known at the time; recompute against the final max.
+    final = max(peaks)
+    for w in result["workloads"].values():
+        for r in w["methods"].values():
+            if "skipped" not in r:
+                r["efficiency"] = w["flops_useful"] / (r["time_s"] * final)
+    tiny_useful = forward_flops(cfg, [plan.tiny[1]] * plan.tiny[0], "varlen", causal=True, useful_only=True).total
+    for r in result["tiny_requests"]["methods"].values():
+        r["efficiency"] = tiny_useful / (r["time_s"] * final)
+    result["checks"] = checks(result)
+    result["wall_s"] = time.perf_counter() - t_start
+    result["plots"] = write_plots(result, out_dir) if do_sweeps else []
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
+    log(f"\nGEMM peak {final / 1e9:.1f} GFLOP/s (median sample {statistics.median(peaks) / 1e9:.1f}); checks:")
+    for k, v in result["checks"].items():
+        log(f"  {k}: {json.dumps(v)}")
+    log(f"wrote {out_dir}/bench.json and {len(result['plots'])} plots in {result['wall_s']:.0f} s")
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m lessons_lib.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model and workloads: a smoke run in seconds")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="directory for bench.json and the plots")
+    p.add_argument("--workloads", default=None, help="comma-separated subset of " + ",".join(full_plan().workloads))
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per method (fastest kept)")
+    p.add_argument("--no-sweeps", action="store_true", help="skip the attention sweeps and plots")
+    args = p.parse_args(argv)
+    plan = quick_plan() if args.quick else full_plan()
+    if args.repeats is not None:
+        if args.repeats < 1:
+            p.error(f"--repeats must be >= 1, got {args.repeats}")
+        plan.repeats = args.repeats
+    names = None
+    if args.workloads:
+        names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        bad = [w for w in names if w not in plan.workloads]
+        if bad:
+            p.error(f"unknown workload(s) {bad}; choose from {list(plan.workloads)}")
+    command = "python3 -m lessons_lib.bench" + ("" if argv is None and len(sys.argv) < 2 else " " + " ".join(
+        argv if argv is not None else sys.argv[1:]))
+    run(plan, pathlib.Path(args.out), command.strip(), names, do_sweeps=not args.no_sweeps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
