@@ -1,0 +1,104 @@
+"""The benchmark's smoke run: JSON structure, and every ratio recomputed from the measured times.
+
+No timing is asserted: only that the numbers in bench.json follow from each other and from the
+exact FLOP counts, and that all six methods give the same answers on the same weights.
+"""
+import json
+import math
+
+import pytest
+
+from lessons_lib import bench
+from lessons_lib.flops import forward_flops
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    plan = bench.quick_plan()
+    res = bench.run(plan, out, "python3 -m lessons_lib.bench --quick", log=lambda *a: None)
+    return plan, out, res
+
+
+def test_json_written_and_schema(result):
+    plan, out, res = result
+    on_disk = json.loads((out / "bench.json").read_text())
+    assert on_disk["schema"] == bench.SCHEMA and on_disk["quick"] is True
+    for key in ("command", "machine", "config", "scheduler", "hf_packed", "workloads", "tiny_requests", "sweeps",
+                "gemm_peak", "checks", "plots", "wall_s"):
+        assert key in on_disk, key
+    assert set(on_disk["workloads"]) == set(plan.workloads)
+    assert on_disk["machine"]["torch_threads"] >= 1 and on_disk["config"]["d_model"] == plan.cfg.d_model
+    for name in on_disk["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_ratios_follow_from_measured_times(result):
+    plan, _, res = result
+    peak = res["gemm_peak"]["flops_per_s"]
+    assert peak == max(res["gemm_peak"]["samples"]) > 0
+    for name, w in res["workloads"].items():
+        lengths_total = w["num_tokens"]
+        t_var = w["methods"]["varlen"]["time_s"]
+        for m, r in w["methods"].items():
+            if "skipped" in r:
+                continue
+            assert r["time_s"] == min(r["times_s"]) > 0
+            assert math.isclose(r["speedup_of_varlen"], r["time_s"] / t_var, rel_tol=1e-12)
+            assert math.isclose(r["tokens_per_s"], lengths_total / r["time_s"], rel_tol=1e-12)
+            assert math.isclose(r["efficiency"], w["flops_useful"] / (r["time_s"] * peak), rel_tol=1e-12)
+            assert math.isclose(r["predicted_speedup"],
+                                r["flops_executed"] / w["methods"]["varlen"]["flops_executed"], rel_tol=1e-12)
+
+
+def test_flop_counts_recomputed_from_the_batches(result):
+    plan, _, res = result
+    for name, w in res["workloads"].items():
+        n, kw = plan.workloads[name]
+        lengths = bench.workload_lengths(name, n, seed=plan.seed, **kw)
+        assert sum(lengths) == w["num_tokens"] and w["batch_tokens"] and sum(w["batch_tokens"]) == sum(lengths)
+        batches = bench.plan_batches(lengths, plan.max_num_batched_tokens, plan.max_num_seqs)
+        assert [len(b) for b in batches] == w["batch_seqs"]
+        # padded: R * Lmax rows per batch; masked: T^2 cells per batch; both >= varlen's.
+        blens = [[lengths[i] for i in b] for b in batches]
+        padded = sum(forward_flops(plan.cfg, b, "padded", causal=True).total for b in blens)
+        assert w["methods"]["hf_padded"]["flops_executed"] == padded
+        assert w["methods"]["varlen"]["flops_executed"] == w["flops_useful"]  # varlen executes only useful work
+        assert all(r["flops_executed"] >= w["flops_useful"] for r in w["methods"].values() if "skipped" not in r)
+
+
+def test_all_methods_agree_on_the_same_weights(result):
+    _, _, res = result
+    assert res["hf_packed"]["supported"] in (True, False) and res["hf_packed"]["why"]
+    for name, w in res["workloads"].items():
+        for m, r in w["methods"].items():
+            if "skipped" not in r:
+                assert r["max_abs_diff_vs_varlen"] < 1e-4, (name, m, r["max_abs_diff_vs_varlen"])
+
+
+def test_checks_and_tiny_and_sweeps_are_consistent(result):
+    _, _, res = result
+    tiny = res["tiny_requests"]
+    loop = tiny["methods"]["varlen"]["time_s"] - tiny["methods"]["padded"]["time_s"]
+    assert math.isclose(tiny["loop_overhead_s_per_request"], max(loop, 0.0) / tiny["num_requests"], rel_tol=1e-12)
+    for name in ("long-tail", "bimodal"):
+        for key, c in res["checks"][name].items():
+            assert c["holds"] == (c["measured"] >= c["required"]), (name, key)
+            if key != "varlen_vs_hf_one_at_a_time":
+                assert math.isclose(c["required"], c["predicted_by_flops"] * (1 - c["varlen_loop_overhead_fraction"]))
+    eff = res["checks"]["efficiency_long_tail"]
+    assert eff["value"] == res["workloads"]["long-tail"]["methods"]["varlen"]["efficiency"]
+    for key in ("c9", "c14"):
+        pts = res["sweeps"][key]["points"]
+        assert len(pts) >= 3 and all(p["masked_cells"] >= p["varlen_cells"] for p in pts)
+        assert all(p["masked_s"] > 0 and p["varlen_s"] > 0 for p in pts)
+    c14 = res["sweeps"]["c14"]["points"]
+    assert len({p["tokens"] for p in c14}) == 1 and len({p["masked_cells"] for p in c14}) == 1  # T^2 whatever the mix
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--repeats", "0"])
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--workloads", "zipf"])
+    assert "unknown workload" in capsys.readouterr().err
