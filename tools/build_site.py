@@ -110,13 +110,15 @@ class Lesson:
     title: str
     subtitle: str = ""
     goals: list[str] = field(default_factory=list)
+    goals_intro: str = ""  # e.g. "After this lesson you can"
 
     @property
     def html_name(self) -> str:
         return self.path.stem + ".html"
 
 
-_GOALS_HEAD = re.compile(r"^\s*(?:#{1,6}\s*Goals?\b|\*\*Goals?:?\*\*|Goals?:)\s*:?\s*(.*)$", re.I)
+# "## Goals", "**Goals**", "**Goals.** After this lesson you can", "Goals:" (+ an optional lead-in).
+_GOALS_HEAD = re.compile(r"^\s*(?:#{1,6}\s*Goals?\b[.:]?|\*\*Goals?[.:]?\*\*[.:]?|Goals?:)\s*(.*)$", re.I)
 _BULLET = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s+(.*)$")
 _HEADING = re.compile(r"^\s*#{1,6}\s+(.*?)\s*#*\s*$")
 _BOLD_LABEL = re.compile(r"^\s*\*\*[^*]+\*\*")
@@ -126,7 +128,7 @@ def read_lesson(path: Path) -> Lesson:
     """Title (first ``#`` heading), subtitle (the line after it) and Goals bullets of a lesson."""
     nb = nbformat.read(path, as_version=4)
     lines = [line for cell in nb.cells if cell.cell_type == "markdown" for line in cell.source.splitlines()]
-    title, subtitle, goals = "", "", []
+    title, subtitle, goals, intro = "", "", [], ""
     for i, line in enumerate(lines):
         m = _HEADING.match(line)
         if m and line.lstrip().startswith("# "):
@@ -142,6 +144,7 @@ def read_lesson(path: Path) -> Lesson:
         m = _GOALS_HEAD.match(line)
         if not m:
             continue
+        intro = m[1].strip()
         for nxt in lines[i + 1:]:
             b = _BULLET.match(nxt)
             if b:
@@ -151,7 +154,7 @@ def read_lesson(path: Path) -> Lesson:
             elif nxt.strip() or goals:
                 break
         break
-    return Lesson(path, title or path.stem, subtitle, goals)
+    return Lesson(path, title or path.stem, subtitle, goals, intro)
 
 
 def _inline_markdown(text: str) -> str:
@@ -168,9 +171,10 @@ def write_index(lessons: list[Lesson], out: Path, notes: dict[str, str]) -> None
             "<li><em>This lesson has no Goals section.</em></li>"
         sub = f'<p class="subtitle">{_inline_markdown(lesson.subtitle)}</p>' if lesson.subtitle else ""
         note = notes.get(lesson.path.name, "")
+        intro = _inline_markdown(lesson.goals_intro) if lesson.goals_intro else ""
         items.append(f'<section class="lesson" data-notebook="{html.escape(lesson.path.name)}">'
                      f'<h2><a href="notebooks/{html.escape(lesson.html_name)}">{html.escape(lesson.title)}</a></h2>'
-                     f'{sub}<p><strong>Goals</strong></p><ul class="goals">{goals}</ul>{note}</section>')
+                     f'{sub}<p><strong>Goals.</strong> {intro}</p><ul class="goals">{goals}</ul>{note}</section>')
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1.0">
