@@ -3,7 +3,8 @@
 Each test injects one fault (``tp.Fault``) on rank 1 in the middle of a forward (after
 ``2·layer`` all-reduces), then checks: the exception names rank 1 (or the ranks that went
 silent), it arrived well within the deadline, no worker process is left (psutil), and a
-following launch in this same Python process works. A small model keeps each launch ≈ 1-3 s.
+following launch in this same Python process works. A small model keeps each launch ≈ 1-3 s
+(idle machine); the four launches are chained in one test so each proves the last one's cleanup.
 """
 from __future__ import annotations
 
@@ -41,57 +42,58 @@ def no_leftovers():
     assert not left, f"worker processes left behind: {left}"
 
 
-def _next_launch_works():
-    res = launch(all_reduce_probe, world_size=2, backend="gloo", timeout=60, args=(2,), verbose=False)
-    assert res.results == [[3.0, 3.0], [3.0, 3.0]]  # 1 + 2 on every row, on both ranks
+def _no_workers_left(pids):
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"workers still alive: {alive}"
+    assert not _children(), f"child processes left: {_children()}"
 
 
-def test_launch_worker_raising_on_rank1_names_rank1(no_leftovers):
+def test_faults_raise_sigkill_hang_each_then_a_working_launch(no_leftovers):
+    """Four launches in a row; launches 2-4 each prove that the one before left nothing behind."""
+    # 1. launch(): rank 1 raises in layer 2 -> WorkerFailed naming rank 1, with its traceback
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed) as info:
         launch(forward_worker, world_size=2, backend="gloo", timeout=60, args=(SMALL, BATCH),
-               kwargs={"fault": Fault("raise", rank=1, layer=2)})
-    elapsed = time.monotonic() - t0
-    err = info.value
-    print(f"\nraise on rank 1 -> {type(err).__name__} after {elapsed:.1f} s: {str(err).splitlines()[0][:160]}")
+               kwargs={"fault": Fault("raise", rank=1, layer=2)}, verbose=False)
+    elapsed, err = time.monotonic() - t0, info.value
+    print(f"\nraise on rank 1   -> {type(err).__name__} after {elapsed:.1f} s (incl. startup): {str(err)[:140]}")
     assert err.rank == 1 and "rank 1 of 2 raised RuntimeError: injected fault on rank 1" in str(err)
     assert "injected fault" in err.child_traceback and "traced_forward" in err.child_traceback
     assert elapsed < 60
-    _next_launch_works()
+    assert not _children(), f"child processes left after the raise: {_children()}"
 
-
-def test_runtime_worker_sigkilled_mid_forward(no_leftovers):
+    # 2. TPRuntime: a good forward (the launch after a raise works), then rank 1 is SIGKILLed
     rt = TPRuntime(SMALL, world_size=2, backend="gloo", timeout=60, verbose=False)
-    pids = rt.pids
-    good = rt.forward(BATCH)
-    assert good.all_reduce_counts == [16, 16]
+    assert rt.forward(BATCH).all_reduce_counts == [16, 16]
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed) as info:
         rt.forward(BATCH, fault=Fault("sigkill", rank=1, layer=3))
-    elapsed = time.monotonic() - t0
-    err = info.value
-    print(f"\nSIGKILL on rank 1 -> {type(err).__name__} after {elapsed:.1f} s: {str(err)[:160]}")
+    elapsed, err = time.monotonic() - t0, info.value
+    print(f"SIGKILL on rank 1 -> {type(err).__name__} after {elapsed:.1f} s: {str(err)[:140]}")
     assert err.rank == 1 and err.exitcode == -9 and "killed by signal SIGKILL" in str(err)
-    assert elapsed < 15  # detected from the process sentinel, not from the 60 s deadline
-    assert rt.closed and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                                 for p in pids)
+    assert elapsed < 15  # seen on the process sentinel, not at the 60 s deadline
+    assert rt.closed
+    _no_workers_left(rt.pids)
     with pytest.raises(RuntimeError, match="closed"):
         rt.forward(BATCH)
-    _next_launch_works()
 
-
-def test_runtime_hung_worker_times_out(no_leftovers):
+    # 3. TPRuntime: a good forward (the launch after a SIGKILL works), then rank 1 hangs
     with TPRuntime(SMALL, world_size=2, backend="gloo", timeout=60, verbose=False) as rt:
+        assert rt.forward(BATCH).all_reduce_counts == [16, 16]
         t0 = time.monotonic()
         with pytest.raises(WorkerTimeout) as info:
             rt.forward(BATCH, fault=Fault("hang", rank=1, layer=5), timeout=3)
         elapsed = time.monotonic() - t0
-        print(f"\nhang on rank 1 -> {type(info.value).__name__} after {elapsed:.1f} s: {info.value}")
-        # rank 1 sleeps; rank 0 waits in layer 5's all-reduce for it: neither answers
+        print(f"hang on rank 1    -> {type(info.value).__name__} after {elapsed:.1f} s: {info.value}")
+        # rank 1 sleeps; rank 0 waits for it in layer 5's all-reduce: neither answers
         assert info.value.ranks == [0, 1] and "within 3 s" in str(info.value)
         assert 3 <= elapsed < 3 + 10
         assert rt.closed
-    _next_launch_works()
+    _no_workers_left(rt.pids)
+
+    # 4. the launch after a hang works
+    res = launch(all_reduce_probe, world_size=2, backend="gloo", timeout=60, args=(2,), verbose=False)
+    assert res.results == [[3.0, 3.0], [3.0, 3.0]]  # 1 + 2 on every row, on both ranks
 
 
 def test_fault_arguments_are_checked():
