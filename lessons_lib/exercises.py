@@ -88,6 +88,14 @@ def _close(got, want: Tensor, atol: float, rtol: float = 0.0) -> str | None:
     return None
 
 
+def _int_tuple(got, names: str):
+    """The reader's tuple as ints, or a message when it is not a tuple of len(names.split(", ")) numbers."""
+    n = len(names.split(", "))
+    if not isinstance(got, (tuple, list)) or len(got) != n or not all(isinstance(v, (int, float)) for v in got):
+        return None, f"expected a tuple ({names}), got {got!r}"
+    return tuple(int(v) for v in got), None
+
+
 def _matches(got, want: Tensor, atol: float) -> bool:
     return isinstance(got, Tensor) and tuple(got.shape) == tuple(want.shape) and bool(
         torch.allclose(got.double(), want.double(), atol=atol))
@@ -126,10 +134,9 @@ def check_padding_rows(fn: Callable[[list], tuple]) -> bool:
     """Exercise 01.2: ``fn(seq_lens) -> (padded_rows, useful_rows)`` of the padded layout (C2)."""
     def judge(got, lens):
         want = (executed_tokens(lens, "padded"), executed_tokens(lens, "varlen"))
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            return f"expected a pair (padded_rows, useful_rows), got {got!r}"
-        got = tuple(int(v) for v in got)
-        if got == want:
+        got, problem = _int_tuple(got, "padded_rows, useful_rows")
+        if problem or got == want:
+            return problem
             return None
         hint = ""
         if got[0] == max(lens) * max(lens):
@@ -277,10 +284,9 @@ def check_masked_cells(fn: Callable[[list], tuple]) -> bool:
     def judge(got, lens):
         c = attention_cells(lens, "masked")
         want = (c.computed, c.useful, c.wasted)
-        if not isinstance(got, (tuple, list)) or len(got) != 3:
-            return f"expected a triple (computed, useful, wasted), got {got!r}"
-        got = tuple(int(v) for v in got)
-        if got == want:
+        got, problem = _int_tuple(got, "computed, useful, wasted")
+        if problem or got == want:
+            return problem
             return None
         hint = ""
         if got[1] == sum(n * (n + 1) // 2 for n in lens):

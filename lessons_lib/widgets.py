@@ -45,6 +45,11 @@ def _int_arg(name: str, value, lo: int, hi: int) -> int:
     return int(value)
 
 
+def _tagged(widget, css_class: str):
+    widget.add_class(css_class)
+    return widget
+
+
 def show_figure(out, fig, dpi: int = WIDGET_DPI) -> None:
     """Replace the content of an ``ipywidgets.Output`` with the figure as an inline PNG."""
     png = base64.b64encode(viz.to_png(fig, dpi=dpi)).decode("ascii")
@@ -112,12 +117,8 @@ def flat_batch_explorer(lengths: str = "10, 30"):
     the error text in ``fbx-counts`` (class ``fbx-error`` added) instead of raising.
     """
     w = _widgets()
-    text = w.Text(value=lengths, description="lengths", continuous_update=False)
-    text.add_class("fbx-lengths")
-    counts = w.HTML()
-    counts.add_class("fbx-counts")
-    out = w.Output()
-    out.add_class("fbx-figure")
+    text = _tagged(w.Text(value=lengths, description="lengths", continuous_update=False), "fbx-lengths")
+    counts, out = _tagged(w.HTML(), "fbx-counts"), _tagged(w.Output(), "fbx-figure")
 
     def update(change=None):
         try:
@@ -132,9 +133,7 @@ def flat_batch_explorer(lengths: str = "10, 30"):
 
     text.observe(update, names="value")
     update()
-    box = w.VBox([text, counts, out])
-    box.add_class("fbx")
-    return box
+    return _tagged(w.VBox([text, counts, out]), "fbx")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,18 +178,11 @@ def diagonal_block_explorer(num_requests: int = 2, length: int = 10, pattern: st
     ``dbx-pattern``, HTML ``dbx-counts`` (one line per method), HTML ``dbx-lengths``, Output
     ``dbx-figure`` (the three attention matrices, redrawn on every change)."""
     w = _widgets()
-    reqs = w.IntSlider(value=num_requests, min=1, max=16, description="requests R")
-    reqs.add_class("dbx-num-requests")
-    base = w.IntSlider(value=length, min=1, max=64, description="base length L")
-    base.add_class("dbx-length")
-    pat = w.Dropdown(options=list(PATTERNS), value=pattern, description="pattern")
-    pat.add_class("dbx-pattern")
-    counts = w.HTML()
-    counts.add_class("dbx-counts")
-    lengths = w.HTML()
-    lengths.add_class("dbx-lengths")
-    out = w.Output()
-    out.add_class("dbx-figure")
+    reqs = _tagged(w.IntSlider(value=num_requests, min=1, max=16, description="requests R"), "dbx-num-requests")
+    base = _tagged(w.IntSlider(value=length, min=1, max=64, description="base length L"), "dbx-length")
+    pat = _tagged(w.Dropdown(options=list(PATTERNS), value=pattern, description="pattern"), "dbx-pattern")
+    counts, lengths = _tagged(w.HTML(), "dbx-counts"), _tagged(w.HTML(), "dbx-lengths")
+    out = _tagged(w.Output(), "dbx-figure")
 
     def update(change=None):
         state = diagonal_block_state(reqs.value, base.value, pat.value)
@@ -202,9 +194,7 @@ def diagonal_block_explorer(num_requests: int = 2, length: int = 10, pattern: st
     for control in (reqs, base, pat):
         control.observe(update, names="value")
     update()
-    box = w.VBox([w.HBox([reqs, base, pat]), counts, lengths, out])
-    box.add_class("dbx")
-    return box
+    return _tagged(w.VBox([w.HBox([reqs, base, pat]), counts, lengths, out]), "dbx")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,14 +218,9 @@ def flop_regime_explorer(num_requests: int = 10, length: int = 100):
     """VBox class ``frx``: sliders ``frx-num-requests`` (1..64) and ``frx-length`` (1..4096), HTML
     ``frx-flops`` (``flop_regime_text``), Output ``frx-figure`` (stacked FLOPs bar)."""
     w = _widgets()
-    reqs = w.IntSlider(value=num_requests, min=1, max=64, description="requests R")
-    reqs.add_class("frx-num-requests")
-    base = w.IntSlider(value=length, min=1, max=4096, description="length L")
-    base.add_class("frx-length")
-    text = w.HTML()
-    text.add_class("frx-flops")
-    out = w.Output()
-    out.add_class("frx-figure")
+    reqs = _tagged(w.IntSlider(value=num_requests, min=1, max=64, description="requests R"), "frx-num-requests")
+    base = _tagged(w.IntSlider(value=length, min=1, max=4096, description="length L"), "frx-length")
+    text, out = _tagged(w.HTML(), "frx-flops"), _tagged(w.Output(), "frx-figure")
 
     def update(change=None):
         state = flop_regime_state(reqs.value, base.value)
@@ -248,6 +233,4 @@ def flop_regime_explorer(num_requests: int = 10, length: int = 100):
     for control in (reqs, base):
         control.observe(update, names="value")
     update()
-    box = w.VBox([w.HBox([reqs, base]), text, out])
-    box.add_class("frx")
-    return box
+    return _tagged(w.VBox([w.HBox([reqs, base]), text, out]), "frx")

@@ -55,7 +55,7 @@ def test_c2_padding_rows_checker():
     assert exercises.check_padding_rows(lambda lens: (len(lens) * max(lens), sum(lens)))
     assert "R x Lmax" in attempt(exercises.check_padding_rows, lambda lens: (max(lens) ** 2, sum(lens)))
     assert "flat row count" in attempt(exercises.check_padding_rows, lambda lens: (sum(lens), sum(lens)))
-    assert "pair" in attempt(exercises.check_padding_rows, lambda lens: 60)
+    assert "expected a tuple (padded_rows, useful_rows)" in attempt(exercises.check_padding_rows, lambda lens: 60)
 
 
 def test_c3_split_flat_checker():
