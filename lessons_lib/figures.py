@@ -158,32 +158,8 @@ def _padded_vs_flat() -> Figure:
 @register("02_who_reads_whom", lesson="02",
           caption="which input rows change which output rows: per-token layers vs attention (C4, C5, C7, C10)")
 def _who_reads_whom() -> Figure:
-    return viz.dependency_maps(_dependency_panels(ARTICLE_LENS), ARTICLE_LENS)
-
-
-def _dependency_panels(lens: list[int]) -> dict:
-    """Measured with probe.row_dependency on the real modules (fixed seed, bool results)."""
-    import torch
-    from .attention import plain_attention, varlen_attention
-    from .batch import seq_lens_to_cu_seqlens
-    from .probe import row_dependency
-    g = torch.Generator().manual_seed(0)
-    d, h = 64, 4
-    x = torch.randn(sum(lens), d, generator=g)
-    w_up, w_down = torch.randn(4 * d, d, generator=g) / 8, torch.randn(d, 4 * d, generator=g) / 16
-    w_qkv = torch.randn(3 * d, d, generator=g) / 8
-    cu = seq_lens_to_cu_seqlens(lens)
-    ln = torch.nn.functional.layer_norm
-
-    def per_token(t):  # LN -> FFN-up -> GeLU -> FFN-down -> residual, as in a block
-        return t + torch.nn.functional.gelu(ln(t, (d,)) @ w_up.T, approximate="tanh") @ w_down.T
-
-    def qkv(t):
-        return (ln(t, (d,)) @ w_qkv.T).view(t.shape[0], 3, h, d // h).unbind(1)
-
-    return {"LN + FFN + residual (per token)": row_dependency(per_token, x).numpy(),
-            "plain causal attention on flat rows": row_dependency(lambda t: plain_attention(*qkv(t)), x).numpy(),
-            "varlen causal attention": row_dependency(lambda t: varlen_attention(*qkv(t), cu, backend="loop"), x).numpy()}
+    from .probe import who_reads_whom
+    return viz.dependency_maps(who_reads_whom(ARTICLE_LENS), ARTICLE_LENS)
 
 
 @register("02_qkv_shards", lesson="02", caption="TP=2: rank 0 and rank 1 each own Q, K, V rows of 4 heads, [40 x 768] (C6)")

@@ -14,9 +14,11 @@ Taught in notebooks/02_linear_is_per_token.ipynb and notebooks/03_masked_vs_varl
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 Tensor = torch.Tensor
 
@@ -43,3 +45,32 @@ def row_dependency(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         out = fn(xj)
         dep[:, j] = (out != base).reshape(t_out, -1).any(dim=1).cpu()
     return dep
+
+
+def who_reads_whom(seq_lens: Sequence[int], d_model: int = 64, n_heads: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
+    """Three measured dependency maps (bool ``[T, T]``) for one flat batch, for the lesson figure:
+
+    - "LN + FFN + residual (per token)": LayerNorm → FFN-up → GeLU → FFN-down → residual add;
+    - "plain causal attention on flat rows": attention over all T rows as one sequence (C7);
+    - "varlen causal attention": the same q, k, v through ``varlen_attention`` with ``cu_seqlens`` (C10).
+
+    Small random weights (fixed seed); the maps are bools, so they do not depend on rounding.
+    """
+    from .attention import plain_attention, varlen_attention
+    from .batch import seq_lens_to_cu_seqlens
+    g = torch.Generator().manual_seed(seed)
+    d, h = d_model, n_heads
+    cu = seq_lens_to_cu_seqlens(seq_lens)
+    x = torch.randn(int(cu[-1]), d, generator=g)
+    w_up, w_down = torch.randn(4 * d, d, generator=g) / 8, torch.randn(d, 4 * d, generator=g) / 16
+    w_qkv = torch.randn(3 * d, d, generator=g) / 8
+
+    def per_token(t):
+        return t + F.gelu(F.layer_norm(t, (d,)) @ w_up.T, approximate="tanh") @ w_down.T
+
+    def qkv(t):  # [T, d] -> q, k, v each [T, H, d/H]
+        return (F.layer_norm(t, (d,)) @ w_qkv.T).view(t.shape[0], 3, h, d // h).unbind(1)
+
+    return {"LN + FFN + residual (per token)": row_dependency(per_token, x).numpy(),
+            "plain causal attention on flat rows": row_dependency(lambda t: plain_attention(*qkv(t)), x).numpy(),
+            "varlen causal attention": row_dependency(lambda t: varlen_attention(*qkv(t), cu, backend="loop"), x).numpy()}

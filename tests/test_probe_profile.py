@@ -10,7 +10,7 @@ from lessons_lib import ModelConfig, Transformer, pack
 from lessons_lib.attention import block_diag_mask, plain_attention, varlen_attention
 from lessons_lib.batch import seq_lens_to_cu_seqlens
 from lessons_lib import profile
-from lessons_lib.probe import row_dependency
+from lessons_lib.probe import row_dependency, who_reads_whom
 
 
 def test_c4_c5_per_row_operations_give_the_identity():
@@ -39,6 +39,14 @@ def test_c7_c10_attention_dependency_is_the_mask():
                        block_diag_mask(cu, causal=True))
     assert torch.equal(row_dependency(lambda t: plain_attention(*split(t)), x),
                        torch.ones(10, 10, dtype=torch.bool).tril())
+
+
+def test_c4_c7_c10_who_reads_whom_maps_of_the_lesson_figure():
+    maps = who_reads_whom([10, 30])
+    per_token, plain, varlen = maps.values()
+    assert (per_token == torch.eye(40, dtype=torch.bool).numpy()).all()
+    assert (plain == torch.ones(40, 40, dtype=torch.bool).tril().numpy()).all()
+    assert (varlen == block_diag_mask(seq_lens_to_cu_seqlens([10, 30]), causal=True).numpy()).all()
 
 
 def test_row_dependency_rejects_bad_input():
