@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_figures_command_is_byte_for_byte_reproducible(tmp_path):
+    """Once in this process, once as the command in a fresh interpreter (another hash seed)."""
     a = figures.write(out_dir=tmp_path / "a")
-    b = figures.write(out_dir=tmp_path / "b")
+    env = {**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "lessons_lib.figures", "--out", str(tmp_path / "b")], cwd=tmp_path,
+                   env=env, check=True, capture_output=True, timeout=300)
+    b = sorted((tmp_path / "b").iterdir())
     assert [p.name for p in a] == [f"{n}.png" for n in sorted(figures.REGISTRY)]
     for pa, pb in zip(a, b):
         data = pa.read_bytes()
