@@ -1,20 +1,11 @@
-"""Tensor parallelism on a real process group: the model's forward on TP ranks, traced.
+"""Tensor parallelism on a real process group: TP=2 forwards of the course's model.
 
 Every rank builds ``model.Transformer(cfg, weights, group=DistGroup)`` from the SAME full
 weights and keeps only its shard (``linear.py``), so TP=1 and TP=2 compute the same function.
 Embeddings, LayerNorms and the LM head are replicated; the only collectives are the two
 row-parallel all-reduces per layer (attention out proj, FFN-down): exactly
 ``2 · n_layers = 16`` all-reduces of ``[T, d_model] = [T, 512]`` per forward, whatever the
-requests are (claims C1, C12).
-
-``traced_forward`` instruments one forward on a rank:
-
-- QKV output shape per layer, from a forward hook (``[T, 768]`` per rank under TP=2, C6);
-- collectives issued inside attention: the trace length when QKV returns equals the trace
-  length when out proj starts (C11); and PyTorch's ``CommDebugMode`` counts every c10d
-  collective of the forward, which must equal the trace length (so no collective bypasses the
-  trace). On torch 2.13 + gloo ``CommDebugMode`` counts a plain ``dist.all_reduce``. It is
-  opt-in (``comm_debug=True``): importing it costs each worker ≈ 1-2 s of startup.
+requests are (claims C1, C12). Each forward is instrumented by ``tp_trace.traced_forward``.
 
 ``TPRuntime`` keeps the workers alive between forwards (startup paid once); ``tp_forward`` is
 the one-shot form. Both return a ``TPResult``.
@@ -24,11 +15,8 @@ Taught in notebooks/04_tp2_invariance.ipynb.
 from __future__ import annotations
 
 import os
-import signal
 import time
 from dataclasses import dataclass, field
-
-import contextlib
 
 import torch
 
@@ -36,209 +24,15 @@ from .attention import resolve_backend
 from .batch import PackedBatch
 from .config import ModelConfig
 from .model import Transformer, init_weights
-from .parallel import CollectiveRecord, WorkerPool
+from .tp_trace import (Fault, ForwardReport, comm_debug_mode, expected_layers, format_trace, forward_worker,
+                       shard_checks, summarize_trace, traced_forward)
+from .workers import WorkerPool
 
 Tensor = torch.Tensor
 
+__all__ = ["TPRuntime", "TPResult", "tp_forward", "Fault", "ForwardReport", "traced_forward", "expected_layers",
+           "format_trace", "summarize_trace", "forward_worker", "shard_checks"]
 
-@dataclass(slots=True)
-class Fault:
-    """An injected worker fault (for the fault tests and the lesson's "what if a rank dies").
-
-    kind: "raise" (RuntimeError), "sigkill" (the process kills itself) or "hang" (sleeps
-    forever); it fires on ``rank`` just before layer ``layer``'s attention out proj, i.e. in the
-    middle of a forward, after ``2·layer`` all-reduces.
-    """
-
-    kind: str
-    rank: int = 1
-    layer: int = 0
-
-    def __post_init__(self):
-        if self.kind not in ("raise", "sigkill", "hang"):
-            raise ValueError(f"Fault.kind must be 'raise', 'sigkill' or 'hang', got {self.kind!r}")
-
-    def fire(self, rank: int) -> None:
-        if rank != self.rank:
-            return
-        if self.kind == "raise":
-            raise RuntimeError(f"injected fault on rank {rank} before layer {self.layer}'s out proj")
-        if self.kind == "sigkill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        while True:  # "hang": never returns; the caller's deadline must catch it
-            time.sleep(3600)
-
-
-@dataclass(slots=True)
-class ForwardReport:
-    """What one rank saw during one forward.
-
-    records: the all-reduces of this forward (``CollectiveRecord``), in call order.
-    qkv_shapes: QKV output shape per layer, e.g. ``(T, 768)`` under TP=2.
-    attn_collectives: per layer, collectives issued between QKV output and out proj input.
-    comm_debug_count: c10d collectives counted by ``CommDebugMode`` over the whole forward
-    (None unless ``comm_debug=True``).
-    forward_s: wall seconds of the forward on this rank.
-    """
-
-    records: list
-    qkv_shapes: list
-    attn_collectives: list
-    comm_debug_count: int | None
-    forward_s: float
-
-
-def _comm_debug_mode():
-    from torch.distributed.tensor.debug import CommDebugMode  # heavy import (≈ 1-2 s): only when asked
-    return CommDebugMode()
-
-
-def traced_forward(model: Transformer, batch: PackedBatch, *, fault: Fault | None = None,
-                   comm_debug: bool = False) -> tuple[Tensor, ForwardReport]:
-    """Run ``model(batch)`` once with the instrumentation of the module docstring.
-
-    Returns ``(hidden [T, d_model], ForwardReport)``. Works on TP=1 too (no records).
-    comm_debug: also count c10d collectives with PyTorch's CommDebugMode.
-    """
-    group = model.group
-    start = len(group.trace)
-    qkv_shapes: list[tuple] = []
-    attn_collectives: list[int] = []
-    mark = [0]
-
-    def after_qkv(_mod, _inp, out):
-        qkv_shapes.append(tuple(out.shape))
-        mark[0] = len(group.trace)
-
-    def make_before_out_proj(layer: int):
-        def before_out_proj(_mod, _inp):
-            attn_collectives.append(len(group.trace) - mark[0])  # attention ran in between
-            if fault is not None and fault.layer == layer:
-                fault.fire(group.rank)
-        return before_out_proj
-
-    handles = []
-    for i, block in enumerate(model.layers):
-        handles.append(block.qkv.register_forward_hook(after_qkv))
-        handles.append(block.out_proj.register_forward_pre_hook(make_before_out_proj(i)))
-    try:
-        comm = _comm_debug_mode() if comm_debug else contextlib.nullcontext()
-        with comm:
-            t0 = time.perf_counter()
-            out = model(batch)  # [T, d_model]
-            forward_s = time.perf_counter() - t0
-    finally:
-        for h in handles:
-            h.remove()
-    return out, ForwardReport(list(group.trace[start:]), qkv_shapes, attn_collectives,
-                              comm.get_total_counts() if comm_debug else None, forward_s)
-
-
-def expected_layers(cfg: ModelConfig) -> list[str]:
-    """The ``layer`` names of the 2·n_layers all-reduces of one forward, in order."""
-    return [f"layers.{i}.{part}" for i in range(cfg.n_layers) for part in ("attn.out_proj", "mlp.fc_down")]
-
-
-def format_trace(records: list[CollectiveRecord]) -> str:
-    """One line per collective: ``rank r  #k  all_reduce  [T, 512] float32  N B  layer``."""
-    return "\n".join(f"rank {r.rank}  #{i:2d}  {r.op}  {list(r.shape)}  {r.dtype}  {r.bytes:,} B  {r.layer}"
-                     for i, r in enumerate(records))
-
-
-def summarize_trace(records: list[CollectiveRecord]) -> str:
-    """``16 × all_reduce [40, 512] float32, 81,920 B each`` (groups equal records)."""
-    groups: dict[tuple, int] = {}
-    for r in records:
-        key = (r.op, r.shape, r.dtype, r.bytes)
-        groups[key] = groups.get(key, 0) + 1
-    return "; ".join(f"{n} × {op} {list(shape)} {dtype}, {b:,} B each" for (op, shape, dtype, b), n in groups.items()) \
-        or "no collectives"
-
-
-# ----------------------------------------------------------------------------------------------
-# Worker side
-
-def _serve(group, channel, cfg: ModelConfig, weights_path: str | None, seed: int, attn_backend: str,
-           comm_debug: bool) -> None:
-    """Worker loop of TPRuntime: build the rank's shard once, then one forward per command."""
-    weights = torch.load(weights_path, mmap=True, weights_only=True) if weights_path else init_weights(cfg, seed)
-    model = Transformer(cfg, weights, group=group, attn_backend=attn_backend).to(group.device)
-    del weights
-    if comm_debug:
-        _comm_debug_mode()  # pay the import during startup, not in the first forward
-    channel.send({"attn_backend": resolve_backend(attn_backend, group.device, cfg.dtype)})
-    while True:
-        try:
-            cmd = channel.recv()
-        except EOFError:  # the caller is gone
-            return
-        if cmd[0] == "close":
-            return
-        _, batch, fault = cmd
-        out, report = traced_forward(model, batch.to(group.device), fault=fault, comm_debug=comm_debug)
-        channel.send((out.cpu(), report))
-
-
-def forward_worker(group, cfg: ModelConfig, batch: PackedBatch, *, seed: int = 0, fault: Fault | None = None,
-                   comm_debug: bool = False):
-    """A ``launch`` worker: build this rank's shard of ``init_weights(cfg, seed)`` and run one
-    traced forward. Returns ``(hidden [T, d_model], ForwardReport)``.
-
-    ``launch(forward_worker, 2, args=(cfg, batch))`` is ``tp_forward`` spelled out.
-    """
-    model = Transformer(cfg, init_weights(cfg, seed), group=group).to(group.device)
-    out, report = traced_forward(model, batch.to(group.device), fault=fault, comm_debug=comm_debug)
-    return out.cpu(), report
-
-
-def shard_checks(group, cfg: ModelConfig, seed: int = 0, seq_lens: tuple = (10, 30)) -> dict:
-    """A ``launch`` worker: the layers of ``linear.py`` on a real group, checked by the caller.
-
-    Returns this rank's row-parallel output (bias added after the all-reduce, as it should be),
-    the buggy variant (bias added before the all-reduce, i.e. tp times), the column-parallel
-    and QKV shards, layer 0's attention output on this rank's heads, and what CommDebugMode
-    counted for one plain all-reduce.
-    """
-    from .batch import pack
-    from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-
-    g = torch.Generator().manual_seed(seed)
-    d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
-    x = torch.randn(sum(seq_lens), d, generator=g)             # [T, d], the same on every rank
-    w_row, b_row = torch.randn(d, f, generator=g) * 0.02, torch.randn(d, generator=g)
-    row = RowParallelLinear(f, d, group=group, name="check.row").load_full_(w_row, b_row)
-    h = torch.randn(x.shape[0], f, generator=g)                 # [T, f] full input of the row layer
-    n = f // group.world_size
-    h_local = h[:, group.rank * n:(group.rank + 1) * n]         # [T, f/tp]: what this rank holds
-    y_row = row(h_local)                                        # [T, d]
-    partial_plus_bias = torch.nn.functional.linear(h_local, row.weight, row.bias)  # the bug: bias on every rank
-    y_row_bug = group.all_reduce(partial_plus_bias, layer="check.row_bias_before_reduce")
-    w_col, b_col = torch.randn(f, d, generator=g) * 0.02, torch.randn(f, generator=g)
-    y_col = ColumnParallelLinear(d, f, group=group).load_full_(w_col, b_col)(x)  # [T, f/tp]
-    w_qkv, b_qkv = torch.randn(3 * k, d, generator=g) * 0.02, torch.randn(3 * k, generator=g)
-    qkv = QKVParallelLinear(d, cfg.n_heads, cfg.d_head, group=group).load_full_(w_qkv, b_qkv)
-    y_qkv = qkv(x)                                              # [T, 3·H_local·D]
-
-    model = Transformer(cfg, init_weights(cfg, seed), group=group)
-    captured = {}
-    handle = model.layers[0].out_proj.register_forward_pre_hook(lambda _m, inp: captured.setdefault("o", inp[0].clone()))
-    trace_before = len(group.trace)
-    batch = pack([torch.arange(n_tok) % cfg.vocab_size for n_tok in seq_lens])
-    with _comm_debug_mode() as comm_model:
-        model(batch)
-    handle.remove()
-    model_records = len(group.trace) - trace_before
-    with _comm_debug_mode() as comm_one:
-        group.all_reduce(torch.ones(3, 512), layer="check.commdebugmode")
-    return {"y_row": y_row, "y_row_bug": y_row_bug, "y_col": y_col, "y_qkv": y_qkv,
-            "attn_out_layer0": captured["o"], "model_records": model_records,
-            "model_comm_debug": comm_model.get_total_counts(),
-            "comm_debug_one": comm_one.get_total_counts(),
-            "comm_debug_ops": sorted(str(op) for op in comm_one.get_comm_counts())}
-
-
-# ----------------------------------------------------------------------------------------------
-# Caller side
 
 @dataclass
 class TPResult:
@@ -393,3 +187,25 @@ def tp_forward(batch: PackedBatch, world_size: int = 2, cfg: ModelConfig | None 
     with TPRuntime(cfg, weights, world_size, backend, attn_backend, timeout, seed=seed, comm_debug=comm_debug,
                    verbose=verbose) as rt:
         return rt.forward(batch)
+
+
+def _serve(group, channel, cfg: ModelConfig, weights_path: str | None, seed: int, attn_backend: str,
+           comm_debug: bool) -> None:
+    """Worker loop of TPRuntime: build the rank's shard once, then one forward per command."""
+    weights = torch.load(weights_path, mmap=True, weights_only=True) if weights_path else init_weights(cfg, seed)
+    model = Transformer(cfg, weights, group=group, attn_backend=attn_backend).to(group.device)
+    del weights
+    if comm_debug:
+        comm_debug_mode()  # pay the import during startup, not in the first forward
+    channel.send({"attn_backend": resolve_backend(attn_backend, group.device, cfg.dtype)})
+    while True:
+        try:
+            cmd = channel.recv()
+        except EOFError:  # the caller is gone
+            return
+        if cmd[0] == "close":
+            return
+        _, batch, fault = cmd
+        out, report = traced_forward(model, batch.to(group.device), fault=fault, comm_debug=comm_debug)
+        channel.send((out.cpu(), report))
+

@@ -26,7 +26,7 @@ from .batch import pack
 from .config import ModelConfig
 from .model import Transformer, init_weights
 from .parallel import DistGroup, resolve_dist_backend
-from .tp import expected_layers, format_trace, summarize_trace, traced_forward
+from .tp_trace import expected_layers, format_trace, summarize_trace, traced_forward
 
 TOLERANCE = 2e-5
 
