@@ -174,7 +174,8 @@ def machine_info() -> dict:
     import transformers
     return {"cpu": model, "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "platform": platform.platform(), "dtype": "float32", "device": "cpu"}
+            "platform": platform.platform(), "dtype": "float32", "device": "cpu",
+            "load_average_1min_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
 
 
 # ---- the six ways to run one workload -------------------------------------------------------
@@ -469,6 +470,50 @@ def write_plots(result: dict, out_dir: pathlib.Path) -> list[str]:
     return sorted(files)
 
 
+def summary_markdown(res: dict) -> str:
+    """The tables of one run, as Markdown (written next to bench.json)."""
+    m = res["machine"]
+    out = [f"# Benchmark results ({'quick smoke run' if res['quick'] else 'full run'})", "",
+           f"Command: `{res['command']}`  ", f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, torch "
+           f"{m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}; "
+           f"1-min load average {m['load_average_1min_at_start']} at start, {m.get('load_average_1min_at_end')} at end.  ",
+           f"Model: {res['config']['n_layers']} layers, d_model {res['config']['d_model']}, {res['config']['n_heads']} heads, "
+           f"FFN {res['config']['d_ffn']}, fp32, TP=1. Scheduler: {res['scheduler']['max_num_batched_tokens']} tokens / "
+           f"{res['scheduler']['max_num_seqs']} requests per batch, FCFS.  ",
+           f"GEMM peak: {res['gemm_peak']['flops_per_s'] / 1e9:.1f} GFLOP/s (fp32 "
+           f"[{' x '.join(map(str, res['gemm_peak']['shape'][:2]))}] @ [{' x '.join(map(str, res['gemm_peak']['shape'][1:]))}], "
+           f"fastest of {len(res['gemm_peak']['samples'])} samples; median sample "
+           f"{res['gemm_peak']['median_flops_per_s'] / 1e9:.1f}). Wall time of the whole run: {res['wall_s']:.0f} s.", ""]
+    for name, w in res["workloads"].items():
+        out += [f"## {name}: {w['num_requests']} requests, {w['num_tokens']} tokens (median {w['median_len']}, "
+                f"max {w['max_len']}), {w['num_batches']} batches", "",
+                "| method | time (s) | tokens/s | time / varlen | FLOP prediction | efficiency | max abs diff vs varlen |",
+                "|---|---:|---:|---:|---:|---:|---:|"]
+        for meth, r in w["methods"].items():
+            if "skipped" in r:
+                out.append(f"| {meth} | {r['skipped']} | | | | | |")
+            else:
+                out.append(f"| {meth} | {r['time_s']:.3f} | {r['tokens_per_s']:.0f} | {r['speedup_of_varlen']:.2f} | "
+                           f"{r['predicted_speedup']:.2f} | {r['efficiency']:.2f} | {r['max_abs_diff_vs_varlen']:.1e} |")
+        out.append("")
+    t = res["tiny_requests"]
+    out += [f"## {t['num_requests']} requests of {t['tokens_each']} tokens, one batch", "",
+            "| method | time (s) | tokens/s | efficiency |", "|---|---:|---:|---:|"]
+    out += [f"| {k} | {r['time_s']:.3f} | {r['tokens_per_s']:.0f} | {r['efficiency']:.3f} |" for k, r in t["methods"].items()]
+    out += ["", f"varlen's per-request loop overhead: {t['loop_overhead_s_per_request'] * 1e6:.0f} us per request "
+            f"({t['loop_overhead_s_per_request_per_layer'] * 1e6:.1f} us per request per layer).", ""]
+    for key, sw in res["sweeps"].items():
+        out += [f"## {key.upper()} sweep: {sw['what']} (attention only, one layer, causal)", "",
+                "| R | L | masked ms | masked MiB | varlen ms | varlen MiB | masked cells | varlen cells |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {p['R']} | {p['L']} | {p['masked_s'] * 1e3:.1f} | {p['masked_peak_bytes'] / 2**20:.1f} | "
+                f"{p['varlen_s'] * 1e3:.1f} | {p['varlen_peak_bytes'] / 2**20:.1f} | {p['masked_cells']} | {p['varlen_cells']} |"
+                for p in sw["points"]]
+        out.append("")
+    out += ["## Checks", "", "```json", json.dumps(res["checks"], indent=1), "```", ""]
+    return "\n".join(out)
+
+
 # ---- main ----------------------------------------------------------------------------------------
 def run(plan: Plan, out_dir: pathlib.Path, command: str, workloads=None, methods=METHODS, do_sweeps=True,
         log=print) -> dict:
@@ -512,8 +557,10 @@ def run(plan: Plan, out_dir: pathlib.Path, command: str, workloads=None, methods
         r["efficiency"] = tiny_useful / (r["time_s"] * final)
     result["checks"] = checks(result)
     result["wall_s"] = time.perf_counter() - t_start
+    result["machine"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     result["plots"] = write_plots(result, out_dir) if do_sweeps else []
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
+    (out_dir / "summary.md").write_text(summary_markdown(result))
     log(f"\nGEMM peak {final / 1e9:.1f} GFLOP/s (median sample {statistics.median(peaks) / 1e9:.1f}); checks:")
     for k, v in result["checks"].items():
         log(f"  {k}: {json.dumps(v)}")
