@@ -23,7 +23,7 @@ import torch
 from .attention import resolve_backend
 from .batch import PackedBatch
 from .config import ModelConfig
-from .model import Transformer, init_weights
+from .model import Transformer, init_weight_names, init_weights
 from .tp_trace import (Fault, ForwardReport, comm_debug_mode, expected_layers, format_trace, forward_worker,
                        shard_checks, summarize_trace, traced_forward)
 from .workers import WorkerPool
@@ -117,6 +117,10 @@ class TPRuntime:
                 or cfg.n_heads % world_size or cfg.d_ffn % world_size:
             raise ValueError(f"world_size={world_size!r} must be a positive int dividing n_heads={cfg.n_heads} "
                              f"and d_ffn={cfg.d_ffn}")
+        if weights is not None:
+            missing = [n for n in init_weight_names(cfg) if n not in weights]
+            if missing:
+                raise ValueError(f"weights are missing {len(missing)} tensors for this cfg, e.g. {missing[:3]}")
         t0 = time.perf_counter()
         self._pool = WorkerPool(world_size, backend, timeout, verbose=verbose, name="TPRuntime")
         self.world_size, self.backend, self.attn_backend = world_size, self._pool.backend, attn_backend
