@@ -51,6 +51,10 @@ class Fault:
     def __post_init__(self):
         if self.kind not in ("raise", "sigkill", "hang"):
             raise ValueError(f"Fault.kind must be 'raise', 'sigkill' or 'hang', got {self.kind!r}")
+        for name in ("rank", "layer"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Fault.{name} must be an int >= 0, got {value!r}")
 
     def fire(self, rank: int) -> None:
         if rank != self.rank:
