@@ -99,3 +99,5 @@ def test_faults_raise_sigkill_hang_each_then_a_working_launch(no_leftovers):
 def test_fault_arguments_are_checked():
     with pytest.raises(ValueError, match="Fault.kind must be 'raise', 'sigkill' or 'hang', got 'segfault'"):
         Fault("segfault")
+    with pytest.raises(ValueError, match="Fault.layer must be an int >= 0, got -1"):
+        Fault("hang", layer=-1)
