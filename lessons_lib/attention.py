@@ -25,6 +25,7 @@ Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import NamedTuple
@@ -40,7 +41,8 @@ BACKENDS = ("loop", "masked", "padded", "sdpa", "flex", "flash", "torch_varlen")
 # Fastest first; "auto" takes the first that runs for the device and dtype.
 # On the CPU the per-request SDPA loop was 39x faster than masked and 57x faster than
 # padded on a long-tailed batch (shared/course/PLATFORM-NOTES.md); flex is never auto.
-_AUTO_ORDER = {"cuda": ("flash", "torch_varlen", "sdpa"), "cpu": ("sdpa", "loop")}
+_AUTO_ORDER = {"cuda": ("flash", "torch_varlen", "sdpa"), "cpu": ("sdpa",)}
+_PURE = ("loop", "masked", "padded", "sdpa")
 
 
 class BackendStatus(NamedTuple):
@@ -48,6 +50,7 @@ class BackendStatus(NamedTuple):
     reason: str
 
 
+@functools.cache
 def _flash_attn_func():
     try:
         from flash_attn import flash_attn_varlen_func  # type: ignore
@@ -56,6 +59,7 @@ def _flash_attn_func():
     return flash_attn_varlen_func, "flash-attn installed"
 
 
+@functools.cache
 def _torch_varlen_func():
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -64,6 +68,7 @@ def _torch_varlen_func():
     return varlen_attn, "torch.nn.attention.varlen.varlen_attn present"
 
 
+@functools.cache
 def _flex_func():
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -100,10 +105,15 @@ def resolve_backend(backend: str, device="cpu", dtype: torch.dtype = torch.float
     """Map ``"auto"`` to the fastest available backend; reject unknown or unavailable names."""
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {('auto',) + BACKENDS}")
-    status = available_backends(device, dtype)
+    if backend in _PURE:
+        return backend  # pure PyTorch: runs anywhere, no need to probe optional kernels
     if backend == "auto":
         kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
-        return next(b for b in _AUTO_ORDER[kind] if status[b].available)
+        if kind == "cpu":
+            return _AUTO_ORDER["cpu"][0]
+        status = available_backends(device, dtype)
+        return next(b for b in _AUTO_ORDER[kind] if b in _PURE or status[b].available)
+    status = available_backends(device, dtype)
     if not status[backend].available:
         raise RuntimeError(f"attention backend {backend!r} is not available here: {status[backend].reason}")
     return backend
