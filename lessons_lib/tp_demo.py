@@ -2,7 +2,8 @@
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m lessons_lib.tp_demo
 
-(``torchrun`` is the same program; ``--standalone`` picks a free port so runs never collide.)
+(``torchrun`` is the same program; ``--standalone`` picks a free port so runs never collide; on
+one machine, ``GLOO_SOCKET_IFNAME=lo`` keeps gloo on the loopback interface.)
 Every rank builds the article's model from the same seed and keeps its shard; for a few flat
 batches each rank runs ``tp.traced_forward``; rank 0 gathers every rank's trace and prints it,
 then checks the invariants: exactly 16 all-reduces of ``[T, 512]`` per forward (C1, C12), QKV

@@ -6,7 +6,7 @@ one ``torch.distributed`` group (each gets a ``parallel.DistGroup``) and runs
 (many forwards) are built on it. Guarantees, each covered by tests/test_tp_faults.py:
 
 - ``backend="auto"`` is NCCL with one GPU per rank, else gloo on the CPU; 2 ranks on 2 cores
-  get one thread each (no over-subscription);
+  get one thread each (no over-subscription); gloo listens on the loopback interface only;
 - rendezvous through a file store in a fresh temporary directory, so two runs never share a
   port or a stale rendezvous file;
 - a worker that raises → ``WorkerFailed`` in the caller, naming the rank, with the child's
@@ -27,6 +27,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -86,6 +87,12 @@ class _Failure:
 _GRACE_S = 1.0  # after a first failure, wait this long for the others: the root cause may arrive second
 
 
+def _loopback_ifname() -> str | None:
+    """The loopback interface ("lo" on Linux, "lo0" on macOS), if this machine has one."""
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
 def _threads_per_worker(world_size: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // world_size)
@@ -113,6 +120,9 @@ def _bootstrap(rank, world_size, backend, init_method, pg_timeout_s, threads, en
     channel = Channel(rank, cmd_conn, res_conn)
     try:
         torch.set_num_threads(threads)  # 2 ranks on 2 cores: one thread each, no over-subscription
+        lo = _loopback_ifname()
+        if backend == "gloo" and lo and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = lo  # all ranks are on this host: listen on 127.0.0.1 only
         device = torch.device("cpu")
         if backend == "nccl":
             device = torch.device("cuda", rank)

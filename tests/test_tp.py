@@ -23,6 +23,7 @@ from lessons_lib import ModelConfig, Transformer, init_weights, pack
 from lessons_lib.parallel import WorkerPool, _check_importable, launch, resolve_dist_backend
 from lessons_lib.tp import TPRuntime, expected_layers, shard_checks, tp_forward
 from lessons_lib.tp_demo import long_tailed_lengths
+from lessons_lib.workers import _loopback_ifname
 
 ROOT = Path(__file__).resolve().parents[1]
 # The article's layers (8 x [d 512, 8 heads x 64, FFN 2048], TP=2) with smaller embedding tables:
@@ -226,6 +227,8 @@ def test_torchrun_demo_prints_trace_and_passes_checks():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "lessons_lib.tp_demo"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if _loopback_ifname():
+        env.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())  # one machine: gloo listens on 127.0.0.1 only
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
