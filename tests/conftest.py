@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `pytest` without `python -m` finds lessons_lib
 
-from lessons_lib import ModelConfig, seq_lens_to_cu_seqlens  # noqa: E402
+from lessons_lib import ModelConfig, Transformer, init_weights, seq_lens_to_cu_seqlens  # noqa: E402
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -48,3 +48,26 @@ def _make_qkv(lens_q, lens_k=None, heads=2, d_head=32, seed=0, dtype=torch.float
 @pytest.fixture(scope="session")
 def make_qkv():
     return _make_qkv
+
+
+def _model_pair(cfg: ModelConfig, seed: int = 0) -> tuple[Transformer, Transformer]:
+    """The fp32 model and its float64 twin (the same fp32 weight values, upcast): the exact-math yardstick."""
+    w = init_weights(cfg, seed)
+    cfg64 = ModelConfig(**{f: getattr(cfg, f) for f in cfg.__slots__ if f != "dtype"}, dtype=torch.float64)
+    return Transformer(cfg, w), Transformer(cfg64, {k: t.double() for k, t in w.items()})
+
+
+def _make_requests(lens, vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    """Random token-id tensors ``[L_i]`` in ``[0, vocab)``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
+
+
+@pytest.fixture(scope="session")
+def model_pair():
+    return _model_pair
+
+
+@pytest.fixture(scope="session")
+def make_requests():
+    return _make_requests

@@ -12,17 +12,13 @@ from lessons_lib.hf import config_from_hf, from_hf_gpt2, full_weights_from_hf, h
 transformers = pytest.importorskip("transformers")  # a requirements.txt dependency: present in CI
 
 
-def _requests(lens, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
-
-
 @torch.no_grad()
-def test_s1_hf_gpt2_per_request_matches_our_flat_varlen_forward(fp32_bound):
+def test_s1_hf_gpt2_per_request_matches_our_flat_varlen_forward(fp32_bound, make_requests):
     """GPT2Config(n_embd=512, n_head=8, n_layer=8, n_inner=2048), random init; max_position 1024
-    and vocab 8192 (not 50257) to save memory and init time: embedding rows are only looked up. HF runs each request alone (use_cache=False); we run all of them as one flat
-    batch. Bound, FlashAttention's method applied to the whole model: our fp32 output may be at
-    most twice as far from HF-in-float64 as HF-in-fp32 is (+2 ulp). Both are fp32 forwards of the
+    and vocab 8192 (not 50257) to save memory and init time: embedding rows are only looked up.
+    HF runs each request alone (use_cache=False); we run all of them as one flat batch.
+    Bound, FlashAttention's method applied to the whole model: our fp32 output may be at most
+    twice as far from HF-in-float64 as HF-in-fp32 is (+2 ulp). Both are fp32 forwards of the
     same math, different only in summation order, so a wrong weight layout (a missing transpose,
     Q/K/V in the wrong order, a bias added twice) is off by O(0.1..1), far outside."""
     cfg = ModelConfig(max_position=1024, vocab_size=8192)
@@ -30,7 +26,7 @@ def test_s1_hf_gpt2_per_request_matches_our_flat_varlen_forward(fp32_bound):
     hf64 = copy.deepcopy(hf).double()
     ours = from_hf_gpt2(hf)
     assert (ours.cfg.n_layers, ours.cfg.d_model, ours.cfg.n_heads, ours.cfg.d_ffn) == (8, 512, 8, 2048)
-    reqs = _requests([1, 10, 30, 7, 65, 3], cfg.vocab_size)
+    reqs = make_requests([1, 10, 30, 7, 65, 3], cfg.vocab_size)
     flat = ours(pack(reqs))
     hf32 = torch.cat([hf(input_ids=r[None], use_cache=False).last_hidden_state[0] for r in reqs])
     ref64 = torch.cat([hf64(input_ids=r[None], use_cache=False).last_hidden_state[0] for r in reqs])
@@ -43,7 +39,7 @@ def test_s1_hf_gpt2_per_request_matches_our_flat_varlen_forward(fp32_bound):
 
 
 @torch.no_grad()
-def test_hf_lm_head_state_dict_prefix_and_tied_logits(tiny_cfg, fp32_bound):
+def test_hf_lm_head_state_dict_prefix_and_tied_logits(fp32_bound, make_requests):
     """GPT2LMHeadModel keys carry a 'transformer.' prefix and its head is tied to wte: loading the
     model or its bare state dict gives the same weights, and compute_logits matches HF's logits."""
     cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=64,
@@ -54,7 +50,7 @@ def test_hf_lm_head_state_dict_prefix_and_tied_logits(tiny_cfg, fp32_bound):
     from_sd = from_hf_gpt2(lm.state_dict(), cfg=cfg)
     for a, b in zip(ours.state_dict().values(), from_sd.state_dict().values()):
         assert torch.equal(a, b)
-    reqs = _requests([5, 1, 12], cfg.vocab_size)
+    reqs = make_requests([5, 1, 12], cfg.vocab_size)
     hidden = ours(pack(reqs))
     logits = ours.compute_logits(hidden)
     lm64 = copy.deepcopy(lm).double()

@@ -13,22 +13,10 @@ from lessons_lib.attention import available_backends
 from lessons_lib.batch import pack, pad
 from lessons_lib.config import ModelConfig
 from lessons_lib.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from lessons_lib.model import Transformer, init_weights
+from lessons_lib.model import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_OK = [b for b, s in available_backends("cpu").items() if s.available]
-
-
-def _models(cfg: ModelConfig, seed: int) -> tuple[Transformer, Transformer]:
-    """The fp32 model and its float64 twin (the same fp32 weight values, upcast): the exact-math yardstick."""
-    w = init_weights(cfg, seed)
-    cfg64 = ModelConfig(**{f: getattr(cfg, f) for f in cfg.__slots__ if f != "dtype"}, dtype=torch.float64)
-    return Transformer(cfg, w), Transformer(cfg64, {k: v.double() for k, v in w.items()})
-
-
-def _requests(lens, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
 
 
 def _three_ways(model, reqs, backend=None):
@@ -41,18 +29,17 @@ def _three_ways(model, reqs, backend=None):
 
 
 @pytest.fixture(scope="module")
-def article_model():
-    cfg = ModelConfig()  # the article's S1 sizes, vocab 50257, max_position 16384
-    return _models(cfg, 0)
+def article_model(model_pair):
+    return model_pair(ModelConfig(), 0)  # the article's S1 sizes, vocab 50257, max_position 16384
 
 
-def test_s1_s2_article_model_a10_b30_flat_equals_each_equals_padded(article_model, fp32_bound):
+def test_s1_s2_article_model_a10_b30_flat_equals_each_equals_padded(article_model, fp32_bound, make_requests):
     """A=10, B=30 through the real 8-layer, 512-wide model. Bound: each fp32 path within twice
     the per-request fp32 path's own distance to the float64 model (+2 ulp)."""
     model, model64 = article_model
     assert (model.cfg.n_layers, model.cfg.d_model, model.cfg.n_heads, model.cfg.d_head, model.cfg.d_ffn) == \
         (8, 512, 8, 64, 2048)
-    reqs = _requests([10, 30], model.cfg.vocab_size)
+    reqs = make_requests([10, 30], model.cfg.vocab_size)
     flat, each, padded = _three_ways(model, reqs)
     ref64 = torch.cat(model64.forward_each(reqs))
     tol = fp32_bound(each, ref64)
@@ -64,10 +51,10 @@ def test_s1_s2_article_model_a10_b30_flat_equals_each_equals_padded(article_mode
 
 
 @pytest.mark.parametrize("backend", CPU_OK)
-def test_flat_equals_each_equals_padded_mixed_batch(backend, tiny_cfg, fp32_bound):
-    model, model64 = _models(tiny_cfg, 1)
+def test_flat_equals_each_equals_padded_mixed_batch(backend, tiny_cfg, fp32_bound, model_pair, make_requests):
+    model, model64 = model_pair(tiny_cfg, 1)
     lens = [1, 10, 30, 7] if backend == "flex" else [1, 10, 30, 7, 64, 2, 2]  # flex: eager, slow on the CPU
-    reqs = _requests(lens, tiny_cfg.vocab_size, seed=3)
+    reqs = make_requests(lens, tiny_cfg.vocab_size, seed=3)
     flat, each, padded = _three_ways(model, reqs, backend)
     ref64 = torch.cat(model64.forward_each(reqs, attn_backend="loop"))
     tol = fp32_bound(each, ref64)
@@ -76,9 +63,9 @@ def test_flat_equals_each_equals_padded_mixed_batch(backend, tiny_cfg, fp32_boun
         assert (got.double() - ref64).abs().max().item() <= tol, name
 
 
-def test_hidden_row_batches_skip_the_embedding(tiny_cfg):
+def test_hidden_row_batches_skip_the_embedding(tiny_cfg, make_requests):
     model = Transformer(tiny_cfg, seed=2)
-    reqs = _requests([4, 9, 1], tiny_cfg.vocab_size)
+    reqs = make_requests([4, 9, 1], tiny_cfg.vocab_size)
     batch = pack(reqs)
     rows = model.embed(batch)  # [T, d]
     from_rows = model(pack([rows[s:e] for s, e in zip([0, 4, 13], [4, 13, 14])]), attn_backend="loop")
@@ -128,14 +115,14 @@ print(hashlib.sha256(out.contiguous().numpy().tobytes()).hexdigest())
 """
 
 
-def test_determinism_same_seed_is_bit_identical_run_to_run(tiny_cfg):
+def test_determinism_same_seed_is_bit_identical_run_to_run(tiny_cfg, make_requests):
     """Same seed, same backend, same thread count → the same bits: in one process (two fresh
     models, two calls) and in a fresh Python process."""
     child = subprocess.Popen([sys.executable, "-c", _CHILD.format(root=str(ROOT))], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
                              env={"OMP_NUM_THREADS": str(torch.get_num_threads()), "PATH": ""})
     try:
-        reqs = _requests([1, 10, 30, 7], 300)
+        reqs = make_requests([1, 10, 30, 7], 300)
         for backend in CPU_OK:
             outs = [Transformer(tiny_cfg, seed=5)(pack(reqs), attn_backend=backend) for _ in range(2)]
             assert torch.equal(outs[0], outs[1]), backend
@@ -149,7 +136,7 @@ def test_determinism_same_seed_is_bit_identical_run_to_run(tiny_cfg):
     assert out.strip() == here
 
 
-def test_determinism_across_backends_differs_only_by_summation_order(article_model, fp32_bound):
+def test_determinism_across_backends_differs_only_by_summation_order(article_model, fp32_bound, make_requests):
     """Across backends the bits differ. Measured on the article model, A=10 and B=30 (2-core CPU,
     torch 2.13): loop vs masked / padded / sdpa differ by 2e-6 .. 2.4e-6 at most (outputs are
     O(1), up to ~4), within the fp32-vs-fp64 bound (flex, too slow in eager mode for 8 layers, is held to
@@ -158,7 +145,7 @@ def test_determinism_across_backends_differs_only_by_summation_order(article_mod
     uses a blocked online softmax, padded reduces over Lmax), and float addition is not
     associative; the rounding then travels through 8 layers."""
     model, model64 = article_model
-    reqs = _requests([10, 30], model.cfg.vocab_size, seed=1)
+    reqs = make_requests([10, 30], model.cfg.vocab_size, seed=1)
     batch = pack(reqs)
     ref64 = model64(pack(reqs), attn_backend="loop")
     outs = {b: model(batch, attn_backend=b) for b in CPU_OK if b != "flex"}

@@ -14,9 +14,7 @@ from hypothesis import strategies as st
 
 from lessons_lib.attention import attention_ref, available_backends, block_diag_mask, varlen_attention
 from lessons_lib.batch import pack, pad, pad_input, seq_lens_to_cu_seqlens, unpack, unpad_input
-from lessons_lib.config import ModelConfig
 from lessons_lib.flops import attention_cells
-from lessons_lib.model import Transformer, init_weights
 
 N = int(os.environ.get("LESSONS_PROPERTY_EXAMPLES", "25"))
 CI = settings(max_examples=N, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -85,19 +83,15 @@ def test_prop_max_seqlen_too_small_is_an_error_never_a_truncation(lens, seed):
 
 
 @pytest.fixture(scope="module")
-def models(tiny_cfg):
-    w = init_weights(tiny_cfg, 11)
-    cfg64 = ModelConfig(**{f: getattr(tiny_cfg, f) for f in tiny_cfg.__slots__ if f != "dtype"},
-                        dtype=torch.float64)
-    return Transformer(tiny_cfg, w), Transformer(cfg64, {k: t.double() for k, t in w.items()})
+def models(tiny_cfg, model_pair):
+    return model_pair(tiny_cfg, 11)
 
 
 @settings(CI, max_examples=max(1, 3 * N // 5))
 @given(lens=LENGTHS.filter(lambda ls: sum(ls) <= 256), seed=SEEDS)
-def test_prop_model_flat_forward_equals_per_request_forward(lens, seed, models, fp32_bound):
+def test_prop_model_flat_forward_equals_per_request_forward(lens, seed, models, fp32_bound, make_requests):
     model, model64 = models
-    g = torch.Generator().manual_seed(seed)
-    reqs = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g) for n in lens]
+    reqs = make_requests(lens, model.cfg.vocab_size, seed)
     flat = model(pack(reqs))
     each = torch.cat(model.forward_each(reqs))
     ref64 = model64(pack(reqs), attn_backend="loop")
