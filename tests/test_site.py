@@ -35,9 +35,12 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def _tell(config, line: str) -> None:
+    """Print past pytest's output capture (a session fixture has no capsys)."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(line)
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -44,16 +44,30 @@ def require_browser():
     return sync_playwright
 
 
+# One Playwright driver per process, shared by every context: Playwright's sync API refuses
+# to start a second driver while one is running (the site test and the widget test each
+# hold a context for the whole session).
+_driver = {"playwright": None, "users": 0}
+
+
 @contextmanager
 def chromium_context(profile_dir: Path) -> Iterator:
     """A persistent Chromium context on a fresh, empty profile (``launch()`` refuses a profile arg)."""
     sync_playwright = require_browser()
     profile_dir.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
+    if _driver["users"] == 0:
+        _driver["playwright"] = sync_playwright().start()
+    _driver["users"] += 1
+    try:
+        context = _driver["playwright"].chromium.launch_persistent_context(
             str(profile_dir), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
             viewport={"width": 1280, "height": 1000})
         try:
             yield context
         finally:
             context.close()
+    finally:
+        _driver["users"] -= 1
+        if _driver["users"] == 0:
+            _driver["playwright"].stop()
+            _driver["playwright"] = None
