@@ -12,8 +12,7 @@ The expected answers come from ``lessons_lib`` itself (``batch``, ``attention``,
 ``linear``), never from numbers typed into this file, and the cases include inputs other
 than the lesson's A=10, B=30 so that a hard-coded answer fails.
 
-Taught in notebooks/01_flat_batch.ipynb, notebooks/02_linear_is_per_token.ipynb,
-notebooks/03_masked_vs_varlen_attention.ipynb and notebooks/05_flop_regimes.ipynb.
+Taught in notebooks/00_setup_one_request.ipynb to notebooks/06_prefill_engine.ipynb (every lesson).
 """
 from __future__ import annotations
 
@@ -387,3 +386,239 @@ def check_linear_intensity(fn: Callable[[int, int, int, int], float]) -> bool:
             hint = " - count the bytes of the activations too: the input [T, d_in] and the output [T, d_out]"
         return f"got {got!r}, expected {want:.4f}{hint}"
     return _grade("linear_intensity", fn, cases, judge, "FLOP / byte = 2 T d_in d_out / (bytes (weight + input + output))")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 00: the model of S1 and one request's all-reduces (C1).
+
+_SMALL_CFGS = [ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128),
+               ModelConfig(n_layers=3, d_model=48, n_heads=6, d_head=8, d_ffn=96, vocab_size=77, max_position=40,
+                           tp_size=3),
+               ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=32, d_ffn=128, vocab_size=50, max_position=16)]
+
+
+def _model_params(cfg: ModelConfig, tp_size: int = 1) -> int:
+    """Parameters rank 0 really holds: built from the model's own classes (one-process stand-in group)."""
+    from .model import Transformer
+    model = Transformer(cfg, seed=0, group=SimpleNamespace(rank=0, world_size=tp_size, trace=[]))
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_param_count(fn: Callable[[ModelConfig], int]) -> bool:
+    """Exercise 00.1: ``fn(cfg) -> int``, the parameters of the whole model (TP=1), LM head tied."""
+    def judge(got, cfg):
+        want = _model_params(cfg)
+        if got == want:
+            return None
+        d, n = cfg.d_model, cfg.n_layers
+        hints = {want + cfg.vocab_size * d: "the LM head is tied to the token embedding (logits = h @ wte^T): count it once",
+                 want - cfg.max_position * d: "the learned position embedding wpe [max_position, d_model] is a parameter too",
+                 want - cfg.vocab_size * d: "the token embedding wte [vocab_size, d_model] is a parameter too",
+                 want - n * (3 * cfg.qkv_dim + d + cfg.d_ffn + d): "count the biases of the four linear layers",
+                 want - (4 * n + 2) * d: "LayerNorms have a weight and a bias of d_model each: ln_1, ln_2 per layer, ln_f"}
+        hint = hints.get(got, "")
+        return f"got {got!r}, expected {want}" + (f" - {hint}" if hint else "")
+    return _grade("param_count", fn, [(c,) for c in _SMALL_CFGS], judge, "matches the real model on 3 configs")
+
+
+def check_rank_params(fn: Callable[[ModelConfig, int], int]) -> bool:
+    """Exercise 00.2: ``fn(cfg, tp_size) -> int``, the parameters ONE rank holds under TP=tp_size."""
+    cases = [(c, tp) for c in _SMALL_CFGS for tp in (1, 2, 3) if c.n_heads % tp == 0 and c.d_ffn % tp == 0]
+
+    def judge(got, cfg, tp):
+        want = _model_params(cfg, tp)
+        if got == want:
+            return None
+        total = _model_params(cfg)
+        replicated = total - (total - want) * tp // (tp - 1) if tp > 1 else 0
+        hint = ""
+        if tp > 1 and isinstance(got, (int, float)) and got * tp == total:
+            hint = " - not everything is split: embeddings, LayerNorms and the row-parallel biases are whole on every rank"
+        elif tp > 1 and got == want - replicated:
+            hint = " - add the replicated parameters (embeddings, LayerNorms, row-parallel biases) that every rank keeps"
+        elif tp > 1 and got == want - 2 * cfg.n_layers * cfg.d_model * (tp - 1) // tp:
+            hint = (" - the biases of out proj and FFN-down are not split: each rank keeps the whole [d_model] bias "
+                    "and adds it once, after the all-reduce")
+        return f"got {got!r}, expected {want} for tp_size={tp}{hint}"
+    return _grade("rank_params", fn, cases, judge, f"matches each rank's real shard on {len(cases)} layouts")
+
+
+def check_all_reduce_bytes(fn: Callable[[ModelConfig, int], tuple]) -> bool:
+    """Exercise 00.3: ``fn(cfg, num_tokens) -> (count, bytes_each)``: the all-reduces one rank makes
+    in one TP=2 forward of a single request, and the bytes of each (in ``cfg.dtype``) (C1)."""
+    from .tp_dryrun import record_trace
+    cases = [(_SMALL_CFGS[0], 10), (_SMALL_CFGS[0], 111), (ModelConfig(n_layers=3, d_model=64, n_heads=4,
+             d_head=16, d_ffn=128, vocab_size=50, max_position=64, dtype=torch.bfloat16), 7)]
+
+    def judge(got, cfg, n):
+        trace = record_trace(cfg, [n], 0, 2)  # the model's own code on a recording stand-in for rank 0
+        want = (len(trace), trace[0].bytes)
+        got, problem = _int_tuple(got, "count, bytes_each")
+        if problem or got == want:
+            return problem
+        size = torch.empty((), dtype=cfg.dtype).element_size()
+        hint = ""
+        if got[0] == cfg.n_layers:
+            hint = " - two per layer: after the attention out proj and after FFN-down"
+        elif got[1] == n * cfg.d_ffn * size or got[1] == n * cfg.d_ffn * size // 2:
+            hint = " - the all-reduce carries the row-parallel layer's OUTPUT, [N, d_model], not its input"
+        elif got[1] * 2 == want[1]:
+            hint = " - each rank all-reduces a full [N, d_model] partial sum, not half of it"
+        elif got[1] == n * cfg.d_model:
+            hint = f" - bytes, not elements: {cfg.dtype} has {size} bytes per element"
+        return f"got {got}, expected {want}{hint}"
+    return _grade("all_reduce_bytes", fn, cases, judge, "2 x n_layers all-reduces of N x d_model x itemsize bytes, on 3 cases")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 04: TP=2 invariance (C11, C12).
+
+def check_rank_attention(fn: Callable[..., Tensor]) -> bool:
+    """Exercise 04.1: ``fn(q, k, v, cu_seqlens, rank, world_size) -> [T, H / world_size, D]``: causal
+    varlen attention for the heads rank ``rank`` owns, from the full ``[T, H, D]`` q, k, v (C11)."""
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for lens, h, d, rank, tp in (([10, 30], 8, 8, 1, 2), ([3, 1, 5], 4, 4, 0, 2), ([6, 2], 6, 4, 2, 3), ([5], 2, 4, 0, 1)):
+        q, k, v = (torch.randn(sum(lens), h, d, generator=g) for _ in range(3))
+        cases.append((q, k, v, seq_lens_to_cu_seqlens(lens), rank, tp))
+
+    def judge(got, q, k, v, cu, rank, tp):
+        hl = q.shape[1] // tp
+        full = attention_ref(q, k, v, cu, causal=True)                  # [T, H, D]
+        want = full[:, rank * hl:(rank + 1) * hl]
+        problem = _close(got, want, atol=1e-5)
+        if problem is None:
+            return None
+        if _matches(got, full, 1e-5) and tp > 1:
+            return problem + " - that is every head; keep only this rank's H / world_size heads"
+        if tp > 1 and _matches(got, full[:, rank::tp], 1e-5):
+            return problem + f" - rank r owns a contiguous block of heads, [r*H/tp, (r+1)*H/tp), not every {tp}-th head"
+        sl = slice(rank * hl, (rank + 1) * hl)
+        if _matches(got, plain_attention(q[:, sl], k[:, sl], v[:, sl], causal=True), 1e-5):
+            return problem + " - the requests read each other: slice each request with cu_seqlens"
+        if _matches(got, attention_ref(q[:, sl], k[:, sl], v[:, sl], cu, causal=False), 1e-5):
+            return problem + " - the model is causal: a query reads only the keys at or before it in its request"
+        return problem
+    return _grade("rank_attention", fn, cases, judge, "each rank's heads, varlen and causal, on 4 layouts")
+
+
+def _trace_pairs(got) -> list | None:
+    try:
+        return [(str(name), tuple(int(s) for s in shape)) for name, shape in got]
+    except (TypeError, ValueError):
+        return None
+
+
+def check_trace_prediction(fn: Callable[[ModelConfig, list], list]) -> bool:
+    """Exercise 04.2: ``fn(cfg, seq_lens) -> [(layer, shape), ...]``, the all-reduces rank 0 makes in
+    one TP=2 forward of a flat batch of ``seq_lens`` (C12), in order, e.g.
+    ``("layers.0.attn.out_proj", (40, 512))``."""
+    from .tp_dryrun import record_trace
+    cfg_a = _SMALL_CFGS[0]
+    cfg_b = ModelConfig(n_layers=3, d_model=48, n_heads=6, d_head=8, d_ffn=96, vocab_size=77, max_position=40)
+    cases = [(cfg_a, [10, 30]), (cfg_a, [40]), (cfg_a, [1] * 40), (cfg_b, [3, 1, 5]), (cfg_b, [9])]
+
+    def judge(got, cfg, lens):
+        want = [(r.layer, tuple(r.shape)) for r in record_trace(cfg, lens, 0, 2)]
+        pairs = _trace_pairs(got)
+        if pairs is None:
+            return f"expected a list of (layer name, shape) pairs, got {got!r}"[:300]
+        if pairs == want:
+            return None
+        t, d = sum(lens), cfg.d_model
+        if len(pairs) == cfg.n_layers:
+            return f"got {len(pairs)} all-reduces, expected {len(want)} - two per layer: attn.out_proj, then mlp.fc_down"
+        if len(pairs) == len(want) * len(lens) and len(lens) > 1:
+            return (f"got {len(pairs)} all-reduces, expected {len(want)} - TP does not loop over requests: one "
+                    f"all-reduce carries the whole flat batch")
+        if len(pairs) != len(want):
+            return f"got {len(pairs)} all-reduces, expected {len(want)}"
+        shapes = {s for _, s in pairs}
+        if shapes == {(max(lens), d)} and len(lens) > 1:
+            return f"shape {(max(lens), d)}, expected {(t, d)} - the payload is every flat token, T = sum(seq_lens) = {t}"
+        if shapes != {(t, d)}:
+            return f"shapes {sorted(shapes)}, expected {(t, d)} - the row-parallel layers' output, [T, d_model]"
+        first = next(i for i, (a, b) in enumerate(zip(pairs, want)) if a != b)
+        return (f"record {first} is {pairs[first]}, expected {want[first]} - forward order: layers.0.attn.out_proj, "
+                f"layers.0.mlp.fc_down, layers.1.attn.out_proj, ...")
+    return _grade("trace_prediction", fn, cases, judge, "the real model's trace, for 1, 2, 3 and 40 requests")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 06: the prefill engine (S3).
+
+def _engine_batches(lens: list, budget: int) -> list:
+    from .engine import Request, Scheduler
+    sched = Scheduler(budget, max_num_seqs=1 << 20)
+    for i, n in enumerate(lens):
+        sched.add(Request(i, [0] * n))
+    out = []
+    while sched.has_unfinished():
+        out.append([r.request_id for r in sched.schedule()])
+    return out
+
+
+def check_fcfs_schedule(fn: Callable[[list, int], list]) -> bool:
+    """Exercise 06.1: ``fn(seq_lens, max_num_batched_tokens) -> [[request index, ...], ...]``: FCFS
+    batches of whole requests within the token budget (what ``engine.Scheduler`` does). A request
+    longer than the budget must raise ``ValueError`` (S3: no chunked prefill)."""
+    cases = [([10, 30], 64), ([300, 300, 500, 100], 700), ([5] * 9, 12), ([64, 1, 64, 1, 64], 65), ([7], 7)]
+
+    def judge(got, lens, budget):
+        want = _engine_batches(lens, budget)
+        try:
+            got = [[int(i) for i in b] for b in got]
+        except (TypeError, ValueError):
+            return f"expected a list of batches (lists of request indices), got {got!r}"
+        if got == want:
+            return None
+        flat = [i for b in got for i in b]
+        if sorted(flat) != list(range(len(lens))):
+            return f"got {got}, expected {want} - every request must be served exactly once"
+        for b in got:
+            if sum(lens[i] for i in b) > budget:
+                return f"got {got}, expected {want} - batch {b} holds {sum(lens[i] for i in b)} tokens > budget {budget}"
+        if flat != sorted(flat):
+            return (f"got {got}, expected {want} - first come, first served: a later request never overtakes a "
+                    "waiting one, even when it would fill the hole")
+        return f"got {got}, expected {want} - close a batch only when the next request does not fit"
+    ok = _grade("fcfs_schedule", fn, [(list(lens), b) for lens, b in cases], judge,
+                "FCFS batches within the budget on 5 streams")
+    if not ok:
+        return ok
+    lens, budget = [100, 900, 50], 512
+    try:
+        got = fn(list(lens), budget)
+    except ValueError:
+        return ok
+    except Exception as exc:
+        raise _Wrong(f"fcfs_schedule: for {lens} with budget {budget} raise ValueError, not {type(exc).__name__}: {exc}")
+    raise _Wrong(f"fcfs_schedule: for {lens} with budget {budget} you returned {got!r} - request 1 has 900 tokens, "
+                 "more than the budget: it can never run whole (S3), so raise ValueError")
+
+
+def check_stream_waste(fn: Callable[[list], tuple]) -> bool:
+    """Exercise 06.2: ``fn(batches) -> (pad_rows, masked_wasted_cells)`` summed over a stream;
+    ``batches`` is a list of batches, each a list of request lengths. Cells per head per layer,
+    whole blocks (the article's count)."""
+    from .engine import batch_stats
+    cases = [[[10, 30]], [[10, 30], [40], [5, 5, 20]], [[1, 7, 3], [64, 2], [16] * 4], [[100], [3, 300, 30]]]
+    cfg = _SMALL_CFGS[0]
+
+    def judge(got, batches):
+        pad = sum(batch_stats(cfg, b, "padded").padding_rows for b in batches)
+        masked = sum(batch_stats(cfg, b, "masked").masked_cells for b in batches)
+        want = (pad, masked)
+        got, problem = _int_tuple(got, "pad_rows, masked_wasted_cells")
+        if problem or got == want:
+            return problem
+        lens = [n for b in batches for n in b]
+        hint = ""
+        if len(batches) > 1 and got[0] == len(lens) * max(lens) - sum(lens):
+            hint = " - each batch pads to its OWN longest request, not the stream's"
+        elif len(batches) > 1 and got[1] == sum(lens) ** 2 - sum(n * n for n in lens):
+            hint = " - masking is per batch: only requests in the same batch share a score matrix"
+        elif got[1] == masked // 2:
+            hint = " - count both off-diagonal blocks, A's queries on B's keys and B's on A's"
+        return f"got {got}, expected {want}{hint}"
+    return _grade("stream_waste", fn, [(c,) for c in cases], judge, "pad rows and masked cells summed batch by batch, 4 streams")

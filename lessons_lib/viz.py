@@ -8,8 +8,9 @@ Colours: a request keeps one colour everywhere (``request_color``). In attention
 blue is a useful score cell, orange a computed but wasted one (masked or padding), white a
 cell that is never computed.
 
-Taught in notebooks/01_flat_batch.ipynb, notebooks/02_linear_is_per_token.ipynb,
-notebooks/03_masked_vs_varlen_attention.ipynb and notebooks/05_flop_regimes.ipynb.
+Taught in notebooks/00_setup_one_request.ipynb, notebooks/01_flat_batch.ipynb,
+notebooks/02_linear_is_per_token.ipynb, notebooks/03_masked_vs_varlen_attention.ipynb,
+notebooks/04_tp2_invariance.ipynb, notebooks/05_flop_regimes.ipynb and notebooks/06_prefill_engine.ipynb.
 """
 from __future__ import annotations
 
@@ -462,4 +463,188 @@ def time_split_bars(rows: Sequence[tuple[str, Mapping[str, float]]], parts: Sequ
     ax.legend(fontsize=7, ncol=len(parts), frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     height = 0.5 + 0.45 * len(rows)
     fig.subplots_adjust(left=0.3, right=0.97, bottom=0.5 / height, top=1 - 0.35 / height)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Lessons 00, 04, 06: tensor-parallel traces and the prefill engine's batches.
+
+def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | None = None, mark: int | None = None,
+                     measured: Mapping[int, Sequence] | None = None, world_size: int = 2) -> Figure:
+    """Claim C1: all-reduces per forward (left) and bytes per all-reduce (right) against the
+    tokens N of one request, from ``tp_dryrun.expected_trace``.
+
+    ``measured``: ``{N: trace}`` of real ranks (``TPResult.traces[0]``), drawn as markers on the
+    formula's lines (artists with gid ``measured-count-N`` / ``measured-bytes-N``).
+    ``mark``: one N to highlight (the widget's slider).
+    """
+    from .tp_dryrun import expected_trace
+    cfg = cfg or ModelConfig()
+    tokens = list(tokens) if tokens is not None else sorted({int(v) for v in np.logspace(0, np.log10(16384), 60)})
+    traces = {n: expected_trace(cfg, n, 0, world_size) for n in tokens}
+    counts = [len(traces[n]) for n in tokens]
+    nbytes = [traces[n][0].bytes if traces[n] else 0 for n in tokens]
+    fig = Figure(figsize=(8, 3.3))
+    left, right = fig.subplots(1, 2)
+    left.plot(tokens, counts, color=CELL_COLORS[USEFUL], label="formula: 2 x n_layers")
+    left.set_ylim(0, max(counts + [1]) * 1.5)
+    left.set_ylabel("all-reduces per forward")
+    left.set_title(f"count: {counts[0]} for every N", fontsize=9)
+    right.plot(tokens, nbytes, color=CELL_COLORS[WASTED], label=f"formula: N x {cfg.d_model} x {cfg.dtype.itemsize} B")
+    right.set_yscale("log")
+    right.set_ylabel("bytes per all-reduce (one rank)")
+    right.set_title(f"payload: [N x {cfg.d_model}] {str(cfg.dtype).replace('torch.', '')}, grows like N", fontsize=9)
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens N in the request")
+    for n, trace in sorted((measured or {}).items()):
+        trace = list(trace)
+        left.plot([n], [len(trace)], "o", color="black", gid=f"measured-count-{n}")
+        right.plot([n], [trace[0].bytes if trace else 0], "o", color="black", gid=f"measured-bytes-{n}")
+        right.annotate(f"N={n}: {trace[0].bytes:,} B" if trace else f"N={n}", (n, trace[0].bytes if trace else 1),
+                       textcoords="offset points", xytext=(-6, 6), ha="right", fontsize=7)
+    if measured:
+        left.plot([], [], "o", color="black", label="real TP=2 trace")
+        right.plot([], [], "o", color="black", label="real TP=2 trace")
+    if mark is not None:
+        trace = expected_trace(cfg, int(mark), 0, world_size)
+        left.axvline(mark, color="#888888", linestyle=":", linewidth=1)
+        right.axvline(mark, color="#888888", linestyle=":", linewidth=1)
+        right.plot([mark], [trace[0].bytes if trace else 0], "s", color=CELL_COLORS[WASTED], gid="mark")
+        fig.suptitle(f"N = {mark}: {len(trace)} all-reduces of [{mark} x {cfg.d_model}], "
+                     f"{trace[0].bytes if trace else 0:,} B each", fontsize=9)
+    for ax in (left, right):
+        ax.legend(fontsize=7, frameon=False, loc="upper left")
+    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.16, top=0.82 if mark is not None else 0.88, wspace=0.32)
+    return fig
+
+
+def tp_trace_timeline(traces: Sequence[Sequence], packings: Sequence[Sequence[int]], heads_per_rank: int | None = None,
+                      qkv_width: int | None = None) -> Figure:
+    """Claims C11, C12: one forward on each TP rank as a timeline, one row per rank.
+
+    ``traces[r]``: rank r's ``CollectiveRecord`` list (a real ``TPResult.traces`` or a
+    ``tp_dryrun.record_trace`` per rank); every rank must have the same trace (else the real
+    ranks would hang in a collective). Between two all-reduces a rank computes locally: QKV and
+    attention before an ``attn.out_proj`` all-reduce (blue: the only step that reads
+    ``cu_seqlens``), the FFN before an ``mlp.fc_down`` one (grey). Each all-reduce is one
+    orange bar across all ranks (gid ``allreduce-k``). ``packings``: the request lengths that
+    all produced this trace, listed under the timeline.
+    """
+    from .tp_dryrun import trace_signature
+    traces = [list(t) for t in traces]
+    if not traces or not traces[0]:
+        raise ValueError("traces must hold at least one rank with at least one collective")
+    sig = trace_signature(traces[0])
+    for r, t in enumerate(traces[1:], start=1):
+        if trace_signature(t) != sig:
+            raise ValueError(f"rank {r}'s trace differs from rank 0's: real ranks would wait on each other forever")
+    packs = [_check_lengths(p) for p in packings]
+    if not packs:
+        raise ValueError("packings is empty: give the request lengths that produced the trace")
+    n_ranks, n_ops = len(traces), len(sig)
+    first = traces[0][0]
+    fig = Figure(figsize=(11, 1.3 + 0.5 * n_ranks))
+    ax = fig.add_subplot()
+    attn_color, ffn_color, ar_color = CELL_COLORS[USEFUL], "#bbbbbb", CELL_COLORS[WASTED]
+    x = 0.6
+    ax.text(0.3, n_ranks - 0.5, "embed", ha="center", va="center", rotation=90, fontsize=6, color="#555555")
+    for k, rec in enumerate(traces[0]):
+        is_attn = rec.layer.endswith("attn.out_proj")
+        for r in range(n_ranks):
+            y = n_ranks - 1 - r
+            ax.add_patch(Rectangle((x, y + 0.15), 1.3, 0.7, facecolor=attn_color if is_attn else ffn_color,
+                                   edgecolor="white", gid=f"local-{r}-{k}"))
+            ax.text(x + 0.65, y + 0.5, "attn" if is_attn else "FFN", ha="center", va="center", fontsize=6,
+                    color="white" if is_attn else "black")
+        ax.add_patch(Rectangle((x + 1.4, 0.1), 0.4, n_ranks - 0.2, facecolor=ar_color, edgecolor="none",
+                               gid=f"allreduce-{k}"))
+        ax.text(x + 1.6, n_ranks + 0.05, f"{k}", ha="center", va="bottom", fontsize=6, color=ar_color)
+        if is_attn and rec.layer.startswith("layers."):
+            ax.text(x + 1.9, -0.15, rec.layer.split(".")[1], ha="center", va="top", fontsize=7)
+        x += 2.0
+    ax.text(x + 0.2, n_ranks - 0.5, "ln_f", ha="center", va="center", rotation=90, fontsize=6, color="#555555")
+    ax.set_xlim(0, x + 0.5)
+    ax.set_ylim(-0.9, n_ranks + 0.5)
+    ax.set_yticks([n_ranks - 1 - r + 0.5 for r in range(n_ranks)])
+    ax.set_yticklabels([f"rank {r}" for r in range(n_ranks)], fontsize=8)
+    ax.set_xticks([])
+    ax.text(0, -0.62, "layer", fontsize=7, ha="left", va="top")
+    for side in ("bottom", "left"):
+        ax.spines[side].set_visible(False)
+    shape = f"[{', '.join(map(str, first.shape))}]"
+    heads = f" on its {heads_per_rank} heads" if heads_per_rank else ""
+    qkv = f"QKV -> [{first.shape[0]}, {qkv_width}], " if qkv_width else "QKV, "
+    ax.legend(handles=[Patch(facecolor=attn_color, label=f"{qkv}varlen attention{heads}: reads cu_seqlens, no collective"),
+                       Patch(facecolor=ffn_color, label="LN, FFN-up, GeLU, FFN-down (local)"),
+                       Patch(facecolor=ar_color, label=f"all-reduce {shape} {first.dtype}, {first.bytes:,} B per rank")],
+              loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=7, frameon=False)
+    cus = " | ".join(str(_cu(p)) if len(p) <= 4 else f"[0, {p[0]}, ..., {sum(p)}] ({len(p)} requests)" for p in packs)
+    ax.set_title(f"one forward, TP={n_ranks}: {n_ops} all-reduces, the same on every rank and for every packing\n"
+                 f"cu_seqlens = {cus}", fontsize=9)
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.17, top=0.78)
+    return fig
+
+
+def batch_waste(stats: Mapping[str, Sequence], max_num_batched_tokens: int | None = None) -> Figure:
+    """Lesson 06: the prefill engine's batches, one bar group per batch.
+
+    ``stats[method]``: that method's ``engine.BatchStats`` list for the same schedule (the
+    scheduler does not depend on the method). Top: rows through the linear layers per batch,
+    useful tokens (blue, gid ``rows-useful-b``) and the padded method's pad rows on top (grey,
+    gid ``rows-pad-b``), the token budget dashed. Bottom: attention score cells computed per
+    head per layer by each method (gid ``cells-<method>-b``, log scale); varlen's are all useful.
+    """
+    if not stats:
+        raise ValueError("stats is empty: give {method: [BatchStats, ...]}")
+    methods = [m for m in METHODS if m in stats] + [m for m in stats if m not in METHODS]
+    runs = {m: list(stats[m]) for m in methods}
+    n = len(runs[methods[0]])
+    for m in methods:
+        if len(runs[m]) != n or [s.num_tokens for s in runs[m]] != [s.num_tokens for s in runs[methods[0]]]:
+            raise ValueError(f"stats[{m!r}] does not describe the same batches as stats[{methods[0]!r}]")
+    base = runs[methods[0]]
+    xs = np.arange(n)
+    fig = Figure(figsize=(8, 5.2))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    for b, s in enumerate(base):
+        top.bar(b, s.num_tokens, color=CELL_COLORS[USEFUL], gid=f"rows-useful-{b}")
+        if "padded" in runs:
+            p = runs["padded"][b]
+            top.bar(b, p.executed_rows - p.num_tokens, bottom=s.num_tokens, color=PAD_COLOR, hatch="///",
+                    edgecolor="white", gid=f"rows-pad-{b}")
+    if max_num_batched_tokens is not None:
+        top.axhline(max_num_batched_tokens, color="#555555", linestyle="--", linewidth=0.8)
+        top.text(n - 0.5, max_num_batched_tokens, f"max_num_batched_tokens = {max_num_batched_tokens}", ha="right",
+                 va="bottom", fontsize=7)
+    top.set_ylabel("rows per batch")
+    top.set_ylim(0, max(max(s.executed_rows for s in runs[m]) for m in methods) * 1.3)
+    top.legend(handles=[Patch(facecolor=CELL_COLORS[USEFUL], label="useful tokens (varlen, masked)"),
+                        Patch(facecolor=PAD_COLOR, hatch="///", label="+ pad rows (padded)")],
+               fontsize=7, frameon=False, loc="upper left", ncol=2)
+    width = 0.8 / len(methods)
+    colors = {"padded": "#8c8c8c", "masked": CELL_COLORS[WASTED], "varlen": CELL_COLORS[USEFUL]}
+    for i, m in enumerate(methods):
+        vals = [s.attn_cells_computed for s in runs[m]]
+        for b, v in enumerate(vals):
+            bottom.bar(b - 0.4 + (i + 0.5) * width, v, width, color=colors.get(m, request_color(i)),
+                       gid=f"cells-{m}-{b}", label=m if b == 0 else None)
+    bottom.set_yscale("log")
+    low = min(s.attn_cells_computed for m in methods for s in runs[m])
+    bottom.set_ylim(max(1, low) / 2, max(s.attn_cells_computed for m in methods for s in runs[m]) * 8)
+    bottom.set_ylabel("attention cells computed\n(per head per layer)")
+    bottom.legend(fontsize=7, frameon=False, ncol=len(methods), loc="upper left")
+    bottom.set_xticks(xs)
+    bottom.set_xticklabels([f"{b}\nR={s.num_seqs}" for b, s in enumerate(base)] if n <= 24 else
+                           [str(b) if b % max(1, n // 12) == 0 else "" for b in range(n)], fontsize=7)
+    bottom.set_xlabel("batch (in scheduling order)")
+    tot = {m: sum(s.attn_cells_computed for s in runs[m]) for m in methods}
+    useful = sum(s.attn_cells_useful for s in base)
+    rows = {m: sum(s.executed_rows for s in runs[m]) for m in methods}
+    toks = sum(s.num_tokens for s in base)
+    top.set_title(f"{n} batches, {sum(s.num_seqs for s in base)} requests, {toks:,} tokens; rows executed: "
+                  + ", ".join(f"{m} {rows[m]:,}" for m in methods), fontsize=9)
+    bottom.set_title("attention cells: " + ", ".join(f"{m} {tot[m]:,}" for m in methods) + f" (useful {useful:,})",
+                     fontsize=9)
+    fig.subplots_adjust(left=0.12, right=0.98, bottom=0.12, top=0.93, hspace=0.3)
     return fig

@@ -10,8 +10,9 @@ Figures are rendered to PNG with Agg and put into the ``Output`` widget's ``outp
 (the same message ``clear_output(wait=True)`` + ``display`` would produce, in one step), so a
 callback works, and can be tested, without a running kernel.
 
-Taught in notebooks/01_flat_batch.ipynb, notebooks/03_masked_vs_varlen_attention.ipynb and
-notebooks/05_flop_regimes.ipynb.
+Taught in notebooks/00_setup_one_request.ipynb, notebooks/01_flat_batch.ipynb,
+notebooks/03_masked_vs_varlen_attention.ipynb, notebooks/04_tp2_invariance.ipynb,
+notebooks/05_flop_regimes.ipynb and notebooks/06_prefill_engine.ipynb.
 """
 from __future__ import annotations
 
@@ -234,3 +235,232 @@ def flop_regime_explorer(num_requests: int = 10, length: int = 100):
         control.observe(update, names="value")
     update()
     return _tagged(w.VBox([w.HBox([reqs, base]), text, out]), "frx")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 00: the all-reduces of one request of N tokens (claim C1).
+
+DTYPES = ("float32", "bfloat16")
+
+
+def allreduce_state(num_tokens: int, dtype: str = "float32", world_size: int = 2) -> dict:
+    """What one rank all-reduces in one forward of a single N-token request (C1).
+
+    From ``tp_dryrun.expected_trace`` for the article's model in ``dtype``. Keys: ``num_tokens``,
+    ``dtype``, ``count``, ``shape`` (``[N, d_model]``), ``bytes_each``, ``bytes_per_forward``
+    (per rank), ``trace`` (the ``CollectiveRecord`` list).
+    """
+    import torch
+    from .tp_dryrun import expected_trace
+    n = _int_arg("num_tokens", num_tokens, 1, 1 << 24)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    cfg = ModelConfig(dtype=getattr(torch, dtype))
+    trace = expected_trace(cfg, n, 0, world_size)
+    each = trace[0].bytes if trace else 0
+    return {"num_tokens": n, "dtype": dtype, "count": len(trace), "shape": [n, cfg.d_model], "bytes_each": each,
+            "bytes_per_forward": sum(r.bytes for r in trace), "trace": trace}
+
+
+def allreduce_text(state: dict) -> str:
+    """``16 all-reduces per forward | each [10, 512] float32 = 20,480 B | 327,680 B per forward per rank``."""
+    return (f"{state['count']} all-reduces per forward | each {state['shape']} {state['dtype']} = "
+            f"{state['bytes_each']:,} B | {state['bytes_per_forward']:,} B per forward per rank")
+
+
+def allreduce_explorer(num_tokens: int = 10, dtype: str = "float32"):
+    """VBox class ``arx``: IntSlider ``arx-tokens`` (1..16384), Dropdown ``arx-dtype``, HTML
+    ``arx-text`` (``allreduce_text``), Output ``arx-figure`` (``viz.allreduce_growth`` with N marked)."""
+    w = _widgets()
+    tokens = _tagged(w.IntSlider(value=num_tokens, min=1, max=16384, description="tokens N"), "arx-tokens")
+    kind = _tagged(w.Dropdown(options=list(DTYPES), value=dtype, description="dtype"), "arx-dtype")
+    text, out = _tagged(w.HTML(), "arx-text"), _tagged(w.Output(), "arx-figure")
+
+    def update(change=None):
+        import torch
+        state = allreduce_state(tokens.value, kind.value)
+        text.value = f"<div>{allreduce_text(state)}</div>"
+        show_figure(out, viz.allreduce_growth(ModelConfig(dtype=getattr(torch, kind.value)), mark=tokens.value))
+
+    for control in (tokens, kind):
+        control.observe(update, names="value")
+    update()
+    return _tagged(w.VBox([w.HBox([tokens, kind]), text, out]), "arx")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 04: pack the same tokens as 1..R requests; the TP trace does not move (C11, C12).
+
+def split_tokens(total_tokens: int, num_requests: int) -> list[int]:
+    """``total_tokens`` split into ``num_requests`` requests as equal as possible, longer first
+    (``split_tokens(40, 3) == [14, 13, 13]``)."""
+    t = _int_arg("total_tokens", total_tokens, 1, 1 << 20)
+    r = _int_arg("num_requests", num_requests, 1, t)
+    return [t // r + (1 if i < t % r else 0) for i in range(r)]
+
+
+def tp_packing_state(num_requests: int, total_tokens: int = 40, world_size: int = 2) -> dict:
+    """The same ``total_tokens`` packed as ``num_requests`` requests, run on every TP rank.
+
+    The traces are dry runs of the model's own code (``tp_dryrun.record_trace``), compared with
+    the dry run of the same tokens as ONE request. Keys: ``seq_lens``, ``cu_seqlens``,
+    ``traces`` (per rank), ``same_as_one_request`` (per rank, bool), ``summary``
+    (``tp.summarize_trace`` of rank 0), ``heads_per_rank``, ``attn_cells`` (per head per layer,
+    varlen: Σ L_i²) and ``attn_cells_per_rank`` (× heads per rank × layers: what each rank's
+    attention computes, locally).
+    """
+    from .tp import summarize_trace
+    from .tp_dryrun import record_trace, trace_signature
+    lens = split_tokens(total_tokens, num_requests)
+    cfg = ModelConfig(tp_size=world_size)
+    traces = [record_trace(cfg, lens, r, world_size) for r in range(world_size)]
+    ones = [_one_request_signature(sum(lens), r, world_size) for r in range(world_size)]
+    cells = attention_cells(lens, "varlen").computed
+    return {"seq_lens": lens, "cu_seqlens": viz._cu(lens), "traces": traces,
+            "same_as_one_request": [trace_signature(t) == s for t, s in zip(traces, ones)],
+            "summary": summarize_trace(traces[0]), "heads_per_rank": cfg.heads_per_rank, "attn_cells": cells,
+            "attn_cells_per_rank": cells * cfg.heads_per_rank * cfg.n_layers}
+
+
+_ONE_REQUEST: dict = {}
+
+
+def _one_request_signature(total: int, rank: int, world_size: int) -> list:
+    from .tp_dryrun import record_trace, trace_signature
+    key = (total, rank, world_size)
+    if key not in _ONE_REQUEST:  # the reference does not change while the slider moves
+        _ONE_REQUEST[key] = trace_signature(record_trace(ModelConfig(tp_size=world_size), [total], rank, world_size))
+    return _ONE_REQUEST[key]
+
+
+def tp_packing_html(state: dict) -> str:
+    """Three ``<div>`` lines: the packing, the trace (with ``same as 1 request: yes|no`` per rank),
+    and each rank's local attention work."""
+    cu = state["cu_seqlens"]
+    same = ", ".join(f"rank {r}: {'yes' if s else 'no'}" for r, s in enumerate(state["same_as_one_request"]))
+    return (f"<div>{len(state['seq_lens'])} requests | cu_seqlens {cu if len(cu) <= 12 else '[0, ..., ' + str(cu[-1]) + ']'}</div>"
+            f"<div>trace per rank: {state['summary']} | same as 1 request: {same}</div>"
+            f"<div>attention on each rank: {state['heads_per_rank']} heads, sum L_i^2 = {state['attn_cells']} cells per head "
+            f"per layer, {state['attn_cells_per_rank']} per forward, no collective</div>")
+
+
+def tp_packing_explorer(num_requests: int = 2, total_tokens: int = 40):
+    """VBox class ``tpx``: IntSliders ``tpx-num-requests`` (1..T) and ``tpx-tokens`` (1..128), HTML
+    ``tpx-text`` (``tp_packing_html``), Output ``tpx-figure`` (the flat token strip)."""
+    w = _widgets()
+    total = _tagged(w.IntSlider(value=total_tokens, min=1, max=128, description="tokens T"), "tpx-tokens")
+    reqs = _tagged(w.IntSlider(value=min(num_requests, total_tokens), min=1, max=total_tokens, description="requests R"),
+                   "tpx-num-requests")
+    text, out = _tagged(w.HTML(), "tpx-text"), _tagged(w.Output(), "tpx-figure")
+
+    def update(change=None):
+        reqs.max = total.value  # R <= T: every request needs a token (clamps reqs.value too)
+        state = tp_packing_state(reqs.value, total.value)
+        text.value = tp_packing_html(state)
+        show_figure(out, viz.token_strip(state["seq_lens"], title=f"{len(state['seq_lens'])} requests, T = {total.value}: "
+                                         f"the only thing that changes is cu_seqlens"))
+
+    for control in (total, reqs):
+        control.observe(update, names="value")
+    update()
+    return _tagged(w.VBox([w.HBox([total, reqs]), text, out]), "tpx")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 06: the prefill scheduler on a stream of requests, and each method's waste.
+
+WORKLOAD_PRESETS = {
+    "long-tail": {"median": 64, "sigma": 1.0, "max_len": 2048},
+    "bimodal": {"short": 50, "long": 1500, "p_long": 0.1},
+    "uniform": {"low": 16, "high": 512},
+}
+
+
+def schedule_lengths(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_seqs: int = 256) -> dict:
+    """Run ``engine.Scheduler`` on requests of ``seq_lens`` tokens (request i has id i).
+
+    Returns ``{"batches": [[id, ...], ...], "rejected": [id, ...]}``: the FCFS batches, and the
+    requests ``Scheduler.add`` refused because they exceed ``max_num_batched_tokens`` (S3:
+    a request runs whole or not at all).
+    """
+    from .engine import Request, Scheduler
+    lens = _check_lengths(seq_lens)
+    sched = Scheduler(max_num_batched_tokens, max_num_seqs)
+    rejected = []
+    for i, n in enumerate(lens):
+        try:
+            sched.add(Request(i, [0] * n))
+        except ValueError:
+            rejected.append(i)
+    batches = []
+    while sched.has_unfinished():
+        batches.append([r.request_id for r in sched.schedule()])
+    return {"batches": batches, "rejected": rejected}
+
+
+def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 1024,
+                       seed: int = 0) -> dict:
+    """A seeded stream of ``workload`` requests (``WORKLOAD_PRESETS``), scheduled, costed per method.
+
+    Keys: ``seq_lens``, ``batches`` (lists of request ids), ``rejected`` (ids),
+    ``stats`` ({method: [engine.BatchStats]}, analytic: ``engine.batch_stats``) and ``totals``
+    ({method: {"rows", "cells_computed", "cells_useful", "flops_executed", "flops_useful"}}).
+    """
+    from .engine import batch_stats
+    from .workloads import workload_lengths
+    if workload not in WORKLOAD_PRESETS:
+        raise ValueError(f"workload must be one of {tuple(WORKLOAD_PRESETS)}, got {workload!r}")
+    n = _int_arg("num_requests", num_requests, 1, 4096)
+    budget = _int_arg("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 20)
+    lens = workload_lengths(workload, n, seed, **WORKLOAD_PRESETS[workload])
+    plan = schedule_lengths(lens, budget)
+    cfg = ModelConfig()
+    stats = {m: [batch_stats(cfg, [lens[i] for i in ids], m, b, request_ids=ids) for b, ids in enumerate(plan["batches"])]
+             for m in ("padded", "masked", "varlen")}
+    totals = {m: {"rows": sum(s.executed_rows for s in st), "cells_computed": sum(s.attn_cells_computed for s in st),
+                  "cells_useful": sum(s.attn_cells_useful for s in st), "flops_executed": sum(s.flops_executed for s in st),
+                  "flops_useful": sum(s.flops_useful for s in st)} for m, st in stats.items()}
+    return {"seq_lens": lens, "batches": plan["batches"], "rejected": plan["rejected"], "stats": stats, "totals": totals,
+            "max_num_batched_tokens": budget}
+
+
+def prefill_plan_html(state: dict) -> str:
+    """One ``<div>`` per method, ``varlen: rows 4783 | attention cells 886713 (useful 886713) | FLOPs
+    executed / useful 1.00x``, then the batches and the rejected requests."""
+    lines = []
+    for m, t in state["totals"].items():
+        ratio = t["flops_executed"] / t["flops_useful"] if t["flops_useful"] else 0.0
+        lines.append(f"<div>{m}: rows {t['rows']} | attention cells {t['cells_computed']} (useful {t['cells_useful']}) | "
+                     f"FLOPs executed / useful {ratio:.2f}x</div>")
+    lens = state["seq_lens"]
+    lines.append(f"<div>{len(state['batches'])} batches of at most {state['max_num_batched_tokens']} tokens, "
+                 f"{sum(len(b) for b in state['batches'])} requests served</div>")
+    rej = state["rejected"]
+    lines.append(f"<div>rejected (longer than the budget, S3): {len(rej)}"
+                 + (f" - lengths {[lens[i] for i in rej][:8]}" if rej else "") + "</div>")
+    return "".join(lines)
+
+
+def prefill_plan_explorer(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 1024):
+    """VBox class ``ppx``: Dropdown ``ppx-workload``, IntSliders ``ppx-num-requests`` (1..256) and
+    ``ppx-budget`` (max_num_batched_tokens, 16..8192), HTML ``ppx-counts`` (``prefill_plan_html``),
+    Output ``ppx-figure`` (``viz.batch_waste``; empty when every request was rejected)."""
+    w = _widgets()
+    kind = _tagged(w.Dropdown(options=list(WORKLOAD_PRESETS), value=workload, description="workload"), "ppx-workload")
+    reqs = _tagged(w.IntSlider(value=num_requests, min=1, max=256, description="requests"), "ppx-num-requests")
+    budget = _tagged(w.IntSlider(value=max_num_batched_tokens, min=16, max=8192, step=16, description="token budget"),
+                     "ppx-budget")
+    text, out = _tagged(w.HTML(), "ppx-counts"), _tagged(w.Output(), "ppx-figure")
+
+    def update(change=None):
+        state = prefill_plan_state(kind.value, reqs.value, budget.value)
+        text.value = prefill_plan_html(state)
+        if state["batches"]:
+            show_figure(out, viz.batch_waste(state["stats"], budget.value))
+        else:
+            out.outputs = ()
+
+    for control in (kind, reqs, budget):
+        control.observe(update, names="value")
+    update()
+    return _tagged(w.VBox([w.HBox([kind, reqs, budget]), text, out]), "ppx")
