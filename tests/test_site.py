@@ -194,3 +194,57 @@ def test_lesson_page_renders(nb_path, site, site_url, site_browser):
         assert re.search(r"varlen: computed \d+ \| useful \d+ \| wasted 0", state["dbxCounts"]), state["dbxCounts"]
     if state["frxFlops"] is not None:   # lesson 05's explorer
         assert re.fullmatch(r"linear \d+ \| attention \d+ \| dominant (linear|attention)", state["frxFlops"].strip())
+
+
+# ---------------------------------------------------------------- build_site units (no browser)
+
+sys.path.insert(0, str(REPO / "tools"))
+import build_site  # noqa: E402
+
+
+def test_sliced_poll_waits_in_short_slices(monkeypatch):
+    """A channel wait of 60 s becomes polls of <= POLL_SLICE_S: a message that arrived while
+    one poll missed its wake-up (nbclient#312) is picked up by the next one."""
+    import asyncio
+    import queue
+    clock = {"t": 0.0}
+    monkeypatch.setattr(build_site.time, "monotonic", lambda: clock["t"])
+    asked = []
+
+    async def get_msg(timeout=None):  # the message is there from t = 2 s on
+        asked.append(timeout)
+        clock["t"] += timeout
+        if clock["t"] < 2.0:
+            raise queue.Empty
+        return {"msg": "reply"}
+
+    assert asyncio.run(build_site._sliced(get_msg)(timeout=60)) == {"msg": "reply"}
+    assert asked and max(asked) <= build_site.POLL_SLICE_S and clock["t"] <= 2.0 + build_site.POLL_SLICE_S
+    asked.clear()
+    clock["t"] = 0.0
+
+    async def never(timeout=None):
+        asked.append(timeout)
+        clock["t"] += timeout
+        raise queue.Empty
+
+    with pytest.raises(queue.Empty):  # a real timeout still ends at the deadline
+        asyncio.run(build_site._sliced(never)(timeout=3))
+    assert clock["t"] == pytest.approx(3.0) and max(asked) <= build_site.POLL_SLICE_S
+
+
+@pytest.mark.parametrize("head", ["## Goals", "**Goals.** After this lesson you can", "**Goals**", "Goals:"])
+def test_goals_parsed_from_each_heading_style(tmp_path, head):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(f"# Lesson 09 · Title\n*Sub title.*\n\n{head}\n- first goal;\n"
+                                              "- second goal, wrapped\n  over two lines;\n\n**Uses** `x`")]
+    path = tmp_path / "09_x.ipynb"
+    nbformat.write(nb, path)
+    lesson = build_site.read_lesson(path)
+    assert (lesson.title, lesson.subtitle) == ("Lesson 09 · Title", "*Sub title.*")
+    assert lesson.goals == ["first goal;", "second goal, wrapped over two lines;"]
+
+
+def test_build_rejects_an_empty_notebooks_folder(tmp_path):
+    with pytest.raises(build_site.BuildError, match="no notebooks in"):
+        build_site.build(tmp_path / "out", notebooks=tmp_path)

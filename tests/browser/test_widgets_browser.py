@@ -40,13 +40,18 @@ KERNEL_IDLE_JS = """() => [...document.querySelectorAll('.jp-StatusBar-Item')].s
 })"""
 
 # Arms a one-shot latency probe: t0 = the next (trusted) keydown anywhere in the page,
-# t1 = when a new <img> (different src) in the figure output is decoded and a frame painted.
-ARM_PROBE_JS = """(sel) => {
-    const out = document.querySelector(sel);
-    const oldSrc = (out.querySelector('img') || {}).src || null;
-    const probe = window.__probe = {t0: null, t1: null, src: null};
+# tText = the readout text changed, t1 = a new <img> (different src) in the figure output is
+# decoded and a frame painted.
+ARM_PROBE_JS = """([figSel, textSel]) => {
+    const out = document.querySelector(figSel), text = document.querySelector(textSel);
+    const oldSrc = (out.querySelector('img') || {}).src || null, oldText = text.innerText;
+    const probe = window.__probe = {t0: null, t1: null, tText: null, src: null};
     document.addEventListener('keydown', () => { if (probe.t0 === null) probe.t0 = performance.now(); },
                               {capture: true, once: true});
+    const textObs = new MutationObserver(() => {
+        if (probe.tText === null && text.innerText !== oldText) { probe.tText = performance.now(); textObs.disconnect(); }
+    });
+    textObs.observe(text, {childList: true, subtree: true, characterData: true});
     const obs = new MutationObserver(() => {
         const img = out.querySelector('img');
         if (!img || !img.src || img.src === oldSrc || probe.src !== null) return;
@@ -145,21 +150,29 @@ def _readout(page, slider_cls: str) -> int:
     return int(_text(page, f".{slider_cls} .widget-readout"))
 
 
-def _move(page, slider_cls: str, figure_sel: str, key: str) -> tuple[float, str]:
-    """Press ``key`` on the slider's handle; return (latency ms, new figure src)."""
-    page.evaluate(ARM_PROBE_JS, figure_sel)
+def _move(page, slider_cls: str, figure_sel: str, text_sel: str, key: str, text_ms: list) -> tuple[float, str]:
+    """Press ``key`` on the slider's handle; return (ms to the new figure on screen, its src).
+
+    The ms to the readout text change is appended to ``text_ms`` (the figure's share of the
+    latency is the difference)."""
+    page.evaluate(ARM_PROBE_JS, [figure_sel, text_sel])
     page.locator(f".{slider_cls} .noUi-handle").first.focus()
     page.keyboard.press(key)
     page.wait_for_function("() => window.__probe.t1 !== null", timeout=UPDATE_TIMEOUT_MS)
     probe = page.evaluate("() => window.__probe")
+    if probe["tText"] is not None:
+        text_ms.append(probe["tText"] - probe["t0"])
     return probe["t1"] - probe["t0"], probe["src"]
 
 
-def _report(capsys, lesson: str, latencies: list[float], console_errors: list[str]) -> None:
+def _report(capsys, lesson: str, latencies: list[float], text_ms: list[float], console_errors: list[str]) -> None:
     with capsys.disabled():
         print(f"\n[browser] lesson {lesson}: slider -> new figure on screen, {len(latencies)} moves: "
               f"median {statistics.median(latencies):.0f} ms, min {min(latencies):.0f} ms, "
               f"max {max(latencies):.0f} ms (goal < 300 ms)")
+        if text_ms:
+            print(f"[browser] lesson {lesson}: slider -> new numbers in the readout: "
+                  f"median {statistics.median(text_ms):.0f} ms ({len(text_ms)} moves)")
         for line in console_errors[:5]:
             print(f"[browser] lesson {lesson}: console/network error: {line[:200]}")
     (SHOTS / f"{lesson}_latency_ms.txt").write_text("\n".join(f"{x:.1f}" for x in latencies) + "\n")
@@ -180,9 +193,9 @@ def test_lesson03_diagonal_block_explorer(lab_server, browser_context, capsys):
     assert _parse_counts(_text(page, ".dbx-counts")) == _expected_counts(r, length, pattern)
     src = page.locator(".dbx-figure img").first.get_attribute("src")
 
-    latencies = []
+    latencies, text_ms = [], []
     for _ in range(MOVES):
-        ms, new_src = _move(page, "dbx-num-requests", ".dbx-figure", "ArrowRight")
+        ms, new_src = _move(page, "dbx-num-requests", ".dbx-figure", ".dbx-counts", "ArrowRight", text_ms)
         latencies.append(ms)
         assert new_src != src, "the attention-matrix figure was not redrawn"
         src = new_src
@@ -196,7 +209,7 @@ def test_lesson03_diagonal_block_explorer(lab_server, browser_context, capsys):
 
     widget.screenshot(path=str(SHOTS / "03_after.png"))
     page.screenshot(path=str(SHOTS / "03_page.png"))
-    _report(capsys, "03", latencies, console_errors)
+    _report(capsys, "03", latencies, text_ms, console_errors)
     with capsys.disabled():
         print(f"[browser] lesson 03 end to end: {time.monotonic() - t_start:.1f} s")
     page.close()
@@ -216,10 +229,10 @@ def test_lesson05_flop_regime_explorer(lab_server, browser_context, capsys):
     assert _parse_flops(_text(page, ".frx-flops")) == _expected_flops(r, length)
     src = page.locator(".frx-figure img").first.get_attribute("src")
 
-    latencies = []
+    latencies, text_ms = [], []
     # Small steps first, then End (the slider's max): long requests flip the dominant term.
     for key in ["ArrowRight"] * (MOVES - 1) + ["End"]:
-        ms, new_src = _move(page, "frx-length", ".frx-figure", key)
+        ms, new_src = _move(page, "frx-length", ".frx-figure", ".frx-flops", key, text_ms)
         latencies.append(ms)
         assert new_src != src, "the FLOPs figure was not redrawn"
         src = new_src
@@ -232,7 +245,7 @@ def test_lesson05_flop_regime_explorer(lab_server, browser_context, capsys):
 
     widget.screenshot(path=str(SHOTS / "05_after.png"))
     page.screenshot(path=str(SHOTS / "05_page.png"))
-    _report(capsys, "05", latencies, console_errors)
+    _report(capsys, "05", latencies, text_ms, console_errors)
     with capsys.disabled():
         print(f"[browser] lesson 05 end to end: {time.monotonic() - t_start:.1f} s")
     page.close()
