@@ -139,6 +139,13 @@ def _local_mask(lq: int, lk: int, causal: bool, device) -> Tensor:
     return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=lk - lq)
 
 
+def _all_finite(t: Tensor) -> bool:
+    # NaN and ±Inf propagate through a sum, so a finite sum proves every element finite in one
+    # vectorised pass (isfinite().all() was ~70x slower on the CPU: 3-5 % of a whole forward).
+    # A non-finite sum can also be an overflow of finite values: then look element by element.
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -164,7 +171,7 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     for name, t in (("q", q), ("k", k), ("v", v)):
         # A dense backend multiplies masked probabilities (0) by every value row, and
         # 0 * NaN = NaN: one request's NaN would leak into the others. Refuse it up front.
-        if t.device.type != "meta" and t.numel() and not bool(torch.isfinite(t).all()):
+        if t.device.type != "meta" and t.numel() and not _all_finite(t):
             row = int((~torch.isfinite(t)).flatten(1).any(1).nonzero()[0, 0])
             raise ValueError(f"{name} contains NaN or Inf (first at row {row})")
     cu_q = validate_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
