@@ -248,3 +248,10 @@ def test_goals_parsed_from_each_heading_style(tmp_path, head):
 def test_build_rejects_an_empty_notebooks_folder(tmp_path):
     with pytest.raises(build_site.BuildError, match="no notebooks in"):
         build_site.build(tmp_path / "out", notebooks=tmp_path)
+
+
+def test_build_never_overwrites_a_folder_it_did_not_make(tmp_path):
+    (tmp_path / "precious.txt").write_text("keep me")
+    with pytest.raises(build_site.BuildError, match="refusing to overwrite"):
+        build_site.build(tmp_path, notebooks=REPO / "notebooks")
+    assert (tmp_path / "precious.txt").read_text() == "keep me"

@@ -36,6 +36,7 @@ import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import nbformat
@@ -51,6 +52,7 @@ NPM_PACKAGES = {
 }
 FONT_SUFFIXES = (".woff2", ".woff", ".ttf", ".eot", ".svg")
 POLL_SLICE_S = 0.5
+SITE_MARKER = ".course-site"
 DEFAULT_CELL_TIMEOUT_S = 60
 
 
@@ -164,17 +166,16 @@ def _inline_markdown(text: str) -> str:
     return re.sub(r"^<p>(.*)</p>$", r"\1", out, flags=re.S)
 
 
-def write_index(lessons: list[Lesson], out: Path, notes: dict[str, str]) -> None:
+def write_index(lessons: list[Lesson], out: Path) -> None:
     items = []
     for lesson in lessons:
         goals = "".join(f"<li>{_inline_markdown(g)}</li>" for g in lesson.goals) or \
             "<li><em>This lesson has no Goals section.</em></li>"
         sub = f'<p class="subtitle">{_inline_markdown(lesson.subtitle)}</p>' if lesson.subtitle else ""
-        note = notes.get(lesson.path.name, "")
         intro = _inline_markdown(lesson.goals_intro) if lesson.goals_intro else ""
         items.append(f'<section class="lesson" data-notebook="{html.escape(lesson.path.name)}">'
                      f'<h2><a href="notebooks/{html.escape(lesson.html_name)}">{html.escape(lesson.title)}</a></h2>'
-                     f'{sub}<p><strong>Goals.</strong> {intro}</p><ul class="goals">{goals}</ul>{note}</section>')
+                     f'{sub}<p><strong>Goals.</strong> {intro}</p><ul class="goals">{goals}</ul></section>')
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1.0">
@@ -235,7 +236,6 @@ def execute(path: Path, workdir: Path, cell_timeout: int) -> tuple[nbformat.Note
     for i, cell in enumerate(nb.cells):
         ex = cell.get("metadata", {}).get("execution", {})
         if "iopub.status.busy" in ex and "shell.execute_reply" in ex:
-            from datetime import datetime
             a, b = (datetime.fromisoformat(ex[k].replace("Z", "+00:00"))
                     for k in ("iopub.status.busy", "shell.execute_reply"))
             cell_times.append(((b - a).total_seconds(), i))
@@ -249,8 +249,7 @@ def _exporter():
     from nbconvert import HTMLExporter
     return HTMLExporter(template_name="course", extra_template_basedirs=[str(ASSETS / "templates")],
                         require_js_url="../_static/require.js",
-                        widget_renderer_url="../_static/html-manager/embed-amd.js",
-                        exclude_anchor_links=False)
+                        widget_renderer_url="../_static/html-manager/embed-amd.js")
 
 
 _IPYNB_HREF = re.compile(r'href="((?:\./)?)([^"/#?]+)\.ipynb(#[^"]*)?"')
@@ -266,6 +265,18 @@ def render(nb, lesson: Lesson, prev: Lesson | None, nxt: Lesson | None, exporter
     return _IPYNB_HREF.sub(lambda m: f'href="{m[1]}{m[2]}.html{m[3] or ""}"', body)
 
 
+def _fresh_output_dir(out: Path) -> None:
+    """Empty ``out`` for a new build, but only if it is empty or a previous site (marker file):
+    ``--out .`` must never wipe the repo."""
+    if out.exists() and any(out.iterdir()):
+        if not (out / SITE_MARKER).is_file():
+            raise BuildError(f"--out {out} is not empty and holds no {SITE_MARKER} from a previous build; "
+                             "refusing to overwrite it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SITE_MARKER).write_text("built by tools/build_site.py; the whole folder is replaced on rebuild\n")
+
+
 def build(out: Path, notebooks: Path = REPO / "notebooks", cell_timeout: int = DEFAULT_CELL_TIMEOUT_S,
           log=print) -> list[Lesson]:
     paths = sorted(notebooks.glob("*.ipynb"))
@@ -273,13 +284,7 @@ def build(out: Path, notebooks: Path = REPO / "notebooks", cell_timeout: int = D
         raise BuildError(f"no notebooks in {notebooks}")
     t_start = time.monotonic()
     lessons = [read_lesson(p) for p in paths]
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in ("index.html", "notebooks", "figures", "_static"):
-        target = out / stale
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
+    _fresh_output_dir(out)
     install_static(out / "_static")
     (out / "notebooks").mkdir()
     exporter = _exporter()
@@ -303,7 +308,7 @@ def build(out: Path, notebooks: Path = REPO / "notebooks", cell_timeout: int = D
                           exporter)
             (out / "notebooks" / lesson.html_name).write_text(page, encoding="utf-8")
         shutil.copytree(course / "figures", out / "figures")
-    write_index(lessons, out, {})
+    write_index(lessons, out)
     log(f"site built in {time.monotonic() - t_start:.1f} s: {out}/index.html ({len(lessons)} lessons)")
     return lessons
 
