@@ -195,5 +195,40 @@ def _intensity() -> Figure:
     return viz.intensity_curves()
 
 
+# Lessons 00, 04, 06 (tensor parallelism and the prefill engine). No figure starts processes:
+# traces come from tp_dryrun (the model's own code on a recording stand-in group), which lesson
+# 04 checks against a real two-process run.
+TP_PACKINGS = ([40], ARTICLE_LENS, [1] * 40)  # the same 40 tokens as 1, 2 and 40 requests
+ENGINE_STREAM = dict(workload="long-tail", num_requests=24, max_num_batched_tokens=512, seed=3)  # lesson 06's stream
+
+
+@register("00_allreduce_growth", lesson="00",
+          caption="one request of N tokens under TP=2: 16 all-reduces per forward for every N, each [N x 512] fp32 (C1)")
+def _allreduce_growth() -> Figure:
+    return viz.allreduce_growth(ModelConfig())
+
+
+@register("04_trace_timeline", lesson="04",
+          caption="one TP=2 forward per rank: attention local (reads cu_seqlens), 16 all-reduces of [40 x 512], "
+                  "identical for 1, 2 and 40 requests (C11, C12)")
+def _trace_timeline() -> Figure:
+    from .tp_dryrun import record_trace, trace_signature
+    cfg = ModelConfig()
+    runs = [[record_trace(cfg, lens, rank, cfg.tp_size) for rank in range(cfg.tp_size)] for lens in TP_PACKINGS]
+    first = trace_signature(runs[0][0])
+    if any(trace_signature(t) != first for traces in runs for t in traces):
+        raise RuntimeError("the dry-run traces differ between packings or ranks: C12 would not hold")
+    return viz.tp_trace_timeline(runs[1], TP_PACKINGS, heads_per_rank=cfg.heads_per_rank,
+                                 qkv_width=3 * cfg.heads_per_rank * cfg.d_head)
+
+
+@register("06_batch_waste", lesson="06",
+          caption="24 long-tailed requests under a 512-token budget (one of 1776 tokens rejected): rows and attention "
+                  "cells per batch, padded vs masked vs varlen (C2, C8, C10)")
+def _batch_waste() -> Figure:
+    from .widgets import prefill_plan_state
+    state = prefill_plan_state(**ENGINE_STREAM)
+    return viz.batch_waste(state["stats"], state["max_num_batched_tokens"])
+
 if __name__ == "__main__":
     sys.exit(main())
