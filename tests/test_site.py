@@ -63,7 +63,7 @@ def site(tmp_path_factory, request) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def site_url(site):
     handler = functools.partial(_QuietHandler, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -81,7 +81,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # Playwright's driver holds an asyncio loop: stop it with this module
 def site_browser(tmp_path_factory):
     with chromium_context(tmp_path_factory.mktemp("site-chromium")) as context:
         yield context
@@ -202,13 +202,20 @@ sys.path.insert(0, str(REPO / "tools"))
 import build_site  # noqa: E402
 
 
-def test_sliced_poll_waits_in_short_slices(monkeypatch):
+def _run(coro):
+    """asyncio.run on a fresh thread: this thread may hold Playwright's loop."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def test_sliced_poll_waits_in_short_slices():
     """A channel wait of 60 s becomes polls of <= POLL_SLICE_S: a message that arrived while
     one poll missed its wake-up (nbclient#312) is picked up by the next one."""
-    import asyncio
     import queue
     clock = {"t": 0.0}
-    monkeypatch.setattr(build_site.time, "monotonic", lambda: clock["t"])
+    now = lambda: clock["t"]  # noqa: E731  (a fake clock that each poll advances by its timeout)
     asked = []
 
     async def get_msg(timeout=None):  # the message is there from t = 2 s on
@@ -218,7 +225,7 @@ def test_sliced_poll_waits_in_short_slices(monkeypatch):
             raise queue.Empty
         return {"msg": "reply"}
 
-    assert asyncio.run(build_site._sliced(get_msg)(timeout=60)) == {"msg": "reply"}
+    assert _run(build_site._sliced(get_msg, now)(timeout=60)) == {"msg": "reply"}
     assert asked and max(asked) <= build_site.POLL_SLICE_S and clock["t"] <= 2.0 + build_site.POLL_SLICE_S
     asked.clear()
     clock["t"] = 0.0
@@ -229,7 +236,7 @@ def test_sliced_poll_waits_in_short_slices(monkeypatch):
         raise queue.Empty
 
     with pytest.raises(queue.Empty):  # a real timeout still ends at the deadline
-        asyncio.run(build_site._sliced(never)(timeout=3))
+        _run(build_site._sliced(never, now)(timeout=3))
     assert clock["t"] == pytest.approx(3.0) and max(asked) <= build_site.POLL_SLICE_S
 
 

@@ -197,16 +197,16 @@ kernel, so open the notebooks in JupyterLab (<code>make course</code>).</p>
 
 # ---------------------------------------------------------------- execution
 
-def _sliced(get_msg):
+def _sliced(get_msg, clock=time.monotonic):
     """Wrap a channel's ``get_msg`` so that one long wait becomes many short polls."""
     async def get_msg_sliced(timeout=None, **kwargs):
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else clock() + timeout
         while True:
-            left = POLL_SLICE_S if deadline is None else max(0.0, min(POLL_SLICE_S, deadline - time.monotonic()))
+            left = POLL_SLICE_S if deadline is None else max(0.0, min(POLL_SLICE_S, deadline - clock()))
             try:
                 return await get_msg(timeout=left, **kwargs)
             except queue.Empty:
-                if deadline is not None and time.monotonic() >= deadline:
+                if deadline is not None and clock() >= deadline:
                     raise
     return get_msg_sliced
 

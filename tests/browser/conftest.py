@@ -103,7 +103,9 @@ def _stop(proc: subprocess.Popen, url: str, known_children: list) -> None:
             pass
 
 
-@pytest.fixture(scope="session")
+# Module scope: the server, its kernels and Playwright's driver (which holds an asyncio loop
+# on this thread) are gone before the rest of the session (unit tests, nbval) runs.
+@pytest.fixture(scope="module")
 def lab_server(tmp_path_factory) -> LabServer:
     require_browser()  # skip/fail before paying for a server start
     base = tmp_path_factory.mktemp("lab")
@@ -156,8 +158,8 @@ def lab_server(tmp_path_factory) -> LabServer:
         _stop(proc, url, _descendants(proc.pid))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser_context(tmp_path_factory):
-    """A Chromium context on a fresh profile, shared by the browser tests of one session."""
+    """A Chromium context on a fresh profile, shared by the browser tests of one module."""
     with chromium_context(tmp_path_factory.mktemp("chromium-profile")) as context:
         yield context
