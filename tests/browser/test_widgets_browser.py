@@ -165,7 +165,12 @@ def _move(page, slider_cls: str, figure_sel: str, text_sel: str, key: str, text_
     return probe["t1"] - probe["t0"], probe["src"]
 
 
-def _report(capsys, lesson: str, latencies: list[float], text_ms: list[float], console_errors: list[str]) -> None:
+def _finish(page, widget, lesson: str, latencies: list[float], text_ms: list[float], console_errors: list[str],
+            t_start: float, capsys) -> None:
+    """After-screenshots, the latency report (printed past pytest's capture), page closed."""
+    widget.screenshot(path=str(SHOTS / f"{lesson}_after.png"))
+    page.screenshot(path=str(SHOTS / f"{lesson}_page.png"))
+    (SHOTS / f"{lesson}_latency_ms.txt").write_text("\n".join(f"{x:.1f}" for x in latencies) + "\n")
     with capsys.disabled():
         print(f"\n[browser] lesson {lesson}: slider -> new figure on screen, {len(latencies)} moves: "
               f"median {statistics.median(latencies):.0f} ms, min {min(latencies):.0f} ms, "
@@ -175,7 +180,8 @@ def _report(capsys, lesson: str, latencies: list[float], text_ms: list[float], c
                   f"median {statistics.median(text_ms):.0f} ms ({len(text_ms)} moves)")
         for line in console_errors[:5]:
             print(f"[browser] lesson {lesson}: console/network error: {line[:200]}")
-    (SHOTS / f"{lesson}_latency_ms.txt").write_text("\n".join(f"{x:.1f}" for x in latencies) + "\n")
+        print(f"[browser] lesson {lesson} end to end: {time.monotonic() - t_start:.1f} s")
+    page.close()
 
 
 def test_lesson03_diagonal_block_explorer(lab_server, browser_context, capsys):
@@ -207,12 +213,7 @@ def test_lesson03_diagonal_block_explorer(lab_server, browser_context, capsys):
         _wait_text(page, ".dbx-counts", f"t => t === {want_text!r}")
         assert _parse_counts(_text(page, ".dbx-counts")) == want
 
-    widget.screenshot(path=str(SHOTS / "03_after.png"))
-    page.screenshot(path=str(SHOTS / "03_page.png"))
-    _report(capsys, "03", latencies, text_ms, console_errors)
-    with capsys.disabled():
-        print(f"[browser] lesson 03 end to end: {time.monotonic() - t_start:.1f} s")
-    page.close()
+    _finish(page, widget, "03", latencies, text_ms, console_errors, t_start, capsys)
 
 
 def test_lesson05_flop_regime_explorer(lab_server, browser_context, capsys):
@@ -230,7 +231,7 @@ def test_lesson05_flop_regime_explorer(lab_server, browser_context, capsys):
     src = page.locator(".frx-figure img").first.get_attribute("src")
 
     latencies, text_ms = [], []
-    # Small steps first, then End (the slider's max): long requests flip the dominant term.
+    # Small steps first, then End (the slider's max), where attention outweighs the linears.
     for key in ["ArrowRight"] * (MOVES - 1) + ["End"]:
         ms, new_src = _move(page, "frx-length", ".frx-figure", ".frx-flops", key, text_ms)
         latencies.append(ms)
@@ -243,9 +244,4 @@ def test_lesson05_flop_regime_explorer(lab_server, browser_context, capsys):
     max_len = int(page.locator(".frx-length .noUi-handle").first.get_attribute("aria-valuemax").split(".")[0])
     assert length == max_len, f"End on the length slider left L={length}, slider max is {max_len}"
 
-    widget.screenshot(path=str(SHOTS / "05_after.png"))
-    page.screenshot(path=str(SHOTS / "05_page.png"))
-    _report(capsys, "05", latencies, text_ms, console_errors)
-    with capsys.disabled():
-        print(f"[browser] lesson 05 end to end: {time.monotonic() - t_start:.1f} s")
-    page.close()
+    _finish(page, widget, "05", latencies, text_ms, console_errors, t_start, capsys)
