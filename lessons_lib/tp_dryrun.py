@@ -90,15 +90,18 @@ class RecordingGroup:
         return f"RecordingGroup(rank={self.rank}, world_size={self.world_size}, {len(self.trace)} records)"
 
 
+# Rows enter already embedded, so the token and position tables are never read: one row each
+# keeps a dry-run model cheap, and configs that differ only there share one cached model.
+_UNUSED = {"vocab_size": 1, "max_position": 1, "tp_size": 1}
+
+
 @functools.lru_cache(maxsize=4)
 def _dry_model(key: tuple, rank: int, world_size: int, seed: int):
     """One rank's model, built once per (config, rank): the weights do not change a trace,
     and building the article's 8 layers costs more than a forward of a few hundred tokens."""
     from .model import Transformer, init_weights  # model imports parallel; keep this module light
 
-    cfg = ModelConfig(**dict(key))
-    # Rows enter already embedded, so the vocabulary is never read: one row keeps it cheap.
-    small = dataclasses.replace(cfg, vocab_size=1, tp_size=world_size)
+    small = ModelConfig(**dict(key))
     # Attention runs masked: one call per layer whatever the number of requests (a dry run of
     # 40 one-token requests stays fast); no attention backend issues a collective (C11).
     return Transformer(small, init_weights(small, seed), group=RecordingGroup(rank, world_size), attn_backend="masked")
@@ -111,7 +114,8 @@ def record_trace(cfg: ModelConfig, seq_lens: Sequence[int], rank: int = 0, world
 
     The rows enter already embedded (``[T, d_model]``, seeded): embeddings are replicated and
     issue no collective. Attention uses the masked backend (same trace as any other backend,
-    and fast for many tiny requests). The model is cached per (config, rank, world_size, seed).
+    and fast for many tiny requests). The model is cached per (config without its vocabulary
+    and position table, rank, world_size, seed).
     """
     cfg = _cfg(cfg)
     lens = _check_lengths(seq_lens)
@@ -122,7 +126,7 @@ def record_trace(cfg: ModelConfig, seq_lens: Sequence[int], rank: int = 0, world
     rank, world_size = _rank_args(rank, world_size)
     if cfg.n_heads % world_size or cfg.d_ffn % world_size:
         raise ValueError(f"world_size={world_size} must divide n_heads={cfg.n_heads} and d_ffn={cfg.d_ffn}")
-    key = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg))
+    key = tuple((f.name, _UNUSED.get(f.name, getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
     model = _dry_model(key, rank, world_size, seed)
     g = torch.Generator().manual_seed(seed)
     rows = [torch.randn(n, cfg.d_model, generator=g).to(cfg.dtype) for n in lens]  # [L_i, d] each
