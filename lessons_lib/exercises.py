@@ -547,25 +547,15 @@ def check_trace_prediction(fn: Callable[[ModelConfig, list], list]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Lesson 06: the prefill engine (S3).
 
-def _engine_batches(lens: list, budget: int) -> list:
-    from .engine import Request, Scheduler
-    sched = Scheduler(budget, max_num_seqs=1 << 20)
-    for i, n in enumerate(lens):
-        sched.add(Request(i, [0] * n))
-    out = []
-    while sched.has_unfinished():
-        out.append([r.request_id for r in sched.schedule()])
-    return out
-
-
 def check_fcfs_schedule(fn: Callable[[list, int], list]) -> bool:
     """Exercise 06.1: ``fn(seq_lens, max_num_batched_tokens) -> [[request index, ...], ...]``: FCFS
     batches of whole requests within the token budget (what ``engine.Scheduler`` does). A request
     longer than the budget must raise ``ValueError`` (S3: no chunked prefill)."""
+    from .bench import plan_batches
     cases = [([10, 30], 64), ([300, 300, 500, 100], 700), ([5] * 9, 12), ([64, 1, 64, 1, 64], 65), ([7], 7)]
 
     def judge(got, lens, budget):
-        want = _engine_batches(lens, budget)
+        want = plan_batches(lens, budget, max_num_seqs=1 << 20)   # engine.Scheduler's batches
         try:
             got = [[int(i) for i in b] for b in got]
         except (TypeError, ValueError):

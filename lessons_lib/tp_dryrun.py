@@ -14,7 +14,7 @@ for. Lesson 04 compares both with a real two-process trace (``tp.TPRuntime``).
 
 ``trace_signature`` drops the rank from each record, so traces compare with ``==``.
 
-Taught in notebooks/00_setup_one_request.ipynb and notebooks/04_tp2_invariance.ipynb.
+Taught in notebooks/04_tp2_invariance.ipynb; behind the explorers of lessons 00 and 04 (``widgets``).
 """
 from __future__ import annotations
 

@@ -7,10 +7,8 @@ read the HTML and the PNG the callback put into the Output widget.
 """
 from __future__ import annotations
 
-import base64
 import re
 
-import ipywidgets as w
 import pytest
 import torch
 from matplotlib.figure import Figure
@@ -20,25 +18,7 @@ from lessons_lib.engine import batch_stats
 from lessons_lib.parallel import CollectiveRecord
 from lessons_lib.workloads import workload_lengths
 from lessons_lib.tp_dryrun import RecordingGroup, expected_trace, record_trace, trace_signature
-
-
-def by_class(box) -> dict:
-    found = {}
-
-    def walk(node):
-        for child in getattr(node, "children", ()):
-            for cls in child._dom_classes:
-                found[cls] = child
-            walk(child)
-    walk(box)
-    return found
-
-
-def png_of(out: w.Output) -> bytes:
-    (msg,) = out.outputs
-    data = base64.b64decode(msg["data"]["image/png"])
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    return data
+from test_widgets import by_class, png_of  # widgets by CSS class, the PNG a callback drew
 
 
 def gids(fig: Figure, prefix: str) -> dict:
