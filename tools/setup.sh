@@ -21,6 +21,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   $PIP install -q -r requirements.txt
   echo "$want" > "$stamp"
 fi
+# lessons_lib importable from any folder (JupyterLab opens notebooks/), edits picked up live.
+venv_py="$(pwd)/.venv/bin/python"
+if ! (cd / && "$venv_py" -c "import lessons_lib") 2>/dev/null; then
+  $PIP install -q --no-deps --no-build-isolation -e .
+fi
 # The browser test drives Debian's Chromium (never a downloaded browser).
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
