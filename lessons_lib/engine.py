@@ -330,10 +330,16 @@ class Engine:
     # ---- running -----------------------------------------------------------------------
     def run(self) -> list[RequestOutput]:
         """Prefill every waiting request; outputs in submission order. ``self.stats`` gets one
-        ``BatchStats`` per batch of this run. Nothing waiting → ``[]``."""
+        ``BatchStats`` per batch of this run. Nothing waiting → ``[]``.
+
+        All or nothing: if a batch fails (a worker dies, a timeout), the exception propagates
+        and every request this run took is waiting again, in order, so ``run()`` can be called
+        again (a dead TP runtime is dropped and restarted on the next batch).
+        """
         total = sum(len(r) for r in self.scheduler.waiting)
         self.stats = []
         outputs: list[RequestOutput] = []
+        taken: list[Request] = []
         bar = None
         if _progress_enabled(self.progress, total):
             from tqdm.auto import tqdm
@@ -341,6 +347,7 @@ class Engine:
         try:
             while self.scheduler.has_unfinished():
                 reqs = self.scheduler.schedule()
+                taken.extend(reqs)
                 t0 = time.perf_counter()
                 outputs.extend(self._execute(reqs, len(self.stats)))
                 wall = time.perf_counter() - t0
@@ -348,12 +355,17 @@ class Engine:
                 stats = batch_stats(self.cfg, lens, self.method, len(self.stats), wall, [r.request_id for r in reqs])
                 stats.all_reduces, self._last_all_reduces = self._last_all_reduces, None
                 self.stats.append(stats)
-                self._pending_ids.difference_update(r.request_id for r in reqs)
                 if bar is not None:
                     bar.update(sum(lens))
+        except BaseException:
+            self.scheduler.waiting.extendleft(reversed(taken))
+            if self._runtime is not None and self._runtime.closed:
+                self._runtime = None
+            raise
         finally:
             if bar is not None:
                 bar.close()
+        self._pending_ids.difference_update(r.request_id for r in taken)
         return outputs
 
     def prefill(self, requests: Sequence) -> list[RequestOutput]:

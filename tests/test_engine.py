@@ -216,3 +216,25 @@ def test_tp2_engine_equals_tp1():
         torch.testing.assert_close(b.last_hidden, a.last_hidden, atol=ATOL, rtol=0)
         torch.testing.assert_close(b.logits, a.logits, atol=ATOL * 10, rtol=0)
     assert eng._runtime is None, "closing the engine stops the TP workers"
+
+
+def test_failed_run_loses_nothing_and_can_be_rerun(monkeypatch):
+    reqs = [[3] * n for n in (5, 9, 4, 7, 6)]
+    eng = Engine(CFG, max_num_batched_tokens=12, max_num_seqs=2)
+    forward = eng.model.forward
+    calls = []
+
+    def flaky(batch, **kw):  # the second batch fails, as a dead worker would
+        calls.append(batch.num_seqs)
+        if len(calls) == 2:
+            raise RuntimeError("worker died")
+        return forward(batch, **kw)
+
+    monkeypatch.setattr(eng.model, "forward", flaky)
+    with pytest.raises(RuntimeError, match="worker died"):
+        eng.prefill(reqs)
+    assert [r.request_id for r in eng.scheduler.waiting] == [0, 1, 2, 3, 4], "all taken requests wait again, in order"
+    outs = eng.run()
+    assert [o.request_id for o in outs] == [0, 1, 2, 3, 4]
+    ref = Engine(CFG, max_num_batched_tokens=12, max_num_seqs=2).prefill(reqs)
+    assert all(torch.equal(a.logits, b.logits) for a, b in zip(outs, ref))
