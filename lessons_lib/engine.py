@@ -67,6 +67,8 @@ class Request:
     prompt_token_ids: the prompt, a non-empty list of non-negative ints (a 1-D integer tensor or
     numpy array is converted to a list). ``len(request)`` is its token count L.
     return_hidden: also return the final hidden rows of every prompt token (``[L, d_model]``).
+
+    Taught in notebooks/00_setup_one_request.ipynb and notebooks/06_prefill_engine.ipynb.
     """
 
     request_id: str | int
@@ -118,6 +120,8 @@ class Scheduler:
     max_num_seqs: most requests in one batch.
     Requests are never split (S3), never reordered: a request that does not fit the current
     batch waits for the next one, and so does everyone behind it.
+
+    Taught in notebooks/06_prefill_engine.ipynb.
     """
 
     def __init__(self, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -212,7 +216,10 @@ class BatchStats:
 
 def batch_stats(cfg: ModelConfig, seq_lens: Sequence[int], method: str, index: int = 0, wall_s: float = 0.0,
                 request_ids: list | None = None) -> BatchStats:
-    """The analytic part of ``BatchStats`` for one batch of ``seq_lens`` run by ``method``."""
+    """The analytic part of ``BatchStats`` for one batch of ``seq_lens`` run by ``method``.
+
+    Taught in notebooks/06_prefill_engine.ipynb.
+    """
     cells = attention_cells(seq_lens, method)
     t, r, lmax = sum(seq_lens), len(seq_lens), max(seq_lens)
     rows = r * lmax if method == "padded" else t
@@ -250,6 +257,8 @@ class Engine:
     compute_logits: also return last-token logits (``[vocab_size]`` per request).
     progress: a tqdm bar over prompt tokens; None = only for runs of >= 50,000 tokens.
     Never shown when the environment has ``CI=true``.
+
+    Taught in notebooks/00_setup_one_request.ipynb and notebooks/06_prefill_engine.ipynb.
     """
 
     def __init__(self, cfg: ModelConfig | None = None, tp_size: int = 1, attn_backend: str = "auto",

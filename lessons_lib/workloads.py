@@ -16,7 +16,7 @@ bimodal     ``short`` tokens, or ``long`` tokens with prob ``p_long``   "a 50-to
 Every generator returns a list of Python ints (lengths); ``make_requests`` turns lengths into
 token-id lists, and ``generate(name, n, seed, **kw)`` does both. Same seed → same lists.
 
-Taught in notebooks/06_prefill_engine.ipynb.
+Taught in notebooks/04_tp2_invariance.ipynb and notebooks/06_prefill_engine.ipynb.
 """
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ def long_tail_lengths(n: int, median: int = 128, sigma: float = 1.0, min_len: in
 
     With ``sigma=1`` about 16 % of requests are longer than ``2.7 × median`` and 2 % longer than
     ``7.4 × median``: most prompts are short, a few are long — the shape of real chat traffic.
+
+    Taught in notebooks/04_tp2_invariance.ipynb.
     """
     n, median = _positive_int("n", n, 0), _positive_int("median", median)
     min_len, max_len = _positive_int("min_len", min_len), _positive_int("max_len", max_len)
@@ -73,6 +75,8 @@ def bimodal_lengths(n: int, short: int = 50, long: int = 5000, p_long: float = 0
     """``n`` lengths, each ``long`` with probability ``p_long``, else ``short``.
 
     The default is the article's "a 50-token question beside a 5,000-token draft".
+
+    Taught in notebooks/06_prefill_engine.ipynb.
     """
     n, short, long = _positive_int("n", n, 0), _positive_int("short", short), _positive_int("long", long)
     if isinstance(p_long, bool) or not isinstance(p_long, (int, float)) or not 0.0 <= p_long <= 1.0:
@@ -100,6 +104,8 @@ def make_requests(lengths: list[int], vocab_size: int = 50257, seed: int = 0) ->
     """Token-id lists of the given lengths, ids uniform in ``[0, vocab_size)``.
 
     Returns one list of Python ints per request (what ``Engine.submit`` takes).
+
+    Taught in notebooks/06_prefill_engine.ipynb.
     """
     vocab_size = _positive_int("vocab_size", vocab_size)
     lengths = [_positive_int(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
