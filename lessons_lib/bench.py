@@ -45,8 +45,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .bench_report import METHODS, TARGET_EFFICIENCY, summary_markdown, write_plots
 from .config import ModelConfig
-from .engine import Engine, Scheduler, Request
+from .engine import Engine, Request, Scheduler
 from .flops import attention_cells, forward_flops
 from .profile import measure_attention
 from .workloads import fixed_total_mixes, make_requests, workload_lengths
@@ -54,11 +55,9 @@ from .workloads import fixed_total_mixes, make_requests, workload_lengths
 SCHEMA = "lessons_lib.bench/1"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results"
-METHODS = ("varlen", "masked", "padded", "hf_padded", "hf_one_at_a_time", "hf_packed")
 # Which engine method's FLOP accounting each HF run matches (what it executes).
 FLOP_METHOD = {"varlen": "varlen", "masked": "masked", "padded": "padded", "hf_padded": "padded",
                "hf_one_at_a_time": "varlen", "hf_packed": "masked"}
-TARGET_EFFICIENCY = 0.6
 
 
 @dataclass
@@ -271,7 +270,8 @@ def bench_workload(plan: Plan, weights, hf, name: str, lengths: list[int], peaks
     for m in methods:
         if m in ("padded",) and padded_score_bytes(cfg, blens) > plan.max_padded_bytes:
             skipped[m] = (f"skipped: the [R, H, Lmax, Lmax] scores would need "
-                          f"{padded_score_bytes(cfg, blens) / 2**30:.1f} GiB (limit {plan.max_padded_bytes / 2**30:.1f})")
+                          f"{padded_score_bytes(cfg, blens) / 2**30:.1f} GiB "
+                          f"(limit {plan.max_padded_bytes / 2**30:.1f})")
             continue
         runners[m] = _engine_runner(plan, weights, m, reqs) if m in ("varlen", "masked", "padded") \
             else _hf_runner(hf, m, reqs, batches)
@@ -373,7 +373,8 @@ def sweeps(plan: Plan, log=print) -> dict:
         out[key] = {"what": what, "points": points}
         log(f"\n{key.upper()} sweep ({what}), attention only, one layer, {cfg.n_heads} heads:")
         for p in points:
-            log(f"  R={p['R']:>4} L={p['L']:>5}: masked {p['masked_s'] * 1e3:8.1f} ms {p['masked_peak_bytes'] / 2**20:8.1f} MiB"
+            log(f"  R={p['R']:>4} L={p['L']:>5}: masked {p['masked_s'] * 1e3:8.1f} ms "
+                f"{p['masked_peak_bytes'] / 2**20:8.1f} MiB"
                 f" | varlen {p['varlen_s'] * 1e3:8.1f} ms {p['varlen_peak_bytes'] / 2**20:8.1f} MiB")
     return out
 
@@ -394,7 +395,8 @@ def checks(result: dict) -> dict:
             if "skipped" in r:
                 continue
             need = r["predicted_speedup"] * (1 - overhead)
-            rows[f"varlen_vs_{m}"] = {"predicted_by_flops": r["predicted_speedup"], "varlen_loop_overhead_fraction": overhead,
+            rows[f"varlen_vs_{m}"] = {"predicted_by_flops": r["predicted_speedup"],
+                                      "varlen_loop_overhead_fraction": overhead,
                                       "required": need, "measured": r["speedup_of_varlen"],
                                       "holds": r["speedup_of_varlen"] >= need}
         hf1 = w["methods"]["hf_one_at_a_time"]
@@ -406,116 +408,6 @@ def checks(result: dict) -> dict:
         eff = result["workloads"]["long-tail"]["methods"]["varlen"]["efficiency"]
         out["efficiency_long_tail"] = {"value": eff, "target": TARGET_EFFICIENCY, "holds": eff >= TARGET_EFFICIENCY}
     return out
-
-
-# ---- plots -------------------------------------------------------------------------------------
-def write_plots(result: dict, out_dir: pathlib.Path) -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    from .viz import measured_series, to_png
-
-    files = {}
-    names = [n for n in result["workloads"]]
-    fig = Figure(figsize=(9, 3.8))
-    ax = fig.add_subplot()
-    width = 0.8 / (len(METHODS) - 1)
-    for k, m in enumerate(METHODS[1:]):
-        xs, ys, preds = [], [], []
-        for i, n in enumerate(names):
-            r = result["workloads"][n]["methods"][m]
-            if "skipped" in r:
-                continue
-            xs.append(i + (k - (len(METHODS) - 2) / 2) * width)
-            ys.append(r["speedup_of_varlen"])
-            preds.append(r["predicted_speedup"])
-        ax.bar(xs, ys, width=width * 0.95, label=m)
-        ax.plot(xs, preds, "k_", markersize=10)
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("time / varlen time (log)")
-    ax.set_title("How much slower than varlen (bars: measured; black ticks: FLOP-count prediction)", fontsize=9)
-    ax.legend(fontsize=7, frameon=False, ncol=3)
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.1, top=0.9)
-    files["methods_speedup.png"] = to_png(fig)
-
-    fig = Figure(figsize=(9, 3.4))
-    ax = fig.add_subplot()
-    for k, m in enumerate(METHODS):
-        xs, ys = [], []
-        for i, n in enumerate(names):
-            r = result["workloads"][n]["methods"][m]
-            if "skipped" not in r:
-                xs.append(i + (k - (len(METHODS) - 1) / 2) * (0.8 / len(METHODS)))
-                ys.append(r["efficiency"])
-        ax.bar(xs, ys, width=0.8 / len(METHODS) * 0.95, label=m)
-    ax.axhline(TARGET_EFFICIENCY, color="gray", ls="--", lw=0.8)
-    ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("useful FLOPs / (time x GEMM peak)")
-    ax.set_title(f"Efficiency against the measured fp32 GEMM peak ({result['gemm_peak']['flops_per_s'] / 1e9:.0f} GFLOP/s)",
-                 fontsize=9)
-    ax.legend(fontsize=7, frameon=False, ncol=3)
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.1, top=0.9)
-    files["efficiency.png"] = to_png(fig)
-
-    for key, sweep in result["sweeps"].items():
-        pts = sweep["points"]
-        rs = [p["R"] for p in pts]
-        for what, unit, scale in (("s", "ms", 1e3), ("peak_bytes", "MiB", 1 / 2**20)):
-            series = {m: [max(p[f"{m}_{what}"] * scale, 1e-3) for p in pts] for m in ("masked", "varlen")}
-            label = "time" if what == "s" else "peak memory"
-            fig = measured_series(rs, series, f"R ({sweep['what']})", f"{label} ({unit})",
-                                  f"{key.upper()}: attention {label}, masked vs varlen (measured)")
-            files[f"{key}_{'time' if what == 's' else 'memory'}.png"] = to_png(fig)
-    for fname, data in files.items():
-        (out_dir / fname).write_bytes(data)
-    return sorted(files)
-
-
-def summary_markdown(res: dict) -> str:
-    """The tables of one run, as Markdown (written next to bench.json)."""
-    m = res["machine"]
-    out = [f"# Benchmark results ({'quick smoke run' if res['quick'] else 'full run'})", "",
-           f"Command: `{res['command']}`  ", f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, torch "
-           f"{m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}; "
-           f"1-min load average {m['load_average_1min_at_start']} at start, {m.get('load_average_1min_at_end')} at end.  ",
-           f"Model: {res['config']['n_layers']} layers, d_model {res['config']['d_model']}, {res['config']['n_heads']} heads, "
-           f"FFN {res['config']['d_ffn']}, fp32, TP=1. Scheduler: {res['scheduler']['max_num_batched_tokens']} tokens / "
-           f"{res['scheduler']['max_num_seqs']} requests per batch, FCFS.  ",
-           f"GEMM peak: {res['gemm_peak']['flops_per_s'] / 1e9:.1f} GFLOP/s (fp32 "
-           f"[{' x '.join(map(str, res['gemm_peak']['shape'][:2]))}] @ [{' x '.join(map(str, res['gemm_peak']['shape'][1:]))}], "
-           f"fastest of {len(res['gemm_peak']['samples'])} samples; median sample "
-           f"{res['gemm_peak']['median_flops_per_s'] / 1e9:.1f}). Wall time of the whole run: {res['wall_s']:.0f} s.", ""]
-    for name, w in res["workloads"].items():
-        out += [f"## {name}: {w['num_requests']} requests, {w['num_tokens']} tokens (median {w['median_len']}, "
-                f"max {w['max_len']}), {w['num_batches']} batches", "",
-                "| method | time (s) | tokens/s | time / varlen | FLOP prediction | efficiency | max abs diff vs varlen |",
-                "|---|---:|---:|---:|---:|---:|---:|"]
-        for meth, r in w["methods"].items():
-            if "skipped" in r:
-                out.append(f"| {meth} | {r['skipped']} | | | | | |")
-            else:
-                out.append(f"| {meth} | {r['time_s']:.3f} | {r['tokens_per_s']:.0f} | {r['speedup_of_varlen']:.2f} | "
-                           f"{r['predicted_speedup']:.2f} | {r['efficiency']:.2f} | {r['max_abs_diff_vs_varlen']:.1e} |")
-        out.append("")
-    t = res["tiny_requests"]
-    out += [f"## {t['num_requests']} requests of {t['tokens_each']} tokens, one batch", "",
-            "| method | time (s) | tokens/s | efficiency |", "|---|---:|---:|---:|"]
-    out += [f"| {k} | {r['time_s']:.3f} | {r['tokens_per_s']:.0f} | {r['efficiency']:.3f} |" for k, r in t["methods"].items()]
-    out += ["", f"varlen's per-request loop overhead: {t['loop_overhead_s_per_request'] * 1e6:.0f} us per request "
-            f"({t['loop_overhead_s_per_request_per_layer'] * 1e6:.1f} us per request per layer).", ""]
-    for key, sw in res["sweeps"].items():
-        out += [f"## {key.upper()} sweep: {sw['what']} (attention only, one layer, causal)", "",
-                "| R | L | masked ms | masked MiB | varlen ms | varlen MiB | masked cells | varlen cells |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        out += [f"| {p['R']} | {p['L']} | {p['masked_s'] * 1e3:.1f} | {p['masked_peak_bytes'] / 2**20:.1f} | "
-                f"{p['varlen_s'] * 1e3:.1f} | {p['varlen_peak_bytes'] / 2**20:.1f} | {p['masked_cells']} | {p['varlen_cells']} |"
-                for p in sw["points"]]
-        out.append("")
-    out += ["## Checks", "", "```json", json.dumps(res["checks"], indent=1), "```", ""]
-    return "\n".join(out)
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -536,7 +428,8 @@ def run(plan: Plan, out_dir: pathlib.Path, command: str, workloads=None, methods
                             "policy": "FCFS, each request whole (S3)"},
               "hf_packed": hf_packed_support(hf, cfg), "workloads": {}}
     log(f"model {cfg.n_layers} layers d_model={cfg.d_model} heads={cfg.n_heads} d_ffn={cfg.d_ffn} fp32, "
-        f"torch threads {torch.get_num_threads()}; budget {plan.max_num_batched_tokens} tokens / {plan.max_num_seqs} seqs")
+        f"torch threads {torch.get_num_threads()}; budget {plan.max_num_batched_tokens} tokens / "
+        f"{plan.max_num_seqs} seqs")
     log(f"hf_packed: supported={result['hf_packed']['supported']}: {result['hf_packed']['why']}")
     names = workloads or list(plan.workloads)
     for name in names:

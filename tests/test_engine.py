@@ -2,7 +2,6 @@
 
 Small config (2 layers, d_model 64, 4 heads of 16, FFN 256, vocab 1000) so the file runs in seconds.
 """
-import os
 import random
 
 import pytest

@@ -1,0 +1,121 @@
+"""Reporting for ``python3 -m lessons_lib.bench``: the PNG plots and the Markdown tables of one
+run, both drawn only from the result dict that ``bench.run`` also writes as ``bench.json``.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+# The six ways the benchmark runs a workload, in table order (see bench.py's docstring).
+METHODS = ("varlen", "masked", "padded", "hf_padded", "hf_one_at_a_time", "hf_packed")
+TARGET_EFFICIENCY = 0.6  # issue 5: useful FLOPs / (time x GEMM peak) on the long-tail workload
+
+
+def write_plots(result: dict, out_dir: pathlib.Path) -> list[str]:
+    """Write the methods, efficiency and sweep plots into ``out_dir``; return the file names."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from .viz import measured_series, to_png
+
+    files = {}
+    names = [n for n in result["workloads"]]
+    fig = Figure(figsize=(9, 3.8))
+    ax = fig.add_subplot()
+    width = 0.8 / (len(METHODS) - 1)
+    for k, m in enumerate(METHODS[1:]):
+        xs, ys, preds = [], [], []
+        for i, n in enumerate(names):
+            r = result["workloads"][n]["methods"][m]
+            if "skipped" in r:
+                continue
+            xs.append(i + (k - (len(METHODS) - 2) / 2) * width)
+            ys.append(r["speedup_of_varlen"])
+            preds.append(r["predicted_speedup"])
+        ax.bar(xs, ys, width=width * 0.95, label=m)
+        ax.plot(xs, preds, "k_", markersize=10)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("time / varlen time (log)")
+    ax.set_title("How much slower than varlen (bars: measured; black ticks: FLOP-count prediction)", fontsize=9)
+    ax.legend(fontsize=7, frameon=False, ncol=3)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.1, top=0.9)
+    files["methods_speedup.png"] = to_png(fig)
+
+    fig = Figure(figsize=(9, 3.4))
+    ax = fig.add_subplot()
+    for k, m in enumerate(METHODS):
+        xs, ys = [], []
+        for i, n in enumerate(names):
+            r = result["workloads"][n]["methods"][m]
+            if "skipped" not in r:
+                xs.append(i + (k - (len(METHODS) - 1) / 2) * (0.8 / len(METHODS)))
+                ys.append(r["efficiency"])
+        ax.bar(xs, ys, width=0.8 / len(METHODS) * 0.95, label=m)
+    ax.axhline(TARGET_EFFICIENCY, color="gray", ls="--", lw=0.8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("useful FLOPs / (time x GEMM peak)")
+    ax.set_title(f"Efficiency against the measured fp32 GEMM peak ({result['gemm_peak']['flops_per_s'] / 1e9:.0f} GFLOP/s)",
+                 fontsize=9)
+    ax.legend(fontsize=7, frameon=False, ncol=3)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.1, top=0.9)
+    files["efficiency.png"] = to_png(fig)
+
+    for key, sweep in result["sweeps"].items():
+        pts = sweep["points"]
+        rs = [p["R"] for p in pts]
+        for what, unit, scale in (("s", "ms", 1e3), ("peak_bytes", "MiB", 1 / 2**20)):
+            series = {m: [max(p[f"{m}_{what}"] * scale, 1e-3) for p in pts] for m in ("masked", "varlen")}
+            label = "time" if what == "s" else "peak memory"
+            fig = measured_series(rs, series, f"R ({sweep['what']})", f"{label} ({unit})",
+                                  f"{key.upper()}: attention {label}, masked vs varlen (measured)")
+            files[f"{key}_{'time' if what == 's' else 'memory'}.png"] = to_png(fig)
+    for fname, data in files.items():
+        (out_dir / fname).write_bytes(data)
+    return sorted(files)
+
+
+def summary_markdown(res: dict) -> str:
+    """The tables of one run, as Markdown (written next to bench.json)."""
+    m = res["machine"]
+    out = [f"# Benchmark results ({'quick smoke run' if res['quick'] else 'full run'})", "",
+           f"Command: `{res['command']}`  ", f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, torch "
+           f"{m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}; "
+           f"1-min load average {m['load_average_1min_at_start']} at start, {m.get('load_average_1min_at_end')} at end.  ",
+           f"Model: {res['config']['n_layers']} layers, d_model {res['config']['d_model']}, {res['config']['n_heads']} heads, "
+           f"FFN {res['config']['d_ffn']}, fp32, TP=1. Scheduler: {res['scheduler']['max_num_batched_tokens']} tokens / "
+           f"{res['scheduler']['max_num_seqs']} requests per batch, FCFS.  ",
+           f"GEMM peak: {res['gemm_peak']['flops_per_s'] / 1e9:.1f} GFLOP/s (fp32 "
+           f"[{' x '.join(map(str, res['gemm_peak']['shape'][:2]))}] @ [{' x '.join(map(str, res['gemm_peak']['shape'][1:]))}], "
+           f"fastest of {len(res['gemm_peak']['samples'])} samples; median sample "
+           f"{res['gemm_peak']['median_flops_per_s'] / 1e9:.1f}). Wall time of the whole run: {res['wall_s']:.0f} s.", ""]
+    for name, w in res["workloads"].items():
+        out += [f"## {name}: {w['num_requests']} requests, {w['num_tokens']} tokens (median {w['median_len']}, "
+                f"max {w['max_len']}), {w['num_batches']} batches", "",
+                "| method | time (s) | tokens/s | time / varlen | FLOP prediction | efficiency | max abs diff vs varlen |",
+                "|---|---:|---:|---:|---:|---:|---:|"]
+        for meth, r in w["methods"].items():
+            if "skipped" in r:
+                out.append(f"| {meth} | {r['skipped']} | | | | | |")
+            else:
+                out.append(f"| {meth} | {r['time_s']:.3f} | {r['tokens_per_s']:.0f} | {r['speedup_of_varlen']:.2f} | "
+                           f"{r['predicted_speedup']:.2f} | {r['efficiency']:.2f} | {r['max_abs_diff_vs_varlen']:.1e} |")
+        out.append("")
+    t = res["tiny_requests"]
+    out += [f"## {t['num_requests']} requests of {t['tokens_each']} tokens, one batch", "",
+            "| method | time (s) | tokens/s | efficiency |", "|---|---:|---:|---:|"]
+    out += [f"| {k} | {r['time_s']:.3f} | {r['tokens_per_s']:.0f} | {r['efficiency']:.3f} |" for k, r in t["methods"].items()]
+    out += ["", f"varlen's per-request loop overhead: {t['loop_overhead_s_per_request'] * 1e6:.0f} us per request "
+            f"({t['loop_overhead_s_per_request_per_layer'] * 1e6:.1f} us per request per layer).", ""]
+    for key, sw in res["sweeps"].items():
+        out += [f"## {key.upper()} sweep: {sw['what']} (attention only, one layer, causal)", "",
+                "| R | L | masked ms | masked MiB | varlen ms | varlen MiB | masked cells | varlen cells |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {p['R']} | {p['L']} | {p['masked_s'] * 1e3:.1f} | {p['masked_peak_bytes'] / 2**20:.1f} | "
+                f"{p['varlen_s'] * 1e3:.1f} | {p['varlen_peak_bytes'] / 2**20:.1f} | {p['masked_cells']} | {p['varlen_cells']} |"
+                for p in sw["points"]]
+        out.append("")
+    out += ["## Checks", "", "```json", json.dumps(res["checks"], indent=1), "```", ""]
+    return "\n".join(out)
