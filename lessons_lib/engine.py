@@ -90,6 +90,8 @@ class Request:
 def _token_list(ids, rid) -> list[int]:
     where = f"request {rid!r}: prompt_token_ids"
     if isinstance(ids, (torch.Tensor, np.ndarray)):
+        if isinstance(ids, torch.Tensor) and ids.device.type == "meta":
+            raise ValueError(f"{where} is on the meta device: the engine needs the token values")
         if ids.ndim != 1:
             raise ValueError(f"{where} must be 1-D, got shape {tuple(ids.shape)}")
         kind_ok = (not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool
@@ -139,6 +141,8 @@ class Scheduler:
                 "batch (no chunked prefill); raise max_num_batched_tokens or shorten the prompt")
 
     def add(self, req: Request) -> None:
+        if not isinstance(req, Request):
+            raise ValueError(f"Scheduler.add takes a Request, got {type(req).__name__}")
         self.check_fits(req)
         self.waiting.append(req)
 
@@ -269,8 +273,9 @@ class Engine:
         self.cfg = cfg = cfg if cfg is not None else ModelConfig()
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-        if tp_size not in (1, 2) or isinstance(tp_size, bool):
-            raise ValueError(f"tp_size must be 1 or 2, got {tp_size!r}")
+        if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size not in (1, 2):
+            raise ValueError(f"tp_size must be 1 or 2, got {tp_size!r}")  # 2.0 == 2, but not a TP degree
+        tp_size = int(tp_size)
         if cfg.n_heads % tp_size or cfg.d_ffn % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide n_heads={cfg.n_heads} and d_ffn={cfg.d_ffn}")
         if method not in METHODS:
@@ -282,6 +287,19 @@ class Engine:
             raise ValueError(f"attn_backend={attn_backend!r} is not a varlen backend: use method={attn_backend!r}")
         if method == "padded" and tp_size != 1:
             raise ValueError("method='padded' runs Transformer.forward_padded in this process: use tp_size=1")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        # The TP runtime starts at the first batch: check its arguments now, not minutes later.
+        if isinstance(tp_timeout, bool) or not isinstance(tp_timeout, (int, float)) or not tp_timeout > 0:
+            raise ValueError(f"tp_timeout must be a positive number of seconds, got {tp_timeout!r}")
+        if tp_backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"tp_backend must be 'auto', 'gloo' or 'nccl', got {tp_backend!r}")
+        if tp_size == 2:
+            from .workers import resolve_dist_backend
+            try:
+                resolve_dist_backend(tp_backend, tp_size)
+            except ValueError as exc:
+                raise ValueError(f"tp_backend={tp_backend!r}: {exc}") from None
         self.method, self.tp_size = method, tp_size
         self.attn_backend = resolve_backend("masked" if method == "masked" else attn_backend, "cpu", cfg.dtype)
         self.scheduler = Scheduler(max_num_batched_tokens, max_num_seqs)
@@ -301,6 +319,8 @@ class Engine:
         if isinstance(item, Request):
             req = item
         else:
+            while self._next_id in self._pending_ids:  # skip an explicit int id still waiting
+                self._next_id += 1
             req = Request(self._next_id, item, return_hidden)
         self._next_id += 1
         n = len(req)

@@ -106,6 +106,10 @@ class Transformer(nn.Module):
         missing = [n for n in init_weight_names(self.cfg) if n not in w]
         if missing:
             raise ValueError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
+        for n in init_weight_names(self.cfg):
+            if not isinstance(w[n], Tensor) or w[n].device.type == "meta":
+                what = "a tensor on the meta device" if isinstance(w[n], Tensor) else type(w[n]).__name__
+                raise ValueError(f"weights[{n!r}] must be a tensor with values, got {what}")
         d = self.cfg.d_model
         for name, shape in [("wte", (self.cfg.vocab_size, d)), ("wpe", (self.cfg.max_position, d)),
                             ("ln_f.weight", (d,)), ("ln_f.bias", (d,))] + [

@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .model import Transformer, init_weight_names, init_weights
 from .tp_trace import (Fault, ForwardReport, comm_debug_mode, expected_layers, format_trace, forward_worker,
                        shard_checks, summarize_trace, traced_forward)
-from .workers import WorkerPool
+from .workers import WorkerPool, resolve_dist_backend
 
 Tensor = torch.Tensor
 
@@ -70,23 +70,38 @@ class TPResult:
 
 
 def _validate_batch(cfg: ModelConfig, batch) -> None:
-    # Checked before sending: a bad batch must not kill a healthy runtime.
+    # Checked in the caller, before sending (and, in tp_forward, before any worker starts): a
+    # bad batch must neither kill a healthy runtime nor cost a spawn to be refused.
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     if not isinstance(batch, PackedBatch):
         raise ValueError(f"batch must be a PackedBatch (see batch.pack), got {type(batch).__name__}")
+    for name in ("input_ids", "hidden", "positions"):
+        t = getattr(batch, name)
+        if isinstance(t, Tensor) and t.device.type == "meta":
+            raise ValueError(f"batch.{name} is on the meta device: a forward needs its values")
+    cu = batch.validate()  # cu_seqlens, seq_lens, max_seqlen and positions agree (hand-built batches)
+    longest = max(cu[i + 1] - cu[i] for i in range(len(cu) - 1))
     if batch.input_ids is not None:
         ids = batch.input_ids
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
             raise ValueError(f"batch.input_ids must be in [0, vocab_size={cfg.vocab_size}), "
                              f"got min {int(ids.min())}, max {int(ids.max())}")
-        if batch.max_seqlen > cfg.max_position:
-            raise ValueError(f"a request of {batch.max_seqlen} tokens exceeds max_position={cfg.max_position}")
+        if longest > cfg.max_position:  # max_seqlen is only an upper bound: the real lengths decide
+            raise ValueError(f"a request of {longest} tokens exceeds max_position={cfg.max_position}")
     else:
         x = batch.hidden
         if x.dim() != 2 or x.shape[1] != cfg.d_model or x.dtype != cfg.dtype:
             raise ValueError(f"batch.hidden must be [T, d_model={cfg.d_model}] {cfg.dtype}, got "
                              f"{tuple(x.shape)} {x.dtype}")
-        if not torch.isfinite(x).all():
-            raise ValueError("batch.hidden contains NaN or Inf")
+        bad = (~torch.isfinite(x)).any(1).nonzero()
+        if bad.numel():
+            raise ValueError(f"batch.hidden contains NaN or Inf (first at row {int(bad[0, 0])})")
+
+
+def _check_timeout(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 class TPRuntime:
@@ -98,6 +113,8 @@ class TPRuntime:
     world_size: TP degree (must divide n_heads and d_ffn). backend: see ``parallel.launch``.
     timeout: seconds allowed for startup and for each forward. comm_debug: cross-check every
     forward's trace with PyTorch's CommDebugMode (costs ≈ 1-2 s of startup per worker).
+    Bad arguments (and, in ``forward``, a bad batch) raise ValueError before any worker starts
+    or any command is sent.
 
     Use as a context manager; ``forward(batch)`` → ``TPResult``. After a worker failure the
     runtime is closed (every worker terminated) and ``forward`` raises ``WorkerFailed`` /
@@ -117,10 +134,23 @@ class TPRuntime:
                 or cfg.n_heads % world_size or cfg.d_ffn % world_size:
             raise ValueError(f"world_size={world_size!r} must be a positive int dividing n_heads={cfg.n_heads} "
                              f"and d_ffn={cfg.d_ffn}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
         if weights is not None:
+            if not isinstance(weights, dict):
+                raise ValueError(f"weights must be a dict of tensors (init_weights), got {type(weights).__name__}")
             missing = [n for n in init_weight_names(cfg) if n not in weights]
             if missing:
                 raise ValueError(f"weights are missing {len(missing)} tensors for this cfg, e.g. {missing[:3]}")
+            for n in init_weight_names(cfg):  # torch.save in the caller needs every value
+                v = weights[n]
+                if not isinstance(v, Tensor) or v.device.type == "meta":
+                    what = "a tensor on the meta device" if isinstance(v, Tensor) else type(v).__name__
+                    raise ValueError(f"weights[{n!r}] must be a tensor with values, got {what}")
+        # Everything that can be refused without the workers is refused before any of them starts
+        # (WorkerPool checks timeout and backend before spawning too).
+        dist_backend = resolve_dist_backend(backend, world_size)
+        resolve_backend(attn_backend, "cuda" if dist_backend == "nccl" else "cpu", cfg.dtype)
         t0 = time.perf_counter()
         self._pool = WorkerPool(world_size, backend, timeout, verbose=verbose, name="TPRuntime")
         self.world_size, self.backend, self.attn_backend = world_size, self._pool.backend, attn_backend
@@ -151,6 +181,8 @@ class TPRuntime:
         _validate_batch(self.cfg, batch)
         if fault is not None and not isinstance(fault, Fault):
             raise ValueError(f"fault must be a tp.Fault or None, got {fault!r}")
+        if timeout is not None:  # after the broadcast a bad value would leave a result unread in the pipe
+            _check_timeout("timeout", timeout)
         t0 = time.perf_counter()
         self._pool.broadcast(("forward", batch.to("cpu"), fault))
         outs = self._pool.collect("result", timeout=timeout, what=f"running a forward of {batch.num_tokens} tokens")
@@ -186,8 +218,11 @@ def tp_forward(batch: PackedBatch, world_size: int = 2, cfg: ModelConfig | None 
     """One-shot TP forward: start ``TPRuntime``, run ``batch``, stop. ``startup_s`` says what
     the start cost; for repeated forwards keep a ``TPRuntime`` open instead.
 
+    A bad ``batch`` or argument raises ValueError before any worker process starts.
+
     Taught in notebooks/04_tp2_invariance.ipynb.
     """
+    _validate_batch(cfg if cfg is not None else ModelConfig(), batch)
     with TPRuntime(cfg, weights, world_size, backend, attn_backend, timeout, seed=seed, comm_debug=comm_debug,
                    verbose=verbose) as rt:
         return rt.forward(batch)
