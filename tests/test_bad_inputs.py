@@ -1,26 +1,37 @@
-"""Bad input table for the core entry points: every row is a clear error naming the argument
+"""Bad input table for the public entry points: every row is a clear error naming the argument
 and the value, or a defined, documented result. docs/bad_inputs.md is this table, rendered:
 
     python3 -m tests.test_bad_inputs > docs/bad_inputs.md
+
+Rows marked ``no_spawn`` (tp_forward, TPRuntime(...), Engine with tp_size=2) are also checked
+to be refused before any worker process starts. The TPRuntime.forward rows share one live
+TP=2 runtime of a tiny model (≈ 1-3 s to start), which must survive every refused call.
 """
 from __future__ import annotations
 
+import math
 import re
+import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+import psutil
 import pytest
 import torch
 
 from lessons_lib.attention import varlen_attention
-from lessons_lib.batch import pack, pad, seq_lens_to_cu_seqlens, unpack, validate_cu_seqlens
+from lessons_lib.batch import PackedBatch, pack, pad, seq_lens_to_cu_seqlens, unpack, validate_cu_seqlens
 from lessons_lib.config import ModelConfig
+from lessons_lib.engine import Engine, Request, Scheduler
 from lessons_lib.flops import attention_cells, forward_flops
 from lessons_lib.hf import from_hf_gpt2, make_hf_gpt2
 from lessons_lib.model import Transformer, init_weights
 from lessons_lib.parallel import LocalGroup
+from lessons_lib.tp import TPRuntime, tp_forward
+from lessons_lib.workers import WorkerPool
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
 I32, I64 = torch.int32, torch.int64
@@ -35,6 +46,7 @@ class Row:
     error: type | None               # ValueError / RuntimeError, or None: a defined result
     expect: str                      # literal fragment of the message, or the defined result in words
     check: Callable[[object], bool] | None = None  # for defined results
+    no_spawn: bool = False           # refused before any worker process starts (checked)
 
 
 def cu(*values, dtype=I32, device="cpu"):
@@ -53,6 +65,8 @@ def with_nan(t, row, value=float("nan")):
 
 
 CFG = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=300, max_position=256)
+CFG3 = ModelConfig(n_layers=1, d_model=48, n_heads=3, d_head=16, d_ffn=96, vocab_size=300, max_position=256,
+                   tp_size=1)
 
 
 @lru_cache(maxsize=None)
@@ -87,6 +101,40 @@ def varlen(q=None, k=None, v=None, cu_q=None, cu_k=None, **kw):
     dq, dk, dv = qkv()
     return varlen_attention(dq if q is None else q, dk if k is None else k, dv if v is None else v,
                             cu(0, 10, 40) if cu_q is None else cu_q, cu_k, **kw)
+
+
+def tpf(batch, **kw):
+    """tp_forward on the tiny model; any call that got past validation would start 2 workers."""
+    return tp_forward(batch, cfg=CFG, **({"backend": "gloo", "timeout": 60, "verbose": False} | kw))
+
+
+def tpr(cfg=CFG, **kw):
+    return TPRuntime(cfg, **({"backend": "gloo", "timeout": 60, "verbose": False} | kw))
+
+
+@lru_cache(maxsize=None)
+def runtime():
+    """One live TP=2 runtime for the TPRuntime.forward rows (closed by the module fixture)."""
+    return TPRuntime(CFG, world_size=2, backend="gloo", timeout=60, verbose=False)
+
+
+def empty_batch():
+    """No request at all, hand-built (pack refuses it): cu_seqlens = [0]."""
+    e = torch.zeros(0, dtype=I64)
+    return PackedBatch(e, None, e.clone(), cu(0), 0, [])
+
+
+def meta_weights():
+    return {k: v.to("meta") for k, v in init_weights(CFG).items()}
+
+
+def engine_after(calls, **kw):
+    """An Engine(CFG) after ``calls(engine)``; returns what the last call returned."""
+    return calls(Engine(CFG, **kw))
+
+
+def same_tp_output(result):
+    return torch.equal(result.output, runtime().forward(ab_batch()).output)
 
 
 def same_as_alone_rows(out):
@@ -336,7 +384,270 @@ ROWS = [
         "weights['wte'] must have shape (300, 64) for this config, got (300, 32)"),
     Row("hf-activation", "from_hf_gpt2", "a model with `activation_function='relu'`", lambda: from_hf_gpt2(relu_hf()),
         ValueError, "the HF config has activation_function='relu'"),
+    # ---- tp_forward: the batch (refused in the caller, before any worker starts) ----------
+    Row("tpf-not-batch", "tp_forward", "a list of requests instead of a PackedBatch", lambda: tpf([[1, 2]]),
+        ValueError, "batch must be a PackedBatch (see batch.pack), got list", no_spawn=True),
+    Row("tpf-empty", "tp_forward", "no request at all (hand-built, `cu_seqlens = [0]`)", lambda: tpf(empty_batch()),
+        ValueError, "batch.cu_seqlens must have at least 2 entries [0, T], got [0]", no_spawn=True),
+    Row("tpf-cu-int64", "tp_forward", "batch with int64 `cu_seqlens`",
+        lambda: tpf(ab_batch(cu_seqlens=cu(0, 10, 40, dtype=I64))), ValueError,
+        "batch.cu_seqlens must be int32, got int64", no_spawn=True),
+    Row("tpf-cu-start", "tp_forward", "batch `cu_seqlens` `[1, 10, 40]` (not starting at 0)",
+        lambda: tpf(ab_batch(cu_seqlens=cu(1, 10, 40))), ValueError,
+        "batch.cu_seqlens must start at 0, got batch.cu_seqlens[0]=1", no_spawn=True),
+    Row("tpf-cu-decreasing", "tp_forward", "batch `cu_seqlens` `[0, 30, 10, 40]` (decreasing)",
+        lambda: tpf(ab_batch(cu_seqlens=cu(0, 30, 10, 40))), ValueError,
+        "batch.cu_seqlens must be non-decreasing, got batch.cu_seqlens[1]=30 > batch.cu_seqlens[2]=10",
+        no_spawn=True),
+    Row("tpf-cu-overshoot", "tp_forward", "batch `cu_seqlens` `[0, 10, 41]` for 40 tokens",
+        lambda: tpf(ab_batch(cu_seqlens=cu(0, 10, 41))), ValueError,
+        "batch.cu_seqlens must end at the token count 40, got batch.cu_seqlens[-1]=41", no_spawn=True),
+    Row("tpf-max-seqlen", "tp_forward", "batch `max_seqlen=29`, longest request 30",
+        lambda: tpf(ab_batch(max_seqlen=29)), ValueError,
+        "batch.max_seqlen=29 must be an int >= the longest request (30)", no_spawn=True),
+    Row("tpf-max-seqlen-float", "tp_forward", "batch `max_seqlen=30.0`", lambda: tpf(ab_batch(max_seqlen=30.0)),
+        ValueError, "batch.max_seqlen=30.0 must be an int >= the longest request (30)", no_spawn=True),
+    Row("tpf-seq-lens-negative", "tp_forward", "batch `seq_lens=[50, -10]` against `cu_seqlens=[0, 10, 40]`",
+        lambda: tpf(ab_batch(seq_lens=[50, -10])), ValueError,
+        "batch.seq_lens=[50, -10] disagrees with batch.cu_seqlens=[0, 10, 40]", no_spawn=True),
+    Row("tpf-positions", "tp_forward", "positions `0..39` not restarting for B",
+        lambda: tpf(ab_batch(positions=torch.arange(40))), ValueError,
+        "batch.positions must restart at 0 for every request: row 10 has position 10, expected 0", no_spawn=True),
+    Row("tpf-float-ids", "tp_forward", "float `input_ids`", lambda: tpf(ab_batch(input_ids=torch.zeros(40))),
+        ValueError, "batch.input_ids must be 1-D integer [T], got torch.float32", no_spawn=True),
+    Row("tpf-2d-ids", "tp_forward", "`input_ids` of shape `[40, 1]`",
+        lambda: tpf(ab_batch(input_ids=torch.zeros(40, 1, dtype=I64))), ValueError,
+        "batch.input_ids must be 1-D integer [T], got torch.int64 shape (40, 1)", no_spawn=True),
+    Row("tpf-negative-id", "tp_forward", "token id -1 in a hand-built batch",
+        lambda: tpf(ab_batch(input_ids=torch.arange(-1, 39))), ValueError,
+        "batch.input_ids must be in [0, vocab_size=300), got min -1, max 38", no_spawn=True),
+    Row("tpf-vocab", "tp_forward", "token id 300 with `vocab_size=300`", lambda: tpf(pack([[1, 300]])), ValueError,
+        "batch.input_ids must be in [0, vocab_size=300), got min 1, max 300", no_spawn=True),
+    Row("tpf-max-position", "tp_forward", "a 257-token request with `max_position=256`",
+        lambda: tpf(pack([[1] * 257])), ValueError, "a request of 257 tokens exceeds max_position=256", no_spawn=True),
+    Row("tpf-nan-hidden", "tp_forward", "NaN in hidden row 5", lambda: tpf(hidden_batch(bad_row=5)), ValueError,
+        "batch.hidden contains NaN or Inf (first at row 5)", no_spawn=True),
+    Row("tpf-inf-hidden", "tp_forward", "-Inf in hidden row 33",
+        lambda: tpf(hidden_batch(bad_row=33, value=float("-inf"))), ValueError,
+        "batch.hidden contains NaN or Inf (first at row 33)", no_spawn=True),
+    Row("tpf-hidden-width", "tp_forward", "hidden rows of width 32 for `d_model=64`",
+        lambda: tpf(hidden_batch(width=32)), ValueError,
+        "batch.hidden must be [T, d_model=64] torch.float32, got (40, 32) torch.float32", no_spawn=True),
+    Row("tpf-hidden-dtype", "tp_forward", "fp64 hidden rows for an fp32 model",
+        lambda: tpf(hidden_batch(dtype=torch.float64)), ValueError,
+        "batch.hidden must be [T, d_model=64] torch.float32, got (40, 64) torch.float64", no_spawn=True),
+    Row("tpf-meta", "tp_forward", "batch on the meta device", lambda: tpf(ab_batch().to("meta")), ValueError,
+        "batch.input_ids is on the meta device: a forward needs its values", no_spawn=True),
+    Row("tpf-devices", "tp_forward", "`input_ids` on cpu, `positions` on meta",
+        lambda: tpf(ab_batch(positions=torch.zeros(40, dtype=I64, device="meta"))), ValueError,
+        "batch.positions is on the meta device: a forward needs its values", no_spawn=True),
+    Row("tpf-cfg", "tp_forward", "`cfg='article'`", lambda: tp_forward(ab_batch(), cfg="article"), ValueError,
+        "cfg must be a ModelConfig, got str", no_spawn=True),
+    # ---- tp_forward / TPRuntime: the arguments (refused before any worker starts) ---------
+    Row("tpf-world-size-0", "tp_forward", "`world_size=0`", lambda: tpf(ab_batch(), world_size=0), ValueError,
+        "world_size=0 must be a positive int dividing n_heads=4 and d_ffn=128", no_spawn=True),
+    Row("tpf-timeout-0", "tp_forward", "`timeout=0`", lambda: tpf(ab_batch(), timeout=0), ValueError,
+        "timeout must be a positive number of seconds, got 0", no_spawn=True),
+    Row("tpf-attn-backend", "tp_forward", "`attn_backend='fast'`", lambda: tpf(ab_batch(), attn_backend="fast"),
+        ValueError, "unknown attention backend 'fast'", no_spawn=True),
+    Row("tpr-world-size-negative", "TPRuntime", "`world_size=-1`", lambda: tpr(world_size=-1), ValueError,
+        "world_size=-1 must be a positive int dividing n_heads=4 and d_ffn=128", no_spawn=True),
+    Row("tpr-world-size-float", "TPRuntime", "`world_size=2.0`", lambda: tpr(world_size=2.0), ValueError,
+        "world_size=2.0 must be a positive int dividing n_heads=4 and d_ffn=128", no_spawn=True),
+    Row("tpr-world-size-bool", "TPRuntime", "`world_size=True`", lambda: tpr(world_size=True), ValueError,
+        "world_size=True must be a positive int dividing n_heads=4 and d_ffn=128", no_spawn=True),
+    Row("tpr-world-size-3", "TPRuntime", "`world_size=3` for 4 heads", lambda: tpr(world_size=3), ValueError,
+        "world_size=3 must be a positive int dividing n_heads=4 and d_ffn=128", no_spawn=True),
+    Row("tpr-timeout-negative", "TPRuntime", "`timeout=-1`", lambda: tpr(timeout=-1), ValueError,
+        "timeout must be a positive number of seconds, got -1", no_spawn=True),
+    Row("tpr-timeout-str", "TPRuntime", "`timeout='60'`", lambda: tpr(timeout="60"), ValueError,
+        "timeout must be a positive number of seconds, got '60'", no_spawn=True),
+    Row("tpr-timeout-nan", "TPRuntime", "`timeout=nan`", lambda: tpr(timeout=math.nan), ValueError,
+        "timeout must be a positive number of seconds, got nan", no_spawn=True),
+    Row("tpr-dist-backend", "TPRuntime", "`backend='mpi'`", lambda: tpr(backend="mpi"), ValueError,
+        "backend must be 'auto', 'gloo' or 'nccl', got 'mpi'", no_spawn=True),
+    Row("tpr-attn-backend", "TPRuntime", "`attn_backend='fast'`", lambda: tpr(attn_backend="fast"), ValueError,
+        "unknown attention backend 'fast'", no_spawn=True),
+    Row("tpr-flash-cpu", "TPRuntime", "`attn_backend='flash'` with gloo (CPU ranks)",
+        lambda: tpr(attn_backend="flash"), RuntimeError, "attention backend 'flash' is not available here: ",
+        no_spawn=True),
+    Row("tpr-seed", "TPRuntime", "`seed=1.5`", lambda: tpr(seed=1.5), ValueError, "seed must be an int, got 1.5",
+        no_spawn=True),
+    Row("tpr-cfg", "TPRuntime", "`cfg='article'`", lambda: tpr("article"), ValueError,
+        "cfg must be a ModelConfig, got str", no_spawn=True),
+    Row("tpr-weights-type", "TPRuntime", "weights as a list", lambda: tpr(weights=[1]), ValueError,
+        "weights must be a dict of tensors (init_weights), got list", no_spawn=True),
+    Row("tpr-weights-missing", "TPRuntime", "weights dict without `wte`",
+        lambda: tpr(weights={k: v for k, v in init_weights(CFG).items() if k != "wte"}), ValueError,
+        "weights are missing 1 tensors for this cfg, e.g. ['wte']", no_spawn=True),
+    Row("tpr-weights-meta", "TPRuntime", "weights on the meta device", lambda: tpr(weights=meta_weights()),
+        ValueError, "weights['wte'] must be a tensor with values, got a tensor on the meta device", no_spawn=True),
+    # ---- TPRuntime.forward on a live runtime (it must survive every refusal) -------------
+    Row("tpr-fwd-not-batch", "TPRuntime.forward", "a list of requests", lambda: runtime().forward([[1, 2]]),
+        ValueError, "batch must be a PackedBatch (see batch.pack), got list"),
+    Row("tpr-fwd-cu-decreasing", "TPRuntime.forward", "batch `cu_seqlens` `[0, 30, 10, 40]`",
+        lambda: runtime().forward(ab_batch(cu_seqlens=cu(0, 30, 10, 40))), ValueError,
+        "batch.cu_seqlens must be non-decreasing, got batch.cu_seqlens[1]=30 > batch.cu_seqlens[2]=10"),
+    Row("tpr-fwd-max-seqlen", "TPRuntime.forward", "batch `max_seqlen=29`, longest request 30",
+        lambda: runtime().forward(ab_batch(max_seqlen=29)), ValueError,
+        "batch.max_seqlen=29 must be an int >= the longest request (30)"),
+    Row("tpr-fwd-nan-hidden", "TPRuntime.forward", "NaN in hidden row 5",
+        lambda: runtime().forward(hidden_batch(bad_row=5)), ValueError,
+        "batch.hidden contains NaN or Inf (first at row 5)"),
+    Row("tpr-fwd-meta", "TPRuntime.forward", "batch on the meta device",
+        lambda: runtime().forward(ab_batch().to("meta")), ValueError,
+        "batch.input_ids is on the meta device: a forward needs its values"),
+    Row("tpr-fwd-fault", "TPRuntime.forward", "`fault='sigkill'` (a str, not a tp.Fault)",
+        lambda: runtime().forward(ab_batch(), fault="sigkill"), ValueError,
+        "fault must be a tp.Fault or None, got 'sigkill'"),
+    Row("tpr-fwd-timeout-0", "TPRuntime.forward", "`timeout=0`", lambda: runtime().forward(ab_batch(), timeout=0),
+        ValueError, "timeout must be a positive number of seconds, got 0"),
+    Row("tpr-fwd-timeout-str", "TPRuntime.forward", "`timeout='5'`",
+        lambda: runtime().forward(ab_batch(), timeout="5"), ValueError,
+        "timeout must be a positive number of seconds, got '5'"),
+    Row("tpr-fwd-max-seqlen-larger", "TPRuntime.forward", "`max_seqlen=4096` (> `max_position=256`), longest 30",
+        lambda: runtime().forward(ab_batch(max_seqlen=4096)), None,
+        "accepted as an upper bound; output bit-identical to the exact `max_seqlen=30`", same_tp_output),
+    # ---- Request ---------------------------------------------------------------------------
+    Row("req-id-float", "Request", "`request_id=1.5`", lambda: Request(1.5, [1]), ValueError,
+        "request_id must be a str or int, got 1.5"),
+    Row("req-id-bool", "Request", "`request_id=True`", lambda: Request(True, [1]), ValueError,
+        "request_id must be a str or int, got True"),
+    Row("req-id-negative", "Request", "`request_id=-1`", lambda: Request(-1, [1]), None,
+        "accepted: ids are labels (str or int), only uniqueness matters", lambda r: r.request_id == -1),
+    Row("req-empty", "Request", "empty prompt `[]`", lambda: Request(0, []), ValueError,
+        "request 0: prompt_token_ids is empty: a prefill needs at least one token"),
+    Row("req-negative-token", "Request", "prompt `[1, -2]`", lambda: Request(0, [1, -2]), ValueError,
+        "request 0: prompt_token_ids[1] is negative (-2): token ids are >= 0"),
+    Row("req-float-token", "Request", "prompt `[1, 2.5]`", lambda: Request(0, [1, 2.5]), ValueError,
+        "request 0: prompt_token_ids[1] must be an int token id, got 2.5"),
+    Row("req-nan-token", "Request", "prompt `[1, nan]`", lambda: Request(0, [1, math.nan]), ValueError,
+        "request 0: prompt_token_ids[1] must be an int token id, got nan"),
+    Row("req-float-tensor", "Request", "float tensor prompt", lambda: Request(0, torch.tensor([1.0, 2.0])),
+        ValueError, "request 0: prompt_token_ids must hold integers, got dtype torch.float32"),
+    Row("req-2d", "Request", "a `[2, 2]` tensor prompt", lambda: Request(0, torch.ones(2, 2, dtype=I64)), ValueError,
+        "request 0: prompt_token_ids must be 1-D, got shape (2, 2)"),
+    Row("req-meta", "Request", "prompt tensor on the meta device",
+        lambda: Request(0, torch.tensor([1, 2], device="meta")), ValueError,
+        "request 0: prompt_token_ids is on the meta device: the engine needs the token values"),
+    Row("req-str", "Request", "prompt `'hello'` (text, not token ids)", lambda: Request(0, "hello"), ValueError,
+        "request 0: prompt_token_ids must be a list of int token ids, got str"),
+    Row("req-return-hidden", "Request", "`return_hidden='yes'`", lambda: Request(0, [1], return_hidden="yes"),
+        ValueError, "request 0: return_hidden must be a bool, got 'yes'"),
+    Row("req-numpy", "Request", "an int32 numpy array prompt", lambda: Request(0, np.array([3, 4], dtype=np.int32)),
+        None, "converted to a list of Python ints `[3, 4]`",
+        lambda r: r.prompt_token_ids == [3, 4] and all(type(t) is int for t in r.prompt_token_ids)),
+    # ---- Scheduler -------------------------------------------------------------------------
+    Row("sched-tokens-0", "Scheduler", "`max_num_batched_tokens=0`", lambda: Scheduler(0), ValueError,
+        "max_num_batched_tokens must be a positive int, got 0"),
+    Row("sched-tokens-negative", "Scheduler", "`max_num_batched_tokens=-8`", lambda: Scheduler(-8), ValueError,
+        "max_num_batched_tokens must be a positive int, got -8"),
+    Row("sched-tokens-float", "Scheduler", "`max_num_batched_tokens=8.5`", lambda: Scheduler(8.5), ValueError,
+        "max_num_batched_tokens must be a positive int, got 8.5"),
+    Row("sched-seqs-0", "Scheduler", "`max_num_seqs=0`", lambda: Scheduler(max_num_seqs=0), ValueError,
+        "max_num_seqs must be a positive int, got 0"),
+    Row("sched-add-list", "Scheduler.add", "a token list instead of a Request", lambda: Scheduler().add([1, 2]),
+        ValueError, "Scheduler.add takes a Request, got list"),
+    Row("sched-add-too-long", "Scheduler.add", "a 5-token request with `max_num_batched_tokens=4`",
+        lambda: Scheduler(4).add(Request(0, [1] * 5)), ValueError,
+        "request 0 has 5 prompt tokens, more than max_num_batched_tokens=4"),
+    Row("sched-empty", "Scheduler.schedule", "nothing waiting", lambda: Scheduler().schedule(), None,
+        "an empty batch `[]`", lambda r: r == []),
+    # ---- Engine(...) -----------------------------------------------------------------------
+    Row("eng-tp-0", "Engine", "`tp_size=0`", lambda: Engine(CFG, tp_size=0), ValueError,
+        "tp_size must be 1 or 2, got 0"),
+    Row("eng-tp-negative", "Engine", "`tp_size=-1`", lambda: Engine(CFG, tp_size=-1), ValueError,
+        "tp_size must be 1 or 2, got -1"),
+    Row("eng-tp-4", "Engine", "`tp_size=4` (divides 4 heads, but the engine runs 1 or 2)",
+        lambda: Engine(CFG, tp_size=4), ValueError, "tp_size must be 1 or 2, got 4"),
+    Row("eng-tp-float", "Engine", "`tp_size=2.0`", lambda: Engine(CFG, tp_size=2.0), ValueError,
+        "tp_size must be 1 or 2, got 2.0"),
+    Row("eng-tp-bool", "Engine", "`tp_size=True`", lambda: Engine(CFG, tp_size=True), ValueError,
+        "tp_size must be 1 or 2, got True"),
+    Row("eng-tp-heads", "Engine", "`tp_size=2` for a 3-head model", lambda: Engine(CFG3, tp_size=2), ValueError,
+        "tp_size=2 must divide n_heads=3 and d_ffn=96"),
+    Row("eng-tokens-0", "Engine", "`max_num_batched_tokens=0`", lambda: Engine(CFG, max_num_batched_tokens=0),
+        ValueError, "max_num_batched_tokens must be a positive int, got 0"),
+    Row("eng-seqs-negative", "Engine", "`max_num_seqs=-1`", lambda: Engine(CFG, max_num_seqs=-1), ValueError,
+        "max_num_seqs must be a positive int, got -1"),
+    Row("eng-method", "Engine", "`method='chunked'`", lambda: Engine(CFG, method="chunked"), ValueError,
+        "method must be one of ('varlen', 'masked', 'padded'), got 'chunked'"),
+    Row("eng-attn-backend", "Engine", "`attn_backend='fast'`", lambda: Engine(CFG, attn_backend="fast"), ValueError,
+        "unknown attention backend 'fast'"),
+    Row("eng-flash-cpu", "Engine", "`attn_backend='flash'` on the CPU", lambda: Engine(CFG, attn_backend="flash"),
+        RuntimeError, "attention backend 'flash' is not available here: "),
+    Row("eng-tp-timeout-0", "Engine", "`tp_size=2, tp_timeout=0`", lambda: Engine(CFG, tp_size=2, tp_timeout=0),
+        ValueError, "tp_timeout must be a positive number of seconds, got 0", no_spawn=True),
+    Row("eng-tp-timeout-str", "Engine", "`tp_size=2, tp_timeout='60'`",
+        lambda: Engine(CFG, tp_size=2, tp_timeout="60"), ValueError,
+        "tp_timeout must be a positive number of seconds, got '60'", no_spawn=True),
+    Row("eng-tp-backend", "Engine", "`tp_size=2, tp_backend='mpi'`", lambda: Engine(CFG, tp_size=2, tp_backend="mpi"),
+        ValueError, "tp_backend must be 'auto', 'gloo' or 'nccl', got 'mpi'", no_spawn=True),
+    Row("eng-seed", "Engine", "`seed=1.5`", lambda: Engine(CFG, seed=1.5), ValueError, "seed must be an int, got 1.5"),
+    Row("eng-cfg", "Engine", "`cfg='article'`", lambda: Engine("article"), ValueError,
+        "cfg must be a ModelConfig, got str"),
+    Row("eng-weights-missing", "Engine", "weights dict without `wte`",
+        lambda: Engine(CFG, weights={k: v for k, v in init_weights(CFG).items() if k != "wte"}), ValueError,
+        "weights are missing 1 tensors, e.g. ['wte']"),
+    Row("eng-weights-meta", "Engine", "weights on the meta device", lambda: Engine(CFG, weights=meta_weights()),
+        ValueError, "weights['wte'] must be a tensor with values, got a tensor on the meta device"),
+    # ---- Engine.submit / submit_many / prefill ------------------------------------------------
+    Row("eng-submit-budget", "Engine.submit", "a 33-token prompt with `max_num_batched_tokens=32`",
+        lambda: Engine(CFG, max_num_batched_tokens=32).submit([1] * 33), ValueError,
+        "request 0 has 33 prompt tokens, more than max_num_batched_tokens=32"),
+    Row("eng-submit-max-position", "Engine.submit", "a 257-token prompt with `max_position=256`",
+        lambda: Engine(CFG).submit([1] * 257), ValueError,
+        "request 0 has 257 prompt tokens, more than max_position=256"),
+    Row("eng-submit-vocab", "Engine.submit", "token id 300 with `vocab_size=300`",
+        lambda: Engine(CFG).submit([1, 300]), ValueError,
+        "request 0: prompt_token_ids[1]=300 is out of range [0, vocab_size=300)"),
+    Row("eng-submit-negative", "Engine.submit", "prompt `[-1]`", lambda: Engine(CFG).submit([-1]), ValueError,
+        "request 0: prompt_token_ids[0] is negative (-1): token ids are >= 0"),
+    Row("eng-submit-float-tensor", "Engine.submit", "float tensor prompt",
+        lambda: Engine(CFG).submit(torch.tensor([1.0])), ValueError,
+        "request 0: prompt_token_ids must hold integers, got dtype torch.float32"),
+    Row("eng-submit-meta", "Engine.submit", "prompt tensor on the meta device",
+        lambda: Engine(CFG).submit(torch.tensor([1], device="meta")), ValueError,
+        "request 0: prompt_token_ids is on the meta device: the engine needs the token values"),
+    Row("eng-submit-duplicate", "Engine.submit", "request id `'a'` twice while the first waits",
+        lambda: engine_after(lambda e: (e.submit(Request("a", [1])), e.submit(Request("a", [2])))), ValueError,
+        "request_id 'a' is already waiting in this engine"),
+    Row("eng-submit-auto-id", "Engine.submit", "a token list after an explicit `Request(1, ...)`",
+        lambda: engine_after(lambda e: (e.submit(Request(1, [1])), e.submit([2]))[1].request_id), None,
+        "the automatic id skips ids still waiting: 2, not a clash with 1", lambda r: r == 2),
+    Row("eng-submit-many-duplicate", "Engine.submit_many", "request id `'a'` twice in one list",
+        lambda: Engine(CFG).submit_many([Request("a", [1]), Request("a", [2])]), ValueError,
+        "request_id 'a' is already waiting in this engine"),
+    Row("eng-submit-many-queues-nothing", "Engine.submit_many", "a list whose 2nd prompt is too long",
+        lambda: engine_after(lambda e: (refused(lambda: e.submit_many([[1], [1] * 257])), len(e.scheduler))), None,
+        "ValueError, and nothing of the list is queued (0 waiting)", lambda r: r == (True, 0)),
+    Row("eng-prefill-empty", "Engine.prefill", "empty request list `[]`", lambda: Engine(CFG).prefill([]), None,
+        "`[]`, no batch run", lambda r: r == []),
+    Row("eng-prefill-empty-tp2", "Engine.prefill", "`[]` with `tp_size=2`",
+        lambda: engine_after(lambda e: (e.prefill([]), e._runtime), tp_size=2), None,
+        "`[]`, and no TP worker is started", lambda r: r == ([], None)),
+    Row("eng-prefill-tensor", "Engine.prefill", "a tensor instead of a list",
+        lambda: Engine(CFG).prefill(torch.ones(2)), ValueError, "requests must be a list of requests, got Tensor"),
+    Row("eng-prefill-str", "Engine.prefill", "a str instead of a list", lambda: Engine(CFG).prefill("hello"),
+        ValueError, "requests must be a list of requests, got str"),
+    Row("eng-prefill-zero-length", "Engine.prefill", "a zero-length request `[[1], []]`",
+        lambda: Engine(CFG).prefill([[1], []]), ValueError,
+        "request 1: prompt_token_ids is empty: a prefill needs at least one token"),
+    Row("eng-prefill-nan", "Engine.prefill", "prompt `[1, nan]`", lambda: Engine(CFG).prefill([[1, math.nan]]),
+        ValueError, "request 0: prompt_token_ids[1] must be an int token id, got nan"),
+    Row("eng-prefill-max-position-tp2", "Engine.prefill", "a 257-token prompt with `tp_size=2`",
+        lambda: Engine(CFG, tp_size=2).prefill([[1] * 4, [1] * 257]), ValueError,
+        "request 1 has 257 prompt tokens, more than max_position=256", no_spawn=True),
 ]
+
+
+def refused(call) -> bool:
+    """True if ``call()`` raises ValueError."""
+    try:
+        call()
+    except ValueError:
+        return True
+    return False
 
 
 def tiny_hf_cfg():
@@ -350,6 +661,13 @@ def relu_hf():
     return hf
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _close_runtime():
+    yield
+    if runtime.cache_info().currsize:
+        runtime().close()
+
+
 @pytest.mark.parametrize("row", [r for r in ROWS if r.error], ids=lambda r: r.id)
 def test_bad_input_is_a_clear_error_naming_argument_and_value(row):
     with pytest.raises(row.error, match=re.escape(row.expect)):
@@ -361,19 +679,57 @@ def test_edge_input_has_its_documented_result(row):
     assert row.check(row.call()), row.expect
 
 
+@pytest.mark.parametrize("row", [r for r in ROWS if r.no_spawn], ids=lambda r: r.id)
+def test_refused_before_any_worker_starts(row, monkeypatch):
+    """tp_forward / TPRuntime / a TP=2 engine refuse bad input in the caller: no worker is
+    spawned (WorkerPool.start is never reached, psutil sees no new child) and the refusal takes
+    well under a second (one spawned worker alone costs > 1 s here: the child imports torch)."""
+    # live children minus the session's resource tracker; imported here: pytest puts tests/ on sys.path
+    from test_tp_faults import _children
+    starts = []
+    real_start = WorkerPool.start
+    monkeypatch.setattr(WorkerPool, "start", lambda self, *a, **k: starts.append(a) or real_start(self, *a, **k))
+    before = _children()
+    t0 = time.perf_counter()
+    with pytest.raises(row.error, match=re.escape(row.expect)):
+        row.call()
+    elapsed = time.perf_counter() - t0
+    assert not starts, "a worker pool was started before the input was refused"
+    assert _children() == before, f"child processes appeared: {_children() - before}"
+    assert elapsed < 1.0, f"refusal took {elapsed:.2f} s"
+
+
+def test_runtime_survives_every_refused_forward():
+    rt = runtime()
+    first = rt.forward(ab_batch()).output
+    for row in ROWS:
+        if row.entry == "TPRuntime.forward" and row.error:
+            with pytest.raises(row.error, match=re.escape(row.expect)):
+                row.call()
+    assert not rt.closed and all(psutil.pid_exists(p) for p in rt.pids)
+    again = rt.forward(ab_batch()).output
+    assert torch.equal(again, first)  # no stale result was left in the pipes by a refused call
+    ref = model()(ab_batch())  # TP=1 in this process, same weights (seed 0)
+    assert torch.allclose(again, ref, atol=1e-5, rtol=0), (again - ref).abs().max()
+
+
 def render() -> str:
     """docs/bad_inputs.md, generated from ROWS."""
-    lines = ["# Bad inputs to the core entry points", "",
+    lines = ["# Bad inputs to the public entry points", "",
              "Every row is a test in `tests/test_bad_inputs.py` (regenerate this file with",
              "`python3 -m tests.test_bad_inputs > docs/bad_inputs.md`). An error row raises the named",
              "exception with a message containing the text shown: the argument and the value.",
              "A \"defined\" row is legal input with the documented result. Zero-length requests: `pack`",
              "and `pad` reject them; `validate_cu_seqlens` and attention accept a repeated `cu_seqlens`",
-             "entry and write no row for it (see `lessons_lib/batch.py`).", "",
+             "entry and write no row for it (see `lessons_lib/batch.py`).",
+             "Rows marked † are also checked to be refused before any worker process starts (no spawn,",
+             "no child process, well under a second); the `TPRuntime.forward` rows run on one live",
+             "TP=2 runtime, which must still work afterwards.", "",
              "| id | entry point | input | result |", "|---|---|---|---|"]
     for r in ROWS:
         result = f"`{r.error.__name__}`: `{r.expect.strip()}`" if r.error else f"defined: {r.expect}"
-        lines.append(f"| `{r.id}` | `{r.entry}` | {r.given} | {result.replace('|', '/')} |")
+        entry = f"`{r.entry}`" + (" †" if r.no_spawn else "")
+        lines.append(f"| `{r.id}` | {entry} | {r.given} | {result.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
