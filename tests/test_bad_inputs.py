@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -682,21 +681,17 @@ def test_edge_input_has_its_documented_result(row):
 @pytest.mark.parametrize("row", [r for r in ROWS if r.no_spawn], ids=lambda r: r.id)
 def test_refused_before_any_worker_starts(row, monkeypatch):
     """tp_forward / TPRuntime / a TP=2 engine refuse bad input in the caller: no worker is
-    spawned (WorkerPool.start is never reached, psutil sees no new child) and the refusal takes
-    well under a second (one spawned worker alone costs > 1 s here: the child imports torch)."""
+    spawned: WorkerPool.start is never reached and psutil sees no new child."""
     # live children minus the session's resource tracker; imported here: pytest puts tests/ on sys.path
     from test_tp_faults import _children
     starts = []
     real_start = WorkerPool.start
     monkeypatch.setattr(WorkerPool, "start", lambda self, *a, **k: starts.append(a) or real_start(self, *a, **k))
     before = _children()
-    t0 = time.perf_counter()
     with pytest.raises(row.error, match=re.escape(row.expect)):
         row.call()
-    elapsed = time.perf_counter() - t0
     assert not starts, "a worker pool was started before the input was refused"
     assert _children() == before, f"child processes appeared: {_children() - before}"
-    assert elapsed < 1.0, f"refusal took {elapsed:.2f} s"
 
 
 def test_runtime_survives_every_refused_forward():
