@@ -9,8 +9,11 @@ PY := $(VENV)/bin/python
 setup:
 	./tools/setup.sh
 
+# JupyterLab refuses to run as root unless told; containers and CI machines often are root.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 course: setup
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 $(ALLOW_ROOT) notebooks/
 
 test: setup
 	$(PY) -m pytest
