@@ -134,24 +134,13 @@ class Transformer(nn.Module):
         return self
 
     def embed(self, batch: PackedBatch) -> Tensor:
-        """``[T]`` ids + ``[T]`` positions → ``[T, d]`` (or the batch's own hidden rows)."""
+        """``[T]`` ids + ``[T]`` positions → ``[T, d]`` (or the batch's own hidden rows).
+
+        Expects a batch that passed ``check_batch`` (``forward`` does that first).
+        """
         if batch.input_ids is None:
-            x = batch.hidden
-            if x.shape[-1] != self.cfg.d_model:
-                raise ValueError(f"hidden rows must be [T, d_model={self.cfg.d_model}], got {tuple(x.shape)}")
-            if x.dtype != self.cfg.dtype:
-                raise ValueError(f"hidden rows must be {self.cfg.dtype}, got {x.dtype}")
-            if not torch.isfinite(x).all():
-                row = int((~torch.isfinite(x)).any(1).nonzero()[0, 0])
-                raise ValueError(f"batch.hidden contains NaN or Inf (first at row {row})")
-            return x
+            return batch.hidden
         ids = batch.input_ids
-        if ids.numel() and (int(ids.max()) >= self.cfg.vocab_size or int(ids.min()) < 0):
-            raise ValueError(f"input_ids must be in [0, vocab_size={self.cfg.vocab_size}), "
-                             f"got min {int(ids.min())}, max {int(ids.max())}")
-        longest = int(batch.positions.max()) + 1 if batch.positions.numel() else 0  # the wpe rows really read
-        if longest > self.cfg.max_position:
-            raise ValueError(f"a request of {longest} tokens exceeds max_position={self.cfg.max_position}")
         return self.wte[ids] + self.wpe[batch.positions]
 
     @torch.no_grad()
@@ -164,7 +153,7 @@ class Transformer(nn.Module):
             raise ValueError(f"forward takes a PackedBatch (see batch.pack), got {type(batch).__name__}")
         if batch.positions.device != self.wte.device:
             raise ValueError(f"batch is on {batch.positions.device} but the model is on {self.wte.device}")
-        batch.validate()
+        check_batch(self.cfg, batch)
         backend = resolve_backend(attn_backend or self.attn_backend, self.wte.device, self.cfg.dtype)
         cu, max_len = batch.cu_seqlens, batch.max_seqlen
 
@@ -205,6 +194,34 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Tied LM head (replicated on every rank): ``[N, d] → [N, vocab_size]``."""
         return hidden @ self.wte.T
+
+
+def check_batch(cfg: ModelConfig, batch: PackedBatch) -> list[int]:
+    """Refuse a batch a model of ``cfg`` cannot run, before any compute; return ``cu_seqlens`` as a list.
+
+    The batch's own fields must agree (``PackedBatch.validate``); token ids must lie in the
+    vocabulary and every request within ``max_position``; hidden rows must be ``[T, d_model]``
+    in ``cfg.dtype`` and finite. ``Transformer.forward`` calls it, and so does the TP runtime in
+    the caller, before any worker sees the batch.
+    """
+    cu = batch.validate()  # cu_seqlens, seq_lens, max_seqlen and positions agree (hand-built batches)
+    longest = max(cu[i + 1] - cu[i] for i in range(len(cu) - 1))
+    if batch.input_ids is not None:
+        ids = batch.input_ids
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+            raise ValueError(f"batch.input_ids must be in [0, vocab_size={cfg.vocab_size}), "
+                             f"got min {int(ids.min())}, max {int(ids.max())}")
+        if longest > cfg.max_position:  # max_seqlen is only an upper bound: the real lengths decide
+            raise ValueError(f"a request of {longest} tokens exceeds max_position={cfg.max_position}")
+    else:
+        x = batch.hidden
+        if x.dim() != 2 or x.shape[1] != cfg.d_model or x.dtype != cfg.dtype:
+            raise ValueError(f"batch.hidden must be [T, d_model={cfg.d_model}] {cfg.dtype}, got "
+                             f"{tuple(x.shape)} {x.dtype}")
+        if not torch.isfinite(x).all():
+            row = int((~torch.isfinite(x)).any(1).nonzero()[0, 0])
+            raise ValueError(f"batch.hidden contains NaN or Inf (first at row {row})")
+    return cu
 
 
 def init_weight_names(cfg: ModelConfig) -> list[str]:

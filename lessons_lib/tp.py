@@ -23,7 +23,7 @@ import torch
 from .attention import resolve_backend
 from .batch import PackedBatch
 from .config import ModelConfig
-from .model import Transformer, init_weight_names, init_weights
+from .model import Transformer, check_batch, init_weight_names, init_weights
 from .tp_trace import (Fault, ForwardReport, comm_debug_mode, expected_layers, format_trace, forward_worker,
                        shard_checks, summarize_trace, traced_forward)
 from .workers import WorkerPool, resolve_dist_backend
@@ -80,23 +80,7 @@ def _validate_batch(cfg: ModelConfig, batch) -> None:
         t = getattr(batch, name)
         if isinstance(t, Tensor) and t.device.type == "meta":
             raise ValueError(f"batch.{name} is on the meta device: a forward needs its values")
-    cu = batch.validate()  # cu_seqlens, seq_lens, max_seqlen and positions agree (hand-built batches)
-    longest = max(cu[i + 1] - cu[i] for i in range(len(cu) - 1))
-    if batch.input_ids is not None:
-        ids = batch.input_ids
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
-            raise ValueError(f"batch.input_ids must be in [0, vocab_size={cfg.vocab_size}), "
-                             f"got min {int(ids.min())}, max {int(ids.max())}")
-        if longest > cfg.max_position:  # max_seqlen is only an upper bound: the real lengths decide
-            raise ValueError(f"a request of {longest} tokens exceeds max_position={cfg.max_position}")
-    else:
-        x = batch.hidden
-        if x.dim() != 2 or x.shape[1] != cfg.d_model or x.dtype != cfg.dtype:
-            raise ValueError(f"batch.hidden must be [T, d_model={cfg.d_model}] {cfg.dtype}, got "
-                             f"{tuple(x.shape)} {x.dtype}")
-        bad = (~torch.isfinite(x)).any(1).nonzero()
-        if bad.numel():
-            raise ValueError(f"batch.hidden contains NaN or Inf (first at row {int(bad[0, 0])})")
+    check_batch(cfg, batch)
 
 
 def _check_timeout(name: str, value) -> None:
