@@ -103,7 +103,8 @@ def test_c6_row_parallel_combine_checker():
 
 # --- lesson 03 ---------------------------------------------------------------------------------
 
-def _loop(q, k, v, cu, causal=True, scale=None, cross=False):
+def varlen_loop(q, k, v, cu, causal=True, scale=None, cross=False):
+    """The article's loop, written independently of lessons_lib; ``cross`` ignores cu_seqlens."""
     out, cu = torch.empty_like(q), cu.tolist()
     if cross:
         cu = [0, cu[-1]]
@@ -116,10 +117,10 @@ def _loop(q, k, v, cu, causal=True, scale=None, cross=False):
 
 
 def test_c10_causal_varlen_checker():
-    assert exercises.check_causal_varlen(_loop)
-    assert "no causal mask" in attempt(exercises.check_causal_varlen, lambda q, k, v, cu: _loop(q, k, v, cu, causal=False))
-    assert "other requests" in attempt(exercises.check_causal_varlen, lambda q, k, v, cu: _loop(q, k, v, cu, cross=True))
-    assert "sqrt" in attempt(exercises.check_causal_varlen, lambda q, k, v, cu: _loop(q, k, v, cu, scale=1.0))
+    assert exercises.check_causal_varlen(varlen_loop)
+    assert "no causal mask" in attempt(exercises.check_causal_varlen, lambda q, k, v, cu: varlen_loop(q, k, v, cu, causal=False))
+    assert "other requests" in attempt(exercises.check_causal_varlen, lambda q, k, v, cu: varlen_loop(q, k, v, cu, cross=True))
+    assert "sqrt" in attempt(exercises.check_causal_varlen, lambda q, k, v, cu: varlen_loop(q, k, v, cu, scale=1.0))
     assert "shape" in attempt(exercises.check_causal_varlen, lambda q, k, v, cu: q[:1])
 
 

@@ -2,14 +2,13 @@
 rejects the typical wrong ones with the hint a learner needs, and lets a stub through."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from lessons_lib import exercises
 from lessons_lib.config import ModelConfig
-from test_exercises import attempt, stub  # the shared stub and "run a wrong answer" helpers
+from test_exercises import attempt, stub, varlen_loop  # shared stub, "run a wrong answer", the loop
 
 
 CHECKS = (exercises.check_param_count, exercises.check_rank_params, exercises.check_all_reduce_bytes,
@@ -73,15 +72,7 @@ def test_c1_all_reduce_bytes_checker():
 def rank_attention(q, k, v, cu, rank, tp, *, heads=None, causal=True, use_cu=True):
     h = q.shape[1] // tp
     sl = heads if heads is not None else slice(rank * h, (rank + 1) * h)
-    q, k, v = q[:, sl], k[:, sl], v[:, sl]
-    bounds = cu.tolist() if use_cu else [0, q.shape[0]]
-    out = torch.empty_like(q)
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        sc = torch.einsum("qhd,khd->hqk", q[s:e], k[s:e]) / math.sqrt(q.shape[-1])
-        if causal:
-            sc = sc.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
-        out[s:e] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v[s:e])
-    return out
+    return varlen_loop(q[:, sl], k[:, sl], v[:, sl], cu, causal=causal, cross=not use_cu)
 
 
 def test_c11_rank_attention_checker():
