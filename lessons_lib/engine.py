@@ -428,10 +428,7 @@ class Engine:
         if self.tp_size == 1:
             return self.model(batch, attn_backend=self.attn_backend)
         if self._runtime is None:
-            try:
-                from .tp import TPRuntime
-            except ImportError as exc:
-                raise NotImplementedError(f"tp_size=2 needs lessons_lib.tp.TPRuntime, not importable here: {exc}")
+            from .tp import TPRuntime  # imported on first use: TP=1 engines never load the runtime
             self._runtime = TPRuntime(self.cfg, self.weights, world_size=self.tp_size,
                                       attn_backend=self.attn_backend, verbose=False, **self._tp_kw)
         result = self._runtime.forward(batch)
