@@ -43,6 +43,7 @@ from .batch import pack, pad
 from .config import ModelConfig
 from .flops import attention_cells, forward_flops
 from .model import Transformer, init_weights
+from .workers import check_timeout
 
 Tensor = torch.Tensor
 
@@ -290,8 +291,7 @@ class Engine:
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"seed must be an int, got {seed!r}")
         # The TP runtime starts at the first batch: check its arguments now, not minutes later.
-        if isinstance(tp_timeout, bool) or not isinstance(tp_timeout, (int, float)) or not tp_timeout > 0:
-            raise ValueError(f"tp_timeout must be a positive number of seconds, got {tp_timeout!r}")
+        check_timeout("tp_timeout", tp_timeout)
         if tp_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"tp_backend must be 'auto', 'gloo' or 'nccl', got {tp_backend!r}")
         if tp_size == 2:

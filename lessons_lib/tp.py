@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .model import Transformer, check_batch, init_weight_names, init_weights
 from .tp_trace import (Fault, ForwardReport, comm_debug_mode, expected_layers, format_trace, forward_worker,
                        shard_checks, summarize_trace, traced_forward)
-from .workers import WorkerPool, resolve_dist_backend
+from .workers import WorkerPool, check_timeout, resolve_dist_backend
 
 Tensor = torch.Tensor
 
@@ -81,11 +81,6 @@ def _validate_batch(cfg: ModelConfig, batch) -> None:
         if isinstance(t, Tensor) and t.device.type == "meta":
             raise ValueError(f"batch.{name} is on the meta device: a forward needs its values")
     check_batch(cfg, batch)
-
-
-def _check_timeout(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 class TPRuntime:
@@ -166,7 +161,7 @@ class TPRuntime:
         if fault is not None and not isinstance(fault, Fault):
             raise ValueError(f"fault must be a tp.Fault or None, got {fault!r}")
         if timeout is not None:  # after the broadcast a bad value would leave a result unread in the pipe
-            _check_timeout("timeout", timeout)
+            check_timeout("timeout", timeout)
         t0 = time.perf_counter()
         self._pool.broadcast(("forward", batch.to("cpu"), fault))
         outs = self._pool.collect("result", timeout=timeout, what=f"running a forward of {batch.num_tokens} tokens")

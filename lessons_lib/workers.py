@@ -166,6 +166,12 @@ def _shutdown(procs, conns, workdir) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+def check_timeout(name: str, value) -> None:
+    """A deadline must be a positive number of seconds (bools refused: ``True`` is not 1 s)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
 class WorkerPool:
     """``world_size`` spawned workers in one process group, driven over pipes.
 
@@ -178,8 +184,7 @@ class WorkerPool:
                  name: str = "launch"):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_timeout("timeout", timeout)
         self.world_size, self.timeout, self.verbose, self.name = world_size, float(timeout), verbose, name
         self.backend = resolve_dist_backend(backend, world_size)
         self.workdir = tempfile.mkdtemp(prefix="lessons_tp_")  # fresh: a stale rendezvous file would hang init
