@@ -51,6 +51,16 @@ def _tagged(widget, css_class: str):
     return widget
 
 
+def _explorer(css_class: str, controls: list, readouts: list, update):
+    """Wire an explorer: ``update`` runs on every change of a control and once now; the
+    controls sit in a row above the readouts, all in a VBox of class ``css_class``."""
+    w = _widgets()
+    for control in controls:
+        control.observe(update, names="value")
+    update()
+    return _tagged(w.VBox([w.HBox(controls), *readouts]), css_class)
+
+
 def show_figure(out, fig, dpi: int = WIDGET_DPI) -> None:
     """Replace the content of an ``ipywidgets.Output`` with the figure as an inline PNG."""
     png = base64.b64encode(viz.to_png(fig, dpi=dpi)).decode("ascii")
@@ -132,9 +142,7 @@ def flat_batch_explorer(lengths: str = "10, 30"):
         counts.value = _flat_html(state)
         show_figure(out, viz.padded_vs_flat(state["seq_lens"]))
 
-    text.observe(update, names="value")
-    update()
-    return _tagged(w.VBox([text, counts, out]), "fbx")
+    return _explorer("fbx", [text], [counts, out], update)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,10 +200,7 @@ def diagonal_block_explorer(num_requests: int = 2, length: int = 10, pattern: st
         lengths.value = f"<div>lengths {lens if len(lens) <= 16 else '...'} | T = {sum(lens)} flat rows</div>"
         show_figure(out, viz.attention_patterns(lens, figsize=(7.5, 3.4), max_pixels=240))
 
-    for control in (reqs, base, pat):
-        control.observe(update, names="value")
-    update()
-    return _tagged(w.VBox([w.HBox([reqs, base, pat]), counts, lengths, out]), "dbx")
+    return _explorer("dbx", [reqs, base, pat], [counts, lengths, out], update)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,10 +236,7 @@ def flop_regime_explorer(num_requests: int = 10, length: int = 100):
         title = f"{r} x {n} tokens: {100 * f.attention_fraction:.1f}% attention, {f.dominant} dominates"
         show_figure(out, viz.flops_bars([(f"{r} x {n}", state["seq_lens"])], figsize=(5, 4), title=title))
 
-    for control in (reqs, base):
-        control.observe(update, names="value")
-    update()
-    return _tagged(w.VBox([w.HBox([reqs, base]), text, out]), "frx")
+    return _explorer("frx", [reqs, base], [text, out], update)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,10 +284,7 @@ def allreduce_explorer(num_tokens: int = 10, dtype: str = "float32"):
         text.value = f"<div>{allreduce_text(state)}</div>"
         show_figure(out, viz.allreduce_growth(ModelConfig(dtype=getattr(torch, kind.value)), mark=tokens.value))
 
-    for control in (tokens, kind):
-        control.observe(update, names="value")
-    update()
-    return _tagged(w.VBox([w.HBox([tokens, kind]), text, out]), "arx")
+    return _explorer("arx", [tokens, kind], [text, out], update)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,10 +359,7 @@ def tp_packing_explorer(num_requests: int = 2, total_tokens: int = 40):
         show_figure(out, viz.token_strip(state["seq_lens"], title=f"{len(state['seq_lens'])} requests, T = {total.value}: "
                                          f"the only thing that changes is cu_seqlens"))
 
-    for control in (total, reqs):
-        control.observe(update, names="value")
-    update()
-    return _tagged(w.VBox([w.HBox([total, reqs]), text, out]), "tpx")
+    return _explorer("tpx", [total, reqs], [text, out], update)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,7 +456,4 @@ def prefill_plan_explorer(workload: str = "long-tail", num_requests: int = 48, m
         else:
             out.outputs = ()
 
-    for control in (kind, reqs, budget):
-        control.observe(update, names="value")
-    update()
-    return _tagged(w.VBox([w.HBox([kind, reqs, budget]), text, out]), "ppx")
+    return _explorer("ppx", [kind, reqs, budget], [text, out], update)
