@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make course   set up, then open the course in JupyterLab
-#   make test     set up, then run every test (unit tests, notebooks under nbval, browser)
+#   make test     set up, then lint (ruff) and run every test (unit tests, notebooks under nbval, browser)
 VENV := .venv
 PY := $(VENV)/bin/python
 
@@ -16,6 +16,7 @@ course: setup
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 $(ALLOW_ROOT) notebooks/
 
 test: setup
+	$(PY) -m ruff check .
 	$(PY) -m pytest
 
 unit: setup
@@ -25,10 +26,10 @@ notebooks: setup
 	$(PY) -m pytest notebooks
 
 figures: setup
-	$(PY) -m lessons_lib.figures
+	$(PY) -m lessons_lib.course.figures
 
 bench: setup
-	$(PY) -m lessons_lib.bench
+	$(PY) -m lessons_lib.measure.bench
 
 site: setup
 	$(PY) tools/build_site.py

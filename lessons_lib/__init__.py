@@ -1,39 +1,38 @@
 """lessons_lib: the small, real engine behind the course on varlen prefill batching.
 
-One concept per module:
-  config     ModelConfig (claim S1)
-  batch      PackedBatch, pack / unpack / pad, cu_seqlens validation (C2, C3)
-  attention  varlen_attention and its backends, attention_ref, block_diag_mask (C7-C11)
-  linear     Column/Row/QKV parallel linear layers (C5, C6)
-  parallel   process groups with collective tracing, launch() of real workers (C1, C11, C12)
-  workers    spawned TP worker processes: start, pipes, clean failure (WorkerPool)
-  tp_trace   one traced TP forward: collectives, QKV shapes, attention window, Fault
-  tp         TPRuntime / tp_forward / TPResult: TP=2 forwards on real processes (C1, C6, C11, C12)
-  tp_dryrun  the expected trace from the formula / recorded in one process (no workers)
-  tp_demo    torchrun entry point with the invariance checks
-  model      the GPT-2-style Transformer on flat batches (S1)
-  hf         Hugging Face GPT-2 bridge
-  flops      attention cells, forward FLOPs, arithmetic intensity (C8, C9, C13-C15)
-  engine     Request, FCFS prefill Scheduler, Engine with per-batch stats (S3)
-  workloads  constant / uniform / long-tail / bimodal request streams
-  bench      python -m lessons_lib.bench: varlen vs masked vs padded vs Hugging Face
-  profile    timing and peak-memory helpers the lessons use
-  probe      which output rows change when one input row changes
-  viz        matplotlib figures as pure functions
-  widgets    ipywidgets explorers over pure state functions
-  figures    python -m lessons_lib.figures: every lesson figure into figures/
-  exercises  checkers for the lessons' exercises
-  check      claim() / close() for lesson claim cells
-"""
-from .attention import (BACKENDS, attention_ref, available_backends, block_diag_mask, padded_attention,
-                        plain_attention, varlen_attention)
-from .batch import PackedBatch, pack, pad, pad_input, seq_lens_to_cu_seqlens, unpack, unpad_input, validate_cu_seqlens
-from .check import claim, close
-from .config import ModelConfig
-from .flops import attention_cells, forward_flops, linear_intensity
-from .model import Transformer, init_weights
+The package is laid out by role; read ``core`` first, it is the engine:
 
-__all__ = ["BACKENDS", "attention_ref", "available_backends", "block_diag_mask", "padded_attention",
-           "plain_attention", "varlen_attention", "PackedBatch", "pack", "pad", "pad_input",
-           "seq_lens_to_cu_seqlens", "unpack", "unpad_input", "validate_cu_seqlens", "claim", "close",
-           "ModelConfig", "attention_cells", "forward_flops", "linear_intensity", "Transformer", "init_weights"]
+  core     config, flat batches, varlen attention, TP linear layers, the model (what a learner reads)
+  tp       tensor parallelism on real processes: workers, TPRuntime / tp_forward, traces, dry runs
+  serve    the prefill scheduler and engine, request workloads
+  measure  FLOP accounting, timing and memory, the benchmark
+  course   figures, widgets, exercise checkers, claim cells
+
+The names a learner uses most are importable from here (loaded on first use, so that
+``import lessons_lib.core`` stays free of processes, plots and the serving engine).
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "ModelConfig": "core.config", "PackedBatch": "core.batch", "pack": "core.batch", "unpack": "core.batch",
+    "pad": "core.batch", "varlen_attention": "core.attention", "attention_ref": "core.attention",
+    "available_backends": "core.kernels", "Transformer": "core.model", "init_weights": "core.model",
+    "Engine": "serve.engine", "Request": "serve.scheduler", "TPRuntime": "tp.runtime", "tp_forward": "tp.runtime",
+    "forward_flops": "measure.flops", "attention_cells": "measure.flops", "claim": "course.check",
+    "close": "course.check",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lessons_lib' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -9,7 +9,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `pytest` without `python -m` finds lessons_lib
 
-from lessons_lib import ModelConfig, Transformer, init_weights, seq_lens_to_cu_seqlens  # noqa: E402
+from lessons_lib import ModelConfig, Transformer, init_weights
+from lessons_lib.core.batch import seq_lens_to_cu_seqlens
 
 EPS32 = torch.finfo(torch.float32).eps
 

@@ -9,10 +9,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lessons_lib.attention import (BACKENDS, attention_ref, available_backends, block_diag_mask, padded_attention,
-                                   plain_attention, resolve_backend, varlen_attention)
-from lessons_lib.batch import pad, seq_lens_to_cu_seqlens
-from lessons_lib.flops import attention_cells
+from lessons_lib.core.attention import attention_ref, block_diag_mask, padded_attention, plain_attention, varlen_attention
+from lessons_lib.core.batch import pad, seq_lens_to_cu_seqlens
+from lessons_lib.core.kernels import BACKENDS, available_backends, resolve_backend
+from lessons_lib.measure.flops import attention_cells
 
 CPU_OK = [b for b, s in available_backends("cpu").items() if s.available]
 DENSE_OK = [b for b in CPU_OK if b != "flex"]  # flex is eager on the CPU: 17-140x slower, small cases only

@@ -11,26 +11,28 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import psutil
 import pytest
 import torch
 
-from lessons_lib.attention import varlen_attention
-from lessons_lib.batch import PackedBatch, pack, pad, seq_lens_to_cu_seqlens, unpack, validate_cu_seqlens
-from lessons_lib.config import ModelConfig
-from lessons_lib.engine import Engine, Request, Scheduler
-from lessons_lib.flops import attention_cells, forward_flops
-from lessons_lib.hf import from_hf_gpt2, make_hf_gpt2
-from lessons_lib.model import Transformer, init_weights
-from lessons_lib.parallel import LocalGroup
-from lessons_lib.tp import TPRuntime, tp_forward
-from lessons_lib.workers import WorkerPool
+from lessons_lib.core.attention import varlen_attention
+from lessons_lib.core.batch import PackedBatch, pack, pad, seq_lens_to_cu_seqlens, unpack
+from lessons_lib.core.config import ModelConfig
+from lessons_lib.core.groups import LocalGroup
+from lessons_lib.core.hf import from_hf_gpt2, make_hf_gpt2
+from lessons_lib.core.model import Transformer, init_weights
+from lessons_lib.core.validate import check_cu_seqlens
+from lessons_lib.measure.flops import attention_cells, forward_flops
+from lessons_lib.serve.engine import Engine
+from lessons_lib.serve.scheduler import Request, Scheduler
+from lessons_lib.tp.runtime import TPRuntime, tp_forward
+from lessons_lib.tp.workers import WorkerPool
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
 I32, I64 = torch.int32, torch.int64
@@ -68,12 +70,12 @@ CFG3 = ModelConfig(n_layers=1, d_model=48, n_heads=3, d_head=16, d_ffn=96, vocab
                    tp_size=1)
 
 
-@lru_cache(maxsize=None)
+@cache
 def model():
     return Transformer(CFG, seed=0)
 
 
-@lru_cache(maxsize=None)
+@cache
 def tiny_hf():
     return make_hf_gpt2(ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=16, d_ffn=64, vocab_size=300,
                                     max_position=64, tp_size=1))
@@ -111,7 +113,7 @@ def tpr(cfg=CFG, **kw):
     return TPRuntime(cfg, **({"backend": "gloo", "timeout": 60, "verbose": False} | kw))
 
 
-@lru_cache(maxsize=None)
+@cache
 def runtime():
     """One live TP=2 runtime for the TPRuntime.forward rows (closed by the module fixture)."""
     return TPRuntime(CFG, world_size=2, backend="gloo", timeout=60, verbose=False)
@@ -167,7 +169,7 @@ ROWS = [
     Row("pack-devices", "pack", "requests on cpu and meta",
         lambda: pack([torch.tensor([1]), torch.tensor([2], device="meta")]), ValueError,
         "requests live on different devices: ['cpu', 'meta']"),
-    # ---- unpack / validate_cu_seqlens ----------------------------------------------------
+    # ---- unpack / check_cu_seqlens ----------------------------------------------------
     Row("unpack-int64", "unpack", "int64 `cu_seqlens` (PyTorch's default integer)",
         lambda: unpack(torch.zeros(5), cu(0, 2, 5, dtype=I64)), ValueError, "cu_seqlens must be int32, got int64"),
     Row("unpack-list", "unpack", "a Python list as `cu_seqlens`", lambda: unpack(torch.zeros(5), [0, 5]), ValueError,
@@ -188,8 +190,8 @@ ROWS = [
     Row("unpack-undershoot", "unpack", "`cu_seqlens` ends before T=5: `[0, 2, 4]`",
         lambda: unpack(torch.zeros(5), cu(0, 2, 4)), ValueError,
         "cu_seqlens must end at the token count 5, got cu_seqlens[-1]=4"),
-    Row("cu-repeated-entry", "validate_cu_seqlens", "a repeated entry `[0, 3, 3, 5]` (zero-length request)",
-        lambda: validate_cu_seqlens(cu(0, 3, 3, 5), 5), None, "accepted, as FlashAttention does: [0, 3, 3, 5]",
+    Row("cu-repeated-entry", "check_cu_seqlens", "a repeated entry `[0, 3, 3, 5]` (zero-length request)",
+        lambda: check_cu_seqlens(cu(0, 3, 3, 5), 5), None, "accepted, as FlashAttention does: [0, 3, 3, 5]",
         lambda r: r == [0, 3, 3, 5]),
     # ---- pad -----------------------------------------------------------------------------
     Row("pad-empty", "pad", "empty request list", lambda: pad([]), ValueError,
@@ -212,7 +214,7 @@ ROWS = [
     Row("cells-non-integer", "attention_cells", "non-integer length `[10, 2.5]`",
         lambda: attention_cells([10, 2.5], "varlen"), ValueError, "seq_lens[1] must be an int, got 2.5"),
     Row("cells-method", "attention_cells", "unknown method `'blocky'`", lambda: attention_cells([10], "blocky"),
-        ValueError, "unknown method 'blocky'"),
+        ValueError, "method must be one of ('padded', 'masked', 'varlen'), got 'blocky'"),
     Row("cells-empty", "attention_cells", "empty request list `[]`", lambda: attention_cells([], "padded"), None,
         "zero cells: computed 0, useful 0, wasted 0", lambda r: (r.computed, r.useful, r.wasted) == (0, 0, 0)),
     Row("flops-empty", "forward_flops", "empty request list `[]`", lambda: forward_flops(CFG, [], "varlen"), None,
@@ -299,7 +301,7 @@ ROWS = [
         "its 2 output rows are zeros (nothing to attend to)", lambda r: bool(r[:2].eq(0).all())),
     # ---- Transformer.forward -------------------------------------------------------------
     Row("fwd-not-batch", "Transformer.forward", "a list of requests instead of a PackedBatch",
-        lambda: model()([[1, 2]]), ValueError, "forward takes a PackedBatch (see batch.pack), got list"),
+        lambda: model()([[1, 2]]), ValueError, "batch must be a PackedBatch (see pack), got list"),
     Row("fwd-cu-int64", "Transformer.forward", "batch with int64 `cu_seqlens`",
         lambda: model()(ab_batch(cu_seqlens=cu(0, 10, 40, dtype=I64))), ValueError,
         "batch.cu_seqlens must be int32, got int64"),
@@ -335,7 +337,7 @@ ROWS = [
         lambda: model()(hidden_batch(dtype=torch.float64)), ValueError,
         "batch.hidden must be [T, d_model=64] torch.float32, got (40, 64) torch.float64"),
     Row("fwd-device", "Transformer.forward", "batch on the meta device, model on cpu",
-        lambda: model()(ab_batch().to("meta")), ValueError, "batch is on meta but the model is on cpu"),
+        lambda: model()(ab_batch().to("meta")), ValueError, "batch.input_ids is on the meta device: a forward needs its values"),
     Row("fwd-unknown-backend", "Transformer.forward", "`attn_backend='fast'`",
         lambda: model()(ab_batch(), attn_backend="fast"), ValueError, "unknown attention backend 'fast'"),
     Row("fwd-flash-cpu", "Transformer.forward", "`attn_backend='flash'` on the CPU",
@@ -385,7 +387,7 @@ ROWS = [
         ValueError, "the HF config has activation_function='relu'"),
     # ---- tp_forward: the batch (refused in the caller, before any worker starts) ----------
     Row("tpf-not-batch", "tp_forward", "a list of requests instead of a PackedBatch", lambda: tpf([[1, 2]]),
-        ValueError, "batch must be a PackedBatch (see batch.pack), got list", no_spawn=True),
+        ValueError, "batch must be a PackedBatch (see pack), got list", no_spawn=True),
     Row("tpf-empty", "tp_forward", "no request at all (hand-built, `cu_seqlens = [0]`)", lambda: tpf(empty_batch()),
         ValueError, "batch.cu_seqlens must have at least 2 entries [0, T], got [0]", no_spawn=True),
     Row("tpf-cu-int64", "tp_forward", "batch with int64 `cu_seqlens`",
@@ -475,15 +477,15 @@ ROWS = [
     Row("tpr-cfg", "TPRuntime", "`cfg='article'`", lambda: tpr("article"), ValueError,
         "cfg must be a ModelConfig, got str", no_spawn=True),
     Row("tpr-weights-type", "TPRuntime", "weights as a list", lambda: tpr(weights=[1]), ValueError,
-        "weights must be a dict of tensors (init_weights), got list", no_spawn=True),
+        "weights must be a dict of tensors (init_weights or a model's state_dict), got list", no_spawn=True),
     Row("tpr-weights-missing", "TPRuntime", "weights dict without `wte`",
         lambda: tpr(weights={k: v for k, v in init_weights(CFG).items() if k != "wte"}), ValueError,
-        "weights are missing 1 tensors for this cfg, e.g. ['wte']", no_spawn=True),
+        "weights are missing 1 tensors, e.g. ['wte']", no_spawn=True),
     Row("tpr-weights-meta", "TPRuntime", "weights on the meta device", lambda: tpr(weights=meta_weights()),
         ValueError, "weights['wte'] must be a tensor with values, got a tensor on the meta device", no_spawn=True),
     # ---- TPRuntime.forward on a live runtime (it must survive every refusal) -------------
     Row("tpr-fwd-not-batch", "TPRuntime.forward", "a list of requests", lambda: runtime().forward([[1, 2]]),
-        ValueError, "batch must be a PackedBatch (see batch.pack), got list"),
+        ValueError, "batch must be a PackedBatch (see pack), got list"),
     Row("tpr-fwd-cu-decreasing", "TPRuntime.forward", "batch `cu_seqlens` `[0, 30, 10, 40]`",
         lambda: runtime().forward(ab_batch(cu_seqlens=cu(0, 30, 10, 40))), ValueError,
         "batch.cu_seqlens must be non-decreasing, got batch.cu_seqlens[1]=30 > batch.cu_seqlens[2]=10"),
@@ -570,7 +572,7 @@ ROWS = [
     Row("eng-seqs-negative", "Engine", "`max_num_seqs=-1`", lambda: Engine(CFG, max_num_seqs=-1), ValueError,
         "max_num_seqs must be a positive int, got -1"),
     Row("eng-method", "Engine", "`method='chunked'`", lambda: Engine(CFG, method="chunked"), ValueError,
-        "method must be one of ('varlen', 'masked', 'padded'), got 'chunked'"),
+        "method must be one of ('padded', 'masked', 'varlen'), got 'chunked'"),
     Row("eng-attn-backend", "Engine", "`attn_backend='fast'`", lambda: Engine(CFG, attn_backend="fast"), ValueError,
         "unknown attention backend 'fast'"),
     Row("eng-flash-cpu", "Engine", "`attn_backend='flash'` on the CPU", lambda: Engine(CFG, attn_backend="flash"),
@@ -581,7 +583,7 @@ ROWS = [
         lambda: Engine(CFG, tp_size=2, tp_timeout="60"), ValueError,
         "tp_timeout must be a positive number of seconds, got '60'", no_spawn=True),
     Row("eng-tp-backend", "Engine", "`tp_size=2, tp_backend='mpi'`", lambda: Engine(CFG, tp_size=2, tp_backend="mpi"),
-        ValueError, "tp_backend must be 'auto', 'gloo' or 'nccl', got 'mpi'", no_spawn=True),
+        ValueError, "tp_backend must be one of ('auto', 'gloo', 'nccl'), got 'mpi'", no_spawn=True),
     Row("eng-seed", "Engine", "`seed=1.5`", lambda: Engine(CFG, seed=1.5), ValueError, "seed must be an int, got 1.5"),
     Row("eng-cfg", "Engine", "`cfg='article'`", lambda: Engine("article"), ValueError,
         "cfg must be a ModelConfig, got str"),
@@ -715,7 +717,7 @@ def render() -> str:
              "`python3 -m tests.test_bad_inputs > docs/bad_inputs.md`). An error row raises the named",
              "exception with a message containing the text shown: the argument and the value.",
              "A \"defined\" row is legal input with the documented result. Zero-length requests: `pack`",
-             "and `pad` reject them; `validate_cu_seqlens` and attention accept a repeated `cu_seqlens`",
+             "and `pad` reject them; `check_cu_seqlens` and attention accept a repeated `cu_seqlens`",
              "entry and write no row for it (see `lessons_lib/batch.py`).",
              "Rows marked † are also checked to be refused before any worker process starts (no spawn,",
              "no child process, well under a second); the `TPRuntime.forward` rows run on one live",

@@ -5,10 +5,10 @@ from itertools import accumulate
 import pytest
 import torch
 
-from lessons_lib.attention import varlen_attention
-from lessons_lib.batch import (PackedBatch, pack, pad, pad_input, seq_lens_to_cu_seqlens, unpack, unpad_input,
-                               validate_cu_seqlens)
-from lessons_lib.flops import attention_cells, executed_tokens
+from lessons_lib.core.attention import varlen_attention
+from lessons_lib.core.batch import PackedBatch, pack, pad, pad_input, seq_lens_to_cu_seqlens, unpack, unpad_input
+from lessons_lib.core.validate import check_batch, check_cu_seqlens
+from lessons_lib.measure.flops import attention_cells, executed_tokens
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def test_c3_pack_a_b_is_40x512_with_cu_seqlens_0_10_40(a_b_hidden):
     assert batch.positions.tolist() == list(range(10)) + list(range(30))  # restart at 0 per request
     assert (batch.seq_lens, batch.max_seqlen, batch.num_tokens, batch.num_seqs) == ([10, 30], 30, 40, 2)
     assert batch.last_token_indices.tolist() == [9, 39]
-    batch.validate()
+    assert check_batch(None, batch) == [0, 10, 40]
 
 
 def test_c3_request_i_owns_rows_cu_i_to_cu_i_plus_1(a_b_hidden):
@@ -107,9 +107,9 @@ def test_zero_length_request_pack_rejects_it():
 
 
 def test_zero_length_request_cu_seqlens_passes_and_attention_writes_no_row(make_qkv):
-    """Documented in batch.py: validate_cu_seqlens accepts repeated entries (FlashAttention does);
+    """Documented in batch.py: check_cu_seqlens accepts repeated entries (FlashAttention does);
     attention then writes no row for the empty request and the others are unaffected."""
-    assert validate_cu_seqlens(torch.tensor([0, 3, 3, 7], dtype=torch.int32), 7) == [0, 3, 3, 7]
+    assert check_cu_seqlens(torch.tensor([0, 3, 3, 7], dtype=torch.int32), 7) == [0, 3, 3, 7]
     q, k, v, cu, _ = make_qkv([3, 0, 4], heads=2, d_head=8)
     out = varlen_attention(q, k, v, cu, backend="loop")
     assert out.shape == q.shape  # 7 rows: 3 + 0 + 4
@@ -122,6 +122,6 @@ def test_packed_batch_to_and_validate_roundtrip():
     batch = pack([[1, 2, 3], [4]])
     moved = batch.to("cpu")
     assert isinstance(moved, PackedBatch) and moved.seq_lens is not batch.seq_lens
-    assert moved.validate() == [0, 3, 4]
+    assert check_batch(None, moved) == [0, 3, 4]
     moved.max_seqlen = 10  # an upper bound is legal (FlashAttention's max_seqlen is one)
-    assert moved.validate() == [0, 3, 4]
+    assert check_batch(None, moved) == [0, 3, 4]

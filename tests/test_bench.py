@@ -8,15 +8,15 @@ import math
 
 import pytest
 
-from lessons_lib import bench
-from lessons_lib.flops import forward_flops
+from lessons_lib.measure import bench
+from lessons_lib.measure.flops import forward_flops
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     plan = bench.quick_plan()
-    res = bench.run(plan, out, "python3 -m lessons_lib.bench --quick", log=lambda *a: None)
+    res = bench.run(plan, out, "python3 -m lessons_lib.measure.bench --quick", log=lambda *a: None)
     return plan, out, res
 
 
@@ -37,10 +37,10 @@ def test_ratios_follow_from_measured_times(result):
     plan, _, res = result
     peak = res["gemm_peak"]["flops_per_s"]
     assert peak == max(res["gemm_peak"]["samples"]) > 0
-    for name, w in res["workloads"].items():
+    for w in res["workloads"].values():
         lengths_total = w["num_tokens"]
         t_var = w["methods"]["varlen"]["time_s"]
-        for m, r in w["methods"].items():
+        for r in w["methods"].values():
             if "skipped" in r:
                 continue
             assert r["time_s"] == min(r["times_s"]) > 0

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lessons_lib.check import claim, close, max_abs_diff
+from lessons_lib.course.check import claim, close, max_abs_diff
 
 
 def test_claim_prints_one_tick_line(capsys):

@@ -7,10 +7,11 @@ import random
 import pytest
 import torch
 
-from lessons_lib.config import ModelConfig
-from lessons_lib.engine import METHODS, Engine, Request, Scheduler, batch_stats
-from lessons_lib.flops import attention_cells
-from lessons_lib.workloads import generate
+from lessons_lib.core.config import ModelConfig
+from lessons_lib.measure.flops import attention_cells
+from lessons_lib.serve.engine import METHODS, Engine, batch_stats
+from lessons_lib.serve.scheduler import Request, Scheduler
+from lessons_lib.serve.workloads import generate
 
 CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=1000, max_position=512,
                   tp_size=1)

@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from lessons_lib.bench import measure_peak_rss
-from lessons_lib.config import ModelConfig
-from lessons_lib.engine import Engine
-from lessons_lib.workloads import long_tail_lengths, make_requests
+from lessons_lib.core.config import ModelConfig
+from lessons_lib.measure.bench import measure_peak_rss
+from lessons_lib.serve.engine import Engine
+from lessons_lib.serve.workloads import long_tail_lengths, make_requests
 
 CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=1000, max_position=1024,
                   tp_size=1)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lessons_lib import exercises
-from lessons_lib.flops import linear_flops_per_token
+from lessons_lib.course import exercises
+from lessons_lib.measure.flops import linear_flops_per_token
 
 
 def stub(*args):
@@ -60,7 +60,7 @@ def test_c2_padding_rows_checker():
 
 def test_c3_split_flat_checker():
     assert exercises.check_split_flat(lambda x, cu: list(x.split((cu[1:] - cu[:-1]).tolist())))
-    off_by_one = lambda x, cu: [x[s:e + 1] for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]  # noqa: E731
+    off_by_one = lambda x, cu: [x[s:e + 1] for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
     assert "exclusive" in attempt(exercises.check_split_flat, off_by_one)
     assert "pieces" in attempt(exercises.check_split_flat, lambda x, cu: [x])
 
@@ -126,9 +126,9 @@ def test_c10_causal_varlen_checker():
 
 def test_c8_masked_cells_checker():
     assert exercises.check_masked_cells(lambda lens: (sum(lens) ** 2, sum(n * n for n in lens), sum(lens) ** 2 - sum(n * n for n in lens)))
-    causal = lambda lens: (sum(lens) ** 2, sum(n * (n + 1) // 2 for n in lens), 0)  # noqa: E731
+    causal = lambda lens: (sum(lens) ** 2, sum(n * (n + 1) // 2 for n in lens), 0)
     assert "whole diagonal blocks" in attempt(exercises.check_masked_cells, causal)
-    varlen = lambda lens: (sum(n * n for n in lens),) * 2 + (0,)  # noqa: E731
+    varlen = lambda lens: (sum(n * n for n in lens),) * 2 + (0,)
     assert "whole T x T" in attempt(exercises.check_masked_cells, varlen)
     assert "(1600, 1000, 600)" in attempt(exercises.check_masked_cells, lambda lens: (1600, 1000, 600))
 
@@ -155,7 +155,7 @@ def test_c14_attention_flops_checker():
     msg = attempt(exercises.check_attention_flops, lambda cfg, lens: _attn_flops(cfg, lens) // cfg.n_layers)
     assert "n_layers" in msg
     assert "4 x d_head" in attempt(exercises.check_attention_flops, lambda cfg, lens: _attn_flops(cfg, lens) // 4)
-    masked = lambda cfg, lens: cfg.n_layers * cfg.n_heads * sum(lens) ** 2 * 4 * cfg.d_head  # noqa: E731
+    masked = lambda cfg, lens: cfg.n_layers * cfg.n_heads * sum(lens) ** 2 * 4 * cfg.d_head
     assert "masked" in attempt(exercises.check_attention_flops, masked)
 
 
@@ -172,7 +172,7 @@ def test_c13_linear_intensity_checker():
     def good(t, d_in, d_out, nbytes):
         return 2 * t * d_in * d_out / (nbytes * (d_in * d_out + t * d_in + t * d_out))
     assert exercises.check_linear_intensity(good)
-    weight_only = lambda t, d_in, d_out, nbytes: 2 * t * d_in * d_out / (nbytes * d_in * d_out)  # noqa: E731
+    weight_only = lambda t, d_in, d_out, nbytes: 2 * t * d_in * d_out / (nbytes * d_in * d_out)
     assert "activations" in attempt(exercises.check_linear_intensity, weight_only)
 
 

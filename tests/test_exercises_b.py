@@ -2,14 +2,12 @@
 rejects the typical wrong ones with the hint a learner needs, and lets a stub through."""
 from __future__ import annotations
 
-
 import pytest
 import torch
-
-from lessons_lib import exercises
-from lessons_lib.config import ModelConfig
 from test_exercises import attempt, stub, varlen_loop  # shared stub, "run a wrong answer", the loop
 
+from lessons_lib.core.config import ModelConfig
+from lessons_lib.course import exercises
 
 CHECKS = (exercises.check_param_count, exercises.check_rank_params, exercises.check_all_reduce_bytes,
           exercises.check_rank_attention, exercises.check_trace_prediction, exercises.check_fcfs_schedule,

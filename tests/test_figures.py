@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from matplotlib.figure import Figure
 
-from lessons_lib import figures
+from lessons_lib.course import figures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ def test_figures_command_is_byte_for_byte_reproducible(tmp_path):
     """Once in this process, once as the command in a fresh interpreter (another hash seed)."""
     a = figures.write(out_dir=tmp_path / "a")
     env = {**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "lessons_lib.figures", "--out", str(tmp_path / "b")], cwd=tmp_path,
+    subprocess.run([sys.executable, "-m", "lessons_lib.course.figures", "--out", str(tmp_path / "b")], cwd=tmp_path,
                    env=env, check=True, capture_output=True, timeout=300)
     b = sorted((tmp_path / "b").iterdir())
     assert [p.name for p in a] == [f"{n}.png" for n in sorted(figures.REGISTRY)]

@@ -7,12 +7,18 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from lessons_lib.attention import block_diag_mask, varlen_attention
-from lessons_lib.batch import pack, pad, seq_lens_to_cu_seqlens
-from lessons_lib.config import ModelConfig
-from lessons_lib.flops import (attention_cells, decode_attention_intensity, executed_tokens, forward_flops,
-                               linear_flops_per_token, linear_intensity)
-from lessons_lib.model import Transformer
+from lessons_lib.core.attention import block_diag_mask, varlen_attention
+from lessons_lib.core.batch import pack, pad, seq_lens_to_cu_seqlens
+from lessons_lib.core.config import ModelConfig
+from lessons_lib.core.model import Transformer
+from lessons_lib.measure.flops import (
+    attention_cells,
+    decode_attention_intensity,
+    executed_tokens,
+    forward_flops,
+    linear_flops_per_token,
+    linear_intensity,
+)
 
 
 def _brute_force(lens, causal):
@@ -73,12 +79,12 @@ def test_attention_cells_match_the_score_tensors_backends_build(lens):
 
 
 @pytest.mark.parametrize("r", [1, 2, 4, 8])
-@pytest.mark.parametrize("l", [1, 4, 16])
-def test_c9_masked_computes_rl_squared_needs_r_l_squared(r, l):
-    cells = attention_cells([l] * r, "masked")
-    computed, useful, _ = _brute_force([l] * r, causal=False)
-    assert cells.computed == computed == (r * l) ** 2 and cells.useful == useful == r * l * l
-    assert cells.wasted == r * (r - 1) * l * l  # waste/useful = R - 1: quadratic vs linear in R
+@pytest.mark.parametrize("length", [1, 4, 16])
+def test_c9_masked_computes_rl_squared_needs_r_l_squared(r, length):
+    cells = attention_cells([length] * r, "masked")
+    computed, useful, _ = _brute_force([length] * r, causal=False)
+    assert cells.computed == computed == (r * length) ** 2 and cells.useful == useful == r * length * length
+    assert cells.wasted == r * (r - 1) * length * length  # waste/useful = R - 1: quadratic vs linear in R
 
 
 def test_c10_varlen_computes_1000_with_no_waste():

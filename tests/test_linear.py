@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lessons_lib.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from lessons_lib.parallel import LocalGroup
+from lessons_lib.core.groups import LocalGroup
+from lessons_lib.core.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 
 @dataclass

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lessons_lib.attention import available_backends
-from lessons_lib.batch import pack, pad
-from lessons_lib.config import ModelConfig
-from lessons_lib.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from lessons_lib.model import Transformer
+from lessons_lib.core.batch import pack, pad
+from lessons_lib.core.config import ModelConfig
+from lessons_lib.core.kernels import available_backends
+from lessons_lib.core.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from lessons_lib.core.model import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_OK = [b for b, s in available_backends("cpu").items() if s.available]

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from lessons_lib import ModelConfig, Transformer, pack
-from lessons_lib.attention import block_diag_mask, plain_attention, varlen_attention
-from lessons_lib.batch import seq_lens_to_cu_seqlens
-from lessons_lib import profile
-from lessons_lib.probe import row_dependency, who_reads_whom
+from lessons_lib.core.attention import block_diag_mask, plain_attention, varlen_attention
+from lessons_lib.core.batch import seq_lens_to_cu_seqlens
+from lessons_lib.course.probe import row_dependency, who_reads_whom
+from lessons_lib.measure import profile
 
 
 def test_c4_c5_per_row_operations_give_the_identity():

@@ -12,9 +12,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lessons_lib.attention import attention_ref, available_backends, block_diag_mask, varlen_attention
-from lessons_lib.batch import pack, pad, pad_input, seq_lens_to_cu_seqlens, unpack, unpad_input
-from lessons_lib.flops import attention_cells
+from lessons_lib.core.attention import attention_ref, block_diag_mask, varlen_attention
+from lessons_lib.core.batch import pack, pad, pad_input, seq_lens_to_cu_seqlens, unpack, unpad_input
+from lessons_lib.core.kernels import available_backends
+from lessons_lib.measure.flops import attention_cells
 
 N = int(os.environ.get("LESSONS_PROPERTY_EXAMPLES", "25"))
 CI = settings(max_examples=N, deadline=None, suppress_health_check=[HealthCheck.too_slow,

@@ -25,7 +25,7 @@ import nbformat
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "browser"))
-from course_browser import ARTIFACTS, chromium_context, under_ci  # noqa: E402
+from course_browser import ARTIFACTS, chromium_context, under_ci
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -127,7 +127,7 @@ PAGE_STATE_JS = """() => ({
     note: !!document.querySelector('.course-widget-note'),
     dbxCounts: (document.querySelector('.dbx-counts') || {}).innerText || null,
     frxFlops: (document.querySelector('.frx-flops') || {}).innerText || null,
-})""" % WIDGET_VIEW
+})""".replace("%s", WIDGET_VIEW)
 
 
 def _open(context, url: str):
@@ -214,7 +214,7 @@ def test_sliced_poll_waits_in_short_slices():
     one poll missed its wake-up (nbclient#312) is picked up by the next one."""
     import queue
     clock = {"t": 0.0}
-    now = lambda: clock["t"]  # noqa: E731  (a fake clock that each poll advances by its timeout)
+    now = lambda: clock["t"]
     asked = []
 
     async def get_msg(timeout=None):  # the message is there from t = 2 s on

@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from lessons_lib import ModelConfig, Transformer, init_weights, pack
-from lessons_lib.parallel import WorkerPool, _check_importable, launch, resolve_dist_backend
-from lessons_lib.tp import TPRuntime, expected_layers, shard_checks, tp_forward
-from lessons_lib.tp_demo import long_tailed_lengths
-from lessons_lib.workers import _loopback_ifname
+from lessons_lib.serve.workloads import long_tail_lengths
+from lessons_lib.tp.dryrun import expected_layers
+from lessons_lib.tp.runtime import TPRuntime, tp_forward
+from lessons_lib.tp.trace import shard_checks
+from lessons_lib.tp.workers import WorkerPool, _check_importable, _loopback_ifname, launch, resolve_dist_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 # The article's layers (8 x [d 512, 8 heads x 64, FFN 2048], TP=2) with smaller embedding tables:
@@ -47,7 +48,7 @@ BATCHES = {
     "40 tokens as 1 request": [40],
     "40 tokens as 40 requests": [1] * 40,
     "50 requests, 100 tokens": _fifty_requests_100_tokens(),
-    "long-tailed mix": long_tailed_lengths(12, seed=0),  # 291 tokens, 2 to 93 per request
+    "long-tailed mix": long_tail_lengths(12, median=20, max_len=400, seed=0),
 }
 
 
@@ -110,7 +111,7 @@ def _check_trace(res, t, cfg, comm_debug=True):
 
 def test_C1_C12_sixteen_all_reduces_of_T_by_512_per_forward(article):
     _, runs = article
-    for name, (batch, res) in runs.items():
+    for batch, res in runs.values():
         _check_trace(res, batch.num_tokens, ART)
     counts = {name: res.all_reduce_counts for name, (_, res) in runs.items()}
     assert all(c == [16, 16] for c in counts.values()), counts  # count constant in T and in R
@@ -211,7 +212,7 @@ def test_shards_on_a_real_group_and_commdebugmode():
     # C11: rank r's attention output (layer 0) is exactly the TP=1 attention output of its 4 heads
     full_model = Transformer(ART, init_weights(ART, 0))
     seen = {}
-    full_model.layers[0].out_proj.register_forward_pre_hook(lambda _m, inp: seen.setdefault("o", inp[0]))
+    full_model.layers[0].attn.out_proj.register_forward_pre_hook(lambda _m, inp: seen.setdefault("o", inp[0]))
     full_model(pack([torch.arange(n) % ART.vocab_size for n in seq_lens]))
     for rank, r in enumerate((r0, r1)):
         assert r["attn_out_layer0"].shape == (40, 256)
@@ -225,7 +226,7 @@ def test_shards_on_a_real_group_and_commdebugmode():
 
 def test_torchrun_demo_prints_trace_and_passes_checks():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "lessons_lib.tp_demo"]
+           "-m", "lessons_lib.tp.demo"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if _loopback_ifname():
         env.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())  # one machine: gloo listens on 127.0.0.1 only

@@ -14,8 +14,9 @@ import psutil
 import pytest
 
 from lessons_lib import ModelConfig, pack
-from lessons_lib.parallel import WorkerFailed, WorkerTimeout, all_reduce_probe, launch
-from lessons_lib.tp import Fault, TPRuntime, forward_worker  # re-exported from tp_trace
+from lessons_lib.tp.runtime import TPRuntime
+from lessons_lib.tp.trace import Fault, forward_worker
+from lessons_lib.tp.workers import WorkerFailed, WorkerTimeout, all_reduce_probe, launch
 
 SMALL = ModelConfig(n_layers=8, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=256, max_position=256)
 BATCH = pack([list(range(10)), list(range(30))])  # A=10 + B=30

@@ -7,8 +7,9 @@ from matplotlib.figure import Figure
 from matplotlib.image import AxesImage
 from matplotlib.patches import Rectangle
 
-from lessons_lib import ModelConfig, viz
-from lessons_lib.flops import attention_cells, decode_attention_intensity, forward_flops, linear_intensity
+from lessons_lib import ModelConfig
+from lessons_lib.course import viz
+from lessons_lib.measure.flops import attention_cells, decode_attention_intensity, forward_flops, linear_intensity
 
 BATCHES = [[10, 30], [3, 1, 5], [7], [1, 1], [4, 9, 2, 9]]
 

@@ -12,13 +12,15 @@ import re
 import pytest
 import torch
 from matplotlib.figure import Figure
-
-from lessons_lib import ModelConfig, figures, viz, widgets
-from lessons_lib.engine import batch_stats
-from lessons_lib.parallel import CollectiveRecord
-from lessons_lib.workloads import workload_lengths
-from lessons_lib.tp_dryrun import RecordingGroup, expected_trace, record_trace, trace_signature
 from test_widgets import by_class, png_of  # widgets by CSS class, the PNG a callback drew
+
+from lessons_lib import ModelConfig
+from lessons_lib.core.groups import CollectiveRecord, LocalGroup
+from lessons_lib.course import figures, viz, widgets
+from lessons_lib.serve.engine import batch_stats
+from lessons_lib.serve.scheduler import plan_batches
+from lessons_lib.serve.workloads import workload_lengths
+from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
 
 
 def gids(fig: Figure, prefix: str) -> dict:
@@ -59,7 +61,7 @@ def test_dry_run_other_world_sizes_and_dtype(tiny_cfg):
 
 
 def test_recording_group_records_like_a_dist_group_and_does_not_sum():
-    g = RecordingGroup(1, 2)
+    g = LocalGroup(1, 2)
     x = torch.ones(3, 8)
     assert g.all_reduce(x, layer="probe") is x
     assert g.trace == [CollectiveRecord("all_reduce", (3, 8), "float32", 96, "probe", 1, 2)]
@@ -69,7 +71,7 @@ def test_recording_group_records_like_a_dist_group_and_does_not_sum():
     (lambda c: expected_trace(c, 0), "num_tokens"), (lambda c: expected_trace(c, 4, 2, 2), "rank=2"),
     (lambda c: expected_trace("cfg", 4), "cfg"), (lambda c: record_trace(c, []), "empty"),
     (lambda c: record_trace(c, [0, 3]), r"seq_lens\[0\]"), (lambda c: record_trace(c, [300]), "max_position"),
-    (lambda c: record_trace(c, [3], 0, 3), "world_size=3"), (lambda c: RecordingGroup(0, 0), "world_size"),
+    (lambda c: record_trace(c, [3], 0, 3), "world_size=3"), (lambda c: LocalGroup(0, 0), "world_size"),
 ])
 def test_dry_run_rejects_bad_input(tiny_cfg, call, match):
     with pytest.raises(ValueError, match=match):
@@ -204,12 +206,14 @@ def test_c12_tp_packing_explorer_callbacks():
 
 # --- widgets: lesson 06 ----------------------------------------------------------------------------
 
-def test_s3_schedule_lengths_is_fcfs_and_rejects_oversize():
+def test_s3_plan_batches_is_fcfs_and_skips_oversize():
     lens = [300, 300, 500, 100, 900, 20]
-    plan = widgets.schedule_lengths(lens, 700)
-    assert plan["rejected"] == [4]
+    batches = plan_batches(lens, 700, skip_oversize=True)
+    assert 4 not in {i for b in batches for i in b}
     kept = [n for i, n in enumerate(lens) if i != 4]
-    assert [[lens[i] for i in b] for b in plan["batches"]] == _fcfs(kept, 700)
+    assert [[lens[i] for i in b] for b in batches] == _fcfs(kept, 700)
+    with pytest.raises(ValueError, match="request 4 has 900 prompt tokens, more than max_num_batched_tokens=700"):
+        plan_batches(lens, 700)
 
 
 LINE = re.compile(r"<div>(padded|masked|varlen): rows (\d+) \| attention cells (\d+) \(useful (\d+)\) \| "

@@ -8,8 +8,9 @@ import statistics
 import ipywidgets as w
 import pytest
 
-from lessons_lib import ModelConfig, widgets
-from lessons_lib.flops import attention_cells, forward_flops
+from lessons_lib import ModelConfig
+from lessons_lib.course import widgets
+from lessons_lib.measure.flops import attention_cells, forward_flops
 
 LINE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted (\d+)")
 

@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from lessons_lib import workloads as W
+from lessons_lib.serve import workloads as W
 
 
 @pytest.mark.parametrize("name", W.WORKLOADS)
@@ -51,12 +51,12 @@ def test_fixed_total_mixes_and_make_requests():
 @pytest.mark.parametrize("call, match", [
     (lambda: W.uniform_lengths(5, low=10, high=3), "high=3 must be >= low=10"),
     (lambda: W.long_tail_lengths(5, sigma=-1.0), "sigma must be a finite float >= 0"),
-    (lambda: W.long_tail_lengths(5, median=0), "median must be an int >= 1, got 0"),
+    (lambda: W.long_tail_lengths(5, median=0), "median must be a positive int, got 0"),
     (lambda: W.bimodal_lengths(5, p_long=1.5), "p_long must be a probability"),
     (lambda: W.constant_lengths(-1), "n must be an int >= 0, got -1"),
-    (lambda: W.uniform_lengths(5, seed=-1), "seed must be a non-negative int"),
+    (lambda: W.uniform_lengths(5, seed=-1), "seed must be an int >= 0"),
     (lambda: W.fixed_total_mixes(1000, [3]), "num_requests=3 does not divide total_tokens=1000"),
-    (lambda: W.make_requests([2, 0]), r"lengths\[1\] must be an int >= 1, got 0"),
+    (lambda: W.make_requests([2, 0]), r"lengths\[1\] must be a positive int, got 0"),
     (lambda: W.generate("zipf", 3), "unknown workload 'zipf'"),
 ])
 def test_bad_arguments(call, match):

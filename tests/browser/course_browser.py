@@ -7,9 +7,9 @@ skip would turn CI green with no browser test run: there it is a failure.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

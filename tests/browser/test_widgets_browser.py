@@ -3,7 +3,7 @@
 For lesson 03 and lesson 05 this opens the notebook in JupyterLab (Debian's Chromium, headless),
 waits for a really connected kernel, runs all cells, reads the live counts off the widget,
 moves a slider with the keyboard, and checks that the counts become exactly what
-``lessons_lib.widgets`` computes for the new setting and that the figure was redrawn (a new
+``lessons_lib.course.widgets`` computes for the new setting and that the figure was redrawn (a new
 ``<img>`` source). Screenshots before/after go to ``test-artifacts/browser/``.
 
 The update latency (key press on the slider -> new figure decoded and painted) is measured
@@ -16,12 +16,11 @@ import statistics
 import time
 
 import pytest
-
 from course_browser import ARTIFACTS
 
-from lessons_lib import flops
-from lessons_lib import widgets as lessons_widgets
-from lessons_lib.config import ModelConfig
+from lessons_lib.core.config import ModelConfig
+from lessons_lib.course import widgets as lessons_widgets
+from lessons_lib.measure import flops
 
 SHOTS = ARTIFACTS / "browser"
 KERNEL_TIMEOUT_MS = 90_000
@@ -239,7 +238,8 @@ def test_lesson05_flop_regime_explorer(lab_server, browser_context, capsys):
         src = new_src
         length = _readout(page, "frx-length")
         want = _expected_flops(r, length)
-        _wait_text(page, ".frx-flops", f"t => t === {'linear %d | attention %d | dominant %s' % want!r}")
+        expected = "linear {} | attention {} | dominant {}".format(*want)
+        _wait_text(page, ".frx-flops", f"t => t === {expected!r}")
         assert _parse_flops(_text(page, ".frx-flops")) == want
     max_len = int(page.locator(".frx-length .noUi-handle").first.get_attribute("aria-valuemax").split(".")[0])
     assert length == max_len, f"End on the length slider left L={length}, slider max is {max_len}"

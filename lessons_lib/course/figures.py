@@ -1,8 +1,8 @@
 """Every figure a lesson shows, written into ``figures/`` by one command, byte for byte reproducible.
 
-    python -m lessons_lib.figures            # all figures -> figures/
-    python -m lessons_lib.figures --list     # names, lessons, captions
-    python -m lessons_lib.figures --out DIR --only 03_attention_patterns
+    python -m lessons_lib.course.figures            # all figures -> figures/
+    python -m lessons_lib.course.figures --list     # names, lessons, captions
+    python -m lessons_lib.course.figures --out DIR --only 03_attention_patterns
 
 A figure is a zero-argument builder registered under a name that starts with its lesson
 number (``NN_what``). Builders draw only from exact numbers or fixed seeds, so running
@@ -26,16 +26,16 @@ import contextlib
 import pathlib
 import re
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import matplotlib
 from matplotlib.figure import Figure
 
+from ..core.config import ModelConfig
 from . import viz
-from .config import ModelConfig
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_DIR = ROOT / "figures"
 DPI = 100
 # Only what differs from matplotlib's defaults; everything else is reset by rcdefaults().
@@ -123,7 +123,7 @@ def write(names: Iterable[str] | None = None, out_dir: str | pathlib.Path = DEFA
 
 def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")  # a command-line run never needs a GUI
-    ap = argparse.ArgumentParser(prog="python -m lessons_lib.figures", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lessons_lib.course.figures", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(DEFAULT_DIR), help="output folder (default: figures/ of the repo)")
     ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="write only these figures")
     ap.add_argument("--list", action="store_true", help="list the registered figures and exit")
@@ -212,7 +212,7 @@ def _allreduce_growth() -> Figure:
           caption="one TP=2 forward per rank: attention local (reads cu_seqlens), 16 all-reduces of [40 x 512], "
                   "identical for 1, 2 and 40 requests (C11, C12)")
 def _trace_timeline() -> Figure:
-    from .tp_dryrun import record_trace, trace_signature
+    from ..tp.dryrun import record_trace, trace_signature
     cfg = ModelConfig()
     runs = [[record_trace(cfg, lens, rank, cfg.tp_size) for rank in range(cfg.tp_size)] for lens in TP_PACKINGS]
     first = trace_signature(runs[0][0])

@@ -16,7 +16,7 @@ bimodal     ``short`` tokens, or ``long`` tokens with prob ``p_long``   "a 50-to
 Every generator returns a list of Python ints (lengths); ``make_requests`` turns lengths into
 token-id lists, and ``generate(name, n, seed, **kw)`` does both. Same seed → same lists.
 
-Taught in notebooks/04_tp2_invariance.ipynb and notebooks/06_prefill_engine.ipynb.
+Used by the benchmark, the TP demo and notebooks/06_prefill_engine.ipynb.
 """
 from __future__ import annotations
 
@@ -24,32 +24,22 @@ import math
 
 import numpy as np
 
+from ..core.validate import check_int
+
 WORKLOADS = ("constant", "uniform", "long-tail", "bimodal")
-
-
-def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    return int(seed)
 
 
 def constant_lengths(n: int, length: int = 256) -> list[int]:
     """``n`` requests of ``length`` tokens each (no seed needed: nothing is random)."""
-    return [_positive_int("length", length)] * _positive_int("n", n, 0)
+    return [check_int("length", length, 1)] * check_int("n", n, 0)
 
 
 def uniform_lengths(n: int, low: int = 16, high: int = 1024, seed: int = 0) -> list[int]:
     """``n`` lengths drawn uniformly from the integers ``[low, high]``."""
-    n, low, high = _positive_int("n", n, 0), _positive_int("low", low), _positive_int("high", high)
+    n, low, high = check_int("n", n, 0), check_int("low", low, 1), check_int("high", high, 1)
     if high < low:
         raise ValueError(f"high={high} must be >= low={low}")
-    return np.random.default_rng(_seed(seed)).integers(low, high + 1, size=n).tolist()
+    return np.random.default_rng(check_int("seed", seed, 0)).integers(low, high + 1, size=n).tolist()
 
 
 def long_tail_lengths(n: int, median: int = 128, sigma: float = 1.0, min_len: int = 1, max_len: int = 2048,
@@ -61,13 +51,13 @@ def long_tail_lengths(n: int, median: int = 128, sigma: float = 1.0, min_len: in
 
     Taught in notebooks/04_tp2_invariance.ipynb.
     """
-    n, median = _positive_int("n", n, 0), _positive_int("median", median)
-    min_len, max_len = _positive_int("min_len", min_len), _positive_int("max_len", max_len)
+    n, median = check_int("n", n, 0), check_int("median", median, 1)
+    min_len, max_len = check_int("min_len", min_len, 1), check_int("max_len", max_len, 1)
     if max_len < min_len:
         raise ValueError(f"max_len={max_len} must be >= min_len={min_len}")
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
         raise ValueError(f"sigma must be a finite float >= 0, got {sigma!r}")
-    raw = np.random.default_rng(_seed(seed)).lognormal(math.log(median), sigma, size=n)
+    raw = np.random.default_rng(check_int("seed", seed, 0)).lognormal(math.log(median), sigma, size=n)
     return np.clip(np.rint(raw), min_len, max_len).astype(np.int64).tolist()
 
 
@@ -78,10 +68,10 @@ def bimodal_lengths(n: int, short: int = 50, long: int = 5000, p_long: float = 0
 
     Taught in notebooks/06_prefill_engine.ipynb.
     """
-    n, short, long = _positive_int("n", n, 0), _positive_int("short", short), _positive_int("long", long)
+    n, short, long = check_int("n", n, 0), check_int("short", short, 1), check_int("long", long, 1)
     if isinstance(p_long, bool) or not isinstance(p_long, (int, float)) or not 0.0 <= p_long <= 1.0:
         raise ValueError(f"p_long must be a probability in [0, 1], got {p_long!r}")
-    draws = np.random.default_rng(_seed(seed)).random(n) < p_long
+    draws = np.random.default_rng(check_int("seed", seed, 0)).random(n) < p_long
     return [long if d else short for d in draws.tolist()]
 
 
@@ -90,10 +80,10 @@ def fixed_total_mixes(total_tokens: int, num_requests: list[int]) -> dict[int, l
 
     Every R must divide ``total_tokens`` so each mix holds exactly the same tokens.
     """
-    total = _positive_int("total_tokens", total_tokens)
+    total = check_int("total_tokens", total_tokens, 1)
     out = {}
     for r in num_requests:
-        r = _positive_int("num_requests", r)
+        r = check_int("num_requests", r, 1)
         if total % r:
             raise ValueError(f"num_requests={r} does not divide total_tokens={total}")
         out[r] = [total // r] * r
@@ -107,9 +97,9 @@ def make_requests(lengths: list[int], vocab_size: int = 50257, seed: int = 0) ->
 
     Taught in notebooks/06_prefill_engine.ipynb.
     """
-    vocab_size = _positive_int("vocab_size", vocab_size)
-    lengths = [_positive_int(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
-    ids = np.random.default_rng(_seed(seed)).integers(0, vocab_size, size=sum(lengths))
+    vocab_size = check_int("vocab_size", vocab_size, 1)
+    lengths = [check_int(f"lengths[{i}]", n, 1) for i, n in enumerate(lengths)]
+    ids = np.random.default_rng(check_int("seed", seed, 0)).integers(0, vocab_size, size=sum(lengths))
     cuts = np.cumsum([0] + lengths)
     return [ids[cuts[i]:cuts[i + 1]].tolist() for i in range(len(lengths))]
 

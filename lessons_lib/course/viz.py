@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import io
 import string
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from .batch import _check_lengths
-from .config import ModelConfig
-from .flops import METHODS, attention_cells, forward_flops, linear_intensity, decode_attention_intensity
+from ..core.batch import cumulative
+from ..core.config import ModelConfig
+from ..core.groups import LocalGroup
+from ..core.linear import QKVParallelLinear
+from ..core.validate import check_lengths
+from ..measure.flops import METHODS, attention_cells, decode_attention_intensity, forward_flops, linear_intensity
+from ..tp.dryrun import expected_trace, trace_signature
 
 _PALETTE = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c",
             "#ccb974", "#64b5cd")
@@ -59,16 +63,9 @@ def show(fig: Figure, dpi: int = 100):
     return Image(data=to_png(fig, dpi))
 
 
-def _cu(lens: Sequence[int]) -> list[int]:
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return cu
-
-
 def _strip(ax, lens: list[int], y: float = 0.0, height: float = 1.0, label_requests: bool = True) -> None:
     """One row of T cells coloured by request, boundaries at ``cu_seqlens``."""
-    cu = _cu(lens)
+    cu = cumulative(lens)
     for i, n in enumerate(lens):
         ax.add_patch(Rectangle((cu[i], y), n, height, facecolor=request_color(i), edgecolor="white", linewidth=0.5))
         if label_requests and n >= max(1, cu[-1] // 40):
@@ -89,8 +86,8 @@ def token_strip(seq_lens: Sequence[int], title: str | None = None) -> Figure:
 
     One ``Rectangle`` per request; x ticks are exactly the ``cu_seqlens`` values (when at most 24).
     """
-    lens = _check_lengths(seq_lens)
-    cu = _cu(lens)
+    lens = check_lengths(seq_lens)
+    cu = cumulative(lens)
     fig = Figure(figsize=(8, 1.9))
     ax = fig.add_subplot()
     _strip(ax, lens)
@@ -110,7 +107,7 @@ def padded_vs_flat(seq_lens: Sequence[int]) -> Figure:
 
     Top axis: one coloured Rectangle per real request span and one grey per pad span.
     """
-    lens = _check_lengths(seq_lens)
+    lens = check_lengths(seq_lens)
     r, lmax, total = len(lens), max(lens), sum(lens)
     fig = Figure(figsize=(8, 1.2 + 0.32 * min(r, 16) + 1.0))
     gs = fig.add_gridspec(2, 1, height_ratios=[max(1.0, 0.45 * min(r, 16)), 1.0], hspace=0.9)
@@ -131,7 +128,7 @@ def padded_vs_flat(seq_lens: Sequence[int]) -> Figure:
     bottom.set_xlim(0, total)
     bottom.set_ylim(0, 1)
     bottom.set_yticks([])
-    _cu_ticks(bottom, _cu(lens))
+    _cu_ticks(bottom, cumulative(lens))
     bottom.set_title(f"flat: [{total} x d] = {total} rows, all useful; ticks at cu_seqlens", fontsize=10)
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.9)
     return fig
@@ -150,7 +147,7 @@ def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = Fa
     sampled grid is a picture, not a count.
     Returns ``uint8 [n, n]``.
     """
-    lens = _check_lengths(seq_lens)
+    lens = check_lengths(seq_lens)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
     lens_a = np.asarray(lens, dtype=np.int64)
@@ -191,7 +188,7 @@ def _draw_attention(ax, lens: list[int], method: str, causal: bool, max_pixels: 
     ax.imshow(grid, cmap=_CELL_CMAP, vmin=0, vmax=2, interpolation="nearest", extent=(0, n, n, 0))
     for side in ax.spines.values():  # a frame, so never-computed (white) cells have an edge
         side.set_visible(True)
-    edges = [i * lmax for i in range(len(lens) + 1)] if method == "padded" else _cu(lens)
+    edges = [i * lmax for i in range(len(lens) + 1)] if method == "padded" else cumulative(lens)
     if len(edges) <= 65:
         for e in edges[1:-1]:
             ax.axhline(e, color="#555555", linewidth=0.5)
@@ -212,7 +209,7 @@ def attention_patterns(seq_lens: Sequence[int], methods: Sequence[str] = METHODS
     Each title carries ``attention_cells`` counts (per head per layer; ``causal=False`` is the
     article's whole-block convention).
     """
-    lens = _check_lengths(seq_lens)
+    lens = check_lengths(seq_lens)
     fig = Figure(figsize=figsize)
     axes = fig.subplots(1, len(methods))
     axes = np.atleast_1d(axes)
@@ -235,8 +232,8 @@ def dependency_maps(panels: Mapping[str, np.ndarray], seq_lens: Sequence[int]) -
     """Who reads whom: for each panel a bool ``[T_out, T_in]`` map, True where output row i
     changed when input row j was perturbed (see ``probe.row_dependency``). Request
     boundaries are drawn at ``cu_seqlens``."""
-    lens = _check_lengths(seq_lens)
-    cu = _cu(lens)
+    lens = check_lengths(seq_lens)
+    cu = cumulative(lens)
     fig = Figure(figsize=(3.0 * len(panels), 3.4))
     axes = np.atleast_1d(fig.subplots(1, len(panels)))
     cmap = ListedColormap(["#ffffff", "#222222"])
@@ -294,15 +291,13 @@ def qkv_shards(cfg: ModelConfig, tokens: int = 40) -> Figure:
 def qkv_row_owners(cfg: ModelConfig) -> np.ndarray:
     """``int [3·H·D]``: the TP rank that holds each output row of the full QKV weight."""
     import torch
-    from types import SimpleNamespace
-    from .linear import QKVParallelLinear
     n = 3 * cfg.qkv_dim
     owner = np.full(n, -1, dtype=np.int64)
     ids = torch.arange(n)
     for rank in range(cfg.tp_size):
         # A linear layer only reads rank and world_size from its group to cut its shard.
         layer = QKVParallelLinear(cfg.d_model, cfg.n_heads, cfg.d_head, bias=False,
-                                  group=SimpleNamespace(rank=rank, world_size=cfg.tp_size))
+                                  group=LocalGroup(rank, cfg.tp_size))
         owner[layer.shard_rows(ids).numpy()] = rank
     return owner
 
@@ -440,13 +435,14 @@ def measured_series(x: Sequence[float], series: Mapping[str, Sequence[float]], x
     return fig
 
 
-def time_split_bars(rows: Sequence[tuple[str, Mapping[str, float]]], parts: Sequence[str] = ("linear", "attention", "other")) -> Figure:
+def time_split_bars(rows: Sequence[tuple[str, Mapping[str, float]]],
+                    parts: Sequence[str] = ("linear", "attention", "other")) -> Figure:
     """Horizontal 100 % bars: for each row label, the share of each part (measured time or
     analytic FLOPs, as the label says)."""
     fig = Figure(figsize=(7, 0.6 + 0.45 * len(rows)))
     ax = fig.add_subplot()
     colors = {"linear": "#8c8c8c", "attention": CELL_COLORS[USEFUL], "other": "#e0c060"}
-    for y, (label, values) in enumerate(rows):
+    for y, (_label, values) in enumerate(rows):
         total = sum(values.get(p, 0.0) for p in parts) or 1.0
         left = 0.0
         for p in parts:
@@ -478,7 +474,6 @@ def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | Non
     formula's lines (artists with gid ``measured-count-N`` / ``measured-bytes-N``).
     ``mark``: one N to highlight (the widget's slider).
     """
-    from .tp_dryrun import expected_trace
     cfg = cfg or ModelConfig()
     tokens = list(tokens) if tokens is not None else sorted({int(v) for v in np.logspace(0, np.log10(16384), 60)})
     traces = {n: expected_trace(cfg, n, 0, world_size) for n in tokens}
@@ -531,7 +526,6 @@ def tp_trace_timeline(traces: Sequence[Sequence], packings: Sequence[Sequence[in
     orange bar across all ranks (gid ``allreduce-k``). ``packings``: the request lengths that
     all produced this trace, listed under the timeline.
     """
-    from .tp_dryrun import trace_signature
     traces = [list(t) for t in traces]
     if not traces or not traces[0]:
         raise ValueError("traces must hold at least one rank with at least one collective")
@@ -539,7 +533,7 @@ def tp_trace_timeline(traces: Sequence[Sequence], packings: Sequence[Sequence[in
     for r, t in enumerate(traces[1:], start=1):
         if trace_signature(t) != sig:
             raise ValueError(f"rank {r}'s trace differs from rank 0's: real ranks would wait on each other forever")
-    packs = [_check_lengths(p) for p in packings]
+    packs = [check_lengths(p) for p in packings]
     if not packs:
         raise ValueError("packings is empty: give the request lengths that produced the trace")
     n_ranks, n_ops = len(traces), len(sig)
@@ -579,7 +573,7 @@ def tp_trace_timeline(traces: Sequence[Sequence], packings: Sequence[Sequence[in
                        Patch(facecolor=ffn_color, label="LN, FFN-up, GeLU, FFN-down (local)"),
                        Patch(facecolor=ar_color, label=f"all-reduce {shape} {first.dtype}, {first.bytes:,} B per rank")],
               loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=7, frameon=False)
-    cus = " | ".join(str(_cu(p)) if len(p) <= 4 else f"[0, {p[0]}, ..., {sum(p)}] ({len(p)} requests)" for p in packs)
+    cus = " | ".join(str(cumulative(p)) if len(p) <= 4 else f"[0, {p[0]}, ..., {sum(p)}] ({len(p)} requests)" for p in packs)
     ax.set_title(f"one forward, TP={n_ranks}: {n_ops} all-reduces, the same on every rank and for every packing\n"
                  f"cu_seqlens = {cus}", fontsize=9)
     fig.subplots_adjust(left=0.06, right=0.99, bottom=0.17, top=0.78)

@@ -18,14 +18,15 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .attention import varlen_attention
-from .batch import PackedBatch, _check_lengths, seq_lens_to_cu_seqlens
+from ..core.attention import varlen_attention
+from ..core.batch import PackedBatch, seq_lens_to_cu_seqlens
+from ..core.validate import check_lengths
 
 Tensor = torch.Tensor
 
@@ -119,7 +120,7 @@ class AttentionRun:
 def random_qkv(seq_lens: Sequence[int], n_heads: int = 8, d_head: int = 64, *, seed: int = 0, device="cpu",
                dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Random ``q, k, v [T, H, D]`` and int32 ``cu_seqlens [R+1]`` for a batch of requests."""
-    lens = _check_lengths(seq_lens)
+    lens = check_lengths(seq_lens)
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(sum(lens), n_heads, d_head, generator=g).to(device=device, dtype=dtype) for _ in range(3))
     return q, k, v, seq_lens_to_cu_seqlens(lens, device=device)

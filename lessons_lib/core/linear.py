@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .parallel import LocalGroup
+from .groups import LocalGroup
 
 Tensor = torch.Tensor
 
@@ -42,7 +42,7 @@ class ColumnParallelLinear(nn.Module):
         return full[self.group.rank * n:(self.group.rank + 1) * n]
 
     @torch.no_grad()
-    def load_full_(self, weight: Tensor, bias: Tensor | None = None) -> "ColumnParallelLinear":
+    def load_full_(self, weight: Tensor, bias: Tensor | None = None) -> ColumnParallelLinear:
         _expect(weight, (self.out_features, self.in_features), "weight")
         self.weight.copy_(self.shard_rows(weight))
         if self.bias is not None:
@@ -104,7 +104,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     @torch.no_grad()
-    def load_full_(self, weight: Tensor, bias: Tensor | None = None) -> "RowParallelLinear":
+    def load_full_(self, weight: Tensor, bias: Tensor | None = None) -> RowParallelLinear:
         _expect(weight, (self.out_features, self.in_features), "weight")
         n = self.in_features // self.group.world_size
         self.weight.copy_(weight[:, self.group.rank * n:(self.group.rank + 1) * n])

@@ -1,6 +1,6 @@
 """torchrun entry point: the TP invariance checks on a real multi-process (or multi-node) group.
 
-    python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m lessons_lib.tp_demo
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m lessons_lib.tp.demo
 
 (``torchrun`` is the same program; ``--standalone`` picks a free port so runs never collide; on
 one machine, ``GLOO_SOCKET_IFNAME=lo`` keeps gloo on the loopback interface.)
@@ -23,26 +23,22 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .batch import pack
-from .config import ModelConfig
-from .model import Transformer, init_weights
-from .parallel import DistGroup, resolve_dist_backend
-from .tp_trace import expected_layers, format_trace, summarize_trace, traced_forward
+from ..core.batch import pack
+from ..core.config import ModelConfig
+from ..core.groups import DistGroup
+from ..core.model import Transformer, init_weights
+from ..serve.workloads import long_tail_lengths
+from .dryrun import expected_layers
+from .trace import format_trace, summarize_trace, traced_forward
+from .workers import resolve_dist_backend
 
 TOLERANCE = 2e-5
-
-
-def long_tailed_lengths(n: int, seed: int = 0, median: float = 20.0, max_len: int = 400) -> list[int]:
-    """``n`` request lengths from a log-normal (sigma 1): most short, a few long; in [1, max_len]."""
-    g = torch.Generator().manual_seed(seed)
-    lens = (median * torch.exp(torch.randn(n, generator=g, dtype=torch.float64))).round().clamp(1, max_len)
-    return [int(v) for v in lens]
 
 
 def demo_batches(cfg: ModelConfig, seed: int = 0) -> dict[str, list[int]]:
     """Request lengths of the demo batches: 1 request, the article's A+B, 40 tokens as 40
     requests, and a long-tailed mix."""
-    tail = long_tailed_lengths(12, seed)
+    tail = long_tail_lengths(12, median=20, max_len=400, seed=seed)
     return {"one request of 10": [10], "A=10 + B=30": [10, 30], "40 tokens as 40 requests": [1] * 40,
             f"long-tailed mix ({len(tail)} requests)": tail}
 

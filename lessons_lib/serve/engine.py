@@ -1,25 +1,18 @@
-"""A prefill-only serving engine: FCFS scheduling under a token budget, one flat forward per batch.
+"""A prefill-only serving engine: FCFS batches under a token budget, one flat forward per batch.
 
-Pieces (nano-vllm / vLLM names):
-
-- ``Request``: one prompt (``request_id``, ``prompt_token_ids``), validated on creation.
-- ``Scheduler``: first come, first served. A batch takes waiting requests in arrival order
-  while ``Σ L_i <= max_num_batched_tokens`` and ``R <= max_num_seqs`` (vLLM's two knobs). It
-  never skips a request to fill a hole, and never splits one: every request is prefilled whole
-  in one batch (claim S3; chunked prefill is article 06). A prompt longer than
-  ``max_num_batched_tokens`` could never be scheduled, so it is rejected at submit.
-- ``Engine``: packs each batch, runs the forward by one of three methods and returns one
-  ``RequestOutput`` per request in submission order, plus one ``BatchStats`` per batch.
+``Engine`` takes requests (``scheduler.Request``), forms batches with ``scheduler.Scheduler``,
+packs each one, runs the forward by one of three methods and returns one ``RequestOutput`` per
+request in submission order, plus one ``BatchStats`` per batch.
 
 Methods (the same model and weights; only how a batch is laid out changes):
 
-========  =====================================================  ==========================
-method    forward                                                attention score cells
-========  =====================================================  ==========================
+========  =========================================================  ============================
+method    forward                                                    attention score cells
+========  =========================================================  ============================
 varlen    flat ``[T, d]``, per-request attention (``attn_backend``)  Σ L_i² (no waste)
-masked    flat ``[T, d]``, full ``[T, T]`` scores + block mask   T²
-padded    ``[R, Lmax, d]`` right-padded (``forward_padded``)     R · Lmax² (and R · Lmax rows)
-========  =====================================================  ==========================
+masked    flat ``[T, d]``, full ``[T, T]`` scores + block mask       T²
+padded    ``[R, Lmax, d]`` right-padded (``forward_padded``)         R · Lmax² (and R · Lmax rows)
+========  =========================================================  ============================
 
 Cell counts in ``BatchStats`` are per head per layer and count whole diagonal blocks (the
 article's convention, ``flops.attention_cells(causal=False)``); FLOP counts are causal (what a
@@ -31,139 +24,24 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from .attention import resolve_backend
-from .batch import pack, pad
-from .config import ModelConfig
-from .flops import attention_cells, forward_flops
-from .model import Transformer, init_weights
-from .workers import check_timeout
+from ..core.batch import pack, pad
+from ..core.config import ModelConfig, as_config
+from ..core.kernels import resolve_backend
+from ..core.model import Transformer, init_weights
+from ..core.validate import check_choice, check_int, check_seconds, is_int
+from ..measure.flops import METHODS, attention_cells, forward_flops
+from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Request, Scheduler
 
 Tensor = torch.Tensor
 
-METHODS = ("varlen", "masked", "padded")
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-DEFAULT_MAX_NUM_SEQS = 256
 # progress=None shows a bar only for runs at least this long (a notebook's A+B stays quiet).
 _AUTO_PROGRESS_TOKENS = 50_000
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
-@dataclass(slots=True)
-class Request:
-    """One prefill request.
-
-    request_id: a str or int, unique among the requests waiting in one engine.
-    prompt_token_ids: the prompt, a non-empty list of non-negative ints (a 1-D integer tensor or
-    numpy array is converted to a list). ``len(request)`` is its token count L.
-    return_hidden: also return the final hidden rows of every prompt token (``[L, d_model]``).
-
-    Taught in notebooks/00_setup_one_request.ipynb and notebooks/06_prefill_engine.ipynb.
-    """
-
-    request_id: str | int
-    prompt_token_ids: list[int]
-    return_hidden: bool = False
-
-    def __post_init__(self) -> None:
-        rid = self.request_id
-        if isinstance(rid, bool) or not isinstance(rid, (str, int, np.integer)):
-            raise ValueError(f"request_id must be a str or int, got {rid!r}")
-        self.prompt_token_ids = _token_list(self.prompt_token_ids, rid)
-        if not isinstance(self.return_hidden, bool):
-            raise ValueError(f"request {rid!r}: return_hidden must be a bool, got {self.return_hidden!r}")
-
-    def __len__(self) -> int:
-        return len(self.prompt_token_ids)
-
-
-def _token_list(ids, rid) -> list[int]:
-    where = f"request {rid!r}: prompt_token_ids"
-    if isinstance(ids, (torch.Tensor, np.ndarray)):
-        if isinstance(ids, torch.Tensor) and ids.device.type == "meta":
-            raise ValueError(f"{where} is on the meta device: the engine needs the token values")
-        if ids.ndim != 1:
-            raise ValueError(f"{where} must be 1-D, got shape {tuple(ids.shape)}")
-        kind_ok = (not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool
-                   if isinstance(ids, torch.Tensor) else np.issubdtype(ids.dtype, np.integer))
-        if not kind_ok:
-            raise ValueError(f"{where} must hold integers, got dtype {ids.dtype}")
-        ids = ids.tolist()
-    elif isinstance(ids, (list, tuple)):
-        ids = list(ids)
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise ValueError(f"{where}[{i}] must be an int token id, got {t!r}")
-        ids = [int(t) for t in ids]
-    else:
-        raise ValueError(f"{where} must be a list of int token ids, got {type(ids).__name__}")
-    if not ids:
-        raise ValueError(f"{where} is empty: a prefill needs at least one token")
-    low = min(ids)
-    if low < 0:
-        raise ValueError(f"{where}[{ids.index(low)}] is negative ({low}): token ids are >= 0")
-    return ids
-
-
-class Scheduler:
-    """FCFS prefill scheduler with vLLM's budget knobs.
-
-    max_num_batched_tokens: most prompt tokens in one batch (Σ L_i over the batch).
-    max_num_seqs: most requests in one batch.
-    Requests are never split (S3), never reordered: a request that does not fit the current
-    batch waits for the next one, and so does everyone behind it.
-
-    Taught in notebooks/06_prefill_engine.ipynb.
-    """
-
-    def __init__(self, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS):
-        self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
-        self.waiting: deque[Request] = deque()
-
-    def check_fits(self, req: Request) -> None:
-        """Raise ValueError if ``req`` could never be scheduled whole."""
-        if len(req) > self.max_num_batched_tokens:
-            raise ValueError(
-                f"request {req.request_id!r} has {len(req)} prompt tokens, more than "
-                f"max_num_batched_tokens={self.max_num_batched_tokens}: every request must fit whole in one "
-                "batch (no chunked prefill); raise max_num_batched_tokens or shorten the prompt")
-
-    def add(self, req: Request) -> None:
-        if not isinstance(req, Request):
-            raise ValueError(f"Scheduler.add takes a Request, got {type(req).__name__}")
-        self.check_fits(req)
-        self.waiting.append(req)
-
-    def schedule(self) -> list[Request]:
-        """Pop the next batch: the longest FCFS prefix of the queue within both budgets."""
-        batch: list[Request] = []
-        tokens = 0
-        while self.waiting and len(batch) < self.max_num_seqs:
-            n = len(self.waiting[0])
-            if tokens + n > self.max_num_batched_tokens:
-                break
-            batch.append(self.waiting.popleft())
-            tokens += n
-        return batch
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting)
-
-    def __len__(self) -> int:
-        return len(self.waiting)
 
 
 @dataclass(slots=True)
@@ -271,16 +149,13 @@ class Engine:
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, method: str = "varlen", compute_logits: bool = True,
                  progress: bool | None = None, tp_backend: str = "auto", tp_timeout: float = 120.0):
-        self.cfg = cfg = cfg if cfg is not None else ModelConfig()
-        if not isinstance(cfg, ModelConfig):
-            raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-        if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size not in (1, 2):
+        self.cfg = cfg = as_config(cfg)
+        if not is_int(tp_size) or tp_size not in (1, 2):
             raise ValueError(f"tp_size must be 1 or 2, got {tp_size!r}")  # 2.0 == 2, but not a TP degree
         tp_size = int(tp_size)
         if cfg.n_heads % tp_size or cfg.d_ffn % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide n_heads={cfg.n_heads} and d_ffn={cfg.d_ffn}")
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        check_choice("method", method, METHODS)
         if method != "varlen" and attn_backend not in ("auto", method):
             raise ValueError(f"attn_backend={attn_backend!r} applies to method='varlen' only; "
                              f"method={method!r} fixes its own attention")
@@ -288,14 +163,12 @@ class Engine:
             raise ValueError(f"attn_backend={attn_backend!r} is not a varlen backend: use method={attn_backend!r}")
         if method == "padded" and tp_size != 1:
             raise ValueError("method='padded' runs Transformer.forward_padded in this process: use tp_size=1")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise ValueError(f"seed must be an int, got {seed!r}")
+        check_int("seed", seed)
         # The TP runtime starts at the first batch: check its arguments now, not minutes later.
-        check_timeout("tp_timeout", tp_timeout)
-        if tp_backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"tp_backend must be 'auto', 'gloo' or 'nccl', got {tp_backend!r}")
+        check_seconds("tp_timeout", tp_timeout)
+        check_choice("tp_backend", tp_backend, ("auto", "gloo", "nccl"))
         if tp_size == 2:
-            from .workers import resolve_dist_backend
+            from ..tp.workers import resolve_dist_backend
             try:
                 resolve_dist_backend(tp_backend, tp_size)
             except ValueError as exc:
@@ -413,13 +286,13 @@ class Engine:
             out = self.model.forward_padded(ids, mask)               # [R, Lmax, d]
             rows = torch.tensor(lens) - 1
             last = out[torch.arange(len(reqs)), rows]                # [R, d]
-            full = lambda i: out[i, :lens[i]].clone()                # noqa: E731
+            full = lambda i: out[i, :lens[i]].clone()
         else:
             batch = pack(seqs)
             hidden = self._flat_forward(batch)                       # [T, d]
             last = hidden[batch.last_token_indices]                  # [R, d]
             starts = batch.cu_seqlens.tolist()
-            full = lambda i: hidden[starts[i]:starts[i + 1]].clone()  # noqa: E731
+            full = lambda i: hidden[starts[i]:starts[i + 1]].clone()
         logits = self.model.compute_logits(last) if self.compute_logits else None  # [R, vocab]
         return [RequestOutput(r.request_id, lens[i], last[i], None if logits is None else logits[i],
                               full(i) if r.return_hidden else None, index) for i, r in enumerate(reqs)]
@@ -428,7 +301,7 @@ class Engine:
         if self.tp_size == 1:
             return self.model(batch, attn_backend=self.attn_backend)
         if self._runtime is None:
-            from .tp import TPRuntime  # imported on first use: TP=1 engines never load the runtime
+            from ..tp.runtime import TPRuntime  # imported on first use: TP=1 engines never load the runtime
             self._runtime = TPRuntime(self.cfg, self.weights, world_size=self.tp_size,
                                       attn_backend=self.attn_backend, verbose=False, **self._tp_kw)
         result = self._runtime.forward(batch)
@@ -441,7 +314,7 @@ class Engine:
             runtime, self._runtime = self._runtime, None
             runtime.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

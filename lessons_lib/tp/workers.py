@@ -1,8 +1,8 @@
 """Spawned worker processes for tensor parallelism: start them, talk to them, fail cleanly.
 
 ``WorkerPool`` starts one process per rank (``torch.multiprocessing``, spawn), joins them into
-one ``torch.distributed`` group (each gets a ``parallel.DistGroup``) and runs
-``entry(group, channel, *args)`` in each; ``parallel.launch`` (one call) and ``tp.TPRuntime``
+one ``torch.distributed`` group (each gets a ``core.groups.DistGroup``) and runs
+``entry(group, channel, *args)`` in each; ``launch`` (one call) and ``runtime.TPRuntime``
 (many forwards) are built on it. Guarantees, each covered by tests/test_tp_faults.py:
 
 - ``backend="auto"`` is NCCL with one GPU per rank, else gloo on the CPU; 2 ranks on 2 cores
@@ -40,6 +40,9 @@ from multiprocessing.connection import wait as _wait_ready
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ..core.groups import DistGroup
+from ..core.validate import check_int, check_seconds
 
 
 def resolve_dist_backend(backend: str = "auto", world_size: int = 2) -> str:
@@ -129,11 +132,10 @@ def _bootstrap(rank, world_size, backend, init_method, pg_timeout_s, threads, en
             torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
-        from .parallel import DistGroup  # here, not at the top: parallel imports this module
         group = DistGroup(device=device)
         channel._post("ready", {"pid": os.getpid(), "device": str(device), "threads": threads})
         entry(group, channel, *args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - everything must reach the caller
+    except BaseException as exc:
         try:
             channel._post("error", {"type": type(exc).__name__, "message": str(exc),
                                     "traceback": traceback.format_exc(), "time": time.time()})
@@ -141,7 +143,7 @@ def _bootstrap(rank, world_size, backend, init_method, pg_timeout_s, threads, en
             os._exit(1)  # skip process-group teardown: a peer may already be gone
     try:
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - the result is already delivered
+    except Exception:
         pass
     sys.stdout.flush()
     sys.stderr.flush()
@@ -166,12 +168,6 @@ def _shutdown(procs, conns, workdir) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def check_timeout(name: str, value) -> None:
-    """A deadline must be a positive number of seconds (bools refused: ``True`` is not 1 s)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-
-
 class WorkerPool:
     """``world_size`` spawned workers in one process group, driven over pipes.
 
@@ -182,10 +178,8 @@ class WorkerPool:
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 120.0, *, verbose: bool = True,
                  name: str = "launch"):
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        check_timeout("timeout", timeout)
-        self.world_size, self.timeout, self.verbose, self.name = world_size, float(timeout), verbose, name
+        self.world_size, self.timeout = check_int("world_size", world_size, 1), check_seconds("timeout", timeout)
+        self.verbose, self.name = verbose, name
         self.backend = resolve_dist_backend(backend, world_size)
         self.workdir = tempfile.mkdtemp(prefix="lessons_tp_")  # fresh: a stale rendezvous file would hang init
         self.procs: list = []
@@ -231,7 +225,7 @@ class WorkerPool:
         """Send the same command to every rank."""
         self._check_open()
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self._cmd):
+        for conn in self._cmd:
             try:
                 conn.send_bytes(data)
             except OSError:  # BrokenPipeError: that rank is gone; collect() says how
@@ -240,7 +234,7 @@ class WorkerPool:
     def collect(self, kind: str = "result", timeout: float | None = None, what: str = "") -> list:
         """One ``kind`` message from every rank, in rank order, within ``timeout`` seconds."""
         self._check_open()
-        timeout = self.timeout if timeout is None else float(timeout)
+        timeout = self.timeout if timeout is None else check_seconds("timeout", timeout)
         t0 = time.monotonic()
         deadline = t0 + timeout
         got: dict[int, object] = {}
@@ -332,9 +326,71 @@ class WorkerPool:
         if self.closed:
             raise RuntimeError(f"[{self.name}] this worker pool is closed (after close() or a failure); start a new one")
 
-    def __enter__(self) -> "WorkerPool":
+    def __enter__(self) -> WorkerPool:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close(graceful=exc[0] is None)
 
+
+
+# ---- launch: run one function on fresh workers ---------------------------------------------------
+
+@dataclass
+class LaunchResult:
+    """What ``launch`` returns: ``results[r]`` is ``fn``'s return value on rank r, ``traces[r]``
+    that rank's ``CollectiveRecord`` list; ``startup_s``: spawn → every rank in the group."""
+
+    results: list
+    traces: list
+    backend: str
+    world_size: int
+    startup_s: float
+    wall_s: float
+
+
+def _run_fn(group, channel, fn, args, kwargs):
+    result = fn(group, *args, **kwargs)
+    channel.send((result, list(group.trace)))
+
+
+def _check_importable(fn) -> None:
+    name = getattr(fn, "__qualname__", repr(fn))
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not hasattr(main, "__file__"):
+        raise ValueError(f"fn={name} is defined in an interactive session (a notebook cell); spawned workers "
+                         "cannot import it. Define worker functions in lessons_lib.")
+    if "<lambda>" in name or "<locals>" in name:
+        raise ValueError(f"fn={name} is a lambda or a nested function; spawned workers can only import "
+                         "module-level functions")
+
+
+def launch(fn, world_size: int = 2, backend: str = "auto", timeout: float = 120.0, args: tuple = (),
+           kwargs: dict | None = None, *, verbose: bool = True) -> LaunchResult:
+    """Run ``fn(group, *args, **kwargs)`` on ``world_size`` fresh worker processes, one per rank.
+
+    fn: an importable function (lives in ``lessons_lib``); ``group`` is the rank's ``DistGroup``.
+    backend: "auto" (nccl with one GPU per rank, else gloo on the CPU), "gloo" or "nccl"; the
+    one that ran is printed and returned. timeout: seconds for startup and again for ``fn``.
+    Arguments and results are pickled (copies). Raises ``WorkerFailed`` / ``WorkerTimeout``
+    (workers already cleaned up) instead of hanging.
+
+    Taught in notebooks/04_tp2_invariance.ipynb.
+    """
+    _check_importable(fn)
+    t0 = time.perf_counter()
+    pool = WorkerPool(world_size, backend, timeout, verbose=verbose, name="launch")
+    try:
+        startup = pool.start(_run_fn, (fn, tuple(args), dict(kwargs or {})))
+        out = pool.collect("result", what=f"running {getattr(fn, '__qualname__', fn)}")
+    finally:
+        pool.close()
+    return LaunchResult([o[0] for o in out], [o[1] for o in out], pool.backend, world_size, startup,
+                        time.perf_counter() - t0)
+
+
+def all_reduce_probe(group, rows: int = 4) -> list[float]:
+    """A minimal worker for ``launch``: all-reduce ``[rows, 512]`` filled with ``rank + 1``;
+    returns the first column (each entry ``1 + 2 + ... + world_size``)."""
+    x = torch.full((rows, 512), float(group.rank + 1), device=group.device)
+    return group.all_reduce(x, layer="probe")[:, 0].tolist()

@@ -13,7 +13,7 @@
   ``dist.all_reduce`` (as ``c10d.allreduce_``); importing it costs ≈ 1-2 s, hence opt-in.
 
 ``Fault`` injects a failure mid-forward (tests/test_tp_faults.py). ``forward_worker`` and
-``shard_checks`` are ready-made workers for ``parallel.launch``.
+``shard_checks`` are ready-made workers for ``workers.launch``.
 
 Taught in notebooks/04_tp2_invariance.ipynb.
 """
@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import PackedBatch
-from .config import ModelConfig
-from .model import Transformer, init_weights
-from .parallel import CollectiveRecord
+from ..core.batch import PackedBatch, pack
+from ..core.config import ModelConfig
+from ..core.groups import CollectiveRecord
+from ..core.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from ..core.model import Transformer, init_weights
 
 Tensor = torch.Tensor
 
@@ -118,8 +119,8 @@ def traced_forward(model: Transformer, batch: PackedBatch, *, fault: Fault | Non
 
     handles = []
     for i, block in enumerate(model.layers):
-        handles.append(block.qkv.register_forward_hook(after_qkv))
-        handles.append(block.out_proj.register_forward_pre_hook(make_before_out_proj(i)))
+        handles.append(block.attn.qkv.register_forward_hook(after_qkv))
+        handles.append(block.attn.out_proj.register_forward_pre_hook(make_before_out_proj(i)))
     try:
         comm = comm_debug_mode() if comm_debug else contextlib.nullcontext()
         with comm:
@@ -131,11 +132,6 @@ def traced_forward(model: Transformer, batch: PackedBatch, *, fault: Fault | Non
             h.remove()
     return out, ForwardReport(list(group.trace[start:]), qkv_shapes, attn_collectives,
                               comm.get_total_counts() if comm_debug else None, forward_s)
-
-
-def expected_layers(cfg: ModelConfig) -> list[str]:
-    """The ``layer`` names of the 2·n_layers all-reduces of one forward, in order."""
-    return [f"layers.{i}.{part}" for i in range(cfg.n_layers) for part in ("attn.out_proj", "mlp.fc_down")]
 
 
 def format_trace(records: list[CollectiveRecord]) -> str:
@@ -156,7 +152,7 @@ def summarize_trace(records: list[CollectiveRecord]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Ready-made workers for parallel.launch
+# Ready-made workers for workers.launch
 
 def forward_worker(group, cfg: ModelConfig, batch: PackedBatch, *, seed: int = 0, fault: Fault | None = None,
                    comm_debug: bool = False):
@@ -178,9 +174,6 @@ def shard_checks(group, cfg: ModelConfig, seed: int = 0, seq_lens: tuple = (10, 
     and QKV shards, layer 0's attention output on this rank's heads, and what CommDebugMode
     counted for one plain all-reduce.
     """
-    from .batch import pack
-    from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-
     g = torch.Generator().manual_seed(seed)
     d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
     x = torch.randn(sum(seq_lens), d, generator=g)             # [T, d], the same on every rank
@@ -200,7 +193,7 @@ def shard_checks(group, cfg: ModelConfig, seed: int = 0, seq_lens: tuple = (10, 
 
     model = Transformer(cfg, init_weights(cfg, seed), group=group)
     captured = {}
-    handle = model.layers[0].out_proj.register_forward_pre_hook(lambda _m, inp: captured.setdefault("o", inp[0].clone()))
+    handle = model.layers[0].attn.out_proj.register_forward_pre_hook(lambda _m, inp: captured.setdefault("o", inp[0].clone()))
     trace_before = len(group.trace)
     batch = pack([torch.arange(n_tok) % cfg.vocab_size for n_tok in seq_lens])
     with comm_debug_mode() as comm_model:

@@ -17,17 +17,22 @@ Taught in notebooks/00_setup_one_request.ipynb to notebooks/06_prefill_engine.ip
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .attention import attention_ref, block_diag_mask, plain_attention
-from .batch import seq_lens_to_cu_seqlens, unpack
-from .config import ModelConfig
-from .flops import attention_cells, executed_tokens, forward_flops, linear_intensity
-from .linear import QKVParallelLinear
+from ..core.attention import attention_ref, block_diag_mask, plain_attention
+from ..core.batch import seq_lens_to_cu_seqlens, unpack
+from ..core.config import ModelConfig
+from ..core.groups import LocalGroup
+from ..core.linear import QKVParallelLinear
+from ..core.model import Transformer
+from ..measure.flops import attention_cells, executed_tokens, forward_flops, linear_intensity
+from ..serve.engine import batch_stats
+from ..serve.scheduler import plan_batches
+from ..tp.dryrun import record_trace
 from .probe import row_dependency
 
 Tensor = torch.Tensor
@@ -55,7 +60,8 @@ def _show(args) -> str:
         if isinstance(a, Tensor):
             return f"tensor{list(a.shape)}" if a.numel() > 8 else f"tensor({a.tolist()})"
         if isinstance(a, ModelConfig):
-            return f"ModelConfig(n_layers={a.n_layers}, d_model={a.d_model}, n_heads={a.n_heads}, d_head={a.d_head}, d_ffn={a.d_ffn})"
+            return (f"ModelConfig(n_layers={a.n_layers}, d_model={a.d_model}, n_heads={a.n_heads}, "
+                    f"d_head={a.d_head}, d_ffn={a.d_ffn})")
         return repr(a)
     return ", ".join(one(a) for a in args)
 
@@ -208,7 +214,7 @@ def check_qkv_width(fn: Callable[[int, int, int], int]) -> bool:
     cases = [(8, 64, 2), (8, 64, 1), (8, 64, 4), (12, 64, 3), (16, 128, 8)]
 
     def judge(got, h, d, tp):
-        layer = QKVParallelLinear(64, h, d, bias=False, group=SimpleNamespace(rank=0, world_size=tp))
+        layer = QKVParallelLinear(64, h, d, bias=False, group=LocalGroup(0, tp))
         want = layer.weight.shape[0]  # the shard the library really allocates
         if got == want:
             return None
@@ -339,7 +345,8 @@ def check_attention_flops(fn: Callable[[ModelConfig, list], int]) -> bool:
         if len(lens) > 1 and got == sum(lens) ** 2 * cfg.n_layers * cfg.n_heads * 4 * cfg.d_head:
             return f"got {got}, expected {want} - that counts the whole T x T matrix (masked); varlen computes sum L_i^2"
         factors = [(cfg.n_layers, "n_layers"), (cfg.n_heads, "n_heads"), (cfg.n_layers * cfg.n_heads, "n_layers x n_heads"),
-                   (2, "2: there are two matmuls, QK^T and PV"), (4, "4: each cell costs 4 x d_head FLOPs, 2 in QK^T and 2 in PV")]
+                   (2, "2: there are two matmuls, QK^T and PV"),
+                   (4, "4: each cell costs 4 x d_head FLOPs, 2 in QK^T and 2 in PV")]
         hint = " or ".join(text for value, text in factors if math.isclose(ratio, value))
         return f"got {got}, expected {want}" + (f" - off by a factor {ratio:g}: missing {hint}?" if hint else "")
     return _grade("attention_flops", fn, cases, judge, "n_layers x n_heads x sum(L_i^2) x 4 x d_head on 8 cases")
@@ -399,8 +406,7 @@ _SMALL_CFGS = [ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=2
 
 def _model_params(cfg: ModelConfig, tp_size: int = 1) -> int:
     """Parameters rank 0 really holds: built from the model's own classes (one-process stand-in group)."""
-    from .model import Transformer
-    model = Transformer(cfg, seed=0, group=SimpleNamespace(rank=0, world_size=tp_size, trace=[]))
+    model = Transformer(cfg, seed=0, group=LocalGroup(0, tp_size))
     return sum(p.numel() for p in model.parameters())
 
 
@@ -446,7 +452,6 @@ def check_rank_params(fn: Callable[[ModelConfig, int], int]) -> bool:
 def check_all_reduce_bytes(fn: Callable[[ModelConfig, int], tuple]) -> bool:
     """Exercise 00.3: ``fn(cfg, num_tokens) -> (count, bytes_each)``: the all-reduces one rank makes
     in one TP=2 forward of a single request, and the bytes of each (in ``cfg.dtype``) (C1)."""
-    from .tp_dryrun import record_trace
     cases = [(_SMALL_CFGS[0], 10), (_SMALL_CFGS[0], 111), (ModelConfig(n_layers=3, d_model=64, n_heads=4,
              d_head=16, d_ffn=128, vocab_size=50, max_position=64, dtype=torch.bfloat16), 7)]
 
@@ -513,7 +518,6 @@ def check_trace_prediction(fn: Callable[[ModelConfig, list], list]) -> bool:
     """Exercise 04.2: ``fn(cfg, seq_lens) -> [(layer, shape), ...]``, the all-reduces rank 0 makes in
     one TP=2 forward of a flat batch of ``seq_lens`` (C12), in order, e.g.
     ``("layers.0.attn.out_proj", (40, 512))``."""
-    from .tp_dryrun import record_trace
     cfg_a = _SMALL_CFGS[0]
     cfg_b = ModelConfig(n_layers=3, d_model=48, n_heads=6, d_head=8, d_ffn=96, vocab_size=77, max_position=40)
     cases = [(cfg_a, [10, 30]), (cfg_a, [40]), (cfg_a, [1] * 40), (cfg_b, [3, 1, 5]), (cfg_b, [9])]
@@ -551,7 +555,6 @@ def check_fcfs_schedule(fn: Callable[[list, int], list]) -> bool:
     """Exercise 06.1: ``fn(seq_lens, max_num_batched_tokens) -> [[request index, ...], ...]``: FCFS
     batches of whole requests within the token budget (what ``engine.Scheduler`` does). A request
     longer than the budget must raise ``ValueError`` (S3: no chunked prefill)."""
-    from .bench import plan_batches
     cases = [([10, 30], 64), ([300, 300, 500, 100], 700), ([5] * 9, 12), ([64, 1, 64, 1, 64], 65), ([7], 7)]
 
     def judge(got, lens, budget):
@@ -582,7 +585,8 @@ def check_fcfs_schedule(fn: Callable[[list, int], list]) -> bool:
     except ValueError:
         return ok
     except Exception as exc:
-        raise _Wrong(f"fcfs_schedule: for {lens} with budget {budget} raise ValueError, not {type(exc).__name__}: {exc}")
+        raise _Wrong(f"fcfs_schedule: for {lens} with budget {budget} raise ValueError, not {type(exc).__name__}: {exc}") \
+            from exc
     raise _Wrong(f"fcfs_schedule: for {lens} with budget {budget} you returned {got!r} - request 1 has 900 tokens, "
                  "more than the budget: it can never run whole (S3), so raise ValueError")
 
@@ -591,7 +595,6 @@ def check_stream_waste(fn: Callable[[list], tuple]) -> bool:
     """Exercise 06.2: ``fn(batches) -> (pad_rows, masked_wasted_cells)`` summed over a stream;
     ``batches`` is a list of batches, each a list of request lengths. Cells per head per layer,
     whole blocks (the article's count)."""
-    from .engine import batch_stats
     cases = [[[10, 30]], [[10, 30], [40], [5, 5, 20]], [[1, 7, 3], [64, 2], [16] * 4], [[100], [3, 300, 30]]]
     cfg = _SMALL_CFGS[0]
 

@@ -14,11 +14,11 @@ Taught in notebooks/03_masked_vs_varlen_attention.ipynb and notebooks/05_flop_re
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from .batch import _check_lengths
-from .config import ModelConfig
+from ..core.config import ModelConfig
+from ..core.validate import check_choice, check_lengths
 
 METHODS = ("padded", "masked", "varlen")
 
@@ -31,14 +31,13 @@ class AttentionCells:
 
 
 def _method(method: str) -> str:
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    check_choice("method", method, METHODS)
     return method
 
 
 def attention_cells(seq_lens: Sequence[int], method: str, causal: bool = False) -> AttentionCells:
     """Score cells per head per layer for one batch of requests."""
-    lens = _check_lengths(seq_lens)
+    lens = check_lengths(seq_lens)
     _method(method)
     useful = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
     if method == "varlen":
@@ -52,7 +51,7 @@ def attention_cells(seq_lens: Sequence[int], method: str, causal: bool = False) 
 
 def executed_tokens(seq_lens: Sequence[int], method: str) -> int:
     """Rows the linear layers process: padded runs ``R · Lmax``, flat methods ``Σ L_i``."""
-    lens = _check_lengths(seq_lens)
+    lens = check_lengths(seq_lens)
     return len(lens) * max(lens, default=0) if _method(method) == "padded" else sum(lens)
 
 
@@ -88,7 +87,7 @@ def forward_flops(cfg: ModelConfig, seq_lens: Sequence[int], method: str = "varl
     ``useful_only=True`` only the work a request really needs is counted.
     """
     cells = attention_cells(seq_lens, method, causal)
-    rows = sum(_check_lengths(seq_lens)) if useful_only else executed_tokens(seq_lens, method)
+    rows = sum(check_lengths(seq_lens)) if useful_only else executed_tokens(seq_lens, method)
     n_cells = cells.useful if useful_only else cells.computed
     linear = rows * linear_flops_per_token(cfg)
     attention = cfg.n_layers * cfg.n_heads * n_cells * 4 * cfg.d_head

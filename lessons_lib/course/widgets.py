@@ -17,15 +17,21 @@ notebooks/05_flop_regimes.ipynb and notebooks/06_prefill_engine.ipynb.
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from statistics import NormalDist
-from typing import Sequence
 
 import numpy as np
 
+from ..core.batch import cumulative
+from ..core.config import ModelConfig
+from ..core.validate import check_int, check_lengths
+from ..measure.flops import METHODS, attention_cells, executed_tokens, forward_flops
+from ..serve.engine import batch_stats
+from ..serve.scheduler import plan_batches
+from ..serve.workloads import workload_lengths
+from ..tp.dryrun import expected_trace, record_trace, trace_signature
+from ..tp.trace import summarize_trace
 from . import viz
-from .batch import _check_lengths
-from .config import ModelConfig
-from .flops import METHODS, attention_cells, executed_tokens, forward_flops
 
 PATTERNS = ("ramp", "equal", "long-tail")
 WIDGET_DPI = 80
@@ -36,14 +42,6 @@ _LONG_TAIL_SEED = 0
 def _widgets():
     import ipywidgets  # imported lazily: the pure functions work without it
     return ipywidgets
-
-
-def _int_arg(name: str, value, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if not lo <= int(value) <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
-    return int(value)
 
 
 def _tagged(widget, css_class: str):
@@ -101,12 +99,10 @@ def flat_batch_state(seq_lens: Sequence[int]) -> dict:
     ``pad_rows``, ``row_ratio`` (padded / flat rows), ``attention`` ({"padded", "varlen"}:
     AttentionCells per head per layer, non-causal).
     """
-    lens = _check_lengths(seq_lens)
+    lens = check_lengths(seq_lens)
     if not lens:
         raise ValueError("seq_lens is empty: give at least one request length")
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
+    cu = cumulative(lens)
     padded, flat = executed_tokens(lens, "padded"), executed_tokens(lens, "varlen")
     return {"seq_lens": lens, "cu_seqlens": cu, "padded_rows": padded, "flat_rows": flat,
             "pad_rows": padded - flat, "row_ratio": padded / flat,
@@ -155,8 +151,8 @@ def explorer_seq_lens(num_requests: int, length: int, pattern: str) -> list[int]
     [10, 30], the article's A and B). "equal": [L]·R. "long-tail": lognormal quantiles with
     median L (σ=1), shuffled with a fixed seed: deterministic, each >= 1.
     """
-    r = _int_arg("num_requests", num_requests, 1, 1 << 20)
-    n = _int_arg("length", length, 1, 1 << 30)
+    r = check_int("num_requests", num_requests, 1, 1 << 20)
+    n = check_int("length", length, 1, 1 << 30)
     if pattern not in PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r}; choose one of {PATTERNS}")
     if pattern == "equal":
@@ -208,8 +204,8 @@ def diagonal_block_explorer(num_requests: int = 2, length: int = 10, pattern: st
 
 def flop_regime_state(num_requests: int, length: int) -> dict:
     """``{"seq_lens": [L]·R, "flops": forward_flops(ModelConfig(), [L]·R, "varlen")}``."""
-    r = _int_arg("num_requests", num_requests, 1, 1 << 20)
-    n = _int_arg("length", length, 1, 1 << 30)
+    r = check_int("num_requests", num_requests, 1, 1 << 20)
+    n = check_int("length", length, 1, 1 << 30)
     lens = [n] * r
     return {"seq_lens": lens, "flops": forward_flops(ModelConfig(), lens, "varlen")}
 
@@ -253,8 +249,7 @@ def allreduce_state(num_tokens: int, dtype: str = "float32", world_size: int = 2
     (per rank), ``trace`` (the ``CollectiveRecord`` list).
     """
     import torch
-    from .tp_dryrun import expected_trace
-    n = _int_arg("num_tokens", num_tokens, 1, 1 << 24)
+    n = check_int("num_tokens", num_tokens, 1, 1 << 24)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     cfg = ModelConfig(dtype=getattr(torch, dtype))
@@ -293,8 +288,8 @@ def allreduce_explorer(num_tokens: int = 10, dtype: str = "float32"):
 def split_tokens(total_tokens: int, num_requests: int) -> list[int]:
     """``total_tokens`` split into ``num_requests`` requests as equal as possible, longer first
     (``split_tokens(40, 3) == [14, 13, 13]``)."""
-    t = _int_arg("total_tokens", total_tokens, 1, 1 << 20)
-    r = _int_arg("num_requests", num_requests, 1, t)
+    t = check_int("total_tokens", total_tokens, 1, 1 << 20)
+    r = check_int("num_requests", num_requests, 1, t)
     return [t // r + (1 if i < t % r else 0) for i in range(r)]
 
 
@@ -308,14 +303,12 @@ def tp_packing_state(num_requests: int, total_tokens: int = 40, world_size: int 
     varlen: Σ L_i²) and ``attn_cells_per_rank`` (× heads per rank × layers: what each rank's
     attention computes, locally).
     """
-    from .tp import summarize_trace
-    from .tp_dryrun import record_trace, trace_signature
     lens = split_tokens(total_tokens, num_requests)
     cfg = ModelConfig(tp_size=world_size)
     traces = [record_trace(cfg, lens, r, world_size) for r in range(world_size)]
     ones = [_one_request_signature(sum(lens), r, world_size) for r in range(world_size)]
     cells = attention_cells(lens, "varlen").computed
-    return {"seq_lens": lens, "cu_seqlens": viz._cu(lens), "traces": traces,
+    return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "traces": traces,
             "same_as_one_request": [trace_signature(t) == s for t, s in zip(traces, ones)],
             "summary": summarize_trace(traces[0]), "heads_per_rank": cfg.heads_per_rank, "attn_cells": cells,
             "attn_cells_per_rank": cells * cfg.heads_per_rank * cfg.n_layers}
@@ -325,7 +318,6 @@ _ONE_REQUEST: dict = {}
 
 
 def _one_request_signature(total: int, rank: int, world_size: int) -> list:
-    from .tp_dryrun import record_trace, trace_signature
     key = (total, rank, world_size)
     if key not in _ONE_REQUEST:  # the reference does not change while the slider moves
         _ONE_REQUEST[key] = trace_signature(record_trace(ModelConfig(tp_size=world_size), [total], rank, world_size))
@@ -337,7 +329,8 @@ def tp_packing_html(state: dict) -> str:
     and each rank's local attention work."""
     cu = state["cu_seqlens"]
     same = ", ".join(f"rank {r}: {'yes' if s else 'no'}" for r, s in enumerate(state["same_as_one_request"]))
-    return (f"<div>{len(state['seq_lens'])} requests | cu_seqlens {cu if len(cu) <= 12 else '[0, ..., ' + str(cu[-1]) + ']'}</div>"
+    shown = cu if len(cu) <= 12 else f"[0, ..., {cu[-1]}]"
+    return (f"<div>{len(state['seq_lens'])} requests | cu_seqlens {shown}</div>"
             f"<div>trace per rank: {state['summary']} | same as 1 request: {same}</div>"
             f"<div>attention on each rank: {state['heads_per_rank']} heads, sum L_i^2 = {state['attn_cells']} cells per head "
             f"per layer, {state['attn_cells_per_rank']} per forward, no collective</div>")
@@ -372,28 +365,6 @@ WORKLOAD_PRESETS = {
 }
 
 
-def schedule_lengths(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_seqs: int = 256) -> dict:
-    """Run ``engine.Scheduler`` on requests of ``seq_lens`` tokens (request i has id i).
-
-    Returns ``{"batches": [[id, ...], ...], "rejected": [id, ...]}``: the FCFS batches, and the
-    requests ``Scheduler.add`` refused because they exceed ``max_num_batched_tokens`` (S3:
-    a request runs whole or not at all).
-    """
-    from .engine import Request, Scheduler
-    lens = _check_lengths(seq_lens)
-    sched = Scheduler(max_num_batched_tokens, max_num_seqs)
-    rejected = []
-    for i, n in enumerate(lens):
-        try:
-            sched.add(Request(i, [0] * n))
-        except ValueError:
-            rejected.append(i)
-    batches = []
-    while sched.has_unfinished():
-        batches.append([r.request_id for r in sched.schedule()])
-    return {"batches": batches, "rejected": rejected}
-
-
 def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 1024,
                        seed: int = 0) -> dict:
     """A seeded stream of ``workload`` requests (``WORKLOAD_PRESETS``), scheduled, costed per method.
@@ -402,21 +373,20 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     ``stats`` ({method: [engine.BatchStats]}, analytic: ``engine.batch_stats``) and ``totals``
     ({method: {"rows", "cells_computed", "cells_useful", "flops_executed", "flops_useful"}}).
     """
-    from .engine import batch_stats
-    from .workloads import workload_lengths
     if workload not in WORKLOAD_PRESETS:
         raise ValueError(f"workload must be one of {tuple(WORKLOAD_PRESETS)}, got {workload!r}")
-    n = _int_arg("num_requests", num_requests, 1, 4096)
-    budget = _int_arg("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 20)
+    n = check_int("num_requests", num_requests, 1, 4096)
+    budget = check_int("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 20)
     lens = workload_lengths(workload, n, seed, **WORKLOAD_PRESETS[workload])
-    plan = schedule_lengths(lens, budget)
+    batches = plan_batches(lens, budget, skip_oversize=True)
+    rejected = [i for i, n in enumerate(lens) if n > budget]  # S3: a request runs whole or not at all
     cfg = ModelConfig()
-    stats = {m: [batch_stats(cfg, [lens[i] for i in ids], m, b, request_ids=ids) for b, ids in enumerate(plan["batches"])]
+    stats = {m: [batch_stats(cfg, [lens[i] for i in ids], m, b, request_ids=ids) for b, ids in enumerate(batches)]
              for m in ("padded", "masked", "varlen")}
     totals = {m: {"rows": sum(s.executed_rows for s in st), "cells_computed": sum(s.attn_cells_computed for s in st),
                   "cells_useful": sum(s.attn_cells_useful for s in st), "flops_executed": sum(s.flops_executed for s in st),
                   "flops_useful": sum(s.flops_useful for s in st)} for m, st in stats.items()}
-    return {"seq_lens": lens, "batches": plan["batches"], "rejected": plan["rejected"], "stats": stats, "totals": totals,
+    return {"seq_lens": lens, "batches": batches, "rejected": rejected, "stats": stats, "totals": totals,
             "max_num_batched_tokens": budget}
 
 

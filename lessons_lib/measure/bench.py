@@ -1,7 +1,7 @@
 """One benchmark command: varlen against padding, masking and Hugging Face, on the same requests.
 
-    python3 -m lessons_lib.bench            # full run (a few minutes on 2 cores) -> bench/results/
-    python3 -m lessons_lib.bench --quick    # tiny config smoke run (seconds)
+    python3 -m lessons_lib.measure.bench            # full run (a few minutes on 2 cores) -> bench/results/
+    python3 -m lessons_lib.measure.bench --quick    # tiny config smoke run (seconds)
 
 In ONE process, with ONE set of weights (a Hugging Face ``GPT2Model`` converted with
 ``hf.full_weights_from_hf``) and the SAME requests per workload, it times:
@@ -45,15 +45,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..core.config import ModelConfig
+from ..serve.engine import Engine
+from ..serve.scheduler import plan_batches
+from ..serve.workloads import fixed_total_mixes, make_requests, workload_lengths
 from .bench_report import METHODS, TARGET_EFFICIENCY, summary_markdown, write_plots
-from .config import ModelConfig
-from .engine import Engine, Request, Scheduler
 from .flops import attention_cells, forward_flops
-from .profile import measure_attention
-from .workloads import fixed_total_mixes, make_requests, workload_lengths
+from .profile import matmul_throughput, measure_attention
 
 SCHEMA = "lessons_lib.bench/1"
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "bench" / "results"
 # Which engine method's FLOP accounting each HF run matches (what it executes).
 FLOP_METHOD = {"varlen": "varlen", "masked": "masked", "padded": "padded", "hf_padded": "padded",
@@ -106,18 +107,9 @@ def quick_plan() -> Plan:
 
 
 # ---- measurement helpers ---------------------------------------------------------------------
-def gemm_peak(tokens: int, d_in: int, d_out: int, repeats: int = 10) -> float:
-    """FLOP/s of the fastest of ``repeats`` fp32 ``[tokens × d_in] @ [d_in × d_out]`` matmuls."""
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(tokens, d_in, generator=g), torch.randn(d_in, d_out, generator=g)
-    out = torch.empty(tokens, d_out)
-    torch.mm(a, b, out=out)  # warm-up: threads, first-touch pages
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * tokens * d_in * d_out / best
+def gemm_peak(plan: Plan, cfg: ModelConfig) -> float:
+    """FLOP/s of the budget-sized ``[T × d_model] @ [d_model × d_ffn]`` matmul, fastest of 10."""
+    return matmul_throughput(plan.max_num_batched_tokens, cfg.d_model, cfg.d_ffn, repeats=10) * 1e9
 
 
 def _read_status_kib(key: str) -> int:
@@ -178,17 +170,6 @@ def machine_info() -> dict:
 
 
 # ---- the six ways to run one workload -------------------------------------------------------
-def plan_batches(lengths: list[int], max_num_batched_tokens: int, max_num_seqs: int) -> list[list[int]]:
-    """Request indices per batch, exactly as the engine's FCFS scheduler forms them."""
-    s = Scheduler(max_num_batched_tokens, max_num_seqs)
-    for i, n in enumerate(lengths):
-        s.add(Request(i, [0] * n))
-    out = []
-    while s.has_unfinished():
-        out.append([r.request_id for r in s.schedule()])
-    return out
-
-
 def _engine_runner(plan: Plan, weights, method: str, reqs):
     eng = Engine(plan.cfg, weights=weights, method=method, compute_logits=False, progress=False,
                  max_num_batched_tokens=plan.max_num_batched_tokens, max_num_seqs=plan.max_num_seqs)
@@ -283,7 +264,7 @@ def bench_workload(plan: Plan, weights, hf, name: str, lengths: list[int], peaks
                 continue  # a slow baseline is long enough to average out noise; its gap is large
             # The peak is sampled next to every timed run, so a quiet moment of a shared machine
             # is as likely to raise the peak as to shorten a run.
-            peaks.append(gemm_peak(plan.max_num_batched_tokens, cfg.d_model, cfg.d_ffn))
+            peaks.append(gemm_peak(plan, cfg))
             t0 = time.perf_counter()
             outs[m] = run()
             times[m].append(time.perf_counter() - t0)
@@ -341,7 +322,7 @@ def bench_tiny(plan: Plan, weights, peaks: list[float], log=print) -> dict:
             eng.prefill(reqs)
             best = min(best, time.perf_counter() - t0)
         rec["methods"][m] = {"time_s": best, "tokens_per_s": n * length / best}
-    peaks.append(gemm_peak(plan.max_num_batched_tokens, cfg.d_model, cfg.d_ffn))
+    peaks.append(gemm_peak(plan, cfg))
     useful = forward_flops(cfg, [length] * n, "varlen", causal=True, useful_only=True).total
     for r in rec["methods"].values():
         r["efficiency"] = useful / (r["time_s"] * max(peaks))
@@ -413,7 +394,7 @@ def checks(result: dict) -> dict:
 # ---- main ----------------------------------------------------------------------------------------
 def run(plan: Plan, out_dir: pathlib.Path, command: str, workloads=None, methods=METHODS, do_sweeps=True,
         log=print) -> dict:
-    from .hf import full_weights_from_hf, make_hf_gpt2
+    from ..core.hf import full_weights_from_hf, make_hf_gpt2
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -421,7 +402,7 @@ def run(plan: Plan, out_dir: pathlib.Path, command: str, workloads=None, methods
     cfg = plan.cfg
     hf = make_hf_gpt2(cfg, attn_implementation="sdpa", seed=plan.seed).requires_grad_(False)
     weights = full_weights_from_hf(hf.state_dict(), cfg.n_layers)  # one set of weights for all six runs
-    peaks = [gemm_peak(plan.max_num_batched_tokens, cfg.d_model, cfg.d_ffn)]
+    peaks = [gemm_peak(plan, cfg)]
     result = {"schema": SCHEMA, "command": command, "quick": plan.quick, "machine": machine_info(),
               "config": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(cfg).items()},
               "scheduler": {"max_num_batched_tokens": plan.max_num_batched_tokens, "max_num_seqs": plan.max_num_seqs,
@@ -466,7 +447,7 @@ def run(plan: Plan, out_dir: pathlib.Path, command: str, workloads=None, methods
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m lessons_lib.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m lessons_lib.measure.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model and workloads: a smoke run in seconds")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="directory for bench.json and the plots")
     p.add_argument("--workloads", default=None, help="comma-separated subset of " + ",".join(full_plan().workloads))
@@ -484,7 +465,7 @@ def main(argv=None) -> int:
         bad = [w for w in names if w not in plan.workloads]
         if bad:
             p.error(f"unknown workload(s) {bad}; choose from {list(plan.workloads)}")
-    command = "python3 -m lessons_lib.bench" + ("" if argv is None and len(sys.argv) < 2 else " " + " ".join(
+    command = "python3 -m lessons_lib.measure.bench" + ("" if argv is None and len(sys.argv) < 2 else " " + " ".join(
         argv if argv is not None else sys.argv[1:]))
     run(plan, pathlib.Path(args.out), command.strip(), names, do_sweeps=not args.no_sweeps)
     return 0

@@ -14,11 +14,14 @@ Taught in notebooks/02_linear_is_per_token.ipynb and notebooks/03_masked_vs_varl
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from ..core.attention import plain_attention, varlen_attention
+from ..core.batch import seq_lens_to_cu_seqlens
 
 Tensor = torch.Tensor
 
@@ -32,7 +35,8 @@ def row_dependency(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     a constant, because LayerNorm ignores a constant shift of a row.
     """
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.is_floating_point():
-        raise ValueError(f"x must be a floating tensor [T, ...], got {type(x).__name__ if not isinstance(x, torch.Tensor) else (x.dtype, tuple(x.shape))}")
+        got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a floating tensor [T, ...], got {got}")
     base = fn(x)
     if not isinstance(base, torch.Tensor) or base.dim() < 1:
         raise ValueError("fn must return a tensor [T_out, ...]")
@@ -56,8 +60,6 @@ def who_reads_whom(seq_lens: Sequence[int], d_model: int = 64, n_heads: int = 4,
 
     Small random weights (fixed seed); the maps are bools, so they do not depend on rounding.
     """
-    from .attention import plain_attention, varlen_attention
-    from .batch import seq_lens_to_cu_seqlens
     g = torch.Generator().manual_seed(seed)
     d, h = d_model, n_heads
     cu = seq_lens_to_cu_seqlens(seq_lens)

@@ -20,19 +20,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import resolve_backend
-from .batch import PackedBatch
-from .config import ModelConfig
-from .model import Transformer, check_batch, init_weight_names, init_weights
-from .tp_trace import (Fault, ForwardReport, comm_debug_mode, expected_layers, format_trace, forward_worker,
-                       shard_checks, summarize_trace, traced_forward)
-from .workers import WorkerPool, check_timeout, resolve_dist_backend
+from ..core.batch import PackedBatch
+from ..core.config import ModelConfig, as_config
+from ..core.kernels import resolve_backend
+from ..core.model import Transformer, init_weights
+from ..core.validate import check_batch, check_int, check_seconds, check_weights
+from .trace import Fault, comm_debug_mode, traced_forward
+from .workers import WorkerPool, resolve_dist_backend
 
 Tensor = torch.Tensor
-
-__all__ = ["TPRuntime", "TPResult", "tp_forward", "Fault", "ForwardReport", "traced_forward", "expected_layers",
-           "format_trace", "summarize_trace", "forward_worker", "shard_checks"]
-
 
 @dataclass
 class TPResult:
@@ -69,20 +65,6 @@ class TPResult:
         return [sum(r.op == "all_reduce" for r in t) for t in self.traces]
 
 
-def _validate_batch(cfg: ModelConfig, batch) -> None:
-    # Checked in the caller, before sending (and, in tp_forward, before any worker starts): a
-    # bad batch must neither kill a healthy runtime nor cost a spawn to be refused.
-    if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-    if not isinstance(batch, PackedBatch):
-        raise ValueError(f"batch must be a PackedBatch (see batch.pack), got {type(batch).__name__}")
-    for name in ("input_ids", "hidden", "positions"):
-        t = getattr(batch, name)
-        if isinstance(t, Tensor) and t.device.type == "meta":
-            raise ValueError(f"batch.{name} is on the meta device: a forward needs its values")
-    check_batch(cfg, batch)
-
-
 class TPRuntime:
     """Workers that hold the model's TP shards and run forwards on request.
 
@@ -106,26 +88,11 @@ class TPRuntime:
     def __init__(self, cfg: ModelConfig | None = None, weights: dict[str, Tensor] | None = None, world_size: int = 2,
                  backend: str = "auto", attn_backend: str = "auto", timeout: float = 120.0, *, seed: int = 0,
                  comm_debug: bool = False, verbose: bool = True):
-        self.cfg = cfg = cfg if cfg is not None else ModelConfig()
-        if not isinstance(cfg, ModelConfig):
-            raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1 \
-                or cfg.n_heads % world_size or cfg.d_ffn % world_size:
-            raise ValueError(f"world_size={world_size!r} must be a positive int dividing n_heads={cfg.n_heads} "
-                             f"and d_ffn={cfg.d_ffn}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.cfg = cfg = as_config(cfg)
+        _check_world_size(cfg, world_size)
+        check_int("seed", seed)
         if weights is not None:
-            if not isinstance(weights, dict):
-                raise ValueError(f"weights must be a dict of tensors (init_weights), got {type(weights).__name__}")
-            missing = [n for n in init_weight_names(cfg) if n not in weights]
-            if missing:
-                raise ValueError(f"weights are missing {len(missing)} tensors for this cfg, e.g. {missing[:3]}")
-            for n in init_weight_names(cfg):  # torch.save in the caller needs every value
-                v = weights[n]
-                if not isinstance(v, Tensor) or v.device.type == "meta":
-                    what = "a tensor on the meta device" if isinstance(v, Tensor) else type(v).__name__
-                    raise ValueError(f"weights[{n!r}] must be a tensor with values, got {what}")
+            check_weights(weights, cfg.weight_shapes())  # torch.save in the caller needs every value
         # Everything that can be refused without the workers is refused before any of them starts
         # (WorkerPool checks timeout and backend before spawning too).
         dist_backend = resolve_dist_backend(backend, world_size)
@@ -157,11 +124,11 @@ class TPRuntime:
 
     def forward(self, batch: PackedBatch, *, timeout: float | None = None, fault: Fault | None = None) -> TPResult:
         """One TP forward of a flat batch: ``[T]`` tokens → ``TPResult`` (output ``[T, d_model]``)."""
-        _validate_batch(self.cfg, batch)
+        check_batch(self.cfg, batch)  # in the caller: a bad batch must not kill a healthy runtime
         if fault is not None and not isinstance(fault, Fault):
             raise ValueError(f"fault must be a tp.Fault or None, got {fault!r}")
         if timeout is not None:  # after the broadcast a bad value would leave a result unread in the pipe
-            check_timeout("timeout", timeout)
+            check_seconds("timeout", timeout)
         t0 = time.perf_counter()
         self._pool.broadcast(("forward", batch.to("cpu"), fault))
         outs = self._pool.collect("result", timeout=timeout, what=f"running a forward of {batch.num_tokens} tokens")
@@ -180,7 +147,7 @@ class TPRuntime:
         """Stop the workers (idempotent)."""
         self._pool.close()
 
-    def __enter__(self) -> "TPRuntime":
+    def __enter__(self) -> TPRuntime:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -201,10 +168,18 @@ def tp_forward(batch: PackedBatch, world_size: int = 2, cfg: ModelConfig | None 
 
     Taught in notebooks/04_tp2_invariance.ipynb.
     """
-    _validate_batch(cfg if cfg is not None else ModelConfig(), batch)
+    check_batch(as_config(cfg), batch)  # before any worker starts: a refusal costs no spawn
     with TPRuntime(cfg, weights, world_size, backend, attn_backend, timeout, seed=seed, comm_debug=comm_debug,
                    verbose=verbose) as rt:
         return rt.forward(batch)
+
+
+def _check_world_size(cfg: ModelConfig, world_size) -> int:
+    if not (isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1
+            and cfg.n_heads % world_size == 0 and cfg.d_ffn % world_size == 0):
+        raise ValueError(f"world_size={world_size!r} must be a positive int dividing n_heads={cfg.n_heads} "
+                         f"and d_ffn={cfg.d_ffn}")
+    return world_size
 
 
 def _serve(group, channel, cfg: ModelConfig, weights_path: str | None, seed: int, attn_backend: str,

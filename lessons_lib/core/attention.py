@@ -1,0 +1,281 @@
+"""Variable-length ("varlen") attention over a flat token stream, with interchangeable backends.
+
+Layout is FlashAttention's: ``q, k, v`` are ``[total_tokens, n_heads, d_head]``; request i owns
+rows ``[cu_seqlens[i], cu_seqlens[i+1])`` (int32, ``[R+1]``). The output has q's shape and dtype.
+Besides the rows, the only request-aware inputs are ``cu_seqlens`` and ``max_seqlen`` (claim C10).
+
+=============  ==============================================================  ===========
+backend        what it computes                                                 score cells
+=============  ==============================================================  ===========
+loop           the article's loop: per request ``Q_i K_iᵀ`` → softmax → ``@ V_i``     Σ L_i²
+masked         full ``[T, T]`` scores + block-diagonal mask (the naive fix)      T²
+padded         pad to ``[R, Lmax]``, key-padding mask, unpad                     R · Lmax²
+sdpa           ``F.scaled_dot_product_attention``, equal lengths in one call     Σ L_i²
+flex           FlexAttention with a document mask (eager; a teaching backend)    block-sparse
+flash          ``flash_attn.flash_attn_varlen_func`` (CUDA sm80+, fp16/bf16)      Σ L_i²
+torch_varlen   ``torch.nn.attention.varlen.varlen_attn`` (CUDA sm80+, fp16/bf16)  Σ L_i²
+=============  ==============================================================  ===========
+
+Causal masking with ``L_k > L_q`` is aligned bottom-right (query i sees keys up to
+``i + L_k - L_q``), as in FlashAttention >= 2.1.
+
+``varlen_attention`` is the public entry: it checks everything once (``validate``). A model
+builds one ``VarlenMetadata`` per forward and calls ``attention`` in every layer: no checks and
+no device sync there.
+
+Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import kernel, resolve_backend, torch_varlen_kwargs
+from .validate import check_varlen_args, lengths
+
+Tensor = torch.Tensor
+
+
+@dataclass(slots=True)
+class VarlenMetadata:
+    """What attention needs to know about a flat batch, built once per forward.
+
+    cu_seqlens_q, cu_seqlens_k: ``[R+1]`` int32 on the device (what a kernel reads).
+    max_seqlen_q, max_seqlen_k: Python ints; a kernel sizes its launch grid by them
+    (R × ⌈max_seqlen / tile⌉ blocks), never its tiles.
+    cu_q, cu_k: the same boundaries as Python lists, for the Python-side loops (no device read).
+    """
+
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    cu_q: list
+    cu_k: list
+    _cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cu_q: list[int], cu_k: list[int] | None = None, device="cpu",
+              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None) -> VarlenMetadata:
+        cu_k = cu_q if cu_k is None else cu_k
+        cu_tensor_q = torch.tensor(cu_q, dtype=torch.int32, device=device)
+        cu_tensor_k = cu_tensor_q if cu_k is cu_q else torch.tensor(cu_k, dtype=torch.int32, device=device)
+        return cls(cu_tensor_q, cu_tensor_k, max_seqlen_q or max(lengths(cu_q), default=0),
+                   max_seqlen_k or max(lengths(cu_k), default=0), list(cu_q), list(cu_k))
+
+    def cached(self, key, make):
+        """``make()`` once per forward, then reused by every layer (masks, index tensors)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+
+def causal_mask(lq: int, lk: int, device=None) -> Tensor:
+    """``[lq, lk]`` bool, True where query i may see key j: ``j <= i + lk - lq`` (bottom-right)."""
+    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=lk - lq)
+
+
+def block_diag_mask(cu_seqlens: Tensor | list, causal: bool = False, cu_seqlens_k: Tensor | list | None = None,
+                    device=None) -> Tensor:
+    """Bool ``[T_q, T_k]``: True where a query row may attend a key column (same request, causal if asked)."""
+    cu_q = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
+    cu_k = cu_q if cu_seqlens_k is None else (cu_seqlens_k.tolist() if isinstance(cu_seqlens_k, Tensor)
+                                              else list(cu_seqlens_k))
+    device = cu_seqlens.device if isinstance(cu_seqlens, Tensor) else device
+    mask = torch.zeros(cu_q[-1], cu_k[-1], dtype=torch.bool, device=device)
+    for i in range(len(cu_q) - 1):
+        block = (cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i])
+        mask[cu_q[i]:cu_q[i + 1], cu_k[i]:cu_k[i + 1]] = causal_mask(*block, device) if causal else True
+    return mask
+
+
+# ---- backends: (q, k, v, meta, causal, scale) -> out [T_q, H, D] ---------------------------------
+
+def _loop(q, k, v, meta, causal, scale):
+    out = torch.empty_like(q)
+    for i in range(len(meta.cu_q) - 1):
+        qs, qe, ks, ke = meta.cu_q[i], meta.cu_q[i + 1], meta.cu_k[i], meta.cu_k[i + 1]
+        q_i, k_i, v_i = q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)  # [H, L, D]
+        scores = (q_i @ k_i.transpose(1, 2)) * scale          # [H, L_q, L_k]: this request's block only
+        if causal:
+            scores.masked_fill_(~causal_mask(qe - qs, ke - ks, q.device), float("-inf"))
+        out[qs:qe] = (scores.softmax(dim=-1) @ v_i).transpose(0, 1)  # written into its own rows
+    return out
+
+
+def _masked(q, k, v, meta, causal, scale):
+    mask = meta.cached(("mask", causal), lambda: block_diag_mask(meta.cu_q, causal, meta.cu_k, q.device))
+    scores = (q.transpose(0, 1) @ k.permute(1, 2, 0)) * scale  # [H, T_q, T_k]: every cell, cross-request too
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1).nan_to_num(0.0)              # a query with no key at all → a zero row
+    return (probs @ v.transpose(0, 1)).transpose(0, 1).contiguous()
+
+
+def _padded(q, k, v, meta, causal, scale):
+    lens_q, lens_k = lengths(meta.cu_q), lengths(meta.cu_k)
+    lq, lk = max(lens_q), max(lens_k)
+
+    def pad(x, cu, lens, lmax):                                   # [T, H, D] -> [R, H, Lmax, D]
+        out = x.new_zeros(len(lens), lmax, *x.shape[1:])
+        for i, n in enumerate(lens):
+            out[i, :n] = x[cu[i]:cu[i + 1]]
+        return out.transpose(1, 2)
+
+    qp, kp, vp = pad(q, meta.cu_q, lens_q, lq), pad(k, meta.cu_k, lens_k, lk), pad(v, meta.cu_k, lens_k, lk)
+    allowed = torch.zeros(len(lens_q), lq, lk, dtype=torch.bool, device=q.device)
+    for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        allowed[i, :nq, :nk] = causal_mask(nq, nk, q.device) if causal else True
+    scores = (qp @ kp.transpose(-1, -2)) * scale                  # [R, H, Lq, Lk]: pad rows and columns too
+    scores.masked_fill_(~allowed[:, None], float("-inf"))
+    outp = (scores.softmax(dim=-1).nan_to_num(0.0) @ vp).transpose(1, 2)  # [R, Lq, H, D]
+    return torch.cat([outp[i, :n] for i, n in enumerate(lens_q)])
+
+
+def _length_groups(meta) -> list[tuple]:
+    """Requests grouped by (L_q, L_k): ``(L_q, L_k, n, q rows, k rows)``; rows are a slice when
+    the group's requests sit next to each other in the stream, else an index tensor."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (lq, lk) in enumerate(zip(lengths(meta.cu_q), lengths(meta.cu_k))):
+        if lq:
+            groups.setdefault((lq, lk), []).append(i)
+    out = []
+    for (lq, lk), reqs in groups.items():
+        sq, sk, n = [meta.cu_q[i] for i in reqs], [meta.cu_k[i] for i in reqs], len(reqs)
+        if sq == list(range(sq[0], sq[0] + n * lq, lq)) and sk == list(range(sk[0], sk[0] + n * lk, lk)):
+            out.append((lq, lk, n, slice(sq[0], sq[0] + n * lq), slice(sk[0], sk[0] + n * lk)))
+        else:
+            dev = meta.cu_seqlens_q.device
+            rows_q = (torch.tensor(sq)[:, None] + torch.arange(lq)).flatten().to(dev)  # [n · L_q]
+            rows_k = (torch.tensor(sk)[:, None] + torch.arange(lk)).flatten().to(dev)
+            out.append((lq, lk, n, rows_q, rows_k))
+    return out
+
+
+def _sdpa(q, k, v, meta, causal, scale):
+    out, (h, d) = torch.empty_like(q), q.shape[1:]
+    for lq, lk, n, rows_q, rows_k in meta.cached("groups", lambda: _length_groups(meta)):
+        # 4-D [n, H, L, D]: on the CPU a 3-D call silently takes the slow math kernel.
+        qg = q[rows_q].view(n, lq, h, d).transpose(1, 2)
+        kg, vg = (x[rows_k].view(n, lk, h, d).transpose(1, 2) for x in (k, v))
+        mask = causal_mask(lq, lk, q.device) if causal and lq != lk else None
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=causal and lq == lk, scale=scale)
+        out[rows_q] = o.transpose(1, 2).reshape(n * lq, h, d)
+    return out
+
+
+def _flex(q, k, v, meta, causal, scale):
+    flex_attention, create_block_mask = kernel("flex")
+    dev, lens_q, lens_k = q.device, lengths(meta.cu_q), lengths(meta.cu_k)
+    doc_q = torch.repeat_interleave(torch.arange(len(lens_q), device=dev), torch.tensor(lens_q, device=dev))
+    doc_k = torch.repeat_interleave(torch.arange(len(lens_k), device=dev), torch.tensor(lens_k, device=dev))
+    start_q, start_k = meta.cu_seqlens_q[:-1].long()[doc_q], meta.cu_seqlens_k[:-1].long()[doc_k]
+    shift = (torch.tensor(lens_k, device=dev) - torch.tensor(lens_q, device=dev))[doc_q]  # bottom-right causal
+
+    def document_mask(b, h, qi, ki):
+        same = doc_q[qi] == doc_k[ki]
+        return same & (ki - start_k[ki] <= qi - start_q[qi] + shift[qi]) if causal else same
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
+        block_mask = create_block_mask(document_mask, None, None, q.shape[0], k.shape[0], device=dev)
+        out = flex_attention(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), block_mask=block_mask, scale=scale)
+    return out[0].transpose(0, 1).contiguous()
+
+
+def _flash(q, k, v, meta, causal, scale):
+    return kernel("flash")(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+                           softmax_scale=scale, causal=causal)
+
+
+def _torch_varlen(q, k, v, meta, causal, scale):
+    fn = kernel("torch_varlen")
+    return fn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+              **torch_varlen_kwargs(fn, causal, scale))
+
+
+IMPLS = {"loop": _loop, "masked": _masked, "padded": _padded, "sdpa": _sdpa, "flex": _flex, "flash": _flash,
+         "torch_varlen": _torch_varlen}
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, meta: VarlenMetadata, backend: str, *, causal: bool = True,
+              softmax_scale: float | None = None) -> Tensor:
+    """The per-layer call: ``q [T_q, H, D]``, ``k, v [T_k, H, D]`` → ``[T_q, H, D]``.
+
+    ``backend`` must already be resolved (``resolve_backend``) and the inputs valid: nothing is
+    checked here, so nothing waits for the device.
+    """
+    if q.shape[0] == 0:
+        return q.new_empty(q.shape)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return IMPLS[backend](q, k, v, meta, causal, scale)
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None = None,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, *, causal: bool = True,
+                     softmax_scale: float | None = None, backend: str = "auto") -> Tensor:
+    """Attention of each request over its own tokens only (``flash_attn_varlen_func``'s contract).
+
+    q: ``[T_q, H, D]``; k, v: ``[T_k, H, D]``; one floating dtype, one device.
+    cu_seqlens_q / cu_seqlens_k: ``[R+1]`` int32 on that device; ``cu_seqlens_k`` defaults to ``cu_seqlens_q``.
+    max_seqlen_q / max_seqlen_k: optional upper bounds (ints); smaller than the real maximum
+    is an error, never a truncation. softmax_scale: defaults to ``1 / sqrt(D)``.
+    backend: one of ``kernels.BACKENDS`` or ``"auto"``.
+    Returns ``[T_q, H, D]`` in q's dtype, on q's device.
+    """
+    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    cu_q, cu_k = check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                   softmax_scale)
+    name = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
+    meta = VarlenMetadata(cu_seqlens_q, cu_seqlens_k, max_seqlen_q or max(lengths(cu_q)),
+                          max_seqlen_k or max(lengths(cu_k)), cu_q, cu_k)
+    return attention(q, k, v, meta, name, causal=causal, softmax_scale=softmax_scale)
+
+
+def attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None = None, *,
+                  causal: bool = True, softmax_scale: float | None = None,
+                  upcast_dtype: torch.dtype = torch.float32) -> Tensor:
+    """Padded reference in ``upcast_dtype`` (fp32 by default, fp64 for tolerance studies).
+
+    FlashAttention's test reference: pad to ``[R, Lmax]``, mask pad keys (and the causal upper
+    triangle), softmax, unpad. Returns ``[T_q, H, D]`` in ``upcast_dtype``.
+    """
+    q, k, v = (x.to(upcast_dtype) for x in (q, k, v))
+    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    cu_q, cu_k = check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, causal, softmax_scale)
+    return attention(q, k, v, VarlenMetadata(cu_seqlens_q, cu_seqlens_k, 0, 0, cu_q, cu_k), "padded",
+                     causal=causal, softmax_scale=softmax_scale)
+
+
+def plain_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True,
+                    softmax_scale: float | None = None) -> Tensor:
+    """Attention over ALL rows as if they were one sequence: the wrong answer of claim C7.
+
+    On a flat batch it lets request A's queries read request B's keys.
+    """
+    cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+    return varlen_attention(q, k, v, cu, causal=causal, softmax_scale=softmax_scale, backend="sdpa")
+
+
+def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, *, causal: bool = True,
+                     softmax_scale: float | None = None) -> Tensor:
+    """Dense attention on a padded batch: ``[R, S, H, D]`` ×3 + ``[R, S]`` bool key mask → ``[R, S, H, D]``.
+
+    Every pad row and column is computed (``R·S²`` cells per head); pad keys are masked out.
+    Used by ``Transformer.forward_padded``.
+    """
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must all be [R, S, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if key_mask.shape != q.shape[:2]:
+        raise ValueError(f"key_mask must be [R, S] = {tuple(q.shape[:2])}, got {tuple(key_mask.shape)}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    s = q.shape[1]
+    allowed = key_mask[:, None, None, :]                                  # [R, 1, 1, S]
+    if causal:
+        allowed = allowed & causal_mask(s, s, q.device)                   # [R, 1, S, S]
+    scores = (q.transpose(1, 2) @ k.permute(0, 2, 3, 1)) * scale          # [R, H, S, S]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1).nan_to_num(0.0) @ v.transpose(1, 2)).transpose(1, 2)

@@ -1,0 +1,184 @@
+"""Flat batches: many requests' tokens in one ``[T, ...]`` stream, boundaries in ``cu_seqlens``.
+
+Request ``i`` owns rows ``[cu_seqlens[i], cu_seqlens[i+1])`` of every flat tensor (claim C3).
+The same array is ``cu_seqlens`` in FlashAttention, ``cu_seq_lens_q`` in Hugging Face and
+``query_start_loc`` in vLLM.
+
+Zero-length requests: ``pack`` and ``pad`` reject them (a prompt with no token has no last
+token to return); ``check_cu_seqlens`` accepts a repeated entry, as FlashAttention does, and
+attention then writes no row for it.
+
+Taught in notebooks/01_flat_batch.ipynb.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .validate import check_cu_seqlens, check_lengths
+
+Tensor = torch.Tensor
+
+
+def cumulative(seq_lens: Sequence[int]) -> list[int]:
+    """``[L_0, L_1, ...]`` → ``[0, L_0, L_0+L_1, ...]`` (the prefix sum behind every ``cu_seqlens``)."""
+    cu = [0]
+    for n in seq_lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def seq_lens_to_cu_seqlens(seq_lens: Sequence[int], device=None) -> Tensor:
+    """``[L_0, L_1, ...]`` → int32 ``cu_seqlens [R+1]`` on ``device``."""
+    return torch.tensor(cumulative(check_lengths(seq_lens, minimum=0)), dtype=torch.int32, device=device)
+
+
+@dataclass(slots=True)
+class PackedBatch:
+    """R requests flattened into one stream of T tokens (no padding, no batch dimension).
+
+    input_ids: ``[T]`` int64 token ids, or None when ``hidden`` carries the rows.
+    hidden: ``[T, d_model]`` float rows (already embedded), or None.
+    positions: ``[T]`` int64, restarting at 0 for every request.
+    cu_seqlens: ``[R + 1]`` int32 request boundaries, on the rows' device.
+    max_seqlen: int, the longest request: a varlen kernel sizes its launch grid by it.
+    seq_lens: list of R ints (host copy of the lengths: no device read needed).
+    """
+
+    input_ids: Tensor | None
+    hidden: Tensor | None
+    positions: Tensor
+    cu_seqlens: Tensor
+    max_seqlen: int
+    seq_lens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def last_token_indices(self) -> Tensor:
+        """``[R]`` int64: the flat row of each request's last token (``cu_seqlens[1:] - 1``)."""
+        return self.cu_seqlens[1:].long() - 1
+
+    def to(self, device) -> PackedBatch:
+        def move(t):
+            return None if t is None else t.to(device)
+        return PackedBatch(move(self.input_ids), move(self.hidden), move(self.positions), move(self.cu_seqlens),
+                           self.max_seqlen, list(self.seq_lens))
+
+
+def _as_request_tensor(i: int, req) -> Tensor:
+    if isinstance(req, Tensor):
+        t = req
+    elif isinstance(req, (list, tuple)):
+        bad = next((x for x in req if isinstance(x, bool) or not isinstance(x, int)), None)
+        if bad is not None:
+            raise ValueError(f"requests[{i}] must hold int token ids, found {bad!r}")
+        t = torch.tensor(req, dtype=torch.int64)
+    else:
+        raise ValueError(f"requests[{i}] must be a list of token ids or a tensor, got {type(req).__name__}")
+    if t.dim() not in (1, 2):
+        raise ValueError(f"requests[{i}] must be 1-D token ids [L] or 2-D hidden rows [L, d], got shape {tuple(t.shape)}")
+    if t.shape[0] == 0:
+        raise ValueError(f"requests[{i}] has length 0: every request needs at least one token")
+    return t
+
+
+def _request_tensors(requests) -> list[Tensor]:
+    if isinstance(requests, Tensor) or not isinstance(requests, (list, tuple)):
+        raise ValueError(f"requests must be a list of requests, got {type(requests).__name__}")
+    if len(requests) == 0:
+        raise ValueError("requests is empty: pack needs at least one request")
+    return [_as_request_tensor(i, r) for i, r in enumerate(requests)]
+
+
+def pack(requests: Sequence, device=None) -> PackedBatch:
+    """Flatten requests into a PackedBatch.
+
+    requests: a list of token-id lists / 1-D integer tensors ``[L_i]``, or of float tensors
+    ``[L_i, d]`` (hidden rows); all of one kind. device: where the batch goes (default: the
+    requests' device).
+    """
+    tensors = _request_tensors(requests)
+    if len({t.dim() for t in tensors}) != 1:
+        raise ValueError("requests mix token ids (1-D) and hidden rows (2-D); pack one kind at a time")
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"requests live on different devices: {sorted({str(t.device) for t in tensors})}")
+    seq_lens = [int(t.shape[0]) for t in tensors]
+    if tensors[0].dim() == 1:
+        for i, t in enumerate(tensors):
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise ValueError(f"requests[{i}] token ids must be integers, got {t.dtype}")
+            if t.device.type != "meta" and int(t.min()) < 0:
+                raise ValueError(f"requests[{i}] has a negative token id {int(t.min())}")
+        input_ids, hidden = torch.cat([t.long() for t in tensors]), None
+    else:
+        if len({t.shape[1] for t in tensors}) != 1:
+            raise ValueError(f"hidden rows must share one width, got {sorted({t.shape[1] for t in tensors})}")
+        if not tensors[0].is_floating_point() or len({t.dtype for t in tensors}) != 1:
+            raise ValueError(f"hidden rows must be one floating dtype, got {sorted({str(t.dtype) for t in tensors})}")
+        input_ids, hidden = None, torch.cat(tensors)
+    cu = cumulative(seq_lens)
+    starts = torch.tensor(cu[:-1]).repeat_interleave(torch.tensor(seq_lens))
+    positions = torch.arange(cu[-1]) - starts  # [T] int64: 0, 1, ... restarting for every request
+    batch = PackedBatch(input_ids, hidden, positions, torch.tensor(cu, dtype=torch.int32), max(seq_lens), seq_lens)
+    return batch.to(tensors[0].device if device is None else torch.device(device))
+
+
+def unpack(x: Tensor, cu_seqlens: Tensor) -> list[Tensor]:
+    """Split a flat ``[T, ...]`` tensor back into R views ``[L_i, ...]`` (the inverse of pack)."""
+    cu = check_cu_seqlens(cu_seqlens, x.shape[0] if x.dim() else None)
+    return [x[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
+
+
+def pad(requests: Sequence, pad_value=0) -> tuple[Tensor, Tensor]:
+    """Right-pad requests to the longest: ``(padded [R, Lmax, ...], mask [R, Lmax] bool)``.
+
+    ``mask[r, j]`` is True where row j of request r is a real token. This is the naive layout
+    of claim C2: every request carries ``Lmax - L_r`` pad rows.
+    """
+    if isinstance(requests, (list, tuple)) and len(requests) == 0:
+        raise ValueError("requests must be a non-empty list of requests")
+    tensors = _request_tensors(requests)
+    kinds = {(tuple(t.shape[1:]), t.is_floating_point()) for t in tensors}
+    if len(kinds) != 1:
+        raise ValueError(f"requests must all be token ids or all hidden rows of one width, got "
+                         f"(row shape, floating) = {sorted(kinds)}")
+    lmax, first = max(t.shape[0] for t in tensors), tensors[0]
+    out = torch.full((len(tensors), lmax, *first.shape[1:]), pad_value, dtype=first.dtype, device=first.device)
+    mask = torch.zeros(len(tensors), lmax, dtype=torch.bool, device=first.device)
+    for r, t in enumerate(tensors):
+        out[r, :t.shape[0]] = t
+        mask[r, :t.shape[0]] = True
+    return out, mask
+
+
+def unpad_input(hidden_states: Tensor, attention_mask: Tensor):
+    """FlashAttention's ``bert_padding.unpad_input``: ``[B, S, ...]`` + ``[B, S]`` mask → flat rows.
+
+    Returns ``(hidden [T, ...], indices [T] int64, cu_seqlens [B+1] int32, max_seqlen int,
+    seqused [B] int32)``.
+    """
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(hidden_states.shape[:2]):
+        raise ValueError(f"attention_mask must be [B, S] = {tuple(hidden_states.shape[:2])}, "
+                         f"got {tuple(attention_mask.shape)}")
+    mask = attention_mask.bool()
+    seqused = mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(mask.flatten()).flatten()
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqused, 0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]
+    return flat, indices, cu_seqlens, int(seqused.max()) if seqused.numel() else 0, seqused
+
+
+def pad_input(hidden: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
+    """The inverse of unpad_input: flat ``[T, ...]`` → ``[batch, seqlen, ...]``, zeros elsewhere."""
+    out = hidden.new_zeros(batch * seqlen, *hidden.shape[1:])
+    out[indices] = hidden
+    return out.reshape(batch, seqlen, *hidden.shape[1:])

@@ -1,0 +1,92 @@
+"""Process groups for tensor parallelism, and the record of every collective they make.
+
+A group is anything with ``rank``, ``world_size``, ``trace`` and
+``all_reduce(tensor, *, layer) -> tensor``. Two kinds, both explicit objects (no global state):
+
+- ``LocalGroup(rank=0, world_size=1)``: no other process. At ``world_size=1`` (TP=1) its
+  all-reduce is the identity and records nothing: nothing would cross a process. With
+  ``world_size > 1`` it stands in for rank ``rank`` of a TP group inside this process: the
+  model cuts that rank's shards, and each all-reduce is recorded exactly as a real rank's
+  would be but NOT summed (there is no one to sum with): right traces and shapes, partial values.
+- ``DistGroup``: a real ``torch.distributed`` group; its all-reduce sums over the ranks.
+
+Taught in notebooks/04_tp2_invariance.ipynb.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .validate import check_int, dtype_name
+
+
+@dataclass(slots=True)
+class CollectiveRecord:
+    """One collective call as a rank saw it, e.g. ``all_reduce (40, 512) float32 81920 B``."""
+
+    op: str          # "all_reduce"
+    shape: tuple     # e.g. (40, 512)
+    dtype: str       # "float32"
+    bytes: int       # payload bytes on this rank
+    layer: str       # e.g. "layers.3.attn.out_proj"
+    rank: int
+    world_size: int
+
+    @property
+    def signature(self) -> tuple:
+        """The record without its rank: equal on every rank of a correct TP forward."""
+        return self.op, tuple(self.shape), self.dtype, self.bytes, self.layer
+
+
+def record(tensor: torch.Tensor, layer: str, rank: int, world_size: int) -> CollectiveRecord:
+    return CollectiveRecord("all_reduce", tuple(tensor.shape), dtype_name(tensor.dtype),
+                            tensor.numel() * tensor.element_size(), layer, rank, world_size)
+
+
+@dataclass
+class LocalGroup:
+    """This process only: TP=1, or a stand-in for rank ``rank`` of ``world_size`` (see module doc)."""
+
+    rank: int = 0
+    world_size: int = 1
+    trace: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_int("world_size", self.world_size, 1)
+        check_int("rank", self.rank, 0)
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank={self.rank} must be < world_size={self.world_size}")
+
+    def all_reduce(self, tensor: torch.Tensor, *, layer: str = "") -> torch.Tensor:
+        if self.world_size > 1:
+            self.trace.append(record(tensor, layer, self.rank, self.world_size))
+        return tensor
+
+
+class DistGroup:
+    """A real process group (default: WORLD of ``torch.distributed``) that records its collectives.
+
+    ``all_reduce(tensor, layer=...)`` sums ``tensor`` over all ranks IN PLACE with
+    ``dist.all_reduce`` and returns it. ``device``: where this rank's tensors live (``cpu`` for
+    gloo, ``cuda:<local rank>`` for NCCL); every collective's tensor must be there.
+    """
+
+    def __init__(self, process_group=None, device: torch.device | str = "cpu"):
+        if not dist.is_initialized():
+            raise RuntimeError("DistGroup needs torch.distributed.init_process_group() first")
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.backend = str(dist.get_backend(process_group))
+        self.device = torch.device(device)
+        self.trace: list[CollectiveRecord] = []
+
+    def all_reduce(self, tensor: torch.Tensor, *, layer: str = "") -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+        self.trace.append(record(tensor, layer, self.rank, self.world_size))
+        return tensor
+
+    def __repr__(self) -> str:
+        return f"DistGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"

@@ -1,0 +1,197 @@
+"""A pre-LN GPT-2-style transformer that runs on a flat batch (claim S1).
+
+Block: LN → QKV → varlen attention → out proj → +residual → LN → FFN-up → GeLU(tanh)
+→ FFN-down → +residual; final LN. Token and learned position embeddings in front.
+
+One model for TP=1 and TP=2: the linear layers are the tensor-parallel classes of
+``linear.py``; give a process group to shard them (default: one process, TP=1). Embeddings,
+LayerNorms and the tied LM head are replicated (a real deployment would also split the
+vocabulary; here they stay whole so that every collective is one of the blocks'), so a
+forward makes exactly two all-reduces per layer (out proj, FFN-down): 16 for 8 layers (C1, C12).
+
+Weights: one format everywhere. ``init_weights``, ``hf.full_weights_from_hf`` and a TP=1
+model's own ``state_dict()`` all name the full tensors as ``ModelConfig.weight_shapes`` does
+(``layers.0.attn.qkv.weight``, ...); every rank cuts its shard from them.
+
+Taught in notebooks/00_setup_one_request.ipynb and notebooks/02_linear_is_per_token.ipynb.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import VarlenMetadata, attention, padded_attention
+from .batch import PackedBatch, pack
+from .config import ModelConfig, as_config
+from .groups import LocalGroup
+from .kernels import resolve_backend
+from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from .validate import check_batch, check_weights
+
+Tensor = torch.Tensor
+
+
+def init_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
+    """Full (unsharded) weights in ``cfg.dtype``, GPT-2 init: normal, std 0.02 (0.01 for positions).
+
+    Biases and LayerNorm parameters are small random values rather than 0 / 1, so a bug that
+    adds a bias twice or skips a LayerNorm changes the output and a test can see it.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in cfg.weight_shapes().items():
+        mean = 1.0 if "ln_" in name and name.endswith(".weight") else 0.0  # LayerNorm scales near 1
+        out[name] = (torch.randn(*shape, generator=g) * (0.01 if name == "wpe" else 0.02) + mean).to(cfg.dtype)
+    return out
+
+
+class Attention(nn.Module):
+    """QKV (column-parallel by head) → attention on this rank's heads → out proj (row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, index: int, group):
+        super().__init__()
+        self.qkv = QKVParallelLinear(cfg.d_model, cfg.n_heads, cfg.d_head, group=group, dtype=cfg.dtype)
+        self.out_proj = RowParallelLinear(cfg.qkv_dim, cfg.d_model, group=group, dtype=cfg.dtype,
+                                          name=f"layers.{index}.attn.out_proj")
+
+    def forward(self, x: Tensor, attn: Callable) -> Tensor:
+        q, k, v = self.qkv.split(self.qkv(x))    # each [T, H_local, D]
+        o = attn(q, k, v).flatten(1)             # [T, H_local·D]: this rank's heads only
+        return self.out_proj(o)                  # all-reduce → [T, d]
+
+
+class MLP(nn.Module):
+    """FFN-up (column-parallel) → GeLU(tanh) → FFN-down (row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, index: int, group):
+        super().__init__()
+        self.fc_up = ColumnParallelLinear(cfg.d_model, cfg.d_ffn, group=group, dtype=cfg.dtype)
+        self.fc_down = RowParallelLinear(cfg.d_ffn, cfg.d_model, group=group, dtype=cfg.dtype,
+                                         name=f"layers.{index}.mlp.fc_down")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc_down(F.gelu(self.fc_up(x), approximate="tanh"))  # [T, d_ffn/tp] → all-reduce → [T, d]
+
+
+class Block(nn.Module):
+    """One pre-LN block on rank ``group.rank``: ``[T, d] → [T, d]``, two all-reduces."""
+
+    def __init__(self, cfg: ModelConfig, index: int, group):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, dtype=cfg.dtype)
+        self.attn = Attention(cfg, index, group)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, dtype=cfg.dtype)
+        self.mlp = MLP(cfg, index, group)
+
+    def forward(self, x: Tensor, attn: Callable) -> Tensor:
+        x = x + self.attn(self.ln_1(x), attn)    # all-reduce #1
+        return x + self.mlp(self.ln_2(x))        # all-reduce #2
+
+
+class Transformer(nn.Module):
+    """The course's GPT-2-style model.
+
+    cfg: sizes (default: the article's). weights: full weights, see the module doc (default
+    ``init_weights(cfg, seed)``). group: the rank's process group (default TP=1).
+    attn_backend: default attention backend of ``forward`` (``kernels.BACKENDS`` or "auto").
+    device, dtype: where the parameters go (default: CPU, the weights' dtype).
+    """
+
+    def __init__(self, cfg: ModelConfig | None = None, weights: dict[str, Tensor] | None = None, *,
+                 seed: int = 0, group=None, attn_backend: str = "auto", device=None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.cfg = cfg = as_config(cfg)
+        self.group = group if group is not None else LocalGroup()
+        if cfg.n_heads % self.group.world_size or cfg.d_ffn % self.group.world_size:
+            raise ValueError(f"group world_size={self.group.world_size} must divide n_heads={cfg.n_heads} "
+                             f"and d_ffn={cfg.d_ffn}")
+        self.attn_backend = attn_backend
+        self.wte = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype), requires_grad=False)
+        self.wpe = nn.Parameter(torch.empty(cfg.max_position, cfg.d_model, dtype=cfg.dtype), requires_grad=False)
+        self.layers = nn.ModuleList(Block(cfg, i, self.group) for i in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, dtype=cfg.dtype)
+        self.load_full_weights_(weights if weights is not None else init_weights(cfg, seed))
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.wte.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (``model.to(torch.bfloat16)`` changes it; ``cfg.dtype`` does not)."""
+        return self.wte.dtype
+
+    @torch.no_grad()
+    def load_full_weights_(self, weights: dict[str, Tensor]) -> Transformer:
+        """Copy this rank's shard of every full weight into the model (casting to its dtype)."""
+        check_weights(weights, self.cfg.weight_shapes())
+        for name, module in self.named_modules():
+            prefix = name + "." if name else ""
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.load_full_(weights[prefix + "weight"], weights[prefix + "bias"])
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.copy_(weights[prefix + "weight"])
+                module.bias.copy_(weights[prefix + "bias"])
+        self.wte.copy_(weights["wte"])
+        self.wpe.copy_(weights["wpe"])
+        return self
+
+    def embed(self, batch: PackedBatch) -> Tensor:
+        """``[T]`` ids + ``[T]`` positions → ``[T, d]`` (or the batch's own hidden rows)."""
+        if batch.input_ids is None:
+            return batch.hidden
+        return self.wte[batch.input_ids] + self.wpe[batch.positions]
+
+    @torch.no_grad()
+    def forward(self, batch: PackedBatch, *, attn_backend: str | None = None) -> Tensor:
+        """Flat forward: a PackedBatch of T tokens (on the model's device) → final hidden ``[T, d_model]``.
+
+        The batch is checked once, here; ``batch.cu_seqlens`` reaches only the attention call,
+        through one ``VarlenMetadata`` shared by all layers.
+        """
+        cu = check_batch(self.cfg, batch, self.device, self.dtype)
+        backend = resolve_backend(attn_backend or self.attn_backend, self.device, self.dtype, self.cfg.d_head)
+        meta = VarlenMetadata(batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen, cu, cu)
+
+        def attn(q, k, v):
+            return attention(q, k, v, meta, backend, causal=True)
+
+        x = self.embed(batch)  # [T, d]
+        for block in self.layers:
+            x = block(x, attn)
+        return self.ln_f(x)
+
+    @torch.no_grad()
+    def forward_padded(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """The naive way, for comparison: ``[R, S]`` right-padded ids + ``[R, S]`` bool mask
+        → ``[R, S, d]``. Pad rows go through every layer too (their outputs are garbage)."""
+        if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError(f"input_ids and attention_mask must both be [R, S], got {tuple(input_ids.shape)} "
+                             f"and {tuple(attention_mask.shape)}")
+        r, s = input_ids.shape
+        if s > self.cfg.max_position:
+            raise ValueError(f"padded length {s} exceeds max_position={self.cfg.max_position}")
+        positions = torch.arange(s, device=input_ids.device).expand(r, s)
+        x = (self.wte[input_ids] + self.wpe[positions]).reshape(r * s, -1)  # [R·S, d]
+        mask = attention_mask.bool()
+
+        def attn(q, k, v):  # [R·S, H, D] → [R, S, H, D] → dense masked attention
+            shape = (r, s, *q.shape[1:])
+            return padded_attention(q.view(shape), k.view(shape), v.view(shape), mask, causal=True).reshape(q.shape)
+
+        for block in self.layers:
+            x = block(x, attn)
+        return self.ln_f(x).view(r, s, -1)
+
+    def forward_each(self, requests: Sequence, **kw) -> list[Tensor]:
+        """Per-request reference: one forward per request, ``[L_i, d]`` each."""
+        return [self.forward(pack([req], device=self.device), **kw) for req in requests]
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Tied LM head (replicated on every rank): ``[N, d] → [N, vocab_size]``."""
+        return hidden @ self.wte.T

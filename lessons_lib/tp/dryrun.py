@@ -1,0 +1,97 @@
+"""The collectives of one TP rank without starting processes: predicted, or dry-run in this process.
+
+``expected_trace(cfg, num_tokens)`` is the formula of claims C1 and C12: one forward on a rank
+makes ``2 · n_layers`` all-reduces (attention out proj, then FFN-down, of every layer), each
+of a ``[T, d_model]`` payload. Only T, the number of flat tokens, appears in it: not the number
+of requests, not their lengths.
+
+``record_trace(cfg, seq_lens)`` checks the formula against the model's own code: it runs one
+forward of ``core.model.Transformer`` on ``LocalGroup(rank, world_size)``, the in-process
+stand-in for a rank, which records each all-reduce exactly as a real rank does but does not
+sum. So a dry run's VALUES are not the TP result; its TRACE is exactly what the model asks a
+real rank for. Lesson 04 compares both with a real two-process trace (``runtime.TPRuntime``).
+
+Taught in notebooks/04_tp2_invariance.ipynb; behind the explorers of lessons 00 and 04.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from ..core.batch import pack
+from ..core.config import ModelConfig, as_config
+from ..core.groups import CollectiveRecord, LocalGroup
+from ..core.model import Transformer, init_weights
+from ..core.validate import check_int, check_lengths
+
+
+def expected_layers(cfg: ModelConfig) -> list[str]:
+    """The ``layer`` names of the 2·n_layers all-reduces of one forward, in call order."""
+    return [f"layers.{i}.{part}" for i in range(cfg.n_layers) for part in ("attn.out_proj", "mlp.fc_down")]
+
+
+def _group(cfg: ModelConfig, rank, world_size) -> LocalGroup:
+    group = LocalGroup(rank, world_size)
+    if cfg.n_heads % world_size or cfg.d_ffn % world_size:
+        raise ValueError(f"world_size={world_size} must divide n_heads={cfg.n_heads} and d_ffn={cfg.d_ffn}")
+    return group
+
+
+def expected_trace(cfg: ModelConfig, num_tokens: int, rank: int = 0, world_size: int = 2) -> list[CollectiveRecord]:
+    """The all-reduces rank ``rank`` records in one forward of ``num_tokens`` flat tokens.
+
+    ``2 · cfg.n_layers`` records of shape ``(num_tokens, d_model)``, ``num_tokens · d_model ·
+    itemsize`` bytes each, named like the model's row-parallel layers. ``world_size=1`` gives
+    ``[]``: TP=1 has nothing to reduce.
+    """
+    cfg, n = as_config(cfg), check_int("num_tokens", num_tokens, 1)
+    group = _group(cfg, rank, world_size)
+    for layer in expected_layers(cfg):  # at world_size=1 the group records nothing
+        group.all_reduce(torch.empty(n, cfg.d_model, dtype=cfg.dtype, device="meta"), layer=layer)
+    return group.trace
+
+
+# Rows enter already embedded, so the token and position tables are never read: one row each
+# keeps a dry-run model cheap, and configs that differ only there share one cached model.
+_UNUSED = {"vocab_size": 1, "max_position": 1, "tp_size": 1}
+
+
+@functools.lru_cache(maxsize=4)
+def _dry_model(key: tuple, rank: int, world_size: int, seed: int) -> Transformer:
+    """One rank's model, built once per (config, rank): the weights do not change a trace, and
+    building the article's 8 layers costs more than a forward of a few hundred tokens. Attention
+    runs masked: one call per layer whatever the number of requests (40 one-token requests stay
+    fast); no attention backend issues a collective (C11)."""
+    small = ModelConfig(**dict(key))
+    return Transformer(small, init_weights(small, seed), group=LocalGroup(rank, world_size), attn_backend="masked")
+
+
+def record_trace(cfg: ModelConfig, seq_lens: Sequence[int], rank: int = 0, world_size: int = 2,
+                 seed: int = 0) -> list[CollectiveRecord]:
+    """Dry-run one forward of the model on rank ``rank`` for requests of ``seq_lens`` tokens
+    (flat, ``cu_seqlens`` from the lengths) and return the collectives it asked for.
+
+    The rows enter already embedded (``[T, d_model]``, seeded): embeddings are replicated and
+    issue no collective.
+    """
+    cfg, lens = as_config(cfg), check_lengths(seq_lens)
+    if not lens:
+        raise ValueError("seq_lens is empty: give at least one request length")
+    if max(lens) > cfg.max_position:
+        raise ValueError(f"a request of {max(lens)} tokens exceeds max_position={cfg.max_position}")
+    _group(cfg, rank, world_size)
+    key = tuple((f.name, _UNUSED.get(f.name, getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
+    model = _dry_model(key, rank, world_size, seed)
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(n, cfg.d_model, generator=g).to(cfg.dtype) for n in lens]  # [L_i, d] each
+    model.group.trace.clear()  # the cached model keeps no history
+    model(pack(rows))
+    return list(model.group.trace)
+
+
+def trace_signature(records: Sequence[CollectiveRecord]) -> list[tuple]:
+    """``[(op, shape, dtype, bytes, layer), ...]``: a trace without its rank, comparable with ``==``."""
+    return [r.signature for r in records]
