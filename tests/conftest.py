@@ -1,4 +1,4 @@
-"""Shared test fixtures: a tiny model config, random flat q/k/v, and the fp32 tolerance rule."""
+"""Shared test fixtures: a tiny model config, random flat q/k/v, and the tolerance rule."""
 from __future__ import annotations
 
 import sys
@@ -9,24 +9,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `pytest` without `python -m` finds lessons_lib
 
-from lessons_lib import ModelConfig, Transformer, init_weights
-from lessons_lib.core.batch import seq_lens_to_cu_seqlens
-
-EPS32 = torch.finfo(torch.float32).eps
-
-
-def _fp32_bound(ref32: torch.Tensor, ref64: torch.Tensor) -> float:
-    """FlashAttention's test rule: an fp32 result may be at most twice as far from the fp64
-    truth as the fp32 reference itself, plus a rounding floor of 2 ulp at the output's
-    magnitude (needed where the fp32 reference happens to be exact, e.g. length-1 requests)."""
-    err = (ref32.double() - ref64).abs().max().item() if ref64.numel() else 0.0
-    scale = max(1.0, ref64.abs().max().item()) if ref64.numel() else 1.0
-    return 2 * err + 2 * EPS32 * scale
+from lessons_lib import ModelConfig, Transformer, init_weights  # noqa: E402 (after the sys.path line)
+from lessons_lib.core.batch import seq_lens_to_cu_seqlens  # noqa: E402
+from lessons_lib.measure.tolerance import tolerance  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def fp32_bound():
-    return _fp32_bound
+def rule_bound():
+    """The one tolerance rule (lessons_lib.measure.tolerance): ``rule_bound(ref, ref64)`` is the
+    largest |out - ref64| allowed for an ``out`` computed in ref's dtype."""
+    return tolerance
 
 
 @pytest.fixture(scope="session")

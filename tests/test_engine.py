@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from lessons_lib.core.config import ModelConfig
+from lessons_lib.core.model import Transformer
 from lessons_lib.measure.flops import attention_cells
+from lessons_lib.measure.tolerance import assert_close
 from lessons_lib.serve.engine import METHODS, Engine, batch_stats
 from lessons_lib.serve.scheduler import Request, Scheduler
 from lessons_lib.serve.workloads import generate
 
 CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=1000, max_position=512,
                   tp_size=1)
-# fp32 rounding over 2 layers of width <= 256: observed ~1e-6; 1e-5 leaves room, a real bug is >1e-2.
-ATOL = 1e-5
 
 
 def _lengths(seed, n=60, high=90):
@@ -59,14 +59,16 @@ def test_outputs_equal_per_request_reference(method):
     eng = Engine(CFG, method=method, max_num_batched_tokens=160, max_num_seqs=6, seed=1)
     outs = eng.prefill([Request(f"r{i}", r, return_hidden=(i % 3 == 0)) for i, r in enumerate(reqs)])
     ref = eng.model.forward_each(reqs, attn_backend="loop")  # [L_i, d] each, one request at a time
+    model64 = Transformer(CFG, eng.weights, dtype=torch.float64)
+    ref64 = model64.forward_each(reqs, attn_backend="loop")
     assert [o.request_id for o in outs] == [f"r{i}" for i in range(len(reqs))]
     assert len(eng.stats) > 1, "the budget should force several batches"
-    for i, (o, r) in enumerate(zip(outs, ref)):
+    for i, (o, r, r64) in enumerate(zip(outs, ref, ref64)):
         assert o.num_tokens == len(reqs[i])
-        torch.testing.assert_close(o.last_hidden, r[-1], atol=ATOL, rtol=0)
-        torch.testing.assert_close(o.logits, eng.model.compute_logits(r[-1:])[0], atol=ATOL * 10, rtol=0)
+        assert_close(o.last_hidden, r[-1], r64[-1], f"{method} request {i}")
+        assert_close(o.logits, eng.model.compute_logits(r[-1:])[0], model64.compute_logits(r64[-1:])[0], "logits")
         if i % 3 == 0:
-            torch.testing.assert_close(o.hidden, r, atol=ATOL, rtol=0)
+            assert_close(o.hidden, r, r64, f"{method} request {i}, every row")
         else:
             assert o.hidden is None
 
@@ -207,14 +209,15 @@ def test_tp2_engine_equals_tp1():
     reqs = generate("long-tail", 9, seed=8, vocab_size=CFG.vocab_size, median=10, max_len=60)
     kw = dict(max_num_batched_tokens=96, max_num_seqs=4, seed=2)
     one = Engine(CFG, tp_size=1, **kw).prefill(reqs)
+    one64 = Engine(CFG, tp_size=1, dtype=torch.float64, **kw).prefill(reqs)
     with Engine(CFG, tp_size=2, **kw) as eng:
         two = eng.prefill(reqs)
         assert len(eng.stats) > 1 and all(s.all_reduces == 2 * CFG.n_layers for s in eng.stats)
     assert [o.request_id for o in two] == [o.request_id for o in one]
-    for a, b in zip(one, two):
-        # TP=2 sums two partial matmuls where TP=1 does one: equal up to fp32 rounding (C12).
-        torch.testing.assert_close(b.last_hidden, a.last_hidden, atol=ATOL, rtol=0)
-        torch.testing.assert_close(b.logits, a.logits, atol=ATOL * 10, rtol=0)
+    for a, b, c in zip(one, two, one64):
+        # TP=2 sums two partial matmuls where TP=1 does one: equal up to rounding (C12).
+        assert_close(b.last_hidden, a.last_hidden, c.last_hidden, f"TP=2 request {a.request_id}")
+        assert_close(b.logits, a.logits, c.logits, f"TP=2 logits {a.request_id}")
     assert eng._runtime is None, "closing the engine stops the TP workers"
 
 

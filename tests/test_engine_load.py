@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from lessons_lib.core.config import ModelConfig
+from lessons_lib.core.model import Transformer
 from lessons_lib.measure.bench import measure_peak_rss
+from lessons_lib.measure.tolerance import assert_close
 from lessons_lib.serve.engine import Engine
 from lessons_lib.serve.workloads import long_tail_lengths, make_requests
 
@@ -73,9 +75,12 @@ def test_sample_equals_per_request_reference(served):
     eng, outs, _ = served
     sample = sorted(random.Random(0).sample(range(N), 300)) + [max(range(N), key=LENGTHS.__getitem__)]
     refs = eng.model.forward_each([REQUESTS[i] for i in sample], attn_backend="loop")
-    for i, ref in zip(sample, refs):
-        torch.testing.assert_close(outs[i].last_hidden, ref[-1], atol=1e-5, rtol=0)
-        torch.testing.assert_close(outs[i].logits, eng.model.compute_logits(ref[-1:])[0], atol=1e-4, rtol=0)
+    model64 = Transformer(CFG, eng.weights, dtype=torch.float64)
+    refs64 = model64.forward_each([REQUESTS[i] for i in sample], attn_backend="loop")
+    for i, ref, ref64 in zip(sample, refs, refs64):
+        assert_close(outs[i].last_hidden, ref[-1], ref64[-1], f"request {i}")
+        assert_close(outs[i].logits, eng.model.compute_logits(ref[-1:])[0], model64.compute_logits(ref64[-1:])[0],
+                     f"logits of request {i}")
 
 
 def test_same_seed_bit_identical_run_to_run(served):

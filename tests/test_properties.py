@@ -60,15 +60,15 @@ def _assert_backends_match_ref(backends, lens, seed, causal, bound):
 
 @CI
 @given(lens=q_and_k_lengths(), seed=SEEDS, causal=st.booleans())
-def test_prop_every_fast_backend_matches_attention_ref(lens, seed, causal, fp32_bound):
-    _assert_backends_match_ref(FAST, lens, seed, causal, fp32_bound)
+def test_prop_every_fast_backend_matches_attention_ref(lens, seed, causal, rule_bound):
+    _assert_backends_match_ref(FAST, lens, seed, causal, rule_bound)
 
 
 @settings(CI, max_examples=max(1, N // 5))
 @given(lens=q_and_k_lengths(st.lists(st.integers(1, 24), min_size=1, max_size=5)), seed=SEEDS,
        causal=st.booleans())
-def test_prop_flex_matches_attention_ref(lens, seed, causal, fp32_bound):
-    _assert_backends_match_ref(["flex"], lens, seed, causal, fp32_bound)
+def test_prop_flex_matches_attention_ref(lens, seed, causal, rule_bound):
+    _assert_backends_match_ref(["flex"], lens, seed, causal, rule_bound)
 
 
 @CI
@@ -90,13 +90,13 @@ def models(tiny_cfg, model_pair):
 
 @settings(CI, max_examples=max(1, 3 * N // 5))
 @given(lens=LENGTHS.filter(lambda ls: sum(ls) <= 256), seed=SEEDS)
-def test_prop_model_flat_forward_equals_per_request_forward(lens, seed, models, fp32_bound, make_requests):
+def test_prop_model_flat_forward_equals_per_request_forward(lens, seed, models, rule_bound, make_requests):
     model, model64 = models
     reqs = make_requests(lens, model.cfg.vocab_size, seed)
     flat = model(pack(reqs))
     each = torch.cat(model.forward_each(reqs))
     ref64 = model64(pack(reqs), attn_backend="loop")
-    tol = fp32_bound(each, ref64)
+    tol = rule_bound(each, ref64)
     assert (flat - each).abs().max().item() <= tol
     assert (flat.double() - ref64).abs().max().item() <= tol
 

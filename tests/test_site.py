@@ -1,17 +1,21 @@
-"""The static course site: built once per session by tools/build_site.py, checked in Chromium.
+"""The course book: built once per session by tools/build_site.py (Sphinx + MyST-NB +
+sphinx-book-theme), every page checked in Chromium.
 
-Checks that can fail for real: every lesson in notebooks/ has a page and an index entry with
-its Goals; every page loads in Chromium with no console error, no failed request and no
-request leaving 127.0.0.1 (widget JS, require.js and MathJax are served by the site); every
-lesson shows its figures (each <img> decoded with a non-zero size, markdown figures
-included); every saved widget is rendered from its state, with the "needs a live kernel"
-note on the page.
+Checks that can fail for real: every lesson, document and lessons_lib module has a page; every
+page opens with no console error, no failed request and no request leaving 127.0.0.1 (such a
+request is aborted by the test, never sent, and reported); no page references a script, style
+or image by an http(s) URL; every lesson page is in the sidebar of the index; the search finds
+"cu_seqlens" on lessons 01 and 03; every lesson shows its figures (each <img> decoded with a
+non-zero size, markdown figures included); every saved widget is rendered from its state,
+with the "needs a live kernel" note; a lesson page has a table of contents, previous/next
+links and a download button that serves the executed notebook.
 """
 from __future__ import annotations
 
 import functools
-import html
 import http.server
+import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -29,8 +33,17 @@ from course_browser import ARTIFACTS, chromium_context, under_ci
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+DOCS = sorted((REPO / "docs").glob("*.md"))
+MODULES = sorted(".".join(p.relative_to(REPO).with_suffix("").parts[:-1] if p.name == "__init__.py"
+                          else p.relative_to(REPO).with_suffix("").parts)
+                 for p in (REPO / "lessons_lib").rglob("*.py") if not p.stem.startswith("_") or p.name == "__init__.py")
+# Every page a reader can reach: the lessons, the documents, the API reference, the index.
+PAGES = (["index.html", "api.html", "search.html", "genindex.html", "py-modindex.html"]
+         + [f"notebooks/{p.stem}.html" for p in NOTEBOOKS] + [f"docs/{p.stem}.html" for p in DOCS]
+         + [f"api/{m}.html" for m in MODULES])
 BUILD_TIMEOUT_S = 1200
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+NEEDS = ("sphinx", "myst_nb", "sphinx_book_theme")
 
 
 def _tell(config, line: str) -> None:
@@ -42,12 +55,18 @@ def _tell(config, line: str) -> None:
             reporter.write_line(line)
 
 
+def _missing_or_fail(msg: str):
+    pytest.fail(f"CI=true but the site cannot be built: {msg}", pytrace=False) if under_ci() else pytest.skip(msg)
+
+
 @pytest.fixture(scope="session")
 def site(tmp_path_factory, request) -> Path:
     """Build the site once per session into a temp dir (``make site`` builds into site/)."""
     if shutil.which("npm") is None:
-        msg = "npm is needed to fetch the site's widget JS (apt-get install npm)"
-        pytest.fail(msg) if under_ci() else pytest.skip(msg)
+        _missing_or_fail("npm is needed to fetch the site's widget JS (apt-get install npm)")
+    missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        _missing_or_fail(f"{', '.join(missing)} not installed: make setup (requirements.txt, site block)")
     out = tmp_path_factory.mktemp("site")
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "build_site.py"), "--out", str(out)],
@@ -57,9 +76,14 @@ def site(tmp_path_factory, request) -> Path:
         pytest.fail(f"tools/build_site.py exited {proc.returncode}:\n{log[-4000:]}", pytrace=False)
     _tell(request.config, f"\n[site] built {len(NOTEBOOKS)} lessons in {time.monotonic() - t0:.1f} s")
     for line in proc.stdout.splitlines():
-        if line.startswith("executed"):
+        if line.startswith(("executed", "sphinx-build", "site built")):
             _tell(request.config, f"[site]   {line}")
     return out
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -75,89 +99,170 @@ def site_url(site):
         server.server_close()
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")  # Playwright's driver holds an asyncio loop: stop it with this module
 def site_browser(tmp_path_factory):
     with chromium_context(tmp_path_factory.mktemp("site-chromium")) as context:
         yield context
 
 
-def _first_heading(nb_path: Path) -> str:
-    nb = nbformat.read(nb_path, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            for line in cell.source.splitlines():
-                if line.startswith("# "):
-                    return line[2:].strip()
-    return nb_path.stem
+def _open(context, url: str, wait: str = "networkidle"):
+    """Open ``url``; return the page and the problems seen: console errors, page errors, failed
+    requests, HTTP errors, and any request that would leave the page's origin (aborted here)."""
+    page = context.new_page()
+    problems, origin = [], "{0.scheme}://{0.netloc}".format(urlparse(url))
 
+    def local(u: str) -> bool:
+        return u.startswith((origin + "/", "data:", "blob:", "about:"))
+
+    def abort_remote(route):
+        problems.append(f"non-local request: {route.request.url[:120]}")
+        route.abort()
+
+    page.route(lambda u: not local(u), abort_remote)
+    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url[:120]} ({r.failure})")
+            if local(r.url) else None)
+    page.on("response", lambda r: problems.append(f"HTTP {r.status}: {r.url[:120]}") if r.status >= 400 else None)
+    page.goto(url, wait_until="load")
+    page.wait_for_load_state(wait)
+    return page, problems
+
+
+# ---------------------------------------------------------------- the files (no browser)
 
 def test_notebooks_exist():
     assert NOTEBOOKS, "notebooks/ holds no lesson: nothing to publish"
 
 
-def test_index_lists_every_lesson_with_goals(site):
-    index = (site / "index.html").read_text(encoding="utf-8")
-    sections = dict(re.findall(r'<section class="lesson" data-notebook="([^"]+)">(.*?)</section>', index, re.S))
-    assert list(sections) == [p.name for p in NOTEBOOKS], "index must list every lesson, in file order"
+def test_every_source_has_a_page(site):
+    missing = [p for p in PAGES if not (site / p).is_file()]
+    assert not missing, f"pages not built: {missing}"
+    for doc in ("claims", "article"):  # being written: on the site as soon as they exist
+        if (REPO / "docs" / f"{doc}.md").is_file():
+            assert (site / "docs" / f"{doc}.html").is_file()
+
+
+_REMOTE_LOAD = re.compile(r"""<(?:script|img|iframe|source|audio|video|embed)\b[^>]*\bsrc=["']?(?:https?:)?//"""
+                          r"""|<link\b[^>]*\bhref=["']?(?:https?:)?//[^>]*>|@import\s+(?:url\()?["']?(?:https?:)?//"""
+                          r"""|url\(["']?(?:https?:)?//""", re.I)
+
+
+def test_no_page_or_style_loads_from_the_internet(site):
+    """Every HTML, CSS and JS file the site serves: nothing is loaded by URL from elsewhere
+    (links a reader may follow are fine; a <link> to a stylesheet or font is not)."""
+    offenders = []
+    for path in site.rglob("*"):
+        if path.suffix not in (".html", ".css") or not path.is_file():
+            continue
+        for m in _REMOTE_LOAD.finditer(path.read_text(encoding="utf-8", errors="replace")):
+            tag = m.group(0)
+            if tag.lower().startswith("<link") and re.search(r"""rel=["']?(?:canonical|license|author)""", tag):
+                continue
+            offenders.append(f"{path.relative_to(site)}: {tag[:120]}")
+    assert not offenders, "remote loads:\n" + "\n".join(offenders[:20])
+
+
+# ---------------------------------------------------------------- every page in Chromium
+
+@pytest.mark.parametrize("rel", PAGES)
+def test_page_opens_clean(rel, site, site_url, site_browser):
+    page, problems = _open(site_browser, f"{site_url}/{rel}")
+    images = page.evaluate("() => [...document.images].filter(i => !(i.complete && i.naturalWidth > 0))"
+                           ".map(i => i.src.slice(0, 100))")
+    title = page.title()
+    page.close()
+    assert not problems, f"{rel}:\n" + "\n".join(problems)
+    assert not images, f"{rel}: images that did not render: {images}"
+    assert title.strip(), f"{rel} has no title"
+
+
+def test_sidebar_reaches_every_lesson(site, site_url, site_browser):
+    page, problems = _open(site_browser, f"{site_url}/index.html")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "site_index.png"), full_page=False)
+    hrefs = page.evaluate("() => [...document.querySelectorAll('.bd-sidebar-primary nav.bd-docs-nav a')]"
+                          ".map(a => new URL(a.getAttribute('href'), location.href).pathname)")
+    # Follow each lesson link from the sidebar: it must land on that lesson.
+    landed = {}
     for nb_path in NOTEBOOKS:
-        body = sections[nb_path.name]
-        page = f"notebooks/{nb_path.stem}.html"
-        assert f'href="{page}"' in body and (site / page).is_file(), f"{nb_path.name}: no page {page}"
-        assert html.escape(_first_heading(nb_path)) in body, f"{nb_path.name}: index title is not its # heading"
-        goals = re.findall(r"<li>(.*?)</li>", re.search(r'<ul class="goals">(.*?)</ul>', body, re.S)[1], re.S)
-        assert goals and "no Goals section" not in body, f"{nb_path.name}: no Goals parsed from the notebook"
-    figures = REPO / "figures"
-    if figures.is_dir():
-        missing = [f.name for f in figures.iterdir() if f.is_file() and not (site / "figures" / f.name).is_file()]
-        assert not missing, f"figures not copied into the site: {missing}"
+        link = page.locator(f'.bd-sidebar-primary nav.bd-docs-nav a[href$="notebooks/{nb_path.stem}.html"]')
+        if link.count():
+            link.first.click()
+            page.wait_for_load_state("load")
+            landed[nb_path.stem] = page.locator("article h1").first.inner_text()
+            page.go_back(wait_until="load")
+    page.close()
+    assert not problems, "\n".join(problems)
+    for nb_path in NOTEBOOKS:
+        assert f"/notebooks/{nb_path.stem}.html" in hrefs, f"{nb_path.stem} is not in the index's sidebar"
+        assert _first_heading(nb_path) in landed.get(nb_path.stem, ""), f"the sidebar link of {nb_path.stem} lands elsewhere"
+    for doc in DOCS:
+        assert f"/docs/{doc.stem}.html" in hrefs, f"docs/{doc.name} is not in the sidebar"
+    assert "/api.html" in hrefs, "the API reference is not in the sidebar"
 
 
-# In the page: every <img> decoded (complete, non-zero natural size), and each saved widget view
-# replaced by live widget DOM from the html-manager.
-PAGE_STATE_JS = """() => ({
-    images: [...document.images].map(i => ({src: i.src.slice(0, 80), ok: i.complete && i.naturalWidth > 0,
+def _first_heading(nb_path: Path) -> str:
+    for cell in nbformat.read(nb_path, as_version=4).cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip().replace("`", "")
+    return nb_path.stem
+
+
+def _search_results(page) -> list[str]:
+    page.wait_for_function("() => /found|did not match/i.test((document.querySelector('#search-results') || {}).innerText || '')",
+                           timeout=30_000)
+    return page.evaluate("() => [...document.querySelectorAll('#search-results ul.search li a')]"
+                         ".map(a => new URL(a.getAttribute('href'), location.href).pathname)")
+
+
+def test_search_finds_cu_seqlens_on_lessons_01_and_03(site, site_url, site_browser):
+    lessons = [p.stem for p in NOTEBOOKS if p.stem.startswith(("01_", "03_"))]
+    assert len(lessons) == 2, f"expected one lesson 01 and one lesson 03, got {lessons}"
+    # The real UI: the search button opens the dialog, type, Enter.
+    page, problems = _open(site_browser, f"{site_url}/index.html")
+    page.locator(".search-button-field").first.click()
+    box = page.locator(".search-button__search-container input[name='q']")
+    box.fill("cu_seqlens")
+    box.press("Enter")
+    page.wait_for_url(re.compile(r"search\.html\?q=cu_seqlens"))
+    page.wait_for_load_state("networkidle")
+    found = _search_results(page)
+    page.close()
+    # The results page on its own, as a link to it would open it.
+    page2, problems2 = _open(site_browser, f"{site_url}/search.html?q=cu_seqlens")
+    found2 = _search_results(page2)
+    page2.close()
+    assert not problems + problems2, "\n".join(problems + problems2)
+    for stem in lessons:
+        assert f"/notebooks/{stem}.html" in found, f"search for cu_seqlens does not find {stem}: {found}"
+        assert f"/notebooks/{stem}.html" in found2, f"search.html?q=cu_seqlens does not list {stem}: {found2}"
+
+
+# In a lesson: every <img> decoded (complete, non-zero natural size), each saved widget view
+# replaced by live widget DOM from the html-manager, and the book's page furniture.
+LESSON_STATE_JS = """() => ({
+    images: [...document.images].map(i => ({src: i.src.slice(0, 100), ok: i.complete && i.naturalWidth > 0,
                                              w: i.naturalWidth, h: i.naturalHeight})),
     views: [...document.querySelectorAll('script[type="%s"]')].map(s =>
         !!s.parentElement.querySelector('.widget-subarea .lm-Widget, .widget-subarea .jupyter-widgets')),
     note: !!document.querySelector('.course-widget-note'),
+    toc: [...document.querySelectorAll('.bd-sidebar-secondary nav.page-toc a')].length,
+    prev: (document.querySelector('.prev-next-area a.left-prev') || {}).href || null,
+    next: (document.querySelector('.prev-next-area a.right-next') || {}).href || null,
+    download: [...document.querySelectorAll('.dropdown-download-buttons a')].map(a => a.href).filter(h => h.endsWith('.ipynb')),
     dbxCounts: (document.querySelector('.dbx-counts') || {}).innerText || null,
     frxFlops: (document.querySelector('.frx-flops') || {}).innerText || null,
 })""".replace("%s", WIDGET_VIEW)
 
 
-def _open(context, url: str):
-    page = context.new_page()
-    problems, origin = [], "{0.scheme}://{0.netloc}".format(urlparse(url))
-    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-    page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url[:120]} ({r.failure})"))
-    page.on("response", lambda r: problems.append(f"HTTP {r.status}: {r.url[:120]}") if r.status >= 400 else None)
-    page.on("request", lambda r: problems.append(f"non-local request: {r.url[:120]}")
-            if r.url.startswith(("http:", "https:", "ws:", "wss:")) and not r.url.startswith(origin) else None)
-    page.goto(url, wait_until="load")
-    page.wait_for_load_state("networkidle")
-    return page, problems
-
-
-def test_index_page_renders(site, site_url, site_browser):
-    page, problems = _open(site_browser, f"{site_url}/index.html")
-    links = page.locator("section.lesson h2 a").count()
-    page.close()
-    assert not problems, "\n".join(problems)
-    assert links == len(NOTEBOOKS)
-
-
 @pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_lesson_page_renders(nb_path, site, site_url, site_browser):
-    html_path = site / "notebooks" / f"{nb_path.stem}.html"
-    source = html_path.read_text(encoding="utf-8")
-    n_views = source.count(f'<script type="{WIDGET_VIEW}">')
-    page, problems = _open(site_browser, f"{site_url}/notebooks/{html_path.name}")
+def test_lesson_page(nb_path, site, site_url, site_browser):
+    rel = f"notebooks/{nb_path.stem}.html"
+    n_views = (site / rel).read_text(encoding="utf-8").count(f'<script type="{WIDGET_VIEW}">')
+    page, problems = _open(site_browser, f"{site_url}/{rel}")
     if n_views:  # the html-manager renders after load; give it a few seconds on 2 cores
         try:
             page.wait_for_function(
@@ -167,15 +272,21 @@ def test_lesson_page_renders(nb_path, site, site_url, site_browser):
         except Exception:
             pass  # reported by the assertions below, with what did render
         page.wait_for_load_state("networkidle")
-    state = page.evaluate(PAGE_STATE_JS)
+    state = page.evaluate(LESSON_STATE_JS)
+    notebook = None
+    if state["download"]:
+        resp = page.request.get(state["download"][0])
+        notebook = nbformat.reads(resp.text(), as_version=4) if resp.ok else None
     shots = ARTIFACTS / "site"
     shots.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(shots / f"{nb_path.stem}.png"), full_page=True)
+    if nb_path.stem.startswith("03_"):
+        page.screenshot(path=str(ARTIFACTS / "site_lesson03.png"), full_page=False)
     page.close()
 
-    assert not problems, f"{html_path.name}:\n" + "\n".join(problems)
+    assert not problems, f"{rel}:\n" + "\n".join(problems)
     broken = [i for i in state["images"] if not i["ok"]]
-    assert not broken, f"{html_path.name}: images that did not render: {broken}"
+    assert not broken, f"{rel}: images that did not render: {broken}"
     assert state["images"], f"{nb_path.name} shows no figure on its page"
     md_figures = re.findall(r"(?:!\[[^\]]*\]\(|<img[^>]*src=[\"'])([^)\"'\s]+)",
                             "\n".join(c.source for c in nbformat.read(nb_path, as_version=4).cells
@@ -183,16 +294,60 @@ def test_lesson_page_renders(nb_path, site, site_url, site_browser):
     for ref in md_figures:
         if ref.startswith(("attachment:", "data:")):
             continue  # embedded in the page, no file name to look for
-        name = ref.split("/")[-1]
-        assert any(name in i["src"] for i in state["images"]), f"{nb_path.name}: markdown figure {ref} not on the page"
+        stem = Path(ref).stem  # Sphinx serves it from _images/, under its own name
+        assert any(stem in i["src"] for i in state["images"]), \
+            f"{nb_path.name}: markdown figure {ref} not on the page"
     assert len(state["views"]) == n_views
-    assert all(state["views"]), f"{html_path.name}: {state['views'].count(False)} of {n_views} saved widgets did not render"
+    assert all(state["views"]), f"{rel}: {state['views'].count(False)} of {n_views} saved widgets did not render"
     if n_views:
-        assert state["note"], f"{html_path.name} has widgets but no 'needs a live kernel' note"
+        assert state["note"], f"{rel} has widgets but no 'needs a live kernel' note"
     if state["dbxCounts"] is not None:  # lesson 03's explorer, drawn from saved state
         assert re.search(r"varlen: computed \d+ \| useful \d+ \| wasted 0", state["dbxCounts"]), state["dbxCounts"]
     if state["frxFlops"] is not None:   # lesson 05's explorer
         assert re.fullmatch(r"linear \d+ \| attention \d+ \| dominant (linear|attention)", state["frxFlops"].strip())
+    # The book's furniture: contents of the page, previous/next, the notebook to download.
+    assert state["toc"] >= 2, f"{rel}: no table of contents for the page"
+    i = NOTEBOOKS.index(nb_path)
+    assert state["prev"], f"{rel}: no link to the previous page"
+    if i + 1 < len(NOTEBOOKS):
+        assert state["next"] and state["next"].endswith(f"notebooks/{NOTEBOOKS[i + 1].stem}.html"), \
+            f"{rel}: next is {state['next']}, not {NOTEBOOKS[i + 1].stem}"
+    if i:
+        assert state["prev"].endswith(f"notebooks/{NOTEBOOKS[i - 1].stem}.html"), f"{rel}: prev is {state['prev']}"
+    assert notebook is not None, f"{rel}: no download button serving the notebook ({state['download']})"
+    assert len(notebook.cells) == len(nbformat.read(nb_path, as_version=4).cells)
+    assert any(c.get("outputs") for c in notebook.cells if c.cell_type == "code"), "the download is not the executed lesson"
+
+
+def test_api_reference_links_lessons_and_source(site):
+    """A lesson's "Uses" names link into the API reference; API entries link to their source."""
+    lesson = (site / "notebooks" / f"{NOTEBOOKS[0].stem}.html").read_text(encoding="utf-8")
+    assert re.search(r'href="\.\./api/lessons_lib\.[\w.]+\.html#[^"]*"', lesson), "no lesson -> API link"
+    batch = site / "api" / "lessons_lib.core.batch.html"
+    assert 'href="../_modules/lessons_lib/core/batch.html' in batch.read_text(encoding="utf-8"), "no API -> source link"
+    assert (site / "_modules" / "lessons_lib" / "core" / "batch.html").is_file()
+
+
+# ---------------------------------------------------------------- the checker can fail
+
+def test_the_checks_catch_a_cdn_script_and_a_broken_image(tmp_path, site_browser):
+    """The page checks above fail on what they are meant to catch: a script from a CDN (aborted,
+    never sent) and a missing image."""
+    (tmp_path / "bad.html").write_text('<!DOCTYPE html><html><head><title>bad</title><link rel="icon" href="data:,">'
+                                       '<script src="https://cdn.jsdelivr.net/npm/requirejs@2.3.8/require.js"></script>'
+                                       '</head><body><img src="missing.png"></body></html>')
+    handler = functools.partial(_QuietHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        page, problems = _open(site_browser, f"http://127.0.0.1:{server.server_address[1]}/bad.html", wait="load")
+        page.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert any(p.startswith("non-local request: https://cdn.jsdelivr.net") for p in problems), problems
+    assert any("HTTP 404" in p and "missing.png" in p for p in problems), problems
+    assert _REMOTE_LOAD.search((tmp_path / "bad.html").read_text())
 
 
 # ---------------------------------------------------------------- build_site units (no browser)
@@ -239,16 +394,34 @@ def test_sliced_poll_waits_in_short_slices():
     assert clock["t"] == pytest.approx(3.0) and max(asked) <= build_site.POLL_SLICE_S
 
 
-@pytest.mark.parametrize("head", ["## Goals", "**Goals.** After this lesson you can", "**Goals**", "Goals:"])
-def test_goals_parsed_from_each_heading_style(tmp_path, head):
+def test_staging_folds_hidden_cells_and_mirrors_the_repo(tmp_path):
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_markdown_cell(f"# Lesson 09 · Title\n*Sub title.*\n\n{head}\n- first goal;\n"
-                                              "- second goal, wrapped\n  over two lines;\n\n**Uses** `x`")]
-    path = tmp_path / "09_x.ipynb"
-    nbformat.write(nb, path)
-    lesson = build_site.read_lesson(path)
-    assert (lesson.title, lesson.subtitle) == ("Lesson 09 · Title", "*Sub title.*")
-    assert lesson.goals == ["first goal;", "second goal, wrapped over two lines;"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# Lesson 09 · x"), nbformat.v4.new_code_cell("1")]
+    nb.cells[1].metadata["jupyter"] = {"source_hidden": True}
+    (tmp_path / "nbs").mkdir()
+    nbformat.write(nb, tmp_path / "nbs" / "09_x.ipynb")
+    staged = build_site.stage(tmp_path / "src", tmp_path / "nbs", with_js=False)
+    assert [p.name for p in staged] == ["09_x.ipynb"]
+    assert nbformat.read(staged[0], as_version=4).cells[1].metadata["tags"] == ["hide-input"]
+    for name in ("conf.py", "index.md", "api.md", "figures", "docs"):
+        assert (tmp_path / "src" / name).exists(), name
+
+
+def test_docs_toctree_puts_claims_and_article_first(tmp_path):
+    spec = importlib.util.spec_from_file_location("site_conf", REPO / "tools" / "site_assets" / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    (tmp_path / "docs").mkdir()
+    app = type("App", (), {"srcdir": str(tmp_path)})()
+    for names, want in ((["zeta", "benchmarks", "claims"], ["claims", "benchmarks", "zeta"]),
+                        (["article", "bad_inputs", "claims"], ["claims", "article", "bad_inputs"])):
+        for f in (tmp_path / "docs").glob("*.md"):
+            f.unlink()
+        for n in names:
+            (tmp_path / "docs" / f"{n}.md").write_text(f"# {n}\n")
+        source = ["```{toctree}\n<!-- course-docs -->\n```"]
+        conf._docs_toctree(app, "index", source)
+        assert source[0] == "```{toctree}\n" + "\n".join(f"docs/{n}" for n in want) + "\n```"
 
 
 def test_build_rejects_an_empty_notebooks_folder(tmp_path):
@@ -261,3 +434,13 @@ def test_build_never_overwrites_a_folder_it_did_not_make(tmp_path):
     with pytest.raises(build_site.BuildError, match="refusing to overwrite"):
         build_site.build(tmp_path, notebooks=REPO / "notebooks")
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def test_widget_state_saved_in_the_executed_lessons(site):
+    """The widget state the pages render from is in the executed notebooks the site serves."""
+    with_widgets = 0
+    for nb_path in NOTEBOOKS:
+        served = json.loads((site / "_sources" / "notebooks" / nb_path.name).read_text(encoding="utf-8"))
+        state = served.get("metadata", {}).get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
+        with_widgets += bool(state.get("state"))
+    assert with_widgets, "no lesson saved any widget state"

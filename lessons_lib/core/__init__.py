@@ -12,18 +12,28 @@ Read in this order:
   validate   every argument check, run once at the public entry points
 
 Nothing here imports the TP runtime, the serving engine, the measurements or the course.
+
+``LESSONS_TEST_HOOK``: tests name a module here to swap a piece of the engine (a kernel's
+contract double, a deliberately broken layer); it is imported once the engine is loaded, in
+this process and in every spawned TP worker (they inherit the environment).
 """
-from .attention import VarlenMetadata, attention, attention_ref, block_diag_mask, plain_attention, varlen_attention
+import importlib as _importlib
+import os as _os
+
+from .attention import VarlenMetadata, attention_forward, attention_ref, block_diag_mask, plain_attention, varlen_attention
 from .batch import PackedBatch, cumulative, pack, pad, pad_input, seq_lens_to_cu_seqlens, unpack, unpad_input
 from .config import ModelConfig
 from .groups import CollectiveRecord, DistGroup, LocalGroup
-from .kernels import BACKENDS, available_backends, resolve_backend
+from .kernels import BACKENDS, available_backends, placement, resolve_backend
 from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from .model import Transformer, init_weights
 from .validate import check_cu_seqlens
 
-__all__ = ["VarlenMetadata", "attention", "attention_ref", "block_diag_mask", "plain_attention", "varlen_attention",
+__all__ = ["VarlenMetadata", "attention_forward", "attention_ref", "block_diag_mask", "plain_attention", "varlen_attention",
            "PackedBatch", "cumulative", "pack", "pad", "pad_input", "seq_lens_to_cu_seqlens", "unpack", "unpad_input",
            "ModelConfig", "CollectiveRecord", "DistGroup", "LocalGroup", "BACKENDS", "available_backends",
-           "resolve_backend", "ColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear", "Transformer",
+           "resolve_backend", "placement", "ColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear", "Transformer",
            "init_weights", "check_cu_seqlens"]
+
+if _os.environ.get("LESSONS_TEST_HOOK"):
+    _importlib.import_module(_os.environ["LESSONS_TEST_HOOK"])

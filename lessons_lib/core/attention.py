@@ -20,8 +20,9 @@ Causal masking with ``L_k > L_q`` is aligned bottom-right (query i sees keys up 
 ``i + L_k - L_q``), as in FlashAttention >= 2.1.
 
 ``varlen_attention`` is the public entry: it checks everything once (``validate``). A model
-builds one ``VarlenMetadata`` per forward and calls ``attention`` in every layer: no checks and
-no device sync there.
+builds one ``VarlenMetadata`` per forward and calls ``attention_forward`` in every layer: no
+checks and no device sync there. A backend may also be your own function with FlashAttention's
+contract for causal self-attention, ``fn(q, k, v, cu_seqlens, max_seqlen) -> [T, H, D]``.
 
 Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
 """
@@ -201,15 +202,18 @@ IMPLS = {"loop": _loop, "masked": _masked, "padded": _padded, "sdpa": _sdpa, "fl
          "torch_varlen": _torch_varlen}
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, meta: VarlenMetadata, backend: str, *, causal: bool = True,
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, meta: VarlenMetadata, backend, *, causal: bool = True,
               softmax_scale: float | None = None) -> Tensor:
     """The per-layer call: ``q [T_q, H, D]``, ``k, v [T_k, H, D]`` → ``[T_q, H, D]``.
 
     ``backend`` must already be resolved (``resolve_backend``) and the inputs valid: nothing is
-    checked here, so nothing waits for the device.
+    checked here, so nothing waits for the device. A callable backend gets
+    ``(q, k, v, cu_seqlens, max_seqlen)`` (causal self-attention, FlashAttention's layout).
     """
     if q.shape[0] == 0:
         return q.new_empty(q.shape)
+    if callable(backend):
+        return backend(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     return IMPLS[backend](q, k, v, meta, causal, scale)
 
@@ -232,7 +236,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     name = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
     meta = VarlenMetadata(cu_seqlens_q, cu_seqlens_k, max_seqlen_q or max(lengths(cu_q)),
                           max_seqlen_k or max(lengths(cu_k)), cu_q, cu_k)
-    return attention(q, k, v, meta, name, causal=causal, softmax_scale=softmax_scale)
+    return attention_forward(q, k, v, meta, name, causal=causal, softmax_scale=softmax_scale)
 
 
 def attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None = None, *,
@@ -246,7 +250,7 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
     q, k, v = (x.to(upcast_dtype) for x in (q, k, v))
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     cu_q, cu_k = check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, causal, softmax_scale)
-    return attention(q, k, v, VarlenMetadata(cu_seqlens_q, cu_seqlens_k, 0, 0, cu_q, cu_k), "padded",
+    return attention_forward(q, k, v, VarlenMetadata(cu_seqlens_q, cu_seqlens_k, 0, 0, cu_q, cu_k), "padded",
                      causal=causal, softmax_scale=softmax_scale)
 
 

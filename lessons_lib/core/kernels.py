@@ -9,6 +9,11 @@ precision only); the head dim (≤ 256, a multiple of 8). PyTorch renamed the ca
 the function's signature, never from a version string.
 
 ``auto`` takes, in order: on CUDA flash → torch_varlen → sdpa; on the CPU sdpa.
+``placement`` gives the engine's defaults: CUDA in bfloat16 when a GPU is present, else the
+CPU in float32; explicit arguments win.
+
+A test swaps a kernel for a contract double (same signature and preconditions, computed with
+the reference) by replacing its ``KERNELS`` entry (see ``LESSONS_TEST_HOOK`` in ``core``).
 
 Taught in notebooks/00_setup_one_request.ipynb and notebooks/03_masked_vs_varlen_attention.ipynb.
 """
@@ -78,6 +83,18 @@ KERNELS = {"flex": Kernel(_load_flex, devices=("cpu", "cuda"), dtypes=None, min_
            "flash": Kernel(_load_flash), "torch_varlen": Kernel(_load_torch_varlen)}
 
 
+def placement(device=None, dtype: torch.dtype | None = None) -> tuple[torch.device, torch.dtype]:
+    """``(device, dtype)``: given values win; else CUDA + bfloat16 with a GPU, CPU + float32 without."""
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    return device, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU): timings must include the kernels."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _refusal(kernel: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
     if device.type not in kernel.devices:
         return f"{'/'.join(d.upper() if d == 'cuda' else d for d in kernel.devices)} only (device is {device.type})"
@@ -109,7 +126,10 @@ def available_backends(device="cpu", dtype: torch.dtype = torch.float32,
 
 
 def resolve_backend(backend: str, device="cpu", dtype: torch.dtype = torch.float32, head_dim: int | None = None) -> str:
-    """``"auto"`` → the first available of ``AUTO_ORDER``; a named backend → itself, if it runs here."""
+    """``"auto"`` → the first available of ``AUTO_ORDER``; a named backend → itself, if it runs here;
+    your own function (see ``attention``) → itself."""
+    if callable(backend):
+        return backend
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {('auto',) + BACKENDS}")
     if backend in PURE:

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import VarlenMetadata, attention, padded_attention
+from .attention import VarlenMetadata, attention_forward, padded_attention
 from .batch import PackedBatch, pack
 from .config import ModelConfig, as_config
 from .groups import LocalGroup
@@ -159,7 +159,7 @@ class Transformer(nn.Module):
         meta = VarlenMetadata(batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen, cu, cu)
 
         def attn(q, k, v):
-            return attention(q, k, v, meta, backend, causal=True)
+            return attention_forward(q, k, v, meta, backend, causal=True)
 
         x = self.embed(batch)  # [T, d]
         for block in self.layers:

@@ -1,38 +1,83 @@
-"""Claim cells: one ``✓`` line when a claim holds, an AssertionError with the numbers when not.
+"""Claim cells: a small table of named checks, then one ``✓`` line, or an error with the numbers.
+
+A claim cell builds its checks as rows ``(check, value, expected)`` and calls
+``claim(id, text, rows)``. The table shows what is proved; a row whose value differs from its
+expected value makes the cell fail with an AssertionError that names the claim and the row:
+
+    check                         value    expected
+    ✓ computed cells per head      1600    1600
+    ✓ wasted                        600    600
+    ✓ C8 masked: computed 1600, useful 1000, wasted 600
+
+``expected`` may be a value (compared with ``==``) or a ``Bound`` such as ``at_most(x)``.
+``close`` compares two float computations by the one tolerance rule of ``measure.tolerance``.
 
 Used by every lesson in notebooks/ and by the tests.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
+from ..measure.tolerance import assert_close, max_abs_diff
 
-def _fmt(numbers: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in numbers.items())
+__all__ = ["Bound", "at_least", "at_most", "claim", "close", "max_abs_diff", "check_rows"]
 
 
-def claim(claim_id: str, text: str, ok: bool, **numbers) -> None:
-    """Print ``✓ <id> <text>`` if ``ok``; otherwise raise AssertionError naming the claim and numbers."""
-    if not ok:
-        raise AssertionError(f"✗ {claim_id} FAILED: {text}" + (f" ({_fmt(numbers)})" if numbers else ""))
+@dataclass(frozen=True)
+class Bound:
+    """An expected value that is a condition: ``holds(value)`` and how to print it."""
+
+    text: str
+    holds: Callable[[object], bool]
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def at_most(limit, unit: str = "") -> Bound:
+    return Bound(f"≤ {_fmt(limit)}{unit}", lambda v: v <= limit)
+
+
+def at_least(limit, unit: str = "") -> Bound:
+    return Bound(f"≥ {_fmt(limit)}{unit}", lambda v: v >= limit)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e-3 or abs(v) >= 1e6 else f"{v:,.4g}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+def _ok(value, expected) -> bool:
+    return expected.holds(value) if isinstance(expected, Bound) else value == expected
+
+
+def check_rows(rows) -> list[tuple[str, object, object, bool]]:
+    """``[(check, value, expected, ok), ...]`` for rows ``(check, value, expected)``."""
+    return [(name, value, expected, bool(_ok(value, expected))) for name, value, expected in rows]
+
+
+def claim(claim_id: str, text: str, rows) -> None:
+    """Print the checks as a table and ``✓ <id> <text>``; raise AssertionError on the first failed row."""
+    checked = check_rows(rows)
+    width = max([len("check")] + [len(n) for n, *_ in checked])
+    lines = [f"  {'check':<{width}}  {'value':>14}  expected"]
+    lines += [f"{'✓' if ok else '✗'} {n:<{width}}  {_fmt(v):>14}  {_fmt(e)}" for n, v, e, ok in checked]
+    failed = [(n, v, e) for n, v, e, ok in checked if not ok]
+    if failed:
+        n, v, e = failed[0]
+        raise AssertionError(f"✗ {claim_id} FAILED: {text}\n  check {n!r}: got {_fmt(v)}, expected {_fmt(e)}\n"
+                             + "\n".join(lines))
+    print("\n".join(lines))
     print(f"✓ {claim_id} {text}")
 
 
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        raise AssertionError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
-    if a.numel() == 0:
-        return 0.0
-    return (a.detach().double() - b.detach().double()).abs().max().item()
-
-
-def close(a: torch.Tensor, b: torch.Tensor, what: str, atol: float = 1e-5, rtol: float = 0.0) -> float:
-    """Assert ``|a - b| <= atol + rtol * |b|`` elementwise; return the max abs difference.
-
-    The error message names ``what`` and gives the max abs difference and the tolerance,
-    so a learner sees how far off a broken engine is.
-    """
-    diff = max_abs_diff(a, b)
-    if not torch.allclose(a.detach().double(), b.detach().double(), atol=atol, rtol=rtol, equal_nan=False):
-        raise AssertionError(f"{what}: max abs diff {diff:.3e} exceeds atol={atol:g}, rtol={rtol:g}")
-    return diff
+def close(out: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor, what: str) -> tuple[float, float]:
+    """``out`` against the float64 truth ``ref64``, allowed twice the error of the trusted ``ref``
+    plus rounding (``measure.tolerance``). Returns ``(error, bound)``; raises with both if it fails."""
+    return assert_close(out, ref, ref64, what)

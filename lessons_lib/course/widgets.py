@@ -142,7 +142,7 @@ def flat_batch_explorer(lengths: str = "10, 30"):
 
 
 # ---------------------------------------------------------------------------------------------
-# Lesson 03: the diagonal-block explorer (contract: /work/briefs/widget_contract.md).
+# Lesson 03: the diagonal-block explorer (its CSS classes and text are read by tests/browser).
 
 def explorer_seq_lens(num_requests: int, length: int, pattern: str) -> list[int]:
     """Request lengths for ``num_requests`` requests around a base ``length``.
@@ -200,7 +200,7 @@ def diagonal_block_explorer(num_requests: int = 2, length: int = 10, pattern: st
 
 
 # ---------------------------------------------------------------------------------------------
-# Lesson 05: the FLOP-regime explorer (contract: /work/briefs/widget_contract.md).
+# Lesson 05: the FLOP-regime explorer (its CSS classes and text are read by tests/browser).
 
 def flop_regime_state(num_requests: int, length: int) -> dict:
     """``{"seq_lens": [L]·R, "flops": forward_flops(ModelConfig(), [L]·R, "varlen")}``."""

@@ -57,7 +57,7 @@ def write_plots(result: dict, out_dir: pathlib.Path) -> list[str]:
     ax.axhline(TARGET_EFFICIENCY, color="gray", ls="--", lw=0.8)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("useful FLOPs / (time x GEMM peak)")
-    ax.set_title(f"Efficiency against the measured fp32 GEMM peak ({result['gemm_peak']['flops_per_s'] / 1e9:.0f} GFLOP/s)",
+    ax.set_title(f"Useful FLOPs / (time x {result['gemm_peak']['dtype']} GEMM sample beside each run), median of runs",
                  fontsize=9)
     ax.legend(fontsize=7, frameon=False, ncol=3)
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.1, top=0.9)
@@ -85,9 +85,10 @@ def summary_markdown(res: dict) -> str:
            f"{m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}, Python {m['python']}; "
            f"1-min load average {m['load_average_1min_at_start']} at start, {m.get('load_average_1min_at_end')} at end.  ",
            f"Model: {res['config']['n_layers']} layers, d_model {res['config']['d_model']}, {res['config']['n_heads']} heads, "
-           f"FFN {res['config']['d_ffn']}, fp32, TP=1. Scheduler: {res['scheduler']['max_num_batched_tokens']} tokens / "
+           f"FFN {res['config']['d_ffn']}, {m['dtype']} on {m['device']}, TP=1. "
+           f"Scheduler: {res['scheduler']['max_num_batched_tokens']} tokens / "
            f"{res['scheduler']['max_num_seqs']} requests per batch, FCFS.  ",
-           f"GEMM peak: {res['gemm_peak']['flops_per_s'] / 1e9:.1f} GFLOP/s (fp32 "
+           f"GEMM peak: {res['gemm_peak']['flops_per_s'] / 1e9:.1f} GFLOP/s ({res['gemm_peak']['dtype']} "
            f"[{' x '.join(map(str, res['gemm_peak']['shape'][:2]))}] @ [{' x '.join(map(str, res['gemm_peak']['shape'][1:]))}], "
            f"fastest of {len(res['gemm_peak']['samples'])} samples; median sample "
            f"{res['gemm_peak']['median_flops_per_s'] / 1e9:.1f}). Wall time of the whole run: {res['wall_s']:.0f} s.", ""]
@@ -107,8 +108,8 @@ def summary_markdown(res: dict) -> str:
     out += [f"## {t['num_requests']} requests of {t['tokens_each']} tokens, one batch", "",
             "| method | time (s) | tokens/s | efficiency |", "|---|---:|---:|---:|"]
     out += [f"| {k} | {r['time_s']:.3f} | {r['tokens_per_s']:.0f} | {r['efficiency']:.3f} |" for k, r in t["methods"].items()]
-    out += ["", f"varlen's per-request loop overhead: {t['loop_overhead_s_per_request'] * 1e6:.0f} us per request "
-            f"({t['loop_overhead_s_per_request_per_layer'] * 1e6:.1f} us per request per layer).", ""]
+    out += ["", f"padded / varlen time: {t['padded_over_varlen']:.2f}; varlen's per-request cost beyond padded: "
+            f"{t['per_request_overhead_s'] * 1e6:+.1f} us per request per forward.", ""]
     for key, sw in res["sweeps"].items():
         out += [f"## {key.upper()} sweep: {sw['what']} (attention only, one layer, causal)", "",
                 "| R | L | masked ms | masked MiB | varlen ms | varlen MiB | masked cells | varlen cells |",

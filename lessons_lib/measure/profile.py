@@ -7,8 +7,8 @@ of ``flops``; tests never assert a timing.
 - ``time_call`` / ``peak_bytes``: fastest-of-N wall time; bytes allocated at the peak of one
   call (``torch.profiler`` memory events on the CPU, ``torch.cuda`` statistics on a GPU).
 - ``measure_attention``: one varlen backend on random q, k, v (claim C9's masked vs varlen).
-- ``forward_time_split``: a model forward split into linear layers, attention and the rest
-  (claim C14's measured counterpart).
+- ``forward_time_split``: a model forward split into linear layers, attention and the rest,
+  on the model's device (claim C14's measured counterpart).
 - ``matmul_throughput``: GFLOP/s of one linear layer against the token count (claim C13).
 
 Taught in notebooks/03_masked_vs_varlen_attention.ipynb and notebooks/05_flop_regimes.ipynb.
@@ -26,14 +26,10 @@ import torch.nn.functional as F
 
 from ..core.attention import varlen_attention
 from ..core.batch import PackedBatch, seq_lens_to_cu_seqlens
+from ..core.kernels import synchronize
 from ..core.validate import check_lengths
 
 Tensor = torch.Tensor
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, device="cpu") -> float:
@@ -42,12 +38,12 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, devic
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     for _ in range(warmup):
         fn()
-    _sync(device)
+    synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -71,11 +67,14 @@ def _quiet_native_stderr():
         os.close(devnull)
 
 
-def _profile(fn: Callable[[], object], memory: bool):
+def _profile(fn: Callable[[], object], memory: bool, device="cpu"):
     from torch.profiler import ProfilerActivity, profile
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with _quiet_native_stderr():
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=memory) as prof:
+        with profile(activities=activities, profile_memory=memory) as prof:
             fn()
+            synchronize(device)
     return prof
 
 
@@ -141,40 +140,47 @@ def measure_attention(seq_lens: Sequence[int], backend: str, n_heads: int = 8, d
 
 # Top-level operator names the profiler reports for each part of a forward.
 _LINEAR_OPS = ("aten::linear",)
-_ATTENTION_OPS = ("aten::scaled_dot_product_attention",)
+_ATTENTION_OPS = ("aten::scaled_dot_product_attention", "torch_attn::_varlen_attn",
+                  "flash_attn::_flash_attn_varlen_forward")
 
 
 def forward_time_split(model, batch: PackedBatch, repeats: int = 2) -> dict[str, float]:
-    """Seconds of one forward spent in linear layers, in attention and elsewhere.
+    """Seconds of one forward spent in linear layers, in attention and elsewhere, on the model's device.
 
-    Runs ``model.forward(batch, attn_backend="sdpa")`` under the CPU profiler (fastest of
-    ``repeats`` by total) and sums the inclusive CPU time of ``aten::linear`` and
-    ``aten::scaled_dot_product_attention``; "other" is the rest of the wall time (LayerNorm,
-    GeLU, residual adds, slicing, copies, profiler overhead). Also returns ``wall`` measured
-    without the profiler. On a GPU the CPU times would measure launches, not kernels:
-    use the CPU.
+    Runs ``model.forward(batch)`` (attention "auto") under the profiler, fastest of ``repeats``.
+    On the CPU it sums the inclusive CPU time of ``aten::linear`` and of the attention ops; on
+    CUDA the device (kernel) time under them, since CPU time there only measures launches.
+    "other" is the rest (LayerNorm, GeLU, residual adds, copies; on the CPU also profiler
+    overhead). Also returns ``wall``, timed without the profiler.
     """
     def run():
-        return model.forward(batch, attn_backend="sdpa")
+        return model.forward(batch, attn_backend="auto")
 
-    wall = time_call(run, repeats=repeats)
+    cuda = model.device.type == "cuda"
+    wall = time_call(run, repeats=repeats, device=model.device)
     best = None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        prof = _profile(run, memory=False)
-        total = time.perf_counter() - t0
+        prof = _profile(run, memory=False, device=model.device)
+        events = prof.key_averages()
+        total = (sum(_device_time(ev, self_only=True) for ev in events) if cuda else time.perf_counter() - t0)
         parts = {"linear": 0.0, "attention": 0.0}
-        for ev in prof.key_averages():
-            if ev.key in _LINEAR_OPS:
-                parts["linear"] += ev.cpu_time_total / 1e6
-            elif ev.key in _ATTENTION_OPS:
-                parts["attention"] += ev.cpu_time_total / 1e6
+        for ev in events:
+            part = "linear" if ev.key in _LINEAR_OPS else "attention" if ev.key in _ATTENTION_OPS else None
+            if part:
+                parts[part] += _device_time(ev) if cuda else ev.cpu_time_total / 1e6
         parts["other"] = max(total - parts["linear"] - parts["attention"], 0.0)
         parts["profiled_total"] = total
         if best is None or total < best["profiled_total"]:
             best = parts
     best["wall"] = wall
     return best
+
+
+def _device_time(ev, self_only: bool = False) -> float:
+    """Seconds of GPU kernel time of a profiler event (the attribute was renamed cuda → device)."""
+    name = ("self_" if self_only else "") + ("device_time_total" if hasattr(ev, "device_time_total") else "cuda_time_total")
+    return getattr(ev, name) / 1e6
 
 
 def matmul_throughput(tokens: int, d_in: int = 512, d_out: int = 2048, repeats: int = 5, device="cpu",

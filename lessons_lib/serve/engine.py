@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..core.batch import pack, pad
+from ..core.batch import cumulative, pack, pad
 from ..core.config import ModelConfig, as_config
-from ..core.kernels import resolve_backend
+from ..core.kernels import placement, resolve_backend, synchronize
 from ..core.model import Transformer, init_weights
 from ..core.validate import check_choice, check_int, check_seconds, is_int
 from ..measure.flops import METHODS, attention_cells, forward_flops
@@ -133,9 +133,12 @@ class Engine:
     ``cfg.tp_size`` describes a deployment; this argument decides what actually runs.
     method: "varlen" (default), "masked" or "padded" — see the module doc.
     attn_backend: attention backend for ``method="varlen"`` ("auto" = fastest here, see
-    ``attention.resolve_backend``). The other methods fix their own attention.
-    weights: full weights (``model.init_weights`` or ``hf.full_weights_from_hf``); default
-    ``init_weights(cfg, seed)``.
+    ``kernels.resolve_backend``), or your own ``fn(q, k, v, cu_seqlens, max_seqlen)`` (TP=1).
+    The other methods fix their own attention.
+    weights: full weights (``init_weights``, ``hf.full_weights_from_hf`` or a TP=1 model's
+    ``state_dict()``); default ``init_weights(cfg, seed)``.
+    device, dtype: where the model runs and in what precision; default CUDA + bfloat16 when a
+    GPU is present, else the CPU + float32 (``kernels.placement``). Outputs live on ``device``.
     max_num_batched_tokens, max_num_seqs: the scheduler's budgets (vLLM's meaning).
     compute_logits: also return last-token logits (``[vocab_size]`` per request).
     progress: a tqdm bar over prompt tokens; None = only for runs of >= 50,000 tokens.
@@ -148,7 +151,8 @@ class Engine:
                  weights: dict[str, Tensor] | None = None, seed: int = 0, *,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, method: str = "varlen", compute_logits: bool = True,
-                 progress: bool | None = None, tp_backend: str = "auto", tp_timeout: float = 120.0):
+                 progress: bool | None = None, tp_backend: str = "auto", tp_timeout: float = 120.0,
+                 device=None, dtype: torch.dtype | None = None):
         self.cfg = cfg = as_config(cfg)
         if not is_int(tp_size) or tp_size not in (1, 2):
             raise ValueError(f"tp_size must be 1 or 2, got {tp_size!r}")  # 2.0 == 2, but not a TP degree
@@ -161,25 +165,29 @@ class Engine:
                              f"method={method!r} fixes its own attention")
         if method == "varlen" and attn_backend in ("masked", "padded"):
             raise ValueError(f"attn_backend={attn_backend!r} is not a varlen backend: use method={attn_backend!r}")
+        if callable(attn_backend) and tp_size != 1:
+            raise ValueError("a custom attention function runs in this process only: use tp_size=1")
         if method == "padded" and tp_size != 1:
             raise ValueError("method='padded' runs Transformer.forward_padded in this process: use tp_size=1")
         check_int("seed", seed)
+        self.device, self.dtype = placement(device, dtype)
         # The TP runtime starts at the first batch: check its arguments now, not minutes later.
         check_seconds("tp_timeout", tp_timeout)
         check_choice("tp_backend", tp_backend, ("auto", "gloo", "nccl"))
         if tp_size == 2:
             from ..tp.workers import resolve_dist_backend
             try:
-                resolve_dist_backend(tp_backend, tp_size)
+                resolve_dist_backend(tp_backend, tp_size, self.device)
             except ValueError as exc:
                 raise ValueError(f"tp_backend={tp_backend!r}: {exc}") from None
         self.method, self.tp_size = method, tp_size
-        self.attn_backend = resolve_backend("masked" if method == "masked" else attn_backend, "cpu", cfg.dtype)
+        self.attn_backend = resolve_backend("masked" if method == "masked" else attn_backend, self.device, self.dtype,
+                                            cfg.d_head)
         self.scheduler = Scheduler(max_num_batched_tokens, max_num_seqs)
         self.compute_logits, self.progress = bool(compute_logits), progress
         self.weights = weights if weights is not None else init_weights(cfg, seed)
         # TP=1 runs here; under TP=2 this copy still serves the replicated LM head (and references).
-        self.model = Transformer(cfg, self.weights, attn_backend=self.attn_backend)
+        self.model = Transformer(cfg, self.weights, attn_backend=self.attn_backend, device=self.device, dtype=self.dtype)
         self._tp_kw = dict(backend=tp_backend, timeout=tp_timeout)
         self._runtime = None
         self._last_all_reduces = None
@@ -252,6 +260,7 @@ class Engine:
                 taken.extend(reqs)
                 t0 = time.perf_counter()
                 outputs.extend(self._execute(reqs, len(self.stats)))
+                synchronize(self.device)
                 wall = time.perf_counter() - t0
                 lens = [len(r) for r in reqs]
                 stats = batch_stats(self.cfg, lens, self.method, len(self.stats), wall, [r.request_id for r in reqs])
@@ -282,16 +291,15 @@ class Engine:
         seqs = [torch.tensor(r.prompt_token_ids, dtype=torch.int64) for r in reqs]
         lens = [len(r) for r in reqs]
         if self.method == "padded":
-            ids, mask = pad(seqs)                                   # [R, Lmax] each
+            ids, mask = (t.to(self.device) for t in pad(seqs))      # [R, Lmax] each
             out = self.model.forward_padded(ids, mask)               # [R, Lmax, d]
-            rows = torch.tensor(lens) - 1
-            last = out[torch.arange(len(reqs)), rows]                # [R, d]
+            last = out[torch.arange(len(reqs)), torch.tensor(lens) - 1]  # [R, d]
             full = lambda i: out[i, :lens[i]].clone()
         else:
-            batch = pack(seqs)
+            batch = pack(seqs, device=self.device)
             hidden = self._flat_forward(batch)                       # [T, d]
             last = hidden[batch.last_token_indices]                  # [R, d]
-            starts = batch.cu_seqlens.tolist()
+            starts = cumulative(lens)
             full = lambda i: hidden[starts[i]:starts[i + 1]].clone()
         logits = self.model.compute_logits(last) if self.compute_logits else None  # [R, vocab]
         return [RequestOutput(r.request_id, lens[i], last[i], None if logits is None else logits[i],
@@ -302,11 +310,11 @@ class Engine:
             return self.model(batch, attn_backend=self.attn_backend)
         if self._runtime is None:
             from ..tp.runtime import TPRuntime  # imported on first use: TP=1 engines never load the runtime
-            self._runtime = TPRuntime(self.cfg, self.weights, world_size=self.tp_size,
-                                      attn_backend=self.attn_backend, verbose=False, **self._tp_kw)
+            self._runtime = TPRuntime(self.cfg, self.weights, world_size=self.tp_size, attn_backend=self.attn_backend,
+                                      verbose=False, device=self.device.type, dtype=self.dtype, **self._tp_kw)
         result = self._runtime.forward(batch)
         self._last_all_reduces = result.all_reduce_counts[0]
-        return result.output
+        return result.output.to(self.device)
 
     def close(self) -> None:
         """Stop the TP workers (if any were started). Safe to call twice."""

@@ -1,6 +1,6 @@
 """Tensor parallelism on a real process group: TP=2 forwards of the course's model.
 
-Every rank builds ``model.Transformer(cfg, weights, group=DistGroup)`` from the SAME full
+Every rank builds ``core.model.Transformer(cfg, weights, group=DistGroup)`` from the SAME full
 weights and keeps only its shard (``linear.py``), so TP=1 and TP=2 compute the same function.
 Embeddings, LayerNorms and the LM head are replicated; the only collectives are the two
 row-parallel all-reduces per layer (attention out proj, FFN-down): exactly
@@ -22,7 +22,7 @@ import torch
 
 from ..core.batch import PackedBatch
 from ..core.config import ModelConfig, as_config
-from ..core.kernels import resolve_backend
+from ..core.kernels import placement, resolve_backend
 from ..core.model import Transformer, init_weights
 from ..core.validate import check_batch, check_int, check_seconds, check_weights
 from .trace import Fault, comm_debug_mode, traced_forward
@@ -68,10 +68,13 @@ class TPResult:
 class TPRuntime:
     """Workers that hold the model's TP shards and run forwards on request.
 
-    cfg: model sizes (default: the article's ModelConfig). weights: full state dict
-    (``model.init_weights`` / ``hf.full_weights_from_hf``), shared with the workers through a
-    file in a fresh temp dir; None = each worker builds ``init_weights(cfg, seed)`` itself.
-    world_size: TP degree (must divide n_heads and d_ffn). backend: see ``parallel.launch``.
+    cfg: model sizes (default: the article's ModelConfig). weights: full weights
+    (``init_weights``, ``hf.full_weights_from_hf`` or a TP=1 model's ``state_dict()``), shared
+    with the workers through a file in a fresh temp dir; None = each worker builds
+    ``init_weights(cfg, seed)`` itself. world_size: TP degree (must divide n_heads and d_ffn).
+    backend: "auto", "gloo" or "nccl" (``workers.resolve_dist_backend``). device, dtype: where
+    the ranks run and in what precision (default ``kernels.placement``: CUDA + bfloat16 with a
+    GPU, else the CPU + float32); outputs come back to the caller on the CPU.
     timeout: seconds allowed for startup and for each forward. comm_debug: cross-check every
     forward's trace with PyTorch's CommDebugMode (costs ≈ 1-2 s of startup per worker).
     Bad arguments (and, in ``forward``, a bad batch) raise ValueError before any worker starts
@@ -87,7 +90,7 @@ class TPRuntime:
 
     def __init__(self, cfg: ModelConfig | None = None, weights: dict[str, Tensor] | None = None, world_size: int = 2,
                  backend: str = "auto", attn_backend: str = "auto", timeout: float = 120.0, *, seed: int = 0,
-                 comm_debug: bool = False, verbose: bool = True):
+                 comm_debug: bool = False, verbose: bool = True, device=None, dtype: torch.dtype | None = None):
         self.cfg = cfg = as_config(cfg)
         _check_world_size(cfg, world_size)
         check_int("seed", seed)
@@ -95,17 +98,18 @@ class TPRuntime:
             check_weights(weights, cfg.weight_shapes())  # torch.save in the caller needs every value
         # Everything that can be refused without the workers is refused before any of them starts
         # (WorkerPool checks timeout and backend before spawning too).
-        dist_backend = resolve_dist_backend(backend, world_size)
-        resolve_backend(attn_backend, "cuda" if dist_backend == "nccl" else "cpu", cfg.dtype)
+        device, self.dtype = placement(device, dtype)
+        resolve_dist_backend(backend, world_size, device)
+        resolve_backend(attn_backend, device, self.dtype, cfg.d_head)
         t0 = time.perf_counter()
-        self._pool = WorkerPool(world_size, backend, timeout, verbose=verbose, name="TPRuntime")
+        self._pool = WorkerPool(world_size, backend, timeout, verbose=verbose, name="TPRuntime", device=device)
         self.world_size, self.backend, self.attn_backend = world_size, self._pool.backend, attn_backend
         try:
             weights_path = None
             if weights is not None:
                 weights_path = os.path.join(self._pool.workdir, "weights.pt")
                 torch.save({k: v.detach().cpu() for k, v in weights.items()}, weights_path)
-            self._pool.start(_serve, (cfg, weights_path, seed, attn_backend, bool(comm_debug)))
+            self._pool.start(_serve, (cfg, weights_path, seed, attn_backend, bool(comm_debug), self.dtype))
             info = self._pool.collect("result", what="building the model shards")
         except BaseException:
             self._pool.close(graceful=False)
@@ -124,7 +128,7 @@ class TPRuntime:
 
     def forward(self, batch: PackedBatch, *, timeout: float | None = None, fault: Fault | None = None) -> TPResult:
         """One TP forward of a flat batch: ``[T]`` tokens → ``TPResult`` (output ``[T, d_model]``)."""
-        check_batch(self.cfg, batch)  # in the caller: a bad batch must not kill a healthy runtime
+        check_batch(self.cfg, batch, dtype=self.dtype)  # in the caller: a bad batch must not kill a healthy runtime
         if fault is not None and not isinstance(fault, Fault):
             raise ValueError(f"fault must be a tp.Fault or None, got {fault!r}")
         if timeout is not None:  # after the broadcast a bad value would leave a result unread in the pipe
@@ -160,7 +164,8 @@ class TPRuntime:
 
 def tp_forward(batch: PackedBatch, world_size: int = 2, cfg: ModelConfig | None = None,
                weights: dict[str, Tensor] | None = None, backend: str = "auto", attn_backend: str = "auto",
-               timeout: float = 120.0, *, seed: int = 0, comm_debug: bool = False, verbose: bool = True) -> TPResult:
+               timeout: float = 120.0, *, seed: int = 0, comm_debug: bool = False, verbose: bool = True, device=None,
+               dtype: torch.dtype | None = None) -> TPResult:
     """One-shot TP forward: start ``TPRuntime``, run ``batch``, stop. ``startup_s`` says what
     the start cost; for repeated forwards keep a ``TPRuntime`` open instead.
 
@@ -168,9 +173,9 @@ def tp_forward(batch: PackedBatch, world_size: int = 2, cfg: ModelConfig | None 
 
     Taught in notebooks/04_tp2_invariance.ipynb.
     """
-    check_batch(as_config(cfg), batch)  # before any worker starts: a refusal costs no spawn
+    check_batch(as_config(cfg), batch, dtype=placement(device, dtype)[1])  # refused before any worker starts
     with TPRuntime(cfg, weights, world_size, backend, attn_backend, timeout, seed=seed, comm_debug=comm_debug,
-                   verbose=verbose) as rt:
+                   verbose=verbose, device=device, dtype=dtype) as rt:
         return rt.forward(batch)
 
 
@@ -183,14 +188,14 @@ def _check_world_size(cfg: ModelConfig, world_size) -> int:
 
 
 def _serve(group, channel, cfg: ModelConfig, weights_path: str | None, seed: int, attn_backend: str,
-           comm_debug: bool) -> None:
+           comm_debug: bool, dtype: torch.dtype) -> None:
     """Worker loop of TPRuntime: build the rank's shard once, then one forward per command."""
     weights = torch.load(weights_path, mmap=True, weights_only=True) if weights_path else init_weights(cfg, seed)
-    model = Transformer(cfg, weights, group=group, attn_backend=attn_backend).to(group.device)
+    model = Transformer(cfg, weights, group=group, attn_backend=attn_backend, device=group.device, dtype=dtype)
     del weights
     if comm_debug:
         comm_debug_mode()  # pay the import during startup, not in the first forward
-    channel.send({"attn_backend": resolve_backend(attn_backend, group.device, cfg.dtype)})
+    channel.send({"attn_backend": resolve_backend(attn_backend, group.device, dtype, cfg.d_head)})
     while True:
         try:
             cmd = channel.recv()

@@ -30,6 +30,7 @@ import torch
 from ..core.batch import PackedBatch, pack
 from ..core.config import ModelConfig
 from ..core.groups import CollectiveRecord
+from ..core.kernels import synchronize
 from ..core.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..core.model import Transformer, init_weights
 
@@ -126,6 +127,7 @@ def traced_forward(model: Transformer, batch: PackedBatch, *, fault: Fault | Non
         with comm:
             t0 = time.perf_counter()
             out = model(batch)  # [T, d_model]
+            synchronize(out.device)
             forward_s = time.perf_counter() - t0
     finally:
         for h in handles:
@@ -172,38 +174,44 @@ def shard_checks(group, cfg: ModelConfig, seed: int = 0, seq_lens: tuple = (10, 
     Returns this rank's row-parallel output (bias added after the all-reduce, as it should be),
     the buggy variant (bias added before the all-reduce, i.e. tp times), the column-parallel
     and QKV shards, layer 0's attention output on this rank's heads, and what CommDebugMode
-    counted for one plain all-reduce.
+    counted for one plain all-reduce. Every tensor lives on ``group.device`` (NCCL takes CUDA
+    tensors only); the results come back on the CPU.
     """
-    g = torch.Generator().manual_seed(seed)
+    g, dev = torch.Generator().manual_seed(seed), group.device
+
+    def randn(*shape, scale=1.0):  # the same values on every rank (one seed), on this rank's device
+        return (torch.randn(*shape, generator=g) * scale).to(dev)
+
     d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
-    x = torch.randn(sum(seq_lens), d, generator=g)             # [T, d], the same on every rank
-    w_row, b_row = torch.randn(d, f, generator=g) * 0.02, torch.randn(d, generator=g)
-    row = RowParallelLinear(f, d, group=group, name="check.row").load_full_(w_row, b_row)
-    h = torch.randn(x.shape[0], f, generator=g)                 # [T, f] full input of the row layer
+    x = randn(sum(seq_lens), d)                                 # [T, d], the same on every rank
+    w_row, b_row = randn(d, f, scale=0.02), randn(d)
+    row = RowParallelLinear(f, d, group=group, name="check.row").to(dev).load_full_(w_row, b_row)
+    h = randn(x.shape[0], f)                                    # [T, f] full input of the row layer
     n = f // group.world_size
     h_local = h[:, group.rank * n:(group.rank + 1) * n]         # [T, f/tp]: what this rank holds
     y_row = row(h_local)                                        # [T, d]
     partial_plus_bias = torch.nn.functional.linear(h_local, row.weight, row.bias)  # the bug: bias on every rank
     y_row_bug = group.all_reduce(partial_plus_bias, layer="check.row_bias_before_reduce")
-    w_col, b_col = torch.randn(f, d, generator=g) * 0.02, torch.randn(f, generator=g)
-    y_col = ColumnParallelLinear(d, f, group=group).load_full_(w_col, b_col)(x)  # [T, f/tp]
-    w_qkv, b_qkv = torch.randn(3 * k, d, generator=g) * 0.02, torch.randn(3 * k, generator=g)
-    qkv = QKVParallelLinear(d, cfg.n_heads, cfg.d_head, group=group).load_full_(w_qkv, b_qkv)
+    w_col, b_col = randn(f, d, scale=0.02), randn(f)
+    y_col = ColumnParallelLinear(d, f, group=group).to(dev).load_full_(w_col, b_col)(x)  # [T, f/tp]
+    w_qkv, b_qkv = randn(3 * k, d, scale=0.02), randn(3 * k)
+    qkv = QKVParallelLinear(d, cfg.n_heads, cfg.d_head, group=group).to(dev).load_full_(w_qkv, b_qkv)
     y_qkv = qkv(x)                                              # [T, 3·H_local·D]
 
-    model = Transformer(cfg, init_weights(cfg, seed), group=group)
+    model = Transformer(cfg, init_weights(cfg, seed), group=group, device=dev)
     captured = {}
     handle = model.layers[0].attn.out_proj.register_forward_pre_hook(lambda _m, inp: captured.setdefault("o", inp[0].clone()))
     trace_before = len(group.trace)
-    batch = pack([torch.arange(n_tok) % cfg.vocab_size for n_tok in seq_lens])
+    batch = pack([torch.arange(n_tok) % cfg.vocab_size for n_tok in seq_lens], device=dev)
     with comm_debug_mode() as comm_model:
         model(batch)
     handle.remove()
     model_records = len(group.trace) - trace_before
     with comm_debug_mode() as comm_one:
-        group.all_reduce(torch.ones(3, 512), layer="check.commdebugmode")
-    return {"y_row": y_row, "y_row_bug": y_row_bug, "y_col": y_col, "y_qkv": y_qkv,
-            "attn_out_layer0": captured["o"], "model_records": model_records,
+        group.all_reduce(torch.ones(3, 512, device=dev), layer="check.commdebugmode")
+    cpu = {name: t.cpu() for name, t in (("y_row", y_row), ("y_row_bug", y_row_bug), ("y_col", y_col),
+                                          ("y_qkv", y_qkv), ("attn_out_layer0", captured["o"]))}
+    return cpu | {"model_records": model_records,
             "model_comm_debug": comm_model.get_total_counts(),
             "comm_debug_one": comm_one.get_total_counts(),
             "comm_debug_ops": sorted(str(op) for op in comm_one.get_comm_counts())}

@@ -5,8 +5,10 @@ one ``torch.distributed`` group (each gets a ``core.groups.DistGroup``) and runs
 ``entry(group, channel, *args)`` in each; ``launch`` (one call) and ``runtime.TPRuntime``
 (many forwards) are built on it. Guarantees, each covered by tests/test_tp_faults.py:
 
-- ``backend="auto"`` is NCCL with one GPU per rank, else gloo on the CPU; 2 ranks on 2 cores
-  get one thread each (no over-subscription); gloo listens on the loopback interface only;
+- ``backend="auto"`` with ``device="cuda"`` is NCCL with one GPU per rank, else gloo with CUDA
+  tensors (ranks sharing a GPU; if gloo cannot, the ranks run on the CPU and say so); with
+  ``device="cpu"`` gloo; 2 ranks on 2 cores get one thread each (no over-subscription); gloo
+  listens on the loopback interface only;
 - rendezvous through a file store in a fresh temporary directory, so two runs never share a
   port or a stale rendezvous file;
 - a worker that raises → ``WorkerFailed`` in the caller, naming the rank, with the child's
@@ -45,15 +47,25 @@ from ..core.groups import DistGroup
 from ..core.validate import check_int, check_seconds
 
 
-def resolve_dist_backend(backend: str = "auto", world_size: int = 2) -> str:
-    """``"auto"`` → ``"nccl"`` when there is one GPU per rank, else ``"gloo"`` (CPU)."""
+def resolve_dist_backend(backend: str = "auto", world_size: int = 2, device="cpu") -> str:
+    """The collective backend for ``world_size`` ranks on this machine whose tensors live on ``device``.
+
+    ``"auto"``: CPU tensors → gloo; CUDA tensors → NCCL when there is one GPU per rank, else
+    gloo with CUDA tensors (several ranks sharing a GPU; gloo's all-reduce takes CUDA tensors).
+    ``world_size`` is the number of ranks on THIS node (under torchrun: ``LOCAL_WORLD_SIZE``).
+    """
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cuda = torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} but CUDA is not available here")
+    gpus = torch.cuda.device_count() if cuda else 0
     if backend == "auto":
-        return "nccl" if gpus >= world_size and dist.is_nccl_available() else "gloo"
+        return "nccl" if cuda and gpus >= world_size and dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and not cuda:
+        raise ValueError("backend='nccl' moves CUDA tensors only: use device='cuda' (the CPU runs gloo)")
     if backend == "nccl" and (gpus < world_size or not dist.is_nccl_available()):
         raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
                          f"torch.cuda.device_count()={gpus} (nccl available: {dist.is_nccl_available()})")
@@ -118,7 +130,17 @@ class Channel:
         return pickle.loads(self._cmd.recv_bytes())
 
 
-def _bootstrap(rank, world_size, backend, init_method, pg_timeout_s, threads, entry, args, kwargs, cmd_conn, res_conn):
+def _rank_device(rank: int, backend: str, device_type: str) -> tuple[torch.device, str]:
+    """Where rank ``rank``'s tensors live: its own GPU under NCCL, a shared GPU under gloo, or the CPU."""
+    if device_type != "cuda":
+        return torch.device("cpu"), "cpu"
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device, "one GPU per rank" if backend == "nccl" else "ranks share a GPU, gloo on CUDA tensors"
+
+
+def _bootstrap(rank, world_size, backend, device_type, init_method, pg_timeout_s, threads, entry, args, kwargs,
+               cmd_conn, res_conn):
     """Child process main: join the process group, then run ``entry(group, channel, *args)``."""
     channel = Channel(rank, cmd_conn, res_conn)
     try:
@@ -126,14 +148,16 @@ def _bootstrap(rank, world_size, backend, init_method, pg_timeout_s, threads, en
         lo = _loopback_ifname()
         if backend == "gloo" and lo and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = lo  # all ranks are on this host: listen on 127.0.0.1 only
-        device = torch.device("cpu")
-        if backend == "nccl":
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
+        device, how = _rank_device(rank, backend, device_type)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
+        if backend == "gloo" and device.type == "cuda":
+            try:  # gloo's CUDA all-reduce depends on the torch build: probe it, else fall back to the CPU
+                dist.all_reduce(torch.ones(1, device=device))
+            except RuntimeError as exc:
+                device, how = torch.device("cpu"), f"gloo cannot all-reduce CUDA tensors here ({exc}); ranks on the CPU"
         group = DistGroup(device=device)
-        channel._post("ready", {"pid": os.getpid(), "device": str(device), "threads": threads})
+        channel._post("ready", {"pid": os.getpid(), "device": str(device), "how": how, "threads": threads})
         entry(group, channel, *args, **kwargs)
     except BaseException as exc:
         try:
@@ -177,10 +201,10 @@ class WorkerPool:
     """
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 120.0, *, verbose: bool = True,
-                 name: str = "launch"):
+                 name: str = "launch", device="cpu"):
         self.world_size, self.timeout = check_int("world_size", world_size, 1), check_seconds("timeout", timeout)
-        self.verbose, self.name = verbose, name
-        self.backend = resolve_dist_backend(backend, world_size)
+        self.verbose, self.name, self.device_type = verbose, name, torch.device(device).type
+        self.backend = resolve_dist_backend(backend, world_size, device)
         self.workdir = tempfile.mkdtemp(prefix="lessons_tp_")  # fresh: a stale rendezvous file would hang init
         self.procs: list = []
         self._cmd: list = []
@@ -197,13 +221,13 @@ class WorkerPool:
         t0 = time.perf_counter()
         ctx = mp.get_context("spawn")
         init_method = "file://" + os.path.join(self.workdir, "rendezvous")
-        threads = _threads_per_worker(self.world_size) if self.backend == "gloo" else 1
+        threads = _threads_per_worker(self.world_size) if self.device_type == "cpu" else 1
         pg_timeout = max(self.timeout, 30.0) + 30.0  # the caller's deadline fires first
         for rank in range(self.world_size):
             cmd_r, cmd_w = ctx.Pipe(duplex=False)
             res_r, res_w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_bootstrap, name=f"{self.name}-rank{rank}", daemon=True,
-                            args=(rank, self.world_size, self.backend, init_method, pg_timeout, threads, entry,
+                            args=(rank, self.world_size, self.backend, self.device_type, init_method, pg_timeout, threads, entry,
                                   tuple(args), dict(kwargs or {}), cmd_r, res_w))
             p.start()
             cmd_r.close()  # the child's ends: closing ours lets us see EOF when it dies
@@ -215,10 +239,10 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self._cmd + self._res, self.workdir)
         info = self.collect("ready", what="starting up and joining the process group (a spawned child re-runs "
                                            "the caller's __main__ script: guard it with if __name__ == '__main__')")
+        self.devices = [i["device"] for i in info]
         if self.verbose:
-            device = info[0]["device"] if self.backend == "nccl" else "cpu"
-            print(f"[{self.name}] {self.world_size} workers, backend={self.backend} ({device}), "
-                  f"{info[0]['threads']} thread(s) each, rendezvous=file store")
+            print(f"[{self.name}] {self.world_size} workers, backend={self.backend}, devices {self.devices} "
+                  f"({info[0]['how']}), {info[0]['threads']} thread(s) each, rendezvous=file store")
         return time.perf_counter() - t0
 
     def broadcast(self, obj) -> None:
@@ -366,12 +390,13 @@ def _check_importable(fn) -> None:
 
 
 def launch(fn, world_size: int = 2, backend: str = "auto", timeout: float = 120.0, args: tuple = (),
-           kwargs: dict | None = None, *, verbose: bool = True) -> LaunchResult:
+           kwargs: dict | None = None, *, verbose: bool = True, device="cpu") -> LaunchResult:
     """Run ``fn(group, *args, **kwargs)`` on ``world_size`` fresh worker processes, one per rank.
 
     fn: an importable function (lives in ``lessons_lib``); ``group`` is the rank's ``DistGroup``.
-    backend: "auto" (nccl with one GPU per rank, else gloo on the CPU), "gloo" or "nccl"; the
-    one that ran is printed and returned. timeout: seconds for startup and again for ``fn``.
+    backend: "auto", "gloo" or "nccl" (see ``resolve_dist_backend``); the one that ran is printed
+    and returned. device: "cpu" or "cuda" (each rank's ``group.device``). timeout: seconds for
+    startup and again for ``fn``.
     Arguments and results are pickled (copies). Raises ``WorkerFailed`` / ``WorkerTimeout``
     (workers already cleaned up) instead of hanging.
 
@@ -379,7 +404,7 @@ def launch(fn, world_size: int = 2, backend: str = "auto", timeout: float = 120.
     """
     _check_importable(fn)
     t0 = time.perf_counter()
-    pool = WorkerPool(world_size, backend, timeout, verbose=verbose, name="launch")
+    pool = WorkerPool(world_size, backend, timeout, verbose=verbose, name="launch", device=device)
     try:
         startup = pool.start(_run_fn, (fn, tuple(args), dict(kwargs or {})))
         out = pool.collect("result", what=f"running {getattr(fn, '__qualname__', fn)}")

@@ -1,0 +1,48 @@
+"""How close is close enough: one rule for comparing two computations of the same function.
+
+Float results are not bit-equal when the summation order changes (a flat batch, another
+kernel, a TP split). Guessing an ``atol`` hides bugs in bfloat16 and flags noise in float32.
+The rule, from FlashAttention's tests, asks the float64 truth instead:
+
+    |out − ref64| ≤ 2 · max|ref − ref64| + k · eps(dtype) · max(1, max|ref64|)
+
+``ref64`` is the function computed in float64; ``ref`` is a trusted computation in the same
+dtype as ``out`` (one request at a time, TP=1, the padded reference): ``out`` may be at most
+twice as far from the truth as ``ref`` is, plus ``k`` units of rounding at the output's scale
+(the floor that matters where ``ref`` happens to be exact). ``eps``: 1.2e-7 in float32,
+7.8e-3 in bfloat16, 9.8e-4 in float16.
+
+Used by ``course.check.close`` (the lessons), the tests and ``tp.demo``.
+"""
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+K_ULP = 2.0
+
+
+def max_abs_diff(a: Tensor, b: Tensor) -> float:
+    """``max |a − b|`` in float64 (0.0 for empty tensors); shapes must match."""
+    if a.shape != b.shape:
+        raise AssertionError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
+    return (a.detach().double().cpu() - b.detach().double().cpu()).abs().max().item() if a.numel() else 0.0
+
+
+def tolerance(ref: Tensor, ref64: Tensor, dtype: torch.dtype | None = None, k: float = K_ULP) -> float:
+    """The bound of the module docstring for a result in ``dtype`` (default: ``ref``'s dtype)."""
+    eps = torch.finfo(dtype or ref.dtype).eps
+    scale = max(1.0, ref64.detach().abs().max().item()) if ref64.numel() else 1.0
+    return 2.0 * max_abs_diff(ref, ref64) + k * eps * scale
+
+
+def assert_close(out: Tensor, ref: Tensor, ref64: Tensor, what: str, k: float = K_ULP) -> tuple[float, float]:
+    """Raise AssertionError (naming ``what``, the error and the bound) unless ``out`` obeys the rule.
+
+    Returns ``(error, bound)``: ``max|out − ref64|`` and the allowed maximum.
+    """
+    err, bound = max_abs_diff(out, ref64), tolerance(ref, ref64, out.dtype, k)
+    if not err <= bound:  # NaN fails too
+        raise AssertionError(f"{what}: max |out - ref64| = {err:.3e} exceeds the bound {bound:.3e} "
+                             f"(2 x |ref - ref64| = {2 * max_abs_diff(ref, ref64):.3e} + {k:g} eps({out.dtype}))")
+    return err, bound
