@@ -3,6 +3,7 @@
 The package is laid out by role; read ``core`` first, it is the engine:
 
   core     config, flat batches, varlen attention, TP linear layers, the model (what a learner reads)
+  validate every argument check of the public entry points, run once at the boundary
   tp       tensor parallelism on real processes: workers, TPRuntime / tp_forward, traces, dry runs
   serve    the prefill scheduler and engine, request workloads
   measure  FLOP accounting, timing and memory, the benchmark

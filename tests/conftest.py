@@ -9,9 +9,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `pytest` without `python -m` finds lessons_lib
 
-from lessons_lib import ModelConfig, Transformer, init_weights  # noqa: E402 (after the sys.path line)
-from lessons_lib.core.batch import seq_lens_to_cu_seqlens  # noqa: E402
-from lessons_lib.measure.tolerance import tolerance  # noqa: E402
+from lessons_lib import ModelConfig, Transformer, init_weights
+from lessons_lib.core.batch import seq_lens_to_cu_seqlens
+from lessons_lib.measure.tolerance import tolerance
 
 
 @pytest.fixture(scope="session")

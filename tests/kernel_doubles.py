@@ -13,6 +13,7 @@ inherited; the import happens once ``lessons_lib.core`` is loaded).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -78,10 +79,8 @@ def varlen_attn_is_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, i
 def install(torch_varlen=varlen_attn) -> None:
     """Put the doubles in ``KERNELS`` for the CPU and CUDA (the real requirements otherwise)."""
     for name, fn in (("flash", flash_attn_varlen_func), ("torch_varlen", torch_varlen)):
-        old = kernels.KERNELS[name]
-        kernels.KERNELS[name] = kernels.Kernel(lambda fn=fn: (fn, "contract double (tests/kernel_doubles.py)"),
-                                               devices=("cpu", "cuda"), dtypes=old.dtypes,
-                                               min_capability=old.min_capability, max_head_dim=old.max_head_dim)
+        kernels.KERNELS[name] = dataclasses.replace(kernels.KERNELS[name], module=__name__, names=(fn.__name__,),
+                                                    devices=("cpu", "cuda"))
 
 
 if os.environ.get("LESSONS_TEST_HOOK") == __name__:

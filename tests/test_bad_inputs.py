@@ -25,15 +25,15 @@ from lessons_lib.core.attention import varlen_attention
 from lessons_lib.core.batch import PackedBatch, pack, pad, seq_lens_to_cu_seqlens, unpack
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.groups import LocalGroup
-from lessons_lib.core.hf import from_hf_gpt2, make_hf_gpt2
 from lessons_lib.core.model import Transformer, init_weights
-from lessons_lib.core.validate import check_cu_seqlens
 from lessons_lib.measure.flops import attention_cells, forward_flops
+from lessons_lib.measure.hf import from_hf_gpt2, make_hf_gpt2
 from lessons_lib.measure.tolerance import assert_close
 from lessons_lib.serve.engine import Engine
 from lessons_lib.serve.scheduler import Request, Scheduler
 from lessons_lib.tp.runtime import TPRuntime, tp_forward
 from lessons_lib.tp.workers import WorkerPool
+from lessons_lib.validate import check_cu_seqlens
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
 I32, I64 = torch.int32, torch.int64
@@ -686,7 +686,7 @@ def test_refused_before_any_worker_starts(row, monkeypatch):
     """tp_forward / TPRuntime / a TP=2 engine refuse bad input in the caller: no worker is
     spawned: WorkerPool.start is never reached and psutil sees no new child."""
     # live children minus the session's resource tracker; imported here: pytest puts tests/ on sys.path
-    from test_tp_faults import _children
+    from helpers import children as _children
     starts = []
     real_start = WorkerPool.start
     monkeypatch.setattr(WorkerPool, "start", lambda self, *a, **k: starts.append(a) or real_start(self, *a, **k))

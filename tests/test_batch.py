@@ -7,8 +7,8 @@ import torch
 
 from lessons_lib.core.attention import varlen_attention
 from lessons_lib.core.batch import PackedBatch, pack, pad, pad_input, seq_lens_to_cu_seqlens, unpack, unpad_input
-from lessons_lib.core.validate import check_batch, check_cu_seqlens
 from lessons_lib.measure.flops import attention_cells, executed_tokens
+from lessons_lib.validate import check_batch, check_cu_seqlens
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import torch
 
 from lessons_lib.core.batch import pack
 from lessons_lib.core.config import ModelConfig
-from lessons_lib.core.hf import config_from_hf, from_hf_gpt2, full_weights_from_hf, hf_config, make_hf_gpt2
+from lessons_lib.measure.hf import config_from_hf, from_hf_gpt2, full_weights_from_hf, hf_config, make_hf_gpt2
 
 transformers = pytest.importorskip("transformers")  # a requirements.txt dependency: present in CI
 

@@ -155,5 +155,5 @@ def test_capability_dtype_and_head_dim_decide_on_cuda(doubles, monkeypatch):
     assert not fp32["flash"].available and "float32" in fp32["flash"].reason
     big = kernels.available_backends("cuda", BF16, 512)
     assert not big["torch_varlen"].available and "head dim 512" in big["torch_varlen"].reason
-    monkeypatch.setitem(kernels.KERNELS, "flash", kernels.Kernel(lambda: (None, "flash-attn not importable")))
+    monkeypatch.setitem(kernels.KERNELS, "flash", kernels.Kernel("no_such_flash_attn_module", ("f",)))
     assert kernels.resolve_backend("auto", "cuda", BF16, 64) == "torch_varlen"

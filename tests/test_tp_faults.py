@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+from helpers import children
 
 from lessons_lib import ModelConfig, pack
 from lessons_lib.tp.runtime import TPRuntime
@@ -22,31 +23,18 @@ SMALL = ModelConfig(n_layers=8, d_model=64, n_heads=4, d_head=16, d_ffn=128, voc
 BATCH = pack([list(range(10)), list(range(30))])  # A=10 + B=30
 
 
-def _children() -> set[int]:
-    """Live child processes of this test process, except multiprocessing's resource tracker
-    (started once by the first spawn and kept for the session, by design)."""
-    out = set()
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
-                out.add(p.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 @pytest.fixture
 def no_leftovers():
-    before = _children()
+    before = children()
     yield
-    left = _children() - before
+    left = children() - before
     assert not left, f"worker processes left behind: {left}"
 
 
 def _no_workers_left(pids):
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"workers still alive: {alive}"
-    assert not _children(), f"child processes left: {_children()}"
+    assert not children(), f"child processes left: {children()}"
 
 
 def test_faults_raise_sigkill_hang_each_then_a_working_launch(no_leftovers):
@@ -61,7 +49,7 @@ def test_faults_raise_sigkill_hang_each_then_a_working_launch(no_leftovers):
     assert err.rank == 1 and "rank 1 of 2 raised RuntimeError: injected fault on rank 1" in str(err)
     assert "injected fault" in err.child_traceback and "traced_forward" in err.child_traceback
     assert elapsed < 60
-    assert not _children(), f"child processes left after the raise: {_children()}"
+    assert not children(), f"child processes left after the raise: {children()}"
 
     # 2. TPRuntime: a good forward (the launch after a raise works), then rank 1 is SIGKILLed
     rt = TPRuntime(SMALL, world_size=2, backend="gloo", timeout=60, verbose=False)

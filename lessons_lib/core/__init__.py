@@ -8,10 +8,10 @@ Read in this order:
   linear     Column/Row/QKV parallel linear layers (C5, C6)
   groups     LocalGroup / DistGroup and CollectiveRecord: how a rank talks to the others (C1, C12)
   model      the GPT-2-style Transformer on flat batches (S1)
-  hf         the bridge to Hugging Face GPT-2
-  validate   every argument check, run once at the public entry points
 
-Nothing here imports the TP runtime, the serving engine, the measurements or the course.
+Every argument check lives beside it in ``lessons_lib.validate`` and runs once, at the public
+entry points (``varlen_attention``, ``Transformer.forward``): the per-layer path is plain tensor
+code. Nothing here imports the TP runtime, the serving engine, the measurements or the course.
 
 ``LESSONS_TEST_HOOK``: tests name a module here to swap a piece of the engine (a kernel's
 contract double, a deliberately broken layer); it is imported once the engine is loaded, in
@@ -20,6 +20,7 @@ this process and in every spawned TP worker (they inherit the environment).
 import importlib as _importlib
 import os as _os
 
+from ..validate import check_cu_seqlens
 from .attention import VarlenMetadata, attention_forward, attention_ref, block_diag_mask, plain_attention, varlen_attention
 from .batch import PackedBatch, cumulative, pack, pad, pad_input, seq_lens_to_cu_seqlens, unpack, unpad_input
 from .config import ModelConfig
@@ -27,7 +28,6 @@ from .groups import CollectiveRecord, DistGroup, LocalGroup
 from .kernels import BACKENDS, available_backends, placement, resolve_backend
 from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from .model import Transformer, init_weights
-from .validate import check_cu_seqlens
 
 __all__ = ["VarlenMetadata", "attention_forward", "attention_ref", "block_diag_mask", "plain_attention", "varlen_attention",
            "PackedBatch", "cumulative", "pack", "pad", "pad_input", "seq_lens_to_cu_seqlens", "unpack", "unpad_input",

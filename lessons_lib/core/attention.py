@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..validate import check_varlen_args, lengths
 from .kernels import kernel, resolve_backend, torch_varlen_kwargs
-from .validate import check_varlen_args, lengths
 
 Tensor = torch.Tensor
 
@@ -108,31 +108,33 @@ def _loop(q, k, v, meta, causal, scale):
     return out
 
 
+def _dense(q, k, v, allowed, scale):
+    """``[..., H, L_q, D]`` queries against ``[..., H, L_k, D]`` keys, EVERY score cell computed, the
+    cells ``allowed`` (bool, broadcastable) does not allow thrown away; a query with no key → zeros."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    return scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0) @ v
+
+
 def _masked(q, k, v, meta, causal, scale):
-    mask = meta.cached(("mask", causal), lambda: block_diag_mask(meta.cu_q, causal, meta.cu_k, q.device))
-    scores = (q.transpose(0, 1) @ k.permute(1, 2, 0)) * scale  # [H, T_q, T_k]: every cell, cross-request too
-    scores.masked_fill_(~mask, float("-inf"))
-    probs = scores.softmax(dim=-1).nan_to_num(0.0)              # a query with no key at all → a zero row
-    return (probs @ v.transpose(0, 1)).transpose(0, 1).contiguous()
+    mask = meta.cached(("mask", causal), lambda: block_diag_mask(meta.cu_q, causal, meta.cu_k, q.device))  # [T_q, T_k]
+    out = _dense(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale)  # [H, T_q, D]: cross-request too
+    return out.transpose(0, 1).contiguous()
 
 
 def _padded(q, k, v, meta, causal, scale):
     lens_q, lens_k = lengths(meta.cu_q), lengths(meta.cu_k)
-    lq, lk = max(lens_q), max(lens_k)
 
-    def pad(x, cu, lens, lmax):                                   # [T, H, D] -> [R, H, Lmax, D]
-        out = x.new_zeros(len(lens), lmax, *x.shape[1:])
+    def pad(x, cu, lens):                                         # [T, H, D] -> [R, H, Lmax, D]
+        out = x.new_zeros(len(lens), max(lens), *x.shape[1:])
         for i, n in enumerate(lens):
             out[i, :n] = x[cu[i]:cu[i + 1]]
         return out.transpose(1, 2)
 
-    qp, kp, vp = pad(q, meta.cu_q, lens_q, lq), pad(k, meta.cu_k, lens_k, lk), pad(v, meta.cu_k, lens_k, lk)
-    allowed = torch.zeros(len(lens_q), lq, lk, dtype=torch.bool, device=q.device)
+    allowed = torch.zeros(len(lens_q), max(lens_q), max(lens_k), dtype=torch.bool, device=q.device)
     for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
         allowed[i, :nq, :nk] = causal_mask(nq, nk, q.device) if causal else True
-    scores = (qp @ kp.transpose(-1, -2)) * scale                  # [R, H, Lq, Lk]: pad rows and columns too
-    scores.masked_fill_(~allowed[:, None], float("-inf"))
-    outp = (scores.softmax(dim=-1).nan_to_num(0.0) @ vp).transpose(1, 2)  # [R, Lq, H, D]
+    qp, kp, vp = pad(q, meta.cu_q, lens_q), pad(k, meta.cu_k, lens_k), pad(v, meta.cu_k, lens_k)
+    outp = _dense(qp, kp, vp, allowed[:, None], scale).transpose(1, 2)  # [R, Lq, H, D]: pad rows and columns too
     return torch.cat([outp[i, :n] for i, n in enumerate(lens_q)])
 
 
@@ -276,10 +278,5 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, *, causa
     if key_mask.shape != q.shape[:2]:
         raise ValueError(f"key_mask must be [R, S] = {tuple(q.shape[:2])}, got {tuple(key_mask.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    s = q.shape[1]
-    allowed = key_mask[:, None, None, :]                                  # [R, 1, 1, S]
-    if causal:
-        allowed = allowed & causal_mask(s, s, q.device)                   # [R, 1, S, S]
-    scores = (q.transpose(1, 2) @ k.permute(0, 2, 3, 1)) * scale          # [R, H, S, S]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return (scores.softmax(-1).nan_to_num(0.0) @ v.transpose(1, 2)).transpose(1, 2)
+    allowed = key_mask[:, None, None, :] & (causal_mask(q.shape[1], q.shape[1], q.device) if causal else True)
+    return _dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed, scale).transpose(1, 2)  # [R, S, H, D]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validate import check_cu_seqlens, check_lengths
+from ..validate import check_cu_seqlens, check_lengths
 
 Tensor = torch.Tensor
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .validate import check_int
+from ..validate import check_int
 
 # One block's weights: name → shape as a function of (d_model, k = n_heads·d_head, d_ffn).
 # PyTorch layout: a linear weight is [out_features, in_features].

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .validate import check_int, dtype_name
+from ..validate import check_int, dtype_name
 
 
 @dataclass(slots=True)

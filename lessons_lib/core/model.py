@@ -23,13 +23,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..validate import check_batch, check_weights
 from .attention import VarlenMetadata, attention_forward, padded_attention
 from .batch import PackedBatch, pack
 from .config import ModelConfig, as_config
 from .groups import LocalGroup
 from .kernels import resolve_backend
 from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from .validate import check_batch, check_weights
 
 Tensor = torch.Tensor
 

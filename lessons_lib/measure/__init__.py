@@ -1,6 +1,8 @@
 """Measuring: exact work counts, and timings on this machine.
 
   flops         attention score cells, forward FLOPs, arithmetic intensity (exact: lessons assert them)
+  tolerance     the one rule for comparing two float computations (against float64)
+  hf            Hugging Face GPT-2: the reference model the engine is checked and benchmarked against
   profile       wall time, peak memory, GEMM throughput, a forward's time split (measured: shown, never asserted)
   bench         python -m lessons_lib.measure.bench: varlen vs masked vs padded vs Hugging Face
   bench_report  the benchmark's plots and Markdown tables

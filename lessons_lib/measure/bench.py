@@ -48,10 +48,10 @@ import torch
 
 from ..core.config import ModelConfig
 from ..core.kernels import placement, synchronize
-from ..core.validate import dtype_name
 from ..serve.engine import Engine
 from ..serve.scheduler import plan_batches
 from ..serve.workloads import fixed_total_mixes, make_requests, workload_lengths
+from ..validate import dtype_name
 from .bench_report import METHODS, TARGET_EFFICIENCY, summary_markdown, write_plots
 from .flops import attention_cells, forward_flops
 from .profile import matmul_throughput, measure_attention
@@ -428,7 +428,7 @@ def checks(result: dict) -> dict:
 # ---- main ----------------------------------------------------------------------------------------
 def run(plan: Plan, out_dir: pathlib.Path, command: str, workloads=None, methods=METHODS, do_sweeps=True,
         log=print) -> dict:
-    from ..core.hf import full_weights_from_hf, make_hf_gpt2
+    from .hf import full_weights_from_hf, make_hf_gpt2
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.config import ModelConfig
-from ..core.validate import check_choice, check_lengths
+from ..validate import check_choice, check_lengths
 
 METHODS = ("padded", "masked", "varlen")
 

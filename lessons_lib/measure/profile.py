@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..core.attention import varlen_attention
 from ..core.batch import PackedBatch, seq_lens_to_cu_seqlens
 from ..core.kernels import synchronize
-from ..core.validate import check_lengths
+from ..validate import check_lengths
 
 Tensor = torch.Tensor
 

@@ -34,8 +34,8 @@ from ..core.batch import cumulative, pack, pad
 from ..core.config import ModelConfig, as_config
 from ..core.kernels import placement, resolve_backend, synchronize
 from ..core.model import Transformer, init_weights
-from ..core.validate import check_choice, check_int, check_seconds, is_int
 from ..measure.flops import METHODS, attention_cells, forward_flops
+from ..validate import check_choice, check_int, check_seconds, is_int
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Request, Scheduler
 
 Tensor = torch.Tensor

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from ..core.validate import check_int
+from ..validate import check_int
 
 WORKLOADS = ("constant", "uniform", "long-tail", "bimodal")
 

@@ -29,9 +29,9 @@ from ..core.config import ModelConfig
 from ..core.groups import DistGroup
 from ..core.kernels import placement
 from ..core.model import Transformer, init_weights
-from ..core.validate import dtype_name
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..serve.workloads import long_tail_lengths
+from ..validate import dtype_name
 from .dryrun import expected_layers
 from .trace import format_trace, summarize_trace, traced_forward
 from .workers import resolve_dist_backend

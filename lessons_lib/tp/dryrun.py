@@ -25,7 +25,7 @@ from ..core.batch import pack
 from ..core.config import ModelConfig, as_config
 from ..core.groups import CollectiveRecord, LocalGroup
 from ..core.model import Transformer, init_weights
-from ..core.validate import check_int, check_lengths
+from ..validate import check_int, check_lengths
 
 
 def expected_layers(cfg: ModelConfig) -> list[str]:

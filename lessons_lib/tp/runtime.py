@@ -24,7 +24,7 @@ from ..core.batch import PackedBatch
 from ..core.config import ModelConfig, as_config
 from ..core.kernels import placement, resolve_backend
 from ..core.model import Transformer, init_weights
-from ..core.validate import check_batch, check_int, check_seconds, check_weights
+from ..validate import check_batch, check_int, check_seconds, check_weights
 from .trace import Fault, comm_debug_mode, traced_forward
 from .workers import WorkerPool, resolve_dist_backend
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..core.groups import DistGroup
-from ..core.validate import check_int, check_seconds
+from ..validate import check_int, check_seconds
 
 
 def resolve_dist_backend(backend: str = "auto", world_size: int = 2, device="cpu") -> str:

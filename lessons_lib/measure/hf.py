@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
-from .model import Transformer
+from ..core.config import ModelConfig
+from ..core.model import Transformer
 
 Tensor = torch.Tensor
 

@@ -1,4 +1,4 @@
-"""Argument checks for the public entry points, in one place.
+"""Argument checks for every public entry point of lessons_lib, in one place.
 
 Every broken rule raises ``ValueError`` naming the argument and the value
 (``cu_seqlens must be int32, got int64``), never a wrong answer later. The checks run once, at

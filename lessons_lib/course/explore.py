@@ -1,0 +1,54 @@
+"""Widget plumbing: every explorer is a pure state function plus a thin ipywidgets wrapper built here.
+"""
+from __future__ import annotations
+
+import base64
+
+from .style import to_png
+
+WIDGET_DPI = 80
+
+def ipywidgets_module():
+    import ipywidgets  # imported lazily: the pure functions work without it
+    return ipywidgets
+
+def tagged(widget, css_class: str):
+    widget.add_class(css_class)
+    return widget
+
+def explorer(css_class: str, controls: list, readouts: list, update):
+    """Wire an explorer: ``update`` runs on every change of a control and once now; the
+    controls sit in a row above the readouts, all in a VBox of class ``css_class``."""
+    w = ipywidgets_module()
+    for control in controls:
+        control.observe(update, names="value")
+    update()
+    return tagged(w.VBox([w.HBox(controls), *readouts]), css_class)
+
+def show_figure(out, fig, dpi: int = WIDGET_DPI) -> None:
+    """Replace the content of an ``ipywidgets.Output`` with the figure as an inline PNG."""
+    png = base64.b64encode(to_png(fig, dpi=dpi)).decode("ascii")
+    w, h = fig.get_size_inches()
+    out.outputs = ({"output_type": "display_data",
+                    "data": {"image/png": png, "text/plain": f"<Figure {int(w * dpi)}x{int(h * dpi)}>"},
+                    "metadata": {}},)
+
+def parse_lengths(text: str, max_requests: int = 64, max_length: int = 4096) -> list[int]:
+    """``"10, 30"`` → ``[10, 30]``; commas or spaces; every length in ``[1, max_length]``."""
+    if not isinstance(text, str):
+        raise ValueError(f"lengths must be a string like '10, 30', got {type(text).__name__}")
+    parts = [p for p in text.replace(",", " ").split() if p]
+    if not parts:
+        raise ValueError("lengths is empty: type request lengths like '10, 30'")
+    lens = []
+    for p in parts:
+        try:
+            n = int(p)
+        except ValueError:
+            raise ValueError(f"lengths: {p!r} is not a whole number") from None
+        if not 1 <= n <= max_length:
+            raise ValueError(f"lengths: every request needs 1..{max_length} tokens, got {n}")
+        lens.append(n)
+    if len(lens) > max_requests:
+        raise ValueError(f"lengths: at most {max_requests} requests, got {len(lens)}")
+    return lens

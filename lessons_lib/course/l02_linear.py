@@ -1,0 +1,634 @@
+"""What lesson 02 (linear layers work token by token) draws, explores and checks.
+
+- ``forward_walk`` / ``forward_walk_figure``: the steps of one block with their shapes on the
+  flat batch and on one TP rank, and which rows each step lets a row read (C4, C5, C6);
+- ``block_steps`` / ``measure_steps``: the same steps run on a real ``Block`` of the engine, one
+  at a time, with ``probe.row_dependency`` and the flat-vs-alone rounding of every step;
+- ``qkv_shards``: the QKV weight's rows (its feature extractors) and the rank that owns each (C6);
+- the row-reach explorer (``row_reach_state`` + ``row_reach_explorer``);
+- the checkers of exercises 02.1-02.3.
+
+Taught in notebooks/02_linear_is_per_token.ipynb.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from matplotlib.colors import ListedColormap
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from ..core.attention import VarlenMetadata, attention_forward, plain_attention
+from ..core.batch import cumulative
+from ..core.config import ModelConfig
+from ..core.groups import LocalGroup
+from ..core.linear import QKVParallelLinear
+from ..validate import check_choice, check_int, check_lengths
+from ..measure.tolerance import max_abs_diff, tolerance
+from .explore import explorer, ipywidgets_module, show_figure, tagged
+from .figures import ARTICLE_LENS, register
+from .grading import grade, matches, tensor_problem
+from .probe import row_dependency, who_reads_whom
+from .style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, draw_strip, request_name
+
+Tensor = torch.Tensor
+KIND_COLORS = {"per token": OTHER, "linear": LINEAR, "attention": ATTENTION}
+LINEAR_LIGHT = "#99D8C7"  # LINEAR green mixed with white: rank 1's half of the same work
+
+
+# ---- the walk through one block ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WalkStep:
+    """One step of the forward on the flat batch: its shapes and which rows it lets row i read."""
+
+    name: str
+    kind: str          # "per token", "linear" or "attention" (the colour of the figure)
+    flat: str          # shape on the flat batch at TP=1, e.g. "[40 x 512] -> [40 x 1536]"
+    per_rank: str      # the same on one rank at TP=tp_size
+    reads: str         # "row i only" or "rows of its own request"
+
+
+def forward_walk(cfg: ModelConfig, seq_lens: Sequence[int]) -> list[WalkStep]:
+    """The embedding and the ten steps of a pre-LN block, with shapes computed from ``cfg``.
+
+    Shapes are for the ``T = sum(seq_lens)`` flat rows; ``per_rank`` is one rank of
+    ``cfg.tp_size`` (column-parallel QKV and FFN-up keep a slice of the outputs, row-parallel
+    out proj and FFN-down a slice of the inputs and all-reduce a partial ``[T x d]``).
+    """
+    t = sum(check_lengths(seq_lens))
+    d, k, f, tp = cfg.d_model, cfg.qkv_dim, cfg.d_ffn, cfg.tp_size
+    h, hr, dh = cfg.n_heads, cfg.heads_per_rank, cfg.d_head
+
+    def s(*dims):
+        return "[" + " x ".join(str(x) for x in dims) + "]"
+
+    same = f"{s(t, d)} -> {s(t, d)}"
+    own, itself = "rows of its own request", "row i only"
+    return [
+        WalkStep("embed (token + position)", "per token", f"{s(t)} ids -> {s(t, d)}", f"{s(t)} ids -> {s(t, d)}", itself),
+        WalkStep("LayerNorm", "per token", same, same, itself),
+        WalkStep("QKV proj", "linear", f"{s(t, d)} -> {s(t, 3 * k)}", f"{s(t, d)} -> {s(t, 3 * hr * dh)}", itself),
+        WalkStep("attention", "attention", f"{s(t, h, dh)} -> {s(t, h, dh)}", f"{s(t, hr, dh)} -> {s(t, hr, dh)}", own),
+        WalkStep("out proj", "linear", f"{s(t, k)} -> {s(t, d)}", f"{s(t, k // tp)} -> {s(t, d)} + all-reduce", itself),
+        WalkStep("residual add", "per token", same, same, itself),
+        WalkStep("LayerNorm", "per token", same, same, itself),
+        WalkStep("FFN-up", "linear", f"{s(t, d)} -> {s(t, f)}", f"{s(t, d)} -> {s(t, f // tp)}", itself),
+        WalkStep("GeLU", "per token", f"{s(t, f)} -> {s(t, f)}", f"{s(t, f // tp)} -> {s(t, f // tp)}", itself),
+        WalkStep("FFN-down", "linear", f"{s(t, f)} -> {s(t, d)}", f"{s(t, f // tp)} -> {s(t, d)} + all-reduce", itself),
+        WalkStep("residual add", "per token", same, same, itself),
+    ]
+
+
+def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int]) -> Figure:
+    """Claims C4-C6 as a table: one row per step of ``forward_walk``, coloured by kind."""
+    steps = forward_walk(cfg, seq_lens)
+    n = len(steps)
+    fig = Figure(figsize=(10.6, 0.42 * n + 1.5))
+    ax = fig.add_axes((0.01, 0.1, 0.98, 0.76))
+    ax.set_xlim(0, 10.6)
+    ax.set_ylim(n + 0.9, -0.1)
+    ax.axis("off")
+    cols = [(0.0, "step"), (2.55, f"on the flat batch (TP=1, T={sum(seq_lens)})"), (5.45, f"on one rank (TP={cfg.tp_size})"),
+            (8.5, "row i reads")]
+    for x, head in cols:
+        ax.text(x + 0.05, 0.35, head, fontsize=MIN_FONT + 1, fontweight="bold", va="center", color=TEXT)
+    for i, st in enumerate(steps):
+        y = i + 1
+        ax.add_patch(Rectangle((0.0, y - 0.42), 2.45, 0.84, facecolor=KIND_COLORS[st.kind], edgecolor="white"))
+        dark = st.kind != "per token"
+        ax.text(0.08, y, f"{i}. {st.name}" if i else st.name, fontsize=MIN_FONT + 1, va="center",
+                color="white" if dark else TEXT, fontweight="bold")
+        ax.text(2.6, y, st.flat, fontsize=MIN_FONT + 1, va="center", family="DejaVu Sans Mono", color=TEXT)
+        ax.text(5.5, y, st.per_rank, fontsize=MIN_FONT + 1, va="center", family="DejaVu Sans Mono", color=TEXT)
+        ax.text(8.55, y, st.reads, fontsize=MIN_FONT + 1, va="center", color=ATTENTION if st.kind == "attention" else TEXT,
+                fontweight="bold" if st.kind == "attention" else "normal")
+    fig.legend(handles=[Patch(facecolor=c, label=lab) for lab, c in
+                        (("per token: each row on its own (C4)", OTHER), ("linear: Y = X W^T + b, row by row (C5)", LINEAR),
+                         ("attention: mixes rows, needs cu_seqlens (lesson 03)", ATTENTION))],
+               loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
+    fig.suptitle(f"One block on the flat batch {list(seq_lens)}: shapes at every step, and the one step that mixes rows",
+                 fontsize=MIN_FONT + 2, y=0.97)
+    return fig
+
+
+# ---- the same steps on a real block of the engine --------------------------------------------------
+
+@dataclass
+class BlockStep:
+    """One step of a real block: ``fn(t, rows)`` maps the rows ``t`` of the flat batch at ``rows``
+    (a slice that cuts whole requests) like the block does; ``fn64`` is the same step of a float64
+    twin of the block. ``inp`` / ``out``: what the step got and gave in the whole flat forward."""
+
+    name: str
+    kind: str
+    fn: Callable
+    fn64: Callable
+    inp: Tensor
+    out: Tensor
+
+
+def _cu_of(cu: list[int], rows: slice) -> list[int]:
+    start = rows.start or 0
+    stop = cu[-1] if rows.stop is None else rows.stop
+    inside = [c - start for c in cu if start <= c <= stop]
+    if inside[0] != 0 or inside[-1] != stop - start:
+        raise ValueError(f"rows {rows} do not cut whole requests of cu_seqlens {cu}")
+    return inside
+
+
+def block_steps(block, x: Tensor, seq_lens: Sequence[int], backend: str = "loop") -> list[BlockStep]:
+    """Run ``block`` (a ``model.Block``) on the flat rows ``x [T, d]`` one step at a time.
+
+    Steps: LayerNorm, QKV, attention (varlen, causal, ``backend``), out proj, residual,
+    LayerNorm, FFN-up, GeLU, FFN-down, residual: the modules of the block itself, and the same
+    GeLU and adds as ``Block.forward`` and ``MLP.forward``, so that the last output equals
+    ``block(x, attn)`` bit for bit (tested).
+    """
+    lens = check_lengths(seq_lens)
+    cu = cumulative(lens)
+    if x.shape[0] != cu[-1]:
+        raise ValueError(f"x has {x.shape[0]} rows, seq_lens add up to {cu[-1]}")
+    twin = copy.deepcopy(block).double()
+    steps: list[BlockStep] = []
+    whole = slice(None)
+
+    def attention_of(b):
+        def fn(t, rows=whole):
+            c = _cu_of(cu, rows)
+            meta = VarlenMetadata.build(c, device=t.device)
+            q, k, v = b.attn.qkv.split(t)                           # each [T, H, D]
+            return attention_forward(q, k, v, meta, backend, causal=True).flatten(1)  # [T, H·D]
+        return fn
+
+    def add(name, kind, fn, fn64, inp):
+        out = fn(inp, whole)
+        steps.append(BlockStep(name, kind, fn, fn64, inp, out))
+        return out
+
+    def module(m):
+        return lambda t, rows=whole: m(t)
+
+    def residual(skip):
+        return lambda t, rows=whole: skip[rows].to(t.dtype) + t
+
+    def gelu(t, rows=whole):
+        return F.gelu(t, approximate="tanh")
+
+    h = add("LayerNorm 1", "per token", module(block.ln_1), module(twin.ln_1), x)
+    qkv = add("QKV proj", "linear", module(block.attn.qkv), module(twin.attn.qkv), h)
+    o = add("attention", "attention", attention_of(block), attention_of(twin), qkv)
+    a = add("out proj", "linear", module(block.attn.out_proj), module(twin.attn.out_proj), o)
+    x1 = add("residual add 1", "per token", residual(x), residual(x.double()), a)
+    h2 = add("LayerNorm 2", "per token", module(block.ln_2), module(twin.ln_2), x1)
+    up = add("FFN-up", "linear", module(block.mlp.fc_up), module(twin.mlp.fc_up), h2)
+    g = add("GeLU", "per token", gelu, gelu, up)
+    down = add("FFN-down", "linear", module(block.mlp.fc_down), module(twin.mlp.fc_down), g)
+    add("residual add 2", "per token", residual(x1), residual(x1.double()), down)
+    return steps
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What ``measure_steps`` found for one step (all measured, nothing drawn by hand)."""
+
+    name: str
+    kind: str
+    shape_in: tuple
+    shape_out: tuple
+    off_diagonal: int        # pairs (i, j != i): changing input row j changed output row i (bitwise)
+    cross_request: int       # of those, pairs where i and j belong to different requests
+    err: float               # max |flat - fp64 alone| over every request's rows
+    bound: float             # the tolerance rule's bound for it (2·|alone - fp64| + 2 eps · scale)
+    flat_vs_alone: float     # max |flat - alone| (both float32)
+    bits_differ: int         # how many of the output numbers differ in any bit, flat vs alone
+
+    @property
+    def reads(self) -> str:
+        if self.off_diagonal == 0:
+            return "row i only"
+        return "other requests too" if self.cross_request else "rows of its own request"
+
+
+def measure_steps(steps: Sequence[BlockStep], seq_lens: Sequence[int]) -> list[StepReport]:
+    """For each step: ``row_dependency`` on the flat batch, and every request run alone against
+    the flat run (float32) and against the float64 twin alone (the tolerance rule)."""
+    lens = check_lengths(seq_lens)
+    cu = cumulative(lens)
+    owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    same = owner[:, None] == owner[None, :]
+    out = []
+    for st in steps:
+        dep = row_dependency(lambda t, st=st: st.fn(t), st.inp)
+        off = dep & ~torch.eye(dep.shape[0], dtype=torch.bool)
+        alone = torch.cat([st.fn(st.inp[s:e], slice(s, e)) for s, e in zip(cu[:-1], cu[1:])])
+        alone64 = torch.cat([st.fn64(st.inp[s:e].double(), slice(s, e)) for s, e in zip(cu[:-1], cu[1:])])
+        out.append(StepReport(st.name, st.kind, tuple(st.inp.shape), tuple(st.out.shape), int(off.sum()),
+                              int((off & ~same).sum()), max_abs_diff(st.out, alone64), tolerance(alone, alone64),
+                              max_abs_diff(st.out, alone), int((st.out != alone).sum())))
+    return out
+
+
+def format_reports(reports: Sequence[StepReport]) -> str:
+    """One line per step: shapes and who row i reads (counts only: stable across machines)."""
+    lines = [f"{'step':15s} {'input':>14s} {'output':>14s}  row i reads"]
+    for r in reports:
+        shape_in, shape_out = (" x ".join(map(str, s)) for s in (r.shape_in, r.shape_out))
+        lines.append(f"{r.name:15s} {'[' + shape_in + ']':>14s} {'[' + shape_out + ']':>14s}  {r.reads}")
+    return "\n".join(lines)
+
+
+def rounding_lines(reports: Sequence[StepReport]) -> str:
+    """Per step: flat vs alone, and both against float64 (machine-dependent: shown, not asserted)."""
+    lines = [f"{'step':15s} {'bits differ':>16s} {'max|flat-alone|':>16s} {'max|flat-fp64|':>15s} {'bound':>9s}"]
+    for r in reports:
+        n = int(np.prod(r.shape_out))
+        lines.append(f"{r.name:15s} {f'{r.bits_differ} of {n}':>16s} {r.flat_vs_alone:16.1e} {r.err:15.1e} {r.bound:9.1e}")
+    return "\n".join(lines)
+
+
+def summation_orders(n: int = 512, seed: int = 0) -> tuple[float, float, float]:
+    """The same ``n`` float32 products summed in two orders (forward, backward), and in float64.
+
+    Float addition is not associative: the two float32 sums usually differ in the last bits,
+    both within rounding of the float64 value. This is why a matmul whose library picks a
+    different blocking for ``[10 x k]`` than for ``[40 x k]`` can give A's rows other bits.
+    """
+    g = torch.Generator().manual_seed(seed)
+    prods = (torch.randn(n, generator=g) * torch.randn(n, generator=g)).float()
+    fwd = torch.zeros((), dtype=torch.float32)
+    for p in prods:
+        fwd = fwd + p
+    bwd = torch.zeros((), dtype=torch.float32)
+    for p in prods.flip(0):
+        bwd = bwd + p
+    return fwd.item(), bwd.item(), prods.double().sum().item()
+
+
+# ---- who reads whom, and the QKV extractors per rank -------------------------------------------------
+
+def dependency_maps(panels: Mapping[str, np.ndarray], seq_lens: Sequence[int],
+                    colors: Mapping[str, str] | None = None) -> Figure:
+    """Who reads whom: for each panel a bool ``[T_out, T_in]`` map, True where output row i
+    changed when input row j was perturbed (see ``probe.row_dependency``). Request
+    boundaries are drawn at ``cu_seqlens``; ``colors`` gives each panel's True colour."""
+    lens = check_lengths(seq_lens)
+    cu = cumulative(lens)
+    fig = Figure(figsize=(3.4 * len(panels), 4.0))
+    axes = np.atleast_1d(fig.subplots(1, len(panels)))
+    for ax, (title, dep) in zip(axes, panels.items()):
+        dep = np.asarray(dep, dtype=bool)
+        if dep.shape != (cu[-1], cu[-1]):
+            raise ValueError(f"panel {title!r} must be [T, T] = {(cu[-1], cu[-1])}, got {dep.shape}")
+        color = (colors or {}).get(title, ATTENTION if "attention" in title else LINEAR)
+        ax.imshow(dep, cmap=ListedColormap([NEVER, color]), vmin=0, vmax=1, interpolation="nearest",
+                  extent=(0, cu[-1], cu[-1], 0))
+        for side in ax.spines.values():
+            side.set_visible(True)
+        for e in cu[1:-1]:
+            ax.axhline(e, color=TEXT, linewidth=0.8, linestyle="--")
+            ax.axvline(e, color=TEXT, linewidth=0.8, linestyle="--")
+        ax.set_xticks(cu)
+        ax.set_yticks(cu)
+        ax.tick_params(labelsize=MIN_FONT)
+        ax.set_title(f"{title}\n{int(dep.sum())} of {dep.size} pairs", fontsize=MIN_FONT + 1)
+        ax.set_xlabel("perturbed input row j", fontsize=MIN_FONT)
+    axes[0].set_ylabel("output row i that changed", fontsize=MIN_FONT)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.14, top=0.8, wspace=0.3)
+    return fig
+
+
+def qkv_row_owners(cfg: ModelConfig) -> np.ndarray:
+    """``int [3·H·D]``: the TP rank that holds each output row (feature extractor) of the full QKV weight.
+
+    Computed by ``QKVParallelLinear.shard_rows`` on one-process stand-in groups, not by hand.
+    """
+    n = 3 * cfg.qkv_dim
+    owner = np.full(n, -1, dtype=np.int64)
+    ids = torch.arange(n)
+    for rank in range(cfg.tp_size):
+        # A linear layer only reads rank and world_size from its group to cut its shard.
+        layer = QKVParallelLinear(cfg.d_model, cfg.n_heads, cfg.d_head, bias=False, group=LocalGroup(rank, cfg.tp_size))
+        owner[layer.shard_rows(ids).numpy()] = rank
+    return owner
+
+
+def _runs(idx: np.ndarray):
+    """Maximal runs of consecutive integers in a sorted array, as ``(start, stop)``."""
+    if idx.size == 0:
+        return
+    breaks = np.flatnonzero(np.diff(idx) != 1)
+    starts = np.concatenate([[idx[0]], idx[breaks + 1]])
+    stops = np.concatenate([idx[breaks], [idx[-1]]]) + 1
+    yield from zip(starts.tolist(), stops.tolist())
+
+
+def qkv_shards(cfg: ModelConfig, tokens: int = 40) -> Figure:
+    """Claim C6: the ``3·H·D`` rows of the fused QKV weight are feature extractors; each TP rank
+    owns those of its heads (in Q, in K and in V) and runs them on every token."""
+    owner = qkv_row_owners(cfg)
+    k = cfg.qkv_dim
+    shades = [LINEAR, LINEAR_LIGHT]
+    hatches = ["", "//"]
+    fig = Figure(figsize=(10, 2.9))
+    ax = fig.add_axes((0.03, 0.36, 0.94, 0.42))
+    for rank in range(cfg.tp_size):
+        for start, stop in _runs(np.flatnonzero(owner == rank)):
+            ax.add_patch(Rectangle((start, 0), stop - start, 1, facecolor=shades[rank % 2], hatch=hatches[rank % 2],
+                                   edgecolor="white", linewidth=0.0))
+    for h in range(3 * cfg.n_heads + 1):
+        ax.axvline(h * cfg.d_head, color="white", linewidth=1.0)
+    for part, name in enumerate("QKV"):
+        ax.axvline(part * k, color=TEXT, linewidth=1.5)
+        ax.text(part * k + k / 2, 1.12, f"{name}: {cfg.n_heads} heads x {cfg.d_head} extractors", ha="center",
+                fontsize=MIN_FONT + 1)
+        for h in range(cfg.n_heads):
+            ax.text(part * k + (h + 0.5) * cfg.d_head, 0.5, f"h{h}", ha="center", va="center", fontsize=MIN_FONT,
+                    color="white" if owner[part * k + h * cfg.d_head] % 2 == 0 else TEXT)
+    ax.set_xlim(0, 3 * k)
+    ax.set_ylim(0, 1.3)
+    ax.set_yticks([])
+    for side in ("left", "top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.set_xlabel(f"row of the full QKV weight = one feature extractor ({3 * k} in all)", fontsize=MIN_FONT + 1)
+    per_rank = 3 * cfg.heads_per_rank * cfg.d_head
+    fig.legend(handles=[Patch(facecolor=shades[r % 2], hatch=hatches[r % 2], edgecolor="white",
+                              label=f"rank {r}: heads {r * cfg.heads_per_rank}-{(r + 1) * cfg.heads_per_rank - 1}, "
+                                    f"{per_rank} extractors: [{tokens} x {cfg.d_model}] -> [{tokens} x {per_rank}]")
+                        for r in range(cfg.tp_size)],
+               loc="lower center", ncol=min(cfg.tp_size, 2), fontsize=MIN_FONT + 1, frameon=False)
+    fig.suptitle(f"TP={cfg.tp_size}, QKV projection: each rank owns the Q, K and V extractors of its "
+                 f"{cfg.heads_per_rank} heads and runs them on all {tokens} tokens", fontsize=MIN_FONT + 2, y=0.97)
+    return fig
+
+
+# ---- the row-reach explorer -------------------------------------------------------------------------
+
+LAYER_KINDS = ("LayerNorm", "linear (QKV proj)", "GeLU", "residual add", "plain attention (flat rows, causal)",
+               "varlen attention (causal)")
+_KIND_COLOR = {"LayerNorm": OTHER, "linear (QKV proj)": LINEAR, "GeLU": OTHER, "residual add": OTHER,
+               "plain attention (flat rows, causal)": ATTENTION, "varlen attention (causal)": ATTENTION}
+
+
+@functools.lru_cache(maxsize=32)
+def layer_dependency(kind: str, seq_lens: tuple = tuple(ARTICLE_LENS), d_model: int = 32, n_heads: int = 4,
+                     seed: int = 0) -> np.ndarray:
+    """Bool ``[T, T]``: measured with ``row_dependency`` on one small layer of this ``kind``
+    (random weights of a fixed seed; the map does not depend on them). Cached per kind."""
+    check_choice("kind", kind, LAYER_KINDS)
+    lens = check_lengths(seq_lens)
+    d, h = check_int("d_model", d_model, 1), check_int("n_heads", n_heads, 1)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lens), d, generator=g)
+    w_qkv = torch.randn(3 * d, d, generator=g) / d ** 0.5
+    skip = torch.randn(sum(lens), d, generator=g)
+    meta = VarlenMetadata.build(cumulative(lens))
+
+    def qkv(t):                                                        # [T, d] -> q, k, v [T, H, d/H]
+        return F.linear(t, w_qkv).view(t.shape[0], 3, h, d // h).unbind(1)
+
+    fns = {"LayerNorm": lambda t: F.layer_norm(t, (d,)),
+           "linear (QKV proj)": lambda t: F.linear(t, w_qkv),
+           "GeLU": lambda t: F.gelu(t, approximate="tanh"),
+           "residual add": lambda t: t + skip,
+           "plain attention (flat rows, causal)": lambda t: plain_attention(*qkv(t)),
+           "varlen attention (causal)": lambda t: attention_forward(*qkv(t), meta, "loop", causal=True)}
+    return row_dependency(fns[kind], x).numpy()
+
+
+def row_reach_state(row: int, kind: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> dict:
+    """Which input rows can change output ``row`` under a layer of ``kind`` (measured, cached).
+
+    Returns ``{"row", "kind", "request", "position", "readers": [j, ...], "per_request": {name: n},
+    "other_requests": n}``: ``readers`` are the input rows j whose change changes output row ``row``.
+    """
+    lens = check_lengths(seq_lens)
+    cu = cumulative(lens)
+    i = check_int("row", row, 0, cu[-1] - 1)
+    dep = layer_dependency(kind, tuple(lens))
+    readers = np.flatnonzero(dep[i]).tolist()
+    req = int(np.searchsorted(cu, i, side="right") - 1)
+    per_request = {request_name(r): sum(cu[r] <= j < cu[r + 1] for j in readers) for r in range(len(lens))}
+    return {"row": i, "kind": kind, "request": request_name(req), "position": i - cu[req], "readers": readers,
+            "per_request": per_request, "other_requests": len(readers) - per_request[request_name(req)]}
+
+
+def _spans(rows: list[int]) -> str:
+    parts = [f"{a}" if b - a == 1 else f"{a}-{b - 1}" for a, b in _runs(np.asarray(rows, dtype=np.int64))]
+    return ", ".join(parts) if parts else "none"
+
+
+def row_reach_text(state: dict) -> str:
+    """One readable line: ``output row 12 (B, position 2) under ...: changed by input rows 0-12 ...``."""
+    counts = ", ".join(f"{n} of {name}" for name, n in state["per_request"].items() if n)
+    verdict = (f"reads {state['other_requests']} rows of another request: a wrong answer" if state["other_requests"]
+               else "stays inside its own request")
+    return (f"output row {state['row']} ({state['request']}, position {state['position']}) under {state['kind']}: "
+            f"changed by input rows {_spans(state['readers'])} ({counts}) - {verdict}")
+
+
+def row_reach_figure(state: dict, seq_lens: Sequence[int] = ARTICLE_LENS) -> Figure:
+    """The flat rows coloured by request (top) and the input rows that can change output row i (bottom)."""
+    lens = check_lengths(seq_lens)
+    t = sum(lens)
+    fig = Figure(figsize=(8.4, 2.6))
+    ax = fig.add_axes((0.13, 0.3, 0.85, 0.5))
+    draw_strip(ax, lens, y=1.3, height=0.8)
+    color = _KIND_COLOR[state["kind"]]
+    cu = cumulative(lens)
+    req = [int(np.searchsorted(cu, j, side="right") - 1) for j in range(t)]
+    own = req[state["row"]]
+    for j in range(t):
+        hit = j in set(state["readers"])
+        ax.add_patch(Rectangle((j, 0), 1, 0.8, facecolor=color if hit else NEVER, edgecolor=OTHER, linewidth=0.4,
+                               hatch="xx" if hit and req[j] != own else ""))
+    ax.annotate("", xy=(state["row"] + 0.5, 2.1), xytext=(state["row"] + 0.5, 2.7),
+                arrowprops={"arrowstyle": "-|>", "color": TEXT, "lw": 1.5}, annotation_clip=False)
+    ax.set_xlim(0, t)
+    ax.set_ylim(0, 2.2)
+    ax.set_yticks([0.4, 1.7])
+    ax.set_yticklabels(["rows that\nchange it", "flat batch"], fontsize=MIN_FONT)
+    ax.set_xticks(cu)
+    ax.tick_params(labelsize=MIN_FONT)
+    for side in ("left", "top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_xlabel("flat row (ticks at cu_seqlens); crossed cells belong to another request", fontsize=MIN_FONT)
+    fig.suptitle(f"{state['kind']}: which input rows change output row {state['row']} "
+                 f"({state['request']}, position {state['position']})? {len(state['readers'])} rows, "
+                 f"{state['other_requests']} from another request", fontsize=MIN_FONT + 1, y=0.97)
+    return fig
+
+
+def row_reach_explorer(row: int = 12, kind: str = "plain attention (flat rows, causal)",
+                       seq_lens: Sequence[int] = ARTICLE_LENS):
+    """VBox class ``rdx``: IntSlider ``rdx-row`` (output row), Dropdown ``rdx-kind`` (layer kind),
+    HTML ``rdx-readers`` (the rows that can change it, by request), Output ``rdx-figure``."""
+    w = ipywidgets_module()
+    lens = check_lengths(seq_lens)
+    slider = tagged(w.IntSlider(value=row, min=0, max=sum(lens) - 1, description="output row"), "rdx-row")
+    kinds = tagged(w.Dropdown(options=list(LAYER_KINDS), value=kind, description="layer",
+                              layout=w.Layout(width="380px")), "rdx-kind")
+    readers, out = tagged(w.HTML(), "rdx-readers"), tagged(w.Output(), "rdx-figure")
+
+    def update(change=None):
+        state = row_reach_state(slider.value, kinds.value, lens)
+        readers.value = f"<div>{row_reach_text(state)}</div>"
+        show_figure(out, row_reach_figure(state, lens))
+
+    return explorer("rdx", [slider, kinds], [readers, out], update)
+
+
+# ---- exercises -------------------------------------------------------------------------------------
+
+def _flat(seq_lens: Sequence[int], d: int, seed: int) -> Tensor:
+    return torch.randn(sum(seq_lens), d, generator=torch.Generator().manual_seed(seed)) * 2 + 0.5
+
+
+def batch_norm_rows(x: Tensor, eps: float) -> Tensor:
+    """BatchNorm (training mode, no scale or shift) over the flat rows: each FEATURE is normalised
+    with its mean and biased variance over all T tokens. ``[T, d] -> [T, d]``."""
+    return F.batch_norm(x, None, None, training=True, eps=eps)
+
+
+def check_batch_norm(fn: Callable[[Tensor, float], Tensor]) -> bool:
+    """Exercise 02.1: ``fn(x [T, d], eps) -> [T, d]``, BatchNorm over the flat rows; then which
+    rows of request A change when request B's rows change (``row_dependency``)."""
+    lens = list(ARTICLE_LENS)
+    dep_x = _flat(lens, 16, 7)
+    cases = [(_flat([40], 16, 1), 1e-5), (_flat([7], 32, 2), 1e-3), (_flat([1], 8, 3), 1e-5), (dep_x, 1e-5)]
+
+    def judge(got, x, eps):
+        if x is dep_x:  # the dependency case: which rows can a change of B's rows reach?
+            dep = row_dependency(lambda t: fn(t, eps), x)
+            a, t = lens[0], sum(lens)
+            changed_a = int(dep[:a, a:].any(dim=1).sum())
+            if changed_a == a and bool(dep.all()):
+                return None
+            if torch.equal(dep, torch.eye(t, dtype=torch.bool)):
+                return ("row_dependency: every row reads only itself - that is a per-row norm (LayerNorm); BatchNorm "
+                        "takes each feature's statistics over the tokens (dim 0), so every row reads every row")
+            return (f"row_dependency: a change in B's rows reaches {changed_a} of A's {a} rows; with statistics over "
+                    f"all {t} tokens it reaches all of them (and every row reads every other row)")
+        want = batch_norm_rows(x, eps)
+        problem = tensor_problem(got, want, atol=1e-4)
+        if problem is None:
+            return None
+        if x.shape[0] > 1 and matches(got, F.layer_norm(x, (x.shape[1],), eps=eps), 1e-4):
+            return problem + " - you normalised each ROW over its features (LayerNorm, dim=-1); BatchNorm uses dim 0"
+        if x.shape[0] > 1 and matches(got, (x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=True) + eps), 1e-4):
+            return problem + " - BatchNorm divides by the biased variance (by T, not T - 1)"
+        if isinstance(got, Tensor) and got.is_floating_point() and not torch.isfinite(got).all():
+            return (problem + " - a batch of one token has variance 0: add eps inside the square root "
+                    "(and notice what a request served alone in a one-token batch would get: all zeros)")
+        return problem
+
+    return grade("batch_norm", fn, cases, judge,
+                 "BatchNorm over the flat rows - and a change in B's rows changes all 10 of A's rows: "
+                 "A's answer would depend on who it is batched with")
+
+
+def check_row_parallel_combine(fn: Callable[[list, Tensor], Tensor]) -> bool:
+    """Exercise 02.2: ``fn(partials, bias) -> [T, d_out]``: finish a row-parallel linear layer
+    from the ranks' partial outputs (what the all-reduce and the bias add do together)."""
+    g = torch.Generator().manual_seed(3)
+    cases, wants = [], {}
+    for t, d_in, d_out, tp in ((40, 16, 8, 2), (5, 12, 6, 3), (3, 8, 4, 1), (7, 16, 4, 4)):
+        x, w, b = torch.randn(t, d_in, generator=g), torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g)
+        n = d_in // tp
+        partials = [x[:, r * n:(r + 1) * n] @ w[:, r * n:(r + 1) * n].T for r in range(tp)]  # [T, d_out] each
+        cases.append((partials, b))
+        wants[id(partials)] = F.linear(x, w, b)  # the unsharded layer: the truth to match
+
+    def judge(got, partials, b):
+        want = wants[id(partials)]
+        problem = tensor_problem(got, want, atol=1e-4)
+        if problem is None:
+            return None
+        tp = len(partials)
+        if tp > 1 and matches(got, want + (tp - 1) * b, 1e-4):
+            return problem + f" - the bias was added {tp} times (once per rank): add it once, after the sum"
+        if matches(got, want - b, 1e-4):
+            return problem + " - the bias is missing: add it once after summing the partials"
+        if matches(got, partials[0] + b, 1e-4):
+            return problem + " - that is rank 0's partial only: the all-reduce SUMS the partials of all ranks"
+        if tp > 1 and matches(got, (want - b) / tp + b, 1e-4):
+            return problem + " - an average, not a sum: each partial is a share of the dot product"
+        return problem + " - the full output is the SUM of the partials (an all-reduce), plus the bias once"
+
+    return grade("row_parallel_combine", fn, cases, judge, "sum of partials + bias once, for tp = 2, 3, 1, 4")
+
+
+def quantize_rows(x: Tensor) -> Tensor:
+    """Per-token symmetric int8 fake quantisation: row i is rounded on the grid ``s_i = max|x_i| / 127``
+    and returned dequantised (``round(x / s_i) · s_i``); a row of zeros stays zero."""
+    s = x.abs().amax(dim=-1, keepdim=True) / 127                       # [T, 1]: one scale per token
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(x / s) * s
+
+
+def check_quantize_rows(fn: Callable[[Tensor], Tensor]) -> bool:
+    """Exercise 02.3: ``fn(x [T, d]) -> [T, d]``, int8 fake quantisation with one scale per TOKEN,
+    so that batching stays free (every output row depends on its own input row only)."""
+    g = torch.Generator().manual_seed(5)
+    mixed = torch.cat([torch.randn(1, 16, generator=g) * 1e-3, torch.randn(1, 16, generator=g) * 1e3,
+                       torch.randn(2, 16, generator=g)])              # rows of very different sizes
+    zero_row = torch.randn(5, 16, generator=g)
+    zero_row[2] = 0
+    dep_x = _flat(ARTICLE_LENS, 16, 8)
+    cases = [(torch.randn(12, 32, generator=g),), (mixed,), (zero_row,), (dep_x,)]
+
+    def judge(got, x):
+        if x is dep_x:
+            dep = row_dependency(fn, x)
+            if torch.equal(dep, torch.eye(x.shape[0], dtype=torch.bool)):
+                return None
+            return (f"row_dependency: {int(dep.sum() - dep.diagonal().sum())} pairs where changing one row changes "
+                    "ANOTHER row's output - request A's numbers would depend on request B")
+        want = quantize_rows(x)
+        problem = tensor_problem(got, want, atol=1e-6, rtol=1e-5)
+        if problem is None:
+            return None
+        whole = x.abs().max() / 127
+        if whole > 0 and matches(got, torch.round(x / whole) * whole, 1e-6):
+            return problem + (" - one scale for the whole batch (per tensor): a small request's rows round to 0 next to a "
+                              "big one, and A's numbers depend on B's largest value. Use one scale per row (dim=-1)")
+        col = x.abs().amax(dim=0, keepdim=True) / 127
+        if bool((col > 0).all()) and matches(got, torch.round(x / col) * col, 1e-6):
+            return problem + " - one scale per FEATURE is a max over the tokens: rows mix. Take the max over dim=-1"
+        s = x.abs().amax(dim=-1, keepdim=True) / 127
+        if matches(got, torch.round(x / torch.where(s > 0, s, torch.ones_like(s))), 1e-6):
+            return problem + " - those are the int8 codes: return them times the scale (dequantised)"
+        if isinstance(got, Tensor) and got.is_floating_point() and not torch.isfinite(got).all():
+            return problem + " - a row of zeros has scale 0 and 0 / 0 = NaN: give it any non-zero scale (it stays 0)"
+        return problem
+
+    return grade("quantize_rows", fn, cases, judge,
+                 "one scale per token: every row rounds on its own grid, and reads only itself")
+
+
+# ---- figures ----------------------------------------------------------------------------------------
+
+@register("02_forward_walk", lesson="02",
+          caption="the embedding and the ten steps of a block on [40 x 512]: shapes at TP=1 and per rank, who row i reads")
+def _forward_walk() -> Figure:
+    return forward_walk_figure(ModelConfig(), ARTICLE_LENS)
+
+
+@register("02_who_reads_whom", lesson="02",
+          caption="which input rows change which output rows: per-token layers vs attention (C4, C5, C7, C10)")
+def _who_reads_whom() -> Figure:
+    return dependency_maps(who_reads_whom(ARTICLE_LENS), ARTICLE_LENS)
+
+
+@register("02_qkv_shards", lesson="02",
+          caption="TP=2: each rank owns the Q, K, V extractors of its 4 heads, [40 x 512] -> [40 x 768] (C6)")
+def _qkv_shards() -> Figure:
+    return qkv_shards(ModelConfig(), tokens=sum(ARTICLE_LENS))
+

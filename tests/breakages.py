@@ -1,0 +1,50 @@
+"""Deliberate breakages of the engine: for each claim id, the bug that claim guards against.
+
+``tests/test_claims_can_fail.py`` runs a lesson with ``LESSONS_TEST_HOOK=breakages`` and
+``LESSONS_BREAK=<claim id>``: this module is imported once ``lessons_lib.core`` is loaded (in the
+notebook's kernel and in every TP worker it spawns) and applies that one breakage; the test
+then checks that the claim's cell fails with ``✗ <id> FAILED``. A claim no breakage can fail
+would be a claim that proves nothing.
+
+Each entry: ``BREAKS[id] = Breakage(notebook, what, apply)``; ``apply()`` monkeypatches
+``lessons_lib`` in this process. Patch a function where it is LOOKED UP: ``from .attention
+import attention_forward`` in ``model.py`` keeps its own reference, so patch both modules.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Breakage:
+    notebook: str            # the lesson whose claim cell must fail, e.g. "03_masked_vs_varlen_attention"
+    what: str                # the bug, in words
+    apply: Callable[[], None]
+
+
+BREAKS: dict[str, Breakage] = {}
+
+
+def breaks(claim_id: str, notebook: str, what: str):
+    """Register ``apply`` as the breakage of ``claim_id`` (checked by the test for every claim id)."""
+    def deco(apply: Callable[[], None]) -> Callable[[], None]:
+        if claim_id in BREAKS:
+            raise ValueError(f"{claim_id} has two breakages")
+        BREAKS[claim_id] = Breakage(notebook, what, apply)
+        return apply
+    return deco
+
+
+# ---- the breakages, one module per lesson: tests/breakages_lNN.py ---------------------------------
+# Keep each one the smallest plausible bug a contributor could really introduce, and make it
+# break only what its claim is about.
+for _lesson in ("l00", "l01", "l02", "l03", "l04", "l05", "l06"):
+    if importlib.util.find_spec(f"breakages_{_lesson}") is not None:
+        importlib.import_module(f"breakages_{_lesson}")
+
+if os.environ.get("LESSONS_BREAK"):
+    BREAKS[os.environ["LESSONS_BREAK"]].apply()

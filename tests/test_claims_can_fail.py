@@ -1,0 +1,66 @@
+"""Claims that can fail: for every claim id, break the engine the way the claim guards against
+(tests/breakages.py) and show that the lesson's claim cell then fails.
+
+Each run executes the lesson in a fresh kernel whose ``lessons_lib`` is broken on import
+(``LESSONS_TEST_HOOK=breakages``, ``LESSONS_BREAK=<id>``; spawned TP workers inherit both), cell by
+cell, up to the first cell that proves the claim (``# claim <id>`` on its first line), and
+requires that cell to raise ``✗ <id> FAILED``. The whole lessons pass under nbval, so each claim
+is shown both ways: holding with the engine whole, failing with it broken.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from breakages import BREAKS
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+CLAIM_IDS = ["S1", "S2", "S3"] + [f"C{i}" for i in range(1, 16)]
+
+
+def _claim_cells(nb, claim_id: str) -> list[int]:
+    return [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+            and re.match(rf"#\s*claim\b.*\b{claim_id}\b", c.source.split("\n", 1)[0])]
+
+
+def test_every_claim_has_a_breakage_and_a_claim_cell():
+    assert sorted(BREAKS) == sorted(CLAIM_IDS), f"missing: {sorted(set(CLAIM_IDS) - set(BREAKS))}"
+    for claim_id, b in BREAKS.items():
+        nb = nbformat.read(REPO / "notebooks" / f"{b.notebook}.ipynb", as_version=4)
+        assert _claim_cells(nb, claim_id), f"{b.notebook} has no '# claim {claim_id}' cell"
+
+
+@pytest.mark.parametrize("claim_id", CLAIM_IDS)
+def test_claim_cell_fails_with_the_engine_broken(claim_id, monkeypatch, tmp_path):
+    if claim_id not in BREAKS:
+        pytest.fail(f"no breakage registered for {claim_id} in tests/breakages.py")
+    b = BREAKS[claim_id]
+    nb = nbformat.read(REPO / "notebooks" / f"{b.notebook}.ipynb", as_version=4)
+    target = _claim_cells(nb, claim_id)[0]
+    monkeypatch.setenv("LESSONS_TEST_HOOK", "breakages")
+    monkeypatch.setenv("LESSONS_BREAK", claim_id)
+    monkeypatch.setenv("PYTHONPATH", f"{TESTS}:{REPO}")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(REPO / "notebooks")}})
+    errors = {}
+    with client.setup_kernel():
+        for i, cell in enumerate(nb.cells[:target + 1]):
+            if cell.cell_type != "code":
+                continue
+            try:
+                client.execute_cell(cell, i)
+            except CellExecutionError:
+                pass
+            errors[i] = "\n".join("\n".join(o.get("traceback", [])) + o.get("evalue", "")
+                                  for o in cell.outputs if o.output_type == "error")
+    failure = re.sub(r"\x1b\[[0-9;]*m", "", errors.get(target, ""))
+    assert f"✗ {claim_id} FAILED" in failure, (
+        f"with '{b.what}', the claim cell {target} of {b.notebook} should fail with '✗ {claim_id} FAILED'; "
+        f"it gave: {failure[-800:] or 'no error'}; earlier errors: "
+        f"{ {i: e[-200:] for i, e in errors.items() if e and i != target} }")
