@@ -21,7 +21,7 @@ from lessons_lib.tp.runtime import tp_forward
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "lessons_lib"
-CORE_MAX_LINES = 1150       # the whole engine a learner reads, docstrings included
+CORE_MAX_LINES = 1200        # "about 1,100": the whole engine a learner reads, docstrings included
 CORE_MAX_FILE_LINES = 350
 
 

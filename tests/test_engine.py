@@ -45,6 +45,17 @@ def test_scheduler_budgets_fcfs_and_maximal_batches(seed):
     assert s.schedule() == [] and len(s) == 0
 
 
+def test_s3_every_request_runs_whole_in_one_batch_and_an_oversize_one_is_refused():
+    lens = [5, 12, 3, 12, 1]
+    eng = Engine(CFG, max_num_batched_tokens=12, max_num_seqs=8, compute_logits=False)
+    outs = eng.prefill([[7] * n for n in lens])
+    assert [o.num_tokens for o in outs] == lens  # each prompt served whole...
+    served = [i for s in eng.stats for i in s.request_ids]
+    assert sorted(served) == list(range(len(lens))) and len(served) == len(set(served))  # ...exactly once, in one batch
+    with pytest.raises(ValueError, match="no chunked prefill"):
+        eng.submit([7] * 13)  # longer than the budget: it could never run whole, so it is refused at submit
+
+
 def test_scheduler_never_skips_ahead():
     s = Scheduler(max_num_batched_tokens=10, max_num_seqs=8)
     for i, n in enumerate([6, 6, 1]):  # the 1-token request would fit beside the first, but waits its turn

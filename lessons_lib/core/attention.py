@@ -62,6 +62,7 @@ class VarlenMetadata:
     @classmethod
     def build(cls, cu_q: list[int], cu_k: list[int] | None = None, device="cpu",
               max_seqlen_q: int | None = None, max_seqlen_k: int | None = None) -> VarlenMetadata:
+        """From host boundaries ``[0, L_0, L_0+L_1, ...]``; the int32 tensors go to ``device``."""
         cu_k = cu_q if cu_k is None else cu_k
         cu_tensor_q = torch.tensor(cu_q, dtype=torch.int32, device=device)
         cu_tensor_k = cu_tensor_q if cu_k is cu_q else torch.tensor(cu_k, dtype=torch.int32, device=device)

@@ -68,6 +68,7 @@ class PackedBatch:
         return self.cu_seqlens[1:].long() - 1
 
     def to(self, device) -> PackedBatch:
+        """The same batch with every tensor on ``device`` (``seq_lens`` stays a host list)."""
         def move(t):
             return None if t is None else t.to(device)
         return PackedBatch(move(self.input_ids), move(self.hidden), move(self.positions), move(self.cu_seqlens),

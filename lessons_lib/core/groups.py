@@ -60,6 +60,7 @@ class LocalGroup:
             raise ValueError(f"rank={self.rank} must be < world_size={self.world_size}")
 
     def all_reduce(self, tensor: torch.Tensor, *, layer: str = "") -> torch.Tensor:
+        """``tensor`` unchanged (nothing to sum with); recorded when standing in for a rank of a TP group."""
         if self.world_size > 1:
             self.trace.append(record(tensor, layer, self.rank, self.world_size))
         return tensor
@@ -84,6 +85,7 @@ class DistGroup:
         self.trace: list[CollectiveRecord] = []
 
     def all_reduce(self, tensor: torch.Tensor, *, layer: str = "") -> torch.Tensor:
+        """Sum ``tensor`` (any shape, on ``self.device``) over the ranks, in place; record it; return it."""
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
         self.trace.append(record(tensor, layer, self.rank, self.world_size))
         return tensor

@@ -43,6 +43,7 @@ class ColumnParallelLinear(nn.Module):
 
     @torch.no_grad()
     def load_full_(self, weight: Tensor, bias: Tensor | None = None) -> ColumnParallelLinear:
+        """Copy this rank's rows of the full ``weight [out, in]`` and ``bias [out]`` (any device, cast)."""
         _expect(weight, (self.out_features, self.in_features), "weight")
         self.weight.copy_(self.shard_rows(weight))
         if self.bias is not None:
@@ -51,7 +52,8 @@ class ColumnParallelLinear(nn.Module):
         return self
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, in] -> [T, out/tp]
+        """``x [T, in]`` (the weight's dtype and device) → ``[T, out/tp]``, this rank's output features."""
+        return F.linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -105,6 +107,7 @@ class RowParallelLinear(nn.Module):
 
     @torch.no_grad()
     def load_full_(self, weight: Tensor, bias: Tensor | None = None) -> RowParallelLinear:
+        """Copy this rank's columns of the full ``weight [out, in]``, and the whole ``bias [out]``."""
         _expect(weight, (self.out_features, self.in_features), "weight")
         n = self.in_features // self.group.world_size
         self.weight.copy_(weight[:, self.group.rank * n:(self.group.rank + 1) * n])
@@ -114,6 +117,7 @@ class RowParallelLinear(nn.Module):
         return self
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x [T, in/tp]`` (this rank's input features) → ``[T, out]``, the same on every rank."""
         partial = F.linear(x, self.weight)  # [T, in/tp] -> [T, out], a partial sum on each rank
         y = self.group.all_reduce(partial, layer=self.name)  # [T, out], summed over ranks
         return y if self.bias is None else y + self.bias

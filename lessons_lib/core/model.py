@@ -148,11 +148,13 @@ class Transformer(nn.Module):
         return self.wte[batch.input_ids] + self.wpe[batch.positions]
 
     @torch.no_grad()
-    def forward(self, batch: PackedBatch, *, attn_backend: str | None = None) -> Tensor:
-        """Flat forward: a PackedBatch of T tokens (on the model's device) → final hidden ``[T, d_model]``.
+    def forward(self, batch: PackedBatch, *, attn_backend=None) -> Tensor:
+        """Flat forward: a PackedBatch of T tokens → final hidden states ``[T, d_model]``.
 
-        The batch is checked once, here; ``batch.cu_seqlens`` reaches only the attention call,
-        through one ``VarlenMetadata`` shared by all layers.
+        batch: on the model's device (``input_ids [T]`` int64, ``cu_seqlens [R+1]`` int32, ...).
+        attn_backend: overrides the model's (a name of ``kernels.BACKENDS``, "auto", or your function).
+        Returns ``[T, d_model]`` in the weights' dtype, on their device. The batch is checked once,
+        here; ``cu_seqlens`` reaches only attention, through one ``VarlenMetadata`` for all layers.
         """
         cu = check_batch(self.cfg, batch, self.device, self.dtype)
         backend = resolve_backend(attn_backend or self.attn_backend, self.device, self.dtype, self.cfg.d_head)

@@ -127,7 +127,10 @@ class TPRuntime:
         return self._pool.closed
 
     def forward(self, batch: PackedBatch, *, timeout: float | None = None, fault: Fault | None = None) -> TPResult:
-        """One TP forward of a flat batch: ``[T]`` tokens → ``TPResult`` (output ``[T, d_model]``)."""
+        """One TP forward of a flat batch (any device; sent to the workers, which move it to theirs).
+
+        Returns a ``TPResult`` whose ``output`` is ``[T, d_model]`` in the runtime's dtype, on the CPU.
+        """
         check_batch(self.cfg, batch, dtype=self.dtype)  # in the caller: a bad batch must not kill a healthy runtime
         if fault is not None and not isinstance(fault, Fault):
             raise ValueError(f"fault must be a tp.Fault or None, got {fault!r}")

@@ -98,7 +98,8 @@ def traced_forward(model: Transformer, batch: PackedBatch, *, fault: Fault | Non
                    comm_debug: bool = False) -> tuple[Tensor, ForwardReport]:
     """Run ``model(batch)`` once with the instrumentation of the module docstring.
 
-    Returns ``(hidden [T, d_model], ForwardReport)``. Works on TP=1 too (no records).
+    ``batch`` on the model's device. Returns ``(hidden [T, d_model] on that device, ForwardReport)``;
+    ``forward_s`` includes the device's kernels (synchronized). Works on TP=1 too (no records).
     comm_debug: also count c10d collectives with PyTorch's CommDebugMode.
     """
     group = model.group

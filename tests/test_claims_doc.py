@@ -1,0 +1,42 @@
+"""docs/claims.md, the project's own claims document, stays true to the repo: every claim id
+has a row, the lesson named there proves it in a claim cell, and the tests it names exist."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+from breakages import BREAKS
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = [line.split("|")[1:-1] for line in (ROOT / "docs" / "claims.md").read_text().splitlines()
+        if re.match(r"\| [SC]\d+ \|", line)]
+
+
+def test_every_claim_id_has_one_row_and_one_breakage():
+    ids = [r[0].strip() for r in ROWS]
+    assert len(ids) == len(set(ids)) == 18 and set(ids) == set(BREAKS)
+
+
+def test_the_lesson_named_proves_the_claim_in_a_claim_cell():
+    for row in ROWS:
+        claim_id, lesson = row[0].strip(), re.search(r"lesson (\d\d)", row[2]).group(1)
+        (path,) = (ROOT / "notebooks").glob(f"{lesson}_*.ipynb")
+        cells = nbformat.read(path, as_version=4).cells
+        assert any(c.cell_type == "code" and re.match(rf"#\s*claim\b.*\b{claim_id}\b", c.source) for c in cells), \
+            f"{path.name} has no '# claim {claim_id}' cell"
+        assert BREAKS[claim_id].notebook == path.stem, f"{claim_id}: its breakage targets {BREAKS[claim_id].notebook}"
+
+
+def test_the_tests_named_exist():
+    for row in ROWS:
+        for file, func in re.findall(r"`(test_\w+\.py)::(test_\w+)`", row[3]):
+            source = (ROOT / "tests" / file).read_text()
+            assert re.search(rf"^def {func}\(", source, re.M), f"{row[0].strip()}: tests/{file} has no {func}"
+
+
+def test_readme_and_lessons_link_this_document():
+    assert "docs/claims.md" in (ROOT / "README.md").read_text()
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        first = nbformat.read(path, as_version=4).cells[0].source
+        assert "docs/claims.md" in first and "CLAIMS.md" not in first, path.name
