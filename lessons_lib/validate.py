@@ -63,6 +63,41 @@ def check_lengths(seq_lens: Sequence, minimum: int = 1, name: str = "seq_lens") 
     return out
 
 
+def check_token_ids(ids, where: str = "prompt_token_ids") -> list[int]:
+    """A prompt as a non-empty list of Python ints >= 0 (a 1-D integer tensor or NumPy array is converted)."""
+    if isinstance(ids, Tensor) or type(ids).__module__ == "numpy":
+        if isinstance(ids, Tensor) and ids.device.type == "meta":
+            raise ValueError(f"{where} is on the meta device: the engine needs the token values")
+        if ids.ndim != 1:
+            raise ValueError(f"{where} must be 1-D, got shape {tuple(ids.shape)}")
+        if (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool) if isinstance(ids, Tensor) \
+                else ids.dtype.kind not in "iu":
+            raise ValueError(f"{where} must hold integers, got dtype {ids.dtype}")
+        ids = ids.tolist()
+    elif isinstance(ids, (list, tuple)):
+        bad = next(((i, t) for i, t in enumerate(ids) if not is_int(t)), None)
+        if bad:
+            raise ValueError(f"{where}[{bad[0]}] must be an int token id, got {bad[1]!r}")
+        ids = [int(t) for t in ids]
+    else:
+        raise ValueError(f"{where} must be a list of int token ids, got {type(ids).__name__}")
+    if not ids:
+        raise ValueError(f"{where} is empty: a prefill needs at least one token")
+    if min(ids) < 0:
+        raise ValueError(f"{where}[{ids.index(min(ids))}] is negative ({min(ids)}): token ids are >= 0")
+    return ids
+
+
+def check_prompt(cfg, ids: list[int], where: str) -> None:
+    """A prompt a model of ``cfg`` can run: every id in the vocabulary, within ``max_position`` tokens."""
+    if len(ids) > cfg.max_position:
+        raise ValueError(f"{where} has {len(ids)} prompt tokens, more than max_position={cfg.max_position} "
+                         "(the model has no position embedding beyond it)")
+    if max(ids) >= cfg.vocab_size:
+        raise ValueError(f"{where}: prompt_token_ids[{ids.index(max(ids))}]={max(ids)} is out of range "
+                         f"[0, vocab_size={cfg.vocab_size})")
+
+
 def check_cu_seqlens(cu_seqlens, total_tokens: int | None = None, name: str = "cu_seqlens") -> list[int]:
     """int32, 1-D, at least 2 entries, starts at 0, non-decreasing, ends at ``total_tokens``.
 

@@ -35,7 +35,7 @@ from ..core.config import ModelConfig, as_config
 from ..core.kernels import placement, resolve_backend, synchronize
 from ..core.model import Transformer, init_weights
 from ..measure.flops import METHODS, attention_cells, forward_flops
-from ..validate import check_choice, check_int, check_seconds, is_int
+from ..validate import check_choice, check_int, check_prompt, check_seconds, is_int
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Request, Scheduler
 
 Tensor = torch.Tensor
@@ -204,15 +204,8 @@ class Engine:
                 self._next_id += 1
             req = Request(self._next_id, item, return_hidden)
         self._next_id += 1
-        n = len(req)
-        if n > self.cfg.max_position:
-            raise ValueError(f"request {req.request_id!r} has {n} prompt tokens, more than "
-                             f"max_position={self.cfg.max_position} (the model has no position embedding beyond it)")
+        check_prompt(self.cfg, req.prompt_token_ids, f"request {req.request_id!r}")
         self.scheduler.check_fits(req)
-        top = max(req.prompt_token_ids)
-        if top >= self.cfg.vocab_size:
-            raise ValueError(f"request {req.request_id!r}: prompt_token_ids[{req.prompt_token_ids.index(top)}]={top} "
-                             f"is out of range [0, vocab_size={self.cfg.vocab_size})")
         return req
 
     def submit(self, prompt, return_hidden: bool = False) -> Request:

@@ -15,10 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
-from ..validate import check_int, check_lengths, is_int
+from ..validate import check_int, check_lengths, check_token_ids, is_int
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_NUM_SEQS = 256
@@ -44,40 +41,12 @@ class Request:
         rid = self.request_id
         if not (isinstance(rid, str) or is_int(rid)):
             raise ValueError(f"request_id must be a str or int, got {rid!r}")
-        self.prompt_token_ids = _token_list(self.prompt_token_ids, rid)
+        self.prompt_token_ids = check_token_ids(self.prompt_token_ids, f"request {rid!r}: prompt_token_ids")
         if not isinstance(self.return_hidden, bool):
             raise ValueError(f"request {rid!r}: return_hidden must be a bool, got {self.return_hidden!r}")
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids)
-
-
-def _token_list(ids, rid) -> list[int]:
-    where = f"request {rid!r}: prompt_token_ids"
-    if isinstance(ids, (torch.Tensor, np.ndarray)):
-        if isinstance(ids, torch.Tensor) and ids.device.type == "meta":
-            raise ValueError(f"{where} is on the meta device: the engine needs the token values")
-        if ids.ndim != 1:
-            raise ValueError(f"{where} must be 1-D, got shape {tuple(ids.shape)}")
-        kind_ok = (not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool
-                   if isinstance(ids, torch.Tensor) else np.issubdtype(ids.dtype, np.integer))
-        if not kind_ok:
-            raise ValueError(f"{where} must hold integers, got dtype {ids.dtype}")
-        ids = ids.tolist()
-    elif isinstance(ids, (list, tuple)):
-        ids = list(ids)
-        for i, t in enumerate(ids):
-            if not is_int(t):
-                raise ValueError(f"{where}[{i}] must be an int token id, got {t!r}")
-        ids = [int(t) for t in ids]
-    else:
-        raise ValueError(f"{where} must be a list of int token ids, got {type(ids).__name__}")
-    if not ids:
-        raise ValueError(f"{where} is empty: a prefill needs at least one token")
-    low = min(ids)
-    if low < 0:
-        raise ValueError(f"{where}[{ids.index(low)}] is negative ({low}): token ids are >= 0")
-    return ids
 
 
 class Scheduler:

@@ -152,8 +152,9 @@ def _bootstrap(rank, world_size, backend, device_type, init_method, pg_timeout_s
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
         if backend == "gloo" and device.type == "cuda":
-            try:  # gloo's CUDA all-reduce depends on the torch build: probe it, else fall back to the CPU
-                dist.all_reduce(torch.ones(1, device=device))
+            try:  # gloo's CUDA all-reduce depends on the torch build and dtype: probe, else fall back to the CPU
+                for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                    dist.all_reduce(torch.ones(1, device=device, dtype=dtype))
             except RuntimeError as exc:
                 device, how = torch.device("cpu"), f"gloo cannot all-reduce CUDA tensors here ({exc}); ranks on the CPU"
         group = DistGroup(device=device)
