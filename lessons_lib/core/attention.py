@@ -197,8 +197,10 @@ def _flash(q, k, v, meta, causal, scale):
 
 def _torch_varlen(q, k, v, meta, causal, scale):
     fn = kernel("torch_varlen")
-    return fn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-              **torch_varlen_kwargs(fn, causal, scale))
+    kw = torch_varlen_kwargs(fn, causal, scale)
+    if "scale" not in kw:  # an early signature always scales by 1/sqrt(D): fold our scale into q
+        q = q * (scale * math.sqrt(q.shape[-1]))
+    return fn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, **kw)
 
 
 IMPLS = {"loop": _loop, "masked": _masked, "padded": _padded, "sdpa": _sdpa, "flex": _flex, "flash": _flash,

@@ -104,14 +104,19 @@ def token_strip(seq_lens: Sequence[int], title: str | None = None) -> Figure:
     fig.subplots_adjust(left=0.03, right=0.97, bottom=0.33, top=0.82)
     return fig
 
+# What a measured series of a method is drawn in: its meaning (masked and padded compute waste).
+METHOD_COLORS = {"varlen": ATTENTION, "masked": WASTE, "padded": WASTE, "linear": LINEAR, "attention": ATTENTION}
+_MARKERS = ("o-", "s--", "^:", "d-.")
+
+
 def measured_series(x: Sequence[float], series: Mapping[str, Sequence[float]], xlabel: str, ylabel: str,
                     title: str, logx: bool = True, logy: bool = True) -> Figure:
-    """A plain line plot of measured numbers (times, bytes) side by side; used for
-    measurements shown in a lesson, never for the committed figures."""
+    """A line plot of measured numbers (times, bytes) side by side; a series named after a method
+    takes that method's colour (``METHOD_COLORS``), any other is grey; markers tell them apart."""
     fig = Figure(figsize=(6, 3.4))
     ax = fig.add_subplot()
     for i, (name, ys) in enumerate(series.items()):
-        ax.plot(list(x), list(ys), "o-", color=request_color(i), label=name)
+        ax.plot(list(x), list(ys), _MARKERS[i % len(_MARKERS)], color=METHOD_COLORS.get(name, OTHER), label=name)
     if logx:
         ax.set_xscale("log", base=2)
     if logy:

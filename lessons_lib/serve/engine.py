@@ -181,6 +181,8 @@ class Engine:
             except ValueError as exc:
                 raise ValueError(f"tp_backend={tp_backend!r}: {exc}") from None
         self.method, self.tp_size = method, tp_size
+        # TP workers resolve the REQUESTED backend on their own device (gloo may put them on the CPU).
+        self._tp_attn_backend = "masked" if method == "masked" else attn_backend
         self.attn_backend = resolve_backend("masked" if method == "masked" else attn_backend, self.device, self.dtype,
                                             cfg.d_head)
         self.scheduler = Scheduler(max_num_batched_tokens, max_num_seqs)
@@ -303,7 +305,7 @@ class Engine:
             return self.model(batch, attn_backend=self.attn_backend)
         if self._runtime is None:
             from ..tp.runtime import TPRuntime  # imported on first use: TP=1 engines never load the runtime
-            self._runtime = TPRuntime(self.cfg, self.weights, world_size=self.tp_size, attn_backend=self.attn_backend,
+            self._runtime = TPRuntime(self.cfg, self.weights, world_size=self.tp_size, attn_backend=self._tp_attn_backend,
                                       verbose=False, device=self.device.type, dtype=self.dtype, **self._tp_kw)
         result = self._runtime.forward(batch)
         self._last_all_reduces = result.all_reduce_counts[0]

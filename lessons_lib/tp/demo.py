@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"collectives inside attention {sum(rep.attn_collectives)}; CommDebugMode {rep.comm_debug_count}")
             if opts.full_trace or i == 0:
                 print(format_trace(rep.records))
-        err, bound = max_abs_diff(out, reference64(batch)), tolerance(reference(batch.to(device)),
-                                                                        reference64(batch), dtype)
+        truth = reference64(batch)
+        err, bound = max_abs_diff(out, truth), tolerance(reference(batch.to(device)), truth, dtype)
         checks = {
             f"C1/C12 {2 * cfg.n_layers} all-reduces per rank":
                 all(len(rep.records) == 2 * cfg.n_layers for rep in reports),

@@ -126,6 +126,7 @@ def traced_forward(model: Transformer, batch: PackedBatch, *, fault: Fault | Non
     try:
         comm = comm_debug_mode() if comm_debug else contextlib.nullcontext()
         with comm:
+            synchronize(model.device)  # the batch's copy to the device is not the forward's time
             t0 = time.perf_counter()
             out = model(batch)  # [T, d_model]
             synchronize(out.device)
