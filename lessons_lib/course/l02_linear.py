@@ -25,12 +25,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from ..core.attention import VarlenMetadata, attention_forward, plain_attention
-from ..core.batch import cumulative
+from ..core.batch import cumulative, pack
 from ..core.config import ModelConfig
 from ..core.groups import LocalGroup
 from ..core.linear import QKVParallelLinear
-from ..validate import check_choice, check_int, check_lengths
 from ..measure.tolerance import max_abs_diff, tolerance
+from ..validate import check_choice, check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade, matches, tensor_problem
@@ -90,13 +90,13 @@ def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int]) -> Figure:
     """Claims C4-C6 as a table: one row per step of ``forward_walk``, coloured by kind."""
     steps = forward_walk(cfg, seq_lens)
     n = len(steps)
-    fig = Figure(figsize=(10.6, 0.42 * n + 1.5))
-    ax = fig.add_axes((0.01, 0.1, 0.98, 0.76))
-    ax.set_xlim(0, 10.6)
-    ax.set_ylim(n + 0.9, -0.1)
+    fig = Figure(figsize=(11.6, 0.42 * n + 1.3))
+    ax = fig.add_axes((0.01, 0.1, 0.98, 0.8))
+    ax.set_xlim(0, 11.6)
+    ax.set_ylim(n + 0.6, -0.1)
     ax.axis("off")
     cols = [(0.0, "step"), (2.55, f"on the flat batch (TP=1, T={sum(seq_lens)})"), (5.45, f"on one rank (TP={cfg.tp_size})"),
-            (8.5, "row i reads")]
+            (9.15, "row i reads")]
     for x, head in cols:
         ax.text(x + 0.05, 0.35, head, fontsize=MIN_FONT + 1, fontweight="bold", va="center", color=TEXT)
     for i, st in enumerate(steps):
@@ -107,7 +107,7 @@ def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int]) -> Figure:
                 color="white" if dark else TEXT, fontweight="bold")
         ax.text(2.6, y, st.flat, fontsize=MIN_FONT + 1, va="center", family="DejaVu Sans Mono", color=TEXT)
         ax.text(5.5, y, st.per_rank, fontsize=MIN_FONT + 1, va="center", family="DejaVu Sans Mono", color=TEXT)
-        ax.text(8.55, y, st.reads, fontsize=MIN_FONT + 1, va="center", color=ATTENTION if st.kind == "attention" else TEXT,
+        ax.text(9.2, y, st.reads, fontsize=MIN_FONT + 1, va="center", color=ATTENTION if st.kind == "attention" else TEXT,
                 fontweight="bold" if st.kind == "attention" else "normal")
     fig.legend(handles=[Patch(facecolor=c, label=lab) for lab, c in
                         (("per token: each row on its own (C4)", OTHER), ("linear: Y = X W^T + b, row by row (C5)", LINEAR),
@@ -143,6 +143,7 @@ def _cu_of(cu: list[int], rows: slice) -> list[int]:
     return inside
 
 
+@torch.no_grad()
 def block_steps(block, x: Tensor, seq_lens: Sequence[int], backend: str = "loop") -> list[BlockStep]:
     """Run ``block`` (a ``model.Block``) on the flat rows ``x [T, d]`` one step at a time.
 
@@ -216,6 +217,7 @@ class StepReport:
         return "other requests too" if self.cross_request else "rows of its own request"
 
 
+@torch.no_grad()
 def measure_steps(steps: Sequence[BlockStep], seq_lens: Sequence[int]) -> list[StepReport]:
     """For each step: ``row_dependency`` on the flat batch, and every request run alone against
     the flat run (float32) and against the float64 twin alone (the tolerance rule)."""
@@ -269,6 +271,19 @@ def summation_orders(n: int = 512, seed: int = 0) -> tuple[float, float, float]:
     for p in prods.flip(0):
         bwd = bwd + p
     return fwd.item(), bwd.item(), prods.double().sum().item()
+
+
+@torch.no_grad()
+def all_reduce_counts(model, ids: Tensor, packings: Mapping[str, Sequence[int]]) -> dict[str, tuple]:
+    """``{name: (number of all-reduces, sorted payload shapes)}`` of one forward of ``model`` (its group
+    must record a ``trace``, e.g. ``LocalGroup(0, 2)``) on the token ids ``ids [T]`` split into requests
+    of the lengths of each packing."""
+    out = {}
+    for name, lens in packings.items():
+        model.group.trace.clear()
+        model.forward(pack(list(ids.split(list(lens)))))
+        out[name] = (len(model.group.trace), sorted({tuple(rec.shape) for rec in model.group.trace}))
+    return out
 
 
 # ---- who reads whom, and the QKV extractors per rank -------------------------------------------------
@@ -438,8 +453,8 @@ def row_reach_figure(state: dict, seq_lens: Sequence[int] = ARTICLE_LENS) -> Fig
     """The flat rows coloured by request (top) and the input rows that can change output row i (bottom)."""
     lens = check_lengths(seq_lens)
     t = sum(lens)
-    fig = Figure(figsize=(8.4, 2.6))
-    ax = fig.add_axes((0.13, 0.3, 0.85, 0.5))
+    fig = Figure(figsize=(8.4, 2.8))
+    ax = fig.add_axes((0.13, 0.26, 0.85, 0.46))
     draw_strip(ax, lens, y=1.3, height=0.8)
     color = _KIND_COLOR[state["kind"]]
     cu = cumulative(lens)
@@ -460,9 +475,9 @@ def row_reach_figure(state: dict, seq_lens: Sequence[int] = ARTICLE_LENS) -> Fig
     for side in ("left", "top", "right"):
         ax.spines[side].set_visible(False)
     ax.set_xlabel("flat row (ticks at cu_seqlens); crossed cells belong to another request", fontsize=MIN_FONT)
-    fig.suptitle(f"{state['kind']}: which input rows change output row {state['row']} "
-                 f"({state['request']}, position {state['position']})? {len(state['readers'])} rows, "
-                 f"{state['other_requests']} from another request", fontsize=MIN_FONT + 1, y=0.97)
+    fig.suptitle(f"{state['kind']}: the input rows that change output row {state['row']} "
+                 f"({state['request']}, position {state['position']})\n{len(state['readers'])} rows, "
+                 f"{state['other_requests']} of them from another request", fontsize=MIN_FONT + 1, y=0.98)
     return fig
 
 
@@ -494,7 +509,8 @@ def _flat(seq_lens: Sequence[int], d: int, seed: int) -> Tensor:
 def batch_norm_rows(x: Tensor, eps: float) -> Tensor:
     """BatchNorm (training mode, no scale or shift) over the flat rows: each FEATURE is normalised
     with its mean and biased variance over all T tokens. ``[T, d] -> [T, d]``."""
-    return F.batch_norm(x, None, None, training=True, eps=eps)
+    mean = x.mean(dim=0, keepdim=True)                                   # [1, d]: over every token of the batch
+    return (x - mean) / torch.sqrt(x.var(dim=0, unbiased=False, keepdim=True) + eps)
 
 
 def check_batch_norm(fn: Callable[[Tensor, float], Tensor]) -> bool:
@@ -502,7 +518,7 @@ def check_batch_norm(fn: Callable[[Tensor, float], Tensor]) -> bool:
     rows of request A change when request B's rows change (``row_dependency``)."""
     lens = list(ARTICLE_LENS)
     dep_x = _flat(lens, 16, 7)
-    cases = [(_flat([40], 16, 1), 1e-5), (_flat([7], 32, 2), 1e-3), (_flat([1], 8, 3), 1e-5), (dep_x, 1e-5)]
+    cases = [(_flat([24], 16, 1), 1e-5), (_flat([7], 32, 2), 1e-3), (_flat([1], 8, 3), 1e-5), (dep_x, 1e-5)]
 
     def judge(got, x, eps):
         if x is dep_x:  # the dependency case: which rows can a change of B's rows reach?
@@ -524,6 +540,8 @@ def check_batch_norm(fn: Callable[[Tensor, float], Tensor]) -> bool:
             return problem + " - you normalised each ROW over its features (LayerNorm, dim=-1); BatchNorm uses dim 0"
         if x.shape[0] > 1 and matches(got, (x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=True) + eps), 1e-4):
             return problem + " - BatchNorm divides by the biased variance (by T, not T - 1)"
+        if x.shape[0] > 1 and matches(got, (x - x.mean(0)) / x.std(0, unbiased=False), 1e-4):
+            return problem + " - eps is missing: divide by sqrt(variance + eps)"
         if isinstance(got, Tensor) and got.is_floating_point() and not torch.isfinite(got).all():
             return (problem + " - a batch of one token has variance 0: add eps inside the square root "
                     "(and notice what a request served alone in a one-token batch would get: all zeros)")

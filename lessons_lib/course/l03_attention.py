@@ -1,25 +1,46 @@
-"""What lesson 03 (masked vs varlen attention) draws, explores and checks.
+"""What lesson 03 (masked vs varlen attention) draws, explores, measures and checks.
+
+- ``attention_categories`` / ``attention_patterns``: the padded, masked and varlen score matrices,
+  one colour per cell category (useful, computed and thrown away, never computed) (C2, C8, C10);
+- ``ScoreCells`` / ``count_score_cells``: the score cells the engine's own backends really
+  compute, read off the softmax and fused-attention calls while they run (C8, C9, C10);
+- ``masked_growth`` and ``measured_sweep``: cells and measured time as R grows (C9);
+- ``launch_grid``: how ``max_seqlen`` sizes a varlen kernel's launch grid;
+- the diagonal-block explorer (``diagonal_block_state`` + ``diagonal_block_explorer``);
+- the checkers of exercises 03.1-03.3.
+
+Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from statistics import NormalDist
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core.attention import attention_ref, block_diag_mask, plain_attention
-from ..core.batch import cumulative, seq_lens_to_cu_seqlens
-from ..validate import check_int, check_lengths
+from ..core.attention import attention_ref, block_diag_mask, plain_attention, varlen_attention
+from ..core.batch import cumulative, pack, seq_lens_to_cu_seqlens
+from ..core.config import ModelConfig
+from ..core.model import Transformer, init_weights
 from ..measure.flops import METHODS, attention_cells
+from ..measure.tolerance import max_abs_diff, tolerance
+from ..validate import check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
-from .grading import Tensor, grade, int_tuple, matches, tensor_problem
-from .l01_flat_batch import LENS_CASES
-from .style import CELL_CMAP, CELL_COLORS, CELL_LABELS, SKIPPED, USEFUL, WASTED, short_lens
+from .grading import Tensor, grade, matches, tensor_problem
+from .probe import row_dependency
+from .style import ATTENTION, CELL_CMAP, CELL_COLORS, CELL_LABELS, MIN_FONT, OTHER, SKIPPED, USEFUL, WASTE, WASTED, short_lens
 
+BATCHES = [[10, 30], [5], [1, 1, 1], [7, 1, 12, 3], [30, 10]]
+
+
+# ---- the three pictures -----------------------------------------------------------------------------
 
 def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = False,
                          max_pixels: int | None = None) -> np.ndarray:
@@ -31,8 +52,7 @@ def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = Fa
     ``flops.attention_cells(seq_lens, method, causal)``.
 
     ``max_pixels``: sample at most that many rows/columns (for drawing large batches); the
-    sampled grid is a picture, not a count.
-    Returns ``uint8 [n, n]``.
+    sampled grid is a picture, not a count. Returns ``uint8 [n, n]``.
     """
     lens = check_lengths(seq_lens)
     if method not in METHODS:
@@ -40,13 +60,11 @@ def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = Fa
     lens_a = np.asarray(lens, dtype=np.int64)
     if method == "padded":
         lmax = int(lens_a.max())
-        n = len(lens) * lmax
-        idx = _sample(n, max_pixels)
+        idx = _sample(len(lens) * lmax, max_pixels)
         rid, pos = idx // lmax, idx % lmax
         real = pos < lens_a[rid]
     else:
-        n = int(lens_a.sum())
-        idx = _sample(n, max_pixels)
+        idx = _sample(int(lens_a.sum()), max_pixels)
         owner = np.repeat(np.arange(len(lens)), lens_a)
         starts = np.concatenate([[0], np.cumsum(lens_a)[:-1]])
         rid = owner[idx]
@@ -59,6 +77,7 @@ def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = Fa
     computed = {"padded": same, "masked": np.ones_like(same), "varlen": need}[method]
     return np.where(need, USEFUL, np.where(computed, WASTED, SKIPPED)).astype(np.uint8)
 
+
 def _sample(n: int, max_pixels: int | None) -> np.ndarray:
     if max_pixels is None or n <= max_pixels:
         return np.arange(n)
@@ -66,70 +85,177 @@ def _sample(n: int, max_pixels: int | None) -> np.ndarray:
         raise ValueError(f"max_pixels must be >= 1, got {max_pixels}")
     return (np.arange(max_pixels) * n + n // 2) // max_pixels  # cell centres, evenly spread
 
+
 def _draw_attention(ax, lens: list[int], method: str, causal: bool, max_pixels: int | None) -> None:
     grid = attention_categories(lens, method, causal, max_pixels)
     lmax = max(lens)
     n = len(lens) * lmax if method == "padded" else sum(lens)
     ax.imshow(grid, cmap=CELL_CMAP, vmin=0, vmax=2, interpolation="nearest", extent=(0, n, n, 0))
-    for side in ax.spines.values():  # a frame, so never-computed (white) cells have an edge
+    for side in ax.spines.values():  # a frame, so that never-computed (white) cells have an edge
         side.set_visible(True)
     edges = [i * lmax for i in range(len(lens) + 1)] if method == "padded" else cumulative(lens)
     if len(edges) <= 65:
         for e in edges[1:-1]:
-            ax.axhline(e, color="#555555", linewidth=0.5)
-            ax.axvline(e, color="#555555", linewidth=0.5)
+            ax.axhline(e, color=OTHER, linewidth=0.6)
+            ax.axvline(e, color=OTHER, linewidth=0.6)
     ticks = edges if len(edges) <= 6 else []
     ax.set_xticks(ticks)
     ax.set_yticks(ticks)
-    ax.tick_params(labelsize=7, length=2)
+    ax.tick_params(labelsize=MIN_FONT, length=2)
     c = attention_cells(lens, method, causal)
-    ax.set_title(f"{method}\ncomputed {c.computed}\nuseful {c.useful} | wasted {c.wasted}", fontsize=8)
-    ax.set_xlabel("key row" + (" (per padded request)" if method == "padded" else ""), fontsize=7)
+    ax.set_title(f"{method}\ncomputed {c.computed}\nuseful {c.useful} | wasted {c.wasted}", fontsize=MIN_FONT + 1)
+    ax.set_xlabel("key row" + (" (per padded request)" if method == "padded" else ""), fontsize=MIN_FONT)
+
 
 def attention_patterns(seq_lens: Sequence[int], methods: Sequence[str] = METHODS, causal: bool = False,
-                       figsize=(8.4, 3.8), max_pixels: int | None = 400) -> Figure:
-    """The three attention pictures of claims C2, C8, C10 side by side, one axis per method.
+                       figsize=(9.0, 4.4), max_pixels: int | None = 400) -> Figure:
+    """The attention pictures of claims C2, C8, C10 side by side, one axis per method.
 
-    Each title carries ``attention_cells`` counts (per head per layer; ``causal=False`` is the
-    article's whole-block convention).
+    Each title carries ``attention_cells`` counts, per head per layer: ``causal=False`` counts
+    whole blocks (the article's pictures), ``causal=True`` only each block's lower triangle.
     """
     lens = check_lengths(seq_lens)
     fig = Figure(figsize=figsize)
-    axes = fig.subplots(1, len(methods))
-    axes = np.atleast_1d(axes)
+    axes = np.atleast_1d(fig.subplots(1, len(methods)))
     for ax, method in zip(axes, methods):
         _draw_attention(ax, lens, method, causal, max_pixels)
-    axes[0].set_ylabel("query row", fontsize=7)
-    fig.legend(handles=[Patch(facecolor=CELL_COLORS[k], edgecolor="#888888", label=CELL_LABELS[k])
-                        for k in (USEFUL, WASTED, SKIPPED)], loc="lower center", ncol=3, fontsize=7, frameon=False)
-    kind = "causal (lower triangles useful)" if causal else "whole blocks, non-causal (article's count)"
-    fig.suptitle(f"score cells per head per layer, lengths {short_lens(lens)}: {kind}", fontsize=9)
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.18, top=0.74, wspace=0.35)
+    axes[0].set_ylabel("query row", fontsize=MIN_FONT)
+    fig.legend(handles=[Patch(facecolor=CELL_COLORS[k], edgecolor=OTHER, label=CELL_LABELS[k])
+                        for k in (USEFUL, WASTED, SKIPPED)], loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
+    kind = ("causal: only each block's lower triangle is useful" if causal
+            else "whole blocks, no causal mask (the article's pictures)")
+    fig.suptitle(f"score cells per head per layer, lengths {short_lens(lens)}\n{kind}", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.17, top=0.7, wspace=0.35)
     return fig
+
 
 def masked_growth(length: int = 64, num_requests: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)) -> Figure:
     """Claim C9: cells computed by masked attention, ``(R·L)²``, against the useful ``R·L²``."""
     rs = list(num_requests)
     masked = [attention_cells([length] * r, "masked").computed for r in rs]
     useful = [attention_cells([length] * r, "varlen").computed for r in rs]
-    fig = Figure(figsize=(6, 3.4))
+    fig = Figure(figsize=(6.4, 3.8))
     ax = fig.add_subplot()
-    ax.plot(rs, masked, "o-", color=CELL_COLORS[WASTED], label="masked computes (R*L)^2")
-    ax.plot(rs, useful, "o-", color=CELL_COLORS[USEFUL], label="varlen computes R*L^2 (all useful)")
+    ax.plot(rs, masked, "o-", color=WASTE, label="masked computes (R·L)²")
+    ax.plot(rs, useful, "s-", color=ATTENTION, label="varlen computes R·L² (all useful)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel(f"number of requests R (each L={length} tokens)")
-    ax.set_ylabel("score cells per head per layer")
-    ax.legend(fontsize=8, frameon=False)
-    ax.set_title("masked waste grows like R^2, useful work like R", fontsize=9)
-    fig.subplots_adjust(left=0.14, right=0.97, bottom=0.15, top=0.9)
+    ax.set_xlabel(f"number of requests R (each L = {length} tokens)", fontsize=MIN_FONT + 1)
+    ax.set_ylabel("score cells per head per layer", fontsize=MIN_FONT + 1)
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.legend(fontsize=MIN_FONT + 1, frameon=False)
+    ax.set_title("score cells per head per layer, whole blocks:\nmasked grows like R², varlen like R", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.15, right=0.97, bottom=0.15, top=0.86)
     return fig
 
+
+def measured_sweep(rs: Sequence[int], masked_ms: Sequence[float], varlen_ms: Sequence[float], length: int,
+                   varlen_name: str, where: str) -> Figure:
+    """Measured time of masked vs varlen attention as R grows (shown in the lesson, never asserted)."""
+    fig = Figure(figsize=(6.4, 3.6))
+    ax = fig.add_subplot()
+    ax.plot(list(rs), list(masked_ms), "o-", color=WASTE, label="masked (full T x T scores)")
+    ax.plot(list(rs), list(varlen_ms), "s-", color=ATTENTION, label=f"varlen ({varlen_name})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"number of requests R (each L = {length} tokens)", fontsize=MIN_FONT + 1)
+    ax.set_ylabel("ms per call (fastest of 3)", fontsize=MIN_FONT + 1)
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.legend(fontsize=MIN_FONT + 1, frameon=False)
+    ax.set_title(f"one attention call, 8 heads of 64, measured on {where}", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.15, right=0.97, bottom=0.15, top=0.9)
+    return fig
+
+
+# ---- what the engine really computes ----------------------------------------------------------------
+
+_FUSED = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+          "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable",
+          "_flash_attention_forward", "_efficient_attention_forward")
+_MATMULS = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "dot")
+
+
+@dataclass
+class ScoreCells:
+    """What ``count_score_cells`` saw: one entry per attention call (a softmax over scores, or a
+    fused attention kernel): its score matrix shape ``(..., L_q, L_k)``; and the matmul calls."""
+
+    shapes: list = field(default_factory=list)
+    matmuls: int = 0
+
+    @property
+    def cells(self) -> int:
+        """Score cells computed, all heads together (divide by the head count for per head)."""
+        return sum(math.prod(s) for s in self.shapes)
+
+
+class count_score_cells(TorchDispatchMode):
+    """Record the score matrices attention computes while the block runs (CPU or CUDA, any backend
+    that calls ``softmax`` or a fused PyTorch attention op: loop, masked, padded, sdpa).
+
+    A softmax over ``[..., L_q, L_k]`` scores, or a fused attention call on ``q [..., L_q, D]``,
+    ``k [..., L_k, D]``, adds one shape. Cells masked to -inf still count: they were computed.
+    """
+
+    def __enter__(self):
+        self.seen = ScoreCells()
+        super().__enter__()
+        return self.seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if name in ("_softmax", "_safe_softmax", "softmax"):
+            self.seen.shapes.append(tuple(args[0].shape))
+        elif name.startswith(_FUSED):
+            q, k = args[0], args[1]
+            self.seen.shapes.append((*q.shape[:-1], k.shape[-2]))
+        elif name in _MATMULS:
+            self.seen.matmuls += 1
+        return out
+
+
+def attention_dependency(seq_lens: Sequence[int], backend: str | None = "loop", causal: bool = True,
+                         seed: int = 0) -> Tensor:
+    """Bool ``[T, T]``, measured with ``probe.row_dependency``: True where output row i of attention
+    changes when input row j does. Each row's q, k and v (one head of 8) are cut from its 24 numbers.
+    ``backend=None``: plain attention over all T rows as one sequence (no ``cu_seqlens``)."""
+    lens = check_lengths(seq_lens)
+    cu = seq_lens_to_cu_seqlens(lens)
+    x = torch.randn(sum(lens), 24, generator=torch.Generator().manual_seed(seed))
+
+    def attend(t):                                              # [T, 24] -> [T, 1, 8]
+        q, k, v = (t[:, i:i + 8].reshape(-1, 1, 8) for i in (0, 8, 16))
+        if backend is None:
+            return plain_attention(q, k, v, causal=causal)
+        return varlen_attention(q, k, v, cu, causal=causal, backend=backend)
+
+    return row_dependency(attend, x)
+
+
+def cross_request_pairs(dep: Tensor, seq_lens: Sequence[int]) -> int:
+    """How many True pairs of a ``[T, T]`` dependency map join rows of two different requests."""
+    lens = check_lengths(seq_lens)
+    owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    return int((dep & (owner[:, None] != owner[None, :])).sum())
+
+
+def launch_grid(seq_lens: Sequence[int], n_heads: int, tile: int = 128) -> tuple[int, int, int]:
+    """``(R, ⌈max_seqlen / tile⌉, H)``: the thread blocks a FlashAttention-style varlen kernel
+    launches (one per request, query tile and head). ``max_seqlen`` sizes the GRID; a block whose
+    query tile starts past its own request's end returns at once. Tiles stay ``tile`` rows."""
+    lens = check_lengths(seq_lens, minimum=0)
+    check_int("n_heads", n_heads, 1)
+    check_int("tile", tile, 1)
+    return len(lens), -(-max(lens) // tile), n_heads
+
+
+# ---- the diagonal-block explorer ----------------------------------------------------------------------
+
 PATTERNS = ("ramp", "equal", "long-tail")
-
 _LONG_TAIL_SIGMA = 1.0
-
 _LONG_TAIL_SEED = 0
+
 
 def explorer_seq_lens(num_requests: int, length: int, pattern: str) -> list[int]:
     """Request lengths for ``num_requests`` requests around a base ``length``.
@@ -151,106 +277,213 @@ def explorer_seq_lens(num_requests: int, length: int, pattern: str) -> list[int]
     order = np.random.default_rng(_LONG_TAIL_SEED).permutation(r)
     return [lens[int(i)] for i in order]
 
+
 def diagonal_block_state(num_requests: int, length: int, pattern: str) -> dict:
-    """``{"seq_lens": [...], "counts": {method: AttentionCells}}`` for padded, masked, varlen
-    (per head per layer, non-causal whole blocks: the article's convention)."""
+    """``{"seq_lens": [...], "counts": {method: AttentionCells}, "causal": {method: AttentionCells}}``
+    per head per layer: ``counts`` whole blocks (the article's convention), ``causal`` lower triangles."""
     lens = explorer_seq_lens(num_requests, length, pattern)
-    return {"seq_lens": lens, "counts": {m: attention_cells(lens, m) for m in METHODS}}
+    return {"seq_lens": lens, "counts": {m: attention_cells(lens, m) for m in METHODS},
+            "causal": {m: attention_cells(lens, m, causal=True) for m in METHODS}}
+
 
 def diagonal_block_html(state: dict) -> str:
-    """One ``<div>`` per method: ``padded: computed 1800 | useful 1000 | wasted 800``."""
+    """One ``<div>`` per method: ``padded: computed 1800 | useful 1000 | wasted 800`` (whole blocks)."""
     return "".join(f"<div>{m}: computed {c.computed} | useful {c.useful} | wasted {c.wasted}</div>"
                    for m, c in state["counts"].items())
 
+
+def diagonal_block_causal_html(state: dict) -> str:
+    """The causal view in one line: how many of the whole-block cells a causal mask keeps."""
+    whole, causal = state["counts"]["varlen"].useful, state["causal"]["varlen"].useful
+    return (f"<div>with the model's causal mask: {causal} of the {whole} whole-block cells are useful "
+            f"({causal / whole:.0%}); masked still computes {state['causal']['masked'].computed}</div>")
+
+
 def diagonal_block_explorer(num_requests: int = 2, length: int = 10, pattern: str = "ramp"):
     """VBox class ``dbx``: sliders ``dbx-num-requests`` (1..16), ``dbx-length`` (1..64), Dropdown
-    ``dbx-pattern``, HTML ``dbx-counts`` (one line per method), HTML ``dbx-lengths``, Output
-    ``dbx-figure`` (the three attention matrices, redrawn on every change)."""
+    ``dbx-pattern``, HTML ``dbx-counts`` (one line per method, whole blocks), HTML ``dbx-causal``
+    (the causal count), HTML ``dbx-lengths``, Output ``dbx-figure`` (redrawn on every change)."""
     w = ipywidgets_module()
     reqs = tagged(w.IntSlider(value=num_requests, min=1, max=16, description="requests R"), "dbx-num-requests")
     base = tagged(w.IntSlider(value=length, min=1, max=64, description="base length L"), "dbx-length")
     pat = tagged(w.Dropdown(options=list(PATTERNS), value=pattern, description="pattern"), "dbx-pattern")
-    counts, lengths = tagged(w.HTML(), "dbx-counts"), tagged(w.HTML(), "dbx-lengths")
+    counts, causal, lengths = tagged(w.HTML(), "dbx-counts"), tagged(w.HTML(), "dbx-causal"), tagged(w.HTML(), "dbx-lengths")
     out = tagged(w.Output(), "dbx-figure")
 
     def update(change=None):
         state = diagonal_block_state(reqs.value, base.value, pat.value)
         counts.value = diagonal_block_html(state)
+        causal.value = diagonal_block_causal_html(state)
         lens = state["seq_lens"]
         lengths.value = f"<div>lengths {lens if len(lens) <= 16 else '...'} | T = {sum(lens)} flat rows</div>"
-        show_figure(out, attention_patterns(lens, figsize=(7.5, 3.4), max_pixels=240))
+        show_figure(out, attention_patterns(lens, figsize=(7.5, 3.9), max_pixels=240))
 
-    return explorer("dbx", [reqs, base, pat], [counts, lengths, out], update)
+    return explorer("dbx", [reqs, base, pat], [counts, causal, lengths, out], update)
 
-def _qkv_cases(seed: int):
+
+# ---- exercises -------------------------------------------------------------------------------------------
+
+def _qkv(lens, h, d, seed):
     g = torch.Generator().manual_seed(seed)
-    out = []
-    for lens, h, d in (([10, 30], 2, 8), ([3, 1, 5], 1, 4), ([6], 2, 4)):
-        t = sum(lens)
-        q, k, v = (torch.randn(t, h, d, generator=g) for _ in range(3))
-        out.append((q, k, v, seq_lens_to_cu_seqlens(lens)))
-    return out
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, generator=g) for _ in range(3))
+    return q, k, v, seq_lens_to_cu_seqlens(lens), max(lens)
 
-def check_causal_varlen(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> bool:
-    """Exercise 03.1: ``fn(q, k, v, cu_seqlens) -> [T, H, D]``, the article's loop with a causal
-    mask inside each request's block (query i sees keys 0..i of its own request)."""
-    def judge(got, q, k, v, cu):
+
+def _where_wrong(got: Tensor, want: Tensor, cu: list[int]) -> str:
+    bad = ((got.double() - want.double()).abs() > 1e-4) | ~torch.isfinite(got)
+    rows = bad.flatten(1).any(dim=1).nonzero()
+    if not rows.numel():
+        return ""
+    row = int(rows[0])
+    r = max(i for i in range(len(cu) - 1) if cu[i] <= row)
+    return f" (first wrong row {row}: request {r}, position {row - cu[r]})"
+
+
+def _engine_case(fn) -> tuple[float, float] | str:
+    """The reader's function as the attention of a small engine model, against the loop backend."""
+    cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=100, max_position=64)
+    weights = init_weights(cfg, seed=1)
+    g = torch.Generator().manual_seed(2)
+    batch = pack([torch.randint(0, 100, (n,), generator=g) for n in (9, 3, 14)])
+    model = Transformer(cfg, weights)
+    ref = model.forward(batch, attn_backend="loop")
+    cfg64 = ModelConfig(**{f: getattr(cfg, f) for f in cfg.__slots__ if f != "dtype"}, dtype=torch.float64)
+    ref64 = Transformer(cfg64, {k: t.double() for k, t in weights.items()}).forward(batch, attn_backend="loop")
+    got = model.forward(batch, attn_backend=fn)
+    return max_abs_diff(got, ref64), tolerance(ref, ref64)
+
+
+def check_causal_varlen(fn: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]) -> bool:
+    """Exercise 03.1: ``fn(q, k, v, cu_seqlens, max_seqlen) -> [T, H, D]``, causal varlen attention in
+    ONE batched computation (a fixed number of matmuls, whatever the number of requests), with
+    the engine's contract for an attention backend (it is plugged into a model as one)."""
+    cases = [_qkv([10, 30], 2, 8, 4), _qkv([3, 1, 5], 1, 4, 5), _qkv([4, 6, 6, 2], 2, 8, 6), ("engine",), ("one launch",)]
+
+    def judge(got, *case):
+        if case == ("engine",):
+            err, bound = got
+            return None if err <= bound else (f"plugged into a 2-layer model as its attention, the output is off by "
+                                              f"{err:.2e} (allowed {bound:.2e})")
+        if case == ("one launch",):
+            if not (isinstance(got, tuple) and len(got) == 2):
+                return f"expected a tensor [T, H, D], got {type(got).__name__}"
+            small, big = got
+            if small == big:
+                return None
+            return (f"your function made {small} matmuls for 2 requests and {big} for 12: one per request, like the "
+                    "engine's loop. Gather every request into one [R, max_seqlen] batch (see the hint) so that the "
+                    "number of matmuls does not grow with R")
+        q, k, v, cu, _ = case
         want = attention_ref(q, k, v, cu, causal=True)
         problem = tensor_problem(got, want, atol=1e-5)
         if problem is None:
             return None
         if matches(got, attention_ref(q, k, v, cu, causal=False), 1e-5):
-            return problem + " - no causal mask: set scores above the diagonal of each block to -inf"
+            return problem + " - no causal mask: query i of a request may only see keys 0..i of that request"
         if matches(got, plain_attention(q, k, v, causal=True), 1e-5):
-            return problem + " - queries read other requests' keys: slice q, k, v with cu_seqlens"
+            return problem + " - queries read other requests' keys: each request needs its own rows only"
         if matches(got, attention_ref(q, k, v, cu, causal=True, softmax_scale=1.0), 1e-5):
             return problem + " - scale the scores by 1 / sqrt(d_head) before the softmax"
-        return problem
-    return grade("causal_varlen", fn, _qkv_cases(4), judge, "equals the padded fp32 reference on 3 batches")
+        if isinstance(got, Tensor) and got.is_floating_point() and got.shape == want.shape and not torch.isfinite(got).all():
+            return (problem + " - NaN: some query has every key masked. A query must see ITSELF: mask keys j > i "
+                    "(triu(diagonal=1)), not j >= i" + _where_wrong(got, want, cu.tolist()))
+        return problem + (_where_wrong(got, want, cu.tolist()) if isinstance(got, Tensor) and got.shape == want.shape else "")
 
-def check_masked_cells(fn: Callable[[list], tuple]) -> bool:
-    """Exercise 03.2: ``fn(seq_lens) -> (computed, useful, wasted)`` of MASKED attention (C8)."""
-    def judge(got, lens):
-        c = attention_cells(lens, "masked")
-        want = (c.computed, c.useful, c.wasted)
-        got, problem = int_tuple(got, "computed, useful, wasted")
-        if problem or got == want:
-            return problem
+    def run(*case):
+        if case == ("engine",):
+            return _engine_case(fn)
+        if case == ("one launch",):
+            made = []
+            for lens in ([5, 3], [5, 3] * 6):
+                q, k, v, cu, m = _qkv(lens, 2, 8, 7)
+                with count_score_cells() as seen:
+                    got = fn(q, k, v, cu, m)
+                if not isinstance(got, Tensor):
+                    return got
+                made.append(seen.matmuls)
+            return tuple(made)
+        return fn(*case)
+
+    run.__name__ = getattr(fn, "__name__", "fn")
+    return grade("causal_varlen", run, cases, judge,
+                 "causal varlen on 3 batches, inside a 2-layer model, with the same number of matmuls for 2 or 12 requests")
+
+
+def check_masking_loses(fn: Callable[[int], list]) -> bool:
+    """Exercise 03.2: ``fn(num_requests) -> list of lengths``: R DIFFERENT lengths (1..4096) for which
+    masked attention wastes MORE score cells than padding to the longest (per head per layer)."""
+    def judge(got, r):
+        if not isinstance(got, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in got):
+            return f"expected a list of {r} ints, got {got!r}"
+        if len(got) != r:
+            return f"expected {r} lengths, got {len(got)}: {list(got)}"
+        if not all(1 <= n <= 4096 for n in got):
+            return f"every length must be in 1..4096, got {list(got)}"
+        if len(set(got)) != r:
+            return (f"the lengths must all differ, got {list(got)} (with equal lengths padding wastes nothing: "
+                    "that case is too easy)")
+        m, p = attention_cells(got, "masked"), attention_cells(got, "padded")
+        if m.wasted > p.wasted:
             return None
-        hint = ""
-        if got[1] == sum(n * (n + 1) // 2 for n in lens):
-            hint = " - count whole diagonal blocks (the article's convention): useful = sum of L_i^2"
-        elif got[0] == sum(n * n for n in lens):
-            hint = " - masked attention computes the whole T x T matrix before masking"
-        return f"got {got}, expected {want}{hint}"
-    return grade("masked_cells", fn, [(list(c),) for c in LENS_CASES], judge,
-                  "computed T^2, useful sum L_i^2, wasted the rest, on 5 batches")
+        t, lmax = sum(got), max(got)
+        return (f"lengths {list(got)}: masked wastes {m.wasted} (T² - Σ L² = {t}² - {m.useful}), padded wastes "
+                f"{p.wasted} (R·Lmax² - Σ L² = {r}·{lmax}² - {p.useful}): padding wastes more. Masked loses when "
+                f"T² > R·Lmax², i.e. when the mean length {t / r:.1f} exceeds Lmax / √R = {lmax / math.sqrt(r):.1f}: "
+                "make the lengths closer to each other")
+    return grade("masking_loses", fn, [(2,), (3,), (5,), (8,)], judge,
+                 "masked wastes more than padded for R = 2, 3, 5, 8 different lengths")
 
-def check_doc_mask(fn: Callable[[Tensor], Tensor]) -> bool:
-    """Exercise 03.3: ``fn(cu_seqlens) -> bool [T, T]``, True where query row and key row belong to
-    the same request (the non-causal block-diagonal mask)."""
+
+def check_document_mask(fn: Callable[[Tensor], Callable]) -> bool:
+    """Exercise 03.3: ``fn(cu_seqlens) -> mask_mod``, where ``mask_mod(q_idx, kv_idx)`` takes two integer
+    tensors of flat row indices (broadcastable) and returns a bool tensor: True where query row
+    ``q_idx`` may read key row ``kv_idx`` (same request, and not a later token): FlexAttention's
+    document mask."""
     def judge(got, cu):
-        want = block_diag_mask(cu, causal=False)
-        if not isinstance(got, Tensor):
-            return f"expected a bool tensor, got {type(got).__name__}"
-        if tuple(got.shape) != tuple(want.shape):
-            return f"shape {list(got.shape)}, expected {list(want.shape)} (T x T, T = cu_seqlens[-1])"
-        if got.dtype != torch.bool:
-            return f"dtype {got.dtype}, expected torch.bool"
-        if torch.equal(got, want):
+        t = int(cu[-1])
+        want = block_diag_mask(cu, causal=True)
+        if not callable(got):
+            return f"expected a function mask_mod(q_idx, kv_idx), got {type(got).__name__}"
+        try:
+            grid = got(torch.arange(t)[:, None], torch.arange(t)[None, :])
+        except Exception as exc:  # explain any failure of the reader's mask_mod
+            return f"mask_mod(q_idx [T, 1], kv_idx [1, T]) raised {type(exc).__name__}: {exc}"
+        if not isinstance(grid, Tensor) or grid.shape != want.shape or grid.dtype != torch.bool:
+            return (f"mask_mod on a [T, 1] and a [1, T] index tensor must give a bool [T, T] = {list(want.shape)}, got "
+                    f"{type(grid).__name__ if not isinstance(grid, Tensor) else f'{grid.dtype} {list(grid.shape)}'}")
+        if torch.equal(grid, want):
             return None
-        if torch.equal(got, ~want):
-            return "the mask is inverted: True means 'may attend' (same request)"
-        wrong = (got != want).nonzero()[0].tolist()
-        return f"{int((got != want).sum())} cells differ, e.g. [query {wrong[0]}, key {wrong[1]}]"
-    cases = [(seq_lens_to_cu_seqlens(c),) for c in LENS_CASES]
-    return grade("doc_mask", fn, cases, judge, "block-diagonal mask equals block_diag_mask on 5 batches")
+        if torch.equal(grid, ~want):
+            return "the mask is inverted: True means 'may attend'"
+        if torch.equal(grid, block_diag_mask(cu, causal=False)):
+            return "no causal part: a query also reads later tokens of its own request (add kv_idx <= q_idx)"
+        if torch.equal(grid, torch.ones(t, t, dtype=torch.bool).tril()):
+            return "plain causal over the flat rows: B's queries read A's keys (add: same request)"
+        if torch.equal(grid, want & ~torch.eye(t, dtype=torch.bool)):
+            return "the diagonal is missing: a query must read itself (kv_idx <= q_idx, not <)"
+        q, kv = (got != want).nonzero()[0].tolist()
+        return (f"{int((grid != want).sum())} cells differ, e.g. query row {q}, key row {kv}: got {bool(grid[q, kv])}, "
+                f"expected {bool(want[q, kv])}")
+    cases = [(seq_lens_to_cu_seqlens(c),) for c in BATCHES]
+    return grade("document_mask", fn, cases, judge, "the causal document mask on 5 batches")
+
+
+# ---- figures ------------------------------------------------------------------------------------------
 
 @register("03_attention_patterns", lesson="03",
-          caption="padded, masked and varlen score matrices for A, B: 1800/1600/1000 computed, 1000 useful (C2, C8, C10)")
+          caption="padded, masked and varlen score cells per head per layer for A, B, whole blocks: "
+                  "1800/1600/1000 computed, 1000 useful (C2, C8, C10)")
 def _attention_patterns() -> Figure:
     return attention_patterns(ARTICLE_LENS)
 
-@register("03_masked_growth", lesson="03", caption="masked computes (R L)^2 cells, varlen R L^2 (C9)")
+
+@register("03_causal_patterns", lesson="03",
+          caption="the same with the model's causal mask: 520 of the 1000 whole-block cells are useful (C8, C10)")
+def _causal_patterns() -> Figure:
+    return attention_patterns(ARTICLE_LENS, causal=True)
+
+
+@register("03_masked_growth", lesson="03", caption="masked computes (R L)^2 cells, varlen R L^2, per head per layer (C9)")
 def _masked_growth() -> Figure:
     return masked_growth(64)

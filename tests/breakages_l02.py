@@ -1,0 +1,55 @@
+"""Breakages of the claims lesson 02 proves (see breakages.py)."""
+from breakages import breaks
+
+
+@breaks("C4", "02_linear_is_per_token",
+        "LayerNorm takes its mean and variance over the whole flat batch (every token), not over each row")
+def _layer_norm_over_the_batch():
+    import types
+
+    import torch
+    import torch.nn as nn
+
+    from lessons_lib.core import model
+
+    class BatchStatLayerNorm(nn.LayerNorm):
+        def forward(self, x):
+            mean, var = x.mean(), x.var(unbiased=False)  # the bug: statistics of the whole [T, d] tensor
+            return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+    broken_nn = types.ModuleType("torch.nn")  # model.py's `nn`, with the broken LayerNorm in it
+    broken_nn.__dict__.update(vars(nn))
+    broken_nn.LayerNorm = BatchStatLayerNorm
+    model.nn = broken_nn
+
+
+@breaks("C5", "02_linear_is_per_token",
+        "the linear layers round their input to int8 with ONE scale for the whole batch (per-tensor dynamic quantisation)")
+def _per_tensor_activation_scale():
+    import torch
+    import torch.nn.functional as F
+
+    from lessons_lib.core import linear
+
+    def fake_int8(x):
+        scale = x.abs().max() / 127  # the bug: the largest value of ANY request sets every row's grid
+        return torch.round(x / scale) * scale
+
+    def column_forward(self, x):
+        return F.linear(fake_int8(x), self.weight, self.bias)
+
+    def row_forward(self, x):
+        y = self.group.all_reduce(F.linear(fake_int8(x), self.weight), layer=self.name)
+        return y if self.bias is None else y + self.bias
+
+    linear.ColumnParallelLinear.forward = column_forward  # QKVParallelLinear inherits it
+    linear.RowParallelLinear.forward = row_forward
+
+
+@breaks("C6", "02_linear_is_per_token",
+        "QKVParallelLinear cuts the fused [Q; K; V] weight as one block, like a plain column-parallel layer, "
+        "so rank 0 gets all of Q and half of K instead of its 4 heads of each")
+def _qkv_shard_ignores_heads():
+    from lessons_lib.core import linear
+
+    linear.QKVParallelLinear.shard_rows = linear.ColumnParallelLinear.shard_rows

@@ -1,0 +1,261 @@
+"""course.l02_linear: the walk through a block, its measurements, the figures, the row-reach explorer
+and the checkers of lesson 02 (claims C4, C5, C6)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import attempt, by_class, png_of, stub
+from matplotlib.figure import Figure
+
+from lessons_lib import ModelConfig, Transformer, init_weights
+from lessons_lib.core.attention import VarlenMetadata, attention_forward
+from lessons_lib.course import l02_linear as L
+from lessons_lib.course.grading import score
+from lessons_lib.course.style import MIN_FONT
+
+
+def _texts(fig):
+    return [t for ax in fig.axes for t in ax.texts + [ax.title, ax.xaxis.label, ax.yaxis.label] if t.get_text()] + \
+        [t for t in fig.texts if t.get_text()] + [t for leg in fig.legends for t in leg.get_texts()]
+
+
+# --- the walk ------------------------------------------------------------------------------------------
+
+def test_c4_c6_forward_walk_shapes_come_from_the_config():
+    steps = L.forward_walk(ModelConfig(), [10, 30])
+    assert [s.name for s in steps] == ["embed (token + position)", "LayerNorm", "QKV proj", "attention", "out proj",
+                                       "residual add", "LayerNorm", "FFN-up", "GeLU", "FFN-down", "residual add"]
+    by_name = {s.name: s for s in steps}
+    assert by_name["QKV proj"].flat == "[40 x 512] -> [40 x 1536]"
+    assert by_name["QKV proj"].per_rank == "[40 x 512] -> [40 x 768]"
+    assert by_name["FFN-down"].per_rank == "[40 x 1024] -> [40 x 512] + all-reduce"
+    assert [s.name for s in steps if s.reads != "row i only"] == ["attention"]
+    tp4 = {s.name: s for s in L.forward_walk(ModelConfig(tp_size=4), [5])}
+    assert tp4["QKV proj"].per_rank == "[5 x 512] -> [5 x 384]" and tp4["out proj"].per_rank.startswith("[5 x 128]")
+
+
+def test_forward_walk_figure_is_a_figure_with_readable_text():
+    fig = L.forward_walk_figure(ModelConfig(), [10, 30])
+    assert isinstance(fig, Figure)
+    texts = _texts(fig)
+    assert any("[40 x 768]" in t.get_text() for t in texts)
+    assert min(t.get_fontsize() for t in texts) >= MIN_FONT
+
+
+@pytest.fixture(scope="module")
+def block_run():
+    cfg = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=50, max_position=32)
+    block = Transformer(cfg, init_weights(cfg, seed=3)).layers[0]
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(4))
+    return block, x, [3, 9]
+
+
+def test_c4_c5_block_steps_chain_to_the_block_itself_bit_for_bit(block_run):
+    block, x, lens = block_run
+    steps = L.block_steps(block, x, lens)
+    assert [s.kind for s in steps].count("linear") == 4 and [s.kind for s in steps].count("attention") == 1
+    meta = VarlenMetadata.build([0, 3, 12])
+    want = block(x, lambda q, k, v: attention_forward(q, k, v, meta, "loop", causal=True))
+    assert torch.equal(steps[-1].out, want)
+    for a, b in zip(steps, steps[1:]):  # each step's input is the previous step's output
+        assert b.inp is a.out
+
+
+def test_c4_c5_measure_steps_finds_the_identity_except_in_attention(block_run):
+    block, x, lens = block_run
+    reports = L.measure_steps(L.block_steps(block, x, lens), lens)
+    for r in reports:
+        assert r.err <= r.bound, r
+        if r.kind == "attention":
+            assert r.off_diagonal == 3 * 2 // 2 + 9 * 8 // 2 and r.cross_request == 0  # causal, inside each request
+            assert r.reads == "rows of its own request"
+        else:
+            assert r.off_diagonal == 0 and r.reads == "row i only"
+    assert "row i only" in L.format_reports(reports) and "bits differ" in L.rounding_lines(reports)
+
+
+def test_c5_measure_steps_catches_a_layer_that_mixes_rows(block_run):
+    block, x, lens = block_run
+    def centre(t, rows=slice(None)):  # a "layer" with statistics over the tokens
+        return t - t.mean(dim=0)
+    mixed = L.measure_steps([L.BlockStep("centre", "per token", centre, centre, x, centre(x))], lens)[0]
+    assert mixed.off_diagonal == 12 * 11 and mixed.cross_request == 2 * 3 * 9 and mixed.reads == "other requests too"
+
+
+def test_block_steps_rejects_rows_that_do_not_match(block_run):
+    block, x, _ = block_run
+    with pytest.raises(ValueError, match="rows"):
+        L.block_steps(block, x, [3, 8])
+    with pytest.raises(ValueError, match="whole requests"):
+        L._cu_of([0, 3, 12], slice(2, 12))
+
+
+def test_c5_summation_orders_differ_only_by_rounding():
+    fwd, bwd, exact = L.summation_orders(512)
+    tol = 512 * torch.finfo(torch.float32).eps * 600
+    assert abs(fwd - exact) < tol and abs(bwd - exact) < tol
+    assert fwd != bwd  # this seed shows the non-associativity the lesson explains
+
+
+# --- figures -------------------------------------------------------------------------------------------
+
+def test_dependency_maps_checks_shapes_and_counts_pairs():
+    eye = np.eye(40, dtype=bool)
+    fig = L.dependency_maps({"per token": eye}, [10, 30])
+    assert "40 of 1600 pairs" in fig.axes[0].get_title()
+    with pytest.raises(ValueError, match="must be"):
+        L.dependency_maps({"bad": np.eye(5, dtype=bool)}, [10, 30])
+
+
+def test_c6_qkv_row_owners_follow_the_head_split():
+    cfg = ModelConfig()
+    owner = L.qkv_row_owners(cfg)
+    rows = np.arange(3 * cfg.qkv_dim)
+    head = (rows % cfg.qkv_dim) // cfg.d_head  # Q, K and V sections each hold heads 0..H-1
+    np.testing.assert_array_equal(owner, head // cfg.heads_per_rank)
+    assert [int((owner == r).sum()) for r in range(cfg.tp_size)] == [768, 768]
+
+
+def test_c6_qkv_shards_uses_the_palette_and_says_what_each_rank_computes():
+    fig = L.qkv_shards(ModelConfig(), tokens=40)
+    colors = {tuple(np.round(p.get_facecolor()[:3], 3)) for p in fig.axes[0].patches}
+    from matplotlib.colors import to_rgb
+    assert colors == {tuple(np.round(to_rgb(c), 3)) for c in (L.LINEAR, L.LINEAR_LIGHT)}
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["rank 0: heads 0-3, 768 extractors: [40 x 512] -> [40 x 768]",
+                      "rank 1: heads 4-7, 768 extractors: [40 x 512] -> [40 x 768]"]
+    assert min(t.get_fontsize() for t in _texts(fig)) >= MIN_FONT
+
+
+# --- the row-reach explorer -------------------------------------------------------------------------------
+
+def test_c4_c7_c10_layer_dependency_per_kind():
+    eye = np.eye(40, dtype=bool)
+    for kind in ("LayerNorm", "linear (QKV proj)", "GeLU", "residual add"):
+        np.testing.assert_array_equal(L.layer_dependency(kind), eye)
+    np.testing.assert_array_equal(L.layer_dependency("plain attention (flat rows, causal)"), np.tril(np.ones((40, 40), bool)))
+    varlen = np.zeros((40, 40), bool)
+    varlen[:10, :10] = np.tril(np.ones((10, 10), bool))
+    varlen[10:, 10:] = np.tril(np.ones((30, 30), bool))
+    np.testing.assert_array_equal(L.layer_dependency("varlen attention (causal)"), varlen)
+    with pytest.raises(ValueError, match="kind"):
+        L.layer_dependency("BatchNorm")
+
+
+def test_row_reach_state_names_the_rows_and_requests():
+    s = L.row_reach_state(12, "plain attention (flat rows, causal)")
+    assert (s["request"], s["position"], s["readers"]) == ("B", 2, list(range(13)))
+    assert s["per_request"] == {"A": 10, "B": 3} and s["other_requests"] == 10
+    assert "reads 10 rows of another request" in L.row_reach_text(s)
+    v = L.row_reach_state(12, "varlen attention (causal)")
+    assert v["readers"] == [10, 11, 12] and v["other_requests"] == 0
+    assert "input rows 10-12" in L.row_reach_text(v)
+    assert L.row_reach_state(3, "GeLU")["readers"] == [3]
+    with pytest.raises(ValueError, match="row"):
+        L.row_reach_state(40, "GeLU")
+
+
+def test_row_reach_explorer_contract_and_callbacks():
+    import ipywidgets as w
+    box = L.row_reach_explorer()
+    assert "rdx" in box._dom_classes
+    k = by_class(box)
+    row, kind, readers, out = k["rdx-row"], k["rdx-kind"], k["rdx-readers"], k["rdx-figure"]
+    assert isinstance(row, w.IntSlider) and (row.min, row.max, row.value) == (0, 39, 12)
+    assert isinstance(kind, w.Dropdown) and list(kind.options) == list(L.LAYER_KINDS)
+    assert "0-12" in readers.value
+    first_text, first_png = readers.value, png_of(out)
+    kind.value = "varlen attention (causal)"
+    assert "10-12" in readers.value and png_of(out) != first_png
+    second_png = png_of(out)
+    row.value = 3
+    assert "output row 3 (A, position 3)" in readers.value and "0-3" in readers.value
+    assert png_of(out) != second_png and readers.value != first_text
+
+
+# --- exercises -------------------------------------------------------------------------------------------
+
+def _batch_norm(x, eps):
+    return (x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=False) + eps)
+
+
+def test_batch_norm_reference_matches_pytorch_and_the_checker(capsys):
+    x = torch.randn(9, 5)
+    torch.testing.assert_close(L.batch_norm_rows(x, 1e-5), F.batch_norm(x, None, None, training=True, eps=1e-5))
+    assert L.check_batch_norm(_batch_norm)
+    assert "all 10 of A's rows" in capsys.readouterr().out
+    assert L.check_batch_norm(stub) is False
+    assert "not attempted" in capsys.readouterr().out
+
+
+def test_batch_norm_checker_explains_typical_mistakes():
+    assert "LayerNorm, dim=-1" in attempt(L.check_batch_norm, lambda x, eps: F.layer_norm(x, (x.shape[1],), eps=eps))
+    assert "biased variance" in attempt(L.check_batch_norm,
+                                        lambda x, eps: (x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=True) + eps))
+    no_eps = attempt(L.check_batch_norm, lambda x, eps: (x - x.mean(0)) / x.std(0, unbiased=False))
+    assert "eps is missing" in no_eps
+
+    def nan_on_one_token(x, eps):  # right with eps, but divides by zero for a single row
+        return _batch_norm(x, eps) if x.shape[0] > 1 else (x - x.mean(0)) / x.std(0, unbiased=False)
+    assert "add eps inside the square root" in attempt(L.check_batch_norm, nan_on_one_token)
+
+
+def test_batch_norm_checker_explains_a_wrong_dependency_set(capsys):
+    def per_request_mean(x, eps):  # right values on the value cases, but mixes only within 10-row chunks
+        if x.shape[0] != 40:
+            return _batch_norm(x, eps)
+        return torch.cat([_batch_norm(x[:10], eps), _batch_norm(x[10:], eps)])
+    assert "reaches 0 of A's 10 rows" in attempt(L.check_batch_norm, per_request_mean)
+    assert score(L.check_batch_norm, per_request_mean, points=2) == 1.5  # 3 of 4 cases
+
+
+def test_row_parallel_combine_checker():
+    assert L.check_row_parallel_combine(lambda partials, b: torch.stack(partials).sum(0) + b)
+    assert "bias was added 2 times" in attempt(L.check_row_parallel_combine, lambda p, b: sum(x + b for x in p))
+    assert "bias is missing" in attempt(L.check_row_parallel_combine, lambda p, b: sum(p))
+    assert "rank 0's partial" in attempt(L.check_row_parallel_combine, lambda p, b: p[0] + b)
+    assert "average" in attempt(L.check_row_parallel_combine, lambda p, b: torch.stack(p).mean(0) + b)
+
+
+def test_row_parallel_combine_bias_on_every_rank_gets_partial_marks(capsys):
+    assert score(L.check_row_parallel_combine, lambda p, b: sum(x + b for x in p), points=2) == 0.5  # right at tp=1
+    assert "bias was added" in capsys.readouterr().out
+
+
+def test_quantize_rows_checker():
+    assert L.check_quantize_rows(L.quantize_rows)
+    x = torch.randn(6, 10)
+    err = (L.quantize_rows(x) - x).abs()
+    assert (err <= x.abs().amax(-1, keepdim=True) / 127 / 2 + 1e-7).all()
+
+    def per_tensor(x):
+        s = x.abs().max() / 127
+        return torch.round(x / s) * s
+
+    def per_feature(x):
+        s = x.abs().amax(0, keepdim=True) / 127
+        return torch.round(x / s) * s
+
+    def codes(x):
+        s = x.abs().amax(-1, keepdim=True) / 127
+        return torch.round(x / torch.where(s > 0, s, torch.ones_like(s)))
+
+    def unguarded(x):
+        s = x.abs().amax(-1, keepdim=True) / 127
+        return torch.round(x / s) * s
+
+    assert "one scale for the whole batch" in attempt(L.check_quantize_rows, per_tensor)
+    assert "per FEATURE" in attempt(L.check_quantize_rows, per_feature)
+    assert "int8 codes" in attempt(L.check_quantize_rows, codes)
+    assert "0 / 0 = NaN" in attempt(L.check_quantize_rows, unguarded)
+    assert 0 < score(L.check_quantize_rows, unguarded, points=2) < 2
+
+
+def test_c6_all_reduce_counts_do_not_depend_on_the_packing(tiny_cfg):
+    from lessons_lib.core.groups import LocalGroup
+    model = Transformer(tiny_cfg, init_weights(tiny_cfg, seed=0), group=LocalGroup(0, 2))
+    ids = torch.arange(12) % tiny_cfg.vocab_size
+    counts = L.all_reduce_counts(model, ids, {"one": [12], "two": [4, 8], "twelve": [1] * 12})
+    assert list(counts.values()) == [(2 * tiny_cfg.n_layers, [(12, tiny_cfg.d_model)])] * 3

@@ -1,0 +1,257 @@
+"""course.l03_attention: the score-cell pictures, the cell counter on the engine's backends, the
+explorer and the checkers of lesson 03 (claims C7-C10)."""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from helpers import attempt, by_class, png_of, stub, varlen_loop
+from matplotlib.figure import Figure
+
+from lessons_lib.core.attention import VarlenMetadata, attention_forward, block_diag_mask, varlen_attention
+from lessons_lib.core.batch import seq_lens_to_cu_seqlens
+from lessons_lib.course import l03_attention as L
+from lessons_lib.course.grading import score
+from lessons_lib.course.style import MIN_FONT, SKIPPED, USEFUL, WASTED
+from lessons_lib.measure.flops import attention_cells
+from lessons_lib.measure.profile import random_qkv
+
+BATCHES = [[10, 30], [3, 1, 5], [7], [1, 1], [4, 9, 2, 9]]
+LINE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted (\d+)")
+
+
+# --- pictures ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lens", BATCHES)
+@pytest.mark.parametrize("method", ["padded", "masked", "varlen"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_c8_attention_categories_count_exactly_what_flops_counts(lens, method, causal):
+    counts = np.bincount(L.attention_categories(lens, method, causal).ravel(), minlength=3)
+    cells = attention_cells(lens, method, causal)
+    assert (counts[USEFUL], counts[USEFUL] + counts[WASTED], counts[WASTED]) == (cells.useful, cells.computed, cells.wasted)
+
+
+def test_c8_article_pictures_hold_the_article_numbers():
+    grid = L.attention_categories([10, 30], "masked")
+    assert grid.shape == (40, 40)
+    assert (grid[:10, :10] == USEFUL).all() and (grid[10:, 10:] == USEFUL).all()
+    assert (grid[:10, 10:] == WASTED).all() and (grid[10:, :10] == WASTED).all()
+    assert (L.attention_categories([10, 30], "varlen")[:10, 10:] == SKIPPED).all()
+    padded = L.attention_categories([10, 30], "padded")
+    assert padded.shape == (60, 60) and (padded[:10, :10] == USEFUL).all() and (padded[10:30, :30] == WASTED).all()
+    assert int((L.attention_categories([10, 30], "varlen", causal=True) == USEFUL).sum()) == 10 * 11 // 2 + 30 * 31 // 2
+
+
+def test_attention_categories_sampling_and_bad_input():
+    grid = L.attention_categories([100] * 10, "masked", max_pixels=64)
+    assert grid.shape == (64, 64) and grid.dtype == np.uint8
+    with pytest.raises(ValueError, match="method"):
+        L.attention_categories([10, 30], "dense")
+    with pytest.raises(ValueError, match="seq_lens"):
+        L.attention_categories([10, 0], "masked")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_c10_attention_patterns_show_the_categories_counts_and_what_is_counted(causal):
+    fig = L.attention_patterns([10, 30], causal=causal)
+    axes = [ax for ax in fig.axes if ax.images]
+    assert len(axes) == 3
+    for ax, method in zip(axes, ("padded", "masked", "varlen")):
+        np.testing.assert_array_equal(np.asarray(ax.images[0].get_array()), L.attention_categories([10, 30], method, causal))
+        c = attention_cells([10, 30], method, causal)
+        assert f"computed {c.computed}" in ax.get_title() and f"useful {c.useful}" in ax.get_title()
+        assert ax.title.get_fontsize() >= MIN_FONT
+    title = fig._suptitle.get_text()
+    assert "per head per layer" in title and ("causal" in title if causal else "whole blocks" in title)
+
+
+def test_c9_masked_growth_lines_are_the_formulas():
+    fig = L.masked_growth(8, (1, 2, 4))
+    masked, varlen = fig.axes[0].lines
+    assert list(masked.get_ydata()) == [(r * 8) ** 2 for r in (1, 2, 4)]
+    assert list(varlen.get_ydata()) == [r * 64 for r in (1, 2, 4)]
+    assert "per head per layer" in fig.axes[0].get_title()
+
+
+def test_measured_sweep_draws_both_series():
+    fig = L.measured_sweep([1, 2], [1.0, 4.0], [1.0, 2.0], 64, "sdpa", "cpu")
+    assert isinstance(fig, Figure) and [list(line.get_ydata()) for line in fig.axes[0].lines] == [[1.0, 4.0], [1.0, 2.0]]
+
+
+# --- what the engine computes ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend, cells", [("loop", 1000), ("masked", 1600), ("padded", 1800), ("sdpa", 1000)])
+def test_c8_c10_count_score_cells_on_the_engine_backends(backend, cells):
+    q, k, v, cu = random_qkv([10, 30], n_heads=2, d_head=8)
+    with L.count_score_cells() as seen:
+        varlen_attention(q, k, v, cu, causal=False, backend=backend)
+    assert seen.cells == 2 * cells
+
+
+def test_c10_count_score_cells_sees_each_block_and_the_matmuls():
+    q, k, v, cu = random_qkv([10, 30], n_heads=1, d_head=8)
+    with L.count_score_cells() as seen:
+        varlen_attention(q, k, v, cu, backend="loop")
+    assert [s[-2:] for s in seen.shapes] == [(10, 10), (30, 30)] and seen.matmuls == 4
+    with L.count_score_cells() as nothing:
+        torch.ones(3) + 1
+    assert (nothing.cells, nothing.matmuls) == (0, 0)
+
+
+def test_c7_c10_attention_dependency_and_cross_pairs():
+    cu = seq_lens_to_cu_seqlens([3, 5])
+    assert torch.equal(L.attention_dependency([3, 5]), block_diag_mask(cu, causal=True))
+    assert L.cross_request_pairs(L.attention_dependency([3, 5], backend=None, causal=False), [3, 5]) == 2 * 3 * 5
+    assert L.cross_request_pairs(L.attention_dependency([3, 5], backend=None, causal=True), [3, 5]) == 3 * 5
+
+
+def test_launch_grid_is_sized_by_max_seqlen():
+    assert L.launch_grid([10, 30], 8) == (2, 1, 8)
+    assert L.launch_grid([10, 1000], 8, tile=128) == (2, 8, 8)
+    assert L.launch_grid([129], 1, tile=128) == (1, 2, 1)
+    with pytest.raises(ValueError, match="tile"):
+        L.launch_grid([4], 1, tile=0)
+
+
+# --- the diagonal-block explorer --------------------------------------------------------------------------
+
+def test_explorer_seq_lens_ramp_equal_and_article_case():
+    assert L.explorer_seq_lens(2, 10, "ramp") == [10, 30]
+    assert L.explorer_seq_lens(1, 7, "ramp") == [7]
+    assert L.explorer_seq_lens(5, 9, "ramp") == [round(9 * (1 + 2 * i / 4)) for i in range(5)]
+    assert L.explorer_seq_lens(4, 6, "equal") == [6, 6, 6, 6]
+
+
+def test_explorer_seq_lens_long_tail_is_deterministic_positive_and_centred():
+    a = L.explorer_seq_lens(15, 40, "long-tail")
+    assert a == L.explorer_seq_lens(15, 40, "long-tail") and len(a) == 15 and min(a) >= 1
+    assert 30 <= statistics.median(a) <= 50 and max(a) > 3 * 40
+    assert L.explorer_seq_lens(1, 12, "long-tail") == [12]
+
+
+@pytest.mark.parametrize("args, match", [((0, 10, "ramp"), "num_requests"), ((2, 0, "ramp"), "length"),
+                                         ((2, 10, "zipf"), "pattern"), ((2.0, 10, "ramp"), "num_requests")])
+def test_explorer_seq_lens_rejects_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        L.explorer_seq_lens(*args)
+
+
+@pytest.mark.parametrize("r, n, pattern", [(2, 10, "ramp"), (7, 13, "long-tail"), (16, 64, "equal")])
+def test_c8_diagonal_block_state_counts_are_attention_cells(r, n, pattern):
+    state = L.diagonal_block_state(r, n, pattern)
+    assert state["seq_lens"] == L.explorer_seq_lens(r, n, pattern)
+    for method in ("padded", "masked", "varlen"):
+        assert state["counts"][method] == attention_cells(state["seq_lens"], method)
+        assert state["causal"][method] == attention_cells(state["seq_lens"], method, causal=True)
+
+
+def test_c8_diagonal_block_explorer_contract_and_callbacks():
+    import ipywidgets as w
+    box = L.diagonal_block_explorer()
+    assert isinstance(box, w.VBox) and "dbx" in box._dom_classes
+    k = by_class(box)
+    reqs, base, pat, counts, out = k["dbx-num-requests"], k["dbx-length"], k["dbx-pattern"], k["dbx-counts"], k["dbx-figure"]
+    assert isinstance(reqs, w.IntSlider) and (reqs.min, reqs.max, reqs.value) == (1, 16, 2)
+    assert isinstance(base, w.IntSlider) and (base.min, base.max, base.value) == (1, 64, 10)
+    assert isinstance(pat, w.Dropdown) and list(pat.options) == ["ramp", "equal", "long-tail"]
+    assert isinstance(counts, w.HTML) and isinstance(out, w.Output)
+    assert LINE.findall(counts.value) == [("padded", "1800", "1000", "800"), ("masked", "1600", "1000", "600"),
+                                          ("varlen", "1000", "1000", "0")]
+    assert counts.value.count("<div>") == 3  # the browser test reads exactly three lines
+    assert "520 of the 1000" in k["dbx-causal"].value
+    first = png_of(out)
+    for r, n, p in [(5, 20, "ramp"), (9, 33, "long-tail"), (16, 64, "equal"), (1, 1, "ramp")]:
+        reqs.value, base.value, pat.value = r, n, p
+        state = L.diagonal_block_state(r, n, p)
+        assert [(m, int(c), int(u), int(wa)) for m, c, u, wa in LINE.findall(counts.value)] == \
+            [(m, x.computed, x.useful, x.wasted) for m, x in state["counts"].items()]
+        assert png_of(out) != first
+    assert "T = 1 " in k["dbx-lengths"].value
+
+
+# --- exercises -------------------------------------------------------------------------------------------
+
+def _one_launch(q, k, v, cu_seqlens, max_seqlen):
+    starts, lens = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    pos = torch.arange(max_seqlen)
+    real, rows = pos < lens[:, None], (starts[:, None] + pos).clamp(max=q.shape[0] - 1)
+    qp, kp, vp = (x[rows].transpose(1, 2) for x in (q, k, v))
+    scores = (qp @ kp.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(
+        torch.ones(max_seqlen, max_seqlen, dtype=torch.bool).triu(1), float("-inf"))
+    out, flat = (scores.softmax(-1) @ vp).transpose(1, 2), torch.empty_like(q)
+    flat[rows[real]] = out[real]
+    return flat
+
+
+def test_causal_varlen_checker_passes_one_launch_and_plugs_it_into_the_engine(capsys):
+    assert L.check_causal_varlen(_one_launch)
+    assert L.check_causal_varlen(stub) is False and "not attempted" in capsys.readouterr().out
+
+
+def test_causal_varlen_checker_gives_a_per_request_loop_partial_marks(capsys):
+    def loop(q, k, v, cu, m):
+        return varlen_loop(q, k, v, cu)
+    assert "one per request" in attempt(L.check_causal_varlen, loop)
+    assert score(L.check_causal_varlen, loop, points=3) == 2.4  # 4 of 5 cases: all but "one launch"
+    assert "not grow with R" in capsys.readouterr().out
+
+
+def test_causal_varlen_checker_explains_typical_mistakes():
+    def meta_call(causal=True, scale=None):
+        def fn(q, k, v, cu, m):
+            return attention_forward(q, k, v, VarlenMetadata.build(cu.tolist()), "padded", causal=causal, softmax_scale=scale)
+        return fn
+
+    def diagonal_hidden(q, k, v, cu, m):
+        out, c = torch.empty_like(q), cu.tolist()
+        for s, e in zip(c[:-1], c[1:]):
+            sc = torch.einsum("qhd,khd->hqk", q[s:e], k[s:e]).masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(0),
+                                                                          float("-inf"))
+            out[s:e] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v[s:e])
+        return out
+
+    assert "no causal mask" in attempt(L.check_causal_varlen, meta_call(causal=False))
+    assert "1 / sqrt(d_head)" in attempt(L.check_causal_varlen, meta_call(scale=1.0))
+    assert "other requests' keys" in attempt(L.check_causal_varlen, lambda q, k, v, cu, m: varlen_loop(q, k, v, cu, cross=True))
+    assert "must see ITSELF" in attempt(L.check_causal_varlen, diagonal_hidden)
+
+
+def test_masking_loses_checker():
+    assert L.check_masking_loses(lambda r: [100 + i for i in range(r)])
+    assert "must all differ" in attempt(L.check_masking_loses, lambda r: [50] * r)
+    assert "expected 3 lengths" in attempt(L.check_masking_loses, lambda r: [10, 12])
+    why = attempt(L.check_masking_loses, lambda r: [1] * 0 + [10 ** (i + 1) for i in range(r)])
+    assert "padding wastes more" in why and "Lmax / √R" in why
+    # lengths that spread as R grows: right for small R only -> partial marks
+    assert 0 < score(L.check_masking_loses, lambda r: [10 * (i + 1) ** 2 for i in range(r)], points=2) < 2
+
+
+def test_c8_masking_loses_rule_is_the_waste_comparison():
+    for lens in ([10, 30], [10, 12], [5, 9, 2], [100, 101, 102], [1, 64]):
+        m, p = attention_cells(lens, "masked"), attention_cells(lens, "padded")
+        assert (m.wasted > p.wasted) == (sum(lens) ** 2 > len(lens) * max(lens) ** 2)
+
+
+def test_document_mask_checker():
+    def right(cu):
+        lens = (cu[1:] - cu[:-1]).long()
+        req = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        return lambda qi, ki: (req[qi] == req[ki]) & (ki <= qi)
+
+    def no_diagonal(cu):
+        f = right(cu)
+        return lambda qi, ki: f(qi, ki) & (ki != qi)
+
+    assert L.check_document_mask(right)
+    assert "plain causal" in attempt(L.check_document_mask, lambda cu: (lambda qi, ki: ki <= qi))
+    assert "no causal part" in attempt(L.check_document_mask, lambda cu: (lambda qi, ki: right(cu)(qi, ki) | right(cu)(ki, qi)))
+    assert "inverted" in attempt(L.check_document_mask, lambda cu: (lambda qi, ki: ~right(cu)(qi, ki)))
+    assert "diagonal is missing" in attempt(L.check_document_mask, no_diagonal)
+    assert "expected a function" in attempt(L.check_document_mask, lambda cu: block_diag_mask(cu, causal=True))
+    assert "bool [T, T]" in attempt(L.check_document_mask, lambda cu: (lambda qi, ki: (ki <= qi).int()))
+    # a one-request batch hides the missing document test: partial marks
+    assert 0 < score(L.check_document_mask, lambda cu: (lambda qi, ki: ki <= qi), points=2) < 2
