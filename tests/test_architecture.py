@@ -120,7 +120,9 @@ def test_core_reads_in_one_sitting():
 
 def test_nothing_points_outside_the_repo():
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    pattern = re.compile(r"/work/|\.\./shared|shared/course|shared/seed|/root/|\bissues? ?#?\d+\b", re.I)
+    # built from pieces, so that this file does not match itself
+    pattern = re.compile("|".join(["/" + "work/", r"\.\./" + "shared", "shared/" + "(course|seed|tools)", "/" + "root/",
+                                   r"\bissues?" + r" ?#?\d+\b"]), re.I)
     hits = []
     for name in files:
         if name.endswith((".png", ".json", ".lock")) or name.startswith("bench/results"):

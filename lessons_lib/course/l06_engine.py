@@ -1,88 +1,51 @@
-"""What lesson 06 (the prefill engine) draws, explores and checks.
+"""What lesson 06 (the prefill engine, the capstone) draws, explores and checks.
+
+  the stream        ``ENGINE_STREAM``, ``stream_prompts``, ``stream_reference`` (the engine's own
+                    varlen outputs on it, float32 and float64, computed once)
+  figures           ``fcfs_batches`` (06_fcfs_batches), ``batch_waste`` (06_batch_waste)
+  explorer          ``prefill_plan_state`` / ``prefill_plan_html`` / ``prefill_plan_explorer``
+  schedules         ``schedule_measures``, ``schedule_table``: pad rows, masked cells, fairness
+  exercises         ``check_attention_backend`` (06.1, your attention inside ``Engine``),
+                    ``check_sorted_schedule`` (06.2, a length-sorting scheduler)
+  measured          ``run_methods``, ``throughput_text``, ``time_backend``
+
+Taught in notebooks/06_prefill_engine.ipynb.
 """
 from __future__ import annotations
 
+import functools
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
+import torch
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import EngFormatter
 
+from ..core.attention import varlen_attention
+from ..core.batch import cumulative, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
+from ..core.kernels import synchronize
+from ..core.model import init_weights
+from ..measure.flops import METHODS, attention_cells
+from ..measure.tolerance import max_abs_diff, tolerance
+from ..serve.engine import Engine, batch_stats
+from ..serve.scheduler import Request, plan_batches
+from ..serve.workloads import make_requests, workload_lengths
 from ..validate import check_int
-from ..measure.flops import METHODS
-from ..serve.engine import batch_stats
-from ..serve.scheduler import plan_batches
-from ..serve.workloads import workload_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
-from .grading import WrongAnswer, grade, int_tuple
-from .l00_setup import _SMALL_CFGS
-from .style import CELL_COLORS, PAD_COLOR, USEFUL, WASTED, request_color
+from .grading import NOT_YET, WrongAnswer, call_reader, grade
+from .style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_color
 
+Tensor = torch.Tensor
 
-def batch_waste(stats: Mapping[str, Sequence], max_num_batched_tokens: int | None = None) -> Figure:
-    """Lesson 06: the prefill engine's batches, one bar group per batch.
+# ---- the lesson's stream ---------------------------------------------------------------------------
 
-    ``stats[method]``: that method's ``engine.BatchStats`` list for the same schedule (the
-    scheduler does not depend on the method). Top: rows through the linear layers per batch,
-    useful tokens (blue, gid ``rows-useful-b``) and the padded method's pad rows on top (grey,
-    gid ``rows-pad-b``), the token budget dashed. Bottom: attention score cells computed per
-    head per layer by each method (gid ``cells-<method>-b``, log scale); varlen's are all useful.
-    """
-    if not stats:
-        raise ValueError("stats is empty: give {method: [BatchStats, ...]}")
-    methods = [m for m in METHODS if m in stats] + [m for m in stats if m not in METHODS]
-    runs = {m: list(stats[m]) for m in methods}
-    n = len(runs[methods[0]])
-    for m in methods:
-        if len(runs[m]) != n or [s.num_tokens for s in runs[m]] != [s.num_tokens for s in runs[methods[0]]]:
-            raise ValueError(f"stats[{m!r}] does not describe the same batches as stats[{methods[0]!r}]")
-    base = runs[methods[0]]
-    xs = np.arange(n)
-    fig = Figure(figsize=(8, 5.2))
-    top, bottom = fig.subplots(2, 1, sharex=True)
-    for b, s in enumerate(base):
-        top.bar(b, s.num_tokens, color=CELL_COLORS[USEFUL], gid=f"rows-useful-{b}")
-        if "padded" in runs:
-            p = runs["padded"][b]
-            top.bar(b, p.executed_rows - p.num_tokens, bottom=s.num_tokens, color=PAD_COLOR, hatch="///",
-                    edgecolor="white", gid=f"rows-pad-{b}")
-    if max_num_batched_tokens is not None:
-        top.axhline(max_num_batched_tokens, color="#555555", linestyle="--", linewidth=0.8)
-        top.text(n - 0.5, max_num_batched_tokens, f"max_num_batched_tokens = {max_num_batched_tokens}", ha="right",
-                 va="bottom", fontsize=7)
-    top.set_ylabel("rows per batch")
-    top.set_ylim(0, max(max(s.executed_rows for s in runs[m]) for m in methods) * 1.3)
-    top.legend(handles=[Patch(facecolor=CELL_COLORS[USEFUL], label="useful tokens (varlen, masked)"),
-                        Patch(facecolor=PAD_COLOR, hatch="///", label="+ pad rows (padded)")],
-               fontsize=7, frameon=False, loc="upper left", ncol=2)
-    width = 0.8 / len(methods)
-    colors = {"padded": "#8c8c8c", "masked": CELL_COLORS[WASTED], "varlen": CELL_COLORS[USEFUL]}
-    for i, m in enumerate(methods):
-        vals = [s.attn_cells_computed for s in runs[m]]
-        for b, v in enumerate(vals):
-            bottom.bar(b - 0.4 + (i + 0.5) * width, v, width, color=colors.get(m, request_color(i)),
-                       gid=f"cells-{m}-{b}", label=m if b == 0 else None)
-    bottom.set_yscale("log")
-    low = min(s.attn_cells_computed for m in methods for s in runs[m])
-    bottom.set_ylim(max(1, low) / 2, max(s.attn_cells_computed for m in methods for s in runs[m]) * 8)
-    bottom.set_ylabel("attention cells computed\n(per head per layer)")
-    bottom.legend(fontsize=7, frameon=False, ncol=len(methods), loc="upper left")
-    bottom.set_xticks(xs)
-    bottom.set_xticklabels([f"{b}\nR={s.num_seqs}" for b, s in enumerate(base)] if n <= 24 else
-                           [str(b) if b % max(1, n // 12) == 0 else "" for b in range(n)], fontsize=7)
-    bottom.set_xlabel("batch (in scheduling order)")
-    tot = {m: sum(s.attn_cells_computed for s in runs[m]) for m in methods}
-    useful = sum(s.attn_cells_useful for s in base)
-    rows = {m: sum(s.executed_rows for s in runs[m]) for m in methods}
-    toks = sum(s.num_tokens for s in base)
-    top.set_title(f"{n} batches, {sum(s.num_seqs for s in base)} requests, {toks:,} tokens; rows executed: "
-                  + ", ".join(f"{m} {rows[m]:,}" for m in methods), fontsize=9)
-    bottom.set_title("attention cells: " + ", ".join(f"{m} {tot[m]:,}" for m in methods) + f" (useful {useful:,})",
-                     fontsize=9)
-    fig.subplots_adjust(left=0.12, right=0.98, bottom=0.12, top=0.93, hspace=0.3)
-    return fig
+ENGINE_STREAM = dict(workload="long-tail", num_requests=24, max_num_batched_tokens=512, seed=3)  # lesson 06's stream
+PROMPT_SEED = 1  # the token ids of the stream's prompts: make_requests(lens, vocab, seed=PROMPT_SEED)
 
 WORKLOAD_PRESETS = {
     "long-tail": {"median": 64, "sigma": 1.0, "max_len": 2048},
@@ -90,13 +53,175 @@ WORKLOAD_PRESETS = {
     "uniform": {"low": 16, "high": 512},
 }
 
+
+def stream_prompts(cfg: ModelConfig | None = None) -> tuple[list[int], list[list[int]]]:
+    """Lesson 06's stream: ``(lengths in arrival order, token-id prompts)``, oversize ones included."""
+    cfg = cfg or ModelConfig()
+    lens = workload_lengths(ENGINE_STREAM["workload"], ENGINE_STREAM["num_requests"], ENGINE_STREAM["seed"],
+                            **WORKLOAD_PRESETS[ENGINE_STREAM["workload"]])
+    return lens, make_requests(lens, cfg.vocab_size, seed=PROMPT_SEED)
+
+
+def _stream_requests(cfg: ModelConfig) -> list[Request]:
+    """The stream's requests that fit the budget, asking for every final hidden row."""
+    lens, prompts = stream_prompts(cfg)
+    budget = ENGINE_STREAM["max_num_batched_tokens"]
+    return [Request(i, p, return_hidden=True) for i, p in enumerate(prompts) if lens[i] <= budget]
+
+
+def _serve_stream(attn_backend="auto", dtype: torch.dtype = torch.float32) -> tuple[dict, list]:
+    cfg = ModelConfig()
+    engine = Engine(cfg, weights=init_weights(cfg, 0), attn_backend=attn_backend, device="cpu", dtype=dtype,
+                    max_num_batched_tokens=ENGINE_STREAM["max_num_batched_tokens"], compute_logits=False)
+    outputs = engine.prefill(_stream_requests(cfg))
+    return {o.request_id: o.hidden for o in outputs}, engine.stats
+
+
+@functools.cache
+def stream_reference(dtype: torch.dtype = torch.float32) -> dict:
+    """The engine's own varlen answer on lesson 06's stream (``init_weights(ModelConfig(), 0)``, CPU):
+    ``{request_id: final hidden rows [L, d_model]}`` in ``dtype``. Computed once per dtype; float64
+    is the truth of the tolerance rule, float32 the trusted computation beside it."""
+    return _serve_stream("auto", dtype)[0]
+
+
+def stack(outputs: Mapping) -> Tensor:
+    """``{request_id: [L, d]}`` → ``[Σ L, d]`` in request-id order (the stream's flat rows)."""
+    return torch.cat([outputs[i] for i in sorted(outputs)])
+
+
+# ---- figure: how FCFS packs the stream -------------------------------------------------------------
+
+def fcfs_batches(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_seqs: int = 256) -> Figure:
+    """Lesson 06 (S3): the FCFS batches of a stream, one row per batch, requests as orange boxes.
+
+    Each batch is a row of its requests in arrival order (labelled with their index when wide
+    enough), the room left up to the budget is white, the budget is a dashed line; a request
+    longer than the budget has a grey row of its own at the bottom: it is refused, never split.
+    Gids: ``req-<i>`` per served request, ``refused-<i>`` per refused one.
+    """
+    lens = [check_int(f"seq_lens[{i}]", n, 1) for i, n in enumerate(seq_lens)]
+    budget = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    batches = plan_batches(lens, budget, max_num_seqs, skip_oversize=True)
+    refused = [i for i, n in enumerate(lens) if n > budget]
+    rows = len(batches) + len(refused)
+    fig = Figure(figsize=(8, 0.55 * rows + 1.3))
+    ax = fig.add_subplot()
+    xmax = budget * 1.12
+    for b, ids in enumerate(batches):
+        x = 0
+        for k, i in enumerate(ids):
+            ax.add_patch(Rectangle((x, b - 0.38), lens[i], 0.76, facecolor=request_color(k), edgecolor="white",
+                                   linewidth=0.8, gid=f"req-{i}"))
+            if lens[i] >= budget / 18:
+                ax.text(x + lens[i] / 2, b, str(i), ha="center", va="center", fontsize=MIN_FONT, color=TEXT)
+            x += lens[i]
+        ax.add_patch(Rectangle((x, b - 0.38), budget - x, 0.76, facecolor=NEVER, edgecolor=OTHER, linewidth=0.5,
+                               linestyle=":"))
+    for r, i in enumerate(refused):
+        y = len(batches) + r
+        ax.add_patch(Rectangle((0, y - 0.38), xmax, 0.76, facecolor=OTHER, edgecolor="white", gid=f"refused-{i}"))
+        ax.text(budget * 0.02, y, f"request {i}: {lens[i]:,} tokens > {budget:,}: refused at submit, never split",
+                ha="left", va="center", fontsize=MIN_FONT, color="white", fontweight="bold")
+    ax.axvline(budget, color=TEXT, linestyle="--", linewidth=1)
+    ax.text(budget, -0.75, f"max_num_batched_tokens = {budget:,}", ha="right", va="bottom", fontsize=MIN_FONT)
+    ax.set_xlim(0, xmax)
+    ax.set_ylim(rows - 0.5, -0.9)
+    ax.set_yticks(range(rows))
+    ax.set_yticklabels([f"batch {b}: {len(ids)} req, {sum(lens[i] for i in ids)} tok" for b, ids in enumerate(batches)]
+                       + ["refused"] * len(refused), fontsize=MIN_FONT)
+    ax.set_xlabel("tokens in the batch (requests in arrival order; white = room left)", fontsize=MIN_FONT)
+    ax.tick_params(axis="x", labelsize=MIN_FONT)
+    served = sum(len(ids) for ids in batches)
+    ax.set_title(f"FCFS under a {budget:,}-token budget: {served} requests in {len(batches)} batches, "
+                 f"{len(refused)} refused", fontsize=10, pad=16)
+    fig.subplots_adjust(left=0.24, right=0.98, bottom=0.8 / (0.55 * rows + 1.3), top=1 - 0.45 / (0.55 * rows + 1.3))
+    return fig
+
+
+# ---- figure: rows and cells per batch, three methods -----------------------------------------------
+
+_HATCH = {"padded": "///", "masked": "...", "varlen": ""}
+
+
+def batch_waste(stats: Mapping[str, Sequence], max_num_batched_tokens: int | None = None) -> Figure:
+    """Lesson 06 (C2, C8, C10): one group of bars per batch, for the same batches run three ways.
+
+    ``stats[method]``: that method's ``engine.BatchStats`` list (the scheduler does not depend on
+    the method). Top: rows through the linear layers, the tokens in green (gid ``rows-useful-b``)
+    and the padded method's pad rows on top in vermillion (``rows-pad-b``); the budget dashed.
+    Bottom: attention score cells per head per layer (whole blocks), one bar per method
+    (P, M, V): useful in blue (``cells-<method>-useful-b``), computed and thrown away in
+    vermillion (``cells-<method>-wasted-b``; hatched ``///`` for pad cells, ``...`` for masked cells).
+    """
+    if not stats:
+        raise ValueError("stats is empty: give {method: [BatchStats, ...]}")
+    methods = [m for m in METHODS if m in stats] + [m for m in stats if m not in METHODS]
+    runs = {m: list(stats[m]) for m in methods}
+    base = runs[methods[0]]
+    n = len(base)
+    for m in methods:
+        if [s.num_tokens for s in runs[m]] != [s.num_tokens for s in base]:
+            raise ValueError(f"stats[{m!r}] does not describe the same batches as stats[{methods[0]!r}]")
+    fig = Figure(figsize=(8, 6))
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[1, 1.5])
+    for b, s in enumerate(base):
+        top.bar(b, s.num_tokens, 0.8, color=LINEAR, gid=f"rows-useful-{b}")
+        if "padded" in runs:
+            p = runs["padded"][b]
+            top.bar(b, p.padding_rows, 0.8, bottom=s.num_tokens, color=WASTE, hatch=_HATCH["padded"],
+                    edgecolor="white", gid=f"rows-pad-{b}")
+    if max_num_batched_tokens is not None:
+        top.axhline(max_num_batched_tokens, color=TEXT, linestyle="--", linewidth=0.8)
+        top.text(n - 0.5, max_num_batched_tokens, f"budget {max_num_batched_tokens:,} tokens", ha="right",
+                 va="bottom", fontsize=MIN_FONT)
+    top.set_ylim(0, max(max(s.executed_rows for s in runs[m]) for m in methods) * 1.35)
+    top.set_ylabel("rows", fontsize=MIN_FONT)
+    top.legend(handles=[Patch(facecolor=LINEAR, label="tokens (every method)"),
+                        Patch(facecolor=WASTE, hatch="///", edgecolor="white", label="+ pad rows (padded only)")],
+               fontsize=MIN_FONT, frameon=False, loc="upper right", ncol=2)
+    rows = {m: sum(s.executed_rows for s in runs[m]) for m in methods}
+    top.set_title("rows through the linear layers: " + ", ".join(f"{m} {rows[m]:,}" for m in methods), fontsize=10)
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        for b, s in enumerate(runs[m]):
+            x = b - 0.4 + (j + 0.5) * width
+            bottom.bar(x, s.attn_cells_useful, width * 0.92, color=ATTENTION, gid=f"cells-{m}-useful-{b}")
+            bottom.bar(x, s.attn_cells_wasted, width * 0.92, bottom=s.attn_cells_useful, color=WASTE,
+                       hatch=_HATCH.get(m, ""), edgecolor="white", gid=f"cells-{m}-wasted-{b}")
+            if n <= 12:
+                bottom.text(x, s.attn_cells_computed, m[0].upper(), ha="center", va="bottom", fontsize=MIN_FONT)
+    tallest = max(s.attn_cells_computed for m in methods for s in runs[m])
+    bottom.set_ylim(0, tallest * 1.3)
+    bottom.set_ylabel("score cells\nper head per layer", fontsize=MIN_FONT)
+    bottom.yaxis.set_major_formatter(EngFormatter(sep=""))
+    bottom.legend(handles=[Patch(facecolor=ATTENTION, label="useful"),
+                           Patch(facecolor=WASTE, hatch="///", edgecolor="white", label="pad cells (P)"),
+                           Patch(facecolor=WASTE, hatch="...", edgecolor="white", label="masked cells (M)")],
+                  fontsize=MIN_FONT, frameon=False, loc="upper right", ncol=3)
+    cells = {m: sum(s.attn_cells_computed for s in runs[m]) for m in methods}
+    bottom.set_title("attention cells computed (P padded, M masked, V varlen): "
+                     + ", ".join(f"{m[0].upper()} {cells[m]:,}" for m in methods), fontsize=10)
+    bottom.set_xticks(range(n))
+    every = max(1, math.ceil(n / 12))
+    bottom.set_xticklabels([(f"batch {b}\nR={s.num_seqs}" if n <= 12 else str(b)) if b % every == 0 else ""
+                            for b, s in enumerate(base)], fontsize=MIN_FONT)
+    for ax in (top, bottom):
+        ax.tick_params(axis="y", labelsize=MIN_FONT)
+    fig.subplots_adjust(left=0.12, right=0.98, bottom=0.1, top=0.94, hspace=0.3)
+    return fig
+
+
+# ---- the explorer ----------------------------------------------------------------------------------
+
 def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 1024,
                        seed: int = 0) -> dict:
-    """A seeded stream of ``workload`` requests (``WORKLOAD_PRESETS``), scheduled, costed per method.
+    """A seeded stream of ``workload`` requests (``WORKLOAD_PRESETS``), scheduled FCFS, costed per method.
 
-    Keys: ``seq_lens``, ``batches`` (lists of request ids), ``rejected`` (ids),
-    ``stats`` ({method: [engine.BatchStats]}, analytic: ``engine.batch_stats``) and ``totals``
-    ({method: {"rows", "cells_computed", "cells_useful", "flops_executed", "flops_useful"}}).
+    Keys: ``workload``, ``seq_lens``, ``batches`` (lists of request ids), ``rejected`` (ids),
+    ``max_num_batched_tokens``, ``stats`` ({method: [engine.BatchStats]}, analytic:
+    ``engine.batch_stats``) and ``totals`` ({method: {"rows", "pad_rows", "cells_computed",
+    "cells_useful", "flops_executed", "flops_useful"}}).
     """
     if workload not in WORKLOAD_PRESETS:
         raise ValueError(f"workload must be one of {tuple(WORKLOAD_PRESETS)}, got {workload!r}")
@@ -107,38 +232,41 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     rejected = [i for i, n in enumerate(lens) if n > budget]  # S3: a request runs whole or not at all
     cfg = ModelConfig()
     stats = {m: [batch_stats(cfg, [lens[i] for i in ids], m, b, request_ids=ids) for b, ids in enumerate(batches)]
-             for m in ("padded", "masked", "varlen")}
-    totals = {m: {"rows": sum(s.executed_rows for s in st), "cells_computed": sum(s.attn_cells_computed for s in st),
-                  "cells_useful": sum(s.attn_cells_useful for s in st), "flops_executed": sum(s.flops_executed for s in st),
-                  "flops_useful": sum(s.flops_useful for s in st)} for m, st in stats.items()}
-    return {"seq_lens": lens, "batches": batches, "rejected": rejected, "stats": stats, "totals": totals,
-            "max_num_batched_tokens": budget}
+             for m in METHODS}
+    totals = {m: {"rows": sum(s.executed_rows for s in st), "pad_rows": sum(s.padding_rows for s in st),
+                  "cells_computed": sum(s.attn_cells_computed for s in st),
+                  "cells_useful": sum(s.attn_cells_useful for s in st),
+                  "flops_executed": sum(s.flops_executed for s in st), "flops_useful": sum(s.flops_useful for s in st)}
+              for m, st in stats.items()}
+    return {"workload": workload, "seq_lens": lens, "batches": batches, "rejected": rejected, "stats": stats,
+            "totals": totals, "max_num_batched_tokens": budget}
+
 
 def prefill_plan_html(state: dict) -> str:
-    """One ``<div>`` per method, ``varlen: rows 4783 | attention cells 886713 (useful 886713) | FLOPs
-    executed / useful 1.00x``, then the batches and the rejected requests."""
-    lines = []
+    """The explorer's readout: one ``<div>`` for the schedule, one per method, one for the refused."""
+    lens, budget = state["seq_lens"], state["max_num_batched_tokens"]
+    served = sum(len(b) for b in state["batches"])
+    lines = [f"<div>{state['workload']}, {len(lens)} requests, max_num_batched_tokens = {budget}: "
+             f"{len(state['batches'])} batches, {served} requests served</div>"]
     for m, t in state["totals"].items():
         ratio = t["flops_executed"] / t["flops_useful"] if t["flops_useful"] else 0.0
-        lines.append(f"<div>{m}: rows {t['rows']} | attention cells {t['cells_computed']} (useful {t['cells_useful']}) | "
-                     f"FLOPs executed / useful {ratio:.2f}x</div>")
-    lens = state["seq_lens"]
-    lines.append(f"<div>{len(state['batches'])} batches of at most {state['max_num_batched_tokens']} tokens, "
-                 f"{sum(len(b) for b in state['batches'])} requests served</div>")
+        lines.append(f"<div>{m}: rows {t['rows']:,} (pad {t['pad_rows']:,}) | attention cells {t['cells_computed']:,} "
+                     f"(wasted {t['cells_computed'] - t['cells_useful']:,}) | FLOPs executed / useful {ratio:.2f}x</div>")
     rej = state["rejected"]
-    lines.append(f"<div>rejected (longer than the budget, S3): {len(rej)}"
+    lines.append(f"<div>refused (longer than the budget, S3): {len(rej)}"
                  + (f" - lengths {[lens[i] for i in rej][:8]}" if rej else "") + "</div>")
     return "".join(lines)
+
 
 def prefill_plan_explorer(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 1024):
     """VBox class ``ppx``: Dropdown ``ppx-workload``, IntSliders ``ppx-num-requests`` (1..256) and
     ``ppx-budget`` (max_num_batched_tokens, 16..8192), HTML ``ppx-counts`` (``prefill_plan_html``),
-    Output ``ppx-figure`` (``batch_waste``; empty when every request was rejected)."""
+    Output ``ppx-figure`` (``batch_waste``; empty when every request was refused)."""
     w = ipywidgets_module()
     kind = tagged(w.Dropdown(options=list(WORKLOAD_PRESETS), value=workload, description="workload"), "ppx-workload")
     reqs = tagged(w.IntSlider(value=num_requests, min=1, max=256, description="requests"), "ppx-num-requests")
     budget = tagged(w.IntSlider(value=max_num_batched_tokens, min=16, max=8192, step=16, description="token budget"),
-                     "ppx-budget")
+                    "ppx-budget")
     text, out = tagged(w.HTML(), "ppx-counts"), tagged(w.Output(), "ppx-figure")
 
     def update(change=None):
@@ -151,76 +279,310 @@ def prefill_plan_explorer(workload: str = "long-tail", num_requests: int = 48, m
 
     return explorer("ppx", [kind, reqs, budget], [text, out], update)
 
-def check_fcfs_schedule(fn: Callable[[list, int], list]) -> bool:
-    """Exercise 06.1: ``fn(seq_lens, max_num_batched_tokens) -> [[request index, ...], ...]``: FCFS
-    batches of whole requests within the token budget (what ``engine.Scheduler`` does). A request
-    longer than the budget must raise ``ValueError`` (S3: no chunked prefill)."""
-    cases = [([10, 30], 64), ([300, 300, 500, 100], 700), ([5] * 9, 12), ([64, 1, 64, 1, 64], 65), ([7], 7)]
 
-    def judge(got, lens, budget):
-        want = plan_batches(lens, budget, max_num_seqs=1 << 20)   # engine.Scheduler's batches
-        try:
-            got = [[int(i) for i in b] for b in got]
-        except (TypeError, ValueError):
-            return f"expected a list of batches (lists of request indices), got {got!r}"
-        if got == want:
-            return None
-        flat = [i for b in got for i in b]
-        if sorted(flat) != list(range(len(lens))):
-            return f"got {got}, expected {want} - every request must be served exactly once"
-        for b in got:
-            if sum(lens[i] for i in b) > budget:
-                return f"got {got}, expected {want} - batch {b} holds {sum(lens[i] for i in b)} tokens > budget {budget}"
-        if flat != sorted(flat):
-            return (f"got {got}, expected {want} - first come, first served: a later request never overtakes a "
-                    "waiting one, even when it would fill the hole")
-        return f"got {got}, expected {want} - close a batch only when the next request does not fit"
-    ok = grade("fcfs_schedule", fn, [(list(lens), b) for lens, b in cases], judge,
-                "FCFS batches within the budget on 5 streams")
-    if not ok:
-        return ok
-    lens, budget = [100, 900, 50], 512
-    try:
-        got = fn(list(lens), budget)
-    except ValueError:
-        return ok
-    except Exception as exc:
-        raise WrongAnswer(f"fcfs_schedule: for {lens} with budget {budget} raise ValueError, not {type(exc).__name__}: {exc}") \
-            from exc
-    raise WrongAnswer(f"fcfs_schedule: for {lens} with budget {budget} you returned {got!r} - request 1 has 900 tokens, "
-                 "more than the budget: it can never run whole (S3), so raise ValueError")
+# ---- schedules: validity (S3) and the three measures ------------------------------------------------
 
-def check_stream_waste(fn: Callable[[list], tuple]) -> bool:
-    """Exercise 06.2: ``fn(batches) -> (pad_rows, masked_wasted_cells)`` summed over a stream;
-    ``batches`` is a list of batches, each a list of request lengths. Cells per head per layer,
-    whole blocks (the article's count)."""
-    cases = [[[10, 30]], [[10, 30], [40], [5, 5, 20]], [[1, 7, 3], [64, 2], [16] * 4], [[100], [3, 300, 30]]]
-    cfg = _SMALL_CFGS[0]
+def schedule_problem(batches, seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_seqs: int) -> str | None:
+    """What makes ``batches`` (lists of request indices) an invalid prefill schedule, or None.
 
-    def judge(got, batches):
-        pad = sum(batch_stats(cfg, b, "padded").padding_rows for b in batches)
-        masked = sum(batch_stats(cfg, b, "masked").masked_cells for b in batches)
-        want = (pad, masked)
-        got, problem = int_tuple(got, "pad_rows, masked_wasted_cells")
-        if problem or got == want:
+    Valid (S3): every request exactly once, so whole in one batch; no empty batch; every batch
+    within ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests.
+    """
+    n = len(seq_lens)
+    if not isinstance(batches, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in batches):
+        return f"expected a list of batches, each a list of request indices, got {batches!r}"[:300]
+    flat = [i for b in batches for i in b]
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in flat):
+        return "a batch holds request indices (ints), not tokens or requests"
+    if sorted(flat) != list(range(n)):
+        if sorted(flat) == sorted(seq_lens) and sorted(flat) != list(range(n)):
+            return "your batches hold the requests' LENGTHS; return their indices (0 .. n-1) instead"
+        missing = sorted(set(range(n)) - set(flat))
+        twice = sorted({i for i in flat if flat.count(i) > 1})
+        return ("every request must be served exactly once, whole, in one batch (S3): "
+                + (f"missing {missing[:8]} " if missing else "") + (f"served twice {twice[:8]} " if twice else "")
+                + (f"unknown {sorted(set(flat) - set(range(n)))[:8]}" if set(flat) - set(range(n)) else "")).strip()
+    for b, ids in enumerate(batches):
+        if not ids:
+            return f"batch {b} is empty: every forward must carry at least one request"
+        tokens = sum(seq_lens[i] for i in ids)
+        if tokens > max_num_batched_tokens:
+            return (f"batch {b} holds {tokens} tokens > max_num_batched_tokens={max_num_batched_tokens}: "
+                    "close a batch before the next request would overflow it")
+        if len(ids) > max_num_seqs:
+            return f"batch {b} holds {len(ids)} requests > max_num_seqs={max_num_seqs}: the budget counts requests too"
+    return None
+
+
+def schedule_measures(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int,
+                      max_num_seqs: int = 256, cfg: ModelConfig | None = None) -> dict:
+    """The three measures of a valid schedule, against FCFS (``plan_batches``) on the same stream.
+
+    ``pad_rows``: rows a padded engine adds (``batch_stats(..., "padded").padding_rows``);
+    ``masked_wasted``: cross-request score cells a masked engine computes and throws away, per
+    head per layer (``flops.attention_cells(..., "masked").wasted``); fairness: ``max_delay`` = the
+    most batches a request is served after its FCFS batch (0 = nobody later than FCFS),
+    ``overtakes`` = pairs where a later arrival is served in an earlier batch. Also
+    ``batches`` (forwards) and ``flops_ratio`` (executed / useful FLOPs of the padded engine).
+    """
+    cfg = cfg or ModelConfig()
+    fcfs = plan_batches(seq_lens, max_num_batched_tokens, max_num_seqs)
+    at = {i: b for b, ids in enumerate(batches) for i in ids}
+    at_fcfs = {i: b for b, ids in enumerate(fcfs) for i in ids}
+    padded = [batch_stats(cfg, [seq_lens[i] for i in ids], "padded") for ids in batches]
+    return {"batches": len(batches), "pad_rows": sum(s.padding_rows for s in padded),
+            "masked_wasted": sum(attention_cells([seq_lens[i] for i in ids], "masked").wasted for ids in batches),
+            "max_delay": max([0] + [at[i] - at_fcfs[i] for i in at]),
+            "overtakes": sum(at[j] < at[i] for i in range(len(seq_lens)) for j in range(i + 1, len(seq_lens))),
+            "flops_ratio": sum(s.flops_executed for s in padded) / sum(s.flops_useful for s in padded)}
+
+
+def schedule_table(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int,
+                   max_num_seqs: int = 256, name: str = "yours") -> str:
+    """FCFS and ``batches`` side by side on the same stream: the lines ``schedule_measures`` counts."""
+    fcfs = plan_batches(seq_lens, max_num_batched_tokens, max_num_seqs)
+    rows = {"FCFS": schedule_measures(seq_lens, fcfs, max_num_batched_tokens, max_num_seqs),
+            name: schedule_measures(seq_lens, batches, max_num_batched_tokens, max_num_seqs)}
+    head = f"{'':8s} {'batches':>7s} {'pad rows':>9s} {'masked cells wasted':>20s} {'max delay':>9s} {'overtakes':>9s}"
+    return "\n".join([head] + [f"{k:8s} {m['batches']:7d} {m['pad_rows']:9,d} {m['masked_wasted']:20,d} "
+                               f"{m['max_delay']:9d} {m['overtakes']:9d}" for k, m in rows.items()])
+
+
+# ---- exercise 06.1: your attention inside the engine -----------------------------------------------
+
+STREAM_CASE = "lesson 06's stream, served by Engine(attn_backend=your function)"
+_ATTN_CASES = [("one request", [10], 2, 16), ("A and B", [10, 30], 2, 16),
+               ("five requests, two of the same length", [7, 1, 12, 7, 3], 4, 64), (STREAM_CASE,)]
+
+
+def _qkv(lens: list[int], heads: int, d_head: int, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Random q, k, v ``[T, H, D]`` as the engine hands them over (views of one ``[T, 3, H, D]``
+    tensor: not contiguous) and int32 ``cu_seqlens``."""
+    g = torch.Generator().manual_seed(seed + 7 * len(lens))
+    qkv = torch.randn(sum(lens), 3, heads, d_head, generator=g)
+    q, k, v = qkv.unbind(1)
+    return q, k, v, seq_lens_to_cu_seqlens(lens)
+
+
+def _attn64(q, k, v, cu, causal=True, scale=None, whole=False):
+    cu = torch.tensor([0, q.shape[0]], dtype=torch.int32) if whole else cu
+    return varlen_attention(q.double(), k.double(), v.double(), cu, causal=causal, softmax_scale=scale, backend="loop")
+
+
+def _near(got: Tensor, want: Tensor) -> bool:
+    return tuple(got.shape) == tuple(want.shape) and max_abs_diff(got, want) <= 1e-4
+
+
+def _attention_problem(got, lens: list[int], heads: int, d_head: int) -> str | None:
+    q, k, v, cu = _qkv(lens, heads, d_head)
+    want64 = _attn64(q, k, v, cu)
+    want = varlen_attention(q, k, v, cu, causal=True, backend="loop")
+    t = q.shape[0]
+    if not isinstance(got, Tensor):
+        return f"expected a tensor [T, H, D] = {[t, heads, d_head]}, got {type(got).__name__}"
+    if tuple(got.shape) != tuple(q.shape):
+        hint = (" - FlashAttention's layout is [T, H, D]: transpose your [H, T, D] back"
+                if tuple(got.shape) == (heads, t, d_head) else "")
+        return f"shape {list(got.shape)}, expected q's shape {list(q.shape)}{hint}"
+    if got.dtype != q.dtype:
+        return f"dtype {got.dtype}, expected q's dtype {q.dtype}: the engine keeps one dtype end to end"
+    if not torch.isfinite(got).all():
+        rows = torch.nonzero(~torch.isfinite(got).reshape(t, -1).all(1)).flatten().tolist()
+        return (f"NaN or inf in rows {rows[:6]}: a row whose scores are all -inf has no key to read - "
+                "mask only the keys AFTER each query (triu(diagonal=1)), never its own")
+    err, bound = max_abs_diff(got, want64), tolerance(want, want64, got.dtype)
+    if err <= bound:
+        return None
+    alternatives = [
+        (_attn64(q, k, v, cu, causal=False), "not causal: query j of a request may read only keys 0..j of ITS request - "
+         "mask the upper triangle of each [L_i x L_i] block"),
+        (_attn64(q, k, v, cu, whole=True), "cu_seqlens ignored: request A's queries read B's keys (C7) - slice q, k, v "
+         "to rows cu_seqlens[i]:cu_seqlens[i+1] and attend within the slice"),
+        (_attn64(q, k, v, cu, causal=False, whole=True), "neither causal nor per request: slice by cu_seqlens, then mask "
+         "the upper triangle of each request's block"),
+        (_attn64(q, k, v, cu, scale=1.0), "scores not scaled: multiply Q K^T by 1/sqrt(d_head)"),
+        (_attn64(q, k, v, cu, scale=1.0 / d_head), "scale is 1/sqrt(d_head), not 1/d_head"),
+        (_attn64(q, k, v, cu, scale=1.0 / math.sqrt(heads * d_head)),
+         "scale by 1/sqrt(d_head) with d_head = q.shape[-1], one head's width, not all heads' H*D"),
+    ]
+    for alt, hint in alternatives:
+        if _near(got, alt):
+            return f"values differ from the reference by up to {err:.2g} - {hint}"
+    cu_list = cumulative(lens)
+    spans = list(zip(cu_list[:-1], cu_list[1:]))
+    wrong = [i for i, (s, e) in enumerate(spans) if max_abs_diff(got[s:e], want64[s:e]) > bound]
+    for i in wrong:
+        s, e = spans[i]
+        for j, (s2, e2) in enumerate(spans):
+            if j != i and e2 - s2 == e - s and _near(got[s:e], want64[s2:e2]):
+                return (f"request {i}'s rows {s}..{e - 1} hold request {j}'s output - each output goes back into its "
+                        "own rows, out[cu_seqlens[i]:cu_seqlens[i+1]]")
+    for j, (s, e) in reversed(list(enumerate(spans))):
+        if s > 0 and _near(got[:e - s], want64[s:e]):
+            return (f"request {j}'s output sits at rows 0..{e - s - 1}, not at its own rows {s}..{e - 1} - write request "
+                    "i's output into out[cu_seqlens[i]:cu_seqlens[i+1]]")
+    for i in wrong:
+        s, e = spans[i]
+        where = f"request {i} (rows {s}..{e - 1}) is wrong"
+        if not got[s:e].abs().any():
+            return f"{where}: its rows are all zero, never written - write its output into out[cu[i]:cu[i+1]]"
+        return f"{where}: off by up to {max_abs_diff(got[s:e], want64[s:e]):.2g} (allowed {bound:.1g})"
+    return f"values differ from the reference by up to {err:.2g} (allowed {bound:.1g})"
+
+
+def _stream_problem(got: dict) -> str | None:
+    ref, ref64 = stream_reference(torch.float32), stream_reference(torch.float64)
+    out, want, want64 = stack(got), stack(ref), stack(ref64)
+    err, bound = max_abs_diff(out, want64), tolerance(want, want64, out.dtype)
+    if err <= bound:
+        return None
+    for i in sorted(ref):
+        e = max_abs_diff(got[i], ref64[i])
+        if e > tolerance(ref[i], ref64[i], got[i].dtype):
+            return (f"request {i} ({ref[i].shape[0]} tokens): final hidden rows off by up to {e:.2g}, allowed "
+                    f"{bound:.1g} - your function passes the small cases but not inside the engine; there q, k, v are "
+                    "views of one tensor (use reshape, not view) and a batch holds up to 10 requests")
+    return f"final hidden rows off by up to {err:.2g} (allowed {bound:.1g})"
+
+
+def check_attention_backend(fn: Callable) -> bool:
+    """Exercise 06.1: ``fn(q, k, v, cu_seqlens, max_seqlen) -> [T, H, D]``, causal self-attention of
+    each request over its own rows (FlashAttention's layout; what ``Engine(attn_backend=fn)`` calls).
+
+    Three small cases against the library's varlen attention (float64 truth, the tolerance rule),
+    then the capstone: lesson 06's stream served by the engine with ``fn`` in every layer, every
+    request's final hidden rows compared with the engine's own varlen backend. Recognised
+    mistakes: not causal, ``cu_seqlens`` ignored, a wrong scale, rows written in the wrong place,
+    the ``[H, T, D]`` layout, NaN rows.
+    """
+    if not callable(fn):
+        raise WrongAnswer(f"attention_backend: expected a function, got {type(fn).__name__}")
+
+    def run(what, lens=None, heads=None, d_head=None):
+        if what == STREAM_CASE:
+            return _serve_stream(fn)[0]
+        q, k, v, cu = _qkv(lens, heads, d_head)
+        return fn(q, k, v, cu, max(lens))
+
+    def judge(got, what, lens=None, heads=None, d_head=None):
+        return _stream_problem(got) if what == STREAM_CASE else _attention_problem(got, lens, heads, d_head)
+
+    return grade("attention_backend", run, _ATTN_CASES, judge,
+                 "matches varlen on 3 small cases, and serves lesson 06's stream inside Engine with every request's "
+                 "hidden rows within the tolerance rule of the engine's own backend")
+
+
+def time_backend(fn: Callable, repeats: int = 1) -> str:
+    """Wall-clock of lesson 06's stream served with ``fn`` and with the engine's own varlen backend
+    (CPU, float32; shown, never asserted). A stub gives "not attempted yet"."""
+    if call_reader("time_backend", lambda: _probe(fn)) is NOT_YET:
+        return "time_backend: not attempted yet - write your attention function first"
+    times = {}
+    for name, backend in (("yours", fn), ("engine (auto)", "auto")):
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            _serve_stream(backend)
+            best = min(best, time.perf_counter() - t0)
+        times[name] = best
+    ratio = times["yours"] / times["engine (auto)"]
+    return " | ".join(f"{k}: {v:.2f} s" for k, v in times.items()) + f" | yours / engine: {ratio:.2f}x"
+
+
+def _probe(fn: Callable):
+    q, k, v, cu = _qkv([3, 2], 1, 8)
+    return fn(q, k, v, cu, 3)
+
+
+# ---- exercise 06.2: a length-sorting scheduler -----------------------------------------------------
+
+def _sort_cases() -> list[tuple]:
+    lens, _ = stream_prompts()
+    kept = [n for n in lens if n <= ENGINE_STREAM["max_num_batched_tokens"]]
+    return [(kept, ENGINE_STREAM["max_num_batched_tokens"], 256),
+            (workload_lengths("long-tail", 64, 1, median=64, sigma=1.0, max_len=1024), 1024, 8),
+            (workload_lengths("bimodal", 40, 2, short=50, long=1500, p_long=0.2), 2048, 256),
+            (workload_lengths("uniform", 32, 4, low=16, high=512), 1024, 6),
+            ([300, 20, 300, 20, 300, 20, 20, 20], 640, 4)]
+
+
+def check_sorted_schedule(fn: Callable[[list, int, int], list]) -> bool:
+    """Exercise 06.2: ``fn(seq_lens, max_num_batched_tokens, max_num_seqs) -> [[request index, ...], ...]``,
+    a scheduler that groups requests of similar length, on 5 streams (no request over the budget).
+
+    Each stream: the batches must be valid (``schedule_problem``: every request once, whole; both
+    budgets) and pad fewer rows than FCFS on the same stream. Then the three measures of the
+    reader's scheduler against FCFS on lesson 06's stream are printed (``schedule_table``).
+    """
+    cases = _sort_cases()
+
+    def judge(got, lens, budget, max_seqs):
+        problem = schedule_problem(got, lens, budget, max_seqs)
+        if problem:
             return problem
-        lens = [n for b in batches for n in b]
-        hint = ""
-        if len(batches) > 1 and got[0] == len(lens) * max(lens) - sum(lens):
-            hint = " - each batch pads to its OWN longest request, not the stream's"
-        elif len(batches) > 1 and got[1] == sum(lens) ** 2 - sum(n * n for n in lens):
-            hint = " - masking is per batch: only requests in the same batch share a score matrix"
-        elif got[1] == masked // 2:
-            hint = " - count both off-diagonal blocks, A's queries on B's keys and B's on A's"
-        return f"got {got}, expected {want}{hint}"
-    return grade("stream_waste", fn, [(c,) for c in cases], judge, "pad rows and masked cells summed batch by batch, 4 streams")
+        got = [[int(i) for i in b] for b in got]
+        fcfs = plan_batches(lens, budget, max_seqs)
+        mine, base = (schedule_measures(lens, b, budget, max_seqs)["pad_rows"] for b in (got, fcfs))
+        if mine < base:
+            return None
+        if got == fcfs:
+            return ("these are FCFS's batches: sort the waiting requests by length (over a window of several "
+                    "batches) so that similar lengths share a batch")
+        return (f"valid, but {mine:,} pad rows, FCFS pads {base:,}: similar lengths must share a batch - a window no "
+                "wider than one batch cannot regroup anything; sort over a wider window")
+    ok = grade("sorted_schedule", fn, cases, judge, "valid batches (S3) with fewer pad rows than FCFS on 5 streams")
+    if ok:
+        lens, budget, max_seqs = cases[0]
+        print("lesson 06's stream:\n" + schedule_table(lens, call_reader("sorted_schedule", fn, list(lens), budget,
+                                                                        max_seqs), budget, max_seqs))
+    return ok
 
-ENGINE_STREAM = dict(workload="long-tail", num_requests=24, max_num_batched_tokens=512, seed=3)  # lesson 06's stream
+
+# ---- measured: the three methods on the device -----------------------------------------------------
+
+def run_methods(cfg: ModelConfig, weights: dict, requests: Sequence[Request], max_num_batched_tokens: int,
+                device=None, dtype: torch.dtype | None = None) -> dict:
+    """Serve ``requests`` with each method on ``device`` (after one warm-up batch): ``{method: [BatchStats]}``
+    with each batch's measured ``wall_s``."""
+    out = {}
+    for method in METHODS:
+        engine = Engine(cfg, weights=weights, method=method, device=device, dtype=dtype, compute_logits=False,
+                        max_num_batched_tokens=max_num_batched_tokens)
+        engine.prefill([Request("warm-up", requests[0].prompt_token_ids)])
+        synchronize(engine.device)
+        engine.prefill([Request(r.request_id, r.prompt_token_ids) for r in requests])
+        out[method] = engine.stats
+    return out
+
+
+def throughput_text(stats: Mapping[str, Sequence]) -> str:
+    """One line per method from measured ``BatchStats``: seconds, prompt tokens per second (pad rows
+    not counted), executed GFLOP/s, and throughput relative to varlen."""
+    secs = {m: sum(s.wall_s for s in st) for m, st in stats.items()}
+    tokens = {m: sum(s.num_tokens for s in st) for m, st in stats.items()}
+    ref = tokens.get("varlen", 0) / secs["varlen"] if secs.get("varlen") else None
+    lines = []
+    for m, st in stats.items():
+        tps = tokens[m] / secs[m] if secs[m] else float("nan")
+        gflops = sum(s.flops_executed for s in st) / secs[m] / 1e9 if secs[m] else float("nan")
+        rel = f" | {tps / ref:4.2f}x varlen's throughput" if ref else ""
+        lines.append(f"{m:7s} {secs[m]:7.3f} s | {tps:9,.0f} tokens/s | {gflops:7.1f} GFLOP/s executed{rel}")
+    return "\n".join(lines)
+
+
+# ---- registered figures ----------------------------------------------------------------------------
+
+@register("06_fcfs_batches", lesson="06",
+          caption="Lesson 06's 24 long-tailed requests under FCFS and a 512-token budget: 23 in 5 batches, the "
+                  "1,776-token one refused whole (S3)")
+def _fcfs_batches() -> Figure:
+    lens, _ = stream_prompts()
+    return fcfs_batches(lens, ENGINE_STREAM["max_num_batched_tokens"])
+
 
 @register("06_batch_waste", lesson="06",
-          caption="24 long-tailed requests under a 512-token budget (one of 1776 tokens rejected): rows and attention "
-                  "cells per batch, padded vs masked vs varlen (C2, C8, C10)")
+          caption="The same 5 batches run padded, masked and varlen: rows through the linear layers and attention "
+                  "cells per batch, useful vs thrown away (C2, C8, C10)")
 def _batch_waste() -> Figure:
-
     state = prefill_plan_state(**ENGINE_STREAM)
     return batch_waste(state["stats"], state["max_num_batched_tokens"])
