@@ -60,13 +60,19 @@ def call_reader(name: str, fn: Callable, *args) -> Any:
 
 
 def describe_args(args) -> str:
+    """The inputs of a case, short enough to read: big tensors as their shape, lists of them abbreviated."""
     def one(a):
         if isinstance(a, Tensor):
             return f"tensor{list(a.shape)}" if a.numel() > 8 else f"tensor({a.tolist()})"
         if isinstance(a, ModelConfig):
-            return (f"ModelConfig(n_layers={a.n_layers}, d_model={a.d_model}, n_heads={a.n_heads}, "
-                    f"d_head={a.d_head}, d_ffn={a.d_ffn})")
-        return repr(a)
+            return (f"ModelConfig(n_layers={a.n_layers}, d_model={a.d_model}, n_heads={a.n_heads}, d_head={a.d_head}, "
+                    f"d_ffn={a.d_ffn}, vocab_size={a.vocab_size}, max_position={a.max_position}, "
+                    f"dtype={str(a.dtype).removeprefix('torch.')})")
+        if isinstance(a, (list, tuple)) and any(isinstance(x, Tensor) for x in a):
+            inner = ", ".join(one(x) for x in a[:4]) + (", ..." if len(a) > 4 else "")
+            return f"[{inner}]" if isinstance(a, list) else f"({inner})"
+        text = repr(a)
+        return text if len(text) <= 200 else text[:200] + " ..."
     return ", ".join(one(a) for a in args)
 
 
@@ -81,8 +87,8 @@ def grade(name: str, fn: Callable, cases: list[tuple], judge: Callable[..., str 
         try:
             got = call_reader(name, fn, *case)
             problem = None if got is NOT_YET else judge(got, *case)
-        except WrongAnswer as exc:
-            got, problem = None, str(exc).split("\n", 1)[-1].strip()
+        except WrongAnswer as exc:  # the reader's function raised: say what it raised
+            got, problem = None, str(exc).removeprefix(f"{name}: ").split("\n  input:")[0]
         if got is NOT_YET:
             _not_attempted(name)
             if tally is not None:
@@ -119,8 +125,8 @@ def score(check: Callable[[Callable], bool], fn: Callable, points: float) -> flo
     finally:
         _SCORING.reset(token)
     earned = round(points * tally.right / tally.total, 2) if tally.total else 0.0
-    name = getattr(check, "__name__", "check").removeprefix("check_")
-    print(f"{name}: {earned:g} of {points:g} points ({tally.right} of {tally.total} cases right)")
+    print(f"Grade of {getattr(fn, '__name__', 'your function')}: {earned:g} of {points:g} points "
+          f"({tally.right} of {tally.total} cases right)")
     if tally.messages:
         print(tally.messages[0])
     return earned

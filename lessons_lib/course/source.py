@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def source_text(obj, start: str | None = None, stop: str | None = None) -> tuple[str, str]:
     """``(heading, code)`` of a function, class or method; ``start``/``stop`` cut it to the lines from
     the first one containing ``start`` up to (not including) the first later one containing ``stop``."""
+    obj = inspect.unwrap(obj)  # a decorated function (e.g. @torch.no_grad) shows its own code, not the wrapper's
     lines, first = inspect.getsourcelines(obj)
     lo = next((i for i, line in enumerate(lines) if start in line), None) if start else 0
     if lo is None:
