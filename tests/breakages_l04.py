@@ -2,6 +2,15 @@
 from breakages import breaks
 
 
+@breaks("C11", "04_tp2_invariance",
+        "QKV is sharded like a plain column-parallel layer: rank r takes contiguous rows of the fused [Q | K | V] "
+        "weight (rank 0: Q of all 8 heads and K of 4), not Q, K and V of its own 4 heads")
+def _qkv_cut_without_heads():
+    from lessons_lib.core import linear
+
+    linear.QKVParallelLinear.shard_rows = linear.ColumnParallelLinear.shard_rows
+
+
 @breaks("C12", "04_tp2_invariance", "the row-parallel bias is added on every rank, before the all-reduce")
 def _bias_on_every_rank():
     import torch.nn.functional as F
@@ -9,7 +18,6 @@ def _bias_on_every_rank():
     from lessons_lib.core import linear
 
     def forward(self, x):
-        y = self.group.all_reduce(F.linear(x, self.weight, self.bias), layer=self.name)
-        return y
+        return self.group.all_reduce(F.linear(x, self.weight, self.bias), layer=self.name)
 
     linear.RowParallelLinear.forward = forward

@@ -1,172 +1,486 @@
-"""What lesson 05 (FLOP regimes) draws, explores and checks.
+"""What lesson 05 (where the FLOPs go) draws, explores, measures and checks.
+
+The engine's matmuls, recorded: ``record_matmuls`` runs any call under a dispatch mode that
+logs every matrix multiply PyTorch executes (``aten.mm``/``addmm``: the linear layers;
+``aten.bmm`` and the fused SDPA kernels: attention) with its shapes, so FLOPs, score cells and
+arithmetic intensity are computed from what the engine really ran. ``forward_matmuls`` does
+it for a model forward, ``decode_attention_matmuls`` for one decode step's attention.
+
+Figures ``05_intensity`` (intensity against rows per weight read, with two machines' ridge
+points), ``05_flops_1x1000_vs_10x100`` (the same tokens, three packings) and
+``05_attention_share`` (attention's share against request length). Explorer
+``flop_mix_explorer`` wraps ``flop_mix_state``. Exercise checkers: ``check_attention_flops``
+(05.1), ``check_crossover`` (05.2), ``check_decode_batch`` (05.3).
+
+Taught in notebooks/05_flop_regimes.ipynb.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
+import torch
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core.attention import varlen_attention
+from ..core.batch import PackedBatch, cumulative, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
-from ..validate import check_int
-from ..measure.flops import decode_attention_intensity, forward_flops, linear_intensity
+from ..measure.flops import forward_flops, linear_flops_per_token
+from ..validate import check_choice, check_int
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import grade
-from .style import CELL_COLORS, USEFUL, WASTED
+from .style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT
+
+Tensor = torch.Tensor
+BF16 = 2  # bytes per number as a GPU server stores weights and activations
+
+# ---------------------------------------------------------------------------------------------
+# Two machines' ridge points (peak FLOP/s over memory bandwidth): below the ridge a kernel waits
+# for memory, above it for the arithmetic units.
+#
+# GPU: NVIDIA H200 SXM, published: 989 TFLOP/s dense BF16 tensor-core peak (1,979 with 2:4
+# sparsity), 4.8 TB/s HBM3e  ->  989e12 / 4.8e12 = 206 FLOP/byte.
+H200_PEAK_FLOPS, H200_BYTES_PER_S = 989e12, 4.8e12
+# CPU: the 2-core AMD EPYC (Zen 4, AVX-512) virtual machine this course was built on, torch 2.13,
+# measured with other jobs sharing the machine, so the best of many runs is kept: fp32 GEMM
+# peak = the best of about 60 calls of measure.profile.matmul_throughput(2048, 2048, 2048) and
+# (4096, 512, 2048): 183 GFLOP/s (typical under load: 85; 2 cores x 32 FLOP/cycle x ~2.9 GHz
+# allows about 185); copy bandwidth = the best of about 80 copies of a 256 MiB fp32 tensor
+# (y.copy_(x), read + write counted): 20.3 GB/s  ->  183e9 / 20.3e9 = 9.0 FLOP/byte.
+CPU_PEAK_FLOPS, CPU_BYTES_PER_S = 183e9, 20.3e9
+RIDGES = {"H200, bf16 (published peaks)": H200_PEAK_FLOPS / H200_BYTES_PER_S,
+          "2-core CPU, fp32 (measured here)": CPU_PEAK_FLOPS / CPU_BYTES_PER_S}
+
+# ---------------------------------------------------------------------------------------------
+# The engine's matmuls, recorded
 
 
-def flops_bars(cases: Sequence[tuple[str, Sequence[int]]], cfg: ModelConfig | None = None,
-               method: str = "varlen", causal: bool = False, figsize=(5, 4), title: str | None = None) -> Figure:
-    """Stacked bars of whole-forward FLOPs (``flops.forward_flops``), linear below, attention on top.
+@dataclass(frozen=True)
+class Matmul:
+    """One executed matrix multiply ``[batch, m, k] @ [batch, k, n]`` (batch = 1 for a plain mm).
 
-    One bar per ``(label, seq_lens)`` case; heights in GFLOP; the attention share is written
-    above each bar.
+    kind: "linear" (``aten.mm``/``addmm``: a linear layer, the weight is the ``[k, n]`` operand)
+    or "attention" (``aten.bmm``, per head, or one side of a fused SDPA kernel).
     """
+
+    kind: str
+    batch: int
+    m: int
+    k: int
+    n: int
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.m * self.k * self.n
+
+    def bytes(self, nbytes: int = BF16) -> int:
+        """Both operands read once and the output written once: ``nbytes · batch · (mk + kn + mn)``."""
+        return nbytes * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n)
+
+    def intensity(self, nbytes: int = BF16) -> float:
+        return self.flops / self.bytes(nbytes)
+
+
+_aten = torch.ops.aten
+_SDPA = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+
+
+class _MatmulLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.log: list[Matmul] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet is _aten.mm:
+            (m, k), n = args[0].shape, args[1].shape[1]
+            self.log.append(Matmul("linear", 1, m, k, n))
+        elif packet is _aten.addmm:
+            (m, k), n = args[1].shape, args[2].shape[1]
+            self.log.append(Matmul("linear", 1, m, k, n))
+        elif packet is _aten.bmm:
+            (b, m, k), n = args[0].shape, args[1].shape[2]
+            self.log.append(Matmul("attention", b, m, k, n))
+        elif packet.__name__ in _SDPA:  # q [B, H, L_q, D], k [B, H, L_k, D]: Q K^T, then P V
+            q, k = args[0], args[1]
+            b, lq, lk, d = q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+            self.log += [Matmul("attention", b, lq, d, lk), Matmul("attention", b, lq, lk, d)]
+        return out
+
+
+def record_matmuls(fn: Callable[[], object]) -> list[Matmul]:
+    """Every matrix multiply ``fn()`` executes, in order (see ``Matmul``). Attention by the
+    "loop" and "masked" backends shows up as one ``bmm`` pair per request (or per batch);
+    fused kernels (SDPA) as one pair per call."""
+    with _MatmulLog() as log:
+        fn()
+    return log.log
+
+
+def forward_matmuls(model, batch: PackedBatch, attn_backend: str = "loop") -> list[Matmul]:
+    """The matmuls of one forward of ``model`` on ``batch`` ("loop": the article's per-request loop)."""
+    return record_matmuls(lambda: model(batch, attn_backend=attn_backend))
+
+
+def decode_attention_matmuls(num_requests: int, kv_len: int, n_heads: int = 8, d_head: int = 64,
+                             backend: str = "loop") -> list[Matmul]:
+    """One decode step's attention: each of R requests brings ONE new query and attends its own
+    ``kv_len`` cached keys and values (``cu_seqlens_q = [0, 1, ..., R]``, ``cu_seqlens_k`` in
+    steps of ``kv_len``), run by ``varlen_attention``. Random values; only the shapes matter."""
+    r = check_int("num_requests", num_requests, 1, 4096)
+    n = check_int("kv_len", kv_len, 1, 1 << 20)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(r, n_heads, d_head, generator=g)                    # [R, H, D]: one query per request
+    k, v = (torch.randn(r * n, n_heads, d_head, generator=g) for _ in range(2))  # [R·L_kv, H, D]
+    cu_q, cu_k = seq_lens_to_cu_seqlens([1] * r), seq_lens_to_cu_seqlens([n] * r)
+    return record_matmuls(lambda: varlen_attention(q, k, v, cu_q, cu_k, causal=True, backend=backend))
+
+
+def of_kind(matmuls: Sequence[Matmul], kind: str) -> list[Matmul]:
+    return [mm for mm in matmuls if mm.kind == kind]
+
+
+def intensity(matmuls: Sequence[Matmul], nbytes: int = BF16) -> float:
+    """FLOP per byte of a group of matmuls: all their FLOPs over all their bytes."""
+    return sum(mm.flops for mm in matmuls) / sum(mm.bytes(nbytes) for mm in matmuls)
+
+
+def score_cells(matmuls: Sequence[Matmul], heads_x_layers: int, d_head: int) -> int:
+    """Score cells per head per layer from the recorded attention matmuls: ``Q K^T`` and ``P V``
+    each cost ``2 · d_head`` FLOPs per cell, so cells = attention FLOPs / (4 · d_head · heads · layers)."""
+    return sum(mm.flops for mm in of_kind(matmuls, "attention")) // (4 * d_head * heads_x_layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# The crossover rule and the FLOP mix
+
+
+def crossover_length(cfg: ModelConfig, causal: bool = False) -> int:
+    """The smallest request length L at which attention's FLOPs reach the linear layers'
+    (``measure.flops.forward_flops`` on one request; the share does not depend on how many
+    requests of that length there are). Whole blocks: 6 · d_model for the article's model;
+    causal: 12 · d_model - 1."""
+    def below(n: int) -> bool:
+        f = forward_flops(cfg, [n], "varlen", causal)
+        return f.attention < f.linear
+
+    lo, hi = 1, 1
+    while below(hi):
+        hi *= 2
+    while lo < hi:  # both parts grow monotonically with L
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if below(mid) else (lo, mid)
+    return lo
+
+
+MIX = (1, 10, 100)  # the packings the explorer compares: R requests of T / R tokens
+COUNTING = ("whole blocks", "causal")
+
+
+def flop_mix_state(total_tokens: int = 1000, counting: str = "whole blocks", cfg: ModelConfig | None = None) -> dict:
+    """The same T tokens as 1 x T, 10 x T/10 and 100 x T/100 (T a multiple of 100).
+
+    Keys: ``rows``: per packing ``{"label", "seq_lens", "linear_gflop", "attention_gflop",
+    "share" (attention %, one decimal), "dominated"}``; ``crossover`` (``crossover_length``);
+    ``counting``; ``flops`` (the ``ForwardFlops`` per packing).
+    """
+    cfg = cfg or ModelConfig()
+    t = check_int("total_tokens", total_tokens, 100, 1 << 24)
+    if t % 100:
+        raise ValueError(f"total_tokens must be a multiple of 100 (it is split 100 ways), got {t}")
+    check_choice("counting", counting, COUNTING)
+    causal = counting == "causal"
+    rows, flops = [], []
+    for r in MIX:
+        lens = [t // r] * r
+        f = forward_flops(cfg, lens, "varlen", causal)
+        flops.append(f)
+        rows.append({"label": f"{r} x {t // r}", "seq_lens": lens, "linear_gflop": round(f.linear / 1e9, 2),
+                     "attention_gflop": round(f.attention / 1e9, 2), "share": round(100 * f.attention_fraction, 1),
+                     "dominated": f"{f.dominant}-dominated"})
+    return {"rows": rows, "crossover": crossover_length(cfg, causal), "counting": counting, "flops": flops,
+            "total_tokens": t}
+
+
+def flop_mix_html(state: dict) -> str:
+    """One ``<div>`` per packing: ``1 x 1000: linear 50.33 GFLOP | attention 16.38 GFLOP | 24.6% attention |
+    linear-dominated``."""
+    return "".join(f"<div>{r['label']}: linear {r['linear_gflop']:.2f} GFLOP | attention {r['attention_gflop']:.2f} GFLOP"
+                   f" | {r['share']:.1f}% attention | {r['dominated']}</div>" for r in state["rows"])
+
+
+def flop_mix_rule(state: dict) -> str:
+    """``attention overtakes the linears at L = 3072 tokens per request (whole blocks)``."""
+    return f"attention overtakes the linears at L = {state['crossover']} tokens per request ({state['counting']})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures
+
+
+def flops_bars(cases: Sequence[tuple[str, Sequence[int]]], cfg: ModelConfig | None = None, causal: bool = False,
+               ax=None, title: str | None = None) -> Figure | None:
+    """Stacked bars of whole-forward FLOPs (``forward_flops``, varlen), linear (green) below,
+    attention (blue) on top, in GFLOP; the attention share above each bar. Draws into ``ax`` if
+    given (returns None), else returns a new Figure."""
     cfg = cfg or ModelConfig()
     if not cases:
         raise ValueError("cases is empty: give at least one (label, seq_lens)")
-    fl = [forward_flops(cfg, lens, method, causal) for _, lens in cases]
+    fig = None
+    if ax is None:
+        fig = Figure(figsize=(5.5, 4))
+        ax = fig.add_subplot()
+        fig.subplots_adjust(left=0.15, right=0.97, bottom=0.12, top=0.88)
+    fl = [forward_flops(cfg, lens, "varlen", causal) for _, lens in cases]
     lin = np.array([f.linear for f in fl], dtype=float) / 1e9
     att = np.array([f.attention for f in fl], dtype=float) / 1e9
     x = np.arange(len(cases))
-    fig = Figure(figsize=figsize)
-    ax = fig.add_subplot()
-    ax.bar(x, lin, color="#8c8c8c", label="linear (QKV, out proj, FFN up/down)")
-    ax.bar(x, att, bottom=lin, color=CELL_COLORS[USEFUL], label="attention (QK^T, PV)")
+    ax.bar(x, lin, color=LINEAR, label="linear layers (QKV, out proj, FFN-up, FFN-down)")
+    ax.bar(x, att, bottom=lin, color=ATTENTION, label="attention (QKᵀ and PV)")
     for xi, f, top in zip(x, fl, lin + att):
-        pct = 100 * f.attention_fraction
-        ax.text(xi, top, f"{pct:.1f}% attn" if pct < 10 else f"{pct:.0f}% attn", ha="center", va="bottom", fontsize=8)
+        ax.text(xi, top, f"{100 * f.attention_fraction:.1f}% attention", ha="center", va="bottom", fontsize=MIN_FONT,
+                color=TEXT)
     ax.set_xticks(x)
-    ax.set_xticklabels([label for label, _ in cases], fontsize=8)
-    ax.set_ylabel("GFLOP per forward")
-    ax.set_ylim(0, float((lin + att).max()) * 1.35 or 1.0)
-    ax.legend(fontsize=7, loc="upper right", frameon=False)
-    ax.set_title(title or f"whole-forward FLOPs ({method}, {'causal' if causal else 'whole blocks'})", fontsize=9)
-    fig.subplots_adjust(left=0.15, right=0.97, bottom=0.12, top=0.9)
+    ax.set_xticklabels([label for label, _ in cases], fontsize=MIN_FONT + 1)
+    ax.set_ylabel("GFLOP per forward", fontsize=MIN_FONT + 1)
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.set_ylim(0, float((lin + att).max()) * 1.45 or 1.0)
+    ax.legend(fontsize=MIN_FONT, loc="upper right", frameon=False)
+    ax.set_title(title or f"whole forward, {cfg.n_layers} layers ({'causal' if causal else 'whole blocks'})",
+                 fontsize=MIN_FONT + 1)
     return fig
+
+
+def _blocks(ax, lens: list[int], title: str) -> None:
+    """The T x T score matrix: each request's diagonal block (blue, computed), the rest never computed."""
+    t = sum(lens)
+    ax.add_patch(Rectangle((0, 0), t, t, facecolor=NEVER, edgecolor=OTHER, linewidth=0.8))
+    for s, n in zip(cumulative(lens)[:-1], lens):
+        ax.add_patch(Rectangle((s, t - s - n), n, n, facecolor=ATTENTION, edgecolor="none"))
+    ax.set_xlim(0, t)
+    ax.set_ylim(0, t)
+    ax.set_aspect("equal")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(title, fontsize=MIN_FONT + 1)
+
+
+def same_tokens_figure(cfg: ModelConfig | None = None, total: int = 1000, mix: Sequence[int] = MIX) -> Figure:
+    """Claim C14: the same ``total`` tokens as R x total/R for each R in ``mix``. Top: each
+    request's score block on the T x T square (whole blocks, per head per layer); bottom: the
+    whole forward's FLOPs, linear vs attention."""
+    cfg = cfg or ModelConfig()
+    fig = Figure(figsize=(10, 6.6))
+    gs = fig.add_gridspec(2, len(mix), height_ratios=(1, 1.25), hspace=0.45, left=0.08, right=0.98, top=0.9, bottom=0.07)
+    cases = []
+    for i, r in enumerate(mix):
+        lens = [total // r] * r
+        cases.append((f"{r} x {total // r}", lens))
+        cells = sum(n * n for n in lens)
+        _blocks(fig.add_subplot(gs[0, i]), lens, f"{r} x {total // r}: {r} x {total // r}² = {cells:,} cells")
+    flops_bars(cases, cfg, ax=fig.add_subplot(gs[1, :]),
+               title=f"whole forward of the article's model ({cfg.n_layers} layers, d_model {cfg.d_model}), varlen, "
+                     "whole blocks:\nthe linear work is the same, the attention work drops 10x per step to the right")
+    fig.suptitle(f"The same {total:,} tokens, three packings: score cells per head per layer (top, blue = computed) "
+                 "and FLOPs (bottom)", fontsize=MIN_FONT + 2)
+    return fig
+
 
 def attention_share_curve(cfg: ModelConfig | None = None, lengths: Sequence[int] | None = None,
-                          marks: Sequence[int] = (100, 1000), causal: bool = False) -> Figure:
-    """Claim C14: attention's share of forward FLOPs against request length L.
-
-    For R equal requests the share does not depend on R (both parts scale with R), so one
-    curve covers every batch of equal lengths; the dashed line is where attention overtakes
-    the linear layers.
-    """
+                          marks: Sequence[int] = (100, 1000, 8000)) -> Figure:
+    """Claim C14: attention's share of a forward's FLOPs against request length L, whole blocks
+    (solid) and causal (dashed). For R requests of length L the share does not depend on R, so one
+    curve covers every batch of equal lengths; the vertical lines are the crossovers
+    (``crossover_length``: 6 · d_model and 12 · d_model - 1 for the article's model)."""
     cfg = cfg or ModelConfig()
-    lengths = list(lengths) if lengths is not None else sorted({int(v) for v in np.logspace(0, 5, 120)})
-    share = [100 * forward_flops(cfg, [n], "varlen", causal).attention_fraction for n in lengths]
-    fig = Figure(figsize=(6, 3.4))
+    lengths = list(lengths) if lengths is not None else sorted({int(v) for v in np.logspace(1, 5, 160)})
+    fig = Figure(figsize=(8, 4.2))
     ax = fig.add_subplot()
-    ax.plot(lengths, share, color=CELL_COLORS[USEFUL])
-    ax.axhline(50, color="#888888", linestyle="--", linewidth=0.8)
+    for causal, style in ((False, "-"), (True, "--")):
+        share = [100 * forward_flops(cfg, [n], "varlen", causal).attention_fraction for n in lengths]
+        ax.plot(lengths, share, style, color=ATTENTION, label="causal (what the model runs)" if causal
+                else "whole blocks (the article's count)")
+        cross = crossover_length(cfg, causal)
+        ax.axvline(cross, color=OTHER, linestyle=style, linewidth=1)
+        ax.text(cross * (1.08 if causal else 0.93), 8, f"L = {cross:,}\n({'12' if causal else '6'} x d_model"
+                f"{' - 1' if causal else ''})", fontsize=MIN_FONT, color=TEXT, ha="left" if causal else "right")
+    ax.axhline(50, color=OTHER, linewidth=0.8)
     for n in marks:
-        s = 100 * forward_flops(cfg, [n], "varlen", causal).attention_fraction
-        ax.plot([n], [s], "o", color=CELL_COLORS[WASTED])
-        ax.annotate(f"L={n}: {s:.0f}%", (n, s), textcoords="offset points", xytext=(-8, 8), ha="right", fontsize=8)
+        s = 100 * forward_flops(cfg, [n], "varlen").attention_fraction
+        ax.plot([n], [s], "o", color=ATTENTION)
+        ax.annotate(f"L = {n:,}: {s:.1f}%", (n, s), textcoords="offset points", xytext=(-6, 8), ha="right",
+                    fontsize=MIN_FONT, color=TEXT)
     ax.set_xscale("log")
-    ax.set_xlabel("tokens per request L (any number of requests of this length)")
-    ax.set_ylabel("attention share of FLOPs (%)")
+    ax.set_xlabel("tokens per request L (any number of requests of this length)", fontsize=MIN_FONT + 1)
+    ax.set_ylabel("attention's share of the FLOPs (%)", fontsize=MIN_FONT + 1)
+    ax.tick_params(labelsize=MIN_FONT)
     ax.set_ylim(0, 100)
-    ax.set_title(f"{cfg.n_layers} layers, d={cfg.d_model}: attention overtakes the linears above the dashed line",
-                 fontsize=9)
-    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.15, top=0.9)
+    ax.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
+    ax.set_title(f"Attention's share of one forward's FLOPs ({cfg.n_layers} layers, d_model {cfg.d_model}, "
+                 f"FFN {cfg.d_ffn}):\nattention-dominated (share > 50 %) only right of the vertical lines",
+                 fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.14, top=0.86)
     return fig
 
-def intensity_curves(d_in: int = 512, d_out: int = 2048, tokens: Sequence[int] | None = None,
-                     kv_lens: Sequence[int] = (100, 1000, 10000), d_head: int = 64) -> Figure:
-    """Claims C13 and C15: FLOP per byte of a linear layer ``[T, d_in] @ [d_in, d_out]`` against T
-    (fp32 and bf16), and one decode step's ``q K^T`` (about 1 whatever the KV length)."""
-    tokens = list(tokens) if tokens is not None else [int(v) for v in np.unique(np.logspace(0, 4.2, 60).astype(int))]
-    fig = Figure(figsize=(6, 3.6))
+
+def block_linear_intensity(cfg: ModelConfig, rows: int, nbytes: int = BF16) -> float:
+    """FLOP per byte of a block's four linear layers (QKV, out proj, FFN-up, FFN-down; the whole
+    layer, TP=1 view) on ``rows`` rows: the weights, the input rows and the output rows each move
+    once. Prefill: rows = T flat tokens; a decode step: rows = R requests (one new token each)."""
+    r = check_int("rows", rows, 1)
+    d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
+    return intensity([Matmul("linear", 1, r, a, b) for a, b in ((d, 3 * k), (k, d), (d, f), (f, d))], nbytes)
+
+
+def intensity_figure(cfg: ModelConfig | None = None, decode_r: Sequence[int] = (1, 32, 256), kv_len: int = 1000,
+                     ridges: Mapping[str, float] | None = None) -> Figure:
+    """Claims C13, C15: arithmetic intensity of a block's four linear layers
+    (``block_linear_intensity``) against the rows that share one read of the weights (bf16 and
+    fp32), the decode steps of R requests (marked), each request's decode attention (about 1,
+    whatever R), and the ridge points of two machines: below a ridge, that machine waits for memory."""
+    cfg = cfg or ModelConfig()
+    ridges = RIDGES if ridges is None else ridges
+    tokens = np.unique(np.logspace(0, 4.3, 80).astype(int))
+    fig = Figure(figsize=(8.6, 4.8))
     ax = fig.add_subplot()
-    for nbytes, name in ((4, "fp32"), (2, "bf16")):
-        ax.plot(tokens, [linear_intensity(t, d_in, d_out, nbytes) for t in tokens], label=f"linear {d_in}->{d_out}, {name}")
-    dec = [decode_attention_intensity(n, d_head) for n in kv_lens]
-    ax.plot([1] * len(kv_lens), dec, "s", color=CELL_COLORS[WASTED], label=f"decode q K^T (bf16), L_kv in {list(kv_lens)}")
+    for nbytes, style, name in ((BF16, "-", "bf16"), (4, "--", "fp32")):
+        ax.plot(tokens, [block_linear_intensity(cfg, int(t), nbytes) for t in tokens], style, color=LINEAR,
+                label=f"a block's 4 linear layers (d_model {cfg.d_model}, FFN {cfg.d_ffn}), {name}")
+    for r in decode_r:
+        y = block_linear_intensity(cfg, r)
+        ax.plot([r], [y], "o", color=LINEAR)
+        ax.annotate(f"decode step,\nR = {r}: {y:.1f}", (r, y), textcoords="offset points", xytext=(6, -26),
+                    fontsize=MIN_FONT, color=TEXT)
+    att = intensity(decode_attention_shapes(kv_len, cfg.d_head, cfg.n_heads))
+    ax.axhline(att, color=ATTENTION, linewidth=2,
+               label=f"decode attention of each request, {kv_len:,} cached tokens (bf16): {att:.2f}, any R")
+    for (name, ridge), style in zip(ridges.items(), (":", "-.")):
+        ax.axhline(ridge, color=OTHER, linestyle=style, linewidth=1.2)
+        ax.text(1.1, ridge * 1.12, f"ridge, {name}: {ridge:.3g} FLOP/byte", fontsize=MIN_FONT, color=TEXT)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("tokens T in the flat batch (rows that share one weight read)")
-    ax.set_ylabel("arithmetic intensity (FLOP / byte)")
-    ax.legend(fontsize=7, frameon=False, loc="upper left")
-    ax.set_title("more flat tokens -> more FLOPs per weight byte; decode (T=1) sits near 1", fontsize=9)
-    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.15, top=0.9)
+    ax.set_ylim(0.3, 2000)
+    ax.set_xlabel("rows that share one read of the weights (prefill: flat tokens T; decode: requests R)",
+                  fontsize=MIN_FONT + 1)
+    ax.set_ylabel("FLOP per byte moved", fontsize=MIN_FONT + 1)
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
+    ax.set_title("Arithmetic intensity = FLOPs / bytes moved, counting the weights, the input rows and the output "
+                 "rows,\neach moved once (no cache reuse); below a machine's ridge it waits for memory",
+                 fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.13, top=0.88)
     return fig
+
+
+def decode_attention_shapes(kv_len: int, d_head: int = 64, n_heads: int = 8) -> list[Matmul]:
+    """One request's decode attention as matmuls: ``q K^T`` ``[1, D] @ [D, L_kv]`` and ``P V``
+    ``[1, L_kv] @ [L_kv, D]``, per head (what ``decode_attention_matmuls`` records per request)."""
+    return [Matmul("attention", n_heads, 1, d_head, kv_len), Matmul("attention", n_heads, 1, kv_len, d_head)]
+
 
 def time_split_bars(rows: Sequence[tuple[str, Mapping[str, float]]],
                     parts: Sequence[str] = ("linear", "attention", "other")) -> Figure:
     """Horizontal 100 % bars: for each row label, the share of each part (measured time or
-    analytic FLOPs, as the label says)."""
-    fig = Figure(figsize=(7, 0.6 + 0.45 * len(rows)))
+    analytic FLOPs, as the label says). Linear green, attention blue, other grey."""
+    fig = Figure(figsize=(8, 0.9 + 0.5 * len(rows)))
     ax = fig.add_subplot()
-    colors = {"linear": "#8c8c8c", "attention": CELL_COLORS[USEFUL], "other": "#e0c060"}
+    colors = {"linear": LINEAR, "attention": ATTENTION, "other": OTHER}
     for y, (_label, values) in enumerate(rows):
         total = sum(values.get(p, 0.0) for p in parts) or 1.0
         left = 0.0
         for p in parts:
             w = 100 * values.get(p, 0.0) / total
-            ax.barh(y, w, left=left, color=colors.get(p, "#cccccc"), label=p if y == 0 else None)
+            ax.barh(y, w, left=left, color=colors.get(p, OTHER), label=p if y == 0 else None)
             if w >= 7:
-                ax.text(left + w / 2, y, f"{w:.0f}%", ha="center", va="center", fontsize=7)
+                ax.text(left + w / 2, y, f"{w:.0f}%", ha="center", va="center", fontsize=MIN_FONT, color="white")
             left += w
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([label for label, _ in rows], fontsize=8)
+    ax.set_yticklabels([label for label, _ in rows], fontsize=MIN_FONT)
     ax.invert_yaxis()
     ax.set_xlim(0, 100)
-    ax.set_xlabel("share (%)")
-    ax.legend(fontsize=7, ncol=len(parts), frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0))
-    height = 0.5 + 0.45 * len(rows)
-    fig.subplots_adjust(left=0.3, right=0.97, bottom=0.5 / height, top=1 - 0.35 / height)
+    ax.set_xlabel("share (%)", fontsize=MIN_FONT)
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.legend(fontsize=MIN_FONT, ncol=len(parts), frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    height = 0.9 + 0.5 * len(rows)
+    fig.subplots_adjust(left=0.3, right=0.97, bottom=0.55 / height, top=1 - 0.4 / height)
     return fig
 
-def flop_regime_state(num_requests: int, length: int) -> dict:
-    """``{"seq_lens": [L]·R, "flops": forward_flops(ModelConfig(), [L]·R, "varlen")}``."""
-    r = check_int("num_requests", num_requests, 1, 1 << 20)
-    n = check_int("length", length, 1, 1 << 30)
-    lens = [n] * r
-    return {"seq_lens": lens, "flops": forward_flops(ModelConfig(), lens, "varlen")}
 
-def flop_regime_text(state: dict) -> str:
-    """Exactly ``linear <int> | attention <int> | dominant <linear|attention>``."""
-    f = state["flops"]
-    return f"linear {f.linear} | attention {f.attention} | dominant {f.dominant}"
+@register("05_flops_1x1000_vs_10x100", lesson="05",
+          caption="the same 1000 tokens as 1 x 1000, 10 x 100, 100 x 10: score blocks and whole-forward FLOPs (C14)")
+def _same_tokens() -> Figure:
+    return same_tokens_figure()
 
-def flop_regime_explorer(num_requests: int = 10, length: int = 100):
-    """VBox class ``frx``: sliders ``frx-num-requests`` (1..64) and ``frx-length`` (1..4096), HTML
-    ``frx-flops`` (``flop_regime_text``), Output ``frx-figure`` (stacked FLOPs bar)."""
+
+@register("05_attention_share", lesson="05",
+          caption="attention's share of the FLOPs against request length, whole blocks and causal, with the crossovers (C14)")
+def _attention_share() -> Figure:
+    return attention_share_curve()
+
+
+@register("05_intensity", lesson="05",
+          caption="arithmetic intensity of a linear layer vs the rows sharing one weight read, decode steps, "
+                  "decode attention, and two machines' ridge points (C13, C15)")
+def _intensity() -> Figure:
+    return intensity_figure()
+
+
+# ---------------------------------------------------------------------------------------------
+# The explorer
+
+
+def flop_mix_explorer(total_tokens: int = 1000, counting: str = "whole blocks"):
+    """VBox class ``frx``: IntSlider ``frx-tokens`` (total tokens T, 100..16000, step 100), Dropdown
+    ``frx-counting`` (whole blocks / causal); HTML ``frx-table`` (``flop_mix_html``: one line per
+    packing 1 x T, 10 x T/10, 100 x T/100), HTML ``frx-rule`` (``flop_mix_rule``), Output
+    ``frx-figure`` (the three packings' FLOPs side by side)."""
     w = ipywidgets_module()
-    reqs = tagged(w.IntSlider(value=num_requests, min=1, max=64, description="requests R"), "frx-num-requests")
-    base = tagged(w.IntSlider(value=length, min=1, max=4096, description="length L"), "frx-length")
-    text, out = tagged(w.HTML(), "frx-flops"), tagged(w.Output(), "frx-figure")
+    tokens = tagged(w.IntSlider(value=total_tokens, min=100, max=16000, step=100, description="tokens T"), "frx-tokens")
+    count = tagged(w.Dropdown(options=list(COUNTING), value=counting, description="count"), "frx-counting")
+    table, rule, out = tagged(w.HTML(), "frx-table"), tagged(w.HTML(), "frx-rule"), tagged(w.Output(), "frx-figure")
 
     def update(change=None):
-        state = flop_regime_state(reqs.value, base.value)
-        text.value = flop_regime_text(state)
-        r, n = reqs.value, base.value
-        f = state["flops"]
-        title = f"{r} x {n} tokens: {100 * f.attention_fraction:.1f}% attention, {f.dominant} dominates"
-        show_figure(out, flops_bars([(f"{r} x {n}", state["seq_lens"])], figsize=(5, 4), title=title))
+        state = flop_mix_state(tokens.value, count.value)
+        table.value, rule.value = flop_mix_html(state), f"<div>{flop_mix_rule(state)}</div>"
+        cases = [(r["label"], r["seq_lens"]) for r in state["rows"]]
+        show_figure(out, flops_bars(cases, causal=count.value == "causal",
+                                    title=f"the same {tokens.value:,} tokens, three packings ({count.value})"))
 
-    return explorer("frx", [reqs, base], [text, out], update)
+    return explorer("frx", [tokens, count], [table, rule, out], update)
 
-_CFGS = [ModelConfig(), ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=32, d_ffn=1024, tp_size=1)]
+
+# ---------------------------------------------------------------------------------------------
+# Exercises
+
+_CFGS = (ModelConfig(), ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=32, d_ffn=1024, tp_size=1),
+         ModelConfig(n_layers=4, d_model=512, n_heads=4, d_head=64, d_ffn=1536),
+         ModelConfig(n_layers=3, d_model=384, n_heads=6, d_head=64, d_ffn=3072))
+
 
 def check_attention_flops(fn: Callable[[ModelConfig, list], int]) -> bool:
     """Exercise 05.1: ``fn(cfg, seq_lens) -> int``, attention FLOPs of one whole varlen forward
-    (non-causal whole blocks, ``QK^T`` and ``PV``)."""
-    cases = [(cfg, lens) for cfg in _CFGS for lens in ([1000], [100] * 10, [10, 30], [7, 1, 12])]
+    (whole blocks, ``QK^T`` and ``PV``, 2 FLOPs per multiply-add)."""
+    cases = [(cfg, lens) for cfg in _CFGS[:2] for lens in ([1000], [100] * 10, [10, 30], [7, 1, 12])]
 
     def judge(got, cfg, lens):
         want = forward_flops(cfg, lens, "varlen").attention
         if got == want:
             return None
-        if not isinstance(got, (int, float)) or got == 0:
+        if not isinstance(got, (int, float)) or not got:
             return f"got {got!r}, expected {want}"
-        ratio = want / got
         if len(lens) > 1 and got == sum(lens) ** 2 * cfg.n_layers * cfg.n_heads * 4 * cfg.d_head:
             return f"got {got}, expected {want} - that counts the whole T x T matrix (masked); varlen computes sum L_i^2"
+        if got == forward_flops(cfg, lens, "varlen", causal=True).attention:
+            return f"got {got}, expected {want} - that is the causal count; this exercise counts whole blocks L_i^2"
+        ratio = want / got
         factors = [(cfg.n_layers, "n_layers"), (cfg.n_heads, "n_heads"), (cfg.n_layers * cfg.n_heads, "n_layers x n_heads"),
                    (2, "2: there are two matmuls, QK^T and PV"),
                    (4, "4: each cell costs 4 x d_head FLOPs, 2 in QK^T and 2 in PV")]
@@ -174,56 +488,79 @@ def check_attention_flops(fn: Callable[[ModelConfig, list], int]) -> bool:
         return f"got {got}, expected {want}" + (f" - off by a factor {ratio:g}: missing {hint}?" if hint else "")
     return grade("attention_flops", fn, cases, judge, "n_layers x n_heads x sum(L_i^2) x 4 x d_head on 8 cases")
 
-def check_crossover(fn: Callable[[ModelConfig], int]) -> bool:
-    """Exercise 05.2: ``fn(cfg) -> int``, the smallest single-request length L whose attention
-    FLOPs (non-causal) reach the linear FLOPs."""
-    def judge(got, cfg):
-        want = _crossover(cfg)
+
+def check_crossover(fn: Callable[[ModelConfig, bool], int]) -> bool:
+    """Exercise 05.2: ``fn(cfg, causal) -> int``, the smallest request length L at which attention's
+    FLOPs reach the linear layers' (``forward_flops`` of one request), for models whose d_ffn is
+    not always 4 x d_model and whose k = n_heads x d_head is not always d_model."""
+    cases = [(cfg, causal) for cfg in _CFGS for causal in (False, True)]
+
+    def judge(got, cfg, causal):
+        want = crossover_length(cfg, causal)
         if got == want:
             return None
-        if isinstance(got, (int, float)) and abs(got - want) <= 1:
-            return f"got {got}, expected {want} - off by one: find the SMALLEST L with attention >= linear"
-        return f"got {got!r}, expected {want}"
-    return grade("crossover", fn, [(c,) for c in _CFGS], judge, "attention overtakes the linears at the right length")
+        if not isinstance(got, (int, float)):
+            return f"expected an int, got {got!r}"
+        d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
+        if got in (6 * d, 12 * d, 12 * d - 1) and want not in (6 * d, 12 * d - 1):
+            return (f"got {got}, expected {want} - 6 x d_model holds only when k = n_heads x d_head = d_model and d_ffn = "
+                    f"4 x d_model; here k = {k}, d_ffn = {f}: start from linear_flops_per_token")
+        if causal and got == crossover_length(cfg, False):
+            return f"got {got}, expected {want} - a causal kernel computes about half the cells: the crossover roughly doubles"
+        if not causal and got == crossover_length(cfg, True):
+            return f"got {got}, expected {want} - that is the causal answer; causal=False counts whole L x L blocks"
+        lin = linear_flops_per_token(cfg) // cfg.n_layers             # per token per layer
+        with_d = -(-lin // (2 * d)) - 1 if causal else -(-lin // (4 * d))  # d_model where k belongs
+        if k != d and abs(got - with_d) <= 1:
+            return f"got {got}, expected {want} - attention's width is k = n_heads x d_head = {k}, not d_model = {d}"
+        if abs(got - want) <= 1:
+            return f"got {got}, expected {want} - off by one: the SMALLEST L with attention >= linear"
+        return f"got {got}, expected {want}"
+    return grade("crossover", fn, cases, judge, "4 models, whole blocks and causal")
 
-def _crossover(cfg: ModelConfig) -> int:
-    def attention_below(n: int) -> bool:
-        f = forward_flops(cfg, [n])
-        return f.attention < f.linear
 
-    lo, hi = 1, 1
-    while attention_below(hi):
-        hi *= 2
-    while lo < hi:  # smallest L with attention >= linear (both grow monotonically in L)
-        mid = (lo + hi) // 2
-        lo, hi = (mid + 1, hi) if attention_below(mid) else (lo, mid)
-    return lo
+def _linear_terms(cfg: ModelConfig) -> tuple[int, int]:
+    """(weight numbers per layer, activation numbers per row per layer) of the four linear layers."""
+    d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
+    shapes = ((d, 3 * k), (k, d), (d, f), (f, d))
+    return sum(a * b for a, b in shapes), sum(a + b for a, b in shapes)
 
-def check_linear_intensity(fn: Callable[[int, int, int, int], float]) -> bool:
-    """Exercise 05.3: ``fn(tokens, d_in, d_out, bytes_per_element) -> float``: FLOP per byte of
-    ``[T, d_in] @ [d_in, d_out]`` reading the weight once (C13)."""
-    cases = [(1, 512, 2048, 2), (40, 512, 1536, 4), (1000, 512, 512, 4), (4096, 2048, 512, 2)]
 
-    def judge(got, t, d_in, d_out, nbytes):
-        want = linear_intensity(t, d_in, d_out, nbytes)
-        if isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-6):
+def min_decode_batch(cfg: ModelConfig, ridge: float, nbytes: int = BF16) -> int | None:
+    """The smallest R whose decode step's linear layers reach ``ridge`` FLOP/byte
+    (``block_linear_intensity`` with rows = R), or None when no R does: the intensity only approaches
+    ``2 W / (nbytes · A)`` (W weight numbers, A activation numbers per row)."""
+    w, a = _linear_terms(cfg)
+    rho = Fraction(ridge).limit_denominator(10**6) * nbytes
+    if 2 * w <= rho * a:
+        return None
+    return max(1, math.ceil(rho * w / (2 * w - rho * a)))
+
+
+def check_decode_batch(fn: Callable[[ModelConfig, float, int], int | None]) -> bool:
+    """Exercise 05.3: ``fn(cfg, ridge, nbytes) -> int or None``: the fewest requests R a decode step
+    must batch so that its linear layers reach a machine's ridge point (weights, R input rows and
+    R output rows each moved once, ``nbytes`` per number), or None when no R is enough."""
+    cases = [(ModelConfig(), 206.0, 2), (ModelConfig(), 9.0, 4), (ModelConfig(), 400.0, 2), (_CFGS[1], 100.0, 2),
+             (_CFGS[3], 206.0, 2)]
+
+    def judge(got, cfg, ridge, nbytes):
+        want = min_decode_batch(cfg, ridge, nbytes)
+        if got == want:
             return None
-        hint = ""
-        if isinstance(got, (int, float)) and math.isclose(got, 2 * t * d_in * d_out / (nbytes * d_in * d_out), rel_tol=1e-6):
-            hint = " - count the bytes of the activations too: the input [T, d_in] and the output [T, d_out]"
-        return f"got {got!r}, expected {want:.4f}{hint}"
-    return grade("linear_intensity", fn, cases, judge, "FLOP / byte = 2 T d_in d_out / (bytes (weight + input + output))")
-
-@register("05_flops_1x1000_vs_10x100", lesson="05",
-          caption="same 1000 tokens: 1 x 1000 vs 10 x 100 vs 100 x 10, whole-forward FLOPs (C14)")
-def _flops_bars() -> Figure:
-    return flops_bars([("1 x 1000", [1000]), ("10 x 100", [100] * 10), ("100 x 10", [10] * 100)],
-                          ModelConfig(), figsize=(6, 4))
-
-@register("05_attention_share", lesson="05", caption="attention share of FLOPs against request length (C14)")
-def _attention_share() -> Figure:
-    return attention_share_curve(ModelConfig(), marks=(100, 1000, 8000))
-
-@register("05_intensity", lesson="05", caption="arithmetic intensity of a linear layer vs tokens, and decode (C13, C15)")
-def _intensity() -> Figure:
-    return intensity_curves()
+        w, a = _linear_terms(cfg)
+        limit = 2 * w / (nbytes * a)
+        if want is None:
+            return (f"got {got!r}, expected None - as R grows the activations grow too: the intensity never passes "
+                    f"2W / (bytes x A) = {limit:.0f} FLOP/byte, so no batch reaches {ridge:g}")
+        if not isinstance(got, (int, float)):
+            return f"expected an int (or None), got {got!r}"
+        if got == math.ceil(ridge * nbytes / 2):
+            return (f"got {got}, expected {want} - that counts only the weight bytes; the R input and output rows "
+                    f"move too and grow with R")
+        if got == min_decode_batch(cfg, ridge, 2 if nbytes == 4 else 4):
+            return f"got {got}, expected {want} - use nbytes = {nbytes} bytes per number"
+        if abs(got - want) == 1:
+            return f"got {got}, expected {want} - off by one: the smallest R whose intensity is >= the ridge"
+        return f"got {got}, expected {want} (the intensity at R = {want} is {block_linear_intensity(cfg, want, nbytes):.1f})"
+    return grade("decode_batch", fn, cases, judge, "H200 and CPU ridges, an unreachable ridge, two other models")

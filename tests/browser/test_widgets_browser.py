@@ -1,16 +1,18 @@
 """End to end: the lesson widgets move in a real browser, and show what lessons_lib computes.
 
-For lesson 03 and lesson 05 this opens the notebook in JupyterLab (Debian's Chromium, headless),
-waits for a really connected kernel, runs all cells, reads the live counts off the widget,
-moves a slider with the keyboard, and checks that the counts become exactly what
-``lessons_lib.course.widgets`` computes for the new setting and that the figure was redrawn (a new
-``<img>`` source). Screenshots before/after go to ``test-artifacts/browser/``.
+For lessons 03, 04 and 05 this opens the notebook in JupyterLab (Debian's Chromium, headless),
+waits for a really connected kernel, runs all cells, reads the live numbers off the widget,
+moves a slider with the keyboard, and checks that the numbers become exactly what
+``lessons_lib`` computes for the new setting and that the figure was redrawn (a new ``<img>``
+source). Lesson 04 also checks what must NOT move: the TP trace stays the same string while the
+requests slider moves. Screenshots before/after go to ``test-artifacts/browser/``.
 
 The update latency (key press on the slider -> new figure decoded and painted) is measured
 in the page for several moves and printed; never asserted (timings vary by machine).
 """
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import time
@@ -18,9 +20,12 @@ import time
 import pytest
 from course_browser import ARTIFACTS
 
+from lessons_lib.core.batch import cumulative, pack
 from lessons_lib.core.config import ModelConfig
-from lessons_lib.course import widgets as lessons_widgets
+from lessons_lib.course import l03_attention, l04_tp, l05_flops
 from lessons_lib.measure import flops
+from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
+from lessons_lib.tp.trace import summarize_trace
 
 SHOTS = ARTIFACTS / "browser"
 KERNEL_TIMEOUT_MS = 90_000
@@ -29,7 +34,11 @@ UPDATE_TIMEOUT_MS = 30_000
 MOVES = 5                      # latency samples per lesson
 
 COUNTS_RE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted (\d+)")
-FLOPS_RE = re.compile(r"linear (\d+) \| attention (\d+) \| dominant (linear|attention)")
+MIX_RE = re.compile(r"(\d+) x (\d+): linear ([\d.]+) GFLOP \| attention ([\d.]+) GFLOP \| ([\d.]+)% attention \| "
+                    r"(linear|attention)-dominated")
+TRACE_RE = re.compile(r"rank (\d): (.+)")
+ATTN_RE = re.compile(r"R = (\d+) \| cu_seqlens (\[[^\]]*\](?: \(\d+ requests\))?) \| positions (.+) \| max_seqlen (\d+) \| grid (\d+) blocks")
+RANK_RE = re.compile(r"rank (\d): heads (\d+)-(\d+), sum L_i\^2 = (\d+) cells per head per layer, (\d+) per forward")
 
 # A kernel whose status reads "Idle" but is not yet connected drops a Run All clicked then:
 # wait for the status bar's "<kernel name> | Idle" (it says "No Kernel" until connected).
@@ -123,26 +132,68 @@ def _parse_counts(text: str) -> dict:
 
 
 def _expected_counts(num_requests: int, length: int, pattern: str) -> dict:
-    state = lessons_widgets.diagonal_block_state(num_requests, length, pattern)
+    state = l03_attention.diagonal_block_state(num_requests, length, pattern)
     # Independent of the widget module's own bookkeeping: recount from the lengths it reports.
-    assert state["seq_lens"] == lessons_widgets.explorer_seq_lens(num_requests, length, pattern)
+    assert state["seq_lens"] == l03_attention.explorer_seq_lens(num_requests, length, pattern)
     for m in flops.METHODS:
         assert state["counts"][m] == flops.attention_cells(state["seq_lens"], m)
     return {m: (c.computed, c.useful, c.wasted) for m, c in state["counts"].items()}
 
 
-def _parse_flops(text: str) -> tuple:
-    match = FLOPS_RE.fullmatch(text)
-    assert match, f"FLOPs widget text not in the contract's format: {text!r}"
-    return int(match[1]), int(match[2]), match[3]
+def _parse_mix(text: str) -> list[tuple]:
+    rows = [MIX_RE.fullmatch(line.strip()) for line in text.splitlines() if line.strip()]
+    assert rows and all(rows), f"FLOP-mix widget text not in the documented format: {text!r}"
+    return [(int(m[1]), int(m[2]), m[3], m[4], m[5], m[6]) for m in rows]
 
 
-def _expected_flops(num_requests: int, length: int) -> tuple:
-    state = lessons_widgets.flop_regime_state(num_requests, length)
-    assert state["seq_lens"] == [length] * num_requests
-    f = flops.forward_flops(ModelConfig(), state["seq_lens"], "varlen")
-    assert state["flops"] == f
-    return f.linear, f.attention, f.dominant
+def _expected_mix(total: int, counting: str) -> list[tuple]:
+    """Recomputed from measure.flops alone: 1 x T, 10 x T/10, 100 x T/100, GFLOP to 2 decimals."""
+    state = l05_flops.flop_mix_state(total, counting)
+    out = []
+    for r, row in zip((1, 10, 100), state["rows"]):
+        lens = [total // r] * r
+        assert row["seq_lens"] == lens
+        f = flops.forward_flops(ModelConfig(), lens, "varlen", causal=counting == "causal")
+        out.append((r, total // r, f"{f.linear / 1e9:.2f}", f"{f.attention / 1e9:.2f}",
+                    f"{100 * f.attention_fraction:.1f}", "attention" if f.attention > f.linear else "linear"))
+    return out
+
+
+def _expected_tp(total: int, num_requests: int, pattern: str) -> tuple[str, dict]:
+    """What the lesson 04 explorer must show, recomputed from the dry run, ``pack`` and ``attention_cells``."""
+    lens = l04_tp.packing_lens(total, num_requests, pattern)
+    assert sum(lens) == total and len(lens) == num_requests
+    cfg = ModelConfig()
+    traces = [record_trace(cfg, lens, rank, 2) for rank in (0, 1)]
+    assert all(trace_signature(t) == trace_signature(expected_trace(cfg, total, rank, 2)) for rank, t in enumerate(traces))
+    trace_text = "\n".join(f"rank {rank}: {summarize_trace(t)}" for rank, t in enumerate(traces))
+    trace_text += f"\nsame as 1 request of {total} tokens: yes"
+    cells = flops.attention_cells(lens, "varlen").computed
+    return trace_text, {"R": num_requests, "cu": cumulative(lens), "max_seqlen": max(lens),
+                        "grid": num_requests * math.ceil(max(lens) / l04_tp.TILE), "cells": cells,
+                        "per_forward": cells * cfg.heads_per_rank * cfg.n_layers,
+                        "positions_restart": pack([[0] * n for n in lens]).positions.tolist().count(0)}
+
+
+def _parse_attention(text: str) -> dict:
+    head = ATTN_RE.search(text)
+    ranks = RANK_RE.findall(text)
+    assert head and len(ranks) == 2, f"attention readout not in the documented format: {text!r}"
+    cells = {int(c) for *_, c, _ in ranks}
+    assert len(cells) == 1 and [(int(a), int(b)) for _, a, b, _, _ in ranks] == [(0, 3), (4, 7)]
+    shown_cu = head[2]
+    return {"R": int(head[1]), "cu": shown_cu, "max_seqlen": int(head[4]), "grid": int(head[5]), "cells": cells.pop(),
+            "per_forward": int(ranks[0][4]),
+            "positions_restart": sum(e.strip() == "0" or e.strip().startswith("0..") for e in head[3].split(","))}
+
+
+def _check_attention(text: str, want: dict) -> None:
+    got = _parse_attention(text)
+    assert got["cu"] == l04_tp.short_cu(want["cu"]), (got["cu"], want["cu"])
+    for key in ("R", "max_seqlen", "grid", "cells", "per_forward"):
+        assert got[key] == want[key], (key, got[key], want[key])
+    if want["R"] <= 8:  # every run of positions is listed: each starts at 0
+        assert got["positions_restart"] == want["positions_restart"]
 
 
 def _readout(page, slider_cls: str) -> int:
@@ -215,33 +266,83 @@ def test_lesson03_diagonal_block_explorer(lab_server, browser_context, capsys):
     _finish(page, widget, "03", latencies, text_ms, console_errors, t_start, capsys)
 
 
-def test_lesson05_flop_regime_explorer(lab_server, browser_context, capsys):
+def test_lesson04_tp_packing_explorer(lab_server, browser_context, capsys):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    page, console_errors = _open_and_run_all(browser_context, lab_server, "04_tp2_invariance.ipynb")
+    _wait_widget(page, r"""() => /same as 1 request/.test((document.querySelector('.tpx-trace') || {}).innerText || '')
+                           && !!document.querySelector('.tpx-figure img')""", "the TP packing explorer")
+    widget = page.locator(".tpx")
+    widget.scroll_into_view_if_needed()
+    widget.screenshot(path=str(SHOTS / "04_before.png"))
+
+    pattern = page.locator(".tpx-pattern select").input_value()
+    total, r = _readout(page, "tpx-tokens"), _readout(page, "tpx-num-requests")
+    want_trace, want_attn = _expected_tp(total, r, pattern)
+    trace = _text(page, ".tpx-trace")
+    assert trace == want_trace
+    _check_attention(_text(page, ".tpx-attention"), want_attn)
+    src = page.locator(".tpx-figure img").first.get_attribute("src")
+
+    latencies, text_ms = [], []
+    for _ in range(MOVES - 1):  # more requests, the same tokens: the trace must not move
+        ms, new_src = _move(page, "tpx-num-requests", ".tpx-figure", ".tpx-attention", "ArrowRight", text_ms)
+        latencies.append(ms)
+        assert new_src != src, "the packing figure was not redrawn"
+        src = new_src
+        r_new = _readout(page, "tpx-num-requests")
+        assert r_new == r + 1, f"ArrowRight on the slider moved R from {r} to {r_new}"
+        r = r_new
+        _, want_attn = _expected_tp(total, r, pattern)
+        _wait_text(page, ".tpx-attention", f"t => t.includes('R = {r} |')")
+        _check_attention(_text(page, ".tpx-attention"), want_attn)
+        assert _text(page, ".tpx-trace") == trace, "the TP trace moved although only the packing changed"
+    # End on the tokens slider: more tokens, and now the trace changes (only its T)
+    ms, new_src = _move(page, "tpx-tokens", ".tpx-figure", ".tpx-trace", "End", text_ms)
+    latencies.append(ms)
+    assert new_src != src
+    total = _readout(page, "tpx-tokens")
+    max_tokens = int(page.locator(".tpx-tokens .noUi-handle").first.get_attribute("aria-valuemax").split(".")[0])
+    assert total == max_tokens, f"End on the tokens slider left T={total}, slider max is {max_tokens}"
+    want_trace, want_attn = _expected_tp(total, r, pattern)
+    _wait_text(page, ".tpx-trace", f"t => t === {want_trace!r}")
+    assert f"[{total}, 512]" in _text(page, ".tpx-trace") and _text(page, ".tpx-trace") != trace
+    _wait_text(page, ".tpx-attention", f"t => t.includes('cu_seqlens {l04_tp.short_cu(want_attn['cu'])}')")
+    _check_attention(_text(page, ".tpx-attention"), want_attn)
+
+    _finish(page, widget, "04", latencies, text_ms, console_errors, t_start, capsys)
+
+
+def test_lesson05_flop_mix_explorer(lab_server, browser_context, capsys):
     SHOTS.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     page, console_errors = _open_and_run_all(browser_context, lab_server, "05_flop_regimes.ipynb")
-    _wait_widget(page, r"""() => /dominant (linear|attention)/.test((document.querySelector('.frx-flops') || {}).innerText || '')
-                           && !!document.querySelector('.frx-figure img')""", "the FLOP-regime explorer")
+    _wait_widget(page, r"""() => /-dominated/.test((document.querySelector('.frx-table') || {}).innerText || '')
+                           && !!document.querySelector('.frx-figure img')""", "the FLOP-mix explorer")
     widget = page.locator(".frx")
     widget.scroll_into_view_if_needed()
     widget.screenshot(path=str(SHOTS / "05_before.png"))
 
-    r, length = _readout(page, "frx-num-requests"), _readout(page, "frx-length")
-    assert _parse_flops(_text(page, ".frx-flops")) == _expected_flops(r, length)
+    counting = page.locator(".frx-counting select").input_value()
+    total = _readout(page, "frx-tokens")
+    assert _parse_mix(_text(page, ".frx-table")) == _expected_mix(total, counting)
+    assert _text(page, ".frx-rule").endswith(f"L = {l05_flops.crossover_length(ModelConfig(), counting == 'causal')} "
+                                             f"tokens per request ({counting})")
     src = page.locator(".frx-figure img").first.get_attribute("src")
 
     latencies, text_ms = [], []
-    # Small steps first, then End (the slider's max), where attention outweighs the linears.
+    # Small steps first (100 tokens each), then End (the slider's max), where 1 x T is attention-dominated.
     for key in ["ArrowRight"] * (MOVES - 1) + ["End"]:
-        ms, new_src = _move(page, "frx-length", ".frx-figure", ".frx-flops", key, text_ms)
+        ms, new_src = _move(page, "frx-tokens", ".frx-figure", ".frx-table", key, text_ms)
         latencies.append(ms)
         assert new_src != src, "the FLOPs figure was not redrawn"
         src = new_src
-        length = _readout(page, "frx-length")
-        want = _expected_flops(r, length)
-        expected = "linear {} | attention {} | dominant {}".format(*want)
-        _wait_text(page, ".frx-flops", f"t => t === {expected!r}")
-        assert _parse_flops(_text(page, ".frx-flops")) == want
-    max_len = int(page.locator(".frx-length .noUi-handle").first.get_attribute("aria-valuemax").split(".")[0])
-    assert length == max_len, f"End on the length slider left L={length}, slider max is {max_len}"
+        total = _readout(page, "frx-tokens")
+        want = _expected_mix(total, counting)
+        _wait_text(page, ".frx-table", f"t => t.startsWith('1 x {total}:')")
+        assert _parse_mix(_text(page, ".frx-table")) == want
+    max_tokens = int(page.locator(".frx-tokens .noUi-handle").first.get_attribute("aria-valuemax").split(".")[0])
+    assert total == max_tokens, f"End on the tokens slider left T={total}, slider max is {max_tokens}"
+    assert _parse_mix(_text(page, ".frx-table"))[0][-1] == "attention", "1 x T_max should be attention-dominated"
 
     _finish(page, widget, "05", latencies, text_ms, console_errors, t_start, capsys)

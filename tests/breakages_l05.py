@@ -1,0 +1,53 @@
+"""Breakages of the claims lesson 05 proves (see breakages.py)."""
+from breakages import breaks
+
+
+@breaks("C13", "05_flop_regimes",
+        "the linear layers run their rows in chunks of 16 (one F.linear per chunk): every weight is read "
+        "ceil(T / 16) times per forward instead of once")
+def _linear_in_chunks_of_16():
+    import torch
+    import torch.nn.functional as F
+
+    from lessons_lib.core import linear
+
+    def column(self, x):
+        return torch.cat([F.linear(rows, self.weight, self.bias) for rows in x.split(16)])
+
+    def row(self, x):
+        partial = torch.cat([F.linear(rows, self.weight) for rows in x.split(16)])
+        y = self.group.all_reduce(partial, layer=self.name)
+        return y if self.bias is None else y + self.bias
+
+    linear.ColumnParallelLinear.forward = column
+    linear.RowParallelLinear.forward = row
+
+
+@breaks("C14", "05_flop_regimes",
+        "the loop backend computes every query against every key of the flat batch and masks the rest "
+        "(the masked method under the varlen name)")
+def _loop_is_masked():
+    from lessons_lib.core import attention
+
+    attention.IMPLS["loop"] = attention.IMPLS["masked"]
+
+
+@breaks("C15", "05_flop_regimes", "the model runs a batch one request at a time (no flat batch): each weight sees one "
+        "request's rows per matmul")
+def _one_request_at_a_time():
+    import torch
+
+    from lessons_lib.core import batch as batch_module
+    from lessons_lib.core import model
+
+    real = model.Transformer.forward
+
+    def forward(self, batch, *, attn_backend=None):
+        if batch.num_seqs == 1:
+            return real(self, batch, attn_backend=attn_backend)
+        rows = batch.input_ids if batch.input_ids is not None else batch.hidden
+        cu = batch.cu_seqlens.tolist()
+        parts = [batch_module.pack([rows[s:e]], device=rows.device) for s, e in zip(cu[:-1], cu[1:])]
+        return torch.cat([real(self, p, attn_backend=attn_backend) for p in parts])
+
+    model.Transformer.forward = forward
