@@ -13,7 +13,7 @@ from lessons_lib.core.batch import pack, pad
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.kernels import available_backends
 from lessons_lib.core.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from lessons_lib.core.model import Transformer
+from lessons_lib.core.model import Transformer, init_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_OK = [b for b, s in available_backends("cpu").items() if s.available]
@@ -154,3 +154,12 @@ def test_determinism_across_backends_differs_only_by_summation_order(article_mod
         diff = (out - outs["loop"]).abs().max().item()
         print(f"article model, loop vs {b}: max abs diff {diff:.1e} (bit-identical: {torch.equal(out, outs['loop'])})")
         assert diff <= tol and (out.double() - ref64).abs().max().item() <= tol
+
+
+def test_the_models_dtype_comes_from_its_weights(tiny_cfg):
+    """float64 weights build a float64 model (no silent cast to cfg.dtype); an explicit dtype wins."""
+    w64 = {k: v.double() for k, v in init_weights(tiny_cfg, seed=1).items()}
+    assert Transformer(tiny_cfg, w64).dtype == torch.float64
+    assert torch.equal(Transformer(tiny_cfg, w64).wte, w64["wte"])  # every bit of the float64 values kept
+    assert Transformer(tiny_cfg, w64, dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert Transformer(tiny_cfg).dtype == tiny_cfg.dtype

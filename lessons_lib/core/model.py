@@ -18,6 +18,7 @@ Taught in notebooks/00_setup_one_request.ipynb and notebooks/02_linear_is_per_to
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -97,7 +98,8 @@ class Transformer(nn.Module):
     cfg: sizes (default: the article's). weights: full weights, see the module doc (default
     ``init_weights(cfg, seed)``). group: the rank's process group (default TP=1).
     attn_backend: default attention backend of ``forward`` (``kernels.BACKENDS`` or "auto").
-    device, dtype: where the parameters go (default: CPU, the weights' dtype).
+    device, dtype: where the parameters go and their dtype (default: the CPU, and the dtype of the
+    given weights, else ``cfg.dtype``): float64 weights make a float64 model, never a silent cast.
     """
 
     def __init__(self, cfg: ModelConfig | None = None, weights: dict[str, Tensor] | None = None, *,
@@ -109,13 +111,16 @@ class Transformer(nn.Module):
             raise ValueError(f"group world_size={self.group.world_size} must divide n_heads={cfg.n_heads} "
                              f"and d_ffn={cfg.d_ffn}")
         self.attn_backend = attn_backend
-        self.wte = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype), requires_grad=False)
-        self.wpe = nn.Parameter(torch.empty(cfg.max_position, cfg.d_model, dtype=cfg.dtype), requires_grad=False)
-        self.layers = nn.ModuleList(Block(cfg, i, self.group) for i in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, dtype=cfg.dtype)
-        self.load_full_weights_(weights if weights is not None else init_weights(cfg, seed))
-        if device is not None or dtype is not None:
-            self.to(device=device, dtype=dtype)
+        weights = weights if weights is not None else init_weights(cfg, seed)
+        wte = weights.get("wte") if isinstance(weights, dict) else None
+        built = replace(cfg, dtype=dtype or (wte.dtype if isinstance(wte, Tensor) and wte.is_floating_point() else cfg.dtype))
+        self.wte = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model, dtype=built.dtype), requires_grad=False)
+        self.wpe = nn.Parameter(torch.empty(cfg.max_position, cfg.d_model, dtype=built.dtype), requires_grad=False)
+        self.layers = nn.ModuleList(Block(built, i, self.group) for i in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, dtype=built.dtype)
+        self.load_full_weights_(weights)
+        if device is not None:
+            self.to(device=device)
 
     @property
     def device(self) -> torch.device:

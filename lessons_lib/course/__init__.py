@@ -1,9 +1,11 @@
-"""The course's apparatus: what the lessons draw, explore, check and probe.
+"""The course's apparatus: what each lesson draws, explores and checks, over a few shared pieces.
 
-  check      claim() and close(): the one-line ✓ of a claim cell, or an error with the numbers
-  viz        matplotlib figures as pure functions (numbers in, Figure out)
-  figures    python -m lessons_lib.course.figures: every lesson figure into figures/
-  widgets    ipywidgets explorers over pure state functions
-  exercises  checkers that grade the reader's functions and explain a wrong answer
+  l00_setup … l06_engine   one module per lesson: its figures, its explorer, its exercise checkers
+  check      claim tables and close(): the ✓ of a claim cell, or an error with the numbers
+  style      the palette (one meaning per colour), PNG rendering, drawing pieces lessons share
+  figures    the figure registry; python -m lessons_lib.course.figures writes figures/
+  explore    widget plumbing: an explorer is a pure state function plus a thin ipywidgets wrapper
+  grading    how exercises are checked (a learner's check) and scored (a classroom grade cell)
+  source     show_source: the engine's own code, shown where a lesson teaches it
   probe      which output rows change when one input row changes
 """
