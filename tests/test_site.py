@@ -16,6 +16,7 @@ import functools
 import http.server
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -40,7 +41,8 @@ MODULES = sorted(".".join(p.relative_to(REPO).with_suffix("").parts[:-1] if p.na
 # Every page a reader can reach: the lessons, the documents, the API reference, the index.
 PAGES = (["index.html", "api.html", "search.html", "genindex.html", "py-modindex.html"]
          + [f"notebooks/{p.stem}.html" for p in NOTEBOOKS] + [f"docs/{p.stem}.html" for p in DOCS]
-         + [f"api/{m}.html" for m in MODULES])
+         + [f"api/{m}.html" for m in MODULES]
+         + (["bench/results/summary.html"] if (REPO / "bench" / "results" / "summary.md").is_file() else []))
 BUILD_TIMEOUT_S = 1200
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 NEEDS = ("sphinx", "myst_nb", "sphinx_book_theme")
@@ -61,7 +63,12 @@ def _missing_or_fail(msg: str):
 
 @pytest.fixture(scope="session")
 def site(tmp_path_factory, request) -> Path:
-    """Build the site once per session into a temp dir (``make site`` builds into site/)."""
+    """Build the site once per session into a temp dir (``make site`` builds into site/).
+    ``COURSE_SITE_DIR=site`` checks an existing build instead (``make site`` first)."""
+    if os.environ.get("COURSE_SITE_DIR"):
+        built = Path(os.environ["COURSE_SITE_DIR"]).resolve()
+        assert (built / "index.html").is_file(), f"COURSE_SITE_DIR={built} holds no built site"
+        return built
     if shutil.which("npm") is None:
         _missing_or_fail("npm is needed to fetch the site's widget JS (apt-get install npm)")
     missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]

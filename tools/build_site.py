@@ -199,7 +199,7 @@ def build(out: Path, notebooks: Path = REPO / "notebooks", cell_timeout: int = D
             log(f"executed {path.name} in {execute(path, cell_timeout):.1f} s")
         t_exec = time.monotonic() - t_start
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "auto",
+        proc = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q",
                                "-d", str(Path(tmp) / "doctrees"), str(src), str(out)],
                               env=env, capture_output=True, text=True)
         warnings = [w for w in proc.stderr.splitlines() if "WARNING" in w or "ERROR" in w]

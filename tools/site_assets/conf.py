@@ -61,8 +61,9 @@ autodoc_default_options = {"members": True, "show-inheritance": True, "ignore-mo
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_preserve_defaults = True
-# Docstrings are plain text with ``literals``, not reST: a stray indent is a warning, not a failure.
-suppress_warnings = ["docutils", "autodoc", "autosummary", "myst.header", "misc.highlighting_failure",
+# Docstrings are plain text with ``literals``, not reST: their formatting warnings (docutils) are
+# silenced and never fail the build; a module that cannot be imported is still reported (autodoc).
+suppress_warnings = ["docutils", "myst.header", "misc.highlighting_failure",
                      "ref.python"]  # a bare name in a lesson that matches two objects stays plain code
 
 # ---------------------------------------------------------------- HTML
@@ -93,7 +94,7 @@ mathjax3_config = {"svg": {"fontCache": "global"}}
 
 # ---------------------------------------------------------------- course additions
 DOC_ORDER = ["claims", "article", "benchmarks", "bad_inputs"]  # the rest of docs/ follows, by name
-_DOTTED = re.compile(r"lessons_lib(\.\w+)+")
+_DOTTED = re.compile(r"lessons_lib(\.\w+)*")
 _NAME = re.compile(r"[A-Za-z_]\w*")
 _CLAIMS = {"CLAIMS.md", "claims.md", "docs/claims.md"}
 
@@ -171,10 +172,11 @@ def _widget_note(app, doctree, docname):
         return
     note = nodes.admonition(classes=["note", "course-widget-note"])
     note += nodes.title(text="Static page")
-    note += nodes.paragraph(text=(
-        "The widgets on this page are drawn from the state saved when the site was built: they render, "
-        "but moving a slider recomputes nothing, that needs a live Python kernel. To explore, open "
-        f"{docname}.ipynb in JupyterLab (make course) and run all cells."))
+    note += nodes.paragraph("", "", nodes.Text(
+        "The widgets on this page are drawn from the state saved when the site was built: they render, but moving "
+        "a slider recomputes nothing, that needs a live Python kernel. To explore, open "),
+        nodes.literal(text=f"{docname}.ipynb"), nodes.Text(" in JupyterLab ("), nodes.literal(text="make course"),
+        nodes.Text(") and run all cells."))
     section = next(iter(doctree.findall(nodes.section)), None)
     if section is not None and section.children and isinstance(section[0], nodes.title):
         section.insert(1, note)
