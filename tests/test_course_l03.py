@@ -59,14 +59,40 @@ def test_attention_categories_sampling_and_bad_input():
 def test_c10_attention_patterns_show_the_categories_counts_and_what_is_counted(causal):
     fig = L.attention_patterns([10, 30], causal=causal)
     axes = [ax for ax in fig.axes if ax.images]
-    assert len(axes) == 3
-    for ax, method in zip(axes, ("padded", "masked", "varlen")):
-        np.testing.assert_array_equal(np.asarray(ax.images[0].get_array()), L.attention_categories([10, 30], method, causal))
-        c = attention_cells([10, 30], method, causal)
+    panels = [("padded", False), ("masked", False)] + ([("varlen", True), ("varlen", False)] if causal else [("varlen", False)])
+    assert len(axes) == len(panels)
+    for ax, (method, whole) in zip(axes, panels):
+        np.testing.assert_array_equal(np.asarray(ax.images[0].get_array()),
+                                      L.attention_categories([10, 30], method, causal, whole_blocks=whole))
+        c = L.panel_cells([10, 30], method, causal, whole)
         assert f"computed {c.computed}" in ax.get_title() and f"useful {c.useful}" in ax.get_title()
         assert ax.title.get_fontsize() >= MIN_FONT
     title = fig._suptitle.get_text()
     assert "per head per layer" in title and ("causal" in title if causal else "whole blocks" in title)
+    if causal:  # the two conventions of the lesson, each named in its panel
+        assert "our loop" in axes[2].get_title() and "computed 1000" in axes[2].get_title() and "wasted 480" in axes[2].get_title()
+        assert "causal kernel" in axes[3].get_title() and "computed 520" in axes[3].get_title()
+
+
+def test_c10_whole_block_varlen_computes_the_blocks_and_masks_the_upper_triangles():
+    grid = L.attention_categories([10, 30], "varlen", causal=True, whole_blocks=True)
+    counts = np.bincount(grid.ravel(), minlength=3)
+    assert (counts[USEFUL], counts[WASTED]) == (520, 480)
+    assert (grid[:10, 10:] == SKIPPED).all() and (grid[0, 1:10] == WASTED).all()
+    assert L.panel_cells([10, 30], "varlen", True, True) == type(attention_cells([1], "varlen"))(1000, 520, 480)
+    assert L.panel_cells([10, 30], "varlen", False, True) == attention_cells([10, 30], "varlen")  # no causal mask: no change
+    # whole_blocks only changes the causal varlen picture
+    np.testing.assert_array_equal(L.attention_categories([3, 5], "masked", True, whole_blocks=True),
+                                  L.attention_categories([3, 5], "masked", True))
+
+
+def test_padded_panel_frames_each_request_s_own_matrix():
+    fig = L.attention_patterns([10, 30])
+    padded = fig.axes[0]
+    frames = [p for p in padded.patches if (p.get_gid() or "").startswith("padded-matrix-")]
+    assert [(f.get_x(), f.get_y(), f.get_width()) for f in frames] == [(0, 0, 30), (30, 30, 30)]
+    assert [t.get_text() for t in padded.get_xticklabels()] == ["req 0", "req 1"]
+    assert "2 separate 30 x 30 matrices" in padded.get_xlabel()
 
 
 def test_c9_masked_growth_lines_are_the_formulas():
@@ -74,12 +100,30 @@ def test_c9_masked_growth_lines_are_the_formulas():
     masked, varlen = fig.axes[0].lines
     assert list(masked.get_ydata()) == [(r * 8) ** 2 for r in (1, 2, 4)]
     assert list(varlen.get_ydata()) == [r * 64 for r in (1, 2, 4)]
-    assert "per head per layer" in fig.axes[0].get_title()
+    title = fig.axes[0].get_title()
+    assert "per head per layer" in title and "R²" not in title  # the title must not answer the predict prompt
 
 
-def test_measured_sweep_draws_both_series():
+def test_measured_sweep_draws_time_and_memory():
     fig = L.measured_sweep([1, 2], [1.0, 4.0], [1.0, 2.0], 64, "sdpa", "cpu")
     assert isinstance(fig, Figure) and [list(line.get_ydata()) for line in fig.axes[0].lines] == [[1.0, 4.0], [1.0, 2.0]]
+    both = L.measured_sweep([1, 2], [1.0, 4.0], [1.0, 2.0], 64, "sdpa", "cpu", [0.5, 2.0], [0.5, 1.0])
+    assert len(both.axes) == 2 and [list(line.get_ydata()) for line in both.axes[1].lines] == [[0.5, 2.0], [0.5, 1.0]]
+    assert "noisy" in both.axes[0].get_title() and "memory" in both.axes[1].get_title()
+
+
+def test_sweep_attention_times_and_measures_every_pair_and_restores_the_threads():
+    threads = torch.get_num_threads()
+    runs = L.sweep_attention((1, 4), ("masked", "loop"), length=16, n_heads=2, d_head=8, rounds=2)
+    assert torch.get_num_threads() == threads
+    assert set(runs) == {"masked", "loop"}
+    for r in runs.values():
+        assert len(r["ms"]) == len(r["mib"]) == 2 and all(x > 0 for x in r["ms"])
+    # masked stores T x T scores per head: 16x the memory for 4x the rows; the loop only its blocks
+    assert runs["masked"]["mib"][1] > 8 * runs["masked"]["mib"][0]
+    assert runs["loop"]["mib"][1] < runs["masked"]["mib"][1] / 4
+    with pytest.raises(ValueError, match="rounds"):
+        L.sweep_attention((1,), ("loop",), rounds=0)
 
 
 # --- what the engine computes ------------------------------------------------------------------------------
@@ -162,7 +206,7 @@ def test_c8_diagonal_block_explorer_contract_and_callbacks():
     assert LINE.findall(counts.value) == [("padded", "1800", "1000", "800"), ("masked", "1600", "1000", "600"),
                                           ("varlen", "1000", "1000", "0")]
     assert counts.value.count("<div>") == 3  # the browser test reads exactly three lines
-    assert "520 of the 1000" in k["dbx-causal"].value
+    assert "520 of the 1000" in k["dbx-causal"].value and "mask 480" in k["dbx-causal"].value
     first = png_of(out)
     for r, n, p in [(5, 20, "ramp"), (9, 33, "long-tail"), (16, 64, "equal"), (1, 1, "ramp")]:
         reqs.value, base.value, pat.value = r, n, p
@@ -220,6 +264,34 @@ def test_causal_varlen_checker_explains_typical_mistakes():
     assert "must see ITSELF" in attempt(L.check_causal_varlen, diagonal_hidden)
 
 
+def test_causal_varlen_checker_names_pad_slots_written_back(capsys):
+    def all_slots(q, k, v, cu_seqlens, max_seqlen):  # gathers right, but writes back every slot of [R, max_seqlen]
+        flat = _one_launch(q, k, v, cu_seqlens, max_seqlen)
+        starts, lens = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        rows = (starts[:, None] + torch.arange(max_seqlen)).clamp(max=q.shape[0] - 1)
+        pad = torch.arange(max_seqlen) >= lens[:, None]
+        flat[rows[pad]] = 7.0  # a pad query's output lands on a real row
+        return flat
+    why = attempt(L.check_causal_varlen, all_slots)
+    assert "first wrong row" in why and "pad query" in why and "position < L_i" in why
+    assert 0 < score(L.check_causal_varlen, all_slots, points=3) < 3
+
+
+def test_where_wrong_names_the_request_and_the_pad_slot_behind_a_row():
+    cu = [0, 4, 10, 16, 18]
+    want = torch.zeros(18, 1, 1)
+    got = want.clone()
+    got[5] = 1.0                                 # request 1, position 1: slot 5 of request 0 (4 tokens, max 6)
+    assert "first wrong row 5: request 1, position 1" in L._where_wrong(got, want, cu, 6)
+    assert "past request 0's end" in L._where_wrong(got, want, cu, 6)
+    got = want.clone()
+    got[17] = 1.0                                # the last row: where the clamped slots of request 3 land
+    assert "clamped" in L._where_wrong(got, want, cu, 6)
+    got = want.clone()
+    got[12] = 1.0                                # request 2, position 2: no pad slot reaches it
+    assert "pad" not in L._where_wrong(got, want, cu, 6) and L._where_wrong(want, want, cu, 6) == ""
+
+
 def test_masking_loses_checker():
     assert L.check_masking_loses(lambda r: [100 + i for i in range(r)])
     assert "must all differ" in attempt(L.check_masking_loses, lambda r: [50] * r)
@@ -253,5 +325,8 @@ def test_document_mask_checker():
     assert "diagonal is missing" in attempt(L.check_document_mask, no_diagonal)
     assert "expected a function" in attempt(L.check_document_mask, lambda cu: block_diag_mask(cu, causal=True))
     assert "bool [T, T]" in attempt(L.check_document_mask, lambda cu: (lambda qi, ki: (ki <= qi).int()))
+    # a mask outside the known patterns: named cells, no crash
+    odd = attempt(L.check_document_mask, lambda cu: (lambda qi, ki: (ki <= qi) & (qi % 2 == 0)))
+    assert "cells differ, e.g. query row 1, key row 0: got False, expected True" in odd
     # a one-request batch hides the missing document test: partial marks
     assert 0 < score(L.check_document_mask, lambda cu: (lambda qi, ki: ki <= qi), points=2) < 2

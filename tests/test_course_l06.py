@@ -14,6 +14,7 @@ from lessons_lib import ModelConfig
 from lessons_lib.course import figures
 from lessons_lib.course import l06_engine as L
 from lessons_lib.course.grading import score
+from lessons_lib.course.style import MIN_FONT
 from lessons_lib.serve.engine import batch_stats
 from lessons_lib.serve.scheduler import plan_batches
 from lessons_lib.serve.workloads import workload_lengths
@@ -62,6 +63,15 @@ def test_s3_fcfs_batches_draws_every_served_request_and_the_refused_one():
     served = [i for i, n in enumerate(lens) if n <= 64]
     for i in served:
         assert gid(fig, f"req-{i}").get_width() == lens[i]
+        label = gid(fig, f"label-{i}")  # every request is labelled, narrow ones beside their bar
+        assert label.get_text() == str(i) and label.get_fontsize() >= MIN_FONT
+    narrow = L.fcfs_batches([490, 5, 3, 10], 512)  # 5 and 3 tokens of 512 are too narrow for their label
+    box = gid(narrow, "req-1")
+    assert gid(narrow, "label-0").get_position()[1] == 0                             # wide: inside its bar
+    assert gid(narrow, "label-1").get_position()[1] < box.get_y()                    # narrow: above the bar
+    assert gid(narrow, "label-2").get_position()[1] > box.get_y() + box.get_height()  # the next narrow one: below
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert any("neighbour" in t for t in legend) and "refused" in legend
     assert gid(fig, "refused-6")
     batches = plan_batches(lens, 64, skip_oversize=True)
     for ids in batches:  # requests of one batch sit side by side, in arrival order
@@ -82,6 +92,8 @@ def test_c2_c8_c10_batch_waste_bars_are_the_per_batch_counts():
         for m, computed in (("padded", len(lens) * max(lens) ** 2), ("masked", sum(lens) ** 2), ("varlen", useful)):
             assert gid(fig, f"cells-{m}-useful-{b}").get_height() == useful
             assert gid(fig, f"cells-{m}-wasted-{b}").get_height() == computed - useful
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "budget 64 tokens: padded rows go over it" in legend  # 3 x 30 = 90 rows for a 64-token budget
     with pytest.raises(ValueError, match="same batches"):
         L.batch_waste({"varlen": stats["varlen"], "masked": stats["masked"][:-1]})
     with pytest.raises(ValueError, match="empty"):
@@ -110,7 +122,7 @@ def test_lesson_figures_are_registered_and_build():
 # ---- the explorer ---------------------------------------------------------------------------------------
 
 LINE = re.compile(r"<div>(padded|masked|varlen): rows ([\d,]+) \(pad ([\d,]+)\) \| attention cells ([\d,]+) "
-                  r"\(wasted ([\d,]+)\) \| FLOPs executed / useful (\d+\.\d\d)x</div>")
+                  r"\(wasted ([\d,]+)\) \| FLOPs executed / useful (\d+\.\d\d)x \(whole blocks\)</div>")
 
 
 def _int(s):
@@ -135,6 +147,27 @@ def test_prefill_plan_state_totals_are_the_sums_of_the_batches():
         assert (_int(rows), _int(pad), _int(cells)) == (t[m]["rows"], t[m]["pad_rows"], t[m]["cells_computed"])
         assert _int(wasted) == t[m]["cells_computed"] - t[m]["cells_useful"]
     assert lines[2][5] == "1.00"
+    assert f"{len(s['batches'])} batches, 32 requests served" in L.prefill_plan_html(s)
+    one = L.prefill_plan_state("uniform", 1, 4096, seed=0)
+    assert "1 batch, 1 request served" in L.prefill_plan_html(one)
+
+
+def test_method_totals_count_rows_cells_and_flops_by_whole_blocks():
+    from lessons_lib.measure.flops import forward_flops
+    cfg = ModelConfig()
+    batches = [[10, 30], [5, 5, 40]]
+    t = L.method_totals(cfg, batches)
+    for m in ("padded", "masked", "varlen"):
+        assert t[m]["flops_executed"] == sum(forward_flops(cfg, b, m, causal=False).total for b in batches)
+        assert t[m]["flops_useful"] == t["varlen"]["flops_executed"]  # useful = what varlen runs, whole blocks
+    assert t["varlen"]["cells_computed"] == t["varlen"]["cells_useful"] == 100 + 900 + 25 + 25 + 1600
+    assert t["masked"]["cells_computed"] == 40 ** 2 + 50 ** 2 and t["padded"]["pad_rows"] == 20 + 35 + 35
+    for b in batches:
+        for m in ("padded", "masked", "varlen"):
+            assert L.whole_block_flops(cfg, batch_stats(cfg, b, m)) == forward_flops(cfg, b, m, causal=False).total
+    text = L.totals_text(t).splitlines()
+    assert [ln.split()[0] for ln in text] == ["padded", "masked", "varlen"]
+    assert all("whole blocks" in ln for ln in text) and "1.00x the useful" in text[2]
 
 
 def test_s3_prefill_plan_refuses_requests_over_the_budget():
@@ -161,7 +194,7 @@ def test_prefill_plan_explorer_output_changes_with_every_control():
         seen_text.add(text.value)
         seen_png.add(png_of(out))
     assert "bimodal, 20 requests, max_num_batched_tokens = 4096" in text.value
-    budget.value = 1024  # the 1500-token drafts cannot run whole: refused, the 50-token questions served
+    budget.value = 1024  # the 5,000-token drafts cannot run whole: refused, the 50-token questions served
     lens = workload_lengths("bimodal", 20, 0, **L.WORKLOAD_PRESETS["bimodal"])
     served = sum(n <= 1024 for n in lens)
     assert f"{served} requests served" in text.value
@@ -224,8 +257,40 @@ def loop(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None, whole=Fals
 
 def test_attention_checker_passes_the_loop_and_waits_for_a_stub(capsys):
     assert L.check_attention_backend(loop)
+    out = capsys.readouterr().out
+    assert "your attention served lesson 06's stream" in out and re.search(r"^total: yours [\d.]+ s", out, re.M)
+    assert len(re.findall(r"^\s+\d+\s+\d+\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+$", out, re.M)) == 5  # one row per batch
     assert L.check_attention_backend(stub) is False
     assert "not attempted yet" in capsys.readouterr().out
+
+
+def test_keep_engine_run_takes_the_lesson_s_own_run_and_refuses_anything_else():
+    from lessons_lib.serve.engine import Engine
+    ref, stats = L._engine_run(torch.float32)
+    saved = dict(L._ENGINE_RUNS)
+    try:
+        outputs = [type("Out", (), {"request_id": i, "hidden": h})() for i, h in ref.items()]
+        assert L.keep_engine_run(outputs, stats) == 23 and L.stream_reference(torch.float32) == ref
+        with pytest.raises(ValueError, match="23 requests"):
+            L.keep_engine_run(outputs[:-1], stats)
+        with pytest.raises(ValueError, match="float32"):
+            L.keep_engine_run([type("Out", (), {"request_id": o.request_id, "hidden": o.hidden.double()})()
+                               for o in outputs], stats)
+    finally:
+        L._ENGINE_RUNS.clear()
+        L._ENGINE_RUNS.update(saved)
+    assert Engine  # the run the lesson keeps is an Engine's
+
+
+def test_stream_table_lines_up_the_two_runs():
+    cfg = ModelConfig()
+    mine = [batch_stats(cfg, b, "varlen", i, wall_s=0.5, request_ids=[i]) for i, b in enumerate([[10, 30], [5]])]
+    theirs = [batch_stats(cfg, b, "varlen", i, wall_s=0.25, request_ids=[i]) for i, b in enumerate([[10, 30], [5]])]
+    text = L.stream_table(mine, theirs)
+    assert "total: yours 1.00 s, the engine's own backend 0.50 s (2.00x)" in text
+    assert text.splitlines()[2].split() == ["0", "2", "40", "30", "500.0", "250.0"]
+    with pytest.raises(ValueError, match="same batches"):
+        L.stream_table(mine, theirs[:1])
 
 
 @pytest.mark.parametrize("mistake, hint", [
@@ -330,6 +395,6 @@ def test_run_methods_and_throughput_text(tiny_cfg):
     stats = L.run_methods(tiny_cfg, init_weights(tiny_cfg, 0), reqs, 64, device="cpu", dtype=torch.float32)
     assert list(stats) == ["padded", "masked", "varlen"]
     assert all([s.request_ids for s in st] == [[0, 1, 2], [3]] for st in stats.values())
-    lines = L.throughput_text(stats).splitlines()
+    lines = L.throughput_text(stats, tiny_cfg).splitlines()
     assert [ln.split()[0] for ln in lines] == ["padded", "masked", "varlen"]
     assert "1.00x varlen's throughput" in lines[2]

@@ -4,7 +4,8 @@
   one colour per cell category (useful, computed and thrown away, never computed) (C2, C8, C10);
 - ``ScoreCells`` / ``count_score_cells``: the score cells the engine's own backends really
   compute, read off the softmax and fused-attention calls while they run (C8, C9, C10);
-- ``masked_growth`` and ``measured_sweep``: cells and measured time as R grows (C9);
+- ``masked_growth``, ``sweep_attention`` and ``measured_sweep``: cells, measured time and memory
+  as R grows (C9);
 - ``launch_grid``: how ``max_seqlen`` sizes a varlen kernel's launch grid;
 - the diagonal-block explorer (``diagonal_block_state`` + ``diagonal_block_explorer``);
 - the checkers of exercises 03.1-03.3.
@@ -13,7 +14,9 @@ Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
 """
 from __future__ import annotations
 
+import functools
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
@@ -21,21 +24,36 @@ from statistics import NormalDist
 import numpy as np
 import torch
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.attention import attention_ref, block_diag_mask, plain_attention, varlen_attention
 from ..core.batch import cumulative, pack, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
+from ..core.kernels import synchronize
 from ..core.model import Transformer, init_weights
 from ..measure.flops import METHODS, attention_cells
+from ..measure.profile import peak_bytes, random_qkv
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..validate import check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import Tensor, grade, matches, tensor_problem
 from .probe import row_dependency
-from .style import ATTENTION, CELL_CMAP, CELL_COLORS, CELL_LABELS, MIN_FONT, OTHER, SKIPPED, USEFUL, WASTE, WASTED, short_lens
+from .style import (
+    ATTENTION,
+    CELL_CMAP,
+    CELL_COLORS,
+    CELL_LABELS,
+    MIN_FONT,
+    OTHER,
+    SKIPPED,
+    TEXT,
+    USEFUL,
+    WASTE,
+    WASTED,
+    short_lens,
+)
 
 BATCHES = [[10, 30], [5], [1, 1, 1], [7, 1, 12, 3], [30, 10]]
 
@@ -43,13 +61,18 @@ BATCHES = [[10, 30], [5], [1, 1, 1], [7, 1, 12, 3], [30, 10]]
 # ---- the three pictures -----------------------------------------------------------------------------
 
 def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = False,
-                         max_pixels: int | None = None) -> np.ndarray:
+                         max_pixels: int | None = None, whole_blocks: bool = False) -> np.ndarray:
     """The score matrix of one head in one layer, one code per cell (SKIPPED, USEFUL, WASTED).
 
     ``masked`` and ``varlen`` are ``[T, T]`` over the flat rows. ``padded`` is drawn as the
     ``[R·Lmax, R·Lmax]`` block-diagonal of its R separate ``[Lmax, Lmax]`` matrices, so all
     three pictures share one layout. Counting the codes of the full-size grid gives exactly
-    ``flops.attention_cells(seq_lens, method, causal)``.
+    ``flops.attention_cells(seq_lens, method, causal)``: with ``causal=True``, ``varlen`` is an
+    ideal causal kernel that computes only each block's lower triangle.
+
+    ``whole_blocks=True`` (varlen, causal): what the engine's loop and sdpa backends do instead:
+    compute each request's whole ``L_i x L_i`` block, then mask its upper triangle (computed,
+    thrown away). Computed = Σ L_i², as in the whole-block count.
 
     ``max_pixels``: sample at most that many rows/columns (for drawing large batches); the
     sampled grid is a picture, not a count. Returns ``uint8 [n, n]``.
@@ -74,7 +97,7 @@ def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = Fa
     need = same & real[:, None] & real[None, :]
     if causal:
         need &= pos[:, None] >= pos[None, :]
-    computed = {"padded": same, "masked": np.ones_like(same), "varlen": need}[method]
+    computed = {"padded": same, "masked": np.ones_like(same), "varlen": same if whole_blocks else need}[method]
     return np.where(need, USEFUL, np.where(computed, WASTED, SKIPPED)).astype(np.uint8)
 
 
@@ -86,46 +109,78 @@ def _sample(n: int, max_pixels: int | None) -> np.ndarray:
     return (np.arange(max_pixels) * n + n // 2) // max_pixels  # cell centres, evenly spread
 
 
-def _draw_attention(ax, lens: list[int], method: str, causal: bool, max_pixels: int | None) -> None:
-    grid = attention_categories(lens, method, causal, max_pixels)
+PANEL_TITLES = {("padded", False): "padded", ("masked", False): "masked", ("varlen", False): "varlen"}
+CAUSAL_TITLES = {("padded", False): "padded", ("masked", False): "masked",
+                 ("varlen", True): "varlen: our loop, sdpa\n(whole blocks, upper half masked)",
+                 ("varlen", False): "varlen: causal kernel\n(skips the upper half)"}
+
+
+def panel_cells(seq_lens: Sequence[int], method: str, causal: bool = False, whole_blocks: bool = False):
+    """``AttentionCells`` of one panel: ``flops.attention_cells``, except a causal varlen panel
+    with ``whole_blocks`` computes the whole blocks (Σ L²) of which only the triangles are useful."""
+    cells = attention_cells(seq_lens, method, causal)
+    if method == "varlen" and causal and whole_blocks:
+        computed = attention_cells(seq_lens, "varlen").computed
+        return type(cells)(computed, cells.useful, computed - cells.useful)
+    return cells
+
+
+def _draw_attention(ax, lens: list[int], method: str, causal: bool, max_pixels: int | None,
+                    whole_blocks: bool = False, title: str | None = None) -> None:
+    grid = attention_categories(lens, method, causal, max_pixels, whole_blocks)
     lmax = max(lens)
     n = len(lens) * lmax if method == "padded" else sum(lens)
     ax.imshow(grid, cmap=CELL_CMAP, vmin=0, vmax=2, interpolation="nearest", extent=(0, n, n, 0))
     for side in ax.spines.values():  # a frame, so that never-computed (white) cells have an edge
         side.set_visible(True)
-    edges = [i * lmax for i in range(len(lens) + 1)] if method == "padded" else cumulative(lens)
-    if len(edges) <= 65:
-        for e in edges[1:-1]:
-            ax.axhline(e, color=OTHER, linewidth=0.6)
-            ax.axvline(e, color=OTHER, linewidth=0.6)
-    ticks = edges if len(edges) <= 6 else []
-    ax.set_xticks(ticks)
-    ax.set_yticks(ticks)
+    if method == "padded":  # R separate [Lmax x Lmax] matrices: a frame each, ticks per request
+        for i in range(len(lens)):
+            ax.add_patch(Rectangle((i * lmax, i * lmax), lmax, lmax, fill=False, edgecolor=TEXT, linewidth=1.4,
+                                   gid=f"padded-matrix-{i}"))
+        ticks = [(i + 0.5) * lmax for i in range(len(lens))] if len(lens) <= 4 else []
+        ax.set_xticks(ticks, [f"req {i}" for i in range(len(ticks))])
+        ax.set_yticks(ticks, [f"req {i}" for i in range(len(ticks))])
+        ax.set_xlabel(f"{len(lens)} separate {lmax} x {lmax} matrices", fontsize=MIN_FONT)
+    else:
+        edges = cumulative(lens)
+        if len(edges) <= 65:
+            for e in edges[1:-1]:
+                ax.axhline(e, color=OTHER, linewidth=0.6)
+                ax.axvline(e, color=OTHER, linewidth=0.6)
+        ticks = edges if len(edges) <= 6 else []
+        ax.set_xticks(ticks)
+        ax.set_yticks(ticks)
+        ax.set_xlabel("key row (flat)", fontsize=MIN_FONT)
     ax.tick_params(labelsize=MIN_FONT, length=2)
-    c = attention_cells(lens, method, causal)
-    ax.set_title(f"{method}\ncomputed {c.computed}\nuseful {c.useful} | wasted {c.wasted}", fontsize=MIN_FONT + 1)
-    ax.set_xlabel("key row" + (" (per padded request)" if method == "padded" else ""), fontsize=MIN_FONT)
+    c = panel_cells(lens, method, causal, whole_blocks)
+    name = title or method
+    ax.set_title(f"{name}\ncomputed {c.computed}\nuseful {c.useful} | wasted {c.wasted}", fontsize=MIN_FONT + 1)
 
 
 def attention_patterns(seq_lens: Sequence[int], methods: Sequence[str] = METHODS, causal: bool = False,
-                       figsize=(9.0, 4.4), max_pixels: int | None = 400) -> Figure:
-    """The attention pictures of claims C2, C8, C10 side by side, one axis per method.
+                       figsize=None, max_pixels: int | None = 400) -> Figure:
+    """The attention pictures of claims C2, C8, C10 side by side, one axis per panel.
 
-    Each title carries ``attention_cells`` counts, per head per layer: ``causal=False`` counts
-    whole blocks (the article's pictures), ``causal=True`` only each block's lower triangle.
+    Each title carries the cell counts, per head per layer. ``causal=False`` counts whole blocks
+    (the article's pictures): one panel per method. ``causal=True`` keeps only each block's lower
+    triangle useful and draws varlen twice: as the engine's loop and sdpa run it (whole blocks,
+    upper triangles computed then masked) and as a causal kernel that skips them.
     """
     lens = check_lengths(seq_lens)
+    titles = CAUSAL_TITLES if causal else PANEL_TITLES
+    panels = [(m, wb) for m in methods for wb in ((True, False) if causal and m == "varlen" else (False,))]
+    figsize = figsize or (2.9 * len(panels) + 0.6, 4.6)
     fig = Figure(figsize=figsize)
-    axes = np.atleast_1d(fig.subplots(1, len(methods)))
-    for ax, method in zip(axes, methods):
-        _draw_attention(ax, lens, method, causal, max_pixels)
+    axes = np.atleast_1d(fig.subplots(1, len(panels)))
+    for ax, (method, whole) in zip(axes, panels):
+        _draw_attention(ax, lens, method, causal, max_pixels, whole, titles.get((method, whole), method))
     axes[0].set_ylabel("query row", fontsize=MIN_FONT)
     fig.legend(handles=[Patch(facecolor=CELL_COLORS[k], edgecolor=OTHER, label=CELL_LABELS[k])
                         for k in (USEFUL, WASTED, SKIPPED)], loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
     kind = ("causal: only each block's lower triangle is useful" if causal
             else "whole blocks, no causal mask (the article's pictures)")
     fig.suptitle(f"score cells per head per layer, lengths {short_lens(lens)}\n{kind}", fontsize=MIN_FONT + 1)
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.17, top=0.7, wspace=0.35)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.17, top=0.68, wspace=0.4)
     return fig
 
 
@@ -144,26 +199,78 @@ def masked_growth(length: int = 64, num_requests: Sequence[int] = (1, 2, 4, 8, 1
     ax.set_ylabel("score cells per head per layer", fontsize=MIN_FONT + 1)
     ax.tick_params(labelsize=MIN_FONT)
     ax.legend(fontsize=MIN_FONT + 1, frameon=False)
-    ax.set_title("score cells per head per layer, whole blocks:\nmasked grows like R², varlen like R", fontsize=MIN_FONT + 1)
+    ax.set_title(f"score cells per head per layer (whole blocks),\nR requests of {length} tokens each", fontsize=MIN_FONT + 1)
     fig.subplots_adjust(left=0.15, right=0.97, bottom=0.15, top=0.86)
     return fig
 
 
+def sweep_attention(rs: Sequence[int], backends: Sequence[str], length: int = 64, n_heads: int = 8, d_head: int = 64,
+                    rounds: int = 5, device="cpu", dtype: torch.dtype = torch.float32, cpu_threads: int | None = 1) -> dict:
+    """Time and peak memory of one attention call for R requests of ``length`` tokens, per backend.
+
+    Every (R, backend) pair runs once to warm up; then ``rounds`` rounds each call every pair once,
+    interleaved, and each pair keeps its fastest call: a burst of load on a shared machine then
+    slows one call of each pair, not a whole series. On a CPU the calls run on ``cpu_threads``
+    threads (one by default: a multi-threaded op waits for its slowest thread, and on a shared
+    machine that thread is often descheduled; None keeps PyTorch's setting). Returns
+    ``{backend: {"ms": [...], "mib": [...]}}`` in the order of ``rs``. Shown in lesson 03, never asserted.
+    """
+    check_int("rounds", rounds, 1)
+    saved = torch.get_num_threads()
+    if cpu_threads is not None and torch.device(device).type == "cpu":
+        torch.set_num_threads(check_int("cpu_threads", cpu_threads, 1))
+    try:
+        return _sweep(rs, backends, length, n_heads, d_head, rounds, device, dtype)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _sweep(rs, backends, length, n_heads, d_head, rounds, device, dtype) -> dict:
+    calls = {}
+    for r in rs:
+        q, k, v, cu = random_qkv([length] * r, n_heads, d_head, seed=r, device=device, dtype=dtype)
+        for b in backends:
+            calls[r, b] = functools.partial(varlen_attention, q, k, v, cu, causal=False, backend=b)
+    best = dict.fromkeys(calls, float("inf"))
+    for call in calls.values():  # warm-up
+        call()
+    synchronize(device)
+    for _ in range(rounds):
+        for key, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            synchronize(device)
+            best[key] = min(best[key], time.perf_counter() - t0)
+    return {b: {"ms": [best[r, b] * 1e3 for r in rs], "mib": [peak_bytes(calls[r, b], device) / 2**20 for r in rs]}
+            for b in backends}
+
+
 def measured_sweep(rs: Sequence[int], masked_ms: Sequence[float], varlen_ms: Sequence[float], length: int,
-                   varlen_name: str, where: str) -> Figure:
-    """Measured time of masked vs varlen attention as R grows (shown in the lesson, never asserted)."""
-    fig = Figure(figsize=(6.4, 3.6))
-    ax = fig.add_subplot()
-    ax.plot(list(rs), list(masked_ms), "o-", color=WASTE, label="masked (full T x T scores)")
-    ax.plot(list(rs), list(varlen_ms), "s-", color=ATTENTION, label=f"varlen ({varlen_name})")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel(f"number of requests R (each L = {length} tokens)", fontsize=MIN_FONT + 1)
-    ax.set_ylabel("ms per call (fastest of 3)", fontsize=MIN_FONT + 1)
-    ax.tick_params(labelsize=MIN_FONT)
-    ax.legend(fontsize=MIN_FONT + 1, frameon=False)
-    ax.set_title(f"one attention call, 8 heads of 64, measured on {where}", fontsize=MIN_FONT + 1)
-    fig.subplots_adjust(left=0.15, right=0.97, bottom=0.15, top=0.9)
+                   varlen_name: str, where: str, masked_mib: Sequence[float] | None = None,
+                   varlen_mib: Sequence[float] | None = None) -> Figure:
+    """Measured time (and peak memory, when given) of masked vs varlen attention as R grows
+    (shown in the lesson, never asserted)."""
+    memory = masked_mib is not None and varlen_mib is not None
+    fig = Figure(figsize=(9.6 if memory else 6.4, 3.8))
+    axes = fig.subplots(1, 2) if memory else [fig.add_subplot()]
+    series = [(axes[0], masked_ms, varlen_ms, "ms per call (fastest of several)")]
+    if memory:
+        series.append((axes[1], masked_mib, varlen_mib, "peak memory of one call (MiB)"))
+    for ax, masked, varlen, ylabel in series:
+        ax.plot(list(rs), list(masked), "o-", color=WASTE, label="masked (full T x T scores)")
+        ax.plot(list(rs), list(varlen), "s-", color=ATTENTION, label=f"varlen ({varlen_name})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(list(rs), [str(r) for r in rs])
+        ax.set_xlabel(f"number of requests R (each L = {length} tokens)", fontsize=MIN_FONT + 1)
+        ax.set_ylabel(ylabel, fontsize=MIN_FONT + 1)
+        ax.tick_params(labelsize=MIN_FONT)
+        ax.legend(fontsize=MIN_FONT, frameon=False)
+    axes[0].set_title("time: noisy on a shared machine", fontsize=MIN_FONT + 1)
+    if memory:
+        axes[1].set_title("memory: the same on every run", fontsize=MIN_FONT + 1)
+    fig.suptitle(f"one attention call, 8 heads of 64, measured on {where}", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.09 if memory else 0.15, right=0.98, bottom=0.15, top=0.83, wspace=0.3)
     return fig
 
 
@@ -296,7 +403,8 @@ def diagonal_block_causal_html(state: dict) -> str:
     """The causal view in one line: how many of the whole-block cells a causal mask keeps."""
     whole, causal = state["counts"]["varlen"].useful, state["causal"]["varlen"].useful
     return (f"<div>with the model's causal mask: {causal} of the {whole} whole-block cells are useful "
-            f"({causal / whole:.0%}); masked still computes {state['causal']['masked'].computed}</div>")
+            f"({causal / whole:.0%}); our loop and sdpa compute the {whole} and mask {whole - causal}, a causal "
+            f"kernel computes about {causal}; masked still computes {state['causal']['masked'].computed}</div>")
 
 
 def diagonal_block_explorer(num_requests: int = 2, length: int = 10, pattern: str = "ramp"):
@@ -330,14 +438,27 @@ def _qkv(lens, h, d, seed):
     return q, k, v, seq_lens_to_cu_seqlens(lens), max(lens)
 
 
-def _where_wrong(got: Tensor, want: Tensor, cu: list[int]) -> str:
+def _where_wrong(got: Tensor, want: Tensor, cu: list[int], max_seqlen: int | None = None) -> str:
+    """Where the first wrong row is; and, when that row is also a gathered slot PAST the end of an
+    earlier request (its row ``cu[j] + p`` with ``p >= L_j``), the likely cause: every slot of the
+    ``[R, max_seqlen]`` batch was written back, a pad query's output over a real row."""
     bad = ((got.double() - want.double()).abs() > 1e-4) | ~torch.isfinite(got)
     rows = bad.flatten(1).any(dim=1).nonzero()
     if not rows.numel():
         return ""
     row = int(rows[0])
     r = max(i for i in range(len(cu) - 1) if cu[i] <= row)
-    return f" (first wrong row {row}: request {r}, position {row - cu[r]})"
+    where = f" (first wrong row {row}: request {r}, position {row - cu[r]})"
+    t = cu[-1]
+    pads = [j for j in range(len(cu) - 1) if max_seqlen is not None
+            and any(min(cu[j] + p, t - 1) == row for p in range(cu[j + 1] - cu[j], max_seqlen))]
+    if pads:
+        j = pads[0]
+        clamped = " (clamped to the last row)" if cu[j] + max_seqlen > t else ""
+        where += (f". Row {row} is also where a gathered slot past request {j}'s end ({cu[j + 1] - cu[j]} tokens) "
+                  f"points{clamped}: a pad query. Writing back all R x max_seqlen slots puts a pad query's output "
+                  f"over request {r}'s real row; write back only the slots that hold a token (position < L_i)")
+    return where
 
 
 def _engine_case(fn) -> tuple[float, float] | str:
@@ -374,7 +495,7 @@ def check_causal_varlen(fn: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tens
             return (f"your function made {small} matmuls for 2 requests and {big} for 12: one per request, like the "
                     "engine's loop. Gather every request into one [R, max_seqlen] batch (see the hint) so that the "
                     "number of matmuls does not grow with R")
-        q, k, v, cu, _ = case
+        q, k, v, cu, m = case
         want = attention_ref(q, k, v, cu, causal=True)
         problem = tensor_problem(got, want, atol=1e-5)
         if problem is None:
@@ -387,8 +508,8 @@ def check_causal_varlen(fn: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tens
             return problem + " - scale the scores by 1 / sqrt(d_head) before the softmax"
         if isinstance(got, Tensor) and got.is_floating_point() and got.shape == want.shape and not torch.isfinite(got).all():
             return (problem + " - NaN: some query has every key masked. A query must see ITSELF: mask keys j > i "
-                    "(triu(diagonal=1)), not j >= i" + _where_wrong(got, want, cu.tolist()))
-        return problem + (_where_wrong(got, want, cu.tolist()) if isinstance(got, Tensor) and got.shape == want.shape else "")
+                    "(triu(diagonal=1)), not j >= i" + _where_wrong(got, want, cu.tolist(), m))
+        return problem + (_where_wrong(got, want, cu.tolist(), m) if isinstance(got, Tensor) and got.shape == want.shape else "")
 
     def run(*case):
         if case == ("engine",):
@@ -462,7 +583,7 @@ def check_document_mask(fn: Callable[[Tensor], Callable]) -> bool:
             return "plain causal over the flat rows: B's queries read A's keys (add: same request)"
         if torch.equal(grid, want & ~torch.eye(t, dtype=torch.bool)):
             return "the diagonal is missing: a query must read itself (kv_idx <= q_idx, not <)"
-        q, kv = (got != want).nonzero()[0].tolist()
+        q, kv = (grid != want).nonzero()[0].tolist()
         return (f"{int((grid != want).sum())} cells differ, e.g. query row {q}, key row {kv}: got {bool(grid[q, kv])}, "
                 f"expected {bool(want[q, kv])}")
     cases = [(seq_lens_to_cu_seqlens(c),) for c in BATCHES]
@@ -479,7 +600,8 @@ def _attention_patterns() -> Figure:
 
 
 @register("03_causal_patterns", lesson="03",
-          caption="the same with the model's causal mask: 520 of the 1000 whole-block cells are useful (C8, C10)")
+          caption="the same with the model's causal mask: 520 of the 1000 whole-block cells are useful; the engine's "
+                  "loop computes the 1000 and masks 480, a causal kernel computes about 520 (C8, C10)")
 def _causal_patterns() -> Figure:
     return attention_patterns(ARTICLE_LENS, causal=True)
 

@@ -1,7 +1,9 @@
 """What lesson 06 (the prefill engine, the capstone) draws, explores and checks.
 
   the stream        ``ENGINE_STREAM``, ``stream_prompts``, ``stream_reference`` (the engine's own
-                    varlen outputs on it, float32 and float64, computed once)
+                    varlen outputs on it, float32 and float64, computed once; ``keep_engine_run``
+                    hands the lesson's own float32 run over instead of serving the stream again)
+  counts            ``method_totals`` / ``totals_text``: rows, cells and FLOPs per method, whole blocks
   figures           ``fcfs_batches`` (06_fcfs_batches), ``batch_waste`` (06_batch_waste)
   explorer          ``prefill_plan_state`` / ``prefill_plan_html`` / ``prefill_plan_explorer``
   schedules         ``schedule_measures``, ``schedule_table``: pad rows, masked cells, fairness
@@ -13,7 +15,6 @@ Taught in notebooks/06_prefill_engine.ipynb.
 """
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import EngFormatter
 
@@ -29,7 +31,7 @@ from ..core.batch import cumulative, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
 from ..core.kernels import synchronize
 from ..core.model import init_weights
-from ..measure.flops import METHODS, attention_cells
+from ..measure.flops import METHODS, attention_cells, forward_flops, linear_flops_per_token
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..serve.engine import Engine, batch_stats
 from ..serve.scheduler import Request, plan_batches
@@ -38,7 +40,7 @@ from ..validate import check_int
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import NOT_YET, WrongAnswer, call_reader, grade
-from .style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_color
+from .style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE, request_color
 
 Tensor = torch.Tensor
 
@@ -49,7 +51,7 @@ PROMPT_SEED = 1  # the token ids of the stream's prompts: make_requests(lens, vo
 
 WORKLOAD_PRESETS = {
     "long-tail": {"median": 64, "sigma": 1.0, "max_len": 2048},
-    "bimodal": {"short": 50, "long": 1500, "p_long": 0.1},
+    "bimodal": {"short": 50, "long": 5000, "p_long": 0.1},  # the article's 50-token questions beside 5,000-token drafts
     "uniform": {"low": 16, "high": 512},
 }
 
@@ -70,6 +72,7 @@ def _stream_requests(cfg: ModelConfig) -> list[Request]:
 
 
 def _serve_stream(attn_backend="auto", dtype: torch.dtype = torch.float32) -> tuple[dict, list]:
+    """``({request_id: hidden [L, d]}, [BatchStats])``: the stream served on the CPU with ``attn_backend``."""
     cfg = ModelConfig()
     engine = Engine(cfg, weights=init_weights(cfg, 0), attn_backend=attn_backend, device="cpu", dtype=dtype,
                     max_num_batched_tokens=ENGINE_STREAM["max_num_batched_tokens"], compute_logits=False)
@@ -77,17 +80,78 @@ def _serve_stream(attn_backend="auto", dtype: torch.dtype = torch.float32) -> tu
     return {o.request_id: o.hidden for o in outputs}, engine.stats
 
 
-@functools.cache
+_ENGINE_RUNS: dict = {}  # {dtype: (hidden by request id, [BatchStats])}: the engine's own varlen runs of the stream
+
+
+def _engine_run(dtype: torch.dtype = torch.float32) -> tuple[dict, list]:
+    if dtype not in _ENGINE_RUNS:
+        _ENGINE_RUNS[dtype] = _serve_stream("auto", dtype)
+    return _ENGINE_RUNS[dtype]
+
+
 def stream_reference(dtype: torch.dtype = torch.float32) -> dict:
     """The engine's own varlen answer on lesson 06's stream (``init_weights(ModelConfig(), 0)``, CPU):
     ``{request_id: final hidden rows [L, d_model]}`` in ``dtype``. Computed once per dtype; float64
     is the truth of the tolerance rule, float32 the trusted computation beside it."""
-    return _serve_stream("auto", dtype)[0]
+    return _engine_run(dtype)[0]
+
+
+def keep_engine_run(outputs: Sequence, stats: Sequence) -> int:
+    """Keep the lesson's own float32 varlen run of the stream (``Engine`` with its defaults on the CPU,
+    ``init_weights(ModelConfig(), 0)``, ``return_hidden=True``) as ``stream_reference(torch.float32)``:
+    exercise 06.1 then compares your attention with it, and times yours against it, without serving
+    the stream a second time. Returns the number of requests kept; raises ValueError when ``outputs``
+    are not the stream's served requests in float32 with their hidden rows."""
+    lens, _ = stream_prompts()
+    budget = ENGINE_STREAM["max_num_batched_tokens"]
+    hidden = {o.request_id: o.hidden for o in outputs}
+    want = [i for i, n in enumerate(lens) if n <= budget]
+    if sorted(hidden) != want or any(h is None or h.dtype != torch.float32 or h.shape[0] != lens[i]
+                                     for i, h in hidden.items()):
+        raise ValueError("keep_engine_run wants the float32 outputs, with hidden rows, of every request of lesson 06's "
+                         f"stream that fits the budget ({len(want)} requests)")
+    _ENGINE_RUNS[torch.float32] = (hidden, list(stats))
+    return len(hidden)
 
 
 def stack(outputs: Mapping) -> Tensor:
     """``{request_id: [L, d]}`` → ``[Σ L, d]`` in request-id order (the stream's flat rows)."""
     return torch.cat([outputs[i] for i in sorted(outputs)])
+
+
+# ---- counts per method, one convention --------------------------------------------------------------
+
+def whole_block_flops(cfg: ModelConfig, s) -> int:
+    """FLOPs a batch executes, counted like its cells: whole blocks (``flops.forward_flops(causal=False)``),
+    from a ``BatchStats``: its rows through the linear layers and its computed score cells."""
+    return s.executed_rows * linear_flops_per_token(cfg) + cfg.n_layers * cfg.n_heads * s.attn_cells_computed * 4 * cfg.d_head
+
+
+def method_totals(cfg: ModelConfig, batches: Sequence[Sequence[int]]) -> dict:
+    """``{method: {"rows", "pad_rows", "cells_computed", "cells_useful", "flops_executed", "flops_useful"}}``
+    over ``batches`` (lists of request lengths), analytic. One convention for every number: whole
+    blocks, cells per head per layer and FLOPs of the whole forward (``forward_flops(causal=False)``;
+    ``engine.batch_stats`` counts its FLOPs causally)."""
+    out = {}
+    for m in METHODS:
+        st = [batch_stats(cfg, b, m) for b in batches]
+        out[m] = {"rows": sum(s.executed_rows for s in st), "pad_rows": sum(s.padding_rows for s in st),
+                  "cells_computed": sum(s.attn_cells_computed for s in st),
+                  "cells_useful": sum(s.attn_cells_useful for s in st),
+                  "flops_executed": sum(forward_flops(cfg, b, m).total for b in batches),
+                  "flops_useful": sum(forward_flops(cfg, b, m, useful_only=True).total for b in batches)}
+    return out
+
+
+def totals_text(totals: Mapping[str, Mapping]) -> str:
+    """One line per method of ``method_totals``: rows (pad rows), cells and FLOPs, each with what it counts."""
+    lines = []
+    for m, t in totals.items():
+        fl = t["flops_executed"] / t["flops_useful"] if t["flops_useful"] else 0.0
+        lines.append(f"{m:7s} rows {t['rows']:>9,} (pad {t['pad_rows']:>7,}) | score cells, whole blocks "
+                     f"{t['cells_computed']:>13,} ({t['cells_computed'] / t['cells_useful']:.2f}x the useful) | "
+                     f"FLOPs, whole blocks: {fl:.2f}x the useful")
+    return "\n".join(lines)
 
 
 # ---- figure: how FCFS packs the stream -------------------------------------------------------------
@@ -105,22 +169,30 @@ def fcfs_batches(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_s
     batches = plan_batches(lens, budget, max_num_seqs, skip_oversize=True)
     refused = [i for i, n in enumerate(lens) if n > budget]
     rows = len(batches) + len(refused)
-    fig = Figure(figsize=(8, 0.55 * rows + 1.3))
+    height = 0.55 * rows + 1.8
+    fig = Figure(figsize=(8, height))
     ax = fig.add_subplot()
     xmax = budget * 1.12
+    left, right = 0.24, 0.98
+    pt_per_token = (right - left) * 8 * 72 / xmax
+    bar = 0.56
     for b, ids in enumerate(batches):
-        x = 0
+        x, above = 0, True
         for k, i in enumerate(ids):
-            ax.add_patch(Rectangle((x, b - 0.38), lens[i], 0.76, facecolor=request_color(k), edgecolor="white",
+            ax.add_patch(Rectangle((x, b - bar / 2), lens[i], bar, facecolor=request_color(k), edgecolor="white",
                                    linewidth=0.8, gid=f"req-{i}"))
-            if lens[i] >= budget / 18:
-                ax.text(x + lens[i] / 2, b, str(i), ha="center", va="center", fontsize=MIN_FONT, color=TEXT)
+            if lens[i] * pt_per_token >= 0.62 * MIN_FONT * len(str(i)) + 3:  # the label fits inside
+                y, va, above = b, "center", True
+            else:  # a narrow request: its label just above the bar (below it, after another narrow one)
+                y, va = (b - bar / 2 - 0.02, "bottom") if above else (b + bar / 2 + 0.02, "top")
+                above = not above
+            ax.text(x + lens[i] / 2, y, str(i), ha="center", va=va, fontsize=MIN_FONT, color=TEXT, gid=f"label-{i}")
             x += lens[i]
-        ax.add_patch(Rectangle((x, b - 0.38), budget - x, 0.76, facecolor=NEVER, edgecolor=OTHER, linewidth=0.5,
+        ax.add_patch(Rectangle((x, b - bar / 2), budget - x, bar, facecolor=NEVER, edgecolor=OTHER, linewidth=0.5,
                                linestyle=":"))
     for r, i in enumerate(refused):
         y = len(batches) + r
-        ax.add_patch(Rectangle((0, y - 0.38), xmax, 0.76, facecolor=OTHER, edgecolor="white", gid=f"refused-{i}"))
+        ax.add_patch(Rectangle((0, y - bar / 2), xmax, bar, facecolor=OTHER, edgecolor="white", gid=f"refused-{i}"))
         ax.text(budget * 0.02, y, f"request {i}: {lens[i]:,} tokens > {budget:,}: refused at submit, never split",
                 ha="left", va="center", fontsize=MIN_FONT, color="white", fontweight="bold")
     ax.axvline(budget, color=TEXT, linestyle="--", linewidth=1)
@@ -130,12 +202,17 @@ def fcfs_batches(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_s
     ax.set_yticks(range(rows))
     ax.set_yticklabels([f"batch {b}: {len(ids)} req, {sum(lens[i] for i in ids)} tok" for b, ids in enumerate(batches)]
                        + ["refused"] * len(refused), fontsize=MIN_FONT)
-    ax.set_xlabel("tokens in the batch (requests in arrival order; white = room left)", fontsize=MIN_FONT)
+    ax.set_xlabel("tokens in the batch (requests in arrival order, labelled with their index)", fontsize=MIN_FONT)
     ax.tick_params(axis="x", labelsize=MIN_FONT)
+    fig.legend(handles=[Patch(facecolor=REQUEST[0], label="a request"),
+                        Patch(facecolor=REQUEST[1], label="its neighbour (two shades only tell them apart)"),
+                        Patch(facecolor=NEVER, edgecolor=OTHER, linestyle=":", label="room left under the budget"),
+                        Patch(facecolor=OTHER, label="refused")],
+               loc="lower center", ncol=2, fontsize=MIN_FONT, frameon=False)
     served = sum(len(ids) for ids in batches)
     ax.set_title(f"FCFS under a {budget:,}-token budget: {served} requests in {len(batches)} batches, "
                  f"{len(refused)} refused", fontsize=10, pad=16)
-    fig.subplots_adjust(left=0.24, right=0.98, bottom=0.8 / (0.55 * rows + 1.3), top=1 - 0.45 / (0.55 * rows + 1.3))
+    fig.subplots_adjust(left=left, right=right, bottom=1.25 / height, top=1 - 0.45 / height)
     return fig
 
 
@@ -171,15 +248,16 @@ def batch_waste(stats: Mapping[str, Sequence], max_num_batched_tokens: int | Non
             p = runs["padded"][b]
             top.bar(b, p.padding_rows, 0.8, bottom=s.num_tokens, color=WASTE, hatch=_HATCH["padded"],
                     edgecolor="white", gid=f"rows-pad-{b}")
+    handles = [Patch(facecolor=LINEAR, label="tokens (every method)"),
+               Patch(facecolor=WASTE, hatch="///", edgecolor="white", label="+ pad rows (padded only)")]
     if max_num_batched_tokens is not None:
-        top.axhline(max_num_batched_tokens, color=TEXT, linestyle="--", linewidth=0.8)
-        top.text(n - 0.5, max_num_batched_tokens, f"budget {max_num_batched_tokens:,} tokens", ha="right",
-                 va="bottom", fontsize=MIN_FONT)
-    top.set_ylim(0, max(max(s.executed_rows for s in runs[m]) for m in methods) * 1.35)
+        top.axhline(max_num_batched_tokens, color=TEXT, linestyle="--", linewidth=0.8, gid="budget")
+        over = "padded" in runs and any(s.executed_rows > max_num_batched_tokens for s in runs["padded"])
+        handles.append(Line2D([], [], color=TEXT, linestyle="--", linewidth=0.8,
+                              label=f"budget {max_num_batched_tokens:,} tokens" + (": padded rows go over it" if over else "")))
+    top.set_ylim(0, max(max(s.executed_rows for s in runs[m]) for m in methods) * 1.6)
     top.set_ylabel("rows", fontsize=MIN_FONT)
-    top.legend(handles=[Patch(facecolor=LINEAR, label="tokens (every method)"),
-                        Patch(facecolor=WASTE, hatch="///", edgecolor="white", label="+ pad rows (padded only)")],
-               fontsize=MIN_FONT, frameon=False, loc="upper right", ncol=2)
+    top.legend(handles=handles, fontsize=MIN_FONT, frameon=False, loc="upper left", ncol=2)
     rows = {m: sum(s.executed_rows for s in runs[m]) for m in methods}
     top.set_title("rows through the linear layers: " + ", ".join(f"{m} {rows[m]:,}" for m in methods), fontsize=10)
     width = 0.8 / len(methods)
@@ -200,7 +278,7 @@ def batch_waste(stats: Mapping[str, Sequence], max_num_batched_tokens: int | Non
                            Patch(facecolor=WASTE, hatch="...", edgecolor="white", label="masked cells (M)")],
                   fontsize=MIN_FONT, frameon=False, loc="upper right", ncol=3)
     cells = {m: sum(s.attn_cells_computed for s in runs[m]) for m in methods}
-    bottom.set_title("attention cells computed (P padded, M masked, V varlen): "
+    bottom.set_title("score cells computed, whole blocks (P padded, M masked, V varlen): "
                      + ", ".join(f"{m[0].upper()} {cells[m]:,}" for m in methods), fontsize=10)
     bottom.set_xticks(range(n))
     every = max(1, math.ceil(n / 12))
@@ -220,8 +298,8 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
 
     Keys: ``workload``, ``seq_lens``, ``batches`` (lists of request ids), ``rejected`` (ids),
     ``max_num_batched_tokens``, ``stats`` ({method: [engine.BatchStats]}, analytic:
-    ``engine.batch_stats``) and ``totals`` ({method: {"rows", "pad_rows", "cells_computed",
-    "cells_useful", "flops_executed", "flops_useful"}}).
+    ``engine.batch_stats``) and ``totals`` (``method_totals``: rows, pad rows, cells and FLOPs, all
+    counted by whole blocks).
     """
     if workload not in WORKLOAD_PRESETS:
         raise ValueError(f"workload must be one of {tuple(WORKLOAD_PRESETS)}, got {workload!r}")
@@ -233,11 +311,9 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     cfg = ModelConfig()
     stats = {m: [batch_stats(cfg, [lens[i] for i in ids], m, b, request_ids=ids) for b, ids in enumerate(batches)]
              for m in METHODS}
-    totals = {m: {"rows": sum(s.executed_rows for s in st), "pad_rows": sum(s.padding_rows for s in st),
-                  "cells_computed": sum(s.attn_cells_computed for s in st),
-                  "cells_useful": sum(s.attn_cells_useful for s in st),
-                  "flops_executed": sum(s.flops_executed for s in st), "flops_useful": sum(s.flops_useful for s in st)}
-              for m, st in stats.items()}
+    totals = method_totals(cfg, [[lens[i] for i in ids] for ids in batches]) if batches else {
+        m: dict.fromkeys(("rows", "pad_rows", "cells_computed", "cells_useful", "flops_executed", "flops_useful"), 0)
+        for m in METHODS}
     return {"workload": workload, "seq_lens": lens, "batches": batches, "rejected": rejected, "stats": stats,
             "totals": totals, "max_num_batched_tokens": budget}
 
@@ -246,12 +322,14 @@ def prefill_plan_html(state: dict) -> str:
     """The explorer's readout: one ``<div>`` for the schedule, one per method, one for the refused."""
     lens, budget = state["seq_lens"], state["max_num_batched_tokens"]
     served = sum(len(b) for b in state["batches"])
+    nb = len(state["batches"])
     lines = [f"<div>{state['workload']}, {len(lens)} requests, max_num_batched_tokens = {budget}: "
-             f"{len(state['batches'])} batches, {served} requests served</div>"]
+             f"{nb} batch{'es' if nb != 1 else ''}, {served} request{'s' if served != 1 else ''} served</div>"]
     for m, t in state["totals"].items():
         ratio = t["flops_executed"] / t["flops_useful"] if t["flops_useful"] else 0.0
         lines.append(f"<div>{m}: rows {t['rows']:,} (pad {t['pad_rows']:,}) | attention cells {t['cells_computed']:,} "
-                     f"(wasted {t['cells_computed'] - t['cells_useful']:,}) | FLOPs executed / useful {ratio:.2f}x</div>")
+                     f"(wasted {t['cells_computed'] - t['cells_useful']:,}) | FLOPs executed / useful {ratio:.2f}x "
+                     "(whole blocks)</div>")
     rej = state["rejected"]
     lines.append(f"<div>refused (longer than the budget, S3): {len(rej)}"
                  + (f" - lengths {[lens[i] for i in rej][:8]}" if rej else "") + "</div>")
@@ -323,7 +401,7 @@ def schedule_measures(seq_lens: Sequence[int], batches: Sequence[Sequence[int]],
     head per layer (``flops.attention_cells(..., "masked").wasted``); fairness: ``max_delay`` = the
     most batches a request is served after its FCFS batch (0 = nobody later than FCFS),
     ``overtakes`` = pairs where a later arrival is served in an earlier batch. Also
-    ``batches`` (forwards) and ``flops_ratio`` (executed / useful FLOPs of the padded engine).
+    ``batches`` (forwards) and ``flops_ratio`` (executed / useful FLOPs of the padded engine, whole blocks).
     """
     cfg = cfg or ModelConfig()
     fcfs = plan_batches(seq_lens, max_num_batched_tokens, max_num_seqs)
@@ -334,7 +412,8 @@ def schedule_measures(seq_lens: Sequence[int], batches: Sequence[Sequence[int]],
             "masked_wasted": sum(attention_cells([seq_lens[i] for i in ids], "masked").wasted for ids in batches),
             "max_delay": max([0] + [at[i] - at_fcfs[i] for i in at]),
             "overtakes": sum(at[j] < at[i] for i in range(len(seq_lens)) for j in range(i + 1, len(seq_lens))),
-            "flops_ratio": sum(s.flops_executed for s in padded) / sum(s.flops_useful for s in padded)}
+            "flops_ratio": sum(whole_block_flops(cfg, s) for s in padded)
+            / sum(forward_flops(cfg, [seq_lens[i] for i in ids], "padded", useful_only=True).total for ids in batches)}
 
 
 def schedule_table(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int,
@@ -457,19 +536,41 @@ def check_attention_backend(fn: Callable) -> bool:
     """
     if not callable(fn):
         raise WrongAnswer(f"attention_backend: expected a function, got {type(fn).__name__}")
+    served = []
 
     def run(what, lens=None, heads=None, d_head=None):
         if what == STREAM_CASE:
-            return _serve_stream(fn)[0]
+            hidden, stats = _serve_stream(fn)
+            served.append(stats)
+            return hidden
         q, k, v, cu = _qkv(lens, heads, d_head)
         return fn(q, k, v, cu, max(lens))
 
     def judge(got, what, lens=None, heads=None, d_head=None):
         return _stream_problem(got) if what == STREAM_CASE else _attention_problem(got, lens, heads, d_head)
 
-    return grade("attention_backend", run, _ATTN_CASES, judge,
-                 "matches varlen on 3 small cases, and serves lesson 06's stream inside Engine with every request's "
-                 "hidden rows within the tolerance rule of the engine's own backend")
+    ok = grade("attention_backend", run, _ATTN_CASES, judge,
+               "matches varlen on 3 small cases, and serves lesson 06's stream inside Engine with every request's "
+               "hidden rows within the tolerance rule of the engine's own backend")
+    if ok and served:
+        print(stream_table(served[-1], _engine_run(torch.float32)[1]))
+    return ok
+
+
+def stream_table(yours: Sequence, engine: Sequence) -> str:
+    """Lesson 06's stream served twice, batch by batch: your attention's forward time against the
+    engine's own varlen backend (``BatchStats.wall_s``, one run each; shown, never asserted)."""
+    if [s.request_ids for s in yours] != [s.request_ids for s in engine]:
+        raise ValueError("the two runs did not serve the same batches")
+    lines = ["your attention served lesson 06's stream (CPU, float32; one run each, timings vary):",
+             f"{'batch':>5s} {'R':>3s} {'T':>5s} {'max_seqlen':>10s} {'yours ms':>9s} {'engine ms':>9s}"]
+    for a, b in zip(yours, engine):
+        lines.append(f"{a.index:5d} {a.num_seqs:3d} {a.num_tokens:5d} {a.max_seqlen:10d} {a.wall_s * 1e3:9.1f} "
+                     f"{b.wall_s * 1e3:9.1f}")
+    ta, tb = sum(s.wall_s for s in yours), sum(s.wall_s for s in engine)
+    lines.append(f"total: yours {ta:.2f} s, the engine's own backend {tb:.2f} s"
+                 + (f" ({ta / tb:.2f}x)" if tb else ""))
+    return "\n".join(lines)
 
 
 def time_backend(fn: Callable, repeats: int = 1) -> str:
@@ -555,16 +656,18 @@ def run_methods(cfg: ModelConfig, weights: dict, requests: Sequence[Request], ma
     return out
 
 
-def throughput_text(stats: Mapping[str, Sequence]) -> str:
+def throughput_text(stats: Mapping[str, Sequence], cfg: ModelConfig | None = None) -> str:
     """One line per method from measured ``BatchStats``: seconds, prompt tokens per second (pad rows
-    not counted), executed GFLOP/s, and throughput relative to varlen."""
+    not counted), executed GFLOP/s (whole blocks, ``whole_block_flops``: what the engine's backends
+    compute), and throughput relative to varlen."""
+    cfg = cfg or ModelConfig()
     secs = {m: sum(s.wall_s for s in st) for m, st in stats.items()}
     tokens = {m: sum(s.num_tokens for s in st) for m, st in stats.items()}
     ref = tokens.get("varlen", 0) / secs["varlen"] if secs.get("varlen") else None
     lines = []
     for m, st in stats.items():
         tps = tokens[m] / secs[m] if secs[m] else float("nan")
-        gflops = sum(s.flops_executed for s in st) / secs[m] / 1e9 if secs[m] else float("nan")
+        gflops = sum(whole_block_flops(cfg, s) for s in st) / secs[m] / 1e9 if secs[m] else float("nan")
         rel = f" | {tps / ref:4.2f}x varlen's throughput" if ref else ""
         lines.append(f"{m:7s} {secs[m]:7.3f} s | {tps:9,.0f} tokens/s | {gflops:7.1f} GFLOP/s executed{rel}")
     return "\n".join(lines)
