@@ -44,20 +44,32 @@ def test_s1_tp_split_draws_split_and_whole_biases_and_one_all_reduce():
     assert "ONCE" in text and "split with its outputs" in text
 
 
-def test_c1_allreduce_growth_draws_the_formula_the_measured_points_and_the_mark(tiny_cfg):
+def test_c1_allreduce_growth_draws_the_payload_the_ring_traffic_the_measured_points_and_the_mark(tiny_cfg):
     measured = {n: expected_trace(tiny_cfg, n) for n in (10, 100)}
     fig = L.allreduce_growth(tiny_cfg, tokens=[1, 10, 100, 1000], mark=300, measured=measured, world_size=4)
-    assert {"measured-count-10", "measured-bytes-100", "mark"} <= _gids(fig)
+    assert {"measured-bytes-10", "measured-bytes-100", "mark", "mark-ring", "ring-2", "ring-4", "ring-8"} <= _gids(fig)
     left, right = fig.axes
-    count_line = left.get_lines()[0]
-    assert list(count_line.get_ydata()) == [2 * tiny_cfg.n_layers] * 4
-    payload = right.get_lines()[0]
-    assert list(payload.get_ydata()) == [n * tiny_cfg.d_model * 4 for n in (1, 10, 100, 1000)]
-    widths = {ln.get_label(): ln.get_linewidth() for ln in right.get_lines()}
-    assert widths["TP=4: all ranks send per forward (ring)"] > widths["TP=2: all ranks send per forward (ring)"]
-    assert "TP = 4" in fig._suptitle.get_text()
+    count = 2 * tiny_cfg.n_layers
+    assert list(left.get_lines()[0].get_ydata()) == [n * tiny_cfg.d_model * 4 for n in (1, 10, 100, 1000)]
+    rings = {ln.get_gid(): ln for ln in right.get_lines() if (ln.get_gid() or "").startswith("ring-")}
+    for p, line in rings.items():  # per forward, all ranks: count x 2(p-1) payloads
+        w = int(p.split("-")[1])
+        assert list(line.get_ydata()) == [count * 2 * (w - 1) * n * tiny_cfg.d_model * 4 for n in (1, 10, 100, 1000)]
+    assert rings["ring-4"].get_linewidth() > rings["ring-2"].get_linewidth()
+    # the mark sits on the chosen TP's line, not on the payload line
+    mark = next(ln for ln in right.get_lines() if ln.get_gid() == "mark-ring")
+    assert list(mark.get_ydata()) == [count * 2 * 3 * 300 * tiny_cfg.d_model * 4]
+    assert "TP = 4" in fig._suptitle.get_text() and f"{count} all-reduces" in fig._suptitle.get_text()
+    assert "per all-reduce" in left.get_title() and "per forward" in right.get_title()
+    one = L.allreduce_growth(tiny_cfg, tokens=[1, 10], mark=5, world_size=1)
+    assert "no all-reduce" in one._suptitle.get_text() and "mark" not in _gids(one)
     with pytest.raises(ValueError, match="world_size"):
         L.allreduce_growth(tiny_cfg, world_size=3)
+
+
+def test_course_map_minutes_are_the_lessons_own():
+    assert {num: minutes for num, *_, minutes in L.LESSONS} == {
+        "00": 45, "01": 35, "02": 35, "03": 60, "04": 45, "05": 45, "06": 60}
 
 
 def test_lesson_00_figures_are_registered():
@@ -71,12 +83,13 @@ def test_lesson_00_figures_are_registered():
 def test_c1_allreduce_state_numbers():
     s = L.allreduce_state(1000)
     assert (s["count"], s["shape"], s["bytes_each"]) == (16, [1000, 512], 1000 * 512 * 4)
-    assert s["bytes_per_forward"] == 16 * 2_048_000 and s["bytes_all_ranks"] == 2 * 16 * 2_048_000
+    assert s["bytes_per_forward"] == 16 * 2_048_000 and s["ring_sent_each"] == 2_048_000  # 2(p-1)/p = 1 at TP=2
     assert s["ring_sent_total"] == 16 * 2 * (2 - 1) * 2_048_000
     assert L.allreduce_text(s).startswith("TP=2: 16 all-reduces per forward on each rank | each [1000, 512] float32 = 2,048,000 B")
     eight = L.allreduce_state(1000, world_size=8)
     assert eight["bytes_each"] == s["bytes_each"]  # the payload does not shrink with TP
-    assert eight["ring_sent_total"] == 16 * 2 * 7 * 2_048_000
+    assert eight["ring_sent_total"] == 16 * 2 * 7 * 2_048_000 and eight["ring_sent_each"] == 2 * 7 * 2_048_000 // 8
+    assert "1.75 x its payload" in L.allreduce_text(eight)
     assert L.allreduce_state(10, "bfloat16")["bytes_each"] == 10 * 512 * 2
 
 
@@ -166,11 +179,11 @@ def test_machine_report_names_device_dtype_every_backend_and_the_tp_backend():
 
 # ---- exercise checkers --------------------------------------------------------------------------------
 
-def _params(cfg, tied=True, wpe=True, biases=True, ln=True):
+def _params(cfg, tied=True, wpe=True, biases=True, ln=True, ln_f=True):
     d, k, f, n = cfg.d_model, cfg.qkv_dim, cfg.d_ffn, cfg.n_layers
     total = cfg.vocab_size * d * (1 if tied else 2) + (cfg.max_position * d if wpe else 0)
     per_layer = 3 * k * d + k * d + f * d + d * f + ((3 * k + d + f + d) if biases else 0) + (4 * d if ln else 0)
-    return total + n * per_layer + (2 * d if ln else 0)
+    return total + n * per_layer + (2 * d if ln and ln_f else 0)
 
 
 def _rank_params(cfg, tp, split_row_bias=False, whole_col_bias=False):
@@ -182,24 +195,42 @@ def _rank_params(cfg, tp, split_row_bias=False, whole_col_bias=False):
     return whole + cut // tp
 
 
-def test_s1_param_count_checker(capsys):
-    assert L.check_param_count(_params)
-    assert L.check_param_count(stub) is False and "not attempted yet" in capsys.readouterr().out
-    assert "tied" in attempt(L.check_param_count, lambda c: _params(c, tied=False))
-    assert "position embedding" in attempt(L.check_param_count, lambda c: _params(c, wpe=False))
-    assert "biases" in attempt(L.check_param_count, lambda c: _params(c, biases=False))
-    assert "LayerNorm" in attempt(L.check_param_count, lambda c: _params(c, ln=False))
+def _only_tp1(fn):
+    """A whole-model count that ignores tp_size: right at TP=1 only."""
+    return lambda c, tp: fn(c)
 
 
-def test_s1_rank_params_checker(capsys):
+def test_s1_rank_params_checker_at_tp_1_counts_the_whole_model(capsys):
     assert L.check_rank_params(_rank_params)
+    assert L.check_rank_params(stub) is False and "not attempted yet" in capsys.readouterr().out
+    assert "tied" in attempt(L.check_rank_params, _only_tp1(lambda c: _params(c, tied=False)))
+    assert "position embedding" in attempt(L.check_rank_params, _only_tp1(lambda c: _params(c, wpe=False)))
+    assert "biases of the four" in attempt(L.check_rank_params, _only_tp1(lambda c: _params(c, biases=False)))
+    assert "ln_1, ln_2 per block, and ln_f" in attempt(L.check_rank_params, _only_tp1(lambda c: _params(c, ln=False)))
+    assert "final LayerNorm ln_f" in attempt(L.check_rank_params, _only_tp1(lambda c: _params(c, ln_f=False)))
+    no_block_ln = attempt(L.check_rank_params, _only_tp1(lambda c: _params(c) - 4 * c.d_model * c.n_layers))
+    assert "two LayerNorms (ln_1, ln_2)" in no_block_ln
+    assert "the article's model" in attempt(L.check_rank_params, lambda c, tp: 59_340_288 if tp == 1 else 46_743_040)
+
+
+def test_s1_rank_params_checker_explains_the_split(capsys):
     assert "not everything is split" in attempt(L.check_rank_params, lambda c, tp: _params(c) // tp)
     assert "are not split" in attempt(L.check_rank_params, lambda c, tp: _rank_params(c, tp, split_row_bias=True))
     assert "ARE split" in attempt(L.check_rank_params, lambda c, tp: _rank_params(c, tp, whole_col_bias=True))
+    assert "that is the whole model" in attempt(L.check_rank_params, lambda c, tp: _params(c))
     capsys.readouterr()
     # Splitting every bias is right at TP=1 and wrong at TP=2, 3: partial credit.
     earned = score(L.check_rank_params, lambda c, tp: _rank_params(c, tp, split_row_bias=True), points=7)
     assert 0 < earned < 7 and "are not split" in capsys.readouterr().out
+    # Cutting everything tp ways is right at the three TP=1 layouts of seven.
+    assert score(L.check_rank_params, lambda c, tp: _params(c) / tp, points=7) == 3
+    assert "not everything is split" in capsys.readouterr().out
+
+
+def test_s1_the_article_counts_are_the_real_models():
+    cfg = ModelConfig()
+    counts = {sum(p.numel() for p in Transformer(cfg, seed=0, group=LocalGroup(0, tp)).parameters()) for tp in (1, 2)}
+    assert L._article_counts() == counts
 
 
 def test_c1_all_reduce_traffic_checker(capsys):
@@ -214,8 +245,19 @@ def test_c1_all_reduce_traffic_checker(capsys):
     assert "does not shrink" in attempt(L.check_all_reduce_traffic,
                                         lambda c, n, tp: (2 * c.n_layers, n * c.d_model * _itemsize(c) // tp))
     assert "bytes, not elements" in attempt(L.check_all_reduce_traffic, lambda c, n, tp: (2 * c.n_layers, n * c.d_model))
-    assert "expected (4, 2560)" in attempt(L.check_all_reduce_traffic, lambda c, n, tp: (16, 20480))  # hard-coded
+    assert "the article's model (8 layers)" in attempt(L.check_all_reduce_traffic,
+                                                       lambda c, n, tp: (16, n * c.d_model * _itemsize(c)))
+    # 4 bytes hard-coded: right in float32, and the bfloat16 case names the itemsize (not the FFN input)
+    four = attempt(L.check_all_reduce_traffic, lambda c, n, tp: (0, 0) if tp == 1 else (2 * c.n_layers, n * c.d_model * 4))
+    assert "2 bytes per element" in four and "OUTPUT" not in four
     capsys.readouterr()
     # Forgetting TP=1 is one case of five.
     earned = score(L.check_all_reduce_traffic, lambda c, n, tp: (2 * c.n_layers, n * c.d_model * _itemsize(c)), 5)
     assert earned == 4 and "nobody to add partial sums with" in capsys.readouterr().out
+
+
+def test_time_forward_is_a_positive_time(tiny_cfg):
+    model = Transformer(tiny_cfg, seed=0)
+    assert L.time_forward(model, pack([torch.arange(5)]), repeats=2) > 0
+    with pytest.raises(ValueError):
+        L.time_forward(model, pack([torch.arange(5)]), repeats=0)

@@ -171,3 +171,10 @@ def test_c3_unpad_checker(capsys):
 def test_lens_cases_stay_for_lesson_03():
     assert L.LENS_CASES[0] == [10, 30] and all(min(c) >= 1 for c in L.LENS_CASES)
     assert pack([torch.arange(n) for n in L.LENS_CASES[3]]).cu_seqlens.tolist() == [0, 7, 8, 20, 23]
+
+
+def test_c3_figures_say_what_their_ticks_mark():
+    flat = L.padded_vs_flat([10, 30]).axes[1]
+    assert "thin white lines separate the tokens" in flat.get_xlabel() and "numbered ticks are cu_seqlens" in flat.get_xlabel()
+    assert "thin white" not in L.padded_vs_flat([50, 40]).axes[1].get_xlabel()  # no token lines drawn beyond 80 rows
+    assert "cu_seqlens = [0, 10, 40]" in L.flat_positions([10, 30]).axes[0].get_xlabel()

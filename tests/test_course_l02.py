@@ -32,6 +32,10 @@ def test_c4_c6_forward_walk_shapes_come_from_the_config():
     assert by_name["QKV proj"].per_rank == "[40 x 512] -> [40 x 768]"
     assert by_name["FFN-down"].per_rank == "[40 x 1024] -> [40 x 512] + all-reduce"
     assert [s.name for s in steps if s.reads != "row i only"] == ["attention"]
+    # attention as the block calls it, the shapes measure_steps reports: fused QKV in, heads x d_head out
+    assert (by_name["attention"].flat, by_name["attention"].per_rank) == ("[40 x 1536] -> [40 x 512]",
+                                                                          "[40 x 768] -> [40 x 256]")
+    assert by_name["out proj"].flat.startswith(by_name["attention"].flat.split(" -> ")[1])
     tp4 = {s.name: s for s in L.forward_walk(ModelConfig(tp_size=4), [5])}
     assert tp4["QKV proj"].per_rank == "[5 x 512] -> [5 x 384]" and tp4["out proj"].per_rank.startswith("[5 x 128]")
 
@@ -41,6 +45,9 @@ def test_forward_walk_figure_is_a_figure_with_readable_text():
     assert isinstance(fig, Figure)
     texts = _texts(fig)
     assert any("[40 x 768]" in t.get_text() for t in texts)
+    assert "A = 10 and B = 30 tokens" in fig._suptitle.get_text() and "[10, 30]" not in fig._suptitle.get_text()
+    assert L._requests_phrase([1, 2, 3, 4, 5]) == "A = 1, B = 2, C = 3 and D = 4 tokens, and 1 more request"
+    assert L._requests_phrase([7]) == "A = 7 tokens"
     assert min(t.get_fontsize() for t in texts) >= MIN_FONT
 
 
@@ -101,10 +108,14 @@ def test_c5_summation_orders_differ_only_by_rounding():
 
 # --- figures -------------------------------------------------------------------------------------------
 
-def test_dependency_maps_checks_shapes_and_counts_pairs():
+def test_dependency_maps_checks_shapes_counts_pairs_and_names_the_requests():
     eye = np.eye(40, dtype=bool)
     fig = L.dependency_maps({"per token": eye}, [10, 30])
-    assert "40 of 1600 pairs" in fig.axes[0].get_title()
+    ax = fig.axes[0]
+    assert "40 of 1600 pairs" in ax.get_title()
+    assert list(ax.get_xticks()) == [0, 10, 40] and list(ax.get_xticks(minor=True)) == [5, 25]
+    assert [t.get_text() for t in ax.get_xticklabels(minor=True)] == ["A", "B"]
+    assert [t.get_text() for t in ax.get_yticklabels(minor=True)] == ["A", "B"]
     with pytest.raises(ValueError, match="must be"):
         L.dependency_maps({"bad": np.eye(5, dtype=bool)}, [10, 30])
 

@@ -33,9 +33,10 @@ def padded_vs_flat(seq_lens: Sequence[int]) -> Figure:
 
     Left, top: the padded ``[R, Lmax]`` grid, one orange Rectangle per request (gid
     ``real-i``) and one hatched vermillion per pad span (gid ``pad-i``). Left, bottom: the flat
-    strip of ``Σ L`` rows with ticks at ``cu_seqlens``. Right: attention score cells per head per
-    layer of each request once padded: its own ``L_i²`` (blue, useful) and the ``Lmax² − L_i²``
-    padding adds (vermillion), gids ``useful-i`` / ``wasted-i``.
+    strip of ``Σ L`` rows (thin white lines between tokens) with numbered ticks at
+    ``cu_seqlens``. Right: attention score cells per head per layer of each request once
+    padded: its own ``L_i²`` (blue, useful) and the ``Lmax² − L_i²`` padding adds
+    (vermillion), gids ``useful-i`` / ``wasted-i``.
     """
     lens = check_lengths(seq_lens)
     if not lens:
@@ -68,7 +69,8 @@ def padded_vs_flat(seq_lens: Sequence[int]) -> Figure:
     bottom.set_yticks([])
     cu_ticks(bottom, cumulative(lens))
     bottom.tick_params(axis="x", labelsize=MIN_FONT)
-    bottom.set_xlabel("flat row; ticks at cu_seqlens", fontsize=MIN_FONT)
+    bottom.set_xlabel("flat row: thin white lines separate the tokens; the numbered ticks are cu_seqlens"
+                      if total <= 80 else "flat row; the numbered ticks are cu_seqlens", fontsize=MIN_FONT)
     bottom.set_title(f"flat [{total} x d]: {total} rows, all useful, no batch dimension", fontsize=MIN_FONT + 1)
     for i, n in enumerate(lens[:shown]):
         cells.bar(i, n * n, color=ATTENTION, gid=f"useful-{i}")
@@ -115,7 +117,8 @@ def flat_positions(seq_lens: Sequence[int]) -> Figure:
     ax.set_ylim(-0.6, max(lens) * 1.22)
     cu_ticks(ax, cu)
     ax.tick_params(labelsize=MIN_FONT)
-    ax.set_xlabel(f"flat row; ticks at cu_seqlens = {cu if len(cu) <= 12 else '[...]'}", fontsize=MIN_FONT)
+    ax.set_xlabel(f"flat row (one bar per token); the numbered ticks are cu_seqlens = {cu if len(cu) <= 12 else '[...]'}",
+                  fontsize=MIN_FONT)
     ax.set_ylabel("position id", fontsize=MIN_FONT)
     ax.set_title(f"flat batch [{cu[-1]} x d]: each request's positions restart at 0 at its cu_seqlens boundary",
                  fontsize=MIN_FONT + 1)

@@ -58,7 +58,8 @@ class WalkStep:
 def forward_walk(cfg: ModelConfig, seq_lens: Sequence[int]) -> list[WalkStep]:
     """The embedding and the ten steps of a pre-LN block, with shapes computed from ``cfg``.
 
-    Shapes are for the ``T = sum(seq_lens)`` flat rows; ``per_rank`` is one rank of
+    Shapes are for the ``T = sum(seq_lens)`` flat rows (attention as the block calls it: the fused
+    ``[T x 3·H·D]`` QKV in, ``[T x H·D]`` out); ``per_rank`` is one rank of
     ``cfg.tp_size`` (column-parallel QKV and FFN-up keep a slice of the outputs, row-parallel
     out proj and FFN-down a slice of the inputs and all-reduce a partial ``[T x d]``).
     """
@@ -75,7 +76,8 @@ def forward_walk(cfg: ModelConfig, seq_lens: Sequence[int]) -> list[WalkStep]:
         WalkStep("embed (token + position)", "per token", f"{s(t)} ids -> {s(t, d)}", f"{s(t)} ids -> {s(t, d)}", itself),
         WalkStep("LayerNorm", "per token", same, same, itself),
         WalkStep("QKV proj", "linear", f"{s(t, d)} -> {s(t, 3 * k)}", f"{s(t, d)} -> {s(t, 3 * hr * dh)}", itself),
-        WalkStep("attention", "attention", f"{s(t, h, dh)} -> {s(t, h, dh)}", f"{s(t, hr, dh)} -> {s(t, hr, dh)}", own),
+        WalkStep("attention", "attention", f"{s(t, 3 * h * dh)} -> {s(t, h * dh)}", f"{s(t, 3 * hr * dh)} -> {s(t, hr * dh)}",
+                 own),
         WalkStep("out proj", "linear", f"{s(t, k)} -> {s(t, d)}", f"{s(t, k // tp)} -> {s(t, d)} + all-reduce", itself),
         WalkStep("residual add", "per token", same, same, itself),
         WalkStep("LayerNorm", "per token", same, same, itself),
@@ -84,6 +86,15 @@ def forward_walk(cfg: ModelConfig, seq_lens: Sequence[int]) -> list[WalkStep]:
         WalkStep("FFN-down", "linear", f"{s(t, f)} -> {s(t, d)}", f"{s(t, f // tp)} -> {s(t, d)} + all-reduce", itself),
         WalkStep("residual add", "per token", same, same, itself),
     ]
+
+
+def _requests_phrase(seq_lens: Sequence[int]) -> str:
+    """``A = 10 and B = 30 tokens`` (the first four requests by name, then how many more)."""
+    lens = list(seq_lens)
+    named = [f"{request_name(i)} = {n}" for i, n in enumerate(lens[:4])]
+    text = (", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0]) + " tokens"
+    more = len(lens) - len(named)
+    return text + (f", and {more} more request{'s' if more > 1 else ''}" if more else "")
 
 
 def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int]) -> Figure:
@@ -113,8 +124,8 @@ def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int]) -> Figure:
                         (("per token: each row on its own (C4)", OTHER), ("linear: Y = X W^T + b, row by row (C5)", LINEAR),
                          ("attention: mixes rows, needs cu_seqlens (lesson 03)", ATTENTION))],
                loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
-    fig.suptitle(f"One block on the flat batch {list(seq_lens)}: shapes at every step, and the one step that mixes rows",
-                 fontsize=MIN_FONT + 2, y=0.97)
+    fig.suptitle(f"One block on the flat batch of {_requests_phrase(seq_lens)}: shapes at every step, and the one "
+                 "step that mixes rows", fontsize=MIN_FONT + 2, y=0.97)
     return fig
 
 
@@ -292,7 +303,8 @@ def dependency_maps(panels: Mapping[str, np.ndarray], seq_lens: Sequence[int],
                     colors: Mapping[str, str] | None = None) -> Figure:
     """Who reads whom: for each panel a bool ``[T_out, T_in]`` map, True where output row i
     changed when input row j was perturbed (see ``probe.row_dependency``). Request
-    boundaries are drawn at ``cu_seqlens``; ``colors`` gives each panel's True colour."""
+    boundaries are drawn at ``cu_seqlens`` (dashed, numbered ticks), each request's name between
+    its boundaries (minor ticks); ``colors`` gives each panel's True colour."""
     lens = check_lengths(seq_lens)
     cu = cumulative(lens)
     fig = Figure(figsize=(3.4 * len(panels), 4.0))
@@ -311,6 +323,13 @@ def dependency_maps(panels: Mapping[str, np.ndarray], seq_lens: Sequence[int],
             ax.axvline(e, color=TEXT, linewidth=0.8, linestyle="--")
         ax.set_xticks(cu)
         ax.set_yticks(cu)
+        mids = [(a + b) / 2 for a, b in zip(cu[:-1], cu[1:])]  # each request's name between its boundaries
+        names = [request_name(i) for i in range(len(lens))]
+        ax.set_xticks(mids, names, minor=True)
+        ax.set_yticks(mids, names, minor=True)
+        ax.tick_params(which="minor", length=0, labelsize=MIN_FONT + 1, labelcolor=TEXT)
+        for label in ax.get_xticklabels(minor=True) + ax.get_yticklabels(minor=True):
+            label.set_fontweight("bold")
         ax.tick_params(labelsize=MIN_FONT)
         ax.set_title(f"{title}\n{int(dep.sum())} of {dep.size} pairs", fontsize=MIN_FONT + 1)
         ax.set_xlabel("perturbed input row j", fontsize=MIN_FONT)
