@@ -80,3 +80,21 @@ def test_main_lists_and_writes_only_what_is_asked(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["03_attention_patterns.png"]
     with pytest.raises(ValueError, match="unknown figure"):
         figures.main(["--out", str(tmp_path), "--only", "03_nothing"])
+
+
+def test_every_text_in_every_figure_is_at_least_9_pt():
+    """Readable on a laptop: titles, labels, ticks, legends and annotations of every registered figure."""
+    from matplotlib.text import Text
+
+    from lessons_lib.course.style import MIN_FONT, to_png
+
+    figures.load_lessons()
+    small = []
+    for name in sorted(figures.REGISTRY):
+        fig = figures.build(name)
+        with figures.style():
+            to_png(fig)  # drawing creates the tick labels
+        for t in fig.findobj(Text):
+            if t.get_visible() and t.get_text().strip() and t.get_fontsize() < MIN_FONT:
+                small.append(f"{name}: {t.get_text()[:40]!r} at {t.get_fontsize():g} pt")
+    assert not small, "\n".join(small[:30])

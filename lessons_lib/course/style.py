@@ -82,7 +82,7 @@ def draw_strip(ax, lens: list[int], y: float = 0.0, height: float = 1.0, label_r
 def cu_ticks(ax, cu: list[int], max_labels: int = 24) -> None:
     shown = cu if len(cu) <= max_labels else cu[:: max(1, len(cu) // max_labels)] + [cu[-1]]
     ax.set_xticks(sorted(set(shown)))
-    ax.tick_params(axis="x", labelsize=8)
+    ax.tick_params(axis="x", labelsize=MIN_FONT)
 
 def token_strip(seq_lens: Sequence[int], title: str | None = None) -> Figure:
     """The flat batch of claim C3: T tokens in one row, coloured by request, ``cu_seqlens`` as ticks.
@@ -123,7 +123,7 @@ def measured_series(x: Sequence[float], series: Mapping[str, Sequence[float]], x
         ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(fontsize=MIN_FONT, frameon=False)
     ax.set_title(title, fontsize=9)
     fig.subplots_adjust(left=0.14, right=0.97, bottom=0.15, top=0.9)
     return fig
