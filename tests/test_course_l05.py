@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import attempt, by_class, png_of, stub
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from lessons_lib.core.attention import varlen_attention
@@ -166,7 +167,7 @@ def test_c14_flops_bars_heights_are_forward_flops_in_gflop():
         L.flops_bars([])
 
 
-@pytest.mark.parametrize("name", ["05_intensity", "05_flops_1x1000_vs_10x100", "05_attention_share"])
+@pytest.mark.parametrize("name", ["05_intensity", "05_flops_1x1000_vs_10x100", "05_attention_share", "05_weight_reuse"])
 def test_registered_figures_build_with_9pt_text(name):
     fig = figures.build(name)
     assert isinstance(fig, Figure) and _min_font(fig) >= MIN_FONT
@@ -180,7 +181,46 @@ def test_intensity_figure_plots_the_library_formula_and_the_ridges():
     assert all(y == pytest.approx(L.block_linear_intensity(ModelConfig(), int(x))) for x, y in zip(xs, ys))
     labels = " ".join(t.get_text() for t in ax.texts)
     assert "206" in labels and "ridge" in labels and "R = 32: 29.5" in labels
+    assert "measured when this course was built" in labels and "EPYC" in labels
     assert "bytes moved" in ax.title.get_text() and "input rows" in ax.title.get_text()
+    assert "128 cached tokens" in " ".join(t.get_text() for t in ax.get_legend().get_texts())
+
+
+def test_intensity_figure_decode_labels_sit_off_the_fp32_line():
+    """Each decode label is drawn on the bf16 curve's side away from the fp32 curve (above it, or right of both)."""
+    fig = L.intensity_figure(ModelConfig())
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    ax = fig.axes[0]
+    fp32 = ax.lines[1]
+    pts = ax.transData.transform(list(zip(fp32.get_xdata(), fp32.get_ydata())))
+    renderer = canvas.get_renderer()
+    for text in ax.texts:
+        if "decode step" not in text.get_text():
+            continue
+        box = text.get_window_extent(renderer)
+        inside = [(x, y) for x, y in pts if box.x0 <= x <= box.x1 and box.y0 <= y <= box.y1]
+        assert not inside, f"{text.get_text()!r} overlaps the fp32 curve"
+
+
+def test_weight_reuse_figure_draws_one_weight_per_panel_and_no_intensity():
+    fig = L.weight_reuse_figure(lens=(1, 2, 3))
+    ax = fig.axes[0]
+    assert sorted(p.get_gid() for p in ax.patches if p.get_gid()) == ["weight-0", "weight-1"]
+    text = " ".join(t.get_text() for t in ax.texts)
+    assert "x [6, 512]" in text and "2 · 6 · 512 · 2048" in text and "FLOP/byte" not in text
+
+
+def test_throughput_sweep_restores_threads_and_figure_labels_each_t():
+    before = torch.get_num_threads()
+    got = L.throughput_sweep([1, 4], 16, 32, repeats=1)
+    assert len(got) == 2 and all(g > 0 for g in got) and torch.get_num_threads() == before
+    fig = L.throughput_figure([1, 8, 64], [5.0, 20.0, 40.0], "FFN-up", "cpu, 1 thread")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "8", "64"] and ax.get_yscale() == "linear"
+    assert [t.get_text() for t in ax.texts] == ["5", "20", "40"] and _min_font(fig) >= MIN_FONT
+    with pytest.raises(ValueError, match="one throughput per T"):
+        L.throughput_figure([1, 2], [1.0], "x", "y")
 
 
 def test_attention_share_curve_crosses_half_at_the_crossover():
@@ -212,6 +252,19 @@ def test_c14_attention_flops_checker():
     assert "masked" in attempt(L.check_attention_flops, masked)
     causal = lambda c, s: forward_flops(c, s, causal=True).attention
     assert "causal" in attempt(L.check_attention_flops, causal)
+    msg = attempt(L.check_attention_flops, lambda c, s: _attn_flops(c, s) // 2)
+    assert "off by a factor 2: count both matmuls, QK^T and PV" in msg and "missing" not in msg
+    average = lambda c, s: c.n_layers * c.n_heads * sum(s) ** 2 / len(s) * 4 * c.d_head
+    assert "average length" in attempt(L.check_attention_flops, average)
+    width_d = lambda c, s: c.n_layers * sum(n * n for n in s) * 4 * c.d_model
+    assert "not d_model" in attempt(L.check_attention_flops, width_d)
+
+
+def test_attention_flops_checker_partial_marks(capsys):
+    assert L.check_attention_flops(stub) is False
+    assert "not attempted" in capsys.readouterr().out
+    average = lambda c, s: c.n_layers * c.n_heads * sum(s) ** 2 // len(s) * 4 * c.d_head
+    assert 0 < score(L.check_attention_flops, average, points=2) < 2  # right when all lengths are equal
 
 
 def _crossover(cfg, causal):
@@ -226,6 +279,13 @@ def test_c14_crossover_checker():
     assert "6 x d_model holds only" in attempt(check, lambda c, causal: (12 * c.d_model - 1) if causal else 6 * c.d_model)
     assert "about half the cells" in attempt(check, lambda c, causal: _crossover(c, False))
     assert "off by one" in attempt(check, lambda c, causal: _crossover(c, causal) + 1)
+
+    def floor(c, causal):  # right where the division is exact, too small where it is not
+        d, k, f = c.d_model, c.qkv_dim, c.d_ffn
+        linear = 2 * (3 * d * k + k * d + 2 * d * f)
+        return linear // (2 * k) - 1 if causal else linear // (4 * k)
+    assert "rounded down" in attempt(check, floor)
+    assert 0 < score(check, floor, points=2) < 2
 
     def with_d(c, causal):  # the linear cost right, attention's width taken as d_model
         d, k, f = c.d_model, c.qkv_dim, c.d_ffn
@@ -251,3 +311,20 @@ def test_c15_decode_batch_checker():
     weights_only = lambda c, ridge, nb: math.ceil(ridge * nb / 2)
     assert 0 <= score(check, weights_only, points=2) < 2
     assert L.check_decode_batch(stub) is False
+
+
+def test_time_splits_warm_up_every_batch_then_split_each():
+    model = Transformer(SMALL, seed=0)
+    batches = {"one": pack([torch.arange(12)]), "three": pack([torch.arange(n) for n in (4, 4, 4)])}
+    calls = []
+    real = model.forward
+
+    def counting(batch, **kw):
+        calls.append(batch.num_seqs)
+        return real(batch, **kw)
+    model.forward = counting
+    got = L.time_splits(model, batches, repeats=1, warmup=2)
+    assert set(got) == {"one", "three"} and all(v["wall"] > 0 and v["linear"] >= 0 for v in got.values())
+    assert calls[:4] == [1, 3, 1, 3]  # the warm-up forwards come first, for every batch
+    with pytest.raises(ValueError, match="warmup"):
+        L.time_splits(model, batches, warmup=-1)

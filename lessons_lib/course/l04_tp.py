@@ -1,17 +1,23 @@
 """What lesson 04 (TP=2 does not care how the tokens are packed) draws, explores and checks.
 
-Figure ``04_trace_timeline``: one TP=2 forward per rank, all-reduces in purple, the same for
-1, 2 and 40 requests. Explorer ``tp_packing_explorer`` wraps ``tp_packing_state``: pack T
-tokens as R requests and watch the trace stay while attention's inputs change.
+Figures: ``04_two_axes`` (the idea: requests cut the flat rows, TP cuts the heads and features;
+attention is one independent problem per (request, head), the all-reduce carries every row) and
+``04_trace_timeline`` (one TP=2 forward per rank, all-reduces in purple, the same for 1, 2 and
+40 requests; the lesson draws it from the real ranks' records with ``tp_trace_timeline``).
+Explorer ``tp_packing_explorer`` wraps ``tp_packing_state``: pack T tokens as R requests and
+watch the trace stay while attention's inputs (and the kernel's launch grid) change.
 Helpers the notebook calls: ``rank_layers`` (what each rank's four linear layers compute),
-``layer0_attention`` (one layer's attention output on a rank), ``tp_ranks_in_threads`` (a real
-TP group inside one process, for the exercise). Exercise checkers: ``check_trace_prediction``
-(04.1), ``check_row_parallel`` (04.2).
+``layer0_attention`` (one layer's attention output on a rank). A real TP group inside one
+process (``tp_ranks_in_threads``) and a stand-in rank that also records all-gathers
+(``StandInRank``) run ``vocab_parallel_forward``: the model with its embedding and tied LM head
+split by vocabulary, as a real deployment does. Exercise checkers: ``check_vocab_trace``
+(04.1, the trace of that forward), ``check_qkv_shard`` (04.2, cut the fused QKV weight by head).
 
 Taught in notebooks/04_tp2_invariance.ipynb.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -23,8 +29,8 @@ from matplotlib.patches import Rectangle
 
 from ..core.batch import PackedBatch, cumulative, pack
 from ..core.config import ModelConfig
-from ..core.groups import LocalGroup, record
-from ..core.linear import RowParallelLinear
+from ..core.groups import CollectiveRecord, LocalGroup, record
+from ..core.linear import QKVParallelLinear
 from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
 from ..tp.dryrun import record_trace, trace_signature
@@ -124,7 +130,7 @@ def layer0_attention(model: Transformer, batch: PackedBatch) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The figure: one forward on two ranks
+# The idea: two cuts of one forward
 
 def _box(ax, x, y, w, h, color, text="", text_color="white", gid=None, fontsize=MIN_FONT):
     ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="white", linewidth=1, gid=gid))
@@ -132,28 +138,110 @@ def _box(ax, x, y, w, h, color, text="", text_color="white", gid=None, fontsize=
         ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize, color=text_color)
 
 
-def tp_trace_timeline(traces: Sequence[Sequence], packings: Sequence[Sequence[int]], cfg: ModelConfig | None = None
-                      ) -> Figure:
+def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | None = None, tp: int = 2) -> Figure:
+    """Claims C11, C12, the idea before any count: the flat rows are cut by request (``cu_seqlens``),
+    the heads and features by rank (TP). Left: attention in one layer, one blue block per
+    (request, head), each its own problem (gid ``block-<request>-<head>``). Right: a row-parallel
+    layer, each rank's partial sum of every row, one all-reduce (purple, gid ``allreduce``) for
+    all the rows. No trace counts (the lesson asks the reader to predict them)."""
+    cfg = cfg or ModelConfig()
+    lens = check_lengths(seq_lens)
+    if cfg.n_heads % tp:
+        raise ValueError(f"tp={tp} must divide n_heads={cfg.n_heads}")
+    t, h, hl, cu = sum(lens), cfg.n_heads, cfg.n_heads // tp, cumulative(lens)
+    fig = Figure(figsize=(13, 5.2))
+    fig.text(0.01, 0.965, f"Two cuts of one forward at TP = {tp}: the requests cut the flat rows (cu_seqlens), "
+             "tensor parallelism cuts the heads and the features. Neither cut needs the other.",
+             fontsize=MIN_FONT + 2, color=TEXT, va="top")
+
+    ax = fig.add_axes((0.1, 0.07, 0.44, 0.72))
+    ax.axis("off")
+    gap = 0.8
+
+    def hx(j):  # x of head j: a gap between the ranks
+        return j + (j // hl) * gap
+
+    for i, n in enumerate(lens):
+        y = t - cu[i + 1]                      # the first request on top
+        ax.add_patch(Rectangle((-1.6, y), 1.1, n, facecolor=request_color(i), edgecolor="white"))
+        ax.text(-1.7, y + n / 2, f"request {request_name(i)}\n{n} tokens", ha="right", va="center",
+                fontsize=MIN_FONT, color=TEXT)
+        for j in range(h):
+            ax.add_patch(Rectangle((hx(j), y + 0.3), 0.9, n - 0.6, facecolor=ATTENTION, edgecolor="none",
+                                   gid=f"block-{i}-{j}"))
+    for i in range(1, len(lens)):              # the request cut
+        ax.plot([-1.6, hx(h - 1) + 0.9], [t - cu[i]] * 2, color=TEXT, linewidth=1.2, linestyle=(0, (4, 2)))
+    for r in range(tp):
+        a = hx(r * hl)
+        ax.text(a + (hl - 0.1) / 2, t + 1.2, f"rank {r}: heads {r * hl}-{(r + 1) * hl - 1}", ha="center",
+                va="bottom", fontsize=MIN_FONT + 1, color=TEXT)
+        if r:
+            mid = a - gap / 2 - 0.05
+            ax.plot([mid, mid], [-0.5, t + 0.5], color=TEXT, linewidth=1.2, linestyle=(0, (4, 2)))
+    ax.text(hx(h - 1) + 1.1, t - cu[1] if len(lens) > 1 else t / 2, "  cu_seqlens\n  cuts here", va="center",
+            fontsize=MIN_FONT, color=TEXT)
+    ax.text(hx(hl) - gap / 2, -1.0, "TP cuts here", ha="center", va="top", fontsize=MIN_FONT, color=TEXT)
+    ax.set_title("Attention in one layer: every blue block (one request x one head) is its own problem.\n"
+                 "No block reads another, so no cut sends anything across it.", fontsize=MIN_FONT + 1, pad=26)
+    ax.set_xlim(-4.6, hx(h - 1) + 3.2)
+    ax.set_ylim(-3.2, t + 4)
+
+    ax = fig.add_axes((0.58, 0.07, 0.41, 0.72))
+    ax.axis("off")
+    for i, n in enumerate(lens):
+        y = t - cu[i + 1]
+        ax.add_patch(Rectangle((-0.9, y), 0.7, n, facecolor=request_color(i), edgecolor="white"))
+    for r in range(tp):
+        x = r * 3.4
+        _box(ax, x, 0, 2.6, t, LINEAR, f"rank {r}:\npartial sum\nof every row\n[T, d_model]", fontsize=MIN_FONT + 1)
+    xa = tp * 3.4 - 0.4
+    ax.add_patch(Rectangle((xa, 0), 0.8, t, facecolor=COMM, edgecolor="white", gid="allreduce"))
+    ax.text(xa + 0.4, t + 1.2, "all-reduce", ha="center", va="bottom", fontsize=MIN_FONT + 1, color=TEXT)
+    _box(ax, xa + 1.2, 0, 2.6, t, LINEAR, "the sum,\n+ bias once:\nthe same on\nevery rank", fontsize=MIN_FONT + 1)
+    ax.set_title("A row-parallel layer (out proj, FFN-down): one all-reduce\n"
+                 "adds the ranks' partial sums of ALL the rows at once.", fontsize=MIN_FONT + 1, pad=26)
+    ax.text(-0.9, -1.0, "It never asks which request a row belongs to.", va="top", fontsize=MIN_FONT + 1, color=TEXT)
+    ax.set_xlim(-1.2, xa + 4.2)
+    ax.set_ylim(-3.2, t + 4)
+    return fig
+
+
+@register("04_two_axes", lesson="04",
+          caption="two cuts of one TP=2 forward: requests cut the flat rows, TP cuts the heads; attention is one "
+                  "problem per (request, head), one all-reduce carries every row (C11, C12)")
+def _two_axes() -> Figure:
+    return two_axes_figure()
+
+
+# ---------------------------------------------------------------------------------------------
+# The trace of one forward on two ranks
+
+def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings: Sequence[Sequence[int]],
+                      cfg: ModelConfig | None = None, source: str = "the ranks' records") -> Figure:
     """Claims C11, C12: one TP forward, one row per rank, from the ranks' collective traces.
 
-    ``traces[r]``: rank r's ``CollectiveRecord`` list (a real ``TPResult.traces`` or a dry run
-    per rank); every rank must have the same trace (else real ranks would wait forever). Layer
-    0 is drawn in detail (green linear layers with each rank's shapes, blue attention on the
-    rank's own heads), the other layers compactly; every all-reduce is one purple bar across all
-    ranks (gid ``allreduce-k``), numbered; the replicated embedding and final LayerNorm + LM head
-    are grey. ``packings``: request lengths that all produced this trace, drawn underneath.
+    ``traces_by_packing[i][r]``: rank r's ``CollectiveRecord`` list for the batch of request
+    lengths ``packings[i]`` (a real ``TPResult.traces`` or a dry run per rank). All must be the
+    same, record for record, on every rank and for every packing (else ValueError: real ranks
+    would wait forever, or the trace would depend on the packing). Layer 0 is drawn in detail
+    (green linear layers with each rank's shapes, blue attention on the rank's own heads), the
+    other layers compactly; every all-reduce is one purple bar across all ranks (gid
+    ``allreduce-k``), numbered; the replicated embedding and final LayerNorm + LM head are
+    grey. The packings are drawn underneath; ``source`` says where the traces came from.
     """
     cfg = cfg or ModelConfig()
-    traces = [list(t) for t in traces]
+    runs = [[list(t) for t in traces] for traces in traces_by_packing]
+    packs = [check_lengths(p) for p in packings]
+    if not packs or len(packs) != len(runs):
+        raise ValueError(f"give one list of per-rank traces per packing: {len(runs)} traces for {len(packs)} packings")
+    traces = runs[0]
     if not traces or not traces[0]:
         raise ValueError("traces must hold at least one rank with at least one collective")
     sig = trace_signature(traces[0])
-    for r, t in enumerate(traces[1:], start=1):
-        if trace_signature(t) != sig:
-            raise ValueError(f"rank {r}'s trace differs from rank 0's: real ranks would wait on each other forever")
-    packs = [check_lengths(p) for p in packings]
-    if not packs:
-        raise ValueError("packings is empty: give the request lengths that produced the trace")
+    for i, run in enumerate(runs):
+        for r, t in enumerate(run):
+            if trace_signature(t) != sig:
+                raise ValueError(f"packing {packs[i]}, rank {r}: the trace differs from rank 0's of {packs[0]}")
     n_ranks, first = len(traces), traces[0][0]
     t, d, hl, dh = first.shape[0], cfg.d_model, cfg.n_heads // n_ranks, cfg.d_head
     fl = cfg.d_ffn // n_ranks
@@ -221,8 +309,8 @@ def tp_trace_timeline(traces: Sequence[Sequence], packings: Sequence[Sequence[in
                                    edgecolor="white", linewidth=0.4))
         ax.text(width + 0.2, y + 0.17, f"cu_seqlens = {short_cu(cu)}", va="center", fontsize=MIN_FONT, color=TEXT)
     ax.text(width + 5.2, -0.75 - 0.24 * (len(packs) - 1) + 0.17,
-            f"These {len(packs)} packings of the same {t} tokens\ngive exactly this trace, record for record,\n"
-            f"on every rank (tp.dryrun.record_trace).", va="center", fontsize=MIN_FONT + 1, color=TEXT)
+            f"These {len(packs)} packings of the same {t} tokens\ngave exactly this trace, record for record,\n"
+            f"on every rank ({source}).", va="center", fontsize=MIN_FONT + 1, color=TEXT)
     ax.set_xlim(-1.3, x + 0.1)
     ax.set_ylim(-0.75 - 0.48 * len(packs), top + 1.75)
     return fig
@@ -249,17 +337,19 @@ TP_PACKINGS = ([40], ARTICLE_LENS, [1] * 40)  # the same 40 tokens as 1, 2 and 4
 def _trace_timeline() -> Figure:
     cfg = ModelConfig()
     runs = [[record_trace(cfg, lens, rank, cfg.tp_size) for rank in range(cfg.tp_size)] for lens in TP_PACKINGS]
-    first = trace_signature(runs[0][0])
-    if any(trace_signature(t) != first for traces in runs for t in traces):
-        raise RuntimeError("the dry-run traces differ between packings or ranks: C12 would not hold")
-    return tp_trace_timeline(runs[1], TP_PACKINGS, cfg)
-
+    return tp_trace_timeline(runs, TP_PACKINGS, cfg, source="a dry run, tp.dryrun.record_trace")
 
 # ---------------------------------------------------------------------------------------------
 # The explorer: the same tokens packed differently
 
 PATTERNS = ("equal", "ramp", "one long")
-TILE = 128  # query rows per thread block in a FlashAttention-style kernel (for the grid size shown)
+# A FlashAttention-style varlen kernel hands each thread block (a group of GPU threads that run
+# together on one streaming multiprocessor) one tile of TILE query rows of one request and one
+# head. One launch starts ceil(max_seqlen / TILE) x R x heads blocks: its launch grid. The tile
+# size is fixed when the kernel is compiled; max_seqlen only decides how many tiles to start
+# (a block whose tile lies past its request's end returns at once).
+TILE = 128
+MAX_TOKENS = 320  # the explorer's T slider: past two tiles, so that max_seqlen can change the grid
 
 
 def packing_lens(total_tokens: int, num_requests: int, pattern: str = "equal") -> list[int]:
@@ -291,8 +381,9 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
 
     Traces are dry runs of the model's own code (``tp.dryrun.record_trace``), compared with the
     dry run of the same tokens as ONE request. Keys: ``seq_lens``, ``cu_seqlens``, ``positions``
-    (restarting per request), ``max_seqlen``, ``grid`` (R x ceil(max_seqlen / TILE) blocks of a
-    FlashAttention-style launch), ``traces`` (per rank), ``trace_text`` (``summarize_trace``
+    (restarting per request), ``max_seqlen``, ``tiles`` (ceil(max_seqlen / TILE)), ``grid``
+    (tiles x R x heads per rank: the thread blocks of one FlashAttention-style launch on one
+    rank), ``traces`` (per rank), ``trace_text`` (``summarize_trace``
     per rank), ``same_as_one_request`` (per rank), ``heads`` (per rank: first, last head),
     ``cells`` (score cells per head per layer, whole blocks: sum L_i^2), ``cells_per_rank``
     (x heads per rank x layers: what each rank's attention computes, locally).
@@ -305,11 +396,17 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     cells = attention_cells(lens, "varlen").computed
     hl = cfg.heads_per_rank
     return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "positions": pack([[0] * n for n in lens]).positions.tolist(),
-            "max_seqlen": max(lens), "grid": len(lens) * math.ceil(max(lens) / TILE), "traces": traces,
+            "max_seqlen": max(lens), "tiles": math.ceil(max(lens) / TILE),
+            "grid": math.ceil(max(lens) / TILE) * len(lens) * hl, "traces": traces,
             "trace_text": [summarize_trace(t) for t in traces],
             "same_as_one_request": [trace_signature(t) == s for t, s in zip(traces, ones)],
             "heads": [(r * hl, (r + 1) * hl - 1) for r in range(tp)], "cells": cells,
             "cells_per_rank": cells * hl * cfg.n_layers}
+
+
+def trace_shapes(records: Sequence[CollectiveRecord]) -> list[tuple]:
+    """``[(op, shape, layer), ...]``: a trace without rank and dtype (a dry run is float32, a GPU rank bfloat16)."""
+    return [(r.op, tuple(r.shape), r.layer) for r in records]
 
 
 _ONE_REQUEST: dict = {}
@@ -339,10 +436,13 @@ def tp_trace_html(state: dict) -> str:
 
 def tp_attention_html(state: dict) -> str:
     """What attention sees: ``R = 3 | cu_seqlens [0, 14, 27, 40] | positions 0..13, 0..12, 0..12 |
-    max_seqlen 14 | grid 3 blocks`` then, per rank, its heads and score cells."""
-    cu = state["cu_seqlens"]
-    head = (f"<div>R = {len(state['seq_lens'])} | cu_seqlens {short_cu(cu)} | positions "
-            f"{_positions_text(state['seq_lens'])} | max_seqlen {state['max_seqlen']} | grid {state['grid']} blocks</div>")
+    max_seqlen 14 | grid 1 tile x 3 requests x 4 heads = 12 blocks`` then, per rank, its heads
+    and score cells."""
+    cu, r, hl = state["cu_seqlens"], len(state["seq_lens"]), state["heads"][0][1] - state["heads"][0][0] + 1
+    tiles = state["tiles"]
+    head = (f"<div>R = {r} | cu_seqlens {short_cu(cu)} | positions {_positions_text(state['seq_lens'])} | "
+            f"max_seqlen {state['max_seqlen']} | grid {tiles} tile{'s' if tiles > 1 else ''} x {r} "
+            f"request{'s' if r > 1 else ''} x {hl} heads = {state['grid']} blocks</div>")
     ranks = "".join(f"<div>rank {r}: heads {a}-{b}, sum L_i^2 = {state['cells']} cells per head per layer, "
                     f"{state['cells_per_rank']} per forward, no collective</div>" for r, (a, b) in enumerate(state["heads"]))
     return head + ranks
@@ -393,11 +493,11 @@ def tp_packing_figure(state: dict) -> Figure:
 
 
 def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal"):
-    """VBox class ``tpx``: IntSliders ``tpx-tokens`` (T, 1..96) and ``tpx-num-requests`` (R, 1..T),
+    """VBox class ``tpx``: IntSliders ``tpx-tokens`` (T, 1..MAX_TOKENS) and ``tpx-num-requests`` (R, 1..T),
     Dropdown ``tpx-pattern``; HTML ``tpx-trace`` (``tp_trace_html``: stays while R and the pattern
     move), HTML ``tpx-attention`` (``tp_attention_html``: changes), Output ``tpx-figure``."""
     w = ipywidgets_module()
-    total = tagged(w.IntSlider(value=total_tokens, min=1, max=96, description="tokens T"), "tpx-tokens")
+    total = tagged(w.IntSlider(value=total_tokens, min=1, max=MAX_TOKENS, description="tokens T"), "tpx-tokens")
     reqs = tagged(w.IntSlider(value=min(num_requests, total_tokens), min=1, max=total_tokens, description="requests R"),
                   "tpx-num-requests")
     pat = tagged(w.Dropdown(options=list(PATTERNS), value=pattern, description="lengths"), "tpx-pattern")
@@ -413,89 +513,48 @@ def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: 
 
 
 # ---------------------------------------------------------------------------------------------
-# Exercise 04.1: predict the trace
+# TP groups for the exercises: real ranks as threads, and a stand-in rank that also gathers
 
-_CFG_B = ModelConfig(n_layers=3, d_model=48, n_heads=6, d_head=8, d_ffn=96, vocab_size=77, max_position=64)
-_CFG_C = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=512, vocab_size=77, max_position=64)
+def _record(op: str, tensor: Tensor, layer: str, rank: int, world_size: int) -> CollectiveRecord:
+    return dataclasses.replace(record(tensor, layer, rank, world_size), op=op)
 
-
-def _trace_pairs(got) -> list | None:
-    try:
-        return [(str(name), tuple(int(s) for s in shape)) for name, shape in got]
-    except (TypeError, ValueError):
-        return None
-
-
-def check_trace_prediction(fn: Callable[[ModelConfig, list], list]) -> bool:
-    """Exercise 04.1: ``fn(cfg, seq_lens) -> [(layer, shape), ...]``, the all-reduces rank 0 makes in
-    one TP=2 forward of a flat batch of ``seq_lens`` (C12), in order, e.g.
-    ``("layers.0.attn.out_proj", (40, 512))``. The first case is 40 one-token requests on the
-    article's model; the others change the packing, the layer count, the widths."""
-    cases = [(ModelConfig(), [1] * 40), (ModelConfig(), [10, 30]), (_CFG_B, [3, 1, 5]), (_CFG_C, [9]),
-             (_CFG_C, [2] * 6)]
-
-    def judge(got, cfg, lens):
-        want = [(r.layer, tuple(r.shape)) for r in record_trace(cfg, lens, 0, 2)]
-        pairs = _trace_pairs(got)
-        if pairs is None:
-            return f"expected a list of (layer name, shape) pairs, got {got!r}"[:300]
-        if pairs == want:
-            return None
-        t, d = sum(lens), cfg.d_model
-        n = len(pairs)
-        if n == cfg.n_layers:
-            return f"got {n} all-reduces, expected {len(want)} - two per layer: attn.out_proj, then mlp.fc_down"
-        if n == len(want) * len(lens) and len(lens) > 1:
-            return (f"got {n} all-reduces, expected {len(want)} - TP does not loop over requests: one all-reduce "
-                    f"carries every flat token of the batch")
-        if n in (len(want) + 1, len(want) + 2):
-            return (f"got {n} all-reduces, expected {len(want)} - the embedding, the final LayerNorm and the LM head "
-                    f"are replicated on every rank here: no collective")
-        if n != len(want):
-            return f"got {n} all-reduces, expected {len(want)}"
-        shapes = {s for _, s in pairs}
-        hints = {(max(lens), d): f"the payload is every flat token: T = sum(seq_lens) = {t} rows, not the longest request",
-                 (t, d // 2): "each rank's PARTIAL sum has all d_model columns; the all-reduce adds the two partials",
-                 (t, cfg.d_ffn // 2): "FFN-down turns the rank's [T, d_ffn/2] hidden into a partial [T, d_model]; "
-                                      "the hidden never leaves the rank",
-                 (t, cfg.d_ffn): "FFN-down's output has d_model columns, whatever d_ffn is"}
-        for shape, hint in hints.items():
-            if shape in shapes and shape != (t, d):
-                return f"shape {shape}, expected {(t, d)} - {hint}"
-        if shapes != {(t, d)}:
-            return f"shapes {sorted(shapes)}, expected {(t, d)} - the row-parallel layers' output, [T, d_model]"
-        first = next(i for i, (a, b) in enumerate(zip(pairs, want)) if a != b)
-        return (f"record {first} is {pairs[first]}, expected {want[first]} - forward order: layers.0.attn.out_proj, "
-                f"layers.0.mlp.fc_down, layers.1.attn.out_proj, ...")
-    return grade("trace_prediction", fn, cases, judge, "rank 0's real trace for 40 x 1, A+B, and three other models")
-
-
-# ---------------------------------------------------------------------------------------------
-# Exercise 04.2: a row-parallel layer, on real ranks (threads of this process)
 
 @dataclass
 class ThreadRank:
     """Rank ``rank`` of a TP group whose ranks are threads of this process: ``all_reduce`` really
-    sums over the ranks (every rank waits for the others, as over NCCL or gloo) and records."""
+    sums over the ranks and ``all_gather`` really gathers (every rank waits for the others, as
+    over NCCL or gloo); both are recorded."""
 
     rank: int
     world_size: int
     _shared: dict = field(repr=False)
     trace: list = field(default_factory=list)
 
-    def all_reduce(self, tensor: Tensor, *, layer: str = "") -> Tensor:
+    def _exchange(self, tensor: Tensor, combine) -> Tensor:
         s = self._shared
         s["slots"][self.rank] = tensor
         s["barrier"].wait()
-        total = torch.stack(s["slots"]).sum(0)
-        s["barrier"].wait()                      # nobody overwrites a slot before every rank has summed
+        out = combine(list(s["slots"]))
+        s["barrier"].wait()                      # nobody overwrites a slot before every rank has read them all
+        return out
+
+    def all_reduce(self, tensor: Tensor, *, layer: str = "") -> Tensor:
+        total = self._exchange(tensor, lambda parts: torch.stack(parts).sum(0))
         self.trace.append(record(total, layer, self.rank, self.world_size))
         tensor.copy_(total)
         return tensor
 
+    def all_gather(self, tensor: Tensor, *, layer: str = "") -> Tensor:
+        """Every rank's ``[..., n]`` side by side along the last dim, in rank order: ``[..., n · world_size]``.
+        The record holds what this rank contributed (``[..., n]``)."""
+        out = self._exchange(tensor, lambda parts: torch.cat(parts, dim=-1))
+        self.trace.append(_record("all_gather", tensor, layer, self.rank, self.world_size))
+        return out
+
 
 def tp_ranks_in_threads(world_size: int, fn: Callable[[ThreadRank], object], timeout: float = 20.0) -> list:
-    """Run ``fn(rank_group)`` on ``world_size`` threads that form one TP group; results in rank order.
+    """Run ``fn(rank_group)`` on ``world_size`` threads that form one TP group; ``[(result, trace)]``
+    in rank order.
 
     If a rank raises, the others are released (the barrier is broken) and the first error is
     re-raised here, so a wrong answer never hangs the notebook.
@@ -523,99 +582,292 @@ def tp_ranks_in_threads(world_size: int, fn: Callable[[ThreadRank], object], tim
     return [(res, g.trace) for res, g in zip(results, groups)]
 
 
-def _row_cases():
-    g = torch.Generator().manual_seed(4)
-    cases = []
-    for t, d_in, d_out, tp, bias in ((5, 8, 6, 2, True), (40, 16, 12, 2, True), (3, 12, 4, 4, True),
-                                      (7, 8, 6, 1, True), (4, 8, 6, 2, False)):
-        x = torch.randn(t, d_in, generator=g, dtype=torch.float64)
-        w = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
-        b = torch.randn(d_out, generator=g, dtype=torch.float64) if bias else None
-        cases.append((x, w, b, tp))
-    return cases
+@dataclass
+class StandInRank(LocalGroup):
+    """``LocalGroup(rank, world_size)`` (records each collective, sends nothing) that also has
+    ``all_gather``: it records it and returns ``world_size`` copies of this rank's piece side by
+    side, the right shape but not the right values (nobody sends the other pieces)."""
+
+    def all_gather(self, tensor: Tensor, *, layer: str = "") -> Tensor:
+        if self.world_size == 1:
+            return tensor
+        self.trace.append(_record("all_gather", tensor, layer, self.rank, self.world_size))
+        return torch.cat([tensor] * self.world_size, dim=-1)
 
 
-def check_row_parallel(fn: Callable) -> bool:
-    """Exercise 04.2: ``fn(x_local, weight_local, bias, group) -> [T, d_out]``, one row-parallel layer on
-    one rank: ``x_local [T, d_in/tp]`` and ``weight_local [d_out, d_in/tp]`` are this rank's slices,
-    ``bias [d_out]`` (or None) is whole on every rank, ``group`` has ``rank``, ``world_size`` and
-    ``all_reduce(tensor, layer=...)``. Run on 1, 2 and 4 ranks (threads that really sum) and
-    compared with ``x @ weight.T + bias``; last, plugged into the model (TP=2 on two threads) in
-    place of ``RowParallelLinear.forward`` and compared with TP=1 by the tolerance rule."""
-    def run(*case):
-        if case[0] == "model":
-            return _plugged_model(fn, case[1])
-        x, w, b, tp = case
-        n = x.shape[1] // tp
+# ---------------------------------------------------------------------------------------------
+# Vocab-parallel embedding and LM head (what this course keeps whole), and Exercise 04.1
 
-        def per_rank(group):
-            sl = slice(group.rank * n, (group.rank + 1) * n)
-            return fn(x[:, sl].clone(), w[:, sl].clone(), None if b is None else b.clone(), group)
-        return tp_ranks_in_threads(tp, per_rank)
-
-    def judge(outs, *case):
-        if case[0] == "model":
-            err, bound, err1 = outs
-            return None if err <= bound else (
-                f"the model at TP=2 with your layer is {err:.3g} from the float64 answer; TP=1 is {err1:.3g} "
-                f"(allowed: {bound:.3g}, twice TP=1's error plus rounding)")
-        return _row_problem(outs, *case)
-
-    cases = _row_cases() + [("model", _CFG_C)]
-    return grade("row_parallel", fn=run, cases=cases, judge=judge,
-                 done="1, 2 and 4 ranks, with and without a bias, and inside the model at TP=2")
+def vocab_slice(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The token ids ``[lo, hi)`` whose embedding rows rank ``rank`` keeps (contiguous, equal shares)."""
+    if vocab_size % world_size:
+        raise ValueError(f"vocab_size={vocab_size} is not divisible by world_size={world_size}: a real deployment "
+                         f"pads the vocabulary to a multiple (GPT-2's 50257 becomes 50304)")
+    n = vocab_size // world_size
+    return rank * n, (rank + 1) * n
 
 
-def _row_problem(outs, x, w, b, tp) -> str | None:
-    n = x.shape[1] // tp
-    want = x @ w.T + (b if b is not None else 0)
-    got = [o for o, _ in outs]
-    if not all(isinstance(o, Tensor) and tuple(o.shape) == tuple(want.shape) for o in got):
-        shapes = [tuple(o.shape) if isinstance(o, Tensor) else type(o).__name__ for o in got]
-        return f"expected a tensor of shape {list(want.shape)} on every rank, got {shapes}"
-    reduces = [len(tr) for _, tr in outs]
-    if tp > 1 and any(c != 1 for c in reduces):
-        return (f"all-reduces per rank {reduces}, expected 1 each: one all-reduce sums the partial outputs "
-                f"{list(want.shape)}" + ("; you never called group.all_reduce" if max(reduces) == 0 else ""))
-    if tp > 1 and any(tr[0].shape != tuple(want.shape) for _, tr in outs):
-        return f"the all-reduce carried {list(outs[0][1][0].shape)}, expected {list(want.shape)}: the partial output"
-    bad = [r for r, o in enumerate(got) if not torch.allclose(o.double(), want, atol=1e-9)]
-    if not bad:
-        return None
-    o = got[bad[0]].double()
-    if b is not None and torch.allclose(o, want + (tp - 1) * b, atol=1e-9):
-        return (f"every row is off by (tp - 1) x bias = {tp - 1} x b: the bias was added on every rank BEFORE the "
-                f"all-reduce, so the sum carries it {tp} times. The trace is the same as a correct layer's "
-                f"(one all-reduce of {list(want.shape)}): only the values show this bug")
-    if b is not None and torch.allclose(o, want - b, atol=1e-9):
-        return "the bias is missing: add it once, after the all-reduce"
-    sl = slice(bad[0] * n, (bad[0] + 1) * n)
-    partial = x[:, sl] @ w[:, sl].T
-    if any(torch.allclose(o, partial + extra, atol=1e-9) for extra in (0, b if b is not None else 0)):
-        return f"rank {bad[0]} returned its own partial sum: return what the all-reduce gives back (plus the bias)"
-    return f"rank {bad[0]}: values differ from x @ W.T + b by up to {(o - want).abs().max().item():.3g}"
+def vocab_parallel_forward(model: Transformer, batch: PackedBatch) -> Tensor:
+    """The model's forward with its token embedding and tied LM head split by vocabulary over
+    ``model.group`` (which needs ``all_gather`` as well as ``all_reduce``): logits ``[T, V]`` on
+    every rank, equal to ``model.compute_logits(model(batch))`` at TP=1.
+
+    Rank r keeps the rows ``[lo, hi)`` of ``wte`` (``vocab_slice``). Embedding: a token whose id
+    lies in ``[lo, hi)`` gets its row here, every other token zeros; one all-reduce of ``[T,
+    d_model]`` ("wte") adds the ranks' rows, so every token has its embedding on every rank. The
+    position table stays whole (it is small). Blocks: the model's own, two all-reduces per layer.
+    LM head, tied: ``hidden [T, d] @ wte[lo:hi].T``, the logits of the rank's ids ``[T, V/tp]``;
+    one all-gather ("lm_head") puts the pieces side by side.
+    """
+    group, cfg = model.group, model.cfg
+    lo, hi = vocab_slice(cfg.vocab_size, group.rank, group.world_size)
+    table = model.wte[lo:hi]                                            # [V/tp, d]: this rank's ids only
+    ids = batch.input_ids
+    mine = (ids >= lo) & (ids < hi)
+    rows = torch.zeros(ids.shape[0], cfg.d_model, dtype=model.dtype, device=model.device)
+    rows[mine] = table[ids[mine] - lo]                                  # zeros where another rank owns the id
+    x = group.all_reduce(rows, layer="wte") + model.wpe[batch.positions]   # [T, d], every token, every rank
+    lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
+    hidden = model(pack(list(x.split(lens)), device=model.device))      # the blocks and the final LayerNorm
+    return group.all_gather(hidden @ table.T, layer="lm_head")          # [T, V/tp] per rank -> [T, V]
 
 
-def _plugged_model(fn: Callable, cfg: ModelConfig) -> tuple[float, float, float]:
-    """The model at TP=2 on two threads with ``fn`` as every row-parallel layer's forward:
-    ``(|TP=2 - fp64|, the tolerance rule's bound, |TP=1 - fp64|)``."""
-    from ..measure.tolerance import max_abs_diff, tolerance
-    weights = init_weights(cfg, seed=1)
-    batch = pack([torch.arange(n) % cfg.vocab_size for n in (5, 9, 2)])
-    tp1 = Transformer(cfg, weights)(batch)
-    exact = Transformer(cfg, weights, attn_backend="loop", dtype=torch.float64)(batch)
+_STAND_INS: dict = {}
 
-    def forward(self, x):
-        return fn(x, self.weight, self.bias, self.group)
-    real = RowParallelLinear.forward
-    RowParallelLinear.forward = forward
+
+def _stand_in_model(cfg: ModelConfig, rank: int, world_size: int) -> Transformer:
+    key = (repr(cfg), rank, world_size)
+    if key not in _STAND_INS:  # the weights do not change a trace; building the article's model is the slow part
+        if len(_STAND_INS) >= 8:
+            _STAND_INS.clear()
+        zeros = {name: torch.zeros(shape, dtype=cfg.dtype) for name, shape in cfg.weight_shapes().items()}
+        _STAND_INS[key] = Transformer(cfg, zeros, group=StandInRank(rank, world_size), attn_backend="masked")
+    return _STAND_INS[key]
+
+
+def vocab_parallel_trace(cfg: ModelConfig, seq_lens: Sequence[int], world_size: int, rank: int = 0) -> list:
+    """The collectives rank ``rank`` makes in one ``vocab_parallel_forward`` of requests of
+    ``seq_lens`` tokens, dry-run on a ``StandInRank``: ``[CollectiveRecord, ...]`` in call order."""
+    lens = check_lengths(seq_lens)
+    model = _stand_in_model(cfg, rank, world_size)
+    ids = torch.arange(sum(lens)) * 7 % cfg.vocab_size                 # ids spread over every rank's share
+    model.group.trace.clear()
+    vocab_parallel_forward(model, pack(list(ids.split(lens))))
+    return list(model.group.trace)
+
+
+_CFG_B = ModelConfig(n_layers=3, d_model=48, n_heads=6, d_head=8, d_ffn=96, vocab_size=78, max_position=64, tp_size=1)
+_CFG_C = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=512, vocab_size=80, max_position=64,
+                     tp_size=1)
+_CFG_V = ModelConfig(vocab_size=1000, max_position=64)  # the article's model, a vocabulary that splits evenly
+
+
+def _triples(got) -> list | None:
     try:
-        outs = tp_ranks_in_threads(2, lambda group: Transformer(cfg, weights, group=group)(batch))
+        out = [(str(op), str(layer), tuple(int(s) for s in shape)) for op, layer, shape in got]
+    except (TypeError, ValueError):
+        return None
+    return out
+
+
+def _vocab_problem(got: list, want: list, cfg: ModelConfig, lens: list, tp: int) -> str:
+    t, d, v, n = sum(lens), cfg.d_model, cfg.vocab_size, 2 * cfg.n_layers
+    if tp == 1:
+        return (f"got {len(got)} records, expected none: at tp = 1 there is no other rank, so nothing to add up "
+                f"or gather")
+    blocks = [g for g in got if g[1].startswith("layers.")]
+    nb = len(blocks)
+    if nb == 16 != n:
+        return (f"got 16 all-reduces in the blocks, expected {n}: two per layer, and this model has "
+                f"cfg.n_layers = {cfg.n_layers}")
+    if nb in (3 * cfg.n_layers, 4 * cfg.n_layers) and nb != n:
+        return (f"got {nb} all-reduces in the blocks, expected {n}: QKV and FFN-up are column-parallel, each rank "
+                f"keeps its own output features and has nothing to add up; only out proj and FFN-down end in an "
+                f"all-reduce")
+    if len(lens) > 1 and nb == n * len(lens):
+        return (f"got {nb} all-reduces in the blocks, expected {n}: TP does not loop over requests, one all-reduce "
+                f"carries every flat row of the batch")
+    if nb != n:
+        return f"got {nb} all-reduces in the blocks, expected {n}: two per layer (out proj, FFN-down)"
+    wte = [g for g in got if g[1] == "wte"]
+    head = [g for g in got if g[1] == "lm_head"]
+    others = [g for g in got if not g[1].startswith("layers.") and g[1] not in ("wte", "lm_head")]
+    if others:
+        if any("wpe" in g[1] or "pos" in g[1] for g in others):
+            return "the position table stays whole on every rank (it is small): no collective for the positions"
+        return f"unexpected records {others[:2]}: besides the blocks' all-reduces, only 'wte' and 'lm_head' communicate"
+    if not wte:
+        return (f"no collective for the embedding: rank r keeps only the rows of ids [r·V/tp, (r+1)·V/tp), so a token "
+                f"whose id another rank keeps gets zeros here. What turns {tp} such [T, d_model] tensors into every "
+                f"token's embedding on every rank?")
+    if wte[0][0] == "all_gather":
+        return ("the embedding's pieces are whole rows (all d_model columns) for the ranks' own ids and zeros "
+                "elsewhere: they must be ADDED (all_reduce), not put side by side")
+    if wte[0][2] != (t, d):
+        if wte[0][2] == (t, d // tp):
+            return "the table is split by rows (token ids), not by columns: every rank's rows are d_model wide, [T, d_model]"
+        return f"the embedding's all-reduce carries {wte[0][2]}, expected {(t, d)}: every flat token, d_model wide"
+    if not head:
+        return (f"no collective for the LM head: it is tied to the split table, so rank r computes only the logits of "
+                f"its own ids, [T, V/tp] = {(t, v // tp)}; every rank needs all {v}")
+    if head[0][0] == "all_reduce":
+        if head[0][2] == (t, v):
+            return (f"an all-reduce of [T, V] with zeros outside each rank's columns gives the right logits but moves "
+                    f"{tp} times the bytes: the pieces are different columns, gather them (all_gather of [T, V/tp])")
+        return "the LM head's pieces are different columns (different ids), not partial sums: gather them (all_gather)"
+    if head[0][2] == (t, v):
+        return f"record what this rank contributes to the all-gather: its own logits, {(t, v // tp)}, not the gathered {(t, v)}"
+    if head[0][2] != (t, v // tp):
+        return f"the LM head's all-gather carries {head[0][2]}, expected {(t, v // tp)}: every flat token, V/tp columns"
+    shapes = {g[2] for g in blocks}
+    if shapes != {(t, d)}:
+        if (max(lens), d) in shapes:
+            return f"the blocks' payload is every flat token: T = sum(seq_lens) = {t} rows, not the longest request"
+        return f"the blocks' all-reduces carry {sorted(shapes)}, expected {(t, d)}: [T, d_model]"
+    if len(got) != len(want):
+        return f"got {len(got)} records, expected {len(want)}"
+    first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    return (f"record {first} is {got[first]}, expected {want[first]}: in the order of the forward, embedding first, "
+            f"then layer 0's out proj and FFN-down, layer 1's, ..., the LM head last")
+
+
+def check_vocab_trace(fn: Callable[[ModelConfig, list, int], list]) -> bool:
+    """Exercise 04.1: ``fn(cfg, seq_lens, tp) -> [(op, layer, shape), ...]``, the collectives rank 0
+    makes in one forward when the embedding and the tied LM head are split by vocabulary over
+    ``tp`` ranks (``vocab_parallel_forward``), in call order; ``op`` is "all_reduce" or
+    "all_gather", ``shape`` what the rank sends. Compared with a dry run of that forward on a
+    stand-in rank (``vocab_parallel_trace``): the article's model, a 3-layer model at tp = 3, a
+    2-layer one at tp = 4, and tp = 1."""
+    cases = [(_CFG_V, [1] * 12, 2), (_CFG_V, [10, 30], 2), (_CFG_B, [3, 1, 5], 3), (_CFG_C, [9], 4),
+             (_CFG_C, [2] * 6, 1)]
+
+    def judge(got, cfg, lens, tp):
+        triples = _triples(got)
+        if triples is None:
+            return f"expected a list of (op, layer, shape) triples like ('all_reduce', 'wte', (40, 512)), got {got!r}"[:300]
+        want = [(r.op, r.layer, tuple(r.shape)) for r in vocab_parallel_trace(cfg, lens, tp)]
+        return None if triples == want else _vocab_problem(triples, want, cfg, list(lens), tp)
+    return grade("vocab_trace", fn, cases, judge, "the article's model at tp = 2 (12 x 1 and A+B), tp = 3, tp = 4, tp = 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 04.2: cut the fused QKV weight by head
+
+_QKV_CASES = ((8, 4, 32, 2, 0, False), (8, 4, 32, 2, 1, False), (8, 4, 32, 2, 1, True), (6, 8, 96, 3, 2, False),
+              (8, 4, 32, 4, 3, True), (4, 8, 32, 1, 0, False))    # n_heads, d_head, d_model, tp, rank, bias
+_MODEL_CASE = "your function as every rank's cut, in a model at TP=2"
+_CFG_QKV = ModelConfig(n_layers=1, d_model=48, n_heads=4, d_head=16, d_ffn=96, vocab_size=50, max_position=32,
+                       tp_size=1)
+
+
+def _qkv_full(n_heads, d_head, d_model, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (3 * n_heads * d_head,) if bias else (3 * n_heads * d_head, d_model)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def engine_qkv_shard(full: Tensor, n_heads: int, rank: int, tp: int) -> Tensor:
+    """What the engine's ``QKVParallelLinear.shard_rows`` cuts for rank ``rank`` of ``tp``."""
+    d_head = full.shape[0] // (3 * n_heads)
+    layer = QKVParallelLinear(full.shape[-1] if full.dim() == 2 else 1, n_heads, d_head, group=LocalGroup(rank, tp))
+    return _ENGINE_CUT(layer, full)   # the engine's method, also while the checker plugs a reader's cut in
+
+
+_ENGINE_CUT = QKVParallelLinear.shard_rows
+
+
+def _heads_rows(full, heads, n_heads):
+    """Rows of Q, K and V of the given heads, laid out [q | k | v]."""
+    d_head = full.shape[0] // (3 * n_heads)
+    return torch.cat([part[h * d_head:(h + 1) * d_head] for part in full.chunk(3) for h in heads])
+
+
+def _qkv_problem(got, full, n_heads, rank, tp) -> str | None:
+    want = engine_qkv_shard(full, n_heads, rank, tp)
+    if not isinstance(got, Tensor):
+        return f"expected a tensor of shape {list(want.shape)}, got {type(got).__name__}"
+    if tuple(got.shape) == tuple(want.shape) and torch.equal(got.double(), want):
+        return None
+    k, hl = full.shape[0] // 3, n_heads // tp
+    d_head = k // n_heads
+    ours = list(range(rank * hl, (rank + 1) * hl))
+    if tuple(got.shape) != tuple(want.shape):
+        rows = got.shape[0] if got.dim() else 0
+        if full.dim() == 2 and full.shape[1] != k and rows != 3 * hl * d_head:
+            return (f"{rows} rows, expected {want.shape[0]}: each of Q, K and V has n_heads x d_head = {k} rows, not "
+                    f"d_model = {full.shape[1]} (here they differ); a rank keeps (n_heads / tp) x d_head = "
+                    f"{hl * d_head} rows of each")
+        if rows == k // tp:
+            return (f"{rows} rows, expected {want.shape[0]}: the rank needs Q, K AND V of its heads, "
+                    f"(n_heads / tp) x d_head rows of each")
+        return f"shape {list(got.shape)}, expected {list(want.shape)}: 3 x (n_heads / tp) x d_head rows"
+    n = full.shape[0] // tp
+    if torch.equal(got.double(), full[rank * n:(rank + 1) * n]):
+        return (f"that is a plain column-parallel cut, rows {rank * n}..{(rank + 1) * n - 1} of [Q | K | V]: they are "
+                f"not Q, K and V of the same heads. A rank needs heads {ours[0]}-{ours[-1]} out of EACH third")
+    strided = list(range(rank, n_heads, tp))
+    if strided != ours and torch.equal(got.double(), _heads_rows(full, strided, n_heads)):
+        return (f"heads {strided}: a rank's heads must be the contiguous range {ours[0]}-{ours[-1]}, because out proj "
+                f"(row-parallel) holds the matching contiguous slice of its input features")
+    per_head = torch.cat([part[h * d_head:(h + 1) * d_head] for h in ours for part in full.chunk(3)])
+    if torch.equal(got.double(), per_head):
+        return ("the right rows, interleaved head by head: QKVParallelLinear.split reads a rank's rows as "
+                "[q of its heads | k of its heads | v of its heads]")
+    return f"values differ from rows of heads {ours[0]}-{ours[-1]} of Q, K and V, laid out [q | k | v]"
+
+
+def _qkv_in_model(fn: Callable, cfg: ModelConfig) -> list[tuple[float, float]]:
+    """``fn`` as every rank's QKV cut (in place of ``QKVParallelLinear.shard_rows``), on stand-in ranks
+    of TP=2: per rank, (|its layer-0 attention - TP=1's same heads in float64|, the tolerance rule's bound)."""
+    from ..measure.tolerance import max_abs_diff, tolerance
+    weights = init_weights(cfg, seed=3)
+    batch = pack([torch.arange(n) % cfg.vocab_size for n in (5, 9, 2)])
+    full = layer0_attention(Transformer(cfg, weights), batch)
+    exact = layer0_attention(Transformer(cfg, {k: v.double() for k, v in weights.items()}), batch)
+    real = QKVParallelLinear.shard_rows
+    QKVParallelLinear.shard_rows = lambda self, t: fn(t.clone(), self.n_heads, self.group.rank, self.group.world_size)
+    try:
+        per_rank = [layer0_attention(Transformer(cfg, weights, group=LocalGroup(r, 2)), batch) for r in (0, 1)]
     finally:
-        RowParallelLinear.forward = real
-    return max_abs_diff(outs[0][0], exact), tolerance(tp1, exact), max_abs_diff(tp1, exact)
+        QKVParallelLinear.shard_rows = real
+    hl = cfg.n_heads // 2
+    out = []
+    for r, got in enumerate(per_rank):
+        heads = slice(r * hl, (r + 1) * hl)
+        out.append((max_abs_diff(got, exact[:, heads]), tolerance(full[:, heads], exact[:, heads])))
+    return out
 
 
-__all__ = ["RankLayer", "rank_layers", "layer0_attention", "tp_trace_timeline", "packing_lens", "tp_packing_state",
-           "tp_trace_html", "tp_attention_html", "tp_packing_figure", "tp_packing_explorer", "check_trace_prediction",
-           "ThreadRank", "tp_ranks_in_threads", "check_row_parallel"]
+def check_qkv_shard(fn: Callable[[Tensor, int, int, int], Tensor]) -> bool:
+    """Exercise 04.2: ``fn(full, n_heads, rank, tp) -> Tensor``: rank ``rank``'s rows of the fused QKV
+    weight ``full [3·n_heads·d_head, d_model]`` (rows: Q of heads 0..H-1, then K, then V) or of
+    its bias ``[3·n_heads·d_head]``, laid out ``[q | k | v]`` of the rank's own heads. Compared with
+    the engine's ``QKVParallelLinear.shard_rows`` (tp = 1, 2, 3, 4; a model whose n_heads x d_head
+    is not d_model), then plugged into a model at TP=2 as every rank's cut: each rank's attention
+    must be its heads of the one-process attention, by the tolerance rule."""
+    cases = [(_qkv_full(h, dh, d, b, seed=h + d + tp + r), h, r, tp) for h, dh, d, tp, r, b in _QKV_CASES]
+    cases.append((_MODEL_CASE, _CFG_QKV))
+
+    def run(*case):
+        if case[0] == _MODEL_CASE:
+            return _qkv_in_model(fn, case[1])
+        full, h, r, tp = case
+        return fn(full.clone(), h, r, tp)
+
+    def judge(got, *case):
+        if case[0] == _MODEL_CASE:
+            hl = case[1].n_heads // 2
+            for r, (err, bound) in enumerate(got):
+                if err > bound:
+                    return (f"plugged into the model as every rank's QKV cut, rank {r}'s attention is {err:.3g} away "
+                            f"from heads {r * hl}-{(r + 1) * hl - 1} of the one-process attention (allowed {bound:.3g})")
+            return None
+        return _qkv_problem(got, *case)
+    return grade("qkv_shard", fn=run, cases=cases, judge=judge,
+                 done="tp = 1, 2, 3 and 4, weights and biases, and inside the model at TP=2")
+
+
+__all__ = ["RankLayer", "rank_layers", "layer0_attention", "two_axes_figure", "tp_trace_timeline", "packing_lens",
+           "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_packing_figure", "tp_packing_explorer",
+           "trace_shapes", "ThreadRank", "tp_ranks_in_threads", "StandInRank", "vocab_slice", "vocab_parallel_forward",
+           "vocab_parallel_trace", "check_vocab_trace", "engine_qkv_shard", "check_qkv_shard"]

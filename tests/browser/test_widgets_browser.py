@@ -37,7 +37,8 @@ COUNTS_RE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) 
 MIX_RE = re.compile(r"(\d+) x (\d+): linear ([\d.]+) GFLOP \| attention ([\d.]+) GFLOP \| ([\d.]+)% attention \| "
                     r"(linear|attention)-dominated")
 TRACE_RE = re.compile(r"rank (\d): (.+)")
-ATTN_RE = re.compile(r"R = (\d+) \| cu_seqlens (\[[^\]]*\](?: \(\d+ requests\))?) \| positions (.+) \| max_seqlen (\d+) \| grid (\d+) blocks")
+ATTN_RE = re.compile(r"R = (\d+) \| cu_seqlens (\[[^\]]*\](?: \(\d+ requests\))?) \| positions (.+) \| max_seqlen (\d+) \| "
+                     r"grid (\d+) tiles? x (\d+) requests? x (\d+) heads = (\d+) blocks")
 RANK_RE = re.compile(r"rank (\d): heads (\d+)-(\d+), sum L_i\^2 = (\d+) cells per head per layer, (\d+) per forward")
 
 # A kernel whose status reads "Idle" but is not yet connected drops a Run All clicked then:
@@ -169,8 +170,9 @@ def _expected_tp(total: int, num_requests: int, pattern: str) -> tuple[str, dict
     trace_text = "\n".join(f"rank {rank}: {summarize_trace(t)}" for rank, t in enumerate(traces))
     trace_text += f"\nsame as 1 request of {total} tokens: yes"
     cells = flops.attention_cells(lens, "varlen").computed
-    return trace_text, {"R": num_requests, "cu": cumulative(lens), "max_seqlen": max(lens),
-                        "grid": num_requests * math.ceil(max(lens) / l04_tp.TILE), "cells": cells,
+    tiles = math.ceil(max(lens) / l04_tp.TILE)
+    return trace_text, {"R": num_requests, "cu": cumulative(lens), "max_seqlen": max(lens), "tiles": tiles,
+                        "grid": tiles * num_requests * cfg.heads_per_rank, "cells": cells,
                         "per_forward": cells * cfg.heads_per_rank * cfg.n_layers,
                         "positions_restart": pack([[0] * n for n in lens]).positions.tolist().count(0)}
 
@@ -182,7 +184,10 @@ def _parse_attention(text: str) -> dict:
     cells = {int(c) for *_, c, _ in ranks}
     assert len(cells) == 1 and [(int(a), int(b)) for _, a, b, _, _ in ranks] == [(0, 3), (4, 7)]
     shown_cu = head[2]
-    return {"R": int(head[1]), "cu": shown_cu, "max_seqlen": int(head[4]), "grid": int(head[5]), "cells": cells.pop(),
+    tiles, requests, heads, grid = (int(head[i]) for i in (5, 6, 7, 8))
+    assert requests == int(head[1]) and tiles * requests * heads == grid, f"the grid does not add up: {head[0]!r}"
+    return {"R": int(head[1]), "cu": shown_cu, "max_seqlen": int(head[4]), "tiles": tiles, "grid": grid,
+            "cells": cells.pop(),
             "per_forward": int(ranks[0][4]),
             "positions_restart": sum(e.strip() == "0" or e.strip().startswith("0..") for e in head[3].split(","))}
 
@@ -190,7 +195,7 @@ def _parse_attention(text: str) -> dict:
 def _check_attention(text: str, want: dict) -> None:
     got = _parse_attention(text)
     assert got["cu"] == l04_tp.short_cu(want["cu"]), (got["cu"], want["cu"])
-    for key in ("R", "max_seqlen", "grid", "cells", "per_forward"):
+    for key in ("R", "max_seqlen", "tiles", "grid", "cells", "per_forward"):
         assert got[key] == want[key], (key, got[key], want[key])
     if want["R"] <= 8:  # every run of positions is listed: each starts at 0
         assert got["positions_restart"] == want["positions_restart"]
@@ -309,6 +314,16 @@ def test_lesson04_tp_packing_explorer(lab_server, browser_context, capsys):
     assert f"[{total}, 512]" in _text(page, ".tpx-trace") and _text(page, ".tpx-trace") != trace
     _wait_text(page, ".tpx-attention", f"t => t.includes('cu_seqlens {l04_tp.short_cu(want_attn['cu'])}')")
     _check_attention(_text(page, ".tpx-attention"), want_attn)
+    trace, src = _text(page, ".tpx-trace"), new_src
+    # Home on the requests slider: ONE request of T tokens, longer than a tile: max_seqlen adds tiles to the grid
+    ms, new_src = _move(page, "tpx-num-requests", ".tpx-figure", ".tpx-attention", "Home", text_ms)
+    latencies.append(ms)
+    assert new_src != src and _readout(page, "tpx-num-requests") == 1
+    _, want_attn = _expected_tp(total, 1, pattern)
+    assert want_attn["tiles"] > 1, f"T = {total} does not exceed one tile of {l04_tp.TILE}"
+    _wait_text(page, ".tpx-attention", "t => t.includes('R = 1 |')")
+    _check_attention(_text(page, ".tpx-attention"), want_attn)
+    assert _text(page, ".tpx-trace") == trace, "the TP trace moved although only the packing changed"
 
     _finish(page, widget, "04", latencies, text_ms, console_errors, t_start, capsys)
 
