@@ -36,3 +36,18 @@ site: setup
 
 clean:
 	rm -rf site test-artifacts .pytest_cache
+
+# The classroom (docs/teaching.md): a student release without solutions, and autograding, with nbgrader.
+#   make classroom                       student release of every lesson -> $(CLASSROOM)/release/
+#   make grade SUBMISSIONS=dir           autograde dir/<student>/<lesson>.ipynb -> $(CLASSROOM)/scores.csv, feedback/
+CLASSROOM ?= build/classroom
+SUBMISSIONS ?=
+CLASSROOM_FLAGS ?=
+
+.PHONY: classroom grade
+
+classroom: setup
+	$(PY) tools/classroom.py release --build $(CLASSROOM) $(CLASSROOM_FLAGS)
+
+grade: setup
+	$(PY) tools/classroom.py grade --build $(CLASSROOM) $(SUBMISSIONS)

@@ -40,3 +40,24 @@ def test_readme_and_lessons_link_this_document():
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         first = nbformat.read(path, as_version=4).cells[0].source
         assert "docs/claims.md" in first and "CLAIMS.md" not in first, path.name
+
+
+def _headings(lesson: str) -> list[str]:
+    (path,) = (ROOT / "notebooks").glob(f"{lesson}_*.ipynb")
+    return [re.sub(r"^#+\s+", "", line).strip() for c in nbformat.read(path, as_version=4).cells
+            if c.cell_type == "markdown" for line in c.source.splitlines() if line.startswith("#")]
+
+
+def test_the_article_walkthrough_points_at_real_headings():
+    """docs/article.md says where each point of the article is taught: those sections exist."""
+    text = re.sub(r"\s+", " ", (ROOT / "docs" / "article.md").read_text())
+    missing = []
+    for lesson, refs in re.findall(r'Lesson (\d\d)((?:,? (?:and )?"[^"]+"(?: \([^)]*\))?)+)', text):
+        for ref in re.findall(r'"([^"]+)"', refs):
+            ref = ref.replace("…", "").strip()
+            if not any(h.startswith(ref) or ref in h for h in _headings(lesson)):
+                missing.append(f"lesson {lesson}: {ref!r}")
+    for lesson, k in re.findall(r"Exercise (\d\d)\.(\d)", text):
+        if not any(h.startswith(f"Exercise {lesson}.{k}") for h in _headings(lesson)):
+            missing.append(f"Exercise {lesson}.{k}")
+    assert not missing, missing
