@@ -42,8 +42,8 @@ LESSONS = (
     ("03", "Masked vs varlen attention", "the one layer that mixes tokens; 1600 vs 1000 score cells",
      "C7-C10", 60),
     ("04", "TP never sees the requests", "the same 16 all-reduces for 1 or 40 requests; TP=2 equals TP=1",
-     "C11, C12", 45),
-    ("05", "Where the FLOPs go", "linear vs attention work, arithmetic intensity, a decode preview", "C13, C14, C15", 45),
+     "C11, C12", 40),
+    ("05", "Where the FLOPs go", "linear vs attention work, arithmetic intensity, a decode preview", "C13, C14, C15", 55),
     ("06", "A prefill engine", "a scheduler under a token budget: padded vs masked vs varlen", "S3 (+ C2, C8, C10, C12)", 60),
 )
 # What each lesson is mostly about, in the palette's meanings (a stripe on its box).
