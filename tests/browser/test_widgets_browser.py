@@ -205,6 +205,17 @@ def _readout(page, slider_cls: str) -> int:
     return int(_text(page, f".{slider_cls} .widget-readout"))
 
 
+def _step_right(page, prefix: str, text_sel: str, r: int, src: str, latencies: list, text_ms: list) -> tuple[int, str]:
+    """ArrowRight on the explorer's ``<prefix>-num-requests`` slider: R goes up by one and the
+    figure is redrawn. Returns the new R and the new figure's src; records the latency."""
+    ms, new_src = _move(page, f"{prefix}-num-requests", f".{prefix}-figure", text_sel, "ArrowRight", text_ms)
+    latencies.append(ms)
+    assert new_src != src, f"the {prefix} figure was not redrawn"
+    r_new = _readout(page, f"{prefix}-num-requests")
+    assert r_new == r + 1, f"ArrowRight on the slider moved R from {r} to {r_new}"
+    return r_new, new_src
+
+
 def _move(page, slider_cls: str, figure_sel: str, text_sel: str, key: str, text_ms: list) -> tuple[float, str]:
     """Press ``key`` on the slider's handle; return (ms to the new figure on screen, its src).
 
@@ -256,13 +267,7 @@ def test_lesson03_diagonal_block_explorer(lab_server, browser_context, capsys):
 
     latencies, text_ms = [], []
     for _ in range(MOVES):
-        ms, new_src = _move(page, "dbx-num-requests", ".dbx-figure", ".dbx-counts", "ArrowRight", text_ms)
-        latencies.append(ms)
-        assert new_src != src, "the attention-matrix figure was not redrawn"
-        src = new_src
-        r_new = _readout(page, "dbx-num-requests")
-        assert r_new == r + 1, f"ArrowRight on the slider moved R from {r} to {r_new}"
-        r = r_new
+        r, src = _step_right(page, "dbx", ".dbx-counts", r, src, latencies, text_ms)
         want = _expected_counts(r, length, pattern)
         want_text = "\n".join(f"{m}: computed {c} | useful {u} | wasted {w}" for m, (c, u, w) in want.items())
         _wait_text(page, ".dbx-counts", f"t => t === {want_text!r}")
@@ -291,13 +296,7 @@ def test_lesson04_tp_packing_explorer(lab_server, browser_context, capsys):
 
     latencies, text_ms = [], []
     for _ in range(MOVES - 1):  # more requests, the same tokens: the trace must not move
-        ms, new_src = _move(page, "tpx-num-requests", ".tpx-figure", ".tpx-attention", "ArrowRight", text_ms)
-        latencies.append(ms)
-        assert new_src != src, "the packing figure was not redrawn"
-        src = new_src
-        r_new = _readout(page, "tpx-num-requests")
-        assert r_new == r + 1, f"ArrowRight on the slider moved R from {r} to {r_new}"
-        r = r_new
+        r, src = _step_right(page, "tpx", ".tpx-attention", r, src, latencies, text_ms)
         _, want_attn = _expected_tp(total, r, pattern)
         _wait_text(page, ".tpx-attention", f"t => t.includes('R = {r} |')")
         _check_attention(_text(page, ".tpx-attention"), want_attn)
