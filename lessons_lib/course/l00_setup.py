@@ -62,6 +62,7 @@ def _wrap(text: str, width: int) -> str:
     return "\n".join(lines + [line])
 
 
+@register("00_course_map", lesson="00", caption="the seven lessons, what each shows and the claims it proves")
 def course_map() -> Figure:
     """Seven boxes, one per lesson, in reading order: title, what it shows, the claim ids it proves.
 
@@ -111,6 +112,9 @@ def _arrow(ax, a, b, colour=OTHER):
     ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=10, color=colour, linewidth=1.2))
 
 
+@register("00_tp_split", lesson="00",
+          caption="TP=2: QKV and FFN-up cut by output features (bias split), out proj and FFN-down by input "
+                  "features (partial sums, one all-reduce, bias whole and added once) (S1)")
 def tp_split(cfg: ModelConfig | None = None) -> Figure:
     """How TP cuts a block's linear layers (claim S1).
 
@@ -233,6 +237,9 @@ def allreduce_text(state: dict) -> str:
             "per forward")
 
 
+@register("00_allreduce_growth", lesson="00",
+          caption="one request of N tokens: 16 all-reduces per forward for every N at TP >= 2 (0 at TP=1); the "
+                  "payload grows with N, the ring traffic also with TP (C1)")
 def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | None = None, mark: int | None = None,
                      measured: Mapping[int, Sequence] | None = None, world_size: int = 2) -> Figure:
     """Claim C1: what the 16 all-reduces of one forward move, against the tokens N of one request.
@@ -567,25 +574,3 @@ def check_all_reduce_traffic(fn: Callable[[ModelConfig, int, int], tuple]) -> bo
         return f"got {got}, expected {want} (TP={tp}){hint}"
     return grade("all_reduce_traffic", fn, cases, judge,
                  "2 x n_layers all-reduces of N x d_model x itemsize bytes at TP >= 2, none at TP=1, on 5 cases")
-
-
-# ---------------------------------------------------------------------------------------------
-# Registered figures
-
-@register("00_course_map", lesson="00", caption="the seven lessons, what each shows and the claims it proves")
-def _course_map() -> Figure:
-    return course_map()
-
-
-@register("00_tp_split", lesson="00",
-          caption="TP=2: QKV and FFN-up cut by output features (bias split), out proj and FFN-down by input "
-                  "features (partial sums, one all-reduce, bias whole and added once) (S1)")
-def _tp_split() -> Figure:
-    return tp_split(ModelConfig())
-
-
-@register("00_allreduce_growth", lesson="00",
-          caption="one request of N tokens: 16 all-reduces per forward for every N at TP >= 2 (0 at TP=1); the "
-                  "payload grows with N, the ring traffic also with TP (C1)")
-def _allreduce_growth() -> Figure:
-    return allreduce_growth(ModelConfig())

@@ -273,6 +273,8 @@ def _blocks(ax, lens: list[int], title: str) -> None:
     ax.set_title(title, fontsize=MIN_FONT + 1)
 
 
+@register("05_flops_1x1000_vs_10x100", lesson="05",
+          caption="the same 1000 tokens as 1 x 1000, 10 x 100, 100 x 10: score blocks and whole-forward FLOPs (C14)")
 def same_tokens_figure(cfg: ModelConfig | None = None, total: int = 1000, mix: Sequence[int] = MIX) -> Figure:
     """Claim C14: the same ``total`` tokens as R x total/R for each R in ``mix``. Top: each
     request's score block on the T x T square (whole blocks, per head per layer); bottom: the
@@ -294,6 +296,8 @@ def same_tokens_figure(cfg: ModelConfig | None = None, total: int = 1000, mix: S
     return fig
 
 
+@register("05_attention_share", lesson="05",
+          caption="attention's share of the FLOPs against request length, whole blocks and causal, with the crossovers (C14)")
 def attention_share_curve(cfg: ModelConfig | None = None, lengths: Sequence[int] | None = None,
                           marks: Sequence[int] = (100, 1000, 8000)) -> Figure:
     """Claim C14: attention's share of a forward's FLOPs against request length L, whole blocks
@@ -341,6 +345,9 @@ def block_linear_intensity(cfg: ModelConfig, rows: int, nbytes: int = BF16) -> f
     return intensity([Matmul("linear", 1, r, a, b) for a, b in ((d, 3 * k), (k, d), (d, f), (f, d))], nbytes)
 
 
+@register("05_intensity", lesson="05",
+          caption="arithmetic intensity of a linear layer vs the rows sharing one weight read, decode steps, "
+                  "decode attention, and two machines' ridge points (C13, C15)")
 def intensity_figure(cfg: ModelConfig | None = None, decode_r: Sequence[int] = (1, 32, 256), kv_len: int = 128,
                      ridges: Mapping[str, float] | None = None) -> Figure:
     """Claims C13, C15: arithmetic intensity of a block's four linear layers
@@ -398,6 +405,9 @@ def decode_attention_shapes(kv_len: int, d_head: int = 64, n_heads: int = 8) -> 
     return [Matmul("attention", n_heads, 1, d_head, kv_len), Matmul("attention", n_heads, 1, kv_len, d_head)]
 
 
+@register("05_weight_reuse", lesson="05",
+          caption="one linear layer reads its weight once for all T flat rows, of any requests: FLOPs grow with T, "
+                  "the weight's bytes do not (C13)")
 def weight_reuse_figure(d_in: int = 512, d_out: int = 2048, lens: Sequence[int] = (1, 2, 3)) -> Figure:
     """Claim C13, the idea: a linear layer ``[T, d_in] @ W[d_in, d_out]`` reads its weight once for
     all T flat rows, whichever requests they come from. Top: one row meets W; bottom: the rows of
@@ -525,32 +535,6 @@ def time_splits(model, batches: Mapping[str, PackedBatch], repeats: int = 3, war
             model(batch)
     from ..measure.profile import forward_time_split
     return {name: forward_time_split(model, batch, repeats=repeats) for name, batch in batches.items()}
-
-
-@register("05_flops_1x1000_vs_10x100", lesson="05",
-          caption="the same 1000 tokens as 1 x 1000, 10 x 100, 100 x 10: score blocks and whole-forward FLOPs (C14)")
-def _same_tokens() -> Figure:
-    return same_tokens_figure()
-
-
-@register("05_attention_share", lesson="05",
-          caption="attention's share of the FLOPs against request length, whole blocks and causal, with the crossovers (C14)")
-def _attention_share() -> Figure:
-    return attention_share_curve()
-
-
-@register("05_weight_reuse", lesson="05",
-          caption="one linear layer reads its weight once for all T flat rows, of any requests: FLOPs grow with T, "
-                  "the weight's bytes do not (C13)")
-def _weight_reuse() -> Figure:
-    return weight_reuse_figure()
-
-
-@register("05_intensity", lesson="05",
-          caption="arithmetic intensity of a linear layer vs the rows sharing one weight read, decode steps, "
-                  "decode attention, and two machines' ridge points (C13, C15)")
-def _intensity() -> Figure:
-    return intensity_figure()
 
 
 # ---------------------------------------------------------------------------------------------
