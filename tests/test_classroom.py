@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-import classroom as C  # noqa: E402
+import classroom as C  # noqa: E402  # tools/ is no package: importable only after the sys.path line above
 
 FIXTURE = ROOT / "tests" / "classroom_fixture" / "99_fixture.ipynb"
 LESSONS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))

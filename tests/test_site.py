@@ -365,7 +365,7 @@ def test_the_checks_catch_a_cdn_script_and_a_broken_image(tmp_path, site_browser
 # ---------------------------------------------------------------- build_site units (no browser)
 
 sys.path.insert(0, str(REPO / "tools"))
-import build_site  # noqa: E402
+import build_site  # noqa: E402  # tools/ is no package: importable only after the sys.path line above
 
 
 def _run(coro):

@@ -60,7 +60,7 @@ NOT_HELPERS = {"__pycache__", ".ipynb_checkpoints"}
 CONFIG = '''\
 # Written by tools/classroom.py (make classroom) on every build: change it there, not here.
 # nbgrader reads it when run from this folder (nbgrader formgrader, nbgrader autograde ...).
-c = get_config()  # noqa: F821
+c = get_config()  # noqa: F821  # nbgrader defines get_config() when it reads this file
 c.CourseDirectory.course_id = {course_id!r}
 # A submitted lessons_lib/ must never shadow the installed one while grading.
 c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", ".*", "lessons_lib"]
