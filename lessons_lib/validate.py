@@ -186,6 +186,19 @@ def lengths(cu: Sequence[int]) -> list[int]:
     return [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
 
 
+def row_starts(cu: Sequence[int], device=None) -> Tensor:
+    """``[T]`` int64: the first row of each row's request (``[0, 2, 5]`` → ``[0, 0, 2, 2, 2]``), on
+    ``device``; built from the host list with no device read."""
+    starts, lens = (torch.tensor(x, dtype=torch.int64, device=device) for x in (cu[:-1], lengths(cu)))
+    return starts.repeat_interleave(lens, output_size=cu[-1])
+
+
+def check_tp_divides(cfg, name: str, n: int) -> None:
+    """Refuse a TP degree ``n`` that does not split ``cfg``'s heads and FFN evenly over the ranks."""
+    if cfg.n_heads % n or cfg.d_ffn % n:
+        raise ValueError(f"{name}={n} must divide n_heads={cfg.n_heads} and d_ffn={cfg.d_ffn}")
+
+
 def _shape(t):
     return None if t is None else tuple(t.shape)
 
@@ -224,7 +237,7 @@ def check_batch(cfg, batch, device: torch.device | None = None, dtype: torch.dty
     if pos.shape != (t,) or pos.is_floating_point() or pos.dtype == torch.bool or pos.device != rows.device:
         raise ValueError(f"{name}.positions must be integer [T={t}] on {rows.device}, got {pos.dtype} "
                          f"shape {tuple(pos.shape)} on {pos.device}")
-    starts = torch.tensor(cu[:-1], device=pos.device).repeat_interleave(torch.tensor(lens, device=pos.device))
+    starts = row_starts(cu, pos.device)
     bad = (pos.long() != torch.arange(t, device=pos.device) - starts).nonzero()
     if bad.numel():
         row = int(bad[0, 0])

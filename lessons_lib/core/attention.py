@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..validate import check_varlen_args, lengths
+from ..validate import check_varlen_args, lengths, row_starts
 from .kernels import kernel, resolve_backend, torch_varlen_kwargs
 
 Tensor = torch.Tensor
@@ -123,7 +123,12 @@ def _masked(q, k, v, meta, causal, scale):
 
 
 def _padded(q, k, v, meta, causal, scale):
-    lens_q, lens_k = lengths(meta.cu_q), lengths(meta.cu_k)
+    def build():                                                  # lengths + [R, 1, Lq_max, Lk_max] mask
+        lens_q, lens_k = lengths(meta.cu_q), lengths(meta.cu_k)
+        allowed = torch.zeros(len(lens_q), max(lens_q), max(lens_k), dtype=torch.bool, device=q.device)
+        for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+            allowed[i, :nq, :nk] = causal_mask(nq, nk, q.device) if causal else True
+        return lens_q, lens_k, allowed[:, None]
 
     def pad(x, cu, lens):                                         # [T, H, D] -> [R, H, Lmax, D]
         out = x.new_zeros(len(lens), max(lens), *x.shape[1:])
@@ -131,11 +136,9 @@ def _padded(q, k, v, meta, causal, scale):
             out[i, :n] = x[cu[i]:cu[i + 1]]
         return out.transpose(1, 2)
 
-    allowed = torch.zeros(len(lens_q), max(lens_q), max(lens_k), dtype=torch.bool, device=q.device)
-    for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
-        allowed[i, :nq, :nk] = causal_mask(nq, nk, q.device) if causal else True
+    lens_q, lens_k, allowed = meta.cached(("padded", causal), build)
     qp, kp, vp = pad(q, meta.cu_q, lens_q), pad(k, meta.cu_k, lens_k), pad(v, meta.cu_k, lens_k)
-    outp = _dense(qp, kp, vp, allowed[:, None], scale).transpose(1, 2)  # [R, Lq, H, D]: pad rows and columns too
+    outp = _dense(qp, kp, vp, allowed, scale).transpose(1, 2)  # [R, Lq, H, D]: pad rows and columns too
     return torch.cat([outp[i, :n] for i, n in enumerate(lens_q)])
 
 
@@ -173,19 +176,21 @@ def _sdpa(q, k, v, meta, causal, scale):
 
 def _flex(q, k, v, meta, causal, scale):
     flex_attention, create_block_mask = kernel("flex")
-    dev, lens_q, lens_k = q.device, lengths(meta.cu_q), lengths(meta.cu_k)
-    doc_q = torch.repeat_interleave(torch.arange(len(lens_q), device=dev), torch.tensor(lens_q, device=dev))
-    doc_k = torch.repeat_interleave(torch.arange(len(lens_k), device=dev), torch.tensor(lens_k, device=dev))
-    start_q, start_k = meta.cu_seqlens_q[:-1].long()[doc_q], meta.cu_seqlens_k[:-1].long()[doc_k]
-    shift = (torch.tensor(lens_k, device=dev) - torch.tensor(lens_q, device=dev))[doc_q]  # bottom-right causal
 
-    def document_mask(b, h, qi, ki):
-        same = doc_q[qi] == doc_k[ki]
-        return same & (ki - start_k[ki] <= qi - start_q[qi] + shift[qi]) if causal else same
+    def build():                                                  # the block mask: boundaries only
+        dev, lens_q, lens_k = q.device, lengths(meta.cu_q), lengths(meta.cu_k)
+        doc_q, doc_k = (torch.arange(len(n), device=dev).repeat_interleave(torch.tensor(n, device=dev)) for n in (lens_q, lens_k))
+        start_q, start_k = row_starts(meta.cu_q, dev), row_starts(meta.cu_k, dev)
+        shift = (torch.tensor(lens_k, device=dev) - torch.tensor(lens_q, device=dev))[doc_q]  # bottom-right causal
+
+        def document_mask(b, h, qi, ki):
+            same = doc_q[qi] == doc_k[ki]
+            return same & (ki - start_k[ki] <= qi - start_q[qi] + shift[qi]) if causal else same
+        return create_block_mask(document_mask, None, None, q.shape[0], k.shape[0], device=dev)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
-        block_mask = create_block_mask(document_mask, None, None, q.shape[0], k.shape[0], device=dev)
+        block_mask = meta.cached(("flex", causal), build)
         out = flex_attention(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), block_mask=block_mask, scale=scale)
     return out[0].transpose(0, 1).contiguous()
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validate import check_cu_seqlens, check_lengths
+from ..validate import check_cu_seqlens, check_lengths, row_starts
 
 Tensor = torch.Tensor
 
@@ -92,11 +92,11 @@ def _as_request_tensor(i: int, req) -> Tensor:
     return t
 
 
-def _request_tensors(requests) -> list[Tensor]:
+def _request_tensors(requests, empty: str = "requests is empty: pack needs at least one request") -> list[Tensor]:
     if isinstance(requests, Tensor) or not isinstance(requests, (list, tuple)):
         raise ValueError(f"requests must be a list of requests, got {type(requests).__name__}")
     if len(requests) == 0:
-        raise ValueError("requests is empty: pack needs at least one request")
+        raise ValueError(empty)
     return [_as_request_tensor(i, r) for i, r in enumerate(requests)]
 
 
@@ -127,8 +127,7 @@ def pack(requests: Sequence, device=None) -> PackedBatch:
             raise ValueError(f"hidden rows must be one floating dtype, got {sorted({str(t.dtype) for t in tensors})}")
         input_ids, hidden = None, torch.cat(tensors)
     cu = cumulative(seq_lens)
-    starts = torch.tensor(cu[:-1]).repeat_interleave(torch.tensor(seq_lens))
-    positions = torch.arange(cu[-1]) - starts  # [T] int64: 0, 1, ... restarting for every request
+    positions = torch.arange(cu[-1]) - row_starts(cu)  # [T] int64: 0, 1, ... restarting for every request
     batch = PackedBatch(input_ids, hidden, positions, torch.tensor(cu, dtype=torch.int32), max(seq_lens), seq_lens)
     return batch.to(tensors[0].device if device is None else torch.device(device))
 
@@ -145,9 +144,7 @@ def pad(requests: Sequence, pad_value=0) -> tuple[Tensor, Tensor]:
     ``mask[r, j]`` is True where row j of request r is a real token. This is the naive layout
     of claim C2: every request carries ``Lmax - L_r`` pad rows.
     """
-    if isinstance(requests, (list, tuple)) and len(requests) == 0:
-        raise ValueError("requests must be a non-empty list of requests")
-    tensors = _request_tensors(requests)
+    tensors = _request_tensors(requests, empty="requests must be a non-empty list of requests")
     kinds = {(tuple(t.shape[1:]), t.is_floating_point()) for t in tensors}
     if len(kinds) != 1:
         raise ValueError(f"requests must all be token ids or all hidden rows of one width, got "

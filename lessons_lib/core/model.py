@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..validate import check_batch, check_weights
+from ..validate import check_batch, check_tp_divides, check_weights
 from .attention import VarlenMetadata, attention_forward, padded_attention
 from .batch import PackedBatch, pack
 from .config import ModelConfig, as_config
@@ -107,9 +107,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg = as_config(cfg)
         self.group = group if group is not None else LocalGroup()
-        if cfg.n_heads % self.group.world_size or cfg.d_ffn % self.group.world_size:
-            raise ValueError(f"group world_size={self.group.world_size} must divide n_heads={cfg.n_heads} "
-                             f"and d_ffn={cfg.d_ffn}")
+        check_tp_divides(cfg, "group world_size", self.group.world_size)
         self.attn_backend = attn_backend
         weights = weights if weights is not None else init_weights(cfg, seed)
         wte = weights.get("wte") if isinstance(weights, dict) else None

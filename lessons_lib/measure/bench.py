@@ -248,8 +248,7 @@ def hf_packed_support(hf, cfg: ModelConfig) -> dict:
 
 def padded_score_bytes(cfg: ModelConfig, batches_lens: list[list[int]], dtype: torch.dtype = torch.float32) -> int:
     """Bytes of the largest ``[R, H, Lmax, Lmax]`` score tensor our padded attention makes."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return max(len(b) * cfg.n_heads * max(b) ** 2 * itemsize for b in batches_lens)
+    return max(len(b) * cfg.n_heads * max(b) ** 2 * dtype.itemsize for b in batches_lens)
 
 
 def bench_workload(plan: Plan, weights, hf, name: str, lengths: list[int], peaks: list[float],
@@ -261,9 +260,8 @@ def bench_workload(plan: Plan, weights, hf, name: str, lengths: list[int], peaks
     blens = [[lengths[i] for i in b] for b in batches]
     runners, skipped = {}, {}
     for m in methods:
-        if m in ("padded",) and padded_score_bytes(cfg, blens, plan.dtype) > plan.max_padded_bytes:
-            skipped[m] = (f"skipped: the [R, H, Lmax, Lmax] scores would need "
-                          f"{padded_score_bytes(cfg, blens, plan.dtype) / 2**30:.1f} GiB "
+        if m == "padded" and (need := padded_score_bytes(cfg, blens, plan.dtype)) > plan.max_padded_bytes:
+            skipped[m] = (f"skipped: the [R, H, Lmax, Lmax] scores would need {need / 2**30:.1f} GiB "
                           f"(limit {plan.max_padded_bytes / 2**30:.1f})")
             continue
         runners[m] = _engine_runner(plan, weights, m, reqs) if m in ("varlen", "masked", "padded") \

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from ..core.config import ModelConfig
+from ..core.config import _BLOCK, ModelConfig
 from ..core.model import Transformer
 
 Tensor = torch.Tensor
 
-# our name (inside a block) → (HF name inside ``h.<i>.``, stored transposed?)
-_BLOCK_NAMES = {"ln_1.weight": ("ln_1.weight", False), "ln_1.bias": ("ln_1.bias", False),
-                "attn.qkv.weight": ("attn.c_attn.weight", True), "attn.qkv.bias": ("attn.c_attn.bias", False),
-                "attn.out_proj.weight": ("attn.c_proj.weight", True), "attn.out_proj.bias": ("attn.c_proj.bias", False),
-                "ln_2.weight": ("ln_2.weight", False), "ln_2.bias": ("ln_2.bias", False),
-                "mlp.fc_up.weight": ("mlp.c_fc.weight", True), "mlp.fc_up.bias": ("mlp.c_fc.bias", False),
-                "mlp.fc_down.weight": ("mlp.c_proj.weight", True), "mlp.fc_down.bias": ("mlp.c_proj.bias", False)}
+# HF's names of our four block linears; a linear's weight is stored transposed (Conv1D [in, out]).
+_HF_MODULES = {"attn.qkv": "attn.c_attn", "attn.out_proj": "attn.c_proj", "mlp.fc_up": "mlp.c_fc",
+               "mlp.fc_down": "mlp.c_proj"}
+# our name (inside a block, from the one weight table) → (HF name inside ``h.<i>.``, stored transposed?)
+_BLOCK_NAMES = {ours: (f"{_HF_MODULES.get(module, module)}.{param}", module in _HF_MODULES and param == "weight")
+                for ours in _BLOCK for module, param in [ours.rsplit(".", 1)]}
 _TOP_NAMES = {"wte": "wte.weight", "wpe": "wpe.weight", "ln_f.weight": "ln_f.weight", "ln_f.bias": "ln_f.bias"}
 
 

@@ -35,7 +35,7 @@ from ..core.config import ModelConfig, as_config
 from ..core.kernels import placement, resolve_backend, synchronize
 from ..core.model import Transformer, init_weights
 from ..measure.flops import METHODS, attention_cells, forward_flops
-from ..validate import check_choice, check_int, check_prompt, check_seconds, is_int
+from ..validate import check_choice, check_int, check_prompt, check_seconds, check_tp_divides, is_int
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Request, Scheduler
 
 Tensor = torch.Tensor
@@ -157,8 +157,7 @@ class Engine:
         if not is_int(tp_size) or tp_size not in (1, 2):
             raise ValueError(f"tp_size must be 1 or 2, got {tp_size!r}")  # 2.0 == 2, but not a TP degree
         tp_size = int(tp_size)
-        if cfg.n_heads % tp_size or cfg.d_ffn % tp_size:
-            raise ValueError(f"tp_size={tp_size} must divide n_heads={cfg.n_heads} and d_ffn={cfg.d_ffn}")
+        check_tp_divides(cfg, "tp_size", tp_size)
         check_choice("method", method, METHODS)
         if method != "varlen" and attn_backend not in ("auto", method):
             raise ValueError(f"attn_backend={attn_backend!r} applies to method='varlen' only; "
@@ -181,10 +180,10 @@ class Engine:
             except ValueError as exc:
                 raise ValueError(f"tp_backend={tp_backend!r}: {exc}") from None
         self.method, self.tp_size = method, tp_size
+        requested = "masked" if method == "masked" else attn_backend
         # TP workers resolve the REQUESTED backend on their own device (gloo may put them on the CPU).
-        self._tp_attn_backend = "masked" if method == "masked" else attn_backend
-        self.attn_backend = resolve_backend("masked" if method == "masked" else attn_backend, self.device, self.dtype,
-                                            cfg.d_head)
+        self._tp_attn_backend = requested
+        self.attn_backend = resolve_backend(requested, self.device, self.dtype, cfg.d_head)
         self.scheduler = Scheduler(max_num_batched_tokens, max_num_seqs)
         self.compute_logits, self.progress = bool(compute_logits), progress
         self.weights = weights if weights is not None else init_weights(cfg, seed)

@@ -34,7 +34,7 @@ from ..serve.workloads import long_tail_lengths
 from ..validate import dtype_name
 from .dryrun import expected_layers
 from .trace import format_trace, summarize_trace, traced_forward
-from .workers import resolve_dist_backend
+from .workers import _rank_device, _threads_per_worker, resolve_dist_backend
 
 
 def demo_batches(cfg: ModelConfig, seed: int = 0) -> dict[str, list[int]]:
@@ -57,11 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     backend = resolve_dist_backend("auto", local_world, device)  # NCCL needs one GPU per rank ON THIS NODE
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # the rank's own GPU on this node (NCCL), or the one the ranks share (gloo)
+        device, _ = _rank_device(local_rank, backend, device.type)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        torch.set_num_threads(_threads_per_worker(max(1, local_world)))
     dist.init_process_group(backend)  # env:// from torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT
     group = DistGroup(device=device)
     cfg = ModelConfig()
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.gather_object(report, reports if group.rank == 0 else None, dst=0)  # not traced: outside the model
         if group.rank != 0:
             continue
-        t, itemsize = batch.num_tokens, torch.empty((), dtype=dtype).element_size()
+        t, itemsize = batch.num_tokens, dtype.itemsize
         print(f"\n=== {name}: T={t} tokens, R={batch.num_seqs} requests, backend={backend}, device={device}, "
               f"dtype={dtype_name(dtype)}, world_size={group.world_size} ===")
         for rep in reports:

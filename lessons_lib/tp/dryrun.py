@@ -25,19 +25,12 @@ from ..core.batch import pack
 from ..core.config import ModelConfig, as_config
 from ..core.groups import CollectiveRecord, LocalGroup
 from ..core.model import Transformer, init_weights
-from ..validate import check_int, check_lengths
+from ..validate import check_int, check_lengths, check_tp_divides
 
 
 def expected_layers(cfg: ModelConfig) -> list[str]:
     """The ``layer`` names of the 2·n_layers all-reduces of one forward, in call order."""
     return [f"layers.{i}.{part}" for i in range(cfg.n_layers) for part in ("attn.out_proj", "mlp.fc_down")]
-
-
-def _group(cfg: ModelConfig, rank, world_size) -> LocalGroup:
-    group = LocalGroup(rank, world_size)
-    if cfg.n_heads % world_size or cfg.d_ffn % world_size:
-        raise ValueError(f"world_size={world_size} must divide n_heads={cfg.n_heads} and d_ffn={cfg.d_ffn}")
-    return group
 
 
 def expected_trace(cfg: ModelConfig, num_tokens: int, rank: int = 0, world_size: int = 2) -> list[CollectiveRecord]:
@@ -48,7 +41,8 @@ def expected_trace(cfg: ModelConfig, num_tokens: int, rank: int = 0, world_size:
     ``[]``: TP=1 has nothing to reduce.
     """
     cfg, n = as_config(cfg), check_int("num_tokens", num_tokens, 1)
-    group = _group(cfg, rank, world_size)
+    group = LocalGroup(rank, world_size)  # checks rank and world_size
+    check_tp_divides(cfg, "world_size", world_size)
     for layer in expected_layers(cfg):  # at world_size=1 the group records nothing
         group.all_reduce(torch.empty(n, cfg.d_model, dtype=cfg.dtype, device="meta"), layer=layer)
     return group.trace
@@ -82,7 +76,8 @@ def record_trace(cfg: ModelConfig, seq_lens: Sequence[int], rank: int = 0, world
         raise ValueError("seq_lens is empty: give at least one request length")
     if max(lens) > cfg.max_position:
         raise ValueError(f"a request of {max(lens)} tokens exceeds max_position={cfg.max_position}")
-    _group(cfg, rank, world_size)
+    LocalGroup(rank, world_size)  # checks rank and world_size before they key the cache
+    check_tp_divides(cfg, "world_size", world_size)
     key = tuple((f.name, _UNUSED.get(f.name, getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
     model = _dry_model(key, rank, world_size, seed)
     g = torch.Generator().manual_seed(seed)

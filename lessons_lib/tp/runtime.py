@@ -194,11 +194,12 @@ def _serve(group, channel, cfg: ModelConfig, weights_path: str | None, seed: int
            comm_debug: bool, dtype: torch.dtype) -> None:
     """Worker loop of TPRuntime: build the rank's shard once, then one forward per command."""
     weights = torch.load(weights_path, mmap=True, weights_only=True) if weights_path else init_weights(cfg, seed)
-    model = Transformer(cfg, weights, group=group, attn_backend=attn_backend, device=group.device, dtype=dtype)
+    resolved = resolve_backend(attn_backend, group.device, dtype, cfg.d_head)  # "auto" → e.g. "sdpa", once
+    model = Transformer(cfg, weights, group=group, attn_backend=resolved, device=group.device, dtype=dtype)
     del weights
     if comm_debug:
         comm_debug_mode()  # pay the import during startup, not in the first forward
-    channel.send({"attn_backend": resolve_backend(attn_backend, group.device, dtype, cfg.d_head)})
+    channel.send({"attn_backend": resolved})
     while True:
         try:
             cmd = channel.recv()
