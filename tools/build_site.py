@@ -105,8 +105,6 @@ def install_static(static: Path) -> None:
 def stage(src: Path, notebooks: Path, with_js: bool = True) -> list[Path]:
     """Lay out the Sphinx project in ``src``; return the staged lessons, in file order."""
     paths = sorted(notebooks.glob("*.ipynb"))
-    if not paths:
-        raise BuildError(f"no notebooks in {notebooks}")
     shutil.copytree(ASSETS, src, ignore=shutil.ignore_patterns(".npm-cache", "__pycache__", ".gitignore"))
     if with_js:
         install_static(src / "_static")
@@ -126,7 +124,7 @@ def stage(src: Path, notebooks: Path, with_js: bool = True) -> list[Path]:
     (src / "docs").mkdir()
     for doc in sorted((REPO / "docs").glob("*.md")):
         shutil.copy2(doc, src / "docs" / doc.name)
-    return sorted((src / "notebooks").glob("*.ipynb"))
+    return [src / "notebooks" / p.name for p in paths]
 
 
 # ---------------------------------------------------------------- execution
@@ -145,8 +143,10 @@ def _sliced(get_msg, clock=time.monotonic):
     return get_msg_sliced
 
 
-def execute(path: Path, cell_timeout: int) -> float:
-    """Run one staged lesson in its own folder and write it back with outputs and widget state."""
+def execute(path: Path, cell_timeout: int, env: dict[str, str]) -> float:
+    """Run one staged lesson in its own folder and write it back with outputs and widget state.
+    The kernel process gets ``env`` as its whole environment (nbclient hands ``execute(env=...)``
+    to ``KernelManager.start_kernel``, whose provisioner launches the kernel with it)."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
@@ -162,7 +162,7 @@ def execute(path: Path, cell_timeout: int) -> float:
                               store_widget_state=True, resources={"metadata": {"path": str(path.parent)}})
     t0 = time.monotonic()
     try:
-        client.execute()
+        client.execute(env=env)
     except (CellExecutionError, CellTimeoutError, DeadKernelError) as exc:
         raise BuildError(f"{path.name}: execution failed: {str(exc)[-2000:]}") from None
     nbformat.write(nb, path)
@@ -191,12 +191,12 @@ def build(out: Path, notebooks: Path = REPO / "notebooks", cell_timeout: int = D
     with tempfile.TemporaryDirectory(prefix="course-site-") as tmp:
         src = Path(tmp) / "src"
         lessons = stage(src, notebooks)
-        # Kernels inherit this: lessons_lib importable, figures drawn inline into the page.
+        # The kernels and sphinx-build get this (this process's environment stays as it is):
+        # lessons_lib importable, figures drawn inline into the page.
         env = dict(os.environ, COURSE_SITE_REPO=str(REPO), MPLBACKEND="module://matplotlib_inline.backend_inline",
                    PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-        os.environ.update(env)
         for path in lessons:
-            log(f"executed {path.name} in {execute(path, cell_timeout):.1f} s")
+            log(f"executed {path.name} in {execute(path, cell_timeout, env):.1f} s")
         t_exec = time.monotonic() - t_start
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q",

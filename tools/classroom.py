@@ -111,7 +111,6 @@ class Exercise:
     """One exercise of a lesson: where its four cells are and what they define."""
 
     number: str                 # "03.1"
-    title: str
     answer_index: int
     reference_index: int
     grade_index: int
@@ -177,7 +176,7 @@ def parse_lesson(path: Path, nb: dict | None = None) -> Lesson:
         if len(heads) > 1:
             lesson.problems.append(f"cell {i}: {len(heads)} exercise headings in one markdown cell: one per exercise")
         m = heads[-1]
-        nn, k, title = m.group(1), m.group(2), m.group(3).strip()
+        nn, k = m.group(1), m.group(2)
         where = f"exercise {nn}.{k}"
         if prefix and nn != prefix.group(1):
             lesson.problems.append(f"{where}: numbered {nn}.{k} in lesson {prefix.group(1)}")
@@ -195,7 +194,7 @@ def parse_lesson(path: Path, nb: dict | None = None) -> Lesson:
         answer, reference, grade = (source(cells[x]) for x in (j, j + 1, j + 2))
         meta = cells[j + 2]["metadata"]["nbgrader"]
         lesson.exercises.append(Exercise(
-            number=f"{nn}.{k}", title=title, answer_index=j, reference_index=j + 1, grade_index=j + 2,
+            number=f"{nn}.{k}", answer_index=j, reference_index=j + 1, grade_index=j + 2,
             answer_name=DEF.search(answer).group(1), reference_name=DEF.search(region(reference, BEGIN_SOLUTION,
                                                                                        END_SOLUTION)).group(1),
             grade_id=meta["grade_id"], points=float(meta["points"]),
@@ -374,10 +373,10 @@ def _run(app_class, build: Path, assignment: str, student: str | None = None, **
     return result.get("log", "")
 
 
-def write_config(build: Path, course_id: str = COURSE_ID) -> Path:
+def write_config(build: Path) -> Path:
     build.mkdir(parents=True, exist_ok=True)
     path = build / "nbgrader_config.py"
-    path.write_text(CONFIG.format(course_id=course_id, stub=CODE_STUB), encoding="utf-8")
+    path.write_text(CONFIG.format(course_id=COURSE_ID, stub=CODE_STUB), encoding="utf-8")
     return path
 
 
@@ -408,8 +407,7 @@ class Release:
         return self.build / "release" / lesson.name / lesson.path.name
 
 
-def release(paths: list[Path], build: Path = BUILD, partial: bool = False, course_id: str = COURSE_ID,
-            echo=print) -> Release:
+def release(paths: list[Path], build: Path = BUILD, partial: bool = False, echo=print) -> Release:
     """Build the student release of ``paths`` into ``build`` (see the module docstring)."""
     start = time.perf_counter()
     _, GenerateAssignment, _, _ = _nbgrader()
@@ -421,7 +419,7 @@ def release(paths: list[Path], build: Path = BUILD, partial: bool = False, cours
     good = [x for x in lessons if x.ok]
     if not good:
         raise ClassroomError("no lesson follows the exercise layout:\n" + _problems(bad))
-    write_config(build, course_id)
+    write_config(build)
     (build / "release").mkdir(parents=True, exist_ok=True)
     released = []
     for lesson in good:
@@ -541,7 +539,7 @@ def grade(build: Path = BUILD, submissions: Path | None = None, echo=print) -> G
     start = time.perf_counter()
     _, _, Autograde, GenerateFeedback = _nbgrader()
     assignments = _assignments(build)
-    write_config(build, _course_id(build))
+    write_config(build)
     note = _kernel_note()
     if note:
         echo(note)
@@ -575,12 +573,6 @@ def grade(build: Path = BUILD, submissions: Path | None = None, echo=print) -> G
              f"({time.perf_counter() - t0:.1f} s)")
     _write_tables(build, scores)
     return Grading(build, scores, pairs, unmatched, failed, time.perf_counter() - start)
-
-
-def _course_id(build: Path) -> str:
-    m = re.search(r"course_id = '([^']*)'", (build / "nbgrader_config.py").read_text(encoding="utf-8")) \
-        if (build / "nbgrader_config.py").exists() else None
-    return m.group(1) if m else COURSE_ID
 
 
 def _write_summary(path: Path, student: str, lesson: str, rows: list[Score]) -> None:
@@ -655,7 +647,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("lessons", nargs="*")
     p.add_argument("--build", type=Path, default=BUILD)
     p.add_argument("--partial", action="store_true", help="build the lessons that follow the layout, list the others")
-    p.add_argument("--course-id", default=COURSE_ID)
     p = sub.add_parser("grade", help="autograde a folder of submissions (make grade)")
     p.add_argument("submissions", nargs="?", type=Path)
     p.add_argument("--build", type=Path, default=BUILD)
@@ -668,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
                       + ("".join(f"\n       - {p}" for p in x.problems)))
             return 0 if all(x.ok for x in lessons) else 1
         if args.command == "release":
-            r = release(lessons_in(args.lessons), args.build.resolve(), args.partial, args.course_id)
+            r = release(lessons_in(args.lessons), args.build.resolve(), args.partial)
             print(f"student release of {len(r.lessons)} lessons in {r.build / 'release'} "
                   f"(and {r.build / 'student-release.zip'}) in {r.seconds:.1f} s")
             if r.left_out:

@@ -144,11 +144,13 @@ def _need_cuda(st: Step, ctx: Ctx) -> bool:
 def _run_logged(st: Step, cmd: list[str], timeout: float, log_path: str) -> tuple[int | None, str]:
     """Run ``cmd`` in its own session, output to ``log_path``; kill its group after ``timeout`` s.
     Returns (exit code or None on timeout, output)."""
+    from lessons_lib.tp.workers import _loopback_ifname
+
     timeout = max(timeout, 1.0)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
                PYTHONUNBUFFERED="1")
-    if os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
+    if lo := _loopback_ifname():
+        env.setdefault("GLOO_SOCKET_IFNAME", lo)  # every rank is on this machine
     print(f"  $ {' '.join(cmd)}   (timeout {timeout:.0f} s, output in {os.path.basename(log_path)})", flush=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -157,7 +159,7 @@ def _run_logged(st: Step, cmd: list[str], timeout: float, log_path: str) -> tupl
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc.pid, proc)
+            _kill_group(proc)
             rc = None
     with open(log_path, errors="replace") as f:
         return rc, f.read()
@@ -268,13 +270,46 @@ def _attention_cases(quick: bool) -> dict:
             "seqlen_q != seqlen_k (bottom-right causal)": (lens_q, lens_k, True, None)}
 
 
+def _compare(st: Step, label: str, backend: str, call, ref64, bound: float, ctx: Ctx, problem=lambda out: None,
+             **extra) -> None:
+    """One backend against the float64 truth, as check ``label``: it passes when ``call()`` runs,
+    ``problem(out)`` is None and ``max_abs_diff(out, ref64) <= bound``; a non-empty ``problem`` is
+    recorded as ``error``. Records err, bound, ``extra`` and ms (the first call; on a GPU, the fastest
+    of 3 more). Flex on the CPU is skipped (``FLEX_CPU``); a call that raises is a failure."""
+    from lessons_lib.core.kernels import synchronize
+    from lessons_lib.measure.profile import time_call
+    from lessons_lib.measure.tolerance import max_abs_diff
+
+    if backend == "flex" and ctx.device == "cpu":
+        st.check(label, None, reason=FLEX_CPU)
+        return
+    try:
+        t0 = time.perf_counter()  # time_call(repeats=1, warmup=0) by hand: the output is needed too
+        out = call()
+        synchronize(ctx.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        err = max_abs_diff(out, ref64)
+        if not ctx.quick:
+            ms = time_call(call, repeats=3, warmup=0, device=ctx.device) * 1e3
+        why = problem(out)
+        st.check(label, why is None and err <= bound, err=err, bound=bound, **extra, ms=ms, error=why or None)
+    except Exception as exc:
+        st.check(label, False, error=_err(exc))
+
+
+def _unlike(like, out) -> str | None:
+    """Why ``out`` has not the shape, dtype and device of ``like`` (None when it has)."""
+    if out.shape == like.shape and out.dtype == like.dtype and out.device == like.device:
+        return None
+    return f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+
+
 def step_attention(st: Step, ctx: Ctx) -> None:
     import torch
 
     from lessons_lib.core.attention import attention_ref, varlen_attention
     from lessons_lib.core.batch import seq_lens_to_cu_seqlens
-    from lessons_lib.core.kernels import available_backends, synchronize
-    from lessons_lib.measure.profile import time_call
+    from lessons_lib.core.kernels import available_backends
     from lessons_lib.measure.tolerance import max_abs_diff, tolerance
 
     if not _need_cuda(st, ctx):
@@ -302,24 +337,9 @@ def step_attention(st: Step, ctx: Ctx) -> None:
             ref = attention_ref(q, k, v, cu_q, cu_k, upcast_dtype=dt, **kw)
             bound, ref_err = tolerance(ref, ref64, dt), max_abs_diff(ref, ref64)
             for b in backends:
-                label = f"{case} | {name} | {b}"
-                if b == "flex" and ctx.device == "cpu":
-                    st.check(label, None, reason=FLEX_CPU)
-                    continue
-                try:
-                    call = functools.partial(varlen_attention, q, k, v, cu_q, cu_k, backend=b, **kw)
-                    t0 = time.perf_counter()
-                    out = call()
-                    synchronize(ctx.device)
-                    ms = (time.perf_counter() - t0) * 1e3  # the first call; on a GPU, the fastest of 3 more
-                    err = max_abs_diff(out, ref64)
-                    same = out.shape == q.shape and out.dtype == dt and out.device == q.device
-                    if not ctx.quick:
-                        ms = time_call(call, repeats=3, warmup=0, device=ctx.device) * 1e3
-                    st.check(label, same and err <= bound, err=err, bound=bound, ref_err=ref_err, ms=ms,
-                             **({} if same else {"error": f"got {tuple(out.shape)} {out.dtype} on {out.device}"}))
-                except Exception as exc:
-                    st.check(label, False, error=_err(exc))
+                _compare(st, f"{case} | {name} | {b}", b,
+                         functools.partial(varlen_attention, q, k, v, cu_q, cu_k, backend=b, **kw), ref64, bound, ctx,
+                         problem=functools.partial(_unlike, q), ref_err=ref_err)
 
 
 def _tiny_cfg():
@@ -339,9 +359,8 @@ def step_model(st: Step, ctx: Ctx) -> None:
 
     from lessons_lib.core.batch import pack
     from lessons_lib.core.config import ModelConfig
-    from lessons_lib.core.kernels import available_backends, resolve_backend, synchronize
+    from lessons_lib.core.kernels import available_backends, resolve_backend
     from lessons_lib.core.model import Transformer, init_weights
-    from lessons_lib.measure.profile import time_call
     from lessons_lib.measure.tolerance import max_abs_diff, tolerance
     from lessons_lib.serve.workloads import make_requests
 
@@ -368,21 +387,8 @@ def step_model(st: Step, ctx: Ctx) -> None:
         ref = torch.cat(m.forward_each(reqs, attn_backend="loop"))
         bound, on_dev = tolerance(ref, ref64, half), batch.to(dev)
         for b in backends:
-            if b == "flex" and ctx.device == "cpu":
-                st.check(f"{name} | bf16 on cpu | flex", None, reason=FLEX_CPU)
-                continue
-            try:
-                t0 = time.perf_counter()
-                out = m(on_dev, attn_backend=b)
-                synchronize(dev)
-                ms = (time.perf_counter() - t0) * 1e3
-                err = max_abs_diff(out, ref64)
-                if not ctx.quick:
-                    ms = time_call(functools.partial(m, on_dev, attn_backend=b), repeats=3, warmup=0, device=dev) * 1e3
-                st.check(f"{name} | bf16 on {ctx.device} | {b}", out.dtype == half and err <= bound, err=err, bound=bound,
-                         ms=ms)
-            except Exception as exc:
-                st.check(f"{name} | bf16 on {ctx.device} | {b}", False, error=_err(exc))
+            _compare(st, f"{name} | bf16 on {ctx.device} | {b}", b, functools.partial(m, on_dev, attn_backend=b), ref64,
+                     bound, ctx, problem=lambda out: None if out.dtype == half else f"got {out.dtype}, not {half}")
         if gpu32 is None:
             st.check(f"{name} | fp32 CUDA vs fp32 CPU", None, reason="needs --device cuda")
             continue
@@ -527,9 +533,7 @@ def child_main(args) -> int:
     st.save()
 
     def on_term(signum, frame):  # the parent's timeout: take our own subprocess groups down with us
-        for pgid in st.rec["pgids"]:
-            with contextlib.suppress(OSError):
-                os.killpg(pgid, signal.SIGKILL)
+        _kill_groups(st.rec["pgids"])
         os._exit(128 + signum)
     signal.signal(signal.SIGTERM, on_term)
     try:
@@ -544,16 +548,21 @@ def child_main(args) -> int:
 
 
 # ---- parent side: run the steps, each in a killable child ------------------------------------
-def _kill_group(pgid: int, proc=None) -> None:
-    """SIGTERM the group, give it 5 s, then SIGKILL."""
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group that ``proc`` leads, give it 5 s, then SIGKILL."""
     for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(OSError):
-            os.killpg(pgid, sig)
-        if proc is None:
-            return
+            os.killpg(proc.pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=wait)
             return
+
+
+def _kill_groups(pgids: list[int]) -> None:
+    """SIGKILL every recorded process group (those already gone are skipped)."""
+    for pgid in pgids:
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, signal.SIGKILL)
 
 
 class Report:
@@ -612,7 +621,7 @@ def run_step(rep: Report, name: str, inject: list[str]) -> None:
     rep.save()
     fd, result = tempfile.mkstemp(prefix=f"gpu_check_{name}_", suffix=".json")
     os.close(fd)
-    cmd = [sys.executable, "-u", os.path.abspath(__file__), "--child", name, "--result", result, "--device", args.device,
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--result", result, "--device", args.device,
            "--out", args.out, "--deadline", str(time.time() + timeout)] + (["--quick"] if args.quick else [])
     cmd += [x for i in inject for x in ("--inject", i)]
     t0 = time.monotonic()
@@ -632,7 +641,7 @@ def run_step(rep: Report, name: str, inject: list[str]) -> None:
     except KeyboardInterrupt as exc:  # SIGTERM or Ctrl-C of this script: record the step, then stop
         interrupted = exc
     if timed_out or interrupted:
-        _kill_group(proc.pid, proc)
+        _kill_group(proc)
     reader.join(5.0)
     try:
         with open(result) as f:
@@ -641,9 +650,7 @@ def run_step(rep: Report, name: str, inject: list[str]) -> None:
         got = {}
     with contextlib.suppress(OSError):
         os.unlink(result)
-    for pgid in got.pop("pgids", []):  # the child's own subprocess groups (torchrun, bench), if still there
-        with contextlib.suppress(OSError):
-            os.killpg(pgid, signal.SIGKILL)
+    _kill_groups(got.pop("pgids", []))  # the child's own subprocess groups (torchrun, bench), if still there
     checks = got.get("checks", [])
     if timed_out or interrupted:
         status = "timeout" if timed_out else "error"

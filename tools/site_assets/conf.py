@@ -33,7 +33,7 @@ extensions = [
     "sphinx.ext.viewcode",     # highlighted lessons_lib source, linked from every API entry
     "sphinx.ext.mathjax",
 ]
-exclude_patterns = ["_build", "**/.ipynb_checkpoints", "README.md"]
+exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
 root_doc = "index"
 
 # ---------------------------------------------------------------- notebooks and markdown
