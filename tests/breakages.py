@@ -13,10 +13,10 @@ import attention_forward`` in ``model.py`` keeps its own reference, so patch bot
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,8 @@ def breaks(claim_id: str, notebook: str, what: str):
 # ---- the breakages, one module per lesson: tests/breakages_lNN.py ---------------------------------
 # Keep each one the smallest plausible bug a contributor could really introduce, and make it
 # break only what its claim is about.
-for _lesson in ("l00", "l01", "l02", "l03", "l04", "l05", "l06"):
-    if importlib.util.find_spec(f"breakages_{_lesson}") is not None:
-        importlib.import_module(f"breakages_{_lesson}")
+for _module in sorted(Path(__file__).parent.glob("breakages_l*.py")):
+    importlib.import_module(_module.stem)
 
 if os.environ.get("LESSONS_BREAK"):
     BREAKS[os.environ["LESSONS_BREAK"]].apply()

@@ -4,7 +4,8 @@ from breakages import breaks
 
 @breaks("S1", "00_setup_one_request",
         "the fused QKV weight is cut as one contiguous block (rank 0 gets all of Q and half of K), not head by head")
-def _qkv_cut_as_one_block():
+def qkv_cut_as_one_block():
+    """Also the breakage of C6 (breakages_l02.py) and C11 (breakages_l04.py)."""
     from lessons_lib.core import linear
 
     # The plain column-parallel cut: the right shapes, the wrong rows for a fused [Q | K | V] weight.

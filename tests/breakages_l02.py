@@ -1,5 +1,6 @@
 """Breakages of the claims lesson 02 proves (see breakages.py)."""
 from breakages import breaks
+from breakages_l00 import qkv_cut_as_one_block  # S1's bug, also C6's
 
 
 @breaks("C4", "02_linear_is_per_token",
@@ -46,10 +47,6 @@ def _per_tensor_activation_scale():
     linear.RowParallelLinear.forward = row_forward
 
 
-@breaks("C6", "02_linear_is_per_token",
-        "QKVParallelLinear cuts the fused [Q; K; V] weight as one block, like a plain column-parallel layer, "
-        "so rank 0 gets all of Q and half of K instead of its 4 heads of each")
-def _qkv_shard_ignores_heads():
-    from lessons_lib.core import linear
-
-    linear.QKVParallelLinear.shard_rows = linear.ColumnParallelLinear.shard_rows
+breaks("C6", "02_linear_is_per_token",
+       "QKVParallelLinear cuts the fused [Q; K; V] weight as one block, like a plain column-parallel layer, "
+       "so rank 0 gets all of Q and half of K instead of its 4 heads of each")(qkv_cut_as_one_block)

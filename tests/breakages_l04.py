@@ -1,14 +1,10 @@
 """Breakages of the claims lesson 04 proves (see breakages.py)."""
 from breakages import breaks
+from breakages_l00 import qkv_cut_as_one_block  # S1's bug, also C11's
 
-
-@breaks("C11", "04_tp2_invariance",
-        "QKV is sharded like a plain column-parallel layer: rank r takes contiguous rows of the fused [Q | K | V] "
-        "weight (rank 0: Q of all 8 heads and K of 4), not Q, K and V of its own 4 heads")
-def _qkv_cut_without_heads():
-    from lessons_lib.core import linear
-
-    linear.QKVParallelLinear.shard_rows = linear.ColumnParallelLinear.shard_rows
+breaks("C11", "04_tp2_invariance",
+       "QKV is sharded like a plain column-parallel layer: rank r takes contiguous rows of the fused [Q | K | V] "
+       "weight (rank 0: Q of all 8 heads and K of 4), not Q, K and V of its own 4 heads")(qkv_cut_as_one_block)
 
 
 @breaks("C12", "04_tp2_invariance", "the row-parallel bias is added on every rank, before the all-reduce")

@@ -3,10 +3,18 @@ from __future__ import annotations
 
 import base64
 import math
+import re
+from typing import TYPE_CHECKING
 
 import psutil
 import pytest
 import torch
+
+from lessons_lib.core.batch import seq_lens_to_cu_seqlens
+
+if TYPE_CHECKING:  # matplotlib is imported by the figure tests only
+    from matplotlib.figure import Figure
+    from matplotlib.text import Text
 
 
 def children() -> set[int]:
@@ -67,3 +75,54 @@ def varlen_loop(q, k, v, cu, causal=True, scale=None, cross=False):
             sc = sc.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
         out[s:e] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v[s:e])
     return out
+
+
+def make_qkv(lens_q, lens_k=None, heads=2, d_head=32, seed=0, dtype=torch.float32, device="cpu"):
+    """Random flat ``q [T_q, H, D]``, ``k, v [T_k, H, D]`` and int32 ``cu_seqlens_q, cu_seqlens_k``
+    (drawn in float32 from ``seed``: q, then k, then v; then cast to ``dtype`` on ``device``)."""
+    lens_k = lens_q if lens_k is None else lens_k
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), heads, d_head, generator=g)
+    k, v = (torch.randn(sum(lens_k), heads, d_head, generator=g) for _ in range(2))
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    return q, k, v, seq_lens_to_cu_seqlens(lens_q, device), seq_lens_to_cu_seqlens(lens_k, device)
+
+
+# ---- figures ------------------------------------------------------------------------------------------
+
+def _with_gid(fig: Figure) -> list:
+    return [a for ax in fig.axes for a in ax.get_children() if a.get_gid()]
+
+
+def gids(fig: Figure) -> list[str]:
+    """The gid of every artist of every axes that has one, in drawing order (repeats kept)."""
+    return [a.get_gid() for a in _with_gid(fig)]
+
+
+def by_gid(fig: Figure, name: str):
+    """The one artist of ``fig`` whose gid is ``name`` (fails unless there is exactly one)."""
+    found = [a for a in _with_gid(fig) if a.get_gid() == name]
+    assert len(found) == 1, f"{name}: {len(found)} artists"
+    return found[0]
+
+
+def texts(fig: Figure) -> list[Text]:
+    """Every text a reader sees: each axes' texts, title, axis labels and tick labels (non-empty ones),
+    every legend entry (the axes' legends, then the figure's), the figure's non-empty texts (suptitle included)."""
+    axes = [t for ax in fig.axes for t in ax.texts + [ax.title, ax.xaxis.label, ax.yaxis.label]
+            + ax.get_xticklabels() + ax.get_yticklabels() if t.get_text()]
+    legends = [t for leg in [ax.get_legend() for ax in fig.axes] + fig.legends if leg for t in leg.get_texts()]
+    return axes + legends + [t for t in fig.texts if t.get_text()]
+
+
+def min_font(fig: Figure) -> float:
+    """The smallest font size among ``texts(fig)``."""
+    return min(t.get_fontsize() for t in texts(fig))
+
+
+# ---- notebooks ----------------------------------------------------------------------------------------
+
+def claim_cells(nb, claim_id: str) -> list[int]:
+    """Indices of the code cells whose first line is a ``# claim`` comment naming ``claim_id``."""
+    return [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+            and re.match(rf"#\s*claim\b.*\b{claim_id}\b", c.source.split("\n", 1)[0])]

@@ -16,8 +16,6 @@ from lessons_lib.core import model as model_module
 from lessons_lib.core.batch import pack
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.model import Transformer, init_weights
-from lessons_lib.measure.tolerance import assert_close
-from lessons_lib.tp.runtime import tp_forward
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "lessons_lib"
@@ -211,6 +209,8 @@ def test_profiler_sees_no_sync_op_inside_a_layer(backend):
 # ---- one weight format --------------------------------------------------------------------------
 
 def test_state_dict_is_the_weight_format_everywhere():
+    """TP=1 here; TP=2 from a model's state_dict() is proven in test_tp.py (its TPRuntime of the
+    article batches, held to the fp64 rule, and its tp_forward of 10,000 tokens are both given one)."""
     w = init_weights(CFG, seed=3)
     model = Transformer(CFG, w)
     sd = model.state_dict()
@@ -219,11 +219,3 @@ def test_state_dict_is_the_weight_format_everywhere():
     again.load_state_dict(model.state_dict())  # and load_state_dict round-trips
     batch = _batch()
     assert torch.equal(again(batch), model(batch))
-
-
-def test_tp_forward_takes_the_models_state_dict():
-    model = Transformer(CFG, init_weights(CFG, seed=4))
-    batch = _batch()
-    res = tp_forward(batch, cfg=CFG, weights=model.state_dict(), backend="gloo", device="cpu", verbose=False)
-    ref64 = Transformer(CFG, model.state_dict(), dtype=torch.float64)(batch)
-    assert_close(res.output, model(batch), ref64, "TP=2 from the TP=1 model's state_dict")

@@ -13,6 +13,7 @@ from lessons_lib.core.attention import attention_ref, block_diag_mask, padded_at
 from lessons_lib.core.batch import pad, seq_lens_to_cu_seqlens
 from lessons_lib.core.kernels import BACKENDS, available_backends, resolve_backend
 from lessons_lib.measure.flops import attention_cells
+from lessons_lib.measure.tolerance import assert_close
 
 CPU_OK = [b for b, s in available_backends("cpu").items() if s.available]
 DENSE_OK = [b for b in CPU_OK if b != "flex"]  # flex is eager on the CPU: 17-140x slower, small cases only
@@ -52,43 +53,41 @@ def _length_sets():
 LENGTH_SETS = _length_sets()
 
 
-def _check_against_ref(backend, q, k, v, cu_q, cu_k, causal, bound):
+def _check_against_ref(backend, q, k, v, cu_q, cu_k, causal):
     out = varlen_attention(q, k, v, cu_q, cu_k, causal=causal, backend=backend)
     ref64 = attention_ref(q, k, v, cu_q, cu_k, causal=causal, upcast_dtype=torch.float64)
     ref32 = attention_ref(q, k, v, cu_q, cu_k, causal=causal)
     assert out.shape == q.shape and out.dtype == q.dtype
-    err, tol = (out.double() - ref64).abs().max().item(), bound(ref32, ref64)
-    assert err <= tol, f"{backend}: max |out - ref64| = {err:.2e} > {tol:.2e} (2x the fp32 reference's error + floor)"
-    return err
+    assert_close(out, ref32, ref64, backend)  # at most 2x the fp32 reference's error + floor
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("name", list(LENGTH_SETS))
-def test_c10_dense_backends_match_attention_ref_on_random_lengths(name, causal, make_qkv, rule_bound):
+def test_c10_dense_backends_match_attention_ref_on_random_lengths(name, causal, make_qkv):
     """Tolerance, FlashAttention's method: |backend - ref64| <= 2 |ref32 - ref64| + 2 ulp. fp32
     softmax-weighted sums of L terms carry ~sqrt(L) ulp of rounding whichever order they are
     summed in; a backend that is as good as the fp32 reference passes, a wrong mask is off by O(1)."""
     lens = LENGTH_SETS[name]
     q, k, v, cu, _ = make_qkv(lens, heads=2, d_head=32, seed=len(lens))
     for backend in DENSE_OK:
-        _check_against_ref(backend, q, k, v, cu, cu, causal, rule_bound)
+        _check_against_ref(backend, q, k, v, cu, cu, causal)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_c10_flex_backend_matches_attention_ref_on_small_batches(causal, make_qkv, rule_bound):
+def test_c10_flex_backend_matches_attention_ref_on_small_batches(causal, make_qkv):
     assert "flex" in CPU_OK, available_backends("cpu")["flex"].reason
     for lens in ([1, 5, 2], [17, 1, 33, 4], [64]):
         q, k, v, cu, _ = make_qkv(lens, heads=2, d_head=16, seed=sum(lens))
-        _check_against_ref("flex", q, k, v, cu, cu, causal, rule_bound)
+        _check_against_ref("flex", q, k, v, cu, cu, causal)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_bottom_right_causal_when_keys_outnumber_queries(causal, make_qkv, rule_bound):
+def test_bottom_right_causal_when_keys_outnumber_queries(causal, make_qkv):
     """cu_seqlens_k != cu_seqlens_q: query i of a request sees keys up to i + L_k - L_q (FlashAttention >= 2.1)."""
     lens_q, lens_k = [1, 4, 9, 1, 30], [5, 4, 20, 1, 31]
     q, k, v, cu_q, cu_k = make_qkv(lens_q, lens_k, heads=2, d_head=16, seed=5)
     for backend in CPU_OK:
-        _check_against_ref(backend, q, k, v, cu_q, cu_k, causal, rule_bound)
+        _check_against_ref(backend, q, k, v, cu_q, cu_k, causal)
 
 
 def _naive_attention(q, k, v, lens_q, lens_k, causal):
@@ -116,7 +115,7 @@ def test_attention_ref_matches_a_naive_per_query_loop(causal, make_qkv):
     assert (ref - _naive_attention(q, k, v, lens_q, lens_k, causal)).abs().max().item() < 1e-12
 
 
-def test_gpu_backends_are_reported_and_refused_or_agree(make_qkv, rule_bound):
+def test_gpu_backends_are_reported_and_refused_or_agree(make_qkv):
     """flash / torch_varlen run only on CUDA in fp16/bf16. Here: each is either unavailable with a
     reason and refused by name, or (on a CUDA machine) checked in bf16 against the fp64 reference."""
     lens = [1, 37, 5, 200, 3]
@@ -154,7 +153,7 @@ def test_block_diag_mask_matches_request_ids():
     assert torch.equal(block_diag_mask(cu, causal=True), same & (pos[None, :] <= pos[:, None]))
 
 
-def test_c7_plain_attention_lets_a_read_b(make_qkv, rule_bound):
+def test_c7_plain_attention_lets_a_read_b(make_qkv):
     """Plain (non-causal) attention over the flat 40 rows gives A a different answer than A alone:
     it is exactly attention of A's queries over all 40 keys. With a causal mask, A (first in the
     batch) happens to be safe, but B's queries read A's keys: the bug only hides, it does not go away."""
@@ -174,13 +173,13 @@ def test_c7_plain_attention_lets_a_read_b(make_qkv, rule_bound):
           f"(|A alone| up to {a64.abs().max().item():.3f})")
     assert diff_a > 0.1  # not rounding: a different answer
     all32, all64 = ref(a, everything, causal=False)  # A's queries over A's AND B's keys
-    assert (plain[:10].double() - all64).abs().max().item() <= rule_bound(all32, all64)
+    assert_close(plain[:10], all32, all64, "plain attention = A's queries over all 40 keys")
     varlen = varlen_attention(q, k, v, cu, causal=False, backend="sdpa")
-    assert (varlen[:10].double() - a64).abs().max().item() <= rule_bound(a32, a64)  # varlen: A as if alone
+    assert_close(varlen[:10], a32, a64, "varlen: A as if alone")
 
     plain_causal = plain_attention(q, k, v, causal=True)
     ca32, ca64 = ref(a, a, causal=True)
-    assert (plain_causal[:10].double() - ca64).abs().max().item() <= rule_bound(ca32, ca64)
+    assert_close(plain_causal[:10], ca32, ca64, "causal plain attention: A (first) is safe")
     _, b64 = ref(b, b, causal=True)
     assert (plain_causal[10:].double() - b64).abs().max().item() > 0.1
 
@@ -231,7 +230,7 @@ def test_loop_never_allocates_a_t_by_t_tensor(make_qkv):
     print(f"largest tensor: loop {loop_max} elements, masked {max(math.prod(s) for _, s in seen['masked'])}")
 
 
-def test_padded_attention_valid_rows_equal_varlen(make_qkv, rule_bound):
+def test_padded_attention_valid_rows_equal_varlen(make_qkv):
     lens = [3, 8, 1]
     q, k, v, cu, _ = make_qkv(lens, heads=2, d_head=16)
     spans = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
@@ -240,4 +239,4 @@ def test_padded_attention_valid_rows_equal_varlen(make_qkv, rule_bound):
     out = padded_attention(qp, kp, vp, mask)
     ref64 = attention_ref(q, k, v, cu, upcast_dtype=torch.float64)
     ref32 = attention_ref(q, k, v, cu)
-    assert (out[mask].double() - ref64).abs().max().item() <= rule_bound(ref32, ref64)
+    assert_close(out[mask], ref32, ref64, "padded attention, valid rows")

@@ -15,6 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from breakages import BREAKS
+from helpers import claim_cells
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -23,16 +24,11 @@ TESTS = Path(__file__).resolve().parent
 CLAIM_IDS = ["S1", "S2", "S3"] + [f"C{i}" for i in range(1, 16)]
 
 
-def _claim_cells(nb, claim_id: str) -> list[int]:
-    return [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
-            and re.match(rf"#\s*claim\b.*\b{claim_id}\b", c.source.split("\n", 1)[0])]
-
-
 def test_every_claim_has_a_breakage_and_a_claim_cell():
     assert sorted(BREAKS) == sorted(CLAIM_IDS), f"missing: {sorted(set(CLAIM_IDS) - set(BREAKS))}"
     for claim_id, b in BREAKS.items():
         nb = nbformat.read(REPO / "notebooks" / f"{b.notebook}.ipynb", as_version=4)
-        assert _claim_cells(nb, claim_id), f"{b.notebook} has no '# claim {claim_id}' cell"
+        assert claim_cells(nb, claim_id), f"{b.notebook} has no '# claim {claim_id}' cell"
 
 
 @pytest.mark.parametrize("claim_id", CLAIM_IDS)
@@ -41,7 +37,7 @@ def test_claim_cell_fails_with_the_engine_broken(claim_id, monkeypatch, tmp_path
         pytest.fail(f"no breakage registered for {claim_id} in tests/breakages.py")
     b = BREAKS[claim_id]
     nb = nbformat.read(REPO / "notebooks" / f"{b.notebook}.ipynb", as_version=4)
-    target = _claim_cells(nb, claim_id)[0]
+    target = claim_cells(nb, claim_id)[0]
     monkeypatch.setenv("LESSONS_TEST_HOOK", "breakages")
     monkeypatch.setenv("LESSONS_BREAK", claim_id)
     monkeypatch.setenv("PYTHONPATH", f"{TESTS}:{REPO}")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import nbformat
 from breakages import BREAKS
+from helpers import claim_cells
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [line.split("|")[1:-1] for line in (ROOT / "docs" / "claims.md").read_text().splitlines()
@@ -22,9 +23,7 @@ def test_the_lesson_named_proves_the_claim_in_a_claim_cell():
     for row in ROWS:
         claim_id, lesson = row[0].strip(), re.search(r"lesson (\d\d)", row[2]).group(1)
         (path,) = (ROOT / "notebooks").glob(f"{lesson}_*.ipynb")
-        cells = nbformat.read(path, as_version=4).cells
-        assert any(c.cell_type == "code" and re.match(rf"#\s*claim\b.*\b{claim_id}\b", c.source) for c in cells), \
-            f"{path.name} has no '# claim {claim_id}' cell"
+        assert claim_cells(nbformat.read(path, as_version=4), claim_id), f"{path.name} has no '# claim {claim_id}' cell"
         assert BREAKS[claim_id].notebook == path.stem, f"{claim_id}: its breakage targets {BREAKS[claim_id].notebook}"
 
 

@@ -7,22 +7,16 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
-from helpers import attempt, by_class, png_of, stub
-from matplotlib.figure import Figure
+from helpers import attempt, by_class, gids, png_of, stub
 
 from lessons_lib.core import linear
 from lessons_lib.core.batch import pack
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.groups import LocalGroup
 from lessons_lib.core.model import Transformer, init_weights
-from lessons_lib.course import figures
 from lessons_lib.course import l00_setup as L
 from lessons_lib.course.grading import score
 from lessons_lib.tp.dryrun import expected_trace
-
-
-def _gids(fig: Figure) -> set[str]:
-    return {a.get_gid() for ax in fig.axes for a in ax.get_children() if a.get_gid()}
 
 
 def _itemsize(cfg):
@@ -41,8 +35,7 @@ def test_course_map_lists_the_seven_lessons_and_their_claims():
 
 def test_s1_tp_split_draws_split_and_whole_biases_and_one_all_reduce():
     fig = L.tp_split(ModelConfig())
-    gids = _gids(fig)
-    assert {"col-w-0", "col-w-1", "col-b-0", "col-b-1", "row-w-0", "row-w-1", "all-reduce", "row-b"} <= gids
+    assert {"col-w-0", "col-w-1", "col-b-0", "col-b-1", "row-w-0", "row-w-1", "all-reduce", "row-b"} <= set(gids(fig))
     text = " ".join(t.get_text() for t in fig.axes[0].texts)
     assert "[T x 768]" in text and "[T x 1024]" in text and "16 all-reduces" in text
     assert "ONCE" in text and "split with its outputs" in text
@@ -51,7 +44,7 @@ def test_s1_tp_split_draws_split_and_whole_biases_and_one_all_reduce():
 def test_c1_allreduce_growth_draws_the_payload_the_ring_traffic_the_measured_points_and_the_mark(tiny_cfg):
     measured = {n: expected_trace(tiny_cfg, n) for n in (10, 100)}
     fig = L.allreduce_growth(tiny_cfg, tokens=[1, 10, 100, 1000], mark=300, measured=measured, world_size=4)
-    assert {"measured-bytes-10", "measured-bytes-100", "mark", "mark-ring", "ring-2", "ring-4", "ring-8"} <= _gids(fig)
+    assert {"measured-bytes-10", "measured-bytes-100", "mark", "mark-ring", "ring-2", "ring-4", "ring-8"} <= set(gids(fig))
     left, right = fig.axes
     count = 2 * tiny_cfg.n_layers
     assert list(left.get_lines()[0].get_ydata()) == [n * tiny_cfg.d_model * 4 for n in (1, 10, 100, 1000)]
@@ -66,7 +59,7 @@ def test_c1_allreduce_growth_draws_the_payload_the_ring_traffic_the_measured_poi
     assert "TP = 4" in fig._suptitle.get_text() and f"{count} all-reduces" in fig._suptitle.get_text()
     assert "per all-reduce" in left.get_title() and "per forward" in right.get_title()
     one = L.allreduce_growth(tiny_cfg, tokens=[1, 10], mark=5, world_size=1)
-    assert "no all-reduce" in one._suptitle.get_text() and "mark" not in _gids(one)
+    assert "no all-reduce" in one._suptitle.get_text() and "mark" not in gids(one)
     with pytest.raises(ValueError, match="world_size"):
         L.allreduce_growth(tiny_cfg, world_size=3)
 
@@ -79,12 +72,6 @@ def test_course_map_minutes_are_the_lessons_own():
         minutes = [int(m) for m in re.findall(r"[Aa]bout (\d+) minutes", head)]
         stated[path.name[:2]] = minutes[-1] if minutes else None
     assert {num: minutes for num, *_, minutes in L.LESSONS} == stated
-
-
-def test_lesson_00_figures_are_registered():
-    for name in ("00_course_map", "00_tp_split", "00_allreduce_growth"):
-        assert figures.REGISTRY[name].lesson == "00"
-        assert isinstance(figures.build(name), Figure)
 
 
 # ---- the explorer ---------------------------------------------------------------------------------

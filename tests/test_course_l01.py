@@ -5,28 +5,21 @@ import math
 
 import pytest
 import torch
-from helpers import attempt, by_class, png_of, stub
-from matplotlib.figure import Figure
+from helpers import attempt, by_class, gids, png_of, stub
 
 from lessons_lib.core.batch import pack
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.model import Transformer
-from lessons_lib.course import figures
 from lessons_lib.course import l01_flat_batch as L
 from lessons_lib.course.grading import score
-
-
-def _gids(fig: Figure) -> list[str]:
-    return [a.get_gid() for ax in fig.axes for a in ax.get_children() if a.get_gid()]
-
 
 # ---- figures --------------------------------------------------------------------------------------
 
 def test_c2_padded_vs_flat_draws_real_and_pad_spans_and_the_cells_padding_adds():
     fig = L.padded_vs_flat([10, 30])
-    gids = _gids(fig)
-    assert {"real-0", "real-1", "pad-0", "useful-0", "wasted-0", "useful-1", "wasted-1"} <= set(gids)
-    assert "pad-1" not in gids  # B is the longest: nothing to pad
+    drawn = gids(fig)
+    assert {"real-0", "real-1", "pad-0", "useful-0", "wasted-0", "useful-1", "wasted-1"} <= set(drawn)
+    assert "pad-1" not in drawn  # B is the longest: nothing to pad
     top, bottom, cells = fig.axes
     pad = next(p for p in top.patches if p.get_gid() == "pad-0")
     assert (pad.get_x(), pad.get_width()) == (10, 20)
@@ -47,16 +40,10 @@ def test_padded_vs_flat_draws_many_requests_and_refuses_none():
 def test_c3_flat_positions_restart_at_every_boundary():
     fig = L.flat_positions([10, 30])
     ax = fig.axes[0]
-    assert sorted(g for g in _gids(fig) if g.startswith("cu-")) == ["cu-0", "cu-1", "cu-2"]
+    assert sorted(g for g in gids(fig) if g.startswith("cu-")) == ["cu-0", "cu-1", "cu-2"]
     heights = [round(p.get_height() + p.get_y()) for p in ax.patches if (p.get_gid() or "").startswith("positions-")]
     assert heights == list(range(10)) + list(range(30))
     assert "max_seqlen = 30" in " ".join(t.get_text() for t in ax.texts)
-
-
-def test_lesson_01_figures_are_registered():
-    for name in ("01_padded_vs_flat", "01_token_strip"):
-        assert figures.REGISTRY[name].lesson == "01"
-        assert isinstance(figures.build(name), Figure)
 
 
 # ---- the explorer ---------------------------------------------------------------------------------

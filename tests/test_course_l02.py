@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import attempt, by_class, png_of, stub
+from helpers import attempt, by_class, min_font, png_of, stub, texts
 from matplotlib.figure import Figure
 
 from lessons_lib import ModelConfig, Transformer, init_weights
@@ -14,12 +14,6 @@ from lessons_lib.core.attention import VarlenMetadata, attention_forward
 from lessons_lib.course import l02_linear as L
 from lessons_lib.course.grading import score
 from lessons_lib.course.style import MIN_FONT
-
-
-def _texts(fig):
-    return [t for ax in fig.axes for t in ax.texts + [ax.title, ax.xaxis.label, ax.yaxis.label] if t.get_text()] + \
-        [t for t in fig.texts if t.get_text()] + [t for leg in fig.legends for t in leg.get_texts()]
-
 
 # --- the walk ------------------------------------------------------------------------------------------
 
@@ -43,12 +37,11 @@ def test_c4_c6_forward_walk_shapes_come_from_the_config():
 def test_forward_walk_figure_is_a_figure_with_readable_text():
     fig = L.forward_walk_figure(ModelConfig(), [10, 30])
     assert isinstance(fig, Figure)
-    texts = _texts(fig)
-    assert any("[40 x 768]" in t.get_text() for t in texts)
+    assert any("[40 x 768]" in t.get_text() for t in texts(fig))
     assert "A = 10 and B = 30 tokens" in fig._suptitle.get_text() and "[10, 30]" not in fig._suptitle.get_text()
     assert L._requests_phrase([1, 2, 3, 4, 5]) == "A = 1, B = 2, C = 3 and D = 4 tokens, and 1 more request"
     assert L._requests_phrase([7]) == "A = 7 tokens"
-    assert min(t.get_fontsize() for t in texts) >= MIN_FONT
+    assert min_font(fig) >= MIN_FONT
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +130,7 @@ def test_c6_qkv_shards_uses_the_palette_and_says_what_each_rank_computes():
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert labels == ["rank 0: heads 0-3, 768 extractors: [40 x 512] -> [40 x 768]",
                       "rank 1: heads 4-7, 768 extractors: [40 x 512] -> [40 x 768]"]
-    assert min(t.get_fontsize() for t in _texts(fig)) >= MIN_FONT
+    assert min_font(fig) >= MIN_FONT
 
 
 # --- the row-reach explorer -------------------------------------------------------------------------------

@@ -7,14 +7,13 @@ import threading
 
 import pytest
 import torch
-from helpers import attempt, by_class, png_of, stub
+from helpers import attempt, by_class, min_font, png_of, stub, texts
 from matplotlib.figure import Figure
 
 from lessons_lib.core.batch import cumulative, pack
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.groups import LocalGroup
 from lessons_lib.core.model import Transformer, init_weights
-from lessons_lib.course import figures
 from lessons_lib.course import l04_tp as L
 from lessons_lib.course.grading import score
 from lessons_lib.course.style import COMM, MIN_FONT
@@ -23,15 +22,6 @@ from lessons_lib.measure.tolerance import max_abs_diff, tolerance
 from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
 
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128)
-
-
-def _texts(fig: Figure):
-    return [t for ax in fig.axes for t in ax.texts + [ax.title, ax.xaxis.label, ax.yaxis.label] if t.get_text()] + \
-        [t for t in fig.texts if t.get_text()]
-
-
-def _min_font(fig: Figure) -> float:
-    return min(t.get_fontsize() for t in _texts(fig))
 
 
 # --- what each rank computes -----------------------------------------------------------------------------
@@ -71,9 +61,9 @@ def test_c11_c12_two_axes_draws_one_block_per_request_and_head_and_no_trace_coun
     blocks = [p.get_gid() for ax in fig.axes for p in ax.patches if (p.get_gid() or "").startswith("block-")]
     assert sorted(blocks) == sorted(f"block-{i}-{j}" for i in range(3) for j in range(SMALL.n_heads))
     assert sum(p.get_gid() == "allreduce" for ax in fig.axes for p in ax.patches) == 1
-    text = " ".join(t.get_text() for t in _texts(fig))
+    text = " ".join(t.get_text() for t in texts(fig))
     assert "rank 0: heads 0-1" in text and "rank 1: heads 2-3" in text and "all-reduces" not in text
-    assert _min_font(fig) >= MIN_FONT
+    assert min_font(fig) >= MIN_FONT
     with pytest.raises(ValueError, match="divide"):
         L.two_axes_figure([4], SMALL, tp=3)
 
@@ -84,8 +74,8 @@ def test_c12_trace_timeline_draws_one_purple_bar_per_all_reduce_at_readable_size
     bars = [p for p in fig.axes[0].patches if (p.get_gid() or "").startswith("allreduce-")]
     assert len(bars) == 2 * SMALL.n_layers and {p.get_facecolor()[:3] for p in bars} == {
         tuple(int(COMM[i:i + 2], 16) / 255 for i in (1, 3, 5))}
-    assert _min_font(fig) >= MIN_FONT
-    text = " ".join(t.get_text() for t in _texts(fig))
+    assert min_font(fig) >= MIN_FONT
+    text = " ".join(t.get_text() for t in texts(fig))
     assert "4 all-reduces" in text and "[8, 64]" in text and "cu_seqlens = [0, 3, 8]" in text and "(a test)" in text
 
 
@@ -99,12 +89,6 @@ def test_trace_timeline_refuses_ranks_or_packings_that_disagree():
         L.tp_trace_timeline([traces], [], SMALL)
     with pytest.raises(ValueError, match="at least one"):
         L.tp_trace_timeline([[[]]], [[8]], SMALL)
-
-
-@pytest.mark.parametrize("name", ["04_trace_timeline", "04_two_axes"])
-def test_registered_figures_build_with_9pt_text(name):
-    fig = figures.build(name)
-    assert isinstance(fig, Figure) and _min_font(fig) >= MIN_FONT
 
 
 # --- the explorer ------------------------------------------------------------------------------------------
@@ -152,7 +136,7 @@ def test_packing_html_formats():
     assert ("R = 3 | cu_seqlens [0, 14, 27, 40] | positions 0..13, 0..12, 0..12 | max_seqlen 14 | "
             "grid 1 tile x 3 requests x 4 heads = 12 blocks") in attn
     assert "rank 1: heads 4-7, sum L_i^2 = 534 cells per head per layer, 17088 per forward" in attn
-    assert isinstance(L.tp_packing_figure(s), Figure) and _min_font(L.tp_packing_figure(s)) >= MIN_FONT
+    assert isinstance(L.tp_packing_figure(s), Figure) and min_font(L.tp_packing_figure(s)) >= MIN_FONT
 
 
 def test_max_seqlen_sizes_the_launch_grid_not_the_trace():
@@ -236,7 +220,7 @@ def test_vocab_parallel_forward_on_real_ranks_gives_the_tp1_logits(tp):
     w = init_weights(VOCAB, seed=1)
     batch = pack([torch.arange(n) * 13 % 100 for n in (5, 9, 2)])
     tp1 = Transformer(VOCAB, w)
-    exact = Transformer(VOCAB, {k: v.double() for k, v in w.items()})
+    exact = Transformer(VOCAB, w, dtype=torch.float64)
     ref, ref64 = tp1.compute_logits(tp1(batch)), exact.compute_logits(exact(batch))
     outs = L.tp_ranks_in_threads(tp, lambda g: L.vocab_parallel_forward(Transformer(VOCAB, w, group=g), batch))
     for logits, trace in outs:

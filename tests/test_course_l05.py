@@ -7,28 +7,19 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import attempt, by_class, png_of, stub
+from helpers import attempt, by_class, min_font, png_of, stub
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from lessons_lib.core.attention import varlen_attention
 from lessons_lib.core.batch import pack, seq_lens_to_cu_seqlens
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.model import Transformer
-from lessons_lib.course import figures
 from lessons_lib.course import l05_flops as L
 from lessons_lib.course.grading import score
 from lessons_lib.course.style import MIN_FONT
 from lessons_lib.measure.flops import attention_cells, forward_flops
 
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128)
-
-
-def _min_font(fig: Figure) -> float:
-    texts = [t for ax in fig.axes for t in ax.texts + [ax.title, ax.xaxis.label, ax.yaxis.label]
-             + ax.get_xticklabels() + ax.get_yticklabels() if t.get_text()]
-    legends = [t for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
-    return min(t.get_fontsize() for t in texts + legends + [t for t in fig.texts if t.get_text()])
 
 
 # --- the recorder ------------------------------------------------------------------------------------------
@@ -167,12 +158,6 @@ def test_c14_flops_bars_heights_are_forward_flops_in_gflop():
         L.flops_bars([])
 
 
-@pytest.mark.parametrize("name", ["05_intensity", "05_flops_1x1000_vs_10x100", "05_attention_share", "05_weight_reuse"])
-def test_registered_figures_build_with_9pt_text(name):
-    fig = figures.build(name)
-    assert isinstance(fig, Figure) and _min_font(fig) >= MIN_FONT
-
-
 def test_intensity_figure_plots_the_library_formula_and_the_ridges():
     fig = L.intensity_figure(ModelConfig(), decode_r=(1, 32))
     ax = fig.axes[0]
@@ -218,7 +203,7 @@ def test_throughput_sweep_restores_threads_and_figure_labels_each_t():
     fig = L.throughput_figure([1, 8, 64], [5.0, 20.0, 40.0], "FFN-up", "cpu, 1 thread")
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "8", "64"] and ax.get_yscale() == "linear"
-    assert [t.get_text() for t in ax.texts] == ["5", "20", "40"] and _min_font(fig) >= MIN_FONT
+    assert [t.get_text() for t in ax.texts] == ["5", "20", "40"] and min_font(fig) >= MIN_FONT
     with pytest.raises(ValueError, match="one throughput per T"):
         L.throughput_figure([1, 2], [1.0], "x", "y")
 

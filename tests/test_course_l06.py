@@ -7,23 +7,15 @@ import re
 
 import pytest
 import torch
-from helpers import attempt, by_class, png_of, stub
-from matplotlib.figure import Figure
+from helpers import attempt, by_class, by_gid, png_of, stub
 
 from lessons_lib import ModelConfig
-from lessons_lib.course import figures
 from lessons_lib.course import l06_engine as L
 from lessons_lib.course.grading import score
 from lessons_lib.course.style import MIN_FONT
 from lessons_lib.serve.engine import batch_stats
 from lessons_lib.serve.scheduler import plan_batches
 from lessons_lib.serve.workloads import workload_lengths
-
-
-def gid(fig: Figure, name: str):
-    found = [a for ax in fig.axes for a in ax.get_children() if a.get_gid() == name]
-    assert len(found) == 1, f"{name}: {len(found)} artists"
-    return found[0]
 
 
 def fcfs(lens, budget):
@@ -62,20 +54,20 @@ def test_s3_fcfs_batches_draws_every_served_request_and_the_refused_one():
     fig = L.fcfs_batches(lens, 64)
     served = [i for i, n in enumerate(lens) if n <= 64]
     for i in served:
-        assert gid(fig, f"req-{i}").get_width() == lens[i]
-        label = gid(fig, f"label-{i}")  # every request is labelled, narrow ones beside their bar
+        assert by_gid(fig, f"req-{i}").get_width() == lens[i]
+        label = by_gid(fig, f"label-{i}")  # every request is labelled, narrow ones beside their bar
         assert label.get_text() == str(i) and label.get_fontsize() >= MIN_FONT
     narrow = L.fcfs_batches([490, 5, 3, 10], 512)  # 5 and 3 tokens of 512 are too narrow for their label
-    box = gid(narrow, "req-1")
-    assert gid(narrow, "label-0").get_position()[1] == 0                             # wide: inside its bar
-    assert gid(narrow, "label-1").get_position()[1] < box.get_y()                    # narrow: above the bar
-    assert gid(narrow, "label-2").get_position()[1] > box.get_y() + box.get_height()  # the next narrow one: below
+    box = by_gid(narrow, "req-1")
+    assert by_gid(narrow, "label-0").get_position()[1] == 0                             # wide: inside its bar
+    assert by_gid(narrow, "label-1").get_position()[1] < box.get_y()                    # narrow: above the bar
+    assert by_gid(narrow, "label-2").get_position()[1] > box.get_y() + box.get_height()  # the next narrow one: below
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert any("neighbour" in t for t in legend) and "refused" in legend
-    assert gid(fig, "refused-6")
+    assert by_gid(fig, "refused-6")
     batches = plan_batches(lens, 64, skip_oversize=True)
     for ids in batches:  # requests of one batch sit side by side, in arrival order
-        xs = [gid(fig, f"req-{i}").get_x() for i in ids]
+        xs = [by_gid(fig, f"req-{i}").get_x() for i in ids]
         assert xs == [sum(lens[j] for j in ids[:k]) for k in range(len(ids))]
     assert "7 requests in 3 batches, 1 refused" in fig.axes[0].get_title()
 
@@ -86,12 +78,12 @@ def test_c2_c8_c10_batch_waste_bars_are_the_per_batch_counts():
     stats = {m: [batch_stats(cfg, b, m, i) for i, b in enumerate(batches)] for m in ("padded", "masked", "varlen")}
     fig = L.batch_waste(stats, 64)
     for b, lens in enumerate(batches):
-        assert gid(fig, f"rows-useful-{b}").get_height() == sum(lens)
-        assert gid(fig, f"rows-pad-{b}").get_height() == len(lens) * max(lens) - sum(lens)
+        assert by_gid(fig, f"rows-useful-{b}").get_height() == sum(lens)
+        assert by_gid(fig, f"rows-pad-{b}").get_height() == len(lens) * max(lens) - sum(lens)
         useful = sum(n * n for n in lens)
         for m, computed in (("padded", len(lens) * max(lens) ** 2), ("masked", sum(lens) ** 2), ("varlen", useful)):
-            assert gid(fig, f"cells-{m}-useful-{b}").get_height() == useful
-            assert gid(fig, f"cells-{m}-wasted-{b}").get_height() == computed - useful
+            assert by_gid(fig, f"cells-{m}-useful-{b}").get_height() == useful
+            assert by_gid(fig, f"cells-{m}-wasted-{b}").get_height() == computed - useful
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert "budget 64 tokens: padded rows go over it" in legend  # 3 x 30 = 90 rows for a 64-token budget
     with pytest.raises(ValueError, match="same batches"):
@@ -107,16 +99,10 @@ def test_batch_waste_uses_the_course_palette():
     cfg = ModelConfig()
     stats = {m: [batch_stats(cfg, [10, 30], m)] for m in ("padded", "masked", "varlen")}
     fig = L.batch_waste(stats)
-    assert to_hex(gid(fig, "rows-useful-0").get_facecolor()) == LINEAR.lower()
-    assert to_hex(gid(fig, "rows-pad-0").get_facecolor()) == WASTE.lower()
-    assert to_hex(gid(fig, "cells-masked-useful-0").get_facecolor()) == ATTENTION.lower()
-    assert to_hex(gid(fig, "cells-masked-wasted-0").get_facecolor()) == WASTE.lower()
-
-
-def test_lesson_figures_are_registered_and_build():
-    for name in ("06_fcfs_batches", "06_batch_waste"):
-        assert figures.REGISTRY[name].lesson == "06"
-        assert isinstance(figures.build(name), Figure)
+    assert to_hex(by_gid(fig, "rows-useful-0").get_facecolor()) == LINEAR.lower()
+    assert to_hex(by_gid(fig, "rows-pad-0").get_facecolor()) == WASTE.lower()
+    assert to_hex(by_gid(fig, "cells-masked-useful-0").get_facecolor()) == ATTENTION.lower()
+    assert to_hex(by_gid(fig, "cells-masked-wasted-0").get_facecolor()) == WASTE.lower()
 
 
 # ---- the explorer ---------------------------------------------------------------------------------------

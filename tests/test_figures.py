@@ -9,11 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import min_font
 from matplotlib.figure import Figure
+from matplotlib.text import Text
 
 from lessons_lib.course import figures
+from lessons_lib.course.style import MIN_FONT, to_png
 
 ROOT = Path(__file__).resolve().parents[1]
+figures.load_lessons()  # every lesson's figures registered before the tests are collected
 
 
 def test_figures_command_is_byte_for_byte_reproducible(tmp_path):
@@ -82,19 +86,24 @@ def test_main_lists_and_writes_only_what_is_asked(tmp_path, capsys):
         figures.main(["--out", str(tmp_path), "--only", "03_nothing"])
 
 
-def test_every_text_in_every_figure_is_at_least_9_pt():
-    """Readable on a laptop: titles, labels, ticks, legends and annotations of every registered figure."""
-    from matplotlib.text import Text
-
-    from lessons_lib.course.style import MIN_FONT, to_png
-
-    figures.load_lessons()
-    small = []
-    for name in sorted(figures.REGISTRY):
-        fig = figures.build(name)
-        with figures.style():
-            to_png(fig)  # drawing creates the tick labels
-        for t in fig.findobj(Text):
-            if t.get_visible() and t.get_text().strip() and t.get_fontsize() < MIN_FONT:
-                small.append(f"{name}: {t.get_text()[:40]!r} at {t.get_fontsize():g} pt")
+@pytest.mark.parametrize("name", sorted(figures.REGISTRY))
+def test_every_registered_figure_builds_in_its_lesson_with_text_of_at_least_9_pt(name):
+    """Each registered figure: a Figure, registered under its own lesson's number, and readable on
+    a laptop: titles, labels, ticks, legends and annotations, as built and once drawn."""
+    spec = figures.REGISTRY[name]
+    assert spec.name == name and spec.lesson == name[:2]
+    fig = figures.build(name)
+    assert isinstance(fig, Figure)
+    assert min_font(fig) >= MIN_FONT  # as built, every text (visible or not)
+    with figures.style():
+        to_png(fig)  # drawing creates the tick labels
+    small = [f"{name}: {t.get_text()[:40]!r} at {t.get_fontsize():g} pt" for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text().strip() and t.get_fontsize() < MIN_FONT]
     assert not small, "\n".join(small[:30])
+
+
+def test_the_lessons_figures_are_registered():
+    """The figures the lessons show are there (the parametrized test above checks only what is registered)."""
+    assert {"00_course_map", "00_tp_split", "00_allreduce_growth", "01_padded_vs_flat", "01_token_strip",
+            "04_trace_timeline", "04_two_axes", "05_intensity", "05_flops_1x1000_vs_10x100", "05_attention_share",
+            "05_weight_reuse", "06_fcfs_batches", "06_batch_waste"} <= set(figures.REGISTRY)

@@ -8,12 +8,13 @@ import torch
 from lessons_lib.core.batch import pack
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.measure.hf import config_from_hf, from_hf_gpt2, full_weights_from_hf, hf_config, make_hf_gpt2
+from lessons_lib.measure.tolerance import assert_close, tolerance
 
 transformers = pytest.importorskip("transformers")  # a requirements.txt dependency: present in CI
 
 
 @torch.no_grad()
-def test_s1_hf_gpt2_per_request_matches_our_flat_varlen_forward(rule_bound, make_requests):
+def test_s1_hf_gpt2_per_request_matches_our_flat_varlen_forward(make_requests):
     """GPT2Config(n_embd=512, n_head=8, n_layer=8, n_inner=2048), random init; max_position 1024
     and vocab 8192 (not 50257) to save memory and init time: embedding rows are only looked up.
     HF runs each request alone (use_cache=False); we run all of them as one flat batch.
@@ -30,16 +31,16 @@ def test_s1_hf_gpt2_per_request_matches_our_flat_varlen_forward(rule_bound, make
     flat = ours(pack(reqs))
     hf32 = torch.cat([hf(input_ids=r[None], use_cache=False).last_hidden_state[0] for r in reqs])
     ref64 = torch.cat([hf64(input_ids=r[None], use_cache=False).last_hidden_state[0] for r in reqs])
-    diff, tol = (flat - hf32).abs().max().item(), rule_bound(hf32, ref64)
+    diff, tol = (flat - hf32).abs().max().item(), tolerance(hf32, ref64)
     print(f"HF GPT-2 per request vs our flat varlen: max abs diff {diff:.2e}; ours vs HF fp64 "
           f"{(flat.double() - ref64).abs().max().item():.2e}; bound {tol:.2e}")
     assert flat.shape == hf32.shape == (116, 512)
-    assert (flat.double() - ref64).abs().max().item() <= tol
+    assert_close(flat, hf32, ref64, "our flat varlen forward vs HF per request")
     assert diff <= 2 * tol  # both within tol of the fp64 truth
 
 
 @torch.no_grad()
-def test_hf_lm_head_state_dict_prefix_and_tied_logits(rule_bound, make_requests):
+def test_hf_lm_head_state_dict_prefix_and_tied_logits(make_requests):
     """GPT2LMHeadModel keys carry a 'transformer.' prefix and its head is tied to wte: loading the
     model or its bare state dict gives the same weights, and compute_logits matches HF's logits."""
     cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=64,
@@ -56,7 +57,7 @@ def test_hf_lm_head_state_dict_prefix_and_tied_logits(rule_bound, make_requests)
     lm64 = copy.deepcopy(lm).double()
     hf_logits = torch.cat([lm(input_ids=r[None], use_cache=False).logits[0] for r in reqs])
     ref64 = torch.cat([lm64(input_ids=r[None], use_cache=False).logits[0] for r in reqs])
-    assert (logits.double() - ref64).abs().max().item() <= rule_bound(hf_logits, ref64)
+    assert_close(logits, hf_logits, ref64, "compute_logits vs HF's tied logits")
 
 
 def test_hf_config_round_trip_and_weight_layout(tiny_cfg):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import kernel_doubles as kd
 import pytest
 import torch
+from helpers import make_qkv
 
 from lessons_lib.core import attention, kernels
 from lessons_lib.core.attention import attention_ref, varlen_attention
-from lessons_lib.core.batch import pack, seq_lens_to_cu_seqlens
+from lessons_lib.core.batch import pack
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.model import Transformer, init_weights
 from lessons_lib.measure.tolerance import assert_close
@@ -29,11 +30,8 @@ def doubles(monkeypatch):
 
 def _call(lens_q=(10, 30), lens_k=None, heads=2, d=16, dtype=BF16):
     lens_k = lens_q if lens_k is None else lens_k
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(sum(lens_q), heads, d, generator=g).to(dtype)
-    k, v = (torch.randn(sum(lens_k), heads, d, generator=g).to(dtype) for _ in range(2))
-    return dict(q=q, k=k, v=v, cu_q=seq_lens_to_cu_seqlens(lens_q), cu_k=seq_lens_to_cu_seqlens(lens_k),
-                max_q=max(lens_q), max_k=max(lens_k))
+    q, k, v, cu_q, cu_k = make_qkv(lens_q, lens_k, heads=heads, d_head=d, dtype=dtype)
+    return dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max(lens_q), max_k=max(lens_k))
 
 
 def _run(fn, a, causal=True):

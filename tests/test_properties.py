@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from helpers import make_qkv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +17,7 @@ from lessons_lib.core.attention import attention_ref, block_diag_mask, varlen_at
 from lessons_lib.core.batch import pack, pad, pad_input, seq_lens_to_cu_seqlens, unpack, unpad_input
 from lessons_lib.core.kernels import available_backends
 from lessons_lib.measure.flops import attention_cells
+from lessons_lib.measure.tolerance import assert_close, tolerance
 
 N = int(os.environ.get("LESSONS_PROPERTY_EXAMPLES", "25"))
 CI = settings(max_examples=N, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -42,39 +44,31 @@ def q_and_k_lengths(draw, lengths=LENGTHS):
     return lens_q, [q + e for q, e in zip(lens_q, extra)]
 
 
-def _qkv(lens_q, lens_k, seed, heads=2, d_head=16):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(lens_q), heads, d_head, generator=g)
-    k, v = (torch.randn(sum(lens_k), heads, d_head, generator=g) for _ in range(2))
-    return q, k, v, seq_lens_to_cu_seqlens(lens_q), seq_lens_to_cu_seqlens(lens_k)
-
-
-def _assert_backends_match_ref(backends, lens, seed, causal, bound):
-    q, k, v, cu_q, cu_k = _qkv(*lens, seed)
+def _assert_backends_match_ref(backends, lens, seed, causal):
+    q, k, v, cu_q, cu_k = make_qkv(*lens, heads=2, d_head=16, seed=seed)
     ref64 = attention_ref(q, k, v, cu_q, cu_k, causal=causal, upcast_dtype=torch.float64)
-    tol = bound(attention_ref(q, k, v, cu_q, cu_k, causal=causal), ref64)
+    ref32 = attention_ref(q, k, v, cu_q, cu_k, causal=causal)
     for backend in backends:
-        out = varlen_attention(q, k, v, cu_q, cu_k, causal=causal, backend=backend)
-        assert (out.double() - ref64).abs().max().item() <= tol, backend
+        assert_close(varlen_attention(q, k, v, cu_q, cu_k, causal=causal, backend=backend), ref32, ref64, backend)
 
 
 @CI
 @given(lens=q_and_k_lengths(), seed=SEEDS, causal=st.booleans())
-def test_prop_every_fast_backend_matches_attention_ref(lens, seed, causal, rule_bound):
-    _assert_backends_match_ref(FAST, lens, seed, causal, rule_bound)
+def test_prop_every_fast_backend_matches_attention_ref(lens, seed, causal):
+    _assert_backends_match_ref(FAST, lens, seed, causal)
 
 
 @settings(CI, max_examples=max(1, N // 5))
 @given(lens=q_and_k_lengths(st.lists(st.integers(1, 24), min_size=1, max_size=5)), seed=SEEDS,
        causal=st.booleans())
-def test_prop_flex_matches_attention_ref(lens, seed, causal, rule_bound):
-    _assert_backends_match_ref(["flex"], lens, seed, causal, rule_bound)
+def test_prop_flex_matches_attention_ref(lens, seed, causal):
+    _assert_backends_match_ref(["flex"], lens, seed, causal)
 
 
 @CI
 @given(lens=LENGTHS, seed=SEEDS)
 def test_prop_max_seqlen_too_small_is_an_error_never_a_truncation(lens, seed):
-    q, k, v, cu, _ = _qkv(lens, lens, seed)
+    q, k, v, cu, _ = make_qkv(lens, heads=2, d_head=16, seed=seed)
     longest = max(lens)
     with pytest.raises(ValueError, match=rf"max_seqlen_q={longest - 1} is smaller than the longest request"):
         varlen_attention(q, k, v, cu, max_seqlen_q=longest - 1, backend="sdpa")
@@ -90,15 +84,14 @@ def models(tiny_cfg, model_pair):
 
 @settings(CI, max_examples=max(1, 3 * N // 5))
 @given(lens=LENGTHS.filter(lambda ls: sum(ls) <= 256), seed=SEEDS)
-def test_prop_model_flat_forward_equals_per_request_forward(lens, seed, models, rule_bound, make_requests):
+def test_prop_model_flat_forward_equals_per_request_forward(lens, seed, models, make_requests):
     model, model64 = models
     reqs = make_requests(lens, model.cfg.vocab_size, seed)
     flat = model(pack(reqs))
     each = torch.cat(model.forward_each(reqs))
     ref64 = model64(pack(reqs), attn_backend="loop")
-    tol = rule_bound(each, ref64)
-    assert (flat - each).abs().max().item() <= tol
-    assert (flat.double() - ref64).abs().max().item() <= tol
+    assert (flat - each).abs().max().item() <= tolerance(each, ref64)
+    assert_close(flat, each, ref64, "flat forward")
 
 
 @CI

@@ -30,7 +30,7 @@ import nbformat
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "browser"))
-from course_browser import ARTIFACTS, chromium_context, under_ci
+from course_browser import ARTIFACTS, chromium_context, skip_or_fail
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -57,10 +57,6 @@ def _tell(config, line: str) -> None:
             reporter.write_line(line)
 
 
-def _missing_or_fail(msg: str):
-    pytest.fail(f"CI=true but the site cannot be built: {msg}", pytrace=False) if under_ci() else pytest.skip(msg)
-
-
 @pytest.fixture(scope="session")
 def site(tmp_path_factory, request) -> Path:
     """Build the site once per session into a temp dir (``make site`` builds into site/).
@@ -70,10 +66,11 @@ def site(tmp_path_factory, request) -> Path:
         assert (built / "index.html").is_file(), f"COURSE_SITE_DIR={built} holds no built site"
         return built
     if shutil.which("npm") is None:
-        _missing_or_fail("npm is needed to fetch the site's widget JS (apt-get install npm)")
+        skip_or_fail("npm is needed to fetch the site's widget JS (apt-get install npm)", "the site cannot be built")
     missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
     if missing:
-        _missing_or_fail(f"{', '.join(missing)} not installed: make setup (requirements.txt, site block)")
+        skip_or_fail(f"{', '.join(missing)} not installed: make setup (requirements.txt, site block)",
+                     "the site cannot be built")
     out = tmp_path_factory.mktemp("site")
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "build_site.py"), "--out", str(out)],

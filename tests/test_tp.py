@@ -1,16 +1,16 @@
 """TP=2 on a real two-process gloo group (CPU): invariance, the trace, the shards.
 
 Launches (each ≈ 1-6 s on 2 cores): one TPRuntime for the article batches, one tp_forward for
-the 10,000-token request, one launch of ``tp.shard_checks``, one torchrun subprocess.
+the 10,000-token request (both given a TP=1 model's ``state_dict()`` as their weights), one
+launch of ``tp.shard_checks``, one torchrun subprocess.
 
 Tolerance of TP=2 vs TP=1 (fp32): TP only changes the summation order inside the two
-row-parallel layers per block, so the TP=2 result is held to FlashAttention's rule (the
-``rule_bound`` fixture of conftest.py): it may be at most twice as far from an fp64 reference
-as the fp32 TP=1 result is, plus 2 ulp. Every bound and difference is printed (``pytest -s``).
+row-parallel layers per block, so the TP=2 result is held to FlashAttention's rule
+(``lessons_lib.measure.tolerance.assert_close``): it may be at most twice as far from an fp64
+reference as the fp32 TP=1 result is, plus 2 ulp. Every bound and difference is printed (``pytest -s``).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -59,9 +59,12 @@ def _batch(cfg, lens, seed):
 
 
 @pytest.fixture(scope="module")
-def article():
-    """One TPRuntime (TP=2, gloo), every batch of BATCHES run once; the runtime stays open."""
-    with TPRuntime(ART, world_size=2, backend="auto", seed=0, timeout=120, comm_debug=True, device="cpu") as rt:
+def article(references):
+    """One TPRuntime (TP=2, gloo) built from the TP=1 model's ``state_dict()`` (one weight format),
+    every batch of BATCHES run once; the runtime stays open."""
+    ref32, _ = references
+    with TPRuntime(ART, ref32.state_dict(), world_size=2, backend="auto", timeout=120, comm_debug=True,
+                   device="cpu") as rt:
         runs = {}
         for i, (name, lens) in enumerate(BATCHES.items()):
             batch = _batch(ART, lens, seed=i)
@@ -73,12 +76,9 @@ def article():
 
 @pytest.fixture(scope="module")
 def references():
-    """TP=1 models in this process: fp32 (the comparison) and fp64 (the tolerance)."""
+    """TP=1 models in this process: fp32 (the comparison) and fp64 (the tolerance), from ``init_weights(ART, 0)``."""
     w = init_weights(ART, 0)
-    ref32 = Transformer(ART, w)
-    cfg64 = dataclasses.replace(ART, dtype=torch.float64)
-    ref64 = Transformer(cfg64, {k: v.double() for k, v in w.items()})
-    return ref32, ref64
+    return Transformer(ART, w), Transformer(ART, w, dtype=torch.float64)
 
 
 def test_C12_tp2_output_equals_tp1(article, references):
@@ -155,10 +155,10 @@ def test_C1_ten_thousand_tokens_tp_forward():
     """
     slim = ModelConfig(n_layers=8, d_model=512, n_heads=2, d_head=16, d_ffn=256, vocab_size=1024,
                        max_position=10_000)
-    w = init_weights(slim, 1)
+    model = Transformer(slim, init_weights(slim, 1))
     batch = _batch(slim, [10_000], seed=7)
-    res = tp_forward(batch, world_size=2, cfg=slim, weights=w, backend="gloo", timeout=300)
-    y1 = Transformer(slim, w)(batch)
+    res = tp_forward(batch, world_size=2, cfg=slim, weights=model.state_dict(), backend="gloo", timeout=300)
+    y1 = model(batch)
     diff = (res.output - y1).abs().max().item()
     print(f"T=10000: startup {res.startup_s:.2f} s, TP=2 forward {res.forward_s:.2f} s, |TP2-TP1| {diff:.2e}")
     _check_trace(res, 10_000, slim, comm_debug=False)

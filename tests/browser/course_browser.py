@@ -26,6 +26,13 @@ def under_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
+def skip_or_fail(reason: str, what: str = "the browser test cannot run") -> None:
+    """Skip the test with ``reason``; under CI, fail it instead ("CI=true but <what>: <reason>")."""
+    if under_ci():
+        pytest.fail(f"CI=true but {what}: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def require_browser():
     """Return Playwright's ``sync_playwright``; skip (fail under CI) when it or Chromium is missing."""
     problems = []
@@ -37,10 +44,7 @@ def require_browser():
     if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
         problems.append(f"no Chromium at {CHROMIUM}; apt-get install chromium")
     if problems:
-        reason = "; ".join(problems)
-        if under_ci():
-            pytest.fail(f"CI=true but the browser test cannot run: {reason}", pytrace=False)
-        pytest.skip(reason)
+        skip_or_fail("; ".join(problems))
     return sync_playwright
 
 

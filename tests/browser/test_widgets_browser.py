@@ -98,6 +98,24 @@ ERROR_OUTPUTS_JS = """() => [...document.querySelectorAll('.jp-OutputArea-output
     .map(e => e.innerText).filter(t => /Error|Traceback/.test(t))"""
 
 
+def _open_explorer(context, lab_server, notebook: str, cls: str, ready_js: str, what: str):
+    """Open ``notebook``, Run All, wait for the explorer ``.<cls>`` (``ready_js``) and screenshot it as
+    ``NN_before.png``. Returns ``page, widget, console_errors, t_start``."""
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    page, console_errors = _open_and_run_all(context, lab_server, notebook)
+    _wait_widget(page, ready_js, what)
+    widget = page.locator(f".{cls}")
+    widget.scroll_into_view_if_needed()
+    widget.screenshot(path=str(SHOTS / f"{notebook[:2]}_before.png"))
+    return page, widget, console_errors, t_start
+
+
+def _slider_max(page, cls: str) -> int:
+    """The slider ``.<cls>``'s maximum, as its handle announces it (aria-valuemax)."""
+    return int(page.locator(f".{cls} .noUi-handle").first.get_attribute("aria-valuemax").split(".")[0])
+
+
 def _wait_widget(page, ready_js: str, what: str) -> None:
     """Wait for the widget after Run All; fail fast, with the error, if the run stopped without it."""
     deadline = time.monotonic() + RUN_ALL_TIMEOUT_MS / 1000
@@ -251,14 +269,10 @@ def _finish(page, widget, lesson: str, latencies: list[float], text_ms: list[flo
 
 
 def test_lesson03_diagonal_block_explorer(lab_server, browser_context, capsys):
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    t_start = time.monotonic()
-    page, console_errors = _open_and_run_all(browser_context, lab_server, "03_masked_vs_varlen_attention.ipynb")
-    _wait_widget(page, r"""() => /varlen: computed \d+/.test((document.querySelector('.dbx-counts') || {}).innerText || '')
-                           && !!document.querySelector('.dbx-figure img')""", "the diagonal-block explorer")
-    widget = page.locator(".dbx")
-    widget.scroll_into_view_if_needed()
-    widget.screenshot(path=str(SHOTS / "03_before.png"))
+    page, widget, console_errors, t_start = _open_explorer(
+        browser_context, lab_server, "03_masked_vs_varlen_attention.ipynb", "dbx",
+        r"""() => /varlen: computed \d+/.test((document.querySelector('.dbx-counts') || {}).innerText || '')
+                  && !!document.querySelector('.dbx-figure img')""", "the diagonal-block explorer")
 
     pattern = page.locator(".dbx-pattern select").input_value()
     r, length = _readout(page, "dbx-num-requests"), _readout(page, "dbx-length")
@@ -277,14 +291,10 @@ def test_lesson03_diagonal_block_explorer(lab_server, browser_context, capsys):
 
 
 def test_lesson04_tp_packing_explorer(lab_server, browser_context, capsys):
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    t_start = time.monotonic()
-    page, console_errors = _open_and_run_all(browser_context, lab_server, "04_tp2_invariance.ipynb")
-    _wait_widget(page, r"""() => /same as 1 request/.test((document.querySelector('.tpx-trace') || {}).innerText || '')
-                           && !!document.querySelector('.tpx-figure img')""", "the TP packing explorer")
-    widget = page.locator(".tpx")
-    widget.scroll_into_view_if_needed()
-    widget.screenshot(path=str(SHOTS / "04_before.png"))
+    page, widget, console_errors, t_start = _open_explorer(
+        browser_context, lab_server, "04_tp2_invariance.ipynb", "tpx",
+        r"""() => /same as 1 request/.test((document.querySelector('.tpx-trace') || {}).innerText || '')
+                  && !!document.querySelector('.tpx-figure img')""", "the TP packing explorer")
 
     pattern = page.locator(".tpx-pattern select").input_value()
     total, r = _readout(page, "tpx-tokens"), _readout(page, "tpx-num-requests")
@@ -306,7 +316,7 @@ def test_lesson04_tp_packing_explorer(lab_server, browser_context, capsys):
     latencies.append(ms)
     assert new_src != src
     total = _readout(page, "tpx-tokens")
-    max_tokens = int(page.locator(".tpx-tokens .noUi-handle").first.get_attribute("aria-valuemax").split(".")[0])
+    max_tokens = _slider_max(page, "tpx-tokens")
     assert total == max_tokens, f"End on the tokens slider left T={total}, slider max is {max_tokens}"
     want_trace, want_attn = _expected_tp(total, r, pattern)
     _wait_text(page, ".tpx-trace", f"t => t === {want_trace!r}")
@@ -328,14 +338,10 @@ def test_lesson04_tp_packing_explorer(lab_server, browser_context, capsys):
 
 
 def test_lesson05_flop_mix_explorer(lab_server, browser_context, capsys):
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    t_start = time.monotonic()
-    page, console_errors = _open_and_run_all(browser_context, lab_server, "05_flop_regimes.ipynb")
-    _wait_widget(page, r"""() => /-dominated/.test((document.querySelector('.frx-table') || {}).innerText || '')
-                           && !!document.querySelector('.frx-figure img')""", "the FLOP-mix explorer")
-    widget = page.locator(".frx")
-    widget.scroll_into_view_if_needed()
-    widget.screenshot(path=str(SHOTS / "05_before.png"))
+    page, widget, console_errors, t_start = _open_explorer(
+        browser_context, lab_server, "05_flop_regimes.ipynb", "frx",
+        r"""() => /-dominated/.test((document.querySelector('.frx-table') || {}).innerText || '')
+                  && !!document.querySelector('.frx-figure img')""", "the FLOP-mix explorer")
 
     counting = page.locator(".frx-counting select").input_value()
     total = _readout(page, "frx-tokens")
@@ -355,7 +361,7 @@ def test_lesson05_flop_mix_explorer(lab_server, browser_context, capsys):
         want = _expected_mix(total, counting)
         _wait_text(page, ".frx-table", f"t => t.startsWith('1 x {total}:')")
         assert _parse_mix(_text(page, ".frx-table")) == want
-    max_tokens = int(page.locator(".frx-tokens .noUi-handle").first.get_attribute("aria-valuemax").split(".")[0])
+    max_tokens = _slider_max(page, "frx-tokens")
     assert total == max_tokens, f"End on the tokens slider left T={total}, slider max is {max_tokens}"
     assert _parse_mix(_text(page, ".frx-table"))[0][-1] == "attention", "1 x T_max should be attention-dominated"
 
