@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..core.config import ModelConfig
+from ..validate import dtype_name
 
 Tensor = torch.Tensor
 NOT_YET = object()
@@ -68,7 +69,7 @@ def describe_args(args) -> str:
         if isinstance(a, ModelConfig):
             return (f"ModelConfig(n_layers={a.n_layers}, d_model={a.d_model}, n_heads={a.n_heads}, d_head={a.d_head}, "
                     f"d_ffn={a.d_ffn}, vocab_size={a.vocab_size}, max_position={a.max_position}, "
-                    f"dtype={str(a.dtype).removeprefix('torch.')})")
+                    f"dtype={dtype_name(a.dtype)})")
         if isinstance(a, (list, tuple)) and any(isinstance(x, Tensor) for x in a):
             inner = ", ".join(one(x) for x in a[:4]) + (", ..." if len(a) > 4 else "")
             return f"[{inner}]" if isinstance(a, list) else f"({inner})"

@@ -23,8 +23,9 @@ from ..core.config import ModelConfig
 from ..core.groups import LocalGroup
 from ..core.kernels import available_backends, placement, resolve_backend
 from ..core.model import Transformer
+from ..measure.profile import time_call
 from ..tp.dryrun import expected_trace, record_trace
-from ..validate import check_int
+from ..validate import check_int, dtype_name
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import grade, int_tuple
@@ -244,9 +245,9 @@ def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | Non
                      measured: Mapping[int, Sequence] | None = None, world_size: int = 2) -> Figure:
     """Claim C1: what the 16 all-reduces of one forward move, against the tokens N of one request.
 
-    From ``tp.dryrun.expected_trace``; the count, ``2·n_layers`` at any TP ≥ 2 and 0 at TP=1,
-    is in the title. Left, per all-reduce: the payload on each rank, ``N·d_model·itemsize``,
-    the same for every TP ≥ 2. Right, per forward: the bytes all ranks together send with a
+    The count, ``2·n_layers`` (``cfg.all_reduces_per_forward``, what ``tp.dryrun.expected_trace``
+    records) at any TP ≥ 2 and 0 at TP=1, is in the title. Left, per all-reduce: the payload on
+    each rank, ``N·d_model·itemsize``, the same for every TP ≥ 2. Right, per forward: the bytes all ranks together send with a
     ring all-reduce, ``count · 2·(p−1) · payload``, for TP = 2, 4, 8 (gids ``ring-p``; the one
     of ``world_size`` drawn thicker). ``measured``: ``{N: trace}`` of real ranks, drawn as black
     markers on the left (gids ``measured-bytes-N``). ``mark``: one N to highlight (the explorer's
@@ -257,9 +258,9 @@ def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | Non
     if world_size not in WORLD_SIZES:
         raise ValueError(f"world_size must be one of {WORLD_SIZES}, got {world_size!r}")
     tokens = list(tokens) if tokens is not None else sorted({int(v) for v in np.logspace(0, np.log10(16384), 60)})
-    item = torch.empty((), dtype=cfg.dtype).element_size()
-    dtype = str(cfg.dtype).replace("torch.", "")
-    count = len(expected_trace(cfg, 1, 0, 2))
+    item = cfg.dtype.itemsize
+    dtype = dtype_name(cfg.dtype)
+    count = cfg.all_reduces_per_forward
     payload = [n * cfg.d_model * item for n in tokens]
     fig = Figure(figsize=(9.6, 4.1))
     left, right = fig.subplots(1, 2)
@@ -366,14 +367,19 @@ def heads_held(weights: Mapping[str, torch.Tensor], shard: Transformer, layer: i
 def row_spans(layer) -> list[tuple[int, int]]:
     """The rows of the full weight a column-parallel ``layer`` keeps on its rank, as ``(start, stop)`` runs,
     read off the layer's own ``shard_rows`` (e.g. ``[(0, 256), (512, 768), (1024, 1280)]`` for rank 0's QKV)."""
-    rows = layer.shard_rows(torch.arange(layer.out_features)).tolist()
-    spans: list[list[int]] = []
-    for r in rows:
-        if spans and spans[-1][1] == r:
-            spans[-1][1] = r + 1
-        else:
-            spans.append([r, r + 1])
-    return [tuple(s) for s in spans]
+    return consecutive_runs(layer.shard_rows(torch.arange(layer.out_features)).tolist())
+
+
+def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive integers (each one more than the last), as ``(start, stop)``:
+    ``[0, 1, 2, 5, 6]`` → ``[(0, 3), (5, 7)]``."""
+    idx = np.asarray(values, dtype=np.int64)
+    if idx.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(idx) != 1)
+    starts = np.concatenate([[idx[0]], idx[breaks + 1]])
+    stops = np.concatenate([idx[breaks], [idx[-1]]]) + 1
+    return list(zip(starts.tolist(), stops.tolist()))
 
 
 def follow_request(model: Transformer, run: Callable[[], object]) -> tuple[list, list, object]:
@@ -397,16 +403,9 @@ def follow_request(model: Transformer, run: Callable[[], object]) -> tuple[list,
 def time_forward(model: Transformer, batch, repeats: int = 1) -> float:
     """Seconds of the fastest of ``repeats`` forwards of ``model`` on ``batch`` (no gradients): a wall-clock
     time to show, never to assert."""
-    import time
-    best = float("inf")
+    repeats = check_int("repeats", repeats, 1)
     with torch.no_grad():
-        for _ in range(check_int("repeats", repeats, 1)):
-            t0 = time.perf_counter()
-            model(batch)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-    return best
+        return time_call(lambda: model(batch), repeats=repeats, warmup=0, device=model.device)
 
 
 def backend_rows(device, dtype: torch.dtype, head_dim: int | None = None) -> list[tuple[str, str, str]]:
@@ -423,11 +422,11 @@ def machine_report(head_dim: int = 64) -> str:
     device, dtype = placement()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    lines = [f"device: {device.type} | dtype: {str(dtype).replace('torch.', '')} | torch {torch.__version__} | "
+    lines = [f"device: {device.type} | dtype: {dtype_name(dtype)} | torch {torch.__version__} | "
              f"CPU cores: {cores} | torch threads: {torch.get_num_threads()} | GPUs: {gpus}"]
     places = [("cpu", torch.float32)] + ([("cuda", t) for t in (torch.float16, torch.bfloat16, torch.float32)] if gpus else [])
     for dev, dt in places:
-        name = str(dt).replace("torch.", "")
+        name = dtype_name(dt)
         lines += ["", f"attention backends on {dev}, {name}, head dim {head_dim}: "
                   f"auto -> {resolve_backend('auto', dev, dt, head_dim)}"]
         lines.append(format_table(backend_rows(dev, dt, head_dim), ("backend", "runs", "why (not)")))
@@ -551,7 +550,7 @@ def check_all_reduce_traffic(fn: Callable[[ModelConfig, int, int], tuple]) -> bo
         got, problem = int_tuple(got, "count, bytes_each")
         if problem or got == want:
             return problem
-        size = torch.empty((), dtype=cfg.dtype).element_size()
+        size = cfg.dtype.itemsize
         hint = ""
         if tp == 1:
             hint = (" - with one rank there is nobody to add partial sums with: the row-parallel layer already "

@@ -34,6 +34,7 @@ from ..validate import check_choice, check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade, matches, tensor_problem
+from .l00_setup import consecutive_runs
 from .probe import row_dependency, who_reads_whom
 from .style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, draw_strip, request_name
 
@@ -353,16 +354,6 @@ def qkv_row_owners(cfg: ModelConfig) -> np.ndarray:
     return owner
 
 
-def _runs(idx: np.ndarray):
-    """Maximal runs of consecutive integers in a sorted array, as ``(start, stop)``."""
-    if idx.size == 0:
-        return
-    breaks = np.flatnonzero(np.diff(idx) != 1)
-    starts = np.concatenate([[idx[0]], idx[breaks + 1]])
-    stops = np.concatenate([idx[breaks], [idx[-1]]]) + 1
-    yield from zip(starts.tolist(), stops.tolist())
-
-
 def qkv_shards(cfg: ModelConfig, tokens: int = 40) -> Figure:
     """Claim C6: the ``3·H·D`` rows of the fused QKV weight are feature extractors; each TP rank
     owns those of its heads (in Q, in K and in V) and runs them on every token."""
@@ -373,7 +364,7 @@ def qkv_shards(cfg: ModelConfig, tokens: int = 40) -> Figure:
     fig = Figure(figsize=(10, 2.9))
     ax = fig.add_axes((0.03, 0.36, 0.94, 0.42))
     for rank in range(cfg.tp_size):
-        for start, stop in _runs(np.flatnonzero(owner == rank)):
+        for start, stop in consecutive_runs(np.flatnonzero(owner == rank)):
             ax.add_patch(Rectangle((start, 0), stop - start, 1, facecolor=shades[rank % 2], hatch=hatches[rank % 2],
                                    edgecolor="white", linewidth=0.0))
     for h in range(3 * cfg.n_heads + 1):
@@ -455,7 +446,7 @@ def row_reach_state(row: int, kind: str, seq_lens: Sequence[int] = ARTICLE_LENS)
 
 
 def _spans(rows: list[int]) -> str:
-    parts = [f"{a}" if b - a == 1 else f"{a}-{b - 1}" for a, b in _runs(np.asarray(rows, dtype=np.int64))]
+    parts = [f"{a}" if b - a == 1 else f"{a}-{b - 1}" for a, b in consecutive_runs(rows)]
     return ", ".join(parts) if parts else "none"
 
 
@@ -479,8 +470,9 @@ def row_reach_figure(state: dict, seq_lens: Sequence[int] = ARTICLE_LENS) -> Fig
     cu = cumulative(lens)
     req = [int(np.searchsorted(cu, j, side="right") - 1) for j in range(t)]
     own = req[state["row"]]
+    readers = set(state["readers"])
     for j in range(t):
-        hit = j in set(state["readers"])
+        hit = j in readers
         ax.add_patch(Rectangle((j, 0), 1, 0.8, facecolor=color if hit else NEVER, edgecolor=OTHER, linewidth=0.4,
                                hatch="xx" if hit and req[j] != own else ""))
     ax.annotate("", xy=(state["row"] + 0.5, 2.1), xytext=(state["row"] + 0.5, 2.7),

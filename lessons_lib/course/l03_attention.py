@@ -39,6 +39,7 @@ from ..validate import check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import Tensor, grade, matches, tensor_problem
+from .l01_flat_batch import float64_twin
 from .probe import row_dependency
 from .style import (
     ATTENTION,
@@ -432,10 +433,7 @@ def diagonal_block_explorer(num_requests: int = 2, length: int = 10, pattern: st
 # ---- exercises -------------------------------------------------------------------------------------------
 
 def _qkv(lens, h, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lens)
-    q, k, v = (torch.randn(t, h, d, generator=g) for _ in range(3))
-    return q, k, v, seq_lens_to_cu_seqlens(lens), max(lens)
+    return (*random_qkv(lens, h, d, seed=seed), max(lens))
 
 
 def _where_wrong(got: Tensor, want: Tensor, cu: list[int], max_seqlen: int | None = None) -> str:
@@ -469,8 +467,7 @@ def _engine_case(fn) -> tuple[float, float] | str:
     batch = pack([torch.randint(0, 100, (n,), generator=g) for n in (9, 3, 14)])
     model = Transformer(cfg, weights)
     ref = model.forward(batch, attn_backend="loop")
-    cfg64 = ModelConfig(**{f: getattr(cfg, f) for f in cfg.__slots__ if f != "dtype"}, dtype=torch.float64)
-    ref64 = Transformer(cfg64, {k: t.double() for k, t in weights.items()}).forward(batch, attn_backend="loop")
+    ref64 = float64_twin(model).forward(batch, attn_backend="loop")
     got = model.forward(batch, attn_backend=fn)
     return max_abs_diff(got, ref64), tolerance(ref, ref64)
 

@@ -18,7 +18,6 @@ Taught in notebooks/04_tp2_invariance.ipynb.
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,8 @@ from ..validate import check_choice, check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade
+from .l01_flat_batch import float64_twin
+from .l03_attention import launch_grid
 from .style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, draw_strip, request_color, request_name
 
 Tensor = torch.Tensor
@@ -73,8 +74,7 @@ class _Stop(Exception):
 
 
 def _one_layer(cfg: ModelConfig) -> ModelConfig:
-    fields = {f: getattr(cfg, f) for f in cfg.__slots__}
-    return ModelConfig(**(fields | {"n_layers": 1, "vocab_size": 1, "max_position": 1, "tp_size": 1}))
+    return dataclasses.replace(cfg, n_layers=1, vocab_size=1, max_position=1, tp_size=1)
 
 
 def rank_layers(cfg: ModelConfig, num_tokens: int, rank: int = 0, world_size: int = 2) -> list[RankLayer]:
@@ -395,9 +395,9 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     ones = [_one_request_signature(cfg, sum(lens), r) for r in range(tp)]
     cells = attention_cells(lens, "varlen").computed
     hl = cfg.heads_per_rank
+    reqs, tiles, heads = launch_grid(lens, hl, TILE)
     return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "positions": pack([[0] * n for n in lens]).positions.tolist(),
-            "max_seqlen": max(lens), "tiles": math.ceil(max(lens) / TILE),
-            "grid": math.ceil(max(lens) / TILE) * len(lens) * hl, "traces": traces,
+            "max_seqlen": max(lens), "tiles": tiles, "grid": tiles * reqs * heads, "traces": traces,
             "trace_text": [summarize_trace(t) for t in traces],
             "same_as_one_request": [trace_signature(t) == s for t, s in zip(traces, ones)],
             "heads": [(r * hl, (r + 1) * hl - 1) for r in range(tp)], "cells": cells,
@@ -627,8 +627,7 @@ def vocab_parallel_forward(model: Transformer, batch: PackedBatch) -> Tensor:
     rows = torch.zeros(ids.shape[0], cfg.d_model, dtype=model.dtype, device=model.device)
     rows[mine] = table[ids[mine] - lo]                                  # zeros where another rank owns the id
     x = group.all_reduce(rows, layer="wte") + model.wpe[batch.positions]   # [T, d], every token, every rank
-    lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
-    hidden = model(pack(list(x.split(lens)), device=model.device))      # the blocks and the final LayerNorm
+    hidden = model(pack(list(x.split(batch.seq_lens)), device=model.device))      # the blocks and the final LayerNorm
     return group.all_gather(hidden @ table.T, layer="lm_head")          # [T, V/tp] per rank -> [T, V]
 
 
@@ -822,8 +821,9 @@ def _qkv_in_model(fn: Callable, cfg: ModelConfig) -> list[tuple[float, float]]:
     from ..measure.tolerance import max_abs_diff, tolerance
     weights = init_weights(cfg, seed=3)
     batch = pack([torch.arange(n) % cfg.vocab_size for n in (5, 9, 2)])
-    full = layer0_attention(Transformer(cfg, weights), batch)
-    exact = layer0_attention(Transformer(cfg, {k: v.double() for k, v in weights.items()}), batch)
+    model = Transformer(cfg, weights)
+    full = layer0_attention(model, batch)
+    exact = layer0_attention(float64_twin(model), batch)
     real = QKVParallelLinear.shard_rows
     QKVParallelLinear.shard_rows = lambda self, t: fn(t.clone(), self.n_heads, self.group.rank, self.group.world_size)
     try:

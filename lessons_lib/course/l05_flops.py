@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..core.attention import varlen_attention
 from ..core.batch import PackedBatch, cumulative, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
-from ..measure.flops import forward_flops, linear_flops_per_token
+from ..measure.flops import ForwardFlops, forward_flops, linear_flops_per_token
 from ..validate import check_choice, check_int
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
@@ -185,12 +185,14 @@ MIX = (1, 10, 100)  # the packings the explorer compares: R requests of T / R to
 COUNTING = ("whole blocks", "causal")
 
 
-def flop_mix_state(total_tokens: int = 1000, counting: str = "whole blocks", cfg: ModelConfig | None = None) -> dict:
+def flop_mix_state(total_tokens: int = 1000, counting: str = "whole blocks", cfg: ModelConfig | None = None,
+                   crossover: int | None = None) -> dict:
     """The same T tokens as 1 x T, 10 x T/10 and 100 x T/100 (T a multiple of 100).
 
     Keys: ``rows``: per packing ``{"label", "seq_lens", "linear_gflop", "attention_gflop",
-    "share" (attention %, one decimal), "dominated"}``; ``crossover`` (``crossover_length``);
-    ``counting``; ``flops`` (the ``ForwardFlops`` per packing).
+    "share" (attention %, one decimal), "dominated"}``; ``crossover`` (``crossover_length``, or the
+    ``crossover`` given: a caller that already holds it for this cfg and counting); ``counting``;
+    ``flops`` (the ``ForwardFlops`` per packing).
     """
     cfg = cfg or ModelConfig()
     t = check_int("total_tokens", total_tokens, 100, 1 << 24)
@@ -206,7 +208,9 @@ def flop_mix_state(total_tokens: int = 1000, counting: str = "whole blocks", cfg
         rows.append({"label": f"{r} x {t // r}", "seq_lens": lens, "linear_gflop": round(f.linear / 1e9, 2),
                      "attention_gflop": round(f.attention / 1e9, 2), "share": round(100 * f.attention_fraction, 1),
                      "dominated": f"{f.dominant}-dominated"})
-    return {"rows": rows, "crossover": crossover_length(cfg, causal), "counting": counting, "flops": flops,
+    if crossover is None:
+        crossover = crossover_length(cfg, causal)
+    return {"rows": rows, "crossover": crossover, "counting": counting, "flops": flops,
             "total_tokens": t}
 
 
@@ -227,10 +231,11 @@ def flop_mix_rule(state: dict) -> str:
 
 
 def flops_bars(cases: Sequence[tuple[str, Sequence[int]]], cfg: ModelConfig | None = None, causal: bool = False,
-               ax=None, title: str | None = None) -> Figure | None:
+               ax=None, title: str | None = None, flops: Sequence[ForwardFlops] | None = None) -> Figure | None:
     """Stacked bars of whole-forward FLOPs (``forward_flops``, varlen), linear (green) below,
     attention (blue) on top, in GFLOP; the attention share above each bar. Draws into ``ax`` if
-    given (returns None), else returns a new Figure."""
+    given (returns None), else returns a new Figure. ``flops``: the cases' ``ForwardFlops`` when
+    the caller already holds them (``flop_mix_state``'s), in the order of ``cases``."""
     cfg = cfg or ModelConfig()
     if not cases:
         raise ValueError("cases is empty: give at least one (label, seq_lens)")
@@ -239,7 +244,7 @@ def flops_bars(cases: Sequence[tuple[str, Sequence[int]]], cfg: ModelConfig | No
         fig = Figure(figsize=(5.5, 4))
         ax = fig.add_subplot()
         fig.subplots_adjust(left=0.15, right=0.97, bottom=0.12, top=0.88)
-    fl = [forward_flops(cfg, lens, "varlen", causal) for _, lens in cases]
+    fl = list(flops) if flops is not None else [forward_flops(cfg, lens, "varlen", causal) for _, lens in cases]
     lin = np.array([f.linear for f in fl], dtype=float) / 1e9
     att = np.array([f.attention for f in fl], dtype=float) / 1e9
     x = np.arange(len(cases))
@@ -551,11 +556,15 @@ def flop_mix_explorer(total_tokens: int = 1000, counting: str = "whole blocks"):
     count = tagged(w.Dropdown(options=list(COUNTING), value=counting, description="count"), "frx-counting")
     table, rule, out = tagged(w.HTML(), "frx-table"), tagged(w.HTML(), "frx-rule"), tagged(w.Output(), "frx-figure")
 
+    crossovers: dict[str, int] = {}  # crossover_length depends only on the counting: one search per counting
+
     def update(change=None):
-        state = flop_mix_state(tokens.value, count.value)
+        if count.value not in crossovers:
+            crossovers[count.value] = crossover_length(ModelConfig(), count.value == "causal")
+        state = flop_mix_state(tokens.value, count.value, crossover=crossovers[count.value])
         table.value, rule.value = flop_mix_html(state), f"<div>{flop_mix_rule(state)}</div>"
         cases = [(r["label"], r["seq_lens"]) for r in state["rows"]]
-        show_figure(out, flops_bars(cases, causal=count.value == "causal",
+        show_figure(out, flops_bars(cases, causal=count.value == "causal", flops=state["flops"],
                                     title=f"the same {tokens.value:,} tokens, three packings ({count.value})"))
 
     return explorer("frx", [tokens, count], [table, rule, out], update)

@@ -16,7 +16,6 @@ Taught in notebooks/06_prefill_engine.ipynb.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -31,7 +30,8 @@ from ..core.batch import cumulative, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
 from ..core.kernels import synchronize
 from ..core.model import init_weights
-from ..measure.flops import METHODS, attention_cells, forward_flops, linear_flops_per_token
+from ..measure.flops import METHODS, attention_cells, flops_of, forward_flops
+from ..measure.profile import time_call
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..serve.engine import Engine, batch_stats
 from ..serve.scheduler import Request, plan_batches
@@ -124,7 +124,16 @@ def stack(outputs: Mapping) -> Tensor:
 def whole_block_flops(cfg: ModelConfig, s) -> int:
     """FLOPs a batch executes, counted like its cells: whole blocks (``flops.forward_flops(causal=False)``),
     from a ``BatchStats``: its rows through the linear layers and its computed score cells."""
-    return s.executed_rows * linear_flops_per_token(cfg) + cfg.n_layers * cfg.n_heads * s.attn_cells_computed * 4 * cfg.d_head
+    return flops_of(cfg, s.executed_rows, s.attn_cells_computed).total
+
+
+def _totals(cfg: ModelConfig, stats: Sequence) -> dict:
+    """``method_totals``'s counts for one method, summed over its ``BatchStats`` (whole blocks)."""
+    return {"rows": sum(s.executed_rows for s in stats), "pad_rows": sum(s.padding_rows for s in stats),
+            "cells_computed": sum(s.attn_cells_computed for s in stats),
+            "cells_useful": sum(s.attn_cells_useful for s in stats),
+            "flops_executed": sum(whole_block_flops(cfg, s) for s in stats),
+            "flops_useful": sum(flops_of(cfg, s.num_tokens, s.attn_cells_useful).total for s in stats)}
 
 
 def method_totals(cfg: ModelConfig, batches: Sequence[Sequence[int]]) -> dict:
@@ -132,15 +141,7 @@ def method_totals(cfg: ModelConfig, batches: Sequence[Sequence[int]]) -> dict:
     over ``batches`` (lists of request lengths), analytic. One convention for every number: whole
     blocks, cells per head per layer and FLOPs of the whole forward (``forward_flops(causal=False)``;
     ``engine.batch_stats`` counts its FLOPs causally)."""
-    out = {}
-    for m in METHODS:
-        st = [batch_stats(cfg, b, m) for b in batches]
-        out[m] = {"rows": sum(s.executed_rows for s in st), "pad_rows": sum(s.padding_rows for s in st),
-                  "cells_computed": sum(s.attn_cells_computed for s in st),
-                  "cells_useful": sum(s.attn_cells_useful for s in st),
-                  "flops_executed": sum(forward_flops(cfg, b, m).total for b in batches),
-                  "flops_useful": sum(forward_flops(cfg, b, m, useful_only=True).total for b in batches)}
-    return out
+    return {m: _totals(cfg, [batch_stats(cfg, b, m) for b in batches]) for m in METHODS}
 
 
 def totals_text(totals: Mapping[str, Mapping]) -> str:
@@ -311,9 +312,7 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     cfg = ModelConfig()
     stats = {m: [batch_stats(cfg, [lens[i] for i in ids], m, b, request_ids=ids) for b, ids in enumerate(batches)]
              for m in METHODS}
-    totals = method_totals(cfg, [[lens[i] for i in ids] for ids in batches]) if batches else {
-        m: dict.fromkeys(("rows", "pad_rows", "cells_computed", "cells_useful", "flops_executed", "flops_useful"), 0)
-        for m in METHODS}
+    totals = {m: _totals(cfg, stats[m]) for m in METHODS}
     return {"workload": workload, "seq_lens": lens, "batches": batches, "rejected": rejected, "stats": stats,
             "totals": totals, "max_num_batched_tokens": budget}
 
@@ -373,7 +372,7 @@ def schedule_problem(batches, seq_lens: Sequence[int], max_num_batched_tokens: i
     if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in flat):
         return "a batch holds request indices (ints), not tokens or requests"
     if sorted(flat) != list(range(n)):
-        if sorted(flat) == sorted(seq_lens) and sorted(flat) != list(range(n)):
+        if sorted(flat) == sorted(seq_lens):
             return "your batches hold the requests' LENGTHS; return their indices (0 .. n-1) instead"
         missing = sorted(set(range(n)) - set(flat))
         twice = sorted({i for i in flat if flat.count(i) > 1})
@@ -578,14 +577,8 @@ def time_backend(fn: Callable, repeats: int = 1) -> str:
     (CPU, float32; shown, never asserted). A stub gives "not attempted yet"."""
     if call_reader("time_backend", lambda: _probe(fn)) is NOT_YET:
         return "time_backend: not attempted yet - write your attention function first"
-    times = {}
-    for name, backend in (("yours", fn), ("engine (auto)", "auto")):
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            _serve_stream(backend)
-            best = min(best, time.perf_counter() - t0)
-        times[name] = best
+    times = {name: time_call(lambda backend=backend: _serve_stream(backend), repeats=repeats, warmup=0)
+             for name, backend in (("yours", fn), ("engine (auto)", "auto"))}
     ratio = times["yours"] / times["engine (auto)"]
     return " | ".join(f"{k}: {v:.2f} s" for k, v in times.items()) + f" | yours / engine: {ratio:.2f}x"
 

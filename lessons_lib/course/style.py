@@ -45,7 +45,6 @@ SKIPPED, USEFUL, WASTED = 0, 1, 2
 CELL_COLORS = {SKIPPED: NEVER, USEFUL: ATTENTION, WASTED: WASTE}
 CELL_LABELS = {SKIPPED: "never computed", USEFUL: "useful", WASTED: "computed, thrown away"}
 CELL_CMAP = ListedColormap([CELL_COLORS[SKIPPED], CELL_COLORS[USEFUL], CELL_COLORS[WASTED]])
-PAD_COLOR = WASTE
 
 
 def request_name(i: int) -> str:

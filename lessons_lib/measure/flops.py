@@ -88,9 +88,14 @@ def forward_flops(cfg: ModelConfig, seq_lens: Sequence[int], method: str = "varl
     """
     cells = attention_cells(seq_lens, method, causal)
     rows = sum(check_lengths(seq_lens)) if useful_only else executed_tokens(seq_lens, method)
-    n_cells = cells.useful if useful_only else cells.computed
+    return flops_of(cfg, rows, cells.useful if useful_only else cells.computed)
+
+
+def flops_of(cfg: ModelConfig, rows: int, cells: int) -> ForwardFlops:
+    """FLOPs of one whole forward that runs ``rows`` rows through the linear layers and computes
+    ``cells`` score cells (per head per layer) in attention: ``forward_flops``'s arithmetic."""
     linear = rows * linear_flops_per_token(cfg)
-    attention = cfg.n_layers * cfg.n_heads * n_cells * 4 * cfg.d_head
+    attention = cfg.n_layers * cfg.n_heads * cells * 4 * cfg.d_head
     return ForwardFlops(linear, attention)
 
 
