@@ -14,6 +14,7 @@ sdpa           ``F.scaled_dot_product_attention``, equal lengths in one call    
 flex           FlexAttention with a document mask (eager; a teaching backend)    block-sparse
 flash          ``flash_attn.flash_attn_varlen_func`` (CUDA sm80+, fp16/bf16)      Σ L_i²
 torch_varlen   ``torch.nn.attention.varlen.varlen_attn`` (CUDA sm80+, fp16/bf16)  Σ L_i²
+triton         ``ops.triton_varlen``: one launch, tiles (CUDA; CPU interpreter)   whole tiles
 =============  ==============================================================  ===========
 
 Causal masking with ``L_k > L_q`` is aligned bottom-right (query i sees keys up to
@@ -195,9 +196,15 @@ def _flex(q, k, v, meta, causal, scale):
     return out[0].transpose(0, 1).contiguous()
 
 
-def _flash(q, k, v, meta, causal, scale):
-    return kernel("flash")(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-                           softmax_scale=scale, causal=causal)
+def _varlen_kernel(name: str):
+    """A backend for a kernel with ``flash_attn_varlen_func``'s signature (flash, triton)."""
+    def run(q, k, v, meta, causal, scale):
+        return kernel(name)(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+                            softmax_scale=scale, causal=causal)
+    return run
+
+
+_flash, _triton = _varlen_kernel("flash"), _varlen_kernel("triton")
 
 
 def _torch_varlen(q, k, v, meta, causal, scale):
@@ -209,7 +216,7 @@ def _torch_varlen(q, k, v, meta, causal, scale):
 
 
 IMPLS = {"loop": _loop, "masked": _masked, "padded": _padded, "sdpa": _sdpa, "flex": _flex, "flash": _flash,
-         "torch_varlen": _torch_varlen}
+         "torch_varlen": _torch_varlen, "triton": _triton}
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, meta: VarlenMetadata, backend, *, causal: bool = True,

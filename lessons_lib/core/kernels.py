@@ -23,7 +23,7 @@ import torch
 
 from ..validate import dtype_name
 
-BACKENDS = ("loop", "masked", "padded", "sdpa", "flex", "flash", "torch_varlen")
+BACKENDS = ("loop", "masked", "padded", "sdpa", "flex", "flash", "torch_varlen", "triton")
 PURE = ("loop", "masked", "padded", "sdpa")
 AUTO_ORDER = {"cuda": ("flash", "torch_varlen", "sdpa"), "cpu": ("sdpa",)}
 HALF = (torch.float16, torch.bfloat16)
@@ -54,15 +54,20 @@ class Kernel:
     dtypes: tuple | None = HALF
     min_capability: tuple = (8, 0)
     max_head_dim: int = 256
+    head_dim_multiple: int = 8
 
     def load(self) -> tuple:
         return _import(self.module, self.names)
 
 
 KERNELS = {"flex": Kernel("torch.nn.attention.flex_attention", ("flex_attention", "create_block_mask"),
-                          devices=("cpu", "cuda"), dtypes=None, min_capability=(0, 0), max_head_dim=1 << 30),
+                          devices=("cpu", "cuda"), dtypes=None, min_capability=(0, 0), max_head_dim=1 << 30,
+                          head_dim_multiple=1),
            "flash": Kernel("flash_attn", ("flash_attn_varlen_func",)),
-           "torch_varlen": Kernel("torch.nn.attention.varlen", ("varlen_attn",))}
+           "torch_varlen": Kernel("torch.nn.attention.varlen", ("varlen_attn",)),
+           # The course's own Triton kernel: native on CUDA, Triton's interpreter on the CPU (slow: opt-in only).
+           "triton": Kernel("lessons_lib.ops.triton_varlen", ("triton_varlen_attention",), devices=("cpu", "cuda"),
+                            dtypes=(torch.float32, *HALF), min_capability=(7, 0), head_dim_multiple=1)}
 
 
 def placement(device=None, dtype: torch.dtype | None = None) -> tuple[torch.device, torch.dtype]:
@@ -88,8 +93,8 @@ def _refusal(k: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int 
             return f"needs compute capability >= sm{need[0]}{need[1]}, this GPU is sm{cc[0]}{cc[1]}"
     if k.dtypes is not None and dtype not in k.dtypes:
         return f"needs {'/'.join(dtype_name(d) for d in k.dtypes)}, got {dtype_name(dtype)}"
-    if head_dim is not None and (head_dim > k.max_head_dim or (k.dtypes and head_dim % 8)):
-        return f"head dim {head_dim} unsupported (at most {k.max_head_dim}, a multiple of 8)"
+    if head_dim is not None and (head_dim > k.max_head_dim or head_dim % k.head_dim_multiple):
+        return f"head dim {head_dim} unsupported (at most {k.max_head_dim}, a multiple of {k.head_dim_multiple})"
     return None
 
 
