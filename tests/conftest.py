@@ -14,6 +14,25 @@ from helpers import make_qkv as _make_qkv
 from lessons_lib import ModelConfig, Transformer, init_weights
 
 
+# ---- --device: the tests marked `device` (tests/test_device.py) run there; tools/gpu_check.py runs them
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", choices=("cpu", "cuda"),
+                     help="where the tests marked 'device' run (default cpu): pytest -m device --device cuda")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device: runs on the device of --device (cpu by default, cuda on a GPU)")
+    if config.getoption("--device") == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device cuda but torch.cuda.is_available() is False (torch {torch.__version__}, "
+                                f"built for CUDA {torch.version.cuda})")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    """The device of ``--device``: "cpu" or "cuda"."""
+    return request.config.getoption("--device")
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg() -> ModelConfig:
     """2 layers, d_model 64, 4 heads of 16: the article's shape of model, small enough for many examples."""
