@@ -6,36 +6,16 @@ import random
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from lessons_lib.core.attention import attention_ref, block_diag_mask, padded_attention, plain_attention, varlen_attention
 from lessons_lib.core.batch import pad, seq_lens_to_cu_seqlens
 from lessons_lib.core.kernels import BACKENDS, available_backends, resolve_backend
 from lessons_lib.measure.flops import attention_cells
+from lessons_lib.measure.recorder import OpRecorder
 from lessons_lib.measure.tolerance import assert_close
 
 CPU_OK = [b for b, s in available_backends("cpu").items() if s.available]
 DENSE_OK = [b for b in CPU_OK if b != "flex"]  # flex is eager on the CPU: 17-140x slower, small cases only
-
-
-class OpShapes(TorchDispatchMode):
-    """Records (op name, output shape) of every ATen op run inside it: every tensor any kernel
-    creates, temporaries included, whatever the allocator does with it afterwards."""
-
-    def __init__(self):
-        super().__init__()
-        self.outputs = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.outputs.append((func.overloadpacket.__name__, tuple(t.shape)))
-        return out
-
-    def softmax_inputs(self):
-        return [shape for name, shape in self.outputs if name == "_softmax"]
 
 
 def _length_sets():
@@ -190,11 +170,9 @@ def test_c10_each_backend_computes_the_cells_it_promises(make_qkv):
     q, k, v, cu, _ = make_qkv([10, 30], heads=8, d_head=8)
     cells = {}
     for backend, method in (("loop", "varlen"), ("masked", "masked"), ("padded", "padded")):
-        rec = OpShapes()
-        with rec:
+        with OpRecorder() as rec:
             varlen_attention(q, k, v, cu, causal=False, backend=backend)
-        shapes = rec.softmax_inputs()
-        cells[backend] = sum(math.prod(s) for s in shapes) // 8  # per head
+        cells[backend] = rec.cells // 8  # per head
         assert cells[backend] == attention_cells([10, 30], method).computed
     assert cells == {"loop": 1000, "masked": 1600, "padded": 1800}
 
@@ -219,8 +197,7 @@ def test_loop_never_allocates_a_t_by_t_tensor(make_qkv):
     q, k, v, cu, _ = make_qkv(lens, heads=2, d_head=16)
     seen = {}
     for backend in ("loop", "masked"):
-        rec = OpShapes()
-        with rec:
+        with OpRecorder() as rec:
             varlen_attention(q, k, v, cu, causal=True, backend=backend)
         seen[backend] = rec.outputs
     loop_max = max(math.prod(s) for _, s in seen["loop"])

@@ -19,6 +19,7 @@ from lessons_lib.course.grading import score
 from lessons_lib.course.style import MIN_FONT, SKIPPED, USEFUL, WASTED
 from lessons_lib.measure.flops import attention_cells
 from lessons_lib.measure.profile import random_qkv
+from lessons_lib.measure.recorder import OpRecorder
 
 BATCHES = [[10, 30], [3, 1, 5], [7], [1, 1], [4, 9, 2, 9]]
 LINE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted (\d+)")
@@ -129,21 +130,21 @@ def test_sweep_attention_times_and_measures_every_pair_and_restores_the_threads(
 # --- what the engine computes ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend, cells", [("loop", 1000), ("masked", 1600), ("padded", 1800), ("sdpa", 1000)])
-def test_c8_c10_count_score_cells_on_the_engine_backends(backend, cells):
+def test_c8_c10_recorded_score_cells_on_the_engine_backends(backend, cells):
     q, k, v, cu = random_qkv([10, 30], n_heads=2, d_head=8)
-    with L.count_score_cells() as seen:
+    with OpRecorder() as seen:
         varlen_attention(q, k, v, cu, causal=False, backend=backend)
     assert seen.cells == 2 * cells
 
 
-def test_c10_count_score_cells_sees_each_block_and_the_matmuls():
+def test_c10_the_recorder_sees_each_block_and_the_matmuls():
     q, k, v, cu = random_qkv([10, 30], n_heads=1, d_head=8)
-    with L.count_score_cells() as seen:
+    with OpRecorder() as seen:
         varlen_attention(q, k, v, cu, backend="loop")
-    assert [s[-2:] for s in seen.shapes] == [(10, 10), (30, 30)] and seen.matmuls == 4
-    with L.count_score_cells() as nothing:
+    assert [s[-2:] for s in seen.scores] == [(10, 10), (30, 30)] and len(seen.matmuls) == 4
+    with OpRecorder() as nothing:
         torch.ones(3) + 1
-    assert (nothing.cells, nothing.matmuls) == (0, 0)
+    assert (nothing.cells, nothing.matmuls) == (0, [])
 
 
 def test_c7_c10_attention_dependency_and_cross_pairs():

@@ -2,8 +2,6 @@
 
 - ``attention_categories`` / ``attention_patterns``: the padded, masked and varlen score matrices,
   one colour per cell category (useful, computed and thrown away, never computed) (C2, C8, C10);
-- ``ScoreCells`` / ``count_score_cells``: the score cells the engine's own backends really
-  compute, read off the softmax and fused-attention calls while they run (C8, C9, C10);
 - ``masked_growth``, ``sweep_attention`` and ``measured_sweep``: cells, measured time and memory
   as R grows (C9);
 - ``launch_grid``: how ``max_seqlen`` sizes a varlen kernel's launch grid;
@@ -18,14 +16,12 @@ import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from statistics import NormalDist
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.attention import attention_ref, block_diag_mask, plain_attention, varlen_attention
 from ..core.batch import cumulative, pack, seq_lens_to_cu_seqlens
@@ -34,6 +30,7 @@ from ..core.kernels import synchronize
 from ..core.model import Transformer, init_weights
 from ..measure.flops import METHODS, attention_cells
 from ..measure.profile import peak_bytes, random_qkv
+from ..measure.recorder import OpRecorder
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..validate import check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
@@ -277,52 +274,6 @@ def measured_sweep(rs: Sequence[int], masked_ms: Sequence[float], varlen_ms: Seq
 
 # ---- what the engine really computes ----------------------------------------------------------------
 
-_FUSED = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-          "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable",
-          "_flash_attention_forward", "_efficient_attention_forward")
-_MATMULS = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "dot")
-
-
-@dataclass
-class ScoreCells:
-    """What ``count_score_cells`` saw: one entry per attention call (a softmax over scores, or a
-    fused attention kernel): its score matrix shape ``(..., L_q, L_k)``; and the matmul calls."""
-
-    shapes: list = field(default_factory=list)
-    matmuls: int = 0
-
-    @property
-    def cells(self) -> int:
-        """Score cells computed, all heads together (divide by the head count for per head)."""
-        return sum(math.prod(s) for s in self.shapes)
-
-
-class count_score_cells(TorchDispatchMode):
-    """Record the score matrices attention computes while the block runs (CPU or CUDA, any backend
-    that calls ``softmax`` or a fused PyTorch attention op: loop, masked, padded, sdpa).
-
-    A softmax over ``[..., L_q, L_k]`` scores, or a fused attention call on ``q [..., L_q, D]``,
-    ``k [..., L_k, D]``, adds one shape. Cells masked to -inf still count: they were computed.
-    """
-
-    def __enter__(self):
-        self.seen = ScoreCells()
-        super().__enter__()
-        return self.seen
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.__name__.split(".")[0]
-        if name in ("_softmax", "_safe_softmax", "softmax"):
-            self.seen.shapes.append(tuple(args[0].shape))
-        elif name.startswith(_FUSED):
-            q, k = args[0], args[1]
-            self.seen.shapes.append((*q.shape[:-1], k.shape[-2]))
-        elif name in _MATMULS:
-            self.seen.matmuls += 1
-        return out
-
-
 def attention_dependency(seq_lens: Sequence[int], backend: str | None = "loop", causal: bool = True,
                          seed: int = 0) -> Tensor:
     """Bool ``[T, T]``, measured with ``probe.row_dependency``: True where output row i of attention
@@ -515,11 +466,11 @@ def check_causal_varlen(fn: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tens
             made = []
             for lens in ([5, 3], [5, 3] * 6):
                 q, k, v, cu, m = _qkv(lens, 2, 8, 7)
-                with count_score_cells() as seen:
+                with OpRecorder() as seen:
                     got = fn(q, k, v, cu, m)
                 if not isinstance(got, Tensor):
                     return got
-                made.append(seen.matmuls)
+                made.append(len(seen.matmuls))
             return tuple(made)
         return fn(*case)
 

@@ -1,9 +1,9 @@
 """What lesson 05 (where the FLOPs go) draws, explores, measures and checks.
 
-The engine's matmuls, recorded: ``record_matmuls`` runs any call under a dispatch mode that
-logs every matrix multiply PyTorch executes (``aten.mm``/``addmm``: the linear layers;
-``aten.bmm`` and the fused SDPA kernels: attention) with its shapes, so FLOPs, score cells and
-arithmetic intensity are computed from what the engine really ran. ``forward_matmuls`` does
+The engine's matmuls, recorded: ``measure.recorder.record_matmuls`` runs any call under the
+op recorder and returns every matrix multiply PyTorch executed (``aten.mm``/``addmm``: the
+linear layers; ``aten.bmm`` and the fused attention kernels: attention) with its shapes, so
+FLOPs, score cells and arithmetic intensity are computed from what the engine really ran. ``forward_matmuls`` does
 it for a model forward, ``decode_attention_matmuls`` for one decode step's attention.
 
 Figures ``05_intensity`` (intensity against rows per weight read, with two machines' ridge
@@ -18,19 +18,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.attention import varlen_attention
 from ..core.batch import PackedBatch, cumulative, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
 from ..measure.flops import ForwardFlops, forward_flops, linear_flops_per_token
+from ..measure.recorder import BF16, Matmul, record_matmuls
 from ..validate import check_choice, check_int
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
@@ -38,7 +37,6 @@ from .grading import grade
 from .style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT
 
 Tensor = torch.Tensor
-BF16 = 2  # bytes per number as a GPU server stores weights and activations
 
 # ---------------------------------------------------------------------------------------------
 # Two machines' ridge points (peak FLOP/s over memory bandwidth): below the ridge a kernel waits
@@ -58,71 +56,7 @@ RIDGES = {"H200, bf16 (published peaks)": H200_PEAK_FLOPS / H200_BYTES_PER_S,
           "2-core EPYC CPU, fp32 (measured when this course was built)": CPU_PEAK_FLOPS / CPU_BYTES_PER_S}
 
 # ---------------------------------------------------------------------------------------------
-# The engine's matmuls, recorded
-
-
-@dataclass(frozen=True)
-class Matmul:
-    """One executed matrix multiply ``[batch, m, k] @ [batch, k, n]`` (batch = 1 for a plain mm).
-
-    kind: "linear" (``aten.mm``/``addmm``: a linear layer, the weight is the ``[k, n]`` operand)
-    or "attention" (``aten.bmm``, per head, or one side of a fused SDPA kernel).
-    """
-
-    kind: str
-    batch: int
-    m: int
-    k: int
-    n: int
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.batch * self.m * self.k * self.n
-
-    def bytes(self, nbytes: int = BF16) -> int:
-        """Both operands read once and the output written once: ``nbytes · batch · (mk + kn + mn)``."""
-        return nbytes * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n)
-
-    def intensity(self, nbytes: int = BF16) -> float:
-        return self.flops / self.bytes(nbytes)
-
-
-_aten = torch.ops.aten
-_SDPA = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-
-
-class _MatmulLog(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.log: list[Matmul] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        packet = func.overloadpacket
-        if packet is _aten.mm:
-            (m, k), n = args[0].shape, args[1].shape[1]
-            self.log.append(Matmul("linear", 1, m, k, n))
-        elif packet is _aten.addmm:
-            (m, k), n = args[1].shape, args[2].shape[1]
-            self.log.append(Matmul("linear", 1, m, k, n))
-        elif packet is _aten.bmm:
-            (b, m, k), n = args[0].shape, args[1].shape[2]
-            self.log.append(Matmul("attention", b, m, k, n))
-        elif packet.__name__ in _SDPA:  # q [B, H, L_q, D], k [B, H, L_k, D]: Q K^T, then P V
-            q, k = args[0], args[1]
-            b, lq, lk, d = q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3]
-            self.log += [Matmul("attention", b, lq, d, lk), Matmul("attention", b, lq, lk, d)]
-        return out
-
-
-def record_matmuls(fn: Callable[[], object]) -> list[Matmul]:
-    """Every matrix multiply ``fn()`` executes, in order (see ``Matmul``). Attention by the
-    "loop" and "masked" backends shows up as one ``bmm`` pair per request (or per batch);
-    fused kernels (SDPA) as one pair per call."""
-    with _MatmulLog() as log:
-        fn()
-    return log.log
+# The engine's matmuls, recorded (by measure.recorder)
 
 
 def forward_matmuls(model, batch: PackedBatch, attn_backend: str = "loop") -> list[Matmul]:

@@ -1,6 +1,7 @@
 """Measuring: exact work counts, and timings on this machine.
 
   flops         attention score cells, forward FLOPs, arithmetic intensity (exact: lessons assert them)
+  recorder      the one op recorder: what a call ran (matmuls, score matrices, every tensor made)
   tolerance     the one rule for comparing two float computations (against float64)
   hf            Hugging Face GPT-2: the reference model the engine is checked and benchmarked against
   profile       wall time, peak memory, GEMM throughput, a forward's time split (measured: shown, never asserted)
