@@ -119,7 +119,7 @@ def test_gpu_backends_are_reported_and_refused_or_agree(make_qkv):
 def test_auto_picks_the_per_request_sdpa_loop_on_cpu():
     """On the CPU, SDPA on 4-D per-request views (equal lengths batched) is the fastest exact path."""
     assert resolve_backend("auto", "cpu", torch.float32) == "sdpa"
-    assert set(BACKENDS) == {"loop", "masked", "padded", "sdpa", "flex", "flash", "torch_varlen"}
+    assert set(BACKENDS) == {"loop", "masked", "padded", "sdpa", "flex", "flash", "torch_varlen", "triton"}
     assert {"loop", "masked", "padded", "sdpa"} <= set(CPU_OK)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -37,10 +38,12 @@ class BackendStatus(NamedTuple):
 @functools.cache
 def _import(module: str, names: tuple) -> tuple:
     """``(object, "present")`` (a tuple of objects for several names), or ``(None, why not)``."""
+    if not torch.cuda.is_available():  # Triton, imported by some of these, can only interpret here: say so first
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         found = tuple(getattr(importlib.import_module(module), n) for n in names)
     except Exception as exc:  # ImportError, or a CUDA library missing at import
-        return None, f"{module} not importable here ({type(exc).__name__})"
+        return None, f"{module} not importable here ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})"
     return (found if len(found) > 1 else found[0]), f"{module} present"
 
 
@@ -66,7 +69,7 @@ KERNELS = {"flex": Kernel("torch.nn.attention.flex_attention", ("flex_attention"
            "flash": Kernel("flash_attn", ("flash_attn_varlen_func",)),
            "torch_varlen": Kernel("torch.nn.attention.varlen", ("varlen_attn",)),
            # The course's own Triton kernel: native on CUDA, Triton's interpreter on the CPU (slow: opt-in only).
-           "triton": Kernel("lessons_lib.ops.triton_varlen", ("triton_varlen_attention",), devices=("cpu", "cuda"),
+           "triton": Kernel("lessons_lib.ops.triton_varlen", ("varlen_fwd",), devices=("cpu", "cuda"),
                             dtypes=(torch.float32, *HALF), min_capability=(7, 0), head_dim_multiple=1)}
 
 

@@ -1,0 +1,221 @@
+"""The Triton varlen kernel (lessons_lib/ops/triton_varlen.py), here under Triton's interpreter.
+
+Against the float64 reference by FlashAttention's rule (at most twice the error of PyTorch in the
+same dtype) on FlashAttention's random length sets and the edge cases (R = 1, length 1, lengths
+spanning several tiles, L_k > L_q), in every dtype; through strided views of a fused QKV; one
+launch per call; the kernel's own work counters against ``tiling.predict_work``; bad input refused
+as ``varlen_attention`` refuses it; the model, the engine and the TP workers running on it.
+Sizes are chosen by programs launched (~10 ms each under the interpreter).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_qkv
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_attention import LENGTH_SETS
+
+from lessons_lib.core.attention import attention_ref, varlen_attention
+from lessons_lib.core.batch import pack, seq_lens_to_cu_seqlens
+from lessons_lib.core.kernels import available_backends, resolve_backend
+from lessons_lib.core.model import Transformer
+from lessons_lib.measure.tolerance import assert_close
+from lessons_lib.ops import tiling
+
+triton_varlen = pytest.importorskip("lessons_lib.ops.triton_varlen", reason="triton not installed (Linux wheels only)")
+ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check(lens_q, lens_k=None, causal=True, dtype=torch.float32, heads=2, d_head=32, seed=0, **kw):
+    q, k, v, cu_q, cu_k = make_qkv(lens_q, lens_k, heads=heads, d_head=d_head, seed=seed, dtype=dtype)
+    out = triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, **kw)
+    scale = kw.get("softmax_scale")
+    ref64 = attention_ref(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale, upcast_dtype=torch.float64)
+    ref = attention_ref(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale, upcast_dtype=dtype)  # PyTorch, same dtype
+    assert out.shape == q.shape and out.dtype == q.dtype
+    return assert_close(out, ref, ref64, f"triton {dtype} {lens_q}")
+
+
+def test_triton_is_available_on_the_cpu_but_never_auto():
+    status = available_backends("cpu")["triton"]
+    assert status.available, status.reason
+    assert triton_varlen.INTERPRETED  # no GPU here: Triton's interpreter
+    assert resolve_backend("auto", "cpu", torch.float32) != "triton"
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("name", ["ones", "odd", "duplicates", "one_long_many_short"])
+def test_flashattention_rule_on_flashattentions_length_sets(name, causal):
+    _check(LENGTH_SETS[name], causal=causal, seed=len(name))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("case", [
+    ([1], None), ([37], None), ([200], None),            # R = 1: length 1, one tile, four tiles
+    ([1, 130, 64, 65], None),                            # tile edges: 64 and 65 rows, 130 spans three tiles
+    ([5, 20, 1], [9, 40, 3]),                            # L_k > L_q: bottom-right causal
+], ids=["one-token", "one-tile", "four-tiles", "tile-edges", "more-keys"])
+def test_every_dtype_against_fp64(case, dtype):
+    for causal in (True, False):
+        _check(*case, causal=causal, dtype=dtype, seed=7)
+
+
+@pytest.mark.parametrize("d_head", [16, 40, 64, 128])
+def test_head_dims_including_one_that_is_not_a_power_of_two(d_head):
+    _check([10, 30], d_head=d_head, heads=1)
+
+
+def test_small_tiles_and_odd_scale():
+    _check([10, 30, 3], block_m=16, block_n=32, softmax_scale=0.3)
+
+
+def test_views_of_a_fused_qkv_are_read_through_their_strides():
+    """The model hands the kernel q, k, v as views of one [T, 3, H, D] tensor (row stride 3·H·D)."""
+    lens = [10, 30]
+    qkv = torch.randn(sum(lens), 3, 2, 32, generator=torch.Generator().manual_seed(3))
+    q, k, v = qkv.unbind(1)
+    assert not q.is_contiguous()
+    cu = seq_lens_to_cu_seqlens(lens)
+    out = varlen_attention(q, k, v, cu, backend="triton")
+    assert_close(out, attention_ref(q, k, v, cu), attention_ref(q, k, v, cu, upcast_dtype=torch.float64), "strided")
+
+
+def test_edge_cases_have_their_defined_results():
+    empty = torch.zeros(0, 2, 16)
+    assert triton_varlen.triton_varlen_attention(empty, empty, empty, seq_lens_to_cu_seqlens([0])).shape == (0, 2, 16)
+    q, k, v, cu_q, cu_k = make_qkv([3, 0, 4], heads=2, d_head=16)  # a zero-length request in the middle
+    out = triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k)
+    assert_close(out, attention_ref(q, k, v, cu_q), attention_ref(q, k, v, cu_q, upcast_dtype=torch.float64), "empty req")
+    q, k, v, cu_q, cu_k = make_qkv([2], [0], heads=2, d_head=16)    # no key at all (non-causal): zeros
+    assert torch.equal(triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=False), torch.zeros_like(q))
+
+
+class _LaunchCounter:
+    """Stands in for the JIT function: counts ``kernel[grid](...)`` launches and forwards them."""
+
+    def __init__(self, fn):
+        self.fn, self.grids = fn, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.fn[grid]
+
+
+@pytest.mark.parametrize("num_requests", [1, 7, 50])
+def test_one_launch_per_call_whatever_the_number_of_requests(num_requests, monkeypatch):
+    counter = _LaunchCounter(triton_varlen._varlen_fwd_kernel)
+    monkeypatch.setattr(triton_varlen, "_varlen_fwd_kernel", counter)
+    lens = [1 + (7 * i) % 13 for i in range(num_requests)]
+    q, k, v, cu, _ = make_qkv(lens, heads=2, d_head=16)
+    varlen_attention(q, k, v, cu, backend="triton")
+    assert counter.grids == [(1, 2, num_requests)]  # (query tiles, heads, requests)
+
+
+def test_counters_equal_the_prediction_on_the_article_example():
+    lens = [10, 30]
+    q, k, v, cu, _ = make_qkv(lens, heads=8, d_head=64)
+    with triton_varlen.count_work() as w:
+        triton_varlen.triton_varlen_attention(q, k, v, cu, block_m=16, block_n=16)
+    assert w == tiling.predict_work(lens, n_heads=8, block_m=16, block_n=16)
+    # 2 query tiles per request (grid sized by B's 30), A's second tile returns at once (one per head);
+    # B's first tile skips its second key tile (above the diagonal).
+    assert (w.programs, w.early_exits, w.tiles, w.tiles_skipped) == (32, 8, 32, 8)
+    assert w.cells == 8 * (10 * 10 + 16 * 16 + 14 * 30)
+
+
+@settings(max_examples=12, deadline=None)
+@given(lens=st.lists(st.integers(0, 90), min_size=1, max_size=5), extra=st.lists(st.integers(0, 40), min_size=5, max_size=5),
+       blocks=st.sampled_from([(16, 16), (16, 64), (32, 16), (64, 64)]), causal=st.booleans())
+def test_counters_equal_the_prediction_on_drawn_lengths_and_tiles(lens, extra, blocks, causal):
+    lens_k = [n + e for n, e in zip(lens, extra)]
+    q, k, v, cu_q, cu_k = make_qkv(lens, lens_k, heads=1, d_head=16)
+    with triton_varlen.count_work() as w:
+        triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, block_m=blocks[0], block_n=blocks[1])
+    assert w == tiling.predict_work(lens, lens_k, 1, block_m=blocks[0], block_n=blocks[1], causal=causal)
+
+
+def test_count_work_adds_up_launches_and_is_off_outside_the_block():
+    q, k, v, cu, _ = make_qkv([10, 30], heads=2, d_head=16)
+    with triton_varlen.count_work() as w:
+        for _ in range(3):
+            varlen_attention(q, k, v, cu, backend="triton")
+    assert w.programs == 3 * tiling.predict_work([10, 30], n_heads=2).programs == 12
+    assert not triton_varlen._ACTIVE
+    with triton_varlen.count_work() as w2:
+        pass
+    assert w2.programs == 0
+
+
+BAD = [
+    ("cu-int64", dict(cu_q=torch.tensor([0, 10, 40]))),
+    ("max-seqlen-short", dict(max_seqlen_q=29)),
+    ("causal-short-k", dict(k=torch.zeros(30, 2, 16), v=torch.zeros(30, 2, 16), cu_k=torch.tensor([0, 10, 30], dtype=torch.int32))),
+    ("nan-q", dict(q=torch.full((40, 2, 16), float("nan")))),
+    ("dtype-mix", dict(k=torch.zeros(40, 2, 16, dtype=torch.float64))),
+    ("heads", dict(k=torch.zeros(40, 3, 16), v=torch.zeros(40, 3, 16))),
+]
+
+
+@pytest.mark.parametrize("name,kw", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_refused_with_the_same_message_as_varlen_attention(name, kw):
+    q, k, v, cu, _ = make_qkv([10, 30], heads=2, d_head=16)
+    args = dict(q=q, k=k, v=v, cu_q=cu, cu_k=None) | kw
+    call = lambda fn, **extra: fn(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"],
+                                  max_seqlen_q=kw.get("max_seqlen_q"), **extra)
+    with pytest.raises(ValueError) as ours:
+        call(triton_varlen.triton_varlen_attention)
+    with pytest.raises(ValueError) as theirs:
+        call(varlen_attention, backend="sdpa")
+    assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(block_m=48), r"block_m must be a power of two in \[16, 256\]"),
+    (dict(block_n=8), r"block_n must be an int in \[16, 256\], got 8"),
+    (dict(dtype=torch.float64), "the triton kernel takes float32, float16 or bfloat16, got float64"),
+    (dict(d_head=320), "the triton kernel takes head dim <= 256, got 320"),
+])
+def test_what_only_the_kernel_refuses(kw, message):
+    q, k, v, cu, _ = make_qkv([10, 30], heads=1, d_head=kw.pop("d_head", 16), dtype=kw.pop("dtype", torch.float32))
+    with pytest.raises(ValueError, match=message):
+        triton_varlen.triton_varlen_attention(q, k, v, cu, **kw)
+
+
+def test_backend_refuses_head_dims_past_256_by_name():
+    assert not available_backends("cpu", torch.float32, 320)["triton"].available
+
+
+def test_model_and_engine_run_on_the_kernel(tiny_cfg, model_pair, make_requests):
+    from lessons_lib.serve.engine import Engine
+
+    model, model64 = model_pair(tiny_cfg, 1)
+    reqs = make_requests([1, 10, 30, 70], tiny_cfg.vocab_size, seed=4)
+    batch = pack(reqs)
+    out = model(batch, attn_backend="triton")
+    assert_close(out, model(batch, attn_backend="sdpa"), model64(pack(reqs), attn_backend="loop"), "model on triton")
+    with Engine(tiny_cfg, attn_backend="triton", weights=model.state_dict(), max_num_batched_tokens=128) as engine:
+        got = engine.prefill([r.tolist() for r in reqs])
+    ref = [h[-1] for h in model64.forward_each(reqs, attn_backend="loop")]
+    for o, r, want in zip(got, reqs, ref):
+        assert_close(o.last_hidden, model.forward_each([r], attn_backend="sdpa")[0][-1], want, f"engine {len(r)}")
+
+
+def test_tp2_workers_run_the_kernel(tiny_cfg, model_pair, make_requests):
+    """Spawned TP workers import the kernel (and switch Triton to its interpreter) themselves."""
+    from lessons_lib.tp.runtime import tp_forward
+
+    model, model64 = model_pair(tiny_cfg, 2)
+    reqs = make_requests([10, 30], tiny_cfg.vocab_size, seed=5)
+    result = tp_forward(pack(reqs), cfg=tiny_cfg, weights=model.state_dict(), attn_backend="triton",
+                        backend="gloo", timeout=120, verbose=False)
+    assert_close(result.output, model(pack(reqs), attn_backend="sdpa"), model64(pack(reqs), attn_backend="loop"), "TP=2 triton")
+    assert result.all_reduce_counts[0] == 2 * tiny_cfg.n_layers
+
+
+def test_a_model_on_the_kernel_is_one_launch_per_layer(tiny_cfg, make_requests, monkeypatch):
+    counter = _LaunchCounter(triton_varlen._varlen_fwd_kernel)
+    monkeypatch.setattr(triton_varlen, "_varlen_fwd_kernel", counter)
+    reqs = make_requests([3, 9, 17, 2, 5], tiny_cfg.vocab_size)
+    Transformer(tiny_cfg)(pack(reqs), attn_backend="triton")
+    assert len(counter.grids) == tiny_cfg.n_layers and set(counter.grids) == {(1, tiny_cfg.n_heads, 5)}
