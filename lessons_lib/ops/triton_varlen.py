@@ -32,11 +32,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated: before the @triton.jit below
 
-import triton  # noqa: E402  (after TRITON_INTERPRET)
-import triton.language as tl  # noqa: E402
+import triton  # after TRITON_INTERPRET
+import triton.language as tl
 
-from ..validate import check_int, check_varlen_args, lengths  # noqa: E402
-from .tiling import FIELDS, WorkCounts  # noqa: E402
+from ..validate import check_int, check_varlen_args, lengths
+from .tiling import FIELDS, WorkCounts
 
 Tensor = torch.Tensor
 BLOCK_M, BLOCK_N = 64, 64
@@ -50,7 +50,7 @@ if not INTERPRETED and not torch.cuda.is_available():
 
 
 @triton.jit
-def _varlen_fwd_kernel(Q, K, V, O, CU_Q, CU_K, COUNTS, scale,
+def _varlen_fwd_kernel(Q, K, V, Out, CU_Q, CU_K, COUNTS, scale,
                        stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                        stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -121,8 +121,8 @@ def _varlen_fwd_kernel(Q, K, V, O, CU_Q, CU_K, COUNTS, scale,
             cells += tl.minimum(BLOCK_M, len_q - m_block * BLOCK_M) * tl.minimum(BLOCK_N, len_k - start_n)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                  # a row that sees no key: zeros
-    tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if COUNT:
         tl.atomic_add(COUNTS + 2, tiles)
         tl.atomic_add(COUNTS + 3, tl.cdiv(len_k, BLOCK_N) - tiles)       # key tiles skipped above the diagonal
