@@ -3,7 +3,6 @@ group and the checkers of lesson 04 (claims C11, C12)."""
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from lessons_lib.course.style import COMM, MIN_FONT
 from lessons_lib.measure.flops import attention_cells
 from lessons_lib.measure.tolerance import max_abs_diff, tolerance
 from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
+from lessons_lib.tp.threads import tp_ranks_in_threads
 
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128)
 
@@ -166,45 +166,13 @@ def test_c12_packing_explorer_callbacks():
     assert "16 × all_reduce [4, 512] float32, 8,192 B each" in trace.value
 
 
-# --- the threaded TP group ----------------------------------------------------------------------------------
-
-def test_threaded_ranks_really_sum_and_record():
-    outs = L.tp_ranks_in_threads(3, lambda g: g.all_reduce(torch.full((2, 2), float(g.rank + 1)), layer="x"))
-    for out, trace in outs:
-        assert torch.equal(out, torch.full((2, 2), 6.0)) and [r.layer for r in trace] == ["x"]
-
-
-def test_threaded_ranks_really_gather_in_rank_order_and_record_the_piece():
-    outs = L.tp_ranks_in_threads(3, lambda g: g.all_gather(torch.full((2, 1), float(g.rank)), layer="y"))
-    for out, trace in outs:
-        assert torch.equal(out, torch.tensor([[0.0, 1.0, 2.0]] * 2))
-        assert [(r.op, r.shape, r.layer) for r in trace] == [("all_gather", (2, 1), "y")]
-
-
-def test_stand_in_rank_records_gathers_with_the_right_shape():
-    g = L.StandInRank(1, 4)
-    assert g.all_gather(torch.ones(3, 5), layer="z").shape == (3, 20)
-    assert [(r.op, r.shape, r.rank) for r in g.trace] == [("all_gather", (3, 5), 1)]
-    one = L.StandInRank(0, 1)
-    assert one.all_gather(torch.ones(3, 5)).shape == (3, 5) and one.trace == []
-
-
-def test_threaded_ranks_raise_the_root_cause_without_hanging():
-    def fn(g):
-        if g.rank == 1:
-            raise KeyError("rank 1 broke")
-        return g.all_reduce(torch.ones(1))
-    t0 = threading.active_count()
-    with pytest.raises(KeyError, match="rank 1 broke"):
-        L.tp_ranks_in_threads(2, fn, timeout=5)
-    assert threading.active_count() <= t0
-
+# --- the model on ranks as threads (tp.threads) ----------------------------------------------------------
 
 def test_c12_a_tp2_model_on_threads_equals_tp1():
     w = init_weights(SMALL, seed=3)
     batch = pack([torch.arange(n) % SMALL.vocab_size for n in (4, 6)])
     tp1, exact = Transformer(SMALL, w)(batch), Transformer(SMALL, w, dtype=torch.float64)(batch)
-    outs = L.tp_ranks_in_threads(2, lambda g: Transformer(SMALL, w, group=g)(batch))
+    outs = tp_ranks_in_threads(2, lambda g: Transformer(SMALL, w, group=g)(batch))
     assert torch.equal(outs[0][0], outs[1][0])
     assert max_abs_diff(outs[0][0], exact) <= tolerance(tp1, exact)
     assert len(outs[0][1]) == 2 * SMALL.n_layers
@@ -222,7 +190,7 @@ def test_vocab_parallel_forward_on_real_ranks_gives_the_tp1_logits(tp):
     tp1 = Transformer(VOCAB, w)
     exact = Transformer(VOCAB, w, dtype=torch.float64)
     ref, ref64 = tp1.compute_logits(tp1(batch)), exact.compute_logits(exact(batch))
-    outs = L.tp_ranks_in_threads(tp, lambda g: L.vocab_parallel_forward(Transformer(VOCAB, w, group=g), batch))
+    outs = tp_ranks_in_threads(tp, lambda g: L.vocab_parallel_forward(Transformer(VOCAB, w, group=g), batch))
     for logits, trace in outs:
         assert logits.shape == (16, 100) and max_abs_diff(logits, ref64) <= tolerance(ref, ref64)
         assert len(trace) == 2 + 2 * VOCAB.n_layers  # a real group records even alone (DistGroup does too)
@@ -239,11 +207,8 @@ def test_vocab_parallel_forward_needs_each_rank_s_rows():
     batch = pack([torch.arange(12) * 13 % 100])
     tp1 = Transformer(VOCAB, w)
     ref = tp1.compute_logits(tp1(batch))
-    rank0 = L.vocab_parallel_forward(Transformer(VOCAB, w, group=L.StandInRank(0, 2)), batch)
+    rank0 = L.vocab_parallel_forward(Transformer(VOCAB, w, group=LocalGroup(0, 2)), batch)
     assert max_abs_diff(rank0, ref) > 1e-3
-    with pytest.raises(ValueError, match="pads the vocabulary"):
-        L.vocab_slice(50257, 0, 2)
-    assert L.vocab_slice(100, 3, 4) == (75, 100)
 
 
 def _vocab(cfg, lens, tp, *, blocks_per_layer=2, layers=None, wte=("all_reduce", None), head=("all_gather", None),

@@ -1,14 +1,19 @@
 """Process groups for tensor parallelism, and the record of every collective they make.
 
-A group is anything with ``rank``, ``world_size``, ``trace`` and
-``all_reduce(tensor, *, layer) -> tensor``. Two kinds, both explicit objects (no global state):
+A group is anything with ``rank``, ``world_size``, ``trace``, ``all_reduce(tensor, *, layer) ->
+tensor`` (the sum over the ranks) and ``all_gather(tensor, *, layer) -> tensor`` (every rank's
+``[..., n]`` side by side along the last dim, in rank order: ``[..., n · world_size]``). Both
+record what this rank sent. Two kinds here, both explicit objects (no global state), and ranks
+as threads in ``tp.threads``:
 
 - ``LocalGroup(rank=0, world_size=1)``: no other process. At ``world_size=1`` (TP=1) its
-  all-reduce is the identity and records nothing: nothing would cross a process. With
+  collectives are the identity and record nothing: nothing would cross a process. With
   ``world_size > 1`` it stands in for rank ``rank`` of a TP group inside this process: the
-  model cuts that rank's shards, and each all-reduce is recorded exactly as a real rank's
-  would be but NOT summed (there is no one to sum with): right traces and shapes, partial values.
-- ``DistGroup``: a real ``torch.distributed`` group; its all-reduce sums over the ranks.
+  model cuts that rank's shards, and each collective is recorded exactly as a real rank's
+  would be but NOT exchanged (there is no one to exchange with): the all-reduce returns this
+  rank's partial, the all-gather ``world_size`` copies of this rank's piece: right traces and
+  shapes, partial values.
+- ``DistGroup``: a real ``torch.distributed`` group; its collectives run over the ranks.
 
 Taught in notebooks/04_tp2_invariance.ipynb.
 """
@@ -26,7 +31,7 @@ from ..validate import check_int, dtype_name
 class CollectiveRecord:
     """One collective call as a rank saw it, e.g. ``all_reduce (40, 512) float32 81920 B``."""
 
-    op: str          # "all_reduce"
+    op: str          # "all_reduce" or "all_gather"
     shape: tuple     # e.g. (40, 512)
     dtype: str       # "float32"
     bytes: int       # payload bytes on this rank
@@ -40,8 +45,9 @@ class CollectiveRecord:
         return self.op, tuple(self.shape), self.dtype, self.bytes, self.layer
 
 
-def record(tensor: torch.Tensor, layer: str, rank: int, world_size: int) -> CollectiveRecord:
-    return CollectiveRecord("all_reduce", tuple(tensor.shape), dtype_name(tensor.dtype),
+def record(tensor: torch.Tensor, layer: str, rank: int, world_size: int, op: str = "all_reduce") -> CollectiveRecord:
+    """What this rank sent: ``tensor`` (for an all-gather, its own piece)."""
+    return CollectiveRecord(op, tuple(tensor.shape), dtype_name(tensor.dtype),
                             tensor.numel() * tensor.element_size(), layer, rank, world_size)
 
 
@@ -65,12 +71,21 @@ class LocalGroup:
             self.trace.append(record(tensor, layer, self.rank, self.world_size))
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor, *, layer: str = "") -> torch.Tensor:
+        """``world_size`` copies of ``tensor [..., n]`` side by side (``[..., n · world_size]``: the right
+        shape, not the other ranks' values); recorded when standing in for a rank of a TP group."""
+        if self.world_size == 1:
+            return tensor
+        self.trace.append(record(tensor, layer, self.rank, self.world_size, "all_gather"))
+        return torch.cat([tensor] * self.world_size, dim=-1)
+
 
 class DistGroup:
     """A real process group (default: WORLD of ``torch.distributed``) that records its collectives.
 
     ``all_reduce(tensor, layer=...)`` sums ``tensor`` over all ranks IN PLACE with
-    ``dist.all_reduce`` and returns it. ``device``: where this rank's tensors live (``cpu`` for
+    ``dist.all_reduce`` and returns it; ``all_gather`` concatenates the ranks' pieces along the
+    last dim with ``dist.all_gather``. ``device``: where this rank's tensors live (``cpu`` for
     gloo, ``cuda:<local rank>`` for NCCL); every collective's tensor must be there.
     """
 
@@ -89,6 +104,13 @@ class DistGroup:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
         self.trace.append(record(tensor, layer, self.rank, self.world_size))
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor, *, layer: str = "") -> torch.Tensor:
+        """Every rank's ``tensor [..., n]`` (same shape on every rank) side by side: ``[..., n · world_size]``."""
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.process_group)
+        self.trace.append(record(tensor, layer, self.rank, self.world_size, "all_gather"))
+        return torch.cat(parts, dim=-1)
 
     def __repr__(self) -> str:
         return f"DistGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"

@@ -7,10 +7,9 @@ attention is one independent problem per (request, head), the all-reduce carries
 Explorer ``tp_packing_explorer`` wraps ``tp_packing_state``: pack T tokens as R requests and
 watch the trace stay while attention's inputs (and the kernel's launch grid) change.
 Helpers the notebook calls: ``rank_layers`` (what each rank's four linear layers compute),
-``layer0_attention`` (one layer's attention output on a rank). A real TP group inside one
-process (``tp_ranks_in_threads``) and a stand-in rank that also records all-gathers
-(``StandInRank``) run ``vocab_parallel_forward``: the model with its embedding and tied LM head
-split by vocabulary, as a real deployment does. Exercise checkers: ``check_vocab_trace``
+``layer0_attention`` (one layer's attention output on a rank). ``vocab_parallel_forward``: the
+model with ``tp.vocab``'s vocab-parallel embedding and tied LM head around its blocks, as a real
+deployment runs it (on ``tp.threads`` ranks, or dry-run on a ``LocalGroup`` stand-in). Exercise checkers: ``check_vocab_trace``
 (04.1, the trace of that forward), ``check_qkv_shard`` (04.2, cut the fused QKV weight by head).
 
 Taught in notebooks/04_tp2_invariance.ipynb.
@@ -18,9 +17,8 @@ Taught in notebooks/04_tp2_invariance.ipynb.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from matplotlib.figure import Figure
@@ -28,12 +26,13 @@ from matplotlib.patches import Rectangle
 
 from ..core.batch import PackedBatch, cumulative, pack
 from ..core.config import ModelConfig
-from ..core.groups import CollectiveRecord, LocalGroup, record
+from ..core.groups import CollectiveRecord, LocalGroup
 from ..core.linear import QKVParallelLinear
 from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
 from ..tp.dryrun import record_trace, trace_signature
 from ..tp.trace import summarize_trace
+from ..tp.vocab import ParallelLMHead, VocabParallelEmbedding
 from ..validate import check_choice, check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
@@ -513,122 +512,20 @@ def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: 
 
 
 # ---------------------------------------------------------------------------------------------
-# TP groups for the exercises: real ranks as threads, and a stand-in rank that also gathers
-
-def _record(op: str, tensor: Tensor, layer: str, rank: int, world_size: int) -> CollectiveRecord:
-    return dataclasses.replace(record(tensor, layer, rank, world_size), op=op)
-
-
-@dataclass
-class ThreadRank:
-    """Rank ``rank`` of a TP group whose ranks are threads of this process: ``all_reduce`` really
-    sums over the ranks and ``all_gather`` really gathers (every rank waits for the others, as
-    over NCCL or gloo); both are recorded."""
-
-    rank: int
-    world_size: int
-    _shared: dict = field(repr=False)
-    trace: list = field(default_factory=list)
-
-    def _exchange(self, tensor: Tensor, combine) -> Tensor:
-        s = self._shared
-        s["slots"][self.rank] = tensor
-        s["barrier"].wait()
-        out = combine(list(s["slots"]))
-        s["barrier"].wait()                      # nobody overwrites a slot before every rank has read them all
-        return out
-
-    def all_reduce(self, tensor: Tensor, *, layer: str = "") -> Tensor:
-        total = self._exchange(tensor, lambda parts: torch.stack(parts).sum(0))
-        self.trace.append(record(total, layer, self.rank, self.world_size))
-        tensor.copy_(total)
-        return tensor
-
-    def all_gather(self, tensor: Tensor, *, layer: str = "") -> Tensor:
-        """Every rank's ``[..., n]`` side by side along the last dim, in rank order: ``[..., n · world_size]``.
-        The record holds what this rank contributed (``[..., n]``)."""
-        out = self._exchange(tensor, lambda parts: torch.cat(parts, dim=-1))
-        self.trace.append(_record("all_gather", tensor, layer, self.rank, self.world_size))
-        return out
-
-
-def tp_ranks_in_threads(world_size: int, fn: Callable[[ThreadRank], object], timeout: float = 20.0) -> list:
-    """Run ``fn(rank_group)`` on ``world_size`` threads that form one TP group; ``[(result, trace)]``
-    in rank order.
-
-    If a rank raises, the others are released (the barrier is broken) and the first error is
-    re-raised here, so a wrong answer never hangs the notebook.
-    """
-    ws = check_int("world_size", world_size, 1, 16)
-    shared = {"slots": [None] * ws, "barrier": threading.Barrier(ws, timeout=timeout)}
-    groups = [ThreadRank(r, ws, shared) for r in range(ws)]
-    results, errors = [None] * ws, [None] * ws
-
-    def run(r):
-        try:
-            results[r] = fn(groups[r])
-        except BaseException as exc:  # handed back to the caller below
-            errors[r] = exc
-            shared["barrier"].abort()
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(ws)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout + 5)
-    failed = [e for e in errors if e is not None]
-    if failed:  # the root cause first: the other ranks only saw the broken barrier
-        raise next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)), failed[0])
-    return [(res, g.trace) for res, g in zip(results, groups)]
-
-
-@dataclass
-class StandInRank(LocalGroup):
-    """``LocalGroup(rank, world_size)`` (records each collective, sends nothing) that also has
-    ``all_gather``: it records it and returns ``world_size`` copies of this rank's piece side by
-    side, the right shape but not the right values (nobody sends the other pieces)."""
-
-    def all_gather(self, tensor: Tensor, *, layer: str = "") -> Tensor:
-        if self.world_size == 1:
-            return tensor
-        self.trace.append(_record("all_gather", tensor, layer, self.rank, self.world_size))
-        return torch.cat([tensor] * self.world_size, dim=-1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Vocab-parallel embedding and LM head (what this course keeps whole), and Exercise 04.1
-
-def vocab_slice(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """The token ids ``[lo, hi)`` whose embedding rows rank ``rank`` keeps (contiguous, equal shares)."""
-    if vocab_size % world_size:
-        raise ValueError(f"vocab_size={vocab_size} is not divisible by world_size={world_size}: a real deployment "
-                         f"pads the vocabulary to a multiple (GPT-2's 50257 becomes 50304)")
-    n = vocab_size // world_size
-    return rank * n, (rank + 1) * n
-
+# The model with a vocab-parallel embedding and LM head around its blocks (tp.vocab), and Exercise 04.1
 
 def vocab_parallel_forward(model: Transformer, batch: PackedBatch) -> Tensor:
     """The model's forward with its token embedding and tied LM head split by vocabulary over
-    ``model.group`` (which needs ``all_gather`` as well as ``all_reduce``): logits ``[T, V]`` on
-    every rank, equal to ``model.compute_logits(model(batch))`` at TP=1.
-
-    Rank r keeps the rows ``[lo, hi)`` of ``wte`` (``vocab_slice``). Embedding: a token whose id
-    lies in ``[lo, hi)`` gets its row here, every other token zeros; one all-reduce of ``[T,
-    d_model]`` ("wte") adds the ranks' rows, so every token has its embedding on every rank. The
-    position table stays whole (it is small). Blocks: the model's own, two all-reduces per layer.
-    LM head, tied: ``hidden [T, d] @ wte[lo:hi].T``, the logits of the rank's ids ``[T, V/tp]``;
-    one all-gather ("lm_head") puts the pieces side by side.
-    """
-    group, cfg = model.group, model.cfg
-    lo, hi = vocab_slice(cfg.vocab_size, group.rank, group.world_size)
-    table = model.wte[lo:hi]                                            # [V/tp, d]: this rank's ids only
-    ids = batch.input_ids
-    mine = (ids >= lo) & (ids < hi)
-    rows = torch.zeros(ids.shape[0], cfg.d_model, dtype=model.dtype, device=model.device)
-    rows[mine] = table[ids[mine] - lo]                                  # zeros where another rank owns the id
-    x = group.all_reduce(rows, layer="wte") + model.wpe[batch.positions]   # [T, d], every token, every rank
-    hidden = model(pack(list(x.split(batch.seq_lens)), device=model.device))      # the blocks and the final LayerNorm
-    return group.all_gather(hidden @ table.T, layer="lm_head")          # [T, V/tp] per rank -> [T, V]
+    ``model.group`` (``tp.vocab.VocabParallelEmbedding`` and ``ParallelLMHead``, cut from the
+    model's ``wte``): logits ``[T, V]`` on every rank, equal to ``model.compute_logits(model(batch))``
+    at TP=1. Collectives: the embedding's all-reduce ("wte"), the blocks' two per layer, the
+    head's all-gather ("lm_head"). The position table stays whole (it is small)."""
+    cfg = model.cfg
+    embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group=model.group, dtype=model.dtype)
+    embedding = embedding.to(model.device).load_full_(model.wte)
+    x = embedding(batch.input_ids) + model.wpe[batch.positions]              # [T, d], every token, every rank
+    hidden = model(pack(list(x.split(batch.seq_lens)), device=model.device))  # the blocks and the final LayerNorm
+    return ParallelLMHead.tied_to(embedding)(hidden)                          # [T, V/tp] per rank -> [T, V]
 
 
 _STAND_INS: dict = {}
@@ -640,13 +537,13 @@ def _stand_in_model(cfg: ModelConfig, rank: int, world_size: int) -> Transformer
         if len(_STAND_INS) >= 8:
             _STAND_INS.clear()
         zeros = {name: torch.zeros(shape, dtype=cfg.dtype) for name, shape in cfg.weight_shapes().items()}
-        _STAND_INS[key] = Transformer(cfg, zeros, group=StandInRank(rank, world_size), attn_backend="masked")
+        _STAND_INS[key] = Transformer(cfg, zeros, group=LocalGroup(rank, world_size), attn_backend="masked")
     return _STAND_INS[key]
 
 
 def vocab_parallel_trace(cfg: ModelConfig, seq_lens: Sequence[int], world_size: int, rank: int = 0) -> list:
     """The collectives rank ``rank`` makes in one ``vocab_parallel_forward`` of requests of
-    ``seq_lens`` tokens, dry-run on a ``StandInRank``: ``[CollectiveRecord, ...]`` in call order."""
+    ``seq_lens`` tokens, dry-run on a stand-in rank (``LocalGroup``): ``[CollectiveRecord, ...]`` in call order."""
     lens = check_lengths(seq_lens)
     model = _stand_in_model(cfg, rank, world_size)
     ids = torch.arange(sum(lens)) * 7 % cfg.vocab_size                 # ids spread over every rank's share
@@ -869,5 +766,5 @@ def check_qkv_shard(fn: Callable[[Tensor, int, int, int], Tensor]) -> bool:
 
 __all__ = ["RankLayer", "rank_layers", "layer0_attention", "two_axes_figure", "tp_trace_timeline", "packing_lens",
            "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_packing_figure", "tp_packing_explorer",
-           "trace_shapes", "ThreadRank", "tp_ranks_in_threads", "StandInRank", "vocab_slice", "vocab_parallel_forward",
+           "trace_shapes", "vocab_parallel_forward",
            "vocab_parallel_trace", "check_vocab_trace", "engine_qkv_shard", "check_qkv_shard"]

@@ -4,6 +4,8 @@
   runtime  TPRuntime (workers kept alive) and tp_forward (one shot) -> TPResult
   trace    traced_forward: the collectives, QKV shapes and attention window of one forward; Fault
   dryrun   the expected trace from the formula, or recorded in this process (no workers)
+  threads  ThreadRank / tp_ranks_in_threads: a TP group whose ranks are threads (real sums and gathers)
+  vocab    VocabParallelEmbedding and ParallelLMHead: the vocabulary split over the ranks
   demo     python -m torch.distributed.run ... -m lessons_lib.tp.demo
 
 Taught in notebooks/00_setup_one_request.ipynb and notebooks/04_tp2_invariance.ipynb.

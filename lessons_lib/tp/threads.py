@@ -1,0 +1,84 @@
+"""A TP group whose ranks are threads of this process: real sums and gathers, no processes.
+
+``tp_ranks_in_threads(world_size, fn)`` runs ``fn(group)`` on ``world_size`` threads; each
+``ThreadRank`` really sums (``all_reduce``) and gathers (``all_gather``) over the threads, every
+rank waiting for the others as over NCCL or gloo, and records each collective as
+``core.groups.DistGroup`` does. Exercises and tests use it where spawning processes would cost
+seconds; ``tp.runtime`` is the same model on real processes.
+
+Taught in notebooks/04_tp2_invariance.ipynb.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.groups import record
+from ..validate import check_int
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class ThreadRank:
+    """Rank ``rank`` of a TP group whose ranks are threads of this process (see the module)."""
+
+    rank: int
+    world_size: int
+    _shared: dict = field(repr=False)
+    trace: list = field(default_factory=list)
+
+    def _exchange(self, tensor: Tensor, combine) -> Tensor:
+        s = self._shared
+        s["slots"][self.rank] = tensor
+        s["barrier"].wait()
+        out = combine(list(s["slots"]))
+        s["barrier"].wait()                      # nobody overwrites a slot before every rank has read them all
+        return out
+
+    def all_reduce(self, tensor: Tensor, *, layer: str = "") -> Tensor:
+        """Sum ``tensor`` over the ranks, in place (as ``DistGroup``); record it; return it."""
+        total = self._exchange(tensor, lambda parts: torch.stack(parts).sum(0))
+        self.trace.append(record(total, layer, self.rank, self.world_size))
+        tensor.copy_(total)
+        return tensor
+
+    def all_gather(self, tensor: Tensor, *, layer: str = "") -> Tensor:
+        """Every rank's ``[..., n]`` side by side along the last dim, in rank order: ``[..., n · world_size]``.
+        The record holds what this rank contributed (``[..., n]``)."""
+        out = self._exchange(tensor, lambda parts: torch.cat(parts, dim=-1))
+        self.trace.append(record(tensor, layer, self.rank, self.world_size, "all_gather"))
+        return out
+
+
+def tp_ranks_in_threads(world_size: int, fn: Callable[[ThreadRank], object], timeout: float = 20.0) -> list:
+    """Run ``fn(rank_group)`` on ``world_size`` threads that form one TP group; ``[(result, trace)]``
+    in rank order.
+
+    If a rank raises, the others are released (the barrier is broken) and the first error is
+    re-raised here, so a wrong answer never hangs the caller.
+    """
+    ws = check_int("world_size", world_size, 1, 16)
+    shared = {"slots": [None] * ws, "barrier": threading.Barrier(ws, timeout=timeout)}
+    groups = [ThreadRank(r, ws, shared) for r in range(ws)]
+    results, errors = [None] * ws, [None] * ws
+
+    def run(r):
+        try:
+            results[r] = fn(groups[r])
+        except BaseException as exc:  # handed back to the caller below
+            errors[r] = exc
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(ws)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout + 5)
+    failed = [e for e in errors if e is not None]
+    if failed:  # the root cause first: the other ranks only saw the broken barrier
+        raise next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)), failed[0])
+    return [(res, g.trace) for res, g in zip(results, groups)]
