@@ -85,25 +85,15 @@ def test_edge_cases_have_their_defined_results():
     assert torch.equal(triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=False), torch.zeros_like(q))
 
 
-class _LaunchCounter:
-    """Stands in for the JIT function: counts ``kernel[grid](...)`` launches and forwards them."""
-
-    def __init__(self, fn):
-        self.fn, self.grids = fn, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.fn[grid]
-
-
 @pytest.mark.parametrize("num_requests", [1, 7, 50])
-def test_one_launch_per_call_whatever_the_number_of_requests(num_requests, monkeypatch):
-    counter = _LaunchCounter(triton_varlen._varlen_fwd_kernel)
-    monkeypatch.setattr(triton_varlen, "_varlen_fwd_kernel", counter)
+def test_one_launch_per_call_whatever_the_number_of_requests(num_requests):
     lens = [1 + (7 * i) % 13 for i in range(num_requests)]
     q, k, v, cu, _ = make_qkv(lens, heads=2, d_head=16)
-    varlen_attention(q, k, v, cu, backend="triton")
-    assert counter.grids == [(1, 2, num_requests)]  # (query tiles, heads, requests)
+    real = triton_varlen._varlen_fwd_kernel
+    with triton_varlen.count_launches() as grids:
+        varlen_attention(q, k, v, cu, backend="triton")
+    assert grids == [(1, 2, num_requests)]  # (query tiles, heads, requests)
+    assert triton_varlen._varlen_fwd_kernel is real  # the counter is gone after the block
 
 
 def test_counters_equal_the_prediction_on_the_article_example():
@@ -207,9 +197,8 @@ def test_tp2_workers_run_the_kernel(tiny_cfg, model_pair, make_requests):
     assert result.all_reduce_counts[0] == 2 * tiny_cfg.n_layers
 
 
-def test_a_model_on_the_kernel_is_one_launch_per_layer(tiny_cfg, make_requests, monkeypatch):
-    counter = _LaunchCounter(triton_varlen._varlen_fwd_kernel)
-    monkeypatch.setattr(triton_varlen, "_varlen_fwd_kernel", counter)
+def test_a_model_on_the_kernel_is_one_launch_per_layer(tiny_cfg, make_requests):
     reqs = make_requests([3, 9, 17, 2, 5], tiny_cfg.vocab_size)
-    Transformer(tiny_cfg)(pack(reqs), attn_backend="triton")
-    assert len(counter.grids) == tiny_cfg.n_layers and set(counter.grids) == {(1, tiny_cfg.n_heads, 5)}
+    with triton_varlen.count_launches() as grids:
+        Transformer(tiny_cfg)(pack(reqs), attn_backend="triton")
+    assert len(grids) == tiny_cfg.n_layers and set(grids) == {(1, tiny_cfg.n_heads, 5)}

@@ -161,6 +161,33 @@ def count_work() -> Iterator[WorkCounts]:
     result.block_m, result.block_n = next(iter(counter.blocks), (0, 0))
 
 
+class _LaunchCounter:
+    """Stands in for the JIT function: records the grid of every ``kernel[grid](...)`` and forwards it."""
+
+    def __init__(self, fn, grids: list):
+        self.fn, self.grids = fn, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.fn[grid]
+
+
+@contextmanager
+def count_launches() -> Iterator[list[tuple[int, int, int]]]:
+    """Record every launch of the kernel inside the block: yields the list of their grids.
+
+    The launcher looks ``_varlen_fwd_kernel`` up at call time, so the block wraps whatever kernel
+    is installed when it starts (the real one, or one a lesson rebuilt with a line changed).
+    """
+    global _varlen_fwd_kernel
+    real, grids = _varlen_fwd_kernel, []
+    _varlen_fwd_kernel = _LaunchCounter(real, grids)
+    try:
+        yield grids
+    finally:
+        _varlen_fwd_kernel = real
+
+
 def _check_block(name: str, value) -> int:
     n = check_int(name, value, 16, 256)
     if n & (n - 1):
