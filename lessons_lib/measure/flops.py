@@ -7,8 +7,10 @@ Conventions (stated once, used everywhere):
   useful 10² + 30² = 1000). ``causal=True`` counts only the lower triangle ``L(L+1)/2`` as
   useful; padded and masked still compute their full squares, varlen computes the triangles.
 - A matmul ``[m, k] @ [k, n]`` is ``2·m·k·n`` FLOPs. Attention per cell per head: ``2·d_head``
-  for ``QK^T`` and ``2·d_head`` for ``P @ V``. Softmax, LayerNorm, GeLU and the LM head are
-  not counted (they are O(T·d), small next to the matmuls).
+  for ``QK^T`` and ``2·d_head`` for ``P @ V``. Softmax, LayerNorm and GeLU are not counted
+  (O(T·d), small next to the matmuls). Nor is the LM head, which is not small: O(R·d·V), one row
+  ``[1, 512] @ [512, 50257]`` is 51.5 MFLOP, more than the 8 blocks' linear layers per token
+  (50.3 MFLOP); the engine computes it for the R last tokens only, outside "the forward" counted here.
 
 Taught in notebooks/03_masked_vs_varlen_attention.ipynb and notebooks/05_flop_regimes.ipynb.
 """
