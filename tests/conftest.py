@@ -37,7 +37,7 @@ def device(request) -> str:
 def tiny_cfg() -> ModelConfig:
     """2 layers, d_model 64, 4 heads of 16: the article's shape of model, small enough for many examples."""
     return ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300,
-                       max_position=256, tp_size=2)
+                       max_position=256)
 
 
 @pytest.fixture(scope="session")

@@ -67,8 +67,7 @@ def with_nan(t, row, value=float("nan")):
 
 
 CFG = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=300, max_position=256)
-CFG3 = ModelConfig(n_layers=1, d_model=48, n_heads=3, d_head=16, d_ffn=96, vocab_size=300, max_position=256,
-                   tp_size=1)
+CFG3 = ModelConfig(n_layers=1, d_model=48, n_heads=3, d_head=16, d_ffn=96, vocab_size=300, max_position=256)
 
 
 @cache
@@ -79,7 +78,7 @@ def model():
 @cache
 def tiny_hf():
     return make_hf_gpt2(ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=16, d_ffn=64, vocab_size=300,
-                                    max_position=64, tp_size=1))
+                                    max_position=64))
 
 
 def ab_batch(**changes):
@@ -351,10 +350,8 @@ ROWS = [
         lambda: Transformer(CFG, group=LocalGroup(world_size=3)), ValueError,
         "group world_size=3 must divide n_heads=4 and d_ffn=128"),
     # ---- ModelConfig ---------------------------------------------------------------------
-    Row("cfg-heads-tp", "ModelConfig", "`n_heads=6, tp_size=4`", lambda: ModelConfig(n_heads=6, tp_size=4),
-        ValueError, "ModelConfig.n_heads=6 is not divisible by tp_size=4"),
-    Row("cfg-ffn-tp", "ModelConfig", "`d_ffn=2049` with `tp_size=2`", lambda: ModelConfig(d_ffn=2049), ValueError,
-        "ModelConfig.d_ffn=2049 is not divisible by tp_size=2"),
+    Row("cfg-heads-tp", "ModelConfig.heads_per_rank", "`n_heads=6`, `tp_size=4`",
+        lambda: ModelConfig(n_heads=6).heads_per_rank(4), ValueError, "tp_size=4 must divide n_heads=6 and d_ffn=2048"),
     Row("cfg-zero", "ModelConfig", "`d_model=0`", lambda: ModelConfig(d_model=0), ValueError,
         "ModelConfig.d_model must be a positive int, got 0"),
     Row("cfg-negative", "ModelConfig", "`vocab_size=-1`", lambda: ModelConfig(vocab_size=-1), ValueError,
@@ -653,8 +650,7 @@ def refused(call) -> bool:
 
 
 def tiny_hf_cfg():
-    return ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=16, d_ffn=64, vocab_size=300, max_position=64,
-                       tp_size=1)
+    return ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=16, d_ffn=64, vocab_size=300, max_position=64)
 
 
 def relu_hf():

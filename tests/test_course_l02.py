@@ -30,7 +30,7 @@ def test_c4_c6_forward_walk_shapes_come_from_the_config():
     assert (by_name["attention"].flat, by_name["attention"].per_rank) == ("[40 x 1536] -> [40 x 512]",
                                                                           "[40 x 768] -> [40 x 256]")
     assert by_name["out proj"].flat.startswith(by_name["attention"].flat.split(" -> ")[1])
-    tp4 = {s.name: s for s in L.forward_walk(ModelConfig(tp_size=4), [5])}
+    tp4 = {s.name: s for s in L.forward_walk(ModelConfig(), [5], tp_size=4)}
     assert tp4["QKV proj"].per_rank == "[5 x 512] -> [5 x 384]" and tp4["out proj"].per_rank.startswith("[5 x 128]")
 
 
@@ -118,8 +118,8 @@ def test_c6_qkv_row_owners_follow_the_head_split():
     owner = L.qkv_row_owners(cfg)
     rows = np.arange(3 * cfg.qkv_dim)
     head = (rows % cfg.qkv_dim) // cfg.d_head  # Q, K and V sections each hold heads 0..H-1
-    np.testing.assert_array_equal(owner, head // cfg.heads_per_rank)
-    assert [int((owner == r).sum()) for r in range(cfg.tp_size)] == [768, 768]
+    np.testing.assert_array_equal(owner, head // cfg.heads_per_rank(2))
+    assert [int((owner == r).sum()) for r in range(2)] == [768, 768]
 
 
 def test_c6_qkv_shards_uses_the_palette_and_says_what_each_rank_computes():

@@ -180,7 +180,7 @@ def test_c12_a_tp2_model_on_threads_equals_tp1():
 
 # --- the vocab-parallel forward and exercise 04.1 ---------------------------------------------------------
 
-VOCAB = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=100, max_position=32, tp_size=1)
+VOCAB = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=100, max_position=32)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -15,8 +15,7 @@ from lessons_lib.serve.engine import METHODS, Engine, batch_stats
 from lessons_lib.serve.scheduler import Request, Scheduler
 from lessons_lib.serve.workloads import generate
 
-CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=1000, max_position=512,
-                  tp_size=1)
+CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=1000, max_position=512)
 
 
 def _lengths(seed, n=60, high=90):

@@ -18,8 +18,7 @@ from lessons_lib.measure.tolerance import assert_close
 from lessons_lib.serve.engine import Engine
 from lessons_lib.serve.workloads import long_tail_lengths, make_requests
 
-CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=1000, max_position=1024,
-                  tp_size=1)
+CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=1000, max_position=1024)
 N, BUDGET, MAX_SEQS, SEED = 10_000, 4096, 256, 0
 LENGTHS = long_tail_lengths(N, median=16, sigma=1.0, max_len=1024, seed=3)
 REQUESTS = make_requests(LENGTHS, CFG.vocab_size, seed=4)

@@ -43,8 +43,7 @@ def test_s1_hf_gpt2_per_request_matches_our_flat_varlen_forward(make_requests):
 def test_hf_lm_head_state_dict_prefix_and_tied_logits(make_requests):
     """GPT2LMHeadModel keys carry a 'transformer.' prefix and its head is tied to wte: loading the
     model or its bare state dict gives the same weights, and compute_logits matches HF's logits."""
-    cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=64,
-                      tp_size=1)
+    cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=64)
     torch.manual_seed(0)
     lm = transformers.GPT2LMHeadModel._from_config(hf_config(cfg), attn_implementation="eager").eval()
     ours = from_hf_gpt2(lm)
@@ -64,7 +63,7 @@ def test_hf_config_round_trip_and_weight_layout(tiny_cfg):
     hf_cfg = hf_config(tiny_cfg)
     assert (hf_cfg.n_embd, hf_cfg.n_head, hf_cfg.n_layer, hf_cfg.n_inner, hf_cfg.activation_function) == \
         (64, 4, 2, 256, "gelu_new")
-    back = config_from_hf(hf_cfg, tp_size=tiny_cfg.tp_size)
+    back = config_from_hf(hf_cfg)
     assert back == tiny_cfg
     hf = make_hf_gpt2(tiny_cfg)
     w = full_weights_from_hf(hf.state_dict())

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..validate import check_int
+from ..validate import check_int, check_tp_divides
 
 # One block's weights: name → shape as a function of (d_model, k = n_heads·d_head, d_ffn).
 # PyTorch layout: a linear weight is [out_features, in_features].
@@ -25,9 +25,11 @@ class ModelConfig:
     """Sizes of the GPT-2-style model the course runs.
 
     Defaults are the article's (S1): 8 layers, d_model=512, 8 heads of d_head=64 (so
-    k = n_heads · d_head = 512), FFN hidden 4 · 512 = 2048, tensor-parallel size 2. ``vocab_size``
-    is GPT-2's; ``max_position`` covers the 10,000-token request of claim C1. ``dtype`` is the
+    k = n_heads · d_head = 512), FFN hidden 4 · 512 = 2048. ``vocab_size`` is GPT-2's;
+    ``max_position`` covers the 10,000-token request of claim C1. ``dtype`` is the
     dtype ``init_weights`` creates; a built model's dtype is its weights' (``model.to(...)``).
+    The TP size is not a size of the model: it is an argument of what runs it
+    (``Transformer(group=...)``, ``TPRuntime(world_size=2)``, ``Engine(tp_size=2)``).
     """
 
     n_layers: int = 8
@@ -37,16 +39,12 @@ class ModelConfig:
     d_ffn: int = 2048
     vocab_size: int = 50257
     max_position: int = 16384
-    tp_size: int = 2
     dtype: torch.dtype = field(default=torch.float32)
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        for name in ("n_layers", "d_model", "n_heads", "d_head", "d_ffn", "vocab_size", "max_position", "tp_size"):
+        for name in ("n_layers", "d_model", "n_heads", "d_head", "d_ffn", "vocab_size", "max_position"):
             check_int(f"ModelConfig.{name}", getattr(self, name), 1)
-        for name in ("n_heads", "d_ffn"):  # each rank owns whole heads and a whole slice of the FFN
-            if getattr(self, name) % self.tp_size:
-                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} is not divisible by tp_size={self.tp_size}")
         eps = self.layer_norm_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
             raise ValueError(f"ModelConfig.layer_norm_eps must be a float in (0, 1), got {eps!r}")
@@ -58,9 +56,10 @@ class ModelConfig:
         """k = n_heads · d_head, the width of Q (and of K, and of V)."""
         return self.n_heads * self.d_head
 
-    @property
-    def heads_per_rank(self) -> int:
-        return self.n_heads // self.tp_size
+    def heads_per_rank(self, tp_size: int) -> int:
+        """The heads each of ``tp_size`` ranks owns (``tp_size`` must divide the heads and the FFN)."""
+        check_tp_divides(self, "tp_size", tp_size)
+        return self.n_heads // tp_size
 
     @property
     def all_reduces_per_forward(self) -> int:

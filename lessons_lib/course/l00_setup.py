@@ -128,7 +128,7 @@ def tp_split(cfg: ModelConfig | None = None) -> Figure:
     ``col-b-r``, ``row-w-r``, ``all-reduce``, ``row-b``).
     """
     cfg = cfg or ModelConfig()
-    d, k, f, tp = cfg.d_model, cfg.qkv_dim, cfg.d_ffn, cfg.tp_size
+    d, k, f, tp = cfg.d_model, cfg.qkv_dim, cfg.d_ffn, 2  # the figure draws two ranks
     fig = Figure(figsize=(13, 5.6))
     ax = fig.add_axes((0, 0, 1, 1))
     ax.set_xlim(0, 23)
@@ -155,7 +155,7 @@ def tp_split(cfg: ModelConfig | None = None) -> Figure:
     _box(ax, 6.9, 3.9, 2.5, 1.4, LINEAR, "y1 = x W1^T + b1\n[T x out/2]", hatched=True)
     ax.text(9.5, 6.3, "rank 0", va="center", fontsize=MIN_FONT, color=TEXT)
     ax.text(9.5, 4.6, "rank 1", va="center", fontsize=MIN_FONT, color=TEXT)
-    ax.text(0.2, 1.3, f"QKV: [T x {d}] -> [T x {3 * k // tp}] on each rank: Q, K, V of its {cfg.heads_per_rank} heads\n"
+    ax.text(0.2, 1.3, f"QKV: [T x {d}] -> [T x {3 * k // tp}] on each rank: Q, K, V of its {cfg.heads_per_rank(tp)} heads\n"
             f"FFN-up: [T x {d}] -> [T x {f // tp}] on each rank: half the FFN\n"
             "no communication: the next layer reads the shard", va="center", fontsize=MIN_FONT + 1, color=TEXT)
     # --- row-parallel: y = sum_r x_r W_r^T, then + b once --------------------------------------------
@@ -439,8 +439,7 @@ def machine_report(head_dim: int = 64) -> str:
 # Exercises
 
 _SMALL_CFGS = [ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128),
-               ModelConfig(n_layers=3, d_model=48, n_heads=6, d_head=8, d_ffn=96, vocab_size=77, max_position=40,
-                           tp_size=3),
+               ModelConfig(n_layers=3, d_model=48, n_heads=6, d_head=8, d_ffn=96, vocab_size=77, max_position=40),
                ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=32, d_ffn=128, vocab_size=50, max_position=16)]
 
 

@@ -56,17 +56,17 @@ class WalkStep:
     reads: str         # "row i only" or "rows of its own request"
 
 
-def forward_walk(cfg: ModelConfig, seq_lens: Sequence[int]) -> list[WalkStep]:
+def forward_walk(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int = 2) -> list[WalkStep]:
     """The embedding and the ten steps of a pre-LN block, with shapes computed from ``cfg``.
 
     Shapes are for the ``T = sum(seq_lens)`` flat rows (attention as the block calls it: the fused
     ``[T x 3·H·D]`` QKV in, ``[T x H·D]`` out); ``per_rank`` is one rank of
-    ``cfg.tp_size`` (column-parallel QKV and FFN-up keep a slice of the outputs, row-parallel
+    ``tp_size`` (column-parallel QKV and FFN-up keep a slice of the outputs, row-parallel
     out proj and FFN-down a slice of the inputs and all-reduce a partial ``[T x d]``).
     """
     t = sum(check_lengths(seq_lens))
-    d, k, f, tp = cfg.d_model, cfg.qkv_dim, cfg.d_ffn, cfg.tp_size
-    h, hr, dh = cfg.n_heads, cfg.heads_per_rank, cfg.d_head
+    d, k, f, tp = cfg.d_model, cfg.qkv_dim, cfg.d_ffn, tp_size
+    h, hr, dh = cfg.n_heads, cfg.heads_per_rank(tp_size), cfg.d_head
 
     def s(*dims):
         return "[" + " x ".join(str(x) for x in dims) + "]"
@@ -98,16 +98,16 @@ def _requests_phrase(seq_lens: Sequence[int]) -> str:
     return text + (f", and {more} more request{'s' if more > 1 else ''}" if more else "")
 
 
-def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int]) -> Figure:
+def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int = 2) -> Figure:
     """Claims C4-C6 as a table: one row per step of ``forward_walk``, coloured by kind."""
-    steps = forward_walk(cfg, seq_lens)
+    steps = forward_walk(cfg, seq_lens, tp_size)
     n = len(steps)
     fig = Figure(figsize=(11.6, 0.42 * n + 1.3))
     ax = fig.add_axes((0.01, 0.1, 0.98, 0.8))
     ax.set_xlim(0, 11.6)
     ax.set_ylim(n + 0.6, -0.1)
     ax.axis("off")
-    cols = [(0.0, "step"), (2.55, f"on the flat batch (TP=1, T={sum(seq_lens)})"), (5.45, f"on one rank (TP={cfg.tp_size})"),
+    cols = [(0.0, "step"), (2.55, f"on the flat batch (TP=1, T={sum(seq_lens)})"), (5.45, f"on one rank (TP={tp_size})"),
             (9.15, "row i reads")]
     for x, head in cols:
         ax.text(x + 0.05, 0.35, head, fontsize=MIN_FONT + 1, fontweight="bold", va="center", color=TEXT)
@@ -339,31 +339,31 @@ def dependency_maps(panels: Mapping[str, np.ndarray], seq_lens: Sequence[int],
     return fig
 
 
-def qkv_row_owners(cfg: ModelConfig) -> np.ndarray:
-    """``int [3·H·D]``: the TP rank that holds each output row (feature extractor) of the full QKV weight.
+def qkv_row_owners(cfg: ModelConfig, tp_size: int = 2) -> np.ndarray:
+    """``int [3·H·D]``: which of ``tp_size`` TP ranks holds each output row (feature extractor) of the full QKV weight.
 
     Computed by ``QKVParallelLinear.shard_rows`` on one-process stand-in groups, not by hand.
     """
     n = 3 * cfg.qkv_dim
     owner = np.full(n, -1, dtype=np.int64)
     ids = torch.arange(n)
-    for rank in range(cfg.tp_size):
+    for rank in range(tp_size):
         # A linear layer only reads rank and world_size from its group to cut its shard.
-        layer = QKVParallelLinear(cfg.d_model, cfg.n_heads, cfg.d_head, bias=False, group=LocalGroup(rank, cfg.tp_size))
+        layer = QKVParallelLinear(cfg.d_model, cfg.n_heads, cfg.d_head, bias=False, group=LocalGroup(rank, tp_size))
         owner[layer.shard_rows(ids).numpy()] = rank
     return owner
 
 
-def qkv_shards(cfg: ModelConfig, tokens: int = 40) -> Figure:
+def qkv_shards(cfg: ModelConfig, tokens: int = 40, tp_size: int = 2) -> Figure:
     """Claim C6: the ``3·H·D`` rows of the fused QKV weight are feature extractors; each TP rank
     owns those of its heads (in Q, in K and in V) and runs them on every token."""
-    owner = qkv_row_owners(cfg)
-    k = cfg.qkv_dim
+    owner = qkv_row_owners(cfg, tp_size)
+    k, hr = cfg.qkv_dim, cfg.heads_per_rank(tp_size)
     shades = [LINEAR, LINEAR_LIGHT]
     hatches = ["", "//"]
     fig = Figure(figsize=(10, 2.9))
     ax = fig.add_axes((0.03, 0.36, 0.94, 0.42))
-    for rank in range(cfg.tp_size):
+    for rank in range(tp_size):
         for start, stop in consecutive_runs(np.flatnonzero(owner == rank)):
             ax.add_patch(Rectangle((start, 0), stop - start, 1, facecolor=shades[rank % 2], hatch=hatches[rank % 2],
                                    edgecolor="white", linewidth=0.0))
@@ -383,14 +383,14 @@ def qkv_shards(cfg: ModelConfig, tokens: int = 40) -> Figure:
         ax.spines[side].set_visible(False)
     ax.tick_params(labelsize=MIN_FONT)
     ax.set_xlabel(f"row of the full QKV weight = one feature extractor ({3 * k} in all)", fontsize=MIN_FONT + 1)
-    per_rank = 3 * cfg.heads_per_rank * cfg.d_head
+    per_rank = 3 * hr * cfg.d_head
     fig.legend(handles=[Patch(facecolor=shades[r % 2], hatch=hatches[r % 2], edgecolor="white",
-                              label=f"rank {r}: heads {r * cfg.heads_per_rank}-{(r + 1) * cfg.heads_per_rank - 1}, "
+                              label=f"rank {r}: heads {r * hr}-{(r + 1) * hr - 1}, "
                                     f"{per_rank} extractors: [{tokens} x {cfg.d_model}] -> [{tokens} x {per_rank}]")
-                        for r in range(cfg.tp_size)],
-               loc="lower center", ncol=min(cfg.tp_size, 2), fontsize=MIN_FONT + 1, frameon=False)
-    fig.suptitle(f"TP={cfg.tp_size}, QKV projection: each rank owns the Q, K and V extractors of its "
-                 f"{cfg.heads_per_rank} heads and runs them on all {tokens} tokens", fontsize=MIN_FONT + 2, y=0.97)
+                        for r in range(tp_size)],
+               loc="lower center", ncol=min(tp_size, 2), fontsize=MIN_FONT + 1, frameon=False)
+    fig.suptitle(f"TP={tp_size}, QKV projection: each rank owns the Q, K and V extractors of its "
+                 f"{hr} heads and runs them on all {tokens} tokens", fontsize=MIN_FONT + 2, y=0.97)
     return fig
 
 

@@ -73,7 +73,7 @@ class _Stop(Exception):
 
 
 def _one_layer(cfg: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(cfg, n_layers=1, vocab_size=1, max_position=1, tp_size=1)
+    return dataclasses.replace(cfg, n_layers=1, vocab_size=1, max_position=1)
 
 
 def rank_layers(cfg: ModelConfig, num_tokens: int, rank: int = 0, world_size: int = 2) -> list[RankLayer]:
@@ -335,7 +335,7 @@ TP_PACKINGS = ([40], ARTICLE_LENS, [1] * 40)  # the same 40 tokens as 1, 2 and 4
                   "rank's heads; identical for 1, 2 and 40 requests (C11, C12)")
 def _trace_timeline() -> Figure:
     cfg = ModelConfig()
-    runs = [[record_trace(cfg, lens, rank, cfg.tp_size) for rank in range(cfg.tp_size)] for lens in TP_PACKINGS]
+    runs = [[record_trace(cfg, lens, rank, 2) for rank in range(2)] for lens in TP_PACKINGS]
     return tp_trace_timeline(runs, TP_PACKINGS, cfg, source="a dry run, tp.dryrun.record_trace")
 
 # ---------------------------------------------------------------------------------------------
@@ -375,8 +375,8 @@ def packing_lens(total_tokens: int, num_requests: int, pattern: str = "equal") -
 
 
 def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal",
-                     cfg: ModelConfig | None = None) -> dict:
-    """The same T tokens packed as R requests, on every TP rank.
+                     cfg: ModelConfig | None = None, tp_size: int = 2) -> dict:
+    """The same T tokens packed as R requests, on every one of ``tp_size`` TP ranks.
 
     Traces are dry runs of the model's own code (``tp.dryrun.record_trace``), compared with the
     dry run of the same tokens as ONE request. Keys: ``seq_lens``, ``cu_seqlens``, ``positions``
@@ -389,11 +389,11 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     """
     cfg = cfg or ModelConfig()
     lens = packing_lens(total_tokens, num_requests, pattern)
-    tp = cfg.tp_size
+    tp = tp_size
     traces = [record_trace(cfg, lens, r, tp) for r in range(tp)]
-    ones = [_one_request_signature(cfg, sum(lens), r) for r in range(tp)]
+    ones = [_one_request_signature(cfg, sum(lens), r, tp) for r in range(tp)]
     cells = attention_cells(lens, "varlen").computed
-    hl = cfg.heads_per_rank
+    hl = cfg.heads_per_rank(tp)
     reqs, tiles, heads = launch_grid(lens, hl, TILE)
     return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "positions": pack([[0] * n for n in lens]).positions.tolist(),
             "max_seqlen": max(lens), "tiles": tiles, "grid": tiles * reqs * heads, "traces": traces,
@@ -411,10 +411,10 @@ def trace_shapes(records: Sequence[CollectiveRecord]) -> list[tuple]:
 _ONE_REQUEST: dict = {}
 
 
-def _one_request_signature(cfg: ModelConfig, total: int, rank: int) -> list:
-    key = (repr(cfg), total, rank)
+def _one_request_signature(cfg: ModelConfig, total: int, rank: int, tp_size: int) -> list:
+    key = (repr(cfg), total, rank, tp_size)
     if key not in _ONE_REQUEST:  # the reference does not change while the requests slider moves
-        _ONE_REQUEST[key] = trace_signature(record_trace(cfg, [total], rank, cfg.tp_size))
+        _ONE_REQUEST[key] = trace_signature(record_trace(cfg, [total], rank, tp_size))
     return _ONE_REQUEST[key]
 
 
@@ -552,9 +552,8 @@ def vocab_parallel_trace(cfg: ModelConfig, seq_lens: Sequence[int], world_size: 
     return list(model.group.trace)
 
 
-_CFG_B = ModelConfig(n_layers=3, d_model=48, n_heads=6, d_head=8, d_ffn=96, vocab_size=78, max_position=64, tp_size=1)
-_CFG_C = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=512, vocab_size=80, max_position=64,
-                     tp_size=1)
+_CFG_B = ModelConfig(n_layers=3, d_model=48, n_heads=6, d_head=8, d_ffn=96, vocab_size=78, max_position=64)
+_CFG_C = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=512, vocab_size=80, max_position=64)
 _CFG_V = ModelConfig(vocab_size=1000, max_position=64)  # the article's model, a vocabulary that splits evenly
 
 
@@ -652,8 +651,7 @@ def check_vocab_trace(fn: Callable[[ModelConfig, list, int], list]) -> bool:
 _QKV_CASES = ((8, 4, 32, 2, 0, False), (8, 4, 32, 2, 1, False), (8, 4, 32, 2, 1, True), (6, 8, 96, 3, 2, False),
               (8, 4, 32, 4, 3, True), (4, 8, 32, 1, 0, False))    # n_heads, d_head, d_model, tp, rank, bias
 _MODEL_CASE = "your function as every rank's cut, in a model at TP=2"
-_CFG_QKV = ModelConfig(n_layers=1, d_model=48, n_heads=4, d_head=16, d_ffn=96, vocab_size=50, max_position=32,
-                       tp_size=1)
+_CFG_QKV = ModelConfig(n_layers=1, d_model=48, n_heads=4, d_head=16, d_ffn=96, vocab_size=50, max_position=32)
 
 
 def _qkv_full(n_heads, d_head, d_model, bias, seed):

@@ -507,12 +507,12 @@ def flop_mix_explorer(total_tokens: int = 1000, counting: str = "whole blocks"):
 # ---------------------------------------------------------------------------------------------
 # Exercises
 
-_CFGS = (ModelConfig(), ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=32, d_ffn=1024, tp_size=1),
+_CFGS = (ModelConfig(), ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=32, d_ffn=1024),
          ModelConfig(n_layers=4, d_model=512, n_heads=4, d_head=64, d_ffn=1536),
          ModelConfig(n_layers=3, d_model=384, n_heads=6, d_head=64, d_ffn=3072))
 
 
-_CFG_ODD = ModelConfig(n_layers=2, d_model=64, n_heads=3, d_head=16, d_ffn=100, tp_size=1)  # k = 48: nothing divides
+_CFG_ODD = ModelConfig(n_layers=2, d_model=64, n_heads=3, d_head=16, d_ffn=100)  # k = 48: nothing divides
 
 
 def check_attention_flops(fn: Callable[[ModelConfig, list], int]) -> bool:

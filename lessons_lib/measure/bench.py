@@ -88,7 +88,7 @@ class Plan:
 
 def full_plan() -> Plan:
     """The article's model (8 layers, d_model 512, 8 heads, FFN 2048), TP=1, sized for 2 CPU cores."""
-    return Plan(cfg=ModelConfig(tp_size=1), max_num_batched_tokens=4096, max_num_seqs=16,
+    return Plan(cfg=ModelConfig(), max_num_batched_tokens=4096, max_num_seqs=16,
                 workloads={"constant": (16, dict(length=256)),
                            "uniform": (12, dict(low=16, high=768)),
                            "long-tail": (40, dict(median=128, sigma=1.0, max_len=2048)),
@@ -102,7 +102,7 @@ def full_plan() -> Plan:
 def quick_plan() -> Plan:
     """A smoke run on a tiny model: every code path, a few seconds."""
     cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=1000,
-                      max_position=512, tp_size=1)
+                      max_position=512)
     return Plan(cfg=cfg, max_num_batched_tokens=256, max_num_seqs=8,
                 workloads={"constant": (6, dict(length=16)), "uniform": (6, dict(low=2, high=40)),
                            "long-tail": (12, dict(median=12, sigma=1.0, max_len=120)),

@@ -60,12 +60,12 @@ def full_weights_from_hf(state_dict: dict[str, Tensor], n_layers: int | None = N
     return {ours: (sd[hf].T if t else sd[hf]).detach().contiguous() for ours, (hf, t) in names.items()}
 
 
-def config_from_hf(hf_cfg, tp_size: int = 1, dtype: torch.dtype = torch.float32) -> ModelConfig:
+def config_from_hf(hf_cfg, dtype: torch.dtype = torch.float32) -> ModelConfig:
     if hf_cfg.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"our blocks use tanh GeLU; the HF config has activation_function={hf_cfg.activation_function!r}")
     d, h = hf_cfg.n_embd, hf_cfg.n_head
     return ModelConfig(n_layers=hf_cfg.n_layer, d_model=d, n_heads=h, d_head=d // h, d_ffn=hf_cfg.n_inner or 4 * d,
-                       vocab_size=hf_cfg.vocab_size, max_position=hf_cfg.n_positions, tp_size=tp_size, dtype=dtype,
+                       vocab_size=hf_cfg.vocab_size, max_position=hf_cfg.n_positions, dtype=dtype,
                        layer_norm_eps=hf_cfg.layer_norm_epsilon)
 
 

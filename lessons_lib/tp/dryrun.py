@@ -50,7 +50,7 @@ def expected_trace(cfg: ModelConfig, num_tokens: int, rank: int = 0, world_size:
 
 # Rows enter already embedded, so the token and position tables are never read: one row each
 # keeps a dry-run model cheap, and configs that differ only there share one cached model.
-_UNUSED = {"vocab_size": 1, "max_position": 1, "tp_size": 1}
+_UNUSED = {"vocab_size": 1, "max_position": 1}
 
 
 @functools.lru_cache(maxsize=4)

@@ -190,8 +190,8 @@ def _expected_tp(total: int, num_requests: int, pattern: str) -> tuple[str, dict
     cells = flops.attention_cells(lens, "varlen").computed
     tiles = math.ceil(max(lens) / l04_tp.TILE)
     return trace_text, {"R": num_requests, "cu": cumulative(lens), "max_seqlen": max(lens), "tiles": tiles,
-                        "grid": tiles * num_requests * cfg.heads_per_rank, "cells": cells,
-                        "per_forward": cells * cfg.heads_per_rank * cfg.n_layers,
+                        "grid": tiles * num_requests * cfg.heads_per_rank(2), "cells": cells,
+                        "per_forward": cells * cfg.heads_per_rank(2) * cfg.n_layers,
                         "positions_restart": pack([[0] * n for n in lens]).positions.tolist().count(0)}
 
 
