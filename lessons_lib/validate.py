@@ -8,6 +8,7 @@ runtime. Behind it the per-layer code trusts its inputs and never waits for the 
 """
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Sequence
@@ -98,6 +99,53 @@ def check_prompt(cfg, ids: list[int], where: str) -> None:
                          f"[0, vocab_size={cfg.vocab_size})")
 
 
+def _as_request_tensor(i: int, req) -> Tensor:
+    if isinstance(req, Tensor):
+        t = req
+    elif isinstance(req, (list, tuple)):
+        bad = next((x for x in req if isinstance(x, bool) or not isinstance(x, int)), None)
+        if bad is not None:
+            raise ValueError(f"requests[{i}] must hold int token ids, found {bad!r}")
+        t = torch.tensor(req, dtype=torch.int64)
+    else:
+        raise ValueError(f"requests[{i}] must be a list of token ids or a tensor, got {type(req).__name__}")
+    if t.dim() not in (1, 2):
+        raise ValueError(f"requests[{i}] must be 1-D token ids [L] or 2-D hidden rows [L, d], got shape {tuple(t.shape)}")
+    if t.shape[0] == 0:
+        raise ValueError(f"requests[{i}] has length 0: every request needs at least one token")
+    return t
+
+
+def request_tensors(requests, empty: str = "requests is empty: pack needs at least one request") -> list[Tensor]:
+    """``pack`` / ``pad``'s requests as tensors ``[L_i]`` or ``[L_i, d]``, each with at least one row."""
+    if isinstance(requests, Tensor) or not isinstance(requests, (list, tuple)):
+        raise ValueError(f"requests must be a list of requests, got {type(requests).__name__}")
+    if len(requests) == 0:
+        raise ValueError(empty)
+    return [_as_request_tensor(i, r) for i, r in enumerate(requests)]
+
+
+def check_pack_requests(requests) -> list[Tensor]:
+    """``pack``'s requests: all token ids (integers >= 0) or all hidden rows of one width and dtype, one device."""
+    tensors = request_tensors(requests)
+    if len({t.dim() for t in tensors}) != 1:
+        raise ValueError("requests mix token ids (1-D) and hidden rows (2-D); pack one kind at a time")
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"requests live on different devices: {sorted({str(t.device) for t in tensors})}")
+    if tensors[0].dim() == 1:
+        for i, t in enumerate(tensors):
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise ValueError(f"requests[{i}] token ids must be integers, got {t.dtype}")
+            if t.device.type != "meta" and int(t.min()) < 0:
+                raise ValueError(f"requests[{i}] has a negative token id {int(t.min())}")
+    else:
+        if len({t.shape[1] for t in tensors}) != 1:
+            raise ValueError(f"hidden rows must share one width, got {sorted({t.shape[1] for t in tensors})}")
+        if not tensors[0].is_floating_point() or len({t.dtype for t in tensors}) != 1:
+            raise ValueError(f"hidden rows must be one floating dtype, got {sorted({str(t.dtype) for t in tensors})}")
+    return tensors
+
+
 def check_cu_seqlens(cu_seqlens, total_tokens: int | None = None, name: str = "cu_seqlens") -> list[int]:
     """int32, 1-D, at least 2 entries, starts at 0, non-decreasing, ends at ``total_tokens``.
 
@@ -179,6 +227,55 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be a finite float, got {softmax_scale!r}")
     return cu_q, cu_k
+
+
+ATTENTION_FN_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+def check_attention_fn(fn):
+    """``fn`` itself if it can be called as ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, causal=..., softmax_scale=...)`` (``flash_attn_varlen_func``'s contract), else
+    ValueError naming what it lacks: an attention function is never called with less. A backend
+    name passes through unchanged."""
+    if not callable(fn):
+        return fn
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to read, trust it
+        return fn
+    name = getattr(fn, "__name__", type(fn).__name__)
+    contract = (f"an attention function is called as fn({', '.join(ATTENTION_FN_ARGS)}, causal=..., "
+                "softmax_scale=...) (flash_attn_varlen_func's signature)")
+    params = sig.parameters.values()
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        keywords = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        missing = [kw for kw in ("causal", "softmax_scale") if kw not in keywords]
+        if missing:
+            raise ValueError(f"attention function {name}{sig} takes no keyword {' or '.join(missing)}: {contract}")
+    try:
+        sig.bind(*ATTENTION_FN_ARGS, causal=True, softmax_scale=1.0)
+    except TypeError as exc:
+        raise ValueError(f"attention function {name}{sig} cannot take the whole contract ({exc}): {contract}") from None
+    return fn
+
+
+def check_padded_qkv(q, k, v, key_mask) -> None:
+    """``padded_attention``'s inputs: q, k, v all ``[R, S, H, D]``, ``key_mask [R, S]``."""
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must all be [R, S, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if key_mask.shape != q.shape[:2]:
+        raise ValueError(f"key_mask must be [R, S] = {tuple(q.shape[:2])}, got {tuple(key_mask.shape)}")
+
+
+def check_padded_ids(cfg, input_ids, attention_mask) -> tuple[int, int]:
+    """``forward_padded``'s inputs: ids and mask both ``[R, S]``, ``S <= max_position``; returns ``(R, S)``."""
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"input_ids and attention_mask must both be [R, S], got {tuple(input_ids.shape)} "
+                         f"and {tuple(attention_mask.shape)}")
+    r, s = input_ids.shape
+    if s > cfg.max_position:
+        raise ValueError(f"padded length {s} exceeds max_position={cfg.max_position}")
+    return r, s
 
 
 def lengths(cu: Sequence[int]) -> list[int]:

@@ -153,10 +153,10 @@ def test_a_layer_makes_no_host_sync(backend, monkeypatch):
     inside, calls = [False], []
     real_block = model_module.Block.forward
 
-    def block(self, x, attn):
+    def block(self, x):
         inside[0] = True
         try:
-            return real_block(self, x, attn)
+            return real_block(self, x)
         finally:
             inside[0] = False
 
@@ -184,9 +184,9 @@ def test_profiler_sees_no_sync_op_inside_a_layer(backend):
     for block in model.layers:
         real = block.forward
 
-        def wrapped(x, attn, _real=real):
+        def wrapped(x, _real=real):
             with record_function("one_layer"):
-                return _real(x, attn)
+                return _real(x)
         block.forward = wrapped
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         model(_batch(), attn_backend=backend)

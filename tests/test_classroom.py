@@ -102,9 +102,9 @@ def wrong(x):  # no guard for a row of zeros
 ''', "0 / 0 = NaN"),
     # lesson 03
     "ex03_1_grade": ('''
-def wrong(q, k, v, cu_seqlens, max_seqlen):  # right values, but a Python loop: matmuls grow with the requests
-    import torch
-    out, cu = torch.empty_like(q), cu_seqlens.tolist()
+def wrong(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None):
+    import torch  # right values, but a Python loop: matmuls grow with the requests
+    out, cu = torch.empty_like(q), cu_seqlens_q.tolist()
     for s, e in zip(cu[:-1], cu[1:]):
         qi, ki, vi = (x[s:e].transpose(0, 1) for x in (q, k, v))
         scores = qi @ ki.transpose(1, 2) / q.shape[-1] ** 0.5
@@ -160,7 +160,8 @@ def wrong(cfg, ridge, nbytes):  # never None: assumes a big enough batch always 
 ''', "the intensity never passes"),
     # lesson 06
     "ex06_1_grade": ('''
-def wrong(q, k, v, cu_seqlens, max_seqlen):  # causal over all the flat rows: cu_seqlens ignored
+def wrong(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None):  # causal
+    # over all the flat rows: cu_seqlens ignored
     import torch.nn.functional as F
     return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                           is_causal=True).transpose(0, 1)

@@ -10,7 +10,8 @@ from helpers import attempt, by_class, min_font, png_of, stub, texts
 from matplotlib.figure import Figure
 
 from lessons_lib import ModelConfig, Transformer, init_weights
-from lessons_lib.core.attention import VarlenMetadata, attention_forward
+from lessons_lib.core.attention import VarlenMetadata
+from lessons_lib.core.model import AttentionContext
 from lessons_lib.course import l02_linear as L
 from lessons_lib.course.grading import score
 from lessons_lib.course.style import MIN_FONT
@@ -56,8 +57,11 @@ def test_c4_c5_block_steps_chain_to_the_block_itself_bit_for_bit(block_run):
     block, x, lens = block_run
     steps = L.block_steps(block, x, lens)
     assert [s.kind for s in steps].count("linear") == 4 and [s.kind for s in steps].count("attention") == 1
-    meta = VarlenMetadata.build([0, 3, 12])
-    want = block(x, lambda q, k, v: attention_forward(q, k, v, meta, "loop", causal=True))
+    block.attn.core.context = AttentionContext(VarlenMetadata.build([0, 3, 12]), "loop")
+    try:
+        want = block(x)
+    finally:
+        block.attn.core.context = None
     assert torch.equal(steps[-1].out, want)
     for a, b in zip(steps, steps[1:]):  # each step's input is the previous step's output
         assert b.inp is a.out

@@ -232,16 +232,23 @@ def _one_launch(q, k, v, cu_seqlens, max_seqlen):
     return flat
 
 
+def backend(fn):
+    """A test function of ``(q, k, v, cu_seqlens, max_seqlen)`` behind the engine's whole backend contract."""
+    def call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None):
+        return fn(q, k, v, cu_seqlens_q, max_seqlen_q)
+    return call
+
+
 def test_causal_varlen_checker_passes_one_launch_and_plugs_it_into_the_engine(capsys):
-    assert L.check_causal_varlen(_one_launch)
+    assert L.check_causal_varlen(backend(_one_launch))
     assert L.check_causal_varlen(stub) is False and "not attempted" in capsys.readouterr().out
 
 
 def test_causal_varlen_checker_gives_a_per_request_loop_partial_marks(capsys):
     def loop(q, k, v, cu, m):
         return varlen_loop(q, k, v, cu)
-    assert "one per request" in attempt(L.check_causal_varlen, loop)
-    assert score(L.check_causal_varlen, loop, points=3) == 2.4  # 4 of 5 cases: all but "one launch"
+    assert "one per request" in attempt(L.check_causal_varlen, backend(loop))
+    assert score(L.check_causal_varlen, backend(loop), points=3) == 2.4  # 4 of 5 cases: all but "one launch"
     assert "not grow with R" in capsys.readouterr().out
 
 
@@ -259,10 +266,11 @@ def test_causal_varlen_checker_explains_typical_mistakes():
             out[s:e] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v[s:e])
         return out
 
-    assert "no causal mask" in attempt(L.check_causal_varlen, meta_call(causal=False))
-    assert "1 / sqrt(d_head)" in attempt(L.check_causal_varlen, meta_call(scale=1.0))
-    assert "other requests' keys" in attempt(L.check_causal_varlen, lambda q, k, v, cu, m: varlen_loop(q, k, v, cu, cross=True))
-    assert "must see ITSELF" in attempt(L.check_causal_varlen, diagonal_hidden)
+    assert "no causal mask" in attempt(L.check_causal_varlen, backend(meta_call(causal=False)))
+    assert "1 / sqrt(d_head)" in attempt(L.check_causal_varlen, backend(meta_call(scale=1.0)))
+    assert "other requests' keys" in attempt(L.check_causal_varlen,
+                                             backend(lambda q, k, v, cu, m: varlen_loop(q, k, v, cu, cross=True)))
+    assert "must see ITSELF" in attempt(L.check_causal_varlen, backend(diagonal_hidden))
 
 
 def test_causal_varlen_checker_names_pad_slots_written_back(capsys):
@@ -273,9 +281,9 @@ def test_causal_varlen_checker_names_pad_slots_written_back(capsys):
         pad = torch.arange(max_seqlen) >= lens[:, None]
         flat[rows[pad]] = 7.0  # a pad query's output lands on a real row
         return flat
-    why = attempt(L.check_causal_varlen, all_slots)
+    why = attempt(L.check_causal_varlen, backend(all_slots))
     assert "first wrong row" in why and "pad query" in why and "position < L_i" in why
-    assert 0 < score(L.check_causal_varlen, all_slots, points=3) < 3
+    assert 0 < score(L.check_causal_varlen, backend(all_slots), points=3) < 3
 
 
 def test_where_wrong_names_the_request_and_the_pad_slot_behind_a_row():

@@ -224,10 +224,12 @@ def test_schedule_measures_count_pad_rows_masked_cells_and_fairness():
 
 # ---- exercise 06.1: your attention inside the engine ------------------------------------------------
 
-def loop(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None, whole=False, place="own", layout="THD"):
+def loop(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, causal=True, softmax_scale=None, *, scale=None,
+         whole=False, place="own", layout="THD"):
     out, cu = torch.zeros_like(q), cu_seqlens.tolist()
+    assert cu == cu_seqlens_k.tolist() and max_seqlen == max_seqlen_k  # self-attention: every key is a query's row
     cu = [0, cu[-1]] if whole else cu
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale(q)
+    scale = (1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale) if scale is None else scale(q)
     for s, e in zip(cu[:-1], cu[1:]):
         qi, ki, vi = (x[s:e].transpose(0, 1) for x in (q, k, v))
         sc = qi @ ki.transpose(1, 2) * scale
@@ -289,37 +291,37 @@ def test_stream_table_lines_up_the_two_runs():
     (dict(layout="HTD"), "transpose your [H, T, D] back"),
 ])
 def test_attention_checker_explains_typical_mistakes(mistake, hint):
-    assert hint in attempt(L.check_attention_backend, lambda *a: loop(*a, **mistake))
+    assert hint in attempt(L.check_attention_backend, lambda *a, **kw: loop(*a, **(kw | mistake)))
 
 
 def test_attention_checker_recognises_swapped_rows_nan_rows_and_wrong_dtype():
-    def swapped(q, k, v, cu, m):
-        out = loop(q, k, v, cu, m)
+    def swapped(*a, **kw):
+        out, cu = loop(*a, **kw), a[3]
         if len(cu) == 6:  # requests 0 and 3 both have 7 tokens: their outputs swapped
             out[[*range(0, 7), *range(20, 27)]] = out[[*range(20, 27), *range(0, 7)]].clone()
         return out
 
-    def nan_rows(q, k, v, cu, m):
-        out = loop(q, k, v, cu, m)
+    def nan_rows(*a, **kw):
+        out = loop(*a, **kw)
         out[-1] = float("nan")
         return out
     assert "hold request 3's output" in attempt(L.check_attention_backend, swapped)
     assert "NaN" in attempt(L.check_attention_backend, nan_rows)
-    assert "dtype" in attempt(L.check_attention_backend, lambda *a: loop(*a).double())
-    assert "expected a tensor" in attempt(L.check_attention_backend, lambda *a: loop(*a).tolist())
+    assert "dtype" in attempt(L.check_attention_backend, lambda *a, **kw: loop(*a, **kw).double())
+    assert "expected a tensor" in attempt(L.check_attention_backend, lambda *a, **kw: loop(*a, **kw).tolist())
 
 
 def test_attention_checker_gives_partial_marks(capsys):
     # ignoring cu_seqlens is right for one request and wrong for several: 1 case of 4
-    assert score(L.check_attention_backend, lambda *a: loop(*a, whole=True), 3) == 0.75
+    assert score(L.check_attention_backend, lambda *a, **kw: loop(*a, **kw, whole=True), 3) == 0.75
     assert score(L.check_attention_backend, stub, 3) == 0
     assert "cu_seqlens ignored" in capsys.readouterr().out
 
 
 def test_attention_checker_fails_a_function_that_is_wrong_only_inside_the_engine():
-    def flaky(q, k, v, cu, m):  # right on the small cases, wrong once a batch holds many requests
-        out = loop(q, k, v, cu, m)
-        return out * 1.01 if len(cu) > 6 else out
+    def flaky(*a, **kw):  # right on the small cases, wrong once a batch holds many requests
+        out = loop(*a, **kw)
+        return out * 1.01 if len(a[3]) > 6 else out
     assert "passes the small cases but not inside the engine" in attempt(L.check_attention_backend, flaky)
 
 

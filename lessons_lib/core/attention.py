@@ -22,8 +22,9 @@ Causal masking with ``L_k > L_q`` is aligned bottom-right (query i sees keys up 
 
 ``varlen_attention`` is the public entry: it checks everything once (``validate``). A model
 builds one ``VarlenMetadata`` per forward and calls ``attention_forward`` in every layer: no
-checks and no device sync there. A backend may also be your own function with FlashAttention's
-contract for causal self-attention, ``fn(q, k, v, cu_seqlens, max_seqlen) -> [T, H, D]``.
+checks and no device sync there. A backend may also be your own function with the whole of
+``flash_attn_varlen_func``'s contract: ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+max_seqlen_k, causal=..., softmax_scale=...) -> [T_q, H, D]`` (refused up front if it lacks any of them).
 
 Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
 """
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..validate import check_varlen_args, lengths, row_starts
+from ..validate import check_attention_fn, check_padded_qkv, check_varlen_args, lengths, row_starts
 from .kernels import kernel, resolve_backend, torch_varlen_kwargs
 
 Tensor = torch.Tensor
@@ -224,14 +225,16 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, meta: VarlenMetadata, bac
     """The per-layer call: ``q [T_q, H, D]``, ``k, v [T_k, H, D]`` → ``[T_q, H, D]``.
 
     ``backend`` must already be resolved (``resolve_backend``) and the inputs valid: nothing is
-    checked here, so nothing waits for the device. A callable backend gets
-    ``(q, k, v, cu_seqlens, max_seqlen)`` (causal self-attention, FlashAttention's layout).
+    checked here, so nothing waits for the device. A callable backend (``validate.check_attention_fn``)
+    gets the whole contract: ``(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    causal=causal, softmax_scale=scale)``, the scale as a float (``1 / sqrt(D)`` unless given).
     """
     if q.shape[0] == 0:
         return q.new_empty(q.shape)
-    if callable(backend):
-        return backend(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if callable(backend):
+        return backend(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+                       causal=causal, softmax_scale=scale)
     return IMPLS[backend](q, k, v, meta, causal, scale)
 
 
@@ -244,13 +247,13 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     cu_seqlens_q / cu_seqlens_k: ``[R+1]`` int32 on that device; ``cu_seqlens_k`` defaults to ``cu_seqlens_q``.
     max_seqlen_q / max_seqlen_k: optional upper bounds (ints); smaller than the real maximum
     is an error, never a truncation. softmax_scale: defaults to ``1 / sqrt(D)``.
-    backend: one of ``kernels.BACKENDS`` or ``"auto"``.
+    backend: one of ``kernels.BACKENDS``, ``"auto"``, or your function (see the module doc).
     Returns ``[T_q, H, D]`` in q's dtype, on q's device.
     """
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     cu_q, cu_k = check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                    softmax_scale)
-    name = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
+    name = check_attention_fn(resolve_backend(backend, q.device, q.dtype, q.shape[-1]))
     meta = VarlenMetadata(cu_seqlens_q, cu_seqlens_k, max_seqlen_q or max(lengths(cu_q)),
                           max_seqlen_k or max(lengths(cu_k)), cu_q, cu_k)
     return attention_forward(q, k, v, meta, name, causal=causal, softmax_scale=softmax_scale)
@@ -259,11 +262,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
 def attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None = None, *,
                   causal: bool = True, softmax_scale: float | None = None,
                   upcast_dtype: torch.dtype = torch.float32) -> Tensor:
-    """Padded reference in ``upcast_dtype`` (fp32 by default, fp64 for tolerance studies).
-
-    FlashAttention's test reference: pad to ``[R, Lmax]``, mask pad keys (and the causal upper
-    triangle), softmax, unpad. Returns ``[T_q, H, D]`` in ``upcast_dtype``.
-    """
+    """FlashAttention's test reference (pad, mask, softmax, unpad) in ``upcast_dtype`` (fp32; fp64 for
+    tolerance studies): ``[T_q, H, D]`` in ``upcast_dtype``."""
     q, k, v = (x.to(upcast_dtype) for x in (q, k, v))
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     cu_q, cu_k = check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, causal, softmax_scale)
@@ -273,25 +273,16 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
 
 def plain_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True,
                     softmax_scale: float | None = None) -> Tensor:
-    """Attention over ALL rows as if they were one sequence: the wrong answer of claim C7.
-
-    On a flat batch it lets request A's queries read request B's keys.
-    """
+    """Attention over ALL rows as one sequence, the wrong answer of claim C7: A's queries read B's keys."""
     cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
     return varlen_attention(q, k, v, cu, causal=causal, softmax_scale=softmax_scale, backend="sdpa")
 
 
 def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, *, causal: bool = True,
                      softmax_scale: float | None = None) -> Tensor:
-    """Dense attention on a padded batch: ``[R, S, H, D]`` ×3 + ``[R, S]`` bool key mask → ``[R, S, H, D]``.
-
-    Every pad row and column is computed (``R·S²`` cells per head); pad keys are masked out.
-    Used by ``Transformer.forward_padded``.
-    """
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must all be [R, S, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if key_mask.shape != q.shape[:2]:
-        raise ValueError(f"key_mask must be [R, S] = {tuple(q.shape[:2])}, got {tuple(key_mask.shape)}")
+    """Dense attention on a padded batch (``Transformer.forward_padded``): ``[R, S, H, D]`` ×3 + ``[R, S]``
+    bool key mask → ``[R, S, H, D]``. Every pad row and column is computed (``R·S²`` cells per head)."""
+    check_padded_qkv(q, k, v, key_mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     allowed = key_mask[:, None, None, :] & (causal_mask(q.shape[1], q.shape[1], q.device) if causal else True)
     return _dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed, scale).transpose(1, 2)  # [R, S, H, D]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validate import check_cu_seqlens, check_lengths, row_starts
+from ..validate import check_cu_seqlens, check_lengths, check_pack_requests, request_tensors, row_starts
 
 Tensor = torch.Tensor
 
@@ -75,31 +75,6 @@ class PackedBatch:
                            self.max_seqlen, list(self.seq_lens))
 
 
-def _as_request_tensor(i: int, req) -> Tensor:
-    if isinstance(req, Tensor):
-        t = req
-    elif isinstance(req, (list, tuple)):
-        bad = next((x for x in req if isinstance(x, bool) or not isinstance(x, int)), None)
-        if bad is not None:
-            raise ValueError(f"requests[{i}] must hold int token ids, found {bad!r}")
-        t = torch.tensor(req, dtype=torch.int64)
-    else:
-        raise ValueError(f"requests[{i}] must be a list of token ids or a tensor, got {type(req).__name__}")
-    if t.dim() not in (1, 2):
-        raise ValueError(f"requests[{i}] must be 1-D token ids [L] or 2-D hidden rows [L, d], got shape {tuple(t.shape)}")
-    if t.shape[0] == 0:
-        raise ValueError(f"requests[{i}] has length 0: every request needs at least one token")
-    return t
-
-
-def _request_tensors(requests, empty: str = "requests is empty: pack needs at least one request") -> list[Tensor]:
-    if isinstance(requests, Tensor) or not isinstance(requests, (list, tuple)):
-        raise ValueError(f"requests must be a list of requests, got {type(requests).__name__}")
-    if len(requests) == 0:
-        raise ValueError(empty)
-    return [_as_request_tensor(i, r) for i, r in enumerate(requests)]
-
-
 def pack(requests: Sequence, device=None) -> PackedBatch:
     """Flatten requests into a PackedBatch.
 
@@ -107,24 +82,11 @@ def pack(requests: Sequence, device=None) -> PackedBatch:
     ``[L_i, d]`` (hidden rows); all of one kind. device: where the batch goes (default: the
     requests' device).
     """
-    tensors = _request_tensors(requests)
-    if len({t.dim() for t in tensors}) != 1:
-        raise ValueError("requests mix token ids (1-D) and hidden rows (2-D); pack one kind at a time")
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError(f"requests live on different devices: {sorted({str(t.device) for t in tensors})}")
+    tensors = check_pack_requests(requests)
     seq_lens = [int(t.shape[0]) for t in tensors]
     if tensors[0].dim() == 1:
-        for i, t in enumerate(tensors):
-            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-                raise ValueError(f"requests[{i}] token ids must be integers, got {t.dtype}")
-            if t.device.type != "meta" and int(t.min()) < 0:
-                raise ValueError(f"requests[{i}] has a negative token id {int(t.min())}")
         input_ids, hidden = torch.cat([t.long() for t in tensors]), None
     else:
-        if len({t.shape[1] for t in tensors}) != 1:
-            raise ValueError(f"hidden rows must share one width, got {sorted({t.shape[1] for t in tensors})}")
-        if not tensors[0].is_floating_point() or len({t.dtype for t in tensors}) != 1:
-            raise ValueError(f"hidden rows must be one floating dtype, got {sorted({str(t.dtype) for t in tensors})}")
         input_ids, hidden = None, torch.cat(tensors)
     cu = cumulative(seq_lens)
     positions = torch.arange(cu[-1]) - row_starts(cu)  # [T] int64: 0, 1, ... restarting for every request
@@ -144,7 +106,7 @@ def pad(requests: Sequence, pad_value=0) -> tuple[Tensor, Tensor]:
     ``mask[r, j]`` is True where row j of request r is a real token. This is the naive layout
     of claim C2: every request carries ``Lmax - L_r`` pad rows.
     """
-    tensors = _request_tensors(requests, empty="requests must be a non-empty list of requests")
+    tensors = request_tensors(requests, empty="requests must be a non-empty list of requests")
     kinds = {(tuple(t.shape[1:]), t.is_floating_point()) for t in tensors}
     if len(kinds) != 1:
         raise ValueError(f"requests must all be token ids or all hidden rows of one width, got "

@@ -1,30 +1,28 @@
 """A pre-LN GPT-2-style transformer that runs on a flat batch (claim S1).
 
 Block: LN → QKV → varlen attention → out proj → +residual → LN → FFN-up → GeLU(tanh)
-→ FFN-down → +residual; final LN. Token and learned position embeddings in front.
+→ FFN-down → +residual; final LN. Token and learned position embeddings in front. Every step is
+a module, attention included: each layer's ``VarlenAttention`` reads the forward's
+``AttentionContext``, so forward hooks see every step of a block.
 
-One model for TP=1 and TP=2: the linear layers are the tensor-parallel classes of
-``linear.py``; give a process group to shard them (default: one process, TP=1). Embeddings,
-LayerNorms and the tied LM head are replicated (a real deployment would also split the
-vocabulary; here they stay whole so that every collective is one of the blocks'), so a
-forward makes exactly two all-reduces per layer (out proj, FFN-down): 16 for 8 layers (C1, C12).
+One model for TP=1 and TP=2: the linear layers are the tensor-parallel classes of ``linear.py``;
+give a process group to shard them (default TP=1). Embeddings, LayerNorms and the tied LM head
+are replicated (a real deployment would also split the vocabulary), so a forward makes exactly
+two all-reduces per layer (out proj, FFN-down): 16 for 8 layers (C1, C12).
 
 Weights: one format everywhere. ``init_weights``, ``hf.full_weights_from_hf`` and a TP=1
-model's own ``state_dict()`` all name the full tensors as ``ModelConfig.weight_shapes`` does
-(``layers.0.attn.qkv.weight``, ...); every rank cuts its shard from them.
-
-Taught in notebooks/00_setup_one_request.ipynb and notebooks/02_linear_is_per_token.ipynb.
+model's ``state_dict()`` name the full tensors as ``ModelConfig.weight_shapes`` does; every
+rank cuts its shard from them. Taught in notebooks/00_setup_one_request.ipynb and 02.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ..validate import check_batch, check_tp_divides, check_weights
+from ..validate import check_attention_fn, check_batch, check_padded_ids, check_tp_divides, check_weights
 from .attention import VarlenMetadata, attention_forward, padded_attention
 from .batch import PackedBatch, pack
 from .config import ModelConfig, as_config
@@ -49,18 +47,47 @@ def init_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
     return out
 
 
+@dataclass(slots=True)
+class AttentionContext:
+    """What every layer's attention reads in one forward (nano-vllm's ``Context``): ``meta`` (the flat
+    batch's ``VarlenMetadata``) and ``backend`` (resolved: a name or your function), or ``key_mask``
+    ``[R, S]`` bool for ``forward_padded``. ``Transformer`` sets it on every layer for one forward."""
+
+    meta: VarlenMetadata | None
+    backend: object = None
+    key_mask: Tensor | None = None
+
+
+class VarlenAttention(nn.Module):
+    """A layer's attention core: ``q, k, v [T, H_local, D] → o [T, H_local, D]`` under ``self.context``."""
+
+    def __init__(self):
+        super().__init__()
+        self.context: AttentionContext | None = None
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        ctx = self.context
+        if ctx is None:
+            raise RuntimeError("no AttentionContext: run the layer inside Transformer.forward, or set attn.core.context")
+        if ctx.key_mask is not None:  # forward_padded: [R·S, H, D] → [R, S, H, D] → dense masked attention
+            shape = (*ctx.key_mask.shape, *q.shape[1:])
+            return padded_attention(q.view(shape), k.view(shape), v.view(shape), ctx.key_mask).reshape(q.shape)
+        return attention_forward(q, k, v, ctx.meta, ctx.backend, causal=True)
+
+
 class Attention(nn.Module):
-    """QKV (column-parallel by head) → attention on this rank's heads → out proj (row-parallel)."""
+    """QKV (column-parallel by head) → attention core on this rank's heads → out proj (row-parallel)."""
 
     def __init__(self, cfg: ModelConfig, index: int, group):
         super().__init__()
         self.qkv = QKVParallelLinear(cfg.d_model, cfg.n_heads, cfg.d_head, group=group, dtype=cfg.dtype)
+        self.core = VarlenAttention()
         self.out_proj = RowParallelLinear(cfg.qkv_dim, cfg.d_model, group=group, dtype=cfg.dtype,
                                           name=f"layers.{index}.attn.out_proj")
 
-    def forward(self, x: Tensor, attn: Callable) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         q, k, v = self.qkv.split(self.qkv(x))    # each [T, H_local, D]
-        o = attn(q, k, v).flatten(1)             # [T, H_local·D]: this rank's heads only
+        o = self.core(q, k, v).flatten(1)        # [T, H_local·D]: this rank's heads only
         return self.out_proj(o)                  # all-reduce → [T, d]
 
 
@@ -70,15 +97,18 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, group):
         super().__init__()
         self.fc_up = ColumnParallelLinear(cfg.d_model, cfg.d_ffn, group=group, dtype=cfg.dtype)
+        self.act = nn.GELU(approximate="tanh")
         self.fc_down = RowParallelLinear(cfg.d_ffn, cfg.d_model, group=group, dtype=cfg.dtype,
                                          name=f"layers.{index}.mlp.fc_down")
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc_down(F.gelu(self.fc_up(x), approximate="tanh"))  # [T, d_ffn/tp] → all-reduce → [T, d]
+        return self.fc_down(self.act(self.fc_up(x)))  # [T, d_ffn/tp] → all-reduce → [T, d]
 
 
 class Block(nn.Module):
-    """One pre-LN block on rank ``group.rank``: ``[T, d] → [T, d]``, two all-reduces."""
+    """One pre-LN block on rank ``group.rank``: ``[T, d] → [T, d]``, two all-reduces. Each step is a module
+    a hook can read (``ln_1, attn.qkv, attn.core, attn.out_proj, ln_2, mlp.fc_up, mlp.act, mlp.fc_down``);
+    the first residual is ``ln_2``'s input, the second the block's output."""
 
     def __init__(self, cfg: ModelConfig, index: int, group):
         super().__init__()
@@ -87,8 +117,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, dtype=cfg.dtype)
         self.mlp = MLP(cfg, index, group)
 
-    def forward(self, x: Tensor, attn: Callable) -> Tensor:
-        x = x + self.attn(self.ln_1(x), attn)    # all-reduce #1
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))          # all-reduce #1
         return x + self.mlp(self.ln_2(x))        # all-reduce #2
 
 
@@ -108,7 +138,7 @@ class Transformer(nn.Module):
         self.cfg = cfg = as_config(cfg)
         self.group = group if group is not None else LocalGroup()
         check_tp_divides(cfg, "group world_size", self.group.world_size)
-        self.attn_backend = attn_backend
+        self.attn_backend = check_attention_fn(attn_backend)
         weights = weights if weights is not None else init_weights(cfg, seed)
         wte = weights.get("wte") if isinstance(weights, dict) else None
         built = replace(cfg, dtype=dtype or (wte.dtype if isinstance(wte, Tensor) and wte.is_floating_point() else cfg.dtype))
@@ -162,36 +192,30 @@ class Transformer(nn.Module):
         cu = check_batch(self.cfg, batch, self.device, self.dtype)
         backend = resolve_backend(attn_backend or self.attn_backend, self.device, self.dtype, self.cfg.d_head)
         meta = VarlenMetadata(batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen, cu, cu)
+        return self._run(self.embed(batch), AttentionContext(meta, check_attention_fn(backend)))
 
-        def attn(q, k, v):
-            return attention_forward(q, k, v, meta, backend, causal=True)
-
-        x = self.embed(batch)  # [T, d]
+    def set_context(self, ctx: AttentionContext | None) -> None:
+        """Hand ``ctx`` to every layer's attention core (None: outside a forward)."""
         for block in self.layers:
-            x = block(x, attn)
+            block.attn.core.context = ctx
+
+    def _run(self, x: Tensor, ctx: AttentionContext) -> Tensor:  # blocks + final LN on x [T, d], under ctx
+        self.set_context(ctx)
+        try:
+            for block in self.layers:
+                x = block(x)
+        finally:
+            self.set_context(None)  # a context never outlives its forward (its masks, its batch)
         return self.ln_f(x)
 
     @torch.no_grad()
     def forward_padded(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """The naive way, for comparison: ``[R, S]`` right-padded ids + ``[R, S]`` bool mask
         → ``[R, S, d]``. Pad rows go through every layer too (their outputs are garbage)."""
-        if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-            raise ValueError(f"input_ids and attention_mask must both be [R, S], got {tuple(input_ids.shape)} "
-                             f"and {tuple(attention_mask.shape)}")
-        r, s = input_ids.shape
-        if s > self.cfg.max_position:
-            raise ValueError(f"padded length {s} exceeds max_position={self.cfg.max_position}")
+        r, s = check_padded_ids(self.cfg, input_ids, attention_mask)
         positions = torch.arange(s, device=input_ids.device).expand(r, s)
         x = (self.wte[input_ids] + self.wpe[positions]).reshape(r * s, -1)  # [R·S, d]
-        mask = attention_mask.bool()
-
-        def attn(q, k, v):  # [R·S, H, D] → [R, S, H, D] → dense masked attention
-            shape = (r, s, *q.shape[1:])
-            return padded_attention(q.view(shape), k.view(shape), v.view(shape), mask, causal=True).reshape(q.shape)
-
-        for block in self.layers:
-            x = block(x, attn)
-        return self.ln_f(x).view(r, s, -1)
+        return self._run(x, AttentionContext(None, key_mask=attention_mask.bool())).view(r, s, -1)
 
     def forward_each(self, requests: Sequence, **kw) -> list[Tensor]:
         """Per-request reference: one forward per request, ``[L_i, d]`` each."""

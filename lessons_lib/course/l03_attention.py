@@ -423,10 +423,17 @@ def _engine_case(fn) -> tuple[float, float] | str:
     return max_abs_diff(got, ref64), tolerance(ref, ref64)
 
 
-def check_causal_varlen(fn: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]) -> bool:
-    """Exercise 03.1: ``fn(q, k, v, cu_seqlens, max_seqlen) -> [T, H, D]``, causal varlen attention in
-    ONE batched computation (a fixed number of matmuls, whatever the number of requests), with
-    the engine's contract for an attention backend (it is plugged into a model as one)."""
+def _as_backend(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> Tensor:
+    """``fn`` called as the engine calls an attention backend (``flash_attn_varlen_func``'s contract),
+    for causal self-attention: ``cu_seqlens_k = cu_seqlens_q``, scale ``1 / sqrt(D)``."""
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, softmax_scale=1.0 / math.sqrt(q.shape[-1]))
+
+
+def check_causal_varlen(fn: Callable) -> bool:
+    """Exercise 03.1: ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
+    softmax_scale=None) -> [T, H, D]``, causal varlen attention in ONE batched computation (a fixed number
+    of matmuls, whatever the number of requests), with the engine's contract for an attention backend
+    (it is plugged into a model as one)."""
     cases = [_qkv([10, 30], 2, 8, 4), _qkv([3, 1, 5], 1, 4, 5), _qkv([4, 6, 6, 2], 2, 8, 6), ("engine",), ("one launch",)]
 
     def judge(got, *case):
@@ -467,12 +474,12 @@ def check_causal_varlen(fn: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tens
             for lens in ([5, 3], [5, 3] * 6):
                 q, k, v, cu, m = _qkv(lens, 2, 8, 7)
                 with OpRecorder() as seen:
-                    got = fn(q, k, v, cu, m)
+                    got = _as_backend(fn, q, k, v, cu, m)
                 if not isinstance(got, Tensor):
                     return got
                 made.append(len(seen.matmuls))
             return tuple(made)
-        return fn(*case)
+        return _as_backend(fn, *case)
 
     run.__name__ = getattr(fn, "__name__", "fn")
     return grade("causal_varlen", run, cases, judge,

@@ -442,6 +442,12 @@ def _qkv(lens: list[int], heads: int, d_head: int, seed: int = 0) -> tuple[Tenso
     return q, k, v, seq_lens_to_cu_seqlens(lens)
 
 
+def as_backend(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> Tensor:
+    """``fn`` called exactly as the engine calls an attention backend (``flash_attn_varlen_func``'s
+    contract) for causal self-attention: keys are the queries' own rows, scale ``1 / sqrt(D)``."""
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, softmax_scale=1.0 / math.sqrt(q.shape[-1]))
+
+
 def _attn64(q, k, v, cu, causal=True, scale=None, whole=False):
     cu = torch.tensor([0, q.shape[0]], dtype=torch.int32) if whole else cu
     return varlen_attention(q.double(), k.double(), v.double(), cu, causal=causal, softmax_scale=scale, backend="loop")
@@ -524,8 +530,9 @@ def _stream_problem(got: dict) -> str | None:
 
 
 def check_attention_backend(fn: Callable) -> bool:
-    """Exercise 06.1: ``fn(q, k, v, cu_seqlens, max_seqlen) -> [T, H, D]``, causal self-attention of
-    each request over its own rows (FlashAttention's layout; what ``Engine(attn_backend=fn)`` calls).
+    """Exercise 06.1: ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
+    softmax_scale=None) -> [T, H, D]`` (``flash_attn_varlen_func``'s contract, what ``Engine(attn_backend=fn)``
+    calls), here causal self-attention of each request over its own rows.
 
     Three small cases against the library's varlen attention (float64 truth, the tolerance rule),
     then the capstone: lesson 06's stream served by the engine with ``fn`` in every layer, every
@@ -543,7 +550,7 @@ def check_attention_backend(fn: Callable) -> bool:
             served.append(stats)
             return hidden
         q, k, v, cu = _qkv(lens, heads, d_head)
-        return fn(q, k, v, cu, max(lens))
+        return as_backend(fn, q, k, v, cu, max(lens))
 
     def judge(got, what, lens=None, heads=None, d_head=None):
         return _stream_problem(got) if what == STREAM_CASE else _attention_problem(got, lens, heads, d_head)
@@ -585,7 +592,7 @@ def time_backend(fn: Callable, repeats: int = 1) -> str:
 
 def _probe(fn: Callable):
     q, k, v, cu = _qkv([3, 2], 1, 8)
-    return fn(q, k, v, cu, 3)
+    return as_backend(fn, q, k, v, cu, 3)
 
 
 # ---- exercise 06.2: a length-sorting scheduler -----------------------------------------------------

@@ -35,7 +35,7 @@ from ..core.config import ModelConfig, as_config
 from ..core.kernels import placement, resolve_backend, synchronize
 from ..core.model import Transformer, init_weights
 from ..measure.flops import METHODS, attention_cells, forward_flops
-from ..validate import check_choice, check_int, check_prompt, check_seconds, check_tp_divides, is_int
+from ..validate import check_attention_fn, check_choice, check_int, check_prompt, check_seconds, check_tp_divides, is_int
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Request, Scheduler
 
 Tensor = torch.Tensor
@@ -133,7 +133,9 @@ class Engine:
     ``cfg.tp_size`` describes a deployment; this argument decides what actually runs.
     method: "varlen" (default), "masked" or "padded" — see the module doc.
     attn_backend: attention backend for ``method="varlen"`` ("auto" = fastest here, see
-    ``kernels.resolve_backend``), or your own ``fn(q, k, v, cu_seqlens, max_seqlen)`` (TP=1).
+    ``kernels.resolve_backend``), or your own function with ``flash_attn_varlen_func``'s contract,
+    ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=..., softmax_scale=...)``
+    (TP=1; refused here if it cannot take all of them).
     The other methods fix their own attention.
     weights: full weights (``init_weights``, ``hf.full_weights_from_hf`` or a TP=1 model's
     ``state_dict()``); default ``init_weights(cfg, seed)``.
@@ -183,7 +185,7 @@ class Engine:
         requested = "masked" if method == "masked" else attn_backend
         # TP workers resolve the REQUESTED backend on their own device (gloo may put them on the CPU).
         self._tp_attn_backend = requested
-        self.attn_backend = resolve_backend(requested, self.device, self.dtype, cfg.d_head)
+        self.attn_backend = check_attention_fn(resolve_backend(requested, self.device, self.dtype, cfg.d_head))
         self.scheduler = Scheduler(max_num_batched_tokens, max_num_seqs)
         self.compute_logits, self.progress = bool(compute_logits), progress
         self.weights = weights if weights is not None else init_weights(cfg, seed)
