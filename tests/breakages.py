@@ -1,8 +1,8 @@
 """Deliberate breakages of the engine: for each claim id, the bug that claim guards against.
 
 ``tests/test_claims_can_fail.py`` runs a lesson with ``LESSONS_TEST_HOOK=breakages`` and
-``LESSONS_BREAK=<claim id>``: this module is imported once ``lessons_lib.core`` is loaded (in the
-notebook's kernel and in every TP worker it spawns) and applies that one breakage; the test
+``LESSONS_BREAK=<claim id>``: tests/hooks/sitecustomize.py imports this module at start-up (in the
+notebook's kernel and in every TP worker it spawns) and it applies that one breakage; the test
 then checks that the claim's cell fails with ``✗ <id> FAILED``. A claim no breakage can fail
 would be a claim that proves nothing.
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import base64
 import math
+import os
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
@@ -15,6 +17,20 @@ from lessons_lib.core.batch import seq_lens_to_cu_seqlens
 if TYPE_CHECKING:  # matplotlib is imported by the figure tests only
     from matplotlib.figure import Figure
     from matplotlib.text import Text
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def install_in_children(monkeypatch, module: str, **env: str) -> None:
+    """Every Python process started after this (a notebook's kernel, the TP workers it spawns)
+    imports ``tests/<module>.py`` at start-up, e.g. ``breakages`` or ``kernel_doubles``: this
+    test's environment puts tests/hooks/sitecustomize.py first on ``PYTHONPATH`` (see there).
+    ``env``: more variables for those processes (``LESSONS_BREAK="C1"``)."""
+    monkeypatch.setenv("LESSONS_TEST_HOOK", module)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS / "hooks"), str(TESTS), str(TESTS.parent)]))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
 
 
 def children() -> set[int]:

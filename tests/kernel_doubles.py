@@ -8,8 +8,8 @@ FlashAttention >= 2.1 and PyTorch's ``window_size=(-1, 0)``).
 
 ``install()`` puts them in ``lessons_lib.core.kernels.KERNELS`` for the CPU and CUDA: the
 model's, the engine's and the TP worker's ``flash`` / ``torch_varlen`` paths then run here.
-A spawned TP worker installs them when ``LESSONS_TEST_HOOK=kernel_doubles`` (the variable is
-inherited; the import happens once ``lessons_lib.core`` is loaded).
+A spawned TP worker installs them when ``LESSONS_TEST_HOOK=kernel_doubles``
+(``helpers.install_in_children``: tests/hooks/sitecustomize.py imports this module at start-up).
 """
 from __future__ import annotations
 

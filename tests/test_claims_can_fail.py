@@ -2,7 +2,8 @@
 (tests/breakages.py) and show that the lesson's claim cell then fails.
 
 Each run executes the lesson in a fresh kernel whose ``lessons_lib`` is broken on import
-(``LESSONS_TEST_HOOK=breakages``, ``LESSONS_BREAK=<id>``; spawned TP workers inherit both), cell by
+(``helpers.install_in_children("breakages", LESSONS_BREAK=<id>)``: tests/hooks/sitecustomize.py
+imports tests/breakages.py at start-up in the kernel and in every TP worker it spawns), cell by
 cell, up to the first cell that proves the claim (``# claim <id>`` on its first line), and
 requires that cell to raise ``✗ <id> FAILED``. The whole lessons pass under nbval, so each claim
 is shown both ways: holding with the engine whole, failing with it broken.
@@ -15,12 +16,11 @@ from pathlib import Path
 import nbformat
 import pytest
 from breakages import BREAKS
-from helpers import claim_cells
+from helpers import claim_cells, install_in_children
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
 CLAIM_IDS = ["S1", "S2", "S3"] + [f"C{i}" for i in range(1, 16)]
 
 
@@ -38,9 +38,7 @@ def test_claim_cell_fails_with_the_engine_broken(claim_id, monkeypatch, tmp_path
     b = BREAKS[claim_id]
     nb = nbformat.read(REPO / "notebooks" / f"{b.notebook}.ipynb", as_version=4)
     target = claim_cells(nb, claim_id)[0]
-    monkeypatch.setenv("LESSONS_TEST_HOOK", "breakages")
-    monkeypatch.setenv("LESSONS_BREAK", claim_id)
-    monkeypatch.setenv("PYTHONPATH", f"{TESTS}:{REPO}")
+    install_in_children(monkeypatch, "breakages", LESSONS_BREAK=claim_id)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(REPO / "notebooks")}})

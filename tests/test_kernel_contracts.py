@@ -5,7 +5,7 @@ from __future__ import annotations
 import kernel_doubles as kd
 import pytest
 import torch
-from helpers import make_qkv
+from helpers import install_in_children, make_qkv
 
 from lessons_lib.core import attention, kernels
 from lessons_lib.core.attention import attention_ref, varlen_attention
@@ -119,8 +119,8 @@ def test_engine_kernel_path_runs_through_the_double(doubles):
 
 
 def test_tp_worker_kernel_path_runs_through_the_double(doubles, monkeypatch):
-    """Spawned TP workers import the doubles through LESSONS_TEST_HOOK and run the flash path."""
-    monkeypatch.setenv("LESSONS_TEST_HOOK", "kernel_doubles")
+    """Spawned TP workers install the doubles at start-up (tests/hooks/sitecustomize.py) and run the flash path."""
+    install_in_children(monkeypatch, "kernel_doubles")
     batch = pack([torch.arange(n) % CFG.vocab_size for n in (10, 30)])
     with TPRuntime(CFG, attn_backend="flash", backend="gloo", device="cpu", dtype=BF16, verbose=False) as rt:
         res = rt.forward(batch)

@@ -12,14 +12,7 @@ Read in this order:
 Every argument check lives beside it in ``lessons_lib.validate`` and runs once, at the public
 entry points (``varlen_attention``, ``Transformer.forward``): the per-layer path is plain tensor
 code. Nothing here imports the TP runtime, the serving engine, the measurements or the course.
-
-``LESSONS_TEST_HOOK``: tests name a module here to swap a piece of the engine (a kernel's
-contract double, a deliberately broken layer); it is imported once the engine is loaded, in
-this process and in every spawned TP worker (they inherit the environment).
 """
-import importlib as _importlib
-import os as _os
-
 from ..validate import check_cu_seqlens
 from .attention import VarlenMetadata, attention_forward, attention_ref, block_diag_mask, plain_attention, varlen_attention
 from .batch import PackedBatch, cumulative, pack, pad, pad_input, seq_lens_to_cu_seqlens, unpack, unpad_input
@@ -34,6 +27,3 @@ __all__ = ["VarlenMetadata", "attention_forward", "attention_ref", "block_diag_m
            "ModelConfig", "CollectiveRecord", "DistGroup", "LocalGroup", "BACKENDS", "available_backends",
            "resolve_backend", "placement", "ColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear", "Transformer",
            "init_weights", "check_cu_seqlens"]
-
-if _os.environ.get("LESSONS_TEST_HOOK"):
-    _importlib.import_module(_os.environ["LESSONS_TEST_HOOK"])
