@@ -1,0 +1,717 @@
+"""What lesson 07 (inside the kernel) draws, explores, breaks and checks.
+
+- ``kernel_module`` / ``KERNEL_MISSING``: the engine's Triton kernel (``ops.triton_varlen``), or why it
+  cannot run here (Triton publishes Linux wheels only); everything else in this module runs without it;
+- ``program_cells`` / ``program_table`` / ``launch_picture``: the launch grid, one program per
+  (query tile, head, request), each program's key tiles coloured computed, partly thrown away,
+  skipped above the diagonal, or the whole program returned at once (predicted by ``ops.tiling``;
+  ``table_totals`` gives the totals the kernel's own counters must equal);
+- ``online_softmax`` / ``online_softmax_picture``: FlashAttention's running max and sum, replayed
+  tile by tile, with and without the rescale;
+- ``kernel_source`` / ``show_kernel``: the kernel's code as it is in its file;
+- ``KERNEL_BUGS`` / ``broken_kernel`` / ``kernel_with`` / ``install``: the kernel rebuilt from its real
+  source with ONE line changed (a Triton kernel cannot be monkeypatched line by line); the lesson's
+  break-it cells and ``tests/breakages_l07.py`` use the same helper;
+- the kernel explorer (``kernel_state`` + ``kernel_explorer``): lengths you type, tile sizes, causal;
+- the checkers of exercises 07.1-07.3.
+
+Taught in notebooks/07_inside_the_kernel.ipynb.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import pathlib
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from matplotlib.colors import ListedColormap
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from ..core.attention import attention_ref
+from ..measure.profile import random_qkv
+from ..measure.tolerance import max_abs_diff, tolerance
+from ..ops import tiling
+from ..ops.tiling import WorkCounts, cdiv, key_tiles
+from ..validate import check_int, check_lengths
+from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
+from .figures import ARTICLE_LENS, register
+from .grading import grade, int_tuple
+from .style import ATTENTION, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_name
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+KERNEL_FILE = ROOT / "lessons_lib" / "ops" / "triton_varlen.py"
+KERNEL_NAME = "_varlen_fwd_kernel"
+TILE_SIZES = (16, 32, 64, 128)
+
+
+# ---- the kernel, where it runs --------------------------------------------------------------------------
+
+@functools.cache
+def _load():
+    try:
+        from ..ops import triton_varlen
+    except Exception as exc:  # ImportError without Triton (macOS, Windows), or Triton imported too early
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}"
+    return triton_varlen, None
+
+
+def kernel_module():
+    """``lessons_lib.ops.triton_varlen``, or None where it does not import (see ``kernel_missing``)."""
+    return _load()[0]
+
+
+def kernel_missing() -> str | None:
+    """None where the kernel runs; else one sentence saying why not."""
+    mod, why = _load()
+    if mod is not None:
+        return None
+    return ("the Triton kernel does not run here: Triton publishes Linux wheels only (and needs an NVIDIA GPU "
+            f"or its CPU interpreter); the import said {why}. The pictures and predictions below still run.")
+
+
+def run_kernel(q, k, v, cu_q, cu_k=None, *, causal=True, block_m=64, block_n=64):
+    """``triton_varlen_attention`` under ``count_work``: ``(out, WorkCounts)``."""
+    tv = kernel_module()
+    if tv is None:
+        raise RuntimeError(kernel_missing())
+    with tv.count_work() as counts:
+        out = tv.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, block_m=block_m, block_n=block_n)
+    return out, counts
+
+
+# ---- the launch grid, program by program ---------------------------------------------------------------
+
+# Cell codes of the launch picture. The colours keep the palette's meanings: blue useful attention work,
+# vermillion computed then thrown away, white never computed, grey a program that did nothing.
+SKIPPED, USEFUL, WASTED, RETURNED = 0, 1, 2, 3
+CODE_COLORS = {SKIPPED: NEVER, USEFUL: ATTENTION, WASTED: WASTE, RETURNED: OTHER}
+CODE_LABELS = {USEFUL: "computed, useful", WASTED: "computed, thrown away (masked or past the end)",
+               SKIPPED: "key tile skipped (above the diagonal)", RETURNED: "program returned at once"}
+
+
+def program_cells(len_q: int, len_k: int, grid_m: int, block_m: int, block_n: int, causal: bool) -> np.ndarray:
+    """One request's programs as a ``[grid_m · block_m, key_tiles · block_n]`` picture of codes.
+
+    Row band m is program (m, h, r) of every head h: RETURNED where its tile starts at or past the
+    request's end; else each key tile it computes (``tiling.key_tiles``) is USEFUL where the cell
+    is a real (query, key) pair the causal mask keeps and WASTED elsewhere in the tile, and the key
+    tiles it skips are SKIPPED. Counting codes gives the kernel's counters: see ``table_totals``.
+    """
+    nq, nk = check_int("len_q", len_q, 0), check_int("len_k", len_k, 0)
+    width = max(1, cdiv(nk, block_n)) * block_n
+    pic = np.full((grid_m * block_m, width), SKIPPED, dtype=np.uint8)
+    rows, cols = np.arange(block_m)[:, None], np.arange(width)[None, :]
+    for m in range(grid_m):
+        band = pic[m * block_m:(m + 1) * block_m]
+        start = m * block_m
+        if start >= nq:
+            band[:] = RETURNED
+            continue
+        computed, _ = key_tiles(nq, nk, start, block_m, block_n, causal)
+        r = start + rows
+        keep = (r < nq) & (cols < nk)
+        if causal:
+            keep &= cols <= r + nk - nq
+        in_tiles = cols < computed * block_n
+        band[:] = np.where(in_tiles, np.where(keep, USEFUL, WASTED), SKIPPED)
+    return pic
+
+
+@dataclass(frozen=True)
+class Program:
+    """One program of the grid (for one head): what it did."""
+
+    request: int
+    m_block: int
+    status: str         # "returned" (at once), "computed" (every computed cell useful) or "partly masked"
+    tiles: int          # key tiles computed
+    skipped: int        # key tiles skipped above the diagonal
+    cells: int          # computed cells inside the request's [L_q x L_k] block (the kernel's "cells")
+
+
+def program_table(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = None, *, block_m: int, block_n: int,
+                  causal: bool) -> list[Program]:
+    """Every program of one head, request by request, query tile by query tile."""
+    lq = check_lengths(seqlens_q, minimum=0, name="seqlens_q")
+    lk = lq if seqlens_k is None else check_lengths(seqlens_k, minimum=0, name="seqlens_k")
+    grid_m = cdiv(max(lq, default=0), block_m)
+    table = []
+    for r, (nq, nk) in enumerate(zip(lq, lk)):
+        pic = program_cells(nq, nk, grid_m, block_m, block_n, causal)
+        for m in range(grid_m):
+            band = pic[m * block_m:(m + 1) * block_m]
+            if band[0, 0] == RETURNED:
+                table.append(Program(r, m, "returned", 0, 0, 0))
+                continue
+            tiles, skipped = key_tiles(nq, nk, m * block_m, block_m, block_n, causal)
+            rows = min(block_m, nq - m * block_m)
+            inside = band[:rows, :nk]
+            cells = int(((inside == USEFUL) | (inside == WASTED)).sum())
+            status = "partly masked" if (band == WASTED).any() else "computed"
+            table.append(Program(r, m, status, tiles, skipped, cells))
+    return table
+
+
+def table_totals(table: Sequence[Program], n_heads: int, block_m: int, block_n: int) -> WorkCounts:
+    """The kernel's counters summed from a program table (every head does the same)."""
+    return WorkCounts(programs=n_heads * len(table), early_exits=n_heads * sum(p.status == "returned" for p in table),
+                      tiles=n_heads * sum(p.tiles for p in table), tiles_skipped=n_heads * sum(p.skipped for p in table),
+                      cells=n_heads * sum(p.cells for p in table), block_m=block_m, block_n=block_n)
+
+
+def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = None, *, block_m: int, block_n: int,
+                   causal: bool, n_heads: int = 1, title: str | None = None, measured: WorkCounts | None = None,
+                   figsize=None) -> Figure:
+    """The launch grid of one head: a panel per request (its programs stacked as row bands), cells
+    coloured by ``program_cells``; the request's own ``[L_q x L_k]`` block framed in black.
+
+    The footer gives the grid and the totals of the picture; with ``measured`` (the kernel's own
+    counters) it says whether they agree.
+    """
+    lq = check_lengths(seqlens_q, minimum=0, name="seqlens_q")
+    lk = lq if seqlens_k is None else check_lengths(seqlens_k, minimum=0, name="seqlens_k")
+    grid_m = cdiv(max(lq, default=0), block_m)
+    widths = [max(1, cdiv(n, block_n)) for n in lk]
+    fig = Figure(figsize=figsize or (min(2.0 + 1.6 * sum(widths) ** 0.8 + 0.9 * len(lq), 11.0), 4.3))
+    axes = np.atleast_1d(fig.subplots(1, len(lq), gridspec_kw={"width_ratios": widths}))
+    cmap = ListedColormap([CODE_COLORS[c] for c in (SKIPPED, USEFUL, WASTED, RETURNED)])
+    table = program_table(lq, lk, block_m=block_m, block_n=block_n, causal=causal)
+    for r, (ax, nq, nk) in enumerate(zip(axes, lq, lk)):
+        pic = program_cells(nq, nk, grid_m, block_m, block_n, causal)
+        h, w = pic.shape
+        ax.imshow(pic, cmap=cmap, vmin=0, vmax=3, interpolation="nearest", extent=(0, w, h, 0), aspect="auto")
+        for y in range(0, h + 1, block_m):
+            ax.axhline(y, color=TEXT, linewidth=1.0)
+        for x in range(0, w + 1, block_n):
+            ax.axvline(x, color=OTHER, linewidth=0.6)
+        ax.add_patch(Rectangle((0, 0), nk, nq, fill=False, edgecolor=TEXT, linewidth=1.6, gid=f"request-{r}"))
+        ax.set_yticks([(m + 0.5) * block_m for m in range(grid_m)], [f"m={m}" for m in range(grid_m)] if r == 0 else
+                      [""] * grid_m)
+        ax.set_xticks([])
+        mine = [p for p in table if p.request == r]
+        busy = sum(p.status != "returned" for p in mine)
+        ax.set_title(f"{request_name(r)}: {nq} tokens\n{busy} work, {len(mine) - busy} return", fontsize=MIN_FONT)
+        ax.set_xlabel(f"{nk} keys", fontsize=MIN_FONT)
+        ax.tick_params(labelsize=MIN_FONT, length=0)
+    axes[0].set_ylabel(f"query tile m ({block_m} rows each)", fontsize=MIN_FONT)
+    total = table_totals(table, n_heads, block_m, block_n)
+    foot = (f"grid ({grid_m}, {n_heads}, {len(lq)}) = {total.programs} programs: {total.early_exits} return at once\n"
+            f"{total.tiles} tiles computed, {total.tiles_skipped} skipped | {total.cells} of "
+            f"{total.executed_cells} executed cells inside the requests")
+    if measured is not None:
+        foot += " | kernel's counters: " + ("the same" if measured == total else f"DIFFER {measured.as_dict()}")
+    fig.legend(handles=[Patch(facecolor=CODE_COLORS[c], edgecolor=OTHER, label=CODE_LABELS[c])
+                        for c in (USEFUL, WASTED, SKIPPED, RETURNED)], loc="lower center", ncol=2, fontsize=MIN_FONT,
+               frameon=False)
+    fig.text(0.5, 0.14, foot, ha="center", fontsize=MIN_FONT, color=TEXT)
+    kind = "causal" if causal else "non-causal"
+    fig.suptitle(title or f"one launch, {kind}, BLOCK_M = {block_m}, BLOCK_N = {block_n}: each band is one program "
+                 f"(query tile m, head, request)", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.3, top=0.8, wspace=0.15)
+    return fig
+
+
+# ---- online softmax, replayed --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SoftmaxStep:
+    """After key tile ``tile``: the running max ``m``, sum ``l``, and how far ``acc / l`` is from the
+    exact softmax-weighted sum over the keys seen so far."""
+
+    tile: int
+    keys_seen: int
+    m: float
+    l_sum: float
+    max_grew: bool
+    error: float
+
+
+def online_softmax(scores: torch.Tensor, values: torch.Tensor, block_n: int, rescale: bool = True
+                   ) -> tuple[torch.Tensor, list[SoftmaxStep]]:
+    """One query row's ``softmax(scores) @ values`` the way the kernel computes it: keys ``block_n`` at
+    a time, keeping a running max ``m``, a running sum ``l_sum`` of ``exp(s - m)`` and ``acc`` = Σ
+    ``exp(s - m) · v``; when the max grows both are multiplied by ``alpha = exp(m_old - m_new)``.
+    ``rescale=False`` forgets that multiplication for ``l`` (the bug of ``KERNEL_BUGS["sum not rescaled"]``).
+
+    ``scores [n]``, ``values [n, d]``, any float dtype (computed in it). Returns the final output and
+    one ``SoftmaxStep`` per tile (errors against the exact answer, in float64).
+    """
+    n = scores.shape[0]
+    check_int("block_n", block_n, 1)
+    m = torch.tensor(float("-inf"), dtype=scores.dtype)
+    l_sum = torch.zeros((), dtype=scores.dtype)
+    acc = torch.zeros(values.shape[1], dtype=scores.dtype)
+    steps = []
+    for t, start in enumerate(range(0, n, block_n)):
+        s, v = scores[start:start + block_n], values[start:start + block_n]
+        m_new = torch.maximum(m, s.max())
+        p = torch.exp(s - m_new)
+        alpha = torch.exp(m - m_new)
+        l_sum = (l_sum * alpha if rescale else l_sum) + p.sum()
+        acc = acc * alpha + p @ v
+        grew = bool(m_new > m) and t > 0
+        m = m_new
+        seen = min(n, start + block_n)
+        exact = torch.softmax(scores[:seen].double(), 0) @ values[:seen].double()
+        steps.append(SoftmaxStep(t, seen, float(m), float(l_sum), grew, max_abs_diff(acc / l_sum, exact)))
+    return acc / l_sum, steps
+
+
+def growing_max_row(scores: torch.Tensor, block_n: int) -> int:
+    """The query row (of ``scores [n_q, n_k]``) whose running max grows in the most key tiles after the
+    first (ties: the lowest row): the row where forgetting the rescale shows most."""
+    best, best_row = -1, 0
+    for i in range(scores.shape[0]):
+        tile_max = torch.stack([scores[i, s:s + block_n].max() for s in range(0, scores.shape[1], block_n)])
+        grew = int((tile_max[1:] > torch.cummax(tile_max, 0).values[:-1]).sum())
+        if grew > best:
+            best, best_row = grew, i
+    return best_row
+
+
+def softmax_example(n_keys: int = 64, d_head: int = 16, seed: int = 3):
+    """The lesson's example: one request of ``n_keys`` tokens, one head (``random_qkv``), its scores
+    ``q k^T / sqrt(d)`` and the row whose max grows most often. Returns ``q, k, v, cu, row, scores``."""
+    q, k, v, cu = random_qkv([n_keys], n_heads=1, d_head=d_head, seed=seed)
+    scores = (q[:, 0] @ k[:, 0].T) / d_head ** 0.5
+    return q, k, v, cu, growing_max_row(scores, 16), scores
+
+
+def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block_n: int) -> Figure:
+    """Left: one query's scores against its keys, the key tiles shaded, the running max ``m`` as a step.
+    Right: after each tile, how far the running output is from the exact softmax over the keys
+    seen so far, with the rescale (the kernel) and without it (the bug)."""
+    scores_row, values = scores_row.double(), values.double()
+    _, good = online_softmax(scores_row, values, block_n, rescale=True)
+    _, bad = online_softmax(scores_row, values, block_n, rescale=False)
+    n = scores_row.shape[0]
+    fig = Figure(figsize=(10.0, 3.9))
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.5, 1]})
+    top, bottom = float(scores_row.max()), float(scores_row.min())
+    for t, start in enumerate(range(0, n, block_n)):
+        if t % 2:
+            left.axvspan(start - 0.5, min(n, start + block_n) - 0.5, color=OTHER, alpha=0.15, linewidth=0)
+        left.text(start + block_n / 2 - 0.5, top + 1.5, f"tile {t}", ha="center", fontsize=MIN_FONT, color=TEXT)
+    left.plot(range(n), scores_row.tolist(), "o", color=ATTENTION, markersize=3.5, label="score s_j of key j")
+    xs = [x for st in good for x in (st.tile * block_n - 0.5, st.keys_seen - 0.5)]
+    ys = [st.m for st in good for _ in (0, 1)]
+    left.plot(xs, ys, "-", color=TEXT, linewidth=1.6, label="running max m after each tile")
+    for st in good:
+        if st.max_grew:
+            left.text(st.tile * block_n + 0.5, st.m + 0.25, "max grows: rescale", fontsize=MIN_FONT, color=TEXT,
+                      ha="left", va="bottom")
+    left.set_ylim(bottom - 1.6, top + 2.2)
+    left.legend(fontsize=MIN_FONT, frameon=False, loc="lower left", ncol=2)
+    left.set_xlabel("key j (one request)", fontsize=MIN_FONT)
+    left.set_ylabel("score", fontsize=MIN_FONT)
+    left.set_title("the kernel sees the keys one tile at a time", fontsize=MIN_FONT + 1)
+    floor = 1e-17
+    tiles = [st.tile for st in good]
+    right.plot(tiles, [max(st.error, floor) for st in good], "o-", color=ATTENTION, label="with the rescale (the kernel)")
+    right.plot(tiles, [max(st.error, floor) for st in bad], "s--", color=WASTE, label="sum l not rescaled (the bug)")
+    right.set_yscale("log")
+    right.set_ylim(floor / 3, 10)
+    right.set_xticks(tiles, [f"after\ntile {t}" for t in tiles])
+    right.set_xlim(-0.4, tiles[-1] + 0.4)
+    right.set_ylabel("|running output - exact softmax|", fontsize=MIN_FONT)
+    right.legend(fontsize=MIN_FONT, frameon=False, loc="center left")
+    right.set_title("the answer so far, in float64", fontsize=MIN_FONT + 1)
+    for ax in (left, right):
+        ax.tick_params(labelsize=MIN_FONT)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.2, top=0.88, wspace=0.28)
+    return fig
+
+
+# ---- the kernel's code, and the kernel with one line changed ---------------------------------------------
+
+def kernel_source(start: str | None = None, stop: str | None = None, name: str = KERNEL_NAME) -> tuple[str, str]:
+    """``(heading, code)`` of a function of the kernel's file (default: the kernel itself, with its
+    ``@triton.jit``) as it is in the file, readable without Triton; ``start``/``stop`` cut it as
+    ``course.source.source_text`` does: from the first line containing ``start`` up to (not
+    including) the first later line containing ``stop``."""
+    lines = KERNEL_FILE.read_text().splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith(f"def {name}(")), None)
+    if first is None:
+        raise ValueError(f"no function {name!r} in {KERNEL_FILE.name}")
+    while first > 0 and lines[first - 1].startswith("@"):
+        first -= 1
+    end = next((i for i in range(first + 2, len(lines)) if lines[i] and not lines[i][0].isspace()
+                and not lines[i].startswith(")")), len(lines))
+    body = lines[first:end]
+    while body and not body[-1].strip():
+        body.pop()
+    lo = next((i for i, line in enumerate(body) if start in line), None) if start else 0
+    if lo is None:
+        raise ValueError(f"{start!r} is not in the source of {name}")
+    hi = next((i for i in range(lo + 1, len(body)) if stop in body[i]), len(body)) if stop else len(body)
+    where = KERNEL_FILE.relative_to(ROOT)
+    return f"{where}, lines {first + lo + 1}-{first + hi}: {name}", "\n".join(body[lo:hi])
+
+
+def show_kernel(start: str | None = None, stop: str | None = None, name: str = KERNEL_NAME):
+    """Display (part of) the kernel's code (or of another function of its file) as a Markdown code block."""
+    from IPython.display import Markdown
+    heading, code = kernel_source(start, stop, name)
+    return Markdown(f"`{heading}`\n\n```python\n{code}\n```")
+
+
+def _code(line: str) -> str:
+    return line.split("#", 1)[0].strip()
+
+
+# Each bug: (the kernel's line, as code without its comment) -> (what it becomes). The lesson breaks the
+# kernel with these in its break-it cells, tests/breakages_l07.py with the same entries.
+KERNEL_BUGS: dict[str, tuple[str, str]] = {
+    "no early return": ("return", "pass"),
+    "causal bound one tile late": (
+        "hi = tl.minimum(len_k, tl.minimum((m_block + 1) * BLOCK_M, len_q) + len_k - len_q)",
+        "hi = tl.minimum(len_k, tl.minimum((m_block + 1) * BLOCK_M, len_q) + len_k - len_q + BLOCK_N)"),
+    "sum not rescaled": ("l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)"),
+    "columns past the end kept": ("allowed = col_ok[None, :]", "allowed = cols[None, :] >= 0"),
+}
+
+
+def changed_source(old: str, new: str) -> str:
+    """The kernel's source with the one line whose code is ``old`` replaced by ``new`` (its indentation kept)."""
+    _, code = kernel_source()
+    lines = code.splitlines()
+    hits = [i for i, line in enumerate(lines) if _code(line) == old.strip()]
+    if len(hits) != 1:
+        raise ValueError(f"the kernel has {len(hits)} lines whose code is {old!r}; name exactly one")
+    i = hits[0]
+    indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+    lines[i] = f"{indent}{new.strip()}  # CHANGED, was: {old.strip()}"
+    return "\n".join(lines) + "\n"
+
+
+@functools.cache
+def broken_kernel(old: str, new: str):
+    """The kernel rebuilt from its real source with one line changed: a new ``@triton.jit`` function,
+    imported from a file of its own (Triton reads a kernel's source from its file)."""
+    if kernel_module() is None:
+        raise RuntimeError(kernel_missing())
+    text = "import triton\nimport triton.language as tl\n\n\n" + changed_source(old, new)
+    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+    path = pathlib.Path(tempfile.mkdtemp(prefix="l07_kernel_")) / f"kernel_{digest}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"_l07_kernel_{digest}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, KERNEL_NAME)
+
+
+def _bug(name_or_pair) -> tuple[str, str]:
+    if isinstance(name_or_pair, str):
+        if name_or_pair not in KERNEL_BUGS:
+            raise ValueError(f"unknown kernel bug {name_or_pair!r}; choose one of {sorted(KERNEL_BUGS)}")
+        return KERNEL_BUGS[name_or_pair]
+    old, new = name_or_pair
+    return old, new
+
+
+def install(bug) -> None:
+    """Swap the engine's kernel for the broken one for good (the launcher looks it up at call time)."""
+    kernel_module()._varlen_fwd_kernel = broken_kernel(*_bug(bug))
+
+
+@contextmanager
+def kernel_with(bug) -> Iterator[None]:
+    """Inside the block the engine runs the kernel with one line changed: a name of ``KERNEL_BUGS``,
+    or an ``(old line, new line)`` pair of your own. The real kernel is back afterwards."""
+    tv = kernel_module()
+    if tv is None:
+        raise RuntimeError(kernel_missing())
+    real = tv._varlen_fwd_kernel
+    tv._varlen_fwd_kernel = broken_kernel(*_bug(bug))
+    try:
+        yield
+    finally:
+        tv._varlen_fwd_kernel = real
+
+
+# ---- the kernel explorer ----------------------------------------------------------------------------------
+
+MAX_PROGRAMS = 48     # ~10-25 ms each under the interpreter: an update stays well under a second
+EXPLORER_HEADS, EXPLORER_D = 1, 16
+
+
+def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: bool = True) -> dict:
+    """Run the engine's kernel once on random q, k, v for the typed lengths (one head of 16) and return
+    ``{"seq_lens", "grid", "measured", "predicted", "table", "error", "bound", "ran", "why", "ms"}``.
+
+    ``measured`` is the kernel's own counters (``count_work``), ``predicted`` ``tiling.predict_work``,
+    ``table`` the program-by-program picture whose totals must be both. Without Triton, or for a grid
+    of more than ``MAX_PROGRAMS`` programs under the interpreter, the kernel does not run (``ran`` False,
+    ``why`` says why) and the picture is the prediction alone.
+    """
+    lens = parse_lengths(lengths, max_requests=8, max_length=512)
+    bm, bn = (check_int(n, b, 16, 128) for n, b in (("block_m", block_m), ("block_n", block_n)))
+    predicted = tiling.predict_work(lens, n_heads=EXPLORER_HEADS, block_m=bm, block_n=bn, causal=causal)
+    table = program_table(lens, block_m=bm, block_n=bn, causal=causal)
+    state = {"seq_lens": lens, "grid": tiling.launch_grid(max(lens), EXPLORER_HEADS, len(lens), bm), "block_m": bm,
+             "block_n": bn, "causal": bool(causal), "predicted": predicted,
+             "table": table, "measured": None, "error": None, "bound": None, "ran": False, "why": None, "ms": None}
+    tv = kernel_module()
+    if tv is None:
+        state["why"] = kernel_missing()
+        return state
+    if tv.INTERPRETED and predicted.programs > MAX_PROGRAMS:
+        state["why"] = (f"{predicted.programs} programs: more than {MAX_PROGRAMS} under the CPU interpreter "
+                        "(~10-25 ms each); shorter lengths or bigger tiles")
+        return state
+    q, k, v, cu = random_qkv(lens, EXPLORER_HEADS, EXPLORER_D, seed=sum(lens))
+    t0 = time.perf_counter()
+    out, measured = run_kernel(q, k, v, cu, causal=causal, block_m=bm, block_n=bn)
+    state["ms"] = (time.perf_counter() - t0) * 1e3
+    ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
+    state.update(measured=measured, error=max_abs_diff(out, ref64), bound=tolerance(ref, ref64), ran=True)
+    return state
+
+
+_FIELDS = ("programs", "early_exits", "tiles", "tiles_skipped", "cells")
+
+
+def kernel_counts_html(state: dict) -> str:
+    """One ``<div>`` per counter: ``programs: measured 4 | predicted 4 | picture 4``, then executed cells."""
+    pic = table_totals(state["table"], EXPLORER_HEADS, state["block_m"], state["block_n"])
+    rows = []
+    for f in _FIELDS:
+        measured = "not run" if state["measured"] is None else getattr(state["measured"], f)
+        rows.append(f"<div>{f}: measured {measured} | predicted {getattr(state['predicted'], f)} | "
+                    f"picture {getattr(pic, f)}</div>")
+    p = state["predicted"]
+    rows.append(f"<div>executed cells (tiles x {p.block_m} x {p.block_n}): {p.executed_cells} for {p.cells} inside "
+                f"the requests ({p.cells / max(1, p.executed_cells):.0%})</div>")
+    return "".join(rows)
+
+
+def kernel_status_html(state: dict) -> str:
+    if not state["ran"]:
+        return f"<div>kernel not run: {state['why']}</div>"
+    ok = "within" if state["error"] <= state["bound"] else "OUTSIDE"
+    return (f"<div>kernel ran: grid {state['grid']} in {state['ms']:.0f} ms | max |out - fp64 reference| = "
+            f"{state['error']:.2e}, {ok} the bound {state['bound']:.2e}</div>")
+
+
+def kernel_explorer(lengths: str = "10, 30", block_m: int = 16, block_n: int = 16, causal: bool = True):
+    """VBox class ``k7x``: Text ``k7x-lengths`` (lengths, Enter to run), SelectionSliders ``k7x-block-m`` and
+    ``k7x-block-n`` (16..128), Checkbox ``k7x-causal``; HTML ``k7x-status`` (running / ran / why not,
+    the error vs the reference), HTML ``k7x-counts`` (measured, predicted, picture), Output
+    ``k7x-figure`` (the launch picture drawn from the program table, checked against the counters)."""
+    w = ipywidgets_module()
+    text = tagged(w.Text(value=lengths, description="lengths", continuous_update=False), "k7x-lengths")
+    bm = tagged(w.SelectionSlider(options=list(TILE_SIZES), value=block_m, description="BLOCK_M"), "k7x-block-m")
+    bn = tagged(w.SelectionSlider(options=list(TILE_SIZES), value=block_n, description="BLOCK_N"), "k7x-block-n")
+    causal_box = tagged(w.Checkbox(value=causal, description="causal"), "k7x-causal")
+    status, counts, out = tagged(w.HTML(), "k7x-status"), tagged(w.HTML(), "k7x-counts"), tagged(w.Output(), "k7x-figure")
+
+    def update(change=None):
+        status.value = "<div>running the kernel ...</div>"
+        try:
+            state = kernel_state(text.value, bm.value, bn.value, causal_box.value)
+        except ValueError as exc:
+            status.value = f"<div>{exc}</div>"
+            return
+        status.value = kernel_status_html(state)
+        counts.value = kernel_counts_html(state)
+        lens = state["seq_lens"]
+        show_figure(out, launch_picture(lens, block_m=state["block_m"], block_n=state["block_n"], causal=state["causal"],
+                                        measured=state["measured"], figsize=(8.6, 4.2)))
+
+    return explorer("k7x", [text, bm, bn, causal_box], [status, counts, out], update)
+
+
+# ---- exercises ---------------------------------------------------------------------------------------------
+
+def keys_needed(len_q: int, len_k: int, tile_start: int, block_m: int) -> int:
+    """The truth for exercise 07.1, by brute force over the causal mask: one past the last key any real
+    row of the query tile may read (0 when none)."""
+    last = 0
+    for row in range(tile_start, min(tile_start + block_m, len_q)):
+        allowed = [j for j in range(len_k) if j <= row + len_k - len_q]
+        if allowed:
+            last = max(last, allowed[-1] + 1)
+    return last
+
+
+BOUND_CASES = [(30, 30, 0, 16), (30, 30, 16, 16), (10, 10, 0, 64), (256, 256, 64, 64), (256, 256, 192, 64),
+               (20, 40, 0, 16), (20, 40, 16, 16), (5, 9, 0, 16), (100, 100, 96, 32), (64, 64, 0, 64), (1, 1, 0, 16)]
+
+
+def check_causal_bound(fn: Callable[[int, int, int, int], int]) -> bool:
+    """Exercise 07.1: ``fn(len_q, len_k, tile_start, block_m) -> hi``, the keys ``[0, hi)`` a causal query tile
+    must read (the smallest such hi). Then, for a mix, the key tiles your bound makes the kernel
+    compute against what the kernel counts itself."""
+    def judge(got, len_q, len_k, start, block_m):
+        if not isinstance(got, (int, np.integer)) or isinstance(got, bool):
+            return f"expected an int, got {got!r}"
+        want = keys_needed(len_q, len_k, start, block_m)
+        if got == want:
+            return None
+        last_row = min(start + block_m, len_q) - 1
+        if got == min(len_k, start + block_m + len_k - len_q) and start + block_m > len_q:
+            return (f"got {got}, expected {want}: the tile's last REAL row is min(tile_start + BLOCK_M, len_q) - 1 = "
+                    f"{last_row}; the rows past the request's end need no key")
+        if got == min(len_k, min(start + block_m, len_q)) and len_k != len_q:
+            return (f"got {got}, expected {want}: with more keys than queries the diagonal is bottom-right aligned: "
+                    f"row i sees keys j <= i + len_k - len_q = i + {len_k - len_q}")
+        if got < want:
+            return (f"got {got}, expected {want}: too few keys, row {last_row} needs key {want - 1} "
+                    f"(row i sees keys j <= i + len_k - len_q): the answer would be wrong")
+        if got == want + 1 or got == min(len_k, want + 1):
+            return f"got {got}, expected {want}: one key too many (an off-by-one: the last key row {last_row} sees is {want - 1})"
+        return (f"got {got}, expected {want}: more keys than the tile needs (the answer stays right, but the kernel "
+                f"computes key tiles above the diagonal)")
+
+    def tiles_judge(got, lens, block_m, block_n):
+        want = kernel_or_predicted_tiles(lens, block_m, block_n)
+        return None if got == want else (f"with your bound the kernel would compute {got} key tiles for lengths {lens} "
+                                          f"(BLOCK_M = {block_m}, BLOCK_N = {block_n}); it computes {want}")
+
+    cases = [("bound", *c) for c in BOUND_CASES] + [("tiles", [30, 10, 70], 16, 16)]
+
+    def run(kind, *case):
+        if kind == "bound":
+            return fn(*case)
+        lens, block_m, block_n = case
+        total = 0
+        for n in lens:
+            for start in range(0, n, block_m):
+                hi = fn(n, n, start, block_m)
+                if not isinstance(hi, (int, np.integer)):
+                    return hi
+                total += cdiv(max(int(hi), 0), block_n)
+        return total
+
+    def judge_any(got, kind, *case):
+        return judge(got, *case) if kind == "bound" else tiles_judge(got, *case)
+
+    run.__name__ = getattr(fn, "__name__", "fn")
+    return grade("causal_bound", run, cases, judge_any,
+                 f"the causal bound on {len(BOUND_CASES)} tiles, and the key tiles it makes the kernel compute for a mix")
+
+
+def kernel_or_predicted_tiles(lens, block_m, block_n) -> int:
+    """Key tiles computed for ``lens`` (one head, causal): the kernel's own count where it runs, else the prediction."""
+    tv = kernel_module()
+    if tv is None:
+        return tiling.predict_work(lens, block_m=block_m, block_n=block_n, causal=True).tiles
+    q, k, v, cu = random_qkv(lens, 1, 16, seed=0)
+    return run_kernel(q, k, v, cu, causal=True, block_m=block_m, block_n=block_n)[1].tiles
+
+
+LAUNCH_CASES = [([10, 30], 1, 16), ([100, 5, 20], 2, 32), ([64, 64], 1, 64), ([65, 3], 4, 64), ([16, 48, 33], 1, 16),
+                ([7], 8, 16)]
+
+
+def _measured_launch(lens, heads, block_m):
+    """(programs, early exits) the kernel counts for this launch where it runs (small sizes), else predicted."""
+    tv = kernel_module()
+    predicted = tiling.predict_work(lens, n_heads=heads, block_m=block_m, block_n=64, causal=True)
+    if tv is None or predicted.programs > 24:
+        return predicted.programs, predicted.early_exits
+    q, k, v, cu = random_qkv(lens, heads, 16, seed=1)
+    counts = run_kernel(q, k, v, cu, block_m=block_m, block_n=64)[1]
+    return counts.programs, counts.early_exits
+
+
+def check_launch(fn: Callable[[list, int, int], tuple]) -> bool:
+    """Exercise 07.2: ``fn(seq_lens, n_heads, block_m) -> (programs, early_exits)`` for one launch of the
+    kernel: how many programs it starts, and how many of them return at once."""
+    def judge(got, lens, heads, block_m):
+        ans, problem = int_tuple(got, "programs, early_exits")
+        if problem:
+            return problem
+        programs, exits = _measured_launch(lens, heads, block_m)
+        if ans == (programs, exits):
+            return None
+        own = heads * sum(cdiv(n, block_m) for n in lens)
+        if ans[0] == own:
+            return (f"got {ans}, the kernel counts ({programs}, {exits}): the grid is sized by the LONGEST request, "
+                    f"(ceil(max_seqlen / BLOCK_M), H, R) = ({cdiv(max(lens), block_m)}, {heads}, {len(lens)}), not by "
+                    "each request's own tiles")
+        if ans == (programs // heads, exits // heads) and heads > 1:
+            return f"got {ans}, the kernel counts ({programs}, {exits}): every head has its own programs (x {heads})"
+        if ans[0] == programs and ans[1] != exits:
+            strict = heads * sum(1 for n in lens for m in range(cdiv(max(lens), block_m)) if m * block_m > n)
+            hint = (" - a tile that starts exactly AT the request's end (m * BLOCK_M == L) has no row either: "
+                    "the test is >=, not >") if ans[1] == strict else ""
+            return f"got {ans}: the programs are right, the kernel counts {exits} that return at once{hint}"
+        return f"got {ans}, the kernel counts ({programs}, {exits})"
+    return grade("launch", fn, LAUNCH_CASES, judge, f"programs and early exits of {len(LAUNCH_CASES)} launches")
+
+
+TILE_CASES = [([10] * 12, 40), ([10, 30], 8), ([300, 20, 20, 20], 12), ([130, 7, 64], 30), ([500, 3], 10)]
+
+
+def tile_choices(lens, max_programs) -> list[tuple[int, int, WorkCounts]]:
+    """Every ``(block_m, block_n)`` of ``TILE_SIZES`` with its predicted work (causal, one head) that
+    launches at most ``max_programs`` programs."""
+    out = []
+    for bm in TILE_SIZES:
+        for bn in TILE_SIZES:
+            w = tiling.predict_work(lens, block_m=bm, block_n=bn, causal=True)
+            if w.programs <= max_programs:
+                out.append((bm, bn, w))
+    return out
+
+
+def check_tiles(fn: Callable[[list, int], tuple]) -> bool:
+    """Exercise 07.3: ``fn(seq_lens, max_programs) -> (block_m, block_n)`` from ``TILE_SIZES`` executing the
+    fewest cells (tiles x BLOCK_M x BLOCK_N, causal, one head) among the choices that launch at most
+    ``max_programs`` programs."""
+    def judge(got, lens, max_programs):
+        ans, problem = int_tuple(got, "block_m, block_n")
+        if problem:
+            return problem
+        if ans[0] not in TILE_SIZES or ans[1] not in TILE_SIZES:
+            return f"got {ans}: BLOCK_M and BLOCK_N must each be one of {TILE_SIZES}"
+        choices = tile_choices(lens, max_programs)
+        best = min(w.executed_cells for *_, w in choices)
+        winners = [(bm, bn) for bm, bn, w in choices if w.executed_cells == best]
+        mine = tiling.predict_work(lens, block_m=ans[0], block_n=ans[1], causal=True)
+        if mine.programs > max_programs:
+            return (f"got {ans}: it launches {mine.programs} programs, more than the {max_programs} allowed "
+                    f"(small BLOCK_M means many query tiles for the longest request, times every request)")
+        if mine.executed_cells == best:
+            return None
+        bm, bn = winners[0]
+        return (f"got {ans}: {mine.executed_cells} executed cells in {mine.tiles} tiles of {ans[0]} x {ans[1]}; "
+                f"{(bm, bn)} executes {best} within {tiling.predict_work(lens, block_m=bm, block_n=bn).programs} programs. "
+                "Count with tiling.predict_work for every choice")
+    return grade("tiles", fn, TILE_CASES, judge, f"the tile sizes of least executed work for {len(TILE_CASES)} mixes")
+
+
+# ---- figures --------------------------------------------------------------------------------------------------
+
+GRID_LENS = [100, 20, 60]
+
+
+@register("07_launch_grid", lesson="07",
+          caption="one causal launch over requests of 100, 20 and 60 tokens at 32 x 32 tiles: 12 programs, each a band "
+                  "of key tiles computed, partly thrown away, skipped above the diagonal, or returned at once")
+def _launch_grid() -> Figure:
+    return launch_picture(GRID_LENS, block_m=32, block_n=32, causal=True, figsize=(9.0, 4.4))
+
+
+@register("07_online_softmax", lesson="07",
+          caption="one query's keys in four tiles of 16: the running max grows, the rescale keeps the running "
+                  "answer exact; without it the sum is wrong")
+def _online_softmax() -> Figure:
+    _, _, v, _, row, scores = softmax_example()
+    return online_softmax_picture(scores[row], v[:, 0], 16)
+
+
+@register("07_short_request_tile", lesson="07",
+          caption="A's 10 tokens in one 64 x 64 tile beside a 256-token request: 100 of 4096 executed cells are A's")
+def _short_tile() -> Figure:
+    return launch_picture([ARTICLE_LENS[0], 256], block_m=64, block_n=64, causal=False, figsize=(7.0, 4.4),
+                          title="non-causal, 64 x 64 tiles: a 10-token request still executes a whole tile")
