@@ -1,32 +1,30 @@
 #!/usr/bin/env python3
-"""Build the course site: execute every lesson, then let Sphinx render the book.
+"""Build the course site: Sphinx + MyST-NB execute every lesson and render the book.
 
     python3 tools/build_site.py [--out site] [--cell-timeout 60]
 
-Sphinx + MyST-NB + sphinx-book-theme do the book (navigation, search, per-page contents,
-prev/next, download button, themes, API reference from the docstrings); the configuration
-is ``tools/site_assets/conf.py``. This script only does what they do not do for us:
+Sphinx + MyST-NB + sphinx-book-theme do the book (execution of the lessons, navigation,
+search, per-page contents, prev/next, download button, themes, API reference from the
+docstrings); the configuration is ``tools/site_assets/conf.py`` (``nb_execution_mode =
+"force"``: MyST-NB runs each lesson with nbclient, widget state saved). This script only
+does what they do not do for us:
 
 1. stage a Sphinx project in a temp dir that mirrors the repo, so a lesson's ``../figures``
    resolves: ``tools/site_assets/*`` + ``notebooks/`` + ``figures/`` + ``docs/*.md`` +
    ``bench/results/``, and ``_static/`` with the JavaScript that the site serves itself;
-2. execute every lesson there, with the widget state saved (see below);
-3. ``sphinx-build`` the staging dir into ``--out`` (MyST-NB renders the executed notebooks).
+2. ``sphinx-build`` it in that temp dir (MyST-NB writes the executed notebooks next to the
+   HTML, in ``jupyter_execute/``, which must not land beside ``--out``), with the kernels'
+   environment (``lessons_lib`` importable, figures inline) and ``--cell-timeout``; fail on a
+   lesson that does not execute; then move the HTML into ``--out``.
 
 The JS comes from the npm registry with ``npm pack`` (pinned versions, cached in
 ``tools/site_assets/.npm-cache/``, git-ignored): the ipywidgets 8 embedder, require.js and
 MathJax 3. Nothing on the site is loaded from a CDN.
-
-Execution guards against a known nbclient stall (jupyter/nbclient#312: after widget cells,
-waiting for a kernel message can return only when the whole timeout has passed): the kernel
-client's channels are polled in short slices, so a missed wake-up costs at most
-``POLL_SLICE_S``, and a cell that really hangs fails after ``--cell-timeout``.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import queue
 import re
 import shutil
 import subprocess
@@ -48,7 +46,6 @@ NPM_PACKAGES = {
     "mathjax": "mathjax@3.2.2",
 }
 FONT_SUFFIXES = (".woff2", ".woff", ".ttf", ".eot", ".svg")
-POLL_SLICE_S = 0.5
 SITE_MARKER = ".course-site"
 DEFAULT_CELL_TIMEOUT_S = 60
 
@@ -127,46 +124,16 @@ def stage(src: Path, notebooks: Path, with_js: bool = True) -> list[Path]:
     return [src / "notebooks" / p.name for p in paths]
 
 
-# ---------------------------------------------------------------- execution
+# ---------------------------------------------------------------- execution (by MyST-NB)
 
-def _sliced(get_msg, clock=time.monotonic):
-    """Wrap a channel's ``get_msg`` so that one long wait becomes many short polls."""
-    async def get_msg_sliced(timeout=None, **kwargs):
-        deadline = None if timeout is None else clock() + timeout
-        while True:
-            left = POLL_SLICE_S if deadline is None else max(0.0, min(POLL_SLICE_S, deadline - clock()))
-            try:
-                return await get_msg(timeout=left, **kwargs)
-            except queue.Empty:
-                if deadline is not None and clock() >= deadline:
-                    raise
-    return get_msg_sliced
+EXECUTED = re.compile(r"(?:^|/)notebooks/([^/:\s]+?)(?:\.ipynb)?: Executed notebook in ([\d.]+) seconds")
+FAILED = re.compile(r"Executing notebook failed|Notebook exception traceback saved")
 
 
-def execute(path: Path, cell_timeout: int, env: dict[str, str]) -> float:
-    """Run one staged lesson in its own folder and write it back with outputs and widget state.
-    The kernel process gets ``env`` as its whole environment (nbclient hands ``execute(env=...)``
-    to ``KernelManager.start_kernel``, whose provisioner launches the kernel with it)."""
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
-
-    class SlicedPollClient(NotebookClient):
-        async def async_start_new_kernel_client(self):
-            kc = await super().async_start_new_kernel_client()
-            for channel in (kc.shell_channel, kc.iopub_channel):
-                channel.get_msg = _sliced(channel.get_msg)
-            return kc
-
-    nb = nbformat.read(path, as_version=4)
-    client = SlicedPollClient(nb, timeout=cell_timeout, kernel_name="python3", allow_errors=False,
-                              store_widget_state=True, resources={"metadata": {"path": str(path.parent)}})
-    t0 = time.monotonic()
-    try:
-        client.execute(env=env)
-    except (CellExecutionError, CellTimeoutError, DeadKernelError) as exc:
-        raise BuildError(f"{path.name}: execution failed: {str(exc)[-2000:]}") from None
-    nbformat.write(nb, path)
-    return time.monotonic() - t0
+def execution_report(log: str) -> tuple[dict[str, float], list[str]]:
+    """From sphinx-build's output: seconds per executed lesson, and the warnings of any that failed."""
+    times = {m[1]: float(m[2]) for m in EXECUTED.finditer(log.replace("\\", "/"))}
+    return times, [line for line in log.splitlines() if FAILED.search(line)]
 
 
 # ---------------------------------------------------------------- build
@@ -189,25 +156,32 @@ def build(out: Path, notebooks: Path = REPO / "notebooks", cell_timeout: int = D
         raise BuildError(f"no notebooks in {notebooks}")
     _fresh_output_dir(out)
     with tempfile.TemporaryDirectory(prefix="course-site-") as tmp:
-        src = Path(tmp) / "src"
+        src, html = Path(tmp) / "src", Path(tmp) / "html"
         lessons = stage(src, notebooks)
-        # The kernels and sphinx-build get this (this process's environment stays as it is):
-        # lessons_lib importable, figures drawn inline into the page.
+        # sphinx-build and the kernels MyST-NB starts get this (this process's environment stays as
+        # it is): lessons_lib importable, figures drawn inline into the page.
         env = dict(os.environ, COURSE_SITE_REPO=str(REPO), MPLBACKEND="module://matplotlib_inline.backend_inline",
                    PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-        for path in lessons:
-            log(f"executed {path.name} in {execute(path, cell_timeout, env):.1f} s")
-        t_exec = time.monotonic() - t_start
-        t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q",
-                               "-d", str(Path(tmp) / "doctrees"), str(src), str(out)],
+        proc = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-d", str(Path(tmp) / "doctrees"),
+                               "-D", f"nb_execution_timeout={cell_timeout}", str(src), str(html)],
                               env=env, capture_output=True, text=True)
+        output = proc.stdout + "\n" + proc.stderr
+        times, failed = execution_report(output)
+        for path in lessons:
+            if path.stem in times:
+                log(f"executed {path.name} in {times[path.stem]:.1f} s")
+        if proc.returncode != 0 or failed:
+            raise BuildError(f"sphinx-build exited {proc.returncode}" + (f", a lesson failed: {failed[0]}" if failed else "")
+                             + f":\n{proc.stderr.strip()[-4000:]}")
+        if missing := [p.name for p in lessons if p.stem not in times]:
+            raise BuildError(f"MyST-NB did not report executing {missing}:\n{output.strip()[-2000:]}")
         warnings = [w for w in proc.stderr.splitlines() if "WARNING" in w or "ERROR" in w]
-        if proc.returncode != 0:
-            raise BuildError(f"sphinx-build exited {proc.returncode}:\n{proc.stderr.strip()[-3000:]}")
-        log(f"sphinx-build rendered the book in {time.monotonic() - t0:.1f} s ({len(warnings)} warnings)")
+        t_exec = sum(times.values())
+        log(f"sphinx-build executed and rendered the book in {time.monotonic() - t_start:.1f} s "
+            f"(lessons {t_exec:.1f} s; {len(warnings)} warnings)")
         for w in warnings[:20]:
             log(f"  {w}")
+        shutil.copytree(html, out, dirs_exist_ok=True)
     (out / SITE_MARKER).write_text("built by tools/build_site.py; the whole folder is replaced on rebuild\n")
     log(f"site built in {time.monotonic() - t_start:.1f} s (execution {t_exec:.1f} s): "
         f"{out}/index.html ({len(lessons)} lessons)")

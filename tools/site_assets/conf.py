@@ -1,8 +1,9 @@
 """Sphinx configuration of the course site (Sphinx + MyST-NB + sphinx-book-theme).
 
-``tools/build_site.py`` copies this folder into a staging directory next to the executed
-lessons, the docs, the figures and the vendored JavaScript, and runs ``sphinx-build`` there;
-it sets ``COURSE_SITE_REPO`` so that autodoc imports this checkout's ``lessons_lib``.
+``tools/build_site.py`` copies this folder into a staging directory next to the lessons, the
+docs, the figures and the vendored JavaScript, and runs ``sphinx-build`` there (MyST-NB executes
+the lessons); it sets ``COURSE_SITE_REPO`` so that autodoc and the kernels import this
+checkout's ``lessons_lib``.
 
 Offline by construction: MathJax, require.js and the ipywidgets embedder are served from
 ``_static/`` (copied there from npm tarballs by the build), the theme ships its own fonts
@@ -37,9 +38,14 @@ exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
 root_doc = "index"
 
 # ---------------------------------------------------------------- notebooks and markdown
-# The build executes the lessons itself (tools/build_site.py, short-slice polling) and hands
-# Sphinx the executed notebooks with their outputs and saved widget state.
-nb_execution_mode = "off"
+# MyST-NB executes every lesson (nbclient, saving the widget state the pages render from), in the
+# lesson's own folder so that ../figures resolves. A lesson that fails is a warning with its
+# traceback, which tools/build_site.py turns into a failed build. --cell-timeout sets the timeout.
+nb_execution_mode = "force"
+nb_execution_timeout = 60
+nb_execution_in_temp = False
+nb_execution_raise_on_error = False
+nb_execution_show_tb = True
 nb_merge_streams = True
 myst_enable_extensions = ["dollarmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
@@ -184,10 +190,23 @@ def _widget_note(app, doctree, docname):
         doctree.insert(0, note)
 
 
+def _serve_executed_notebooks(app, exception):
+    """The download button serves ``_sources/<lesson>.ipynb``: Sphinx copies the source there, so
+    replace it with the executed lesson (outputs and widget state) that MyST-NB wrote."""
+    if exception is not None or app.builder.format != "html":
+        return
+    executed = Path(app.env.mystnb_config.output_folder)
+    for docname in app.env.found_docs:
+        if (nb := executed / f"{docname}.ipynb").is_file():
+            for served in (Path(app.outdir) / "_sources").glob(f"{docname}.ipynb*"):
+                served.write_bytes(nb.read_bytes())
+
+
 def setup(app):
     app.connect("builder-inited", _write_api_pages)
     app.connect("source-read", _docs_toctree)
     app.connect("source-read", _api_index)
     app.connect("doctree-read", _link_literals)
     app.connect("doctree-resolved", _widget_note)
+    app.connect("build-finished", _serve_executed_notebooks)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
