@@ -7,4 +7,5 @@
   profile       wall time, peak memory, GEMM throughput, a forward's time split (measured: shown, never asserted)
   bench         python -m lessons_lib.measure.bench: varlen vs masked vs padded vs Hugging Face
   bench_report  the benchmark's plots and Markdown tables
+  gpu_bench     python -m lessons_lib.measure.gpu_bench: bf16 GEMM peak, attention kernels and the engine on a GPU
 """
