@@ -12,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `pytest` without
 from helpers import make_qkv as _make_qkv
 
 from lessons_lib import ModelConfig, Transformer, init_weights
+from lessons_lib.measure.tolerance import float64_twin
+from lessons_lib.serve import workloads
 
 
 # ---- --device: the tests marked `device` (tests/test_device.py) run there; tools/gpu_check.py runs them
@@ -47,14 +49,13 @@ def make_qkv():
 
 def _model_pair(cfg: ModelConfig, seed: int = 0) -> tuple[Transformer, Transformer]:
     """The fp32 model and its float64 twin (the same fp32 weight values, upcast): the exact-math yardstick."""
-    w = init_weights(cfg, seed)
-    return Transformer(cfg, w), Transformer(cfg, w, dtype=torch.float64)
+    model = Transformer(cfg, init_weights(cfg, seed))
+    return model, float64_twin(model)
 
 
 def _make_requests(lens, vocab: int, seed: int = 0) -> list[torch.Tensor]:
-    """Random token-id tensors ``[L_i]`` in ``[0, vocab)``."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
+    """``serve.workloads.make_requests`` as token-id tensors ``[L_i]`` in ``[0, vocab)``."""
+    return [torch.tensor(r) for r in workloads.make_requests(list(lens), vocab, seed)]
 
 
 @pytest.fixture(scope="session")

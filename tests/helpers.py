@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from lessons_lib.core.batch import seq_lens_to_cu_seqlens
+from lessons_lib.measure.profile import random_qkv
 
 if TYPE_CHECKING:  # matplotlib is imported by the figure tests only
     from matplotlib.figure import Figure
@@ -94,14 +94,9 @@ def varlen_loop(q, k, v, cu, causal=True, scale=None, cross=False):
 
 
 def make_qkv(lens_q, lens_k=None, heads=2, d_head=32, seed=0, dtype=torch.float32, device="cpu"):
-    """Random flat ``q [T_q, H, D]``, ``k, v [T_k, H, D]`` and int32 ``cu_seqlens_q, cu_seqlens_k``
-    (drawn in float32 from ``seed``: q, then k, then v; then cast to ``dtype`` on ``device``)."""
-    lens_k = lens_q if lens_k is None else lens_k
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(lens_q), heads, d_head, generator=g)
-    k, v = (torch.randn(sum(lens_k), heads, d_head, generator=g) for _ in range(2))
-    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
-    return q, k, v, seq_lens_to_cu_seqlens(lens_q, device), seq_lens_to_cu_seqlens(lens_k, device)
+    """``measure.profile.random_qkv`` with its key lengths: ``q, k, v, cu_seqlens_q, cu_seqlens_k``."""
+    return random_qkv(lens_q, heads, d_head, seq_lens_k=lens_q if lens_k is None else lens_k, seed=seed,
+                      device=device, dtype=dtype)
 
 
 # ---- figures ------------------------------------------------------------------------------------------

@@ -108,9 +108,9 @@ _CHILD = """
 import hashlib, sys, torch
 sys.path.insert(0, {root!r})
 from lessons_lib import ModelConfig, Transformer, pack
+from lessons_lib.serve.workloads import make_requests
 cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=256)
-g = torch.Generator().manual_seed(0)
-reqs = [torch.randint(0, 300, (n,), generator=g) for n in (1, 10, 30, 7)]
+reqs = [torch.tensor(r) for r in make_requests([1, 10, 30, 7], 300)]  # the make_requests fixture's
 out = Transformer(cfg, seed=5)(pack(reqs), attn_backend="sdpa")
 print(hashlib.sha256(out.contiguous().numpy().tobytes()).hexdigest())
 """

@@ -17,8 +17,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from ..core.batch import cumulative, pack, unpad_input
-from ..core.model import Transformer
 from ..measure.flops import attention_cells, executed_tokens
+from ..measure.tolerance import float64_twin  # noqa: F401 - lesson 01 shows it as L.float64_twin
 from ..validate import check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
@@ -174,11 +174,6 @@ def flat_batch_explorer(lengths: str = "10, 30"):
         show_figure(out, padded_vs_flat(state["seq_lens"]))
 
     return explorer("fbx", [text], [counts, out], update)
-
-
-def float64_twin(model: Transformer) -> Transformer:
-    """The same model with every weight upcast to float64: the exact-math yardstick of ``close``."""
-    return Transformer(model.cfg, {k: v.detach().cpu() for k, v in model.state_dict().items()}, dtype=torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,12 +31,11 @@ from ..core.model import Transformer, init_weights
 from ..measure.flops import METHODS, attention_cells
 from ..measure.profile import peak_bytes, random_qkv
 from ..measure.recorder import OpRecorder
-from ..measure.tolerance import max_abs_diff, tolerance
+from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
 from ..validate import check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import Tensor, grade, matches, tensor_problem
-from .l01_flat_batch import float64_twin
 from .probe import row_dependency
 from .style import (
     ATTENTION,

@@ -30,6 +30,7 @@ from ..core.groups import CollectiveRecord, LocalGroup
 from ..core.linear import QKVParallelLinear
 from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
+from ..measure.tolerance import float64_twin
 from ..tp.dryrun import record_trace, trace_signature
 from ..tp.trace import summarize_trace
 from ..tp.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -37,7 +38,6 @@ from ..validate import check_choice, check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade
-from .l01_flat_batch import float64_twin
 from .l03_attention import launch_grid
 from .style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, draw_strip, request_color, request_name
 

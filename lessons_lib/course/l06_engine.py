@@ -26,12 +26,12 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import EngFormatter
 
 from ..core.attention import varlen_attention
-from ..core.batch import cumulative, seq_lens_to_cu_seqlens
+from ..core.batch import cumulative
 from ..core.config import ModelConfig
 from ..core.kernels import synchronize
 from ..core.model import init_weights
 from ..measure.flops import METHODS, attention_cells, flops_of, forward_flops
-from ..measure.profile import time_call
+from ..measure.profile import random_qkv, time_call
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..serve.engine import Engine, batch_stats
 from ..serve.scheduler import Request, plan_batches
@@ -436,10 +436,7 @@ _ATTN_CASES = [("one request", [10], 2, 16), ("A and B", [10, 30], 2, 16),
 def _qkv(lens: list[int], heads: int, d_head: int, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Random q, k, v ``[T, H, D]`` as the engine hands them over (views of one ``[T, 3, H, D]``
     tensor: not contiguous) and int32 ``cu_seqlens``."""
-    g = torch.Generator().manual_seed(seed + 7 * len(lens))
-    qkv = torch.randn(sum(lens), 3, heads, d_head, generator=g)
-    q, k, v = qkv.unbind(1)
-    return q, k, v, seq_lens_to_cu_seqlens(lens)
+    return random_qkv(lens, heads, d_head, seed=seed + 7 * len(lens), fused=True)
 
 
 def as_backend(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> Tensor:

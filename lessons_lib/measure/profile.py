@@ -116,13 +116,28 @@ class AttentionRun:
     peak_bytes: int
 
 
-def random_qkv(seq_lens: Sequence[int], n_heads: int = 8, d_head: int = 64, *, seed: int = 0, device="cpu",
-               dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Random ``q, k, v [T, H, D]`` and int32 ``cu_seqlens [R+1]`` for a batch of requests."""
-    lens = check_lengths(seq_lens)
+def random_qkv(seq_lens: Sequence[int], n_heads: int = 8, d_head: int = 64, *, seq_lens_k: Sequence[int] | None = None,
+               seed: int = 0, device="cpu", dtype: torch.dtype = torch.float32, fused: bool = False) -> tuple:
+    """Random ``q, k, v [T, H, D]`` and int32 ``cu_seqlens [R+1]`` for a batch of requests (lengths may be 0).
+
+    Drawn in float32 from ``seed`` (q, then k, then v), then cast to ``dtype`` on ``device``.
+    ``seq_lens_k``: other key/value lengths (``k, v [T_k, H, D]``); then five values come back,
+    ``q, k, v, cu_seqlens_q, cu_seqlens_k``. ``fused``: q, k and v are views of one ``[T, 3, H, D]``
+    tensor, as the model's QKV projection hands them to attention (not contiguous).
+    """
+    lens = check_lengths(seq_lens, 0)
+    lens_k = lens if seq_lens_k is None else check_lengths(seq_lens_k, 0, "seq_lens_k")
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(sum(lens), n_heads, d_head, generator=g).to(device=device, dtype=dtype) for _ in range(3))
-    return q, k, v, seq_lens_to_cu_seqlens(lens, device=device)
+    if fused:
+        if seq_lens_k is not None:
+            raise ValueError("fused q, k, v share their rows: seq_lens_k must be None")
+        q, k, v = torch.randn(sum(lens), 3, n_heads, d_head, generator=g).to(device=device, dtype=dtype).unbind(1)
+    else:
+        q = torch.randn(sum(lens), n_heads, d_head, generator=g)
+        k, v = (torch.randn(sum(lens_k), n_heads, d_head, generator=g) for _ in range(2))
+        q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    cu = seq_lens_to_cu_seqlens(lens, device=device)
+    return (q, k, v, cu) if seq_lens_k is None else (q, k, v, cu, seq_lens_to_cu_seqlens(lens_k, device=device))
 
 
 def measure_attention(seq_lens: Sequence[int], backend: str, n_heads: int = 8, d_head: int = 64, *,

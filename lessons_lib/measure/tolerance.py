@@ -12,7 +12,8 @@ twice as far from the truth as ``ref`` is, plus ``k`` units of rounding at the o
 (the floor that matters where ``ref`` happens to be exact). ``eps``: 1.2e-7 in float32,
 7.8e-3 in bfloat16, 9.8e-4 in float16.
 
-Used by ``course.check.close`` (the lessons), the tests and ``tp.demo``.
+Used by ``course.check.close`` (the lessons), the tests and ``tp.demo``. ``float64_twin(model)``
+builds the float64 truth of a model: the same weights, upcast.
 """
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ import torch
 
 Tensor = torch.Tensor
 K_ULP = 2.0
+
+
+def float64_twin(model):
+    """The same ``Transformer`` with every weight upcast to float64 (on the CPU): the exact-math yardstick."""
+    from ..core.model import Transformer  # here, so that the rule itself needs nothing but torch
+
+    return Transformer(model.cfg, {k: v.detach().cpu() for k, v in model.state_dict().items()}, dtype=torch.float64)
 
 
 def max_abs_diff(a: Tensor, b: Tensor) -> float:
