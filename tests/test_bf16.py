@@ -26,12 +26,14 @@ def test_bf16_engine_matches_fp32_and_fp64_within_the_rule(name):
     w = init_weights(CFG)
     bf16, fp32, fp64 = (Engine(CFG, weights=w, dtype=dt, **kw).prefill(reqs) for dt in (BF16, torch.float32,
                                                                                           torch.float64))
-    alone = Transformer(CFG, w, dtype=BF16).forward_each([torch.tensor(r) for r in reqs], attn_backend="loop")
+    # the references: each request alone, through the loop backend (another summation order than the engine's batch)
+    alone, alone32 = (Transformer(CFG, w, dtype=dt).forward_each([torch.tensor(r) for r in reqs], attn_backend="loop")
+                      for dt in (BF16, torch.float32))
     assert all(o.last_hidden.dtype == BF16 for o in bf16)
-    for o, o32, o64, a in zip(bf16, fp32, fp64, alone):
+    for o, o32, o64, a, a32 in zip(bf16, fp32, fp64, alone, alone32):
         err, bound = assert_close(o.last_hidden, a[-1], o64.last_hidden, f"bf16 engine, request {o.request_id}")
-        # the fp32 engine obeys the same rule with its own, far smaller rounding
-        assert_close(o32.last_hidden, o32.last_hidden, o64.last_hidden, "fp32 engine")
+        # the fp32 engine obeys the same rule against the fp32 request alone, with its own, far smaller rounding
+        assert_close(o32.last_hidden, a32[-1], o64.last_hidden, f"fp32 engine, request {o32.request_id}")
         assert max_abs_diff(o.last_hidden, o32.last_hidden) <= bound + max_abs_diff(o32.last_hidden, o64.last_hidden)
 
 
