@@ -11,7 +11,8 @@ computation in the same dtype (the padded ``attention_ref`` in that dtype; the s
 request at a time with the ``loop`` backend; TP=1), plus rounding. A backend that does not run
 here is skipped with its reason; flex and triton are skipped on the CPU (FlexAttention compiles
 every shape, Triton runs in its interpreter there: seconds per case), where their own tests
-check them.
+check them. Without ``-m device`` on the CPU (the plain suite) they are skipped: tests/test_gpu_check.py
+runs them there, through tools/gpu_check.py.
 """
 from __future__ import annotations
 
@@ -51,6 +52,15 @@ D_HEAD = SHAPE["cuda"][1]
 ATTENTION_CASES = {**{name: (lens, None, None) for name, lens in LENGTH_SETS.items()},
                    "A=10+B=30 softmax_scale=0.3": ([10, 30], None, 0.3),
                    "bottom-right causal, keys outnumber queries": ([1, 4, 9, 1, 30, 64], [5, 4, 20, 1, 31, 200], None)}
+
+
+@pytest.fixture(autouse=True)
+def _asked_for(request):
+    """In the plain suite (no ``-m device``, CPU) these tests would repeat the other files' CPU runs:
+    tests/test_gpu_check.py runs them on the CPU through tools/gpu_check.py instead."""
+    config = request.config
+    if "device" not in (config.option.markexpr or "") and config.getoption("--device") == "cpu":
+        pytest.skip("device tests run with -m device (tools/gpu_check.py; tests/test_gpu_check.py on the CPU)")
 
 
 def _runs_here(backend: str, device: str, dtype: torch.dtype, head_dim: int) -> None:
