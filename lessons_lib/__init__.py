@@ -9,8 +9,9 @@ The package is laid out by role; read ``core`` first, it is the engine:
   measure  FLOP accounting, timing and memory, the benchmark
   course   figures, widgets, exercise checkers, claim cells
 
-The names a learner uses most are importable from here (loaded on first use, so that
-``import lessons_lib.core`` stays free of processes, plots and the serving engine).
+The engine's names a learner uses most are importable from here (loaded on first use, so that
+``import lessons_lib.core`` stays free of processes, plots and the serving engine). The course's
+own ``claim`` and ``close`` come from ``lessons_lib.course``.
 """
 from __future__ import annotations
 
@@ -21,8 +22,7 @@ _EXPORTS = {
     "pad": "core.batch", "varlen_attention": "core.attention", "attention_ref": "core.attention",
     "available_backends": "core.kernels", "Transformer": "core.model", "init_weights": "core.model",
     "Engine": "serve.engine", "Request": "serve.scheduler", "TPRuntime": "tp.runtime", "tp_forward": "tp.runtime",
-    "forward_flops": "measure.flops", "attention_cells": "measure.flops", "claim": "course.check",
-    "close": "course.check",
+    "forward_flops": "measure.flops", "attention_cells": "measure.flops",
 }
 __all__ = sorted(_EXPORTS)
 

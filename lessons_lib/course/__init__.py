@@ -8,4 +8,9 @@
   grading    how exercises are checked (a learner's check) and scored (a classroom grade cell)
   source     show_source: the engine's own code, shown where a lesson teaches it
   probe      which output rows change when one input row changes
+
+``claim`` and ``close`` (from ``check``) are importable from here: ``from lessons_lib.course import claim``.
 """
+from .check import claim, close
+
+__all__ = ["claim", "close"]
