@@ -29,6 +29,8 @@ from ..core.batch import cumulative, pack
 from ..core.config import ModelConfig
 from ..core.groups import LocalGroup
 from ..core.linear import QKVParallelLinear
+from ..core.model import AttentionContext
+from ..measure.recorder import module_io
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..validate import check_choice, check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
@@ -155,55 +157,72 @@ def _cu_of(cu: list[int], rows: slice) -> list[int]:
     return inside
 
 
+# The ten steps of a block: (name, kind, the module that runs it; None: a residual add, no module of its own)
+BLOCK_STEPS = (("LayerNorm 1", "per token", "ln_1"), ("QKV proj", "linear", "attn.qkv"),
+               ("attention", "attention", "attn.core"), ("out proj", "linear", "attn.out_proj"),
+               ("residual add 1", "per token", None), ("LayerNorm 2", "per token", "ln_2"),
+               ("FFN-up", "linear", "mlp.fc_up"), ("GeLU", "per token", "mlp.act"),
+               ("FFN-down", "linear", "mlp.fc_down"), ("residual add 2", "per token", None))
+# what the step after each one reads, in the block's own forward: its input ("in") or its output ("out")
+_READ = {"ln_1": ("attn.qkv", "in"), "attn.qkv": ("attn.qkv", "out"), "attn.core": ("attn.out_proj", "in"),
+         "attn.out_proj": ("attn.out_proj", "out"), "ln_2": ("mlp.fc_up", "in"), "mlp.fc_up": ("mlp.fc_up", "out"),
+         "mlp.act": ("mlp.fc_down", "in"), "mlp.fc_down": ("mlp.fc_down", "out")}
+
+
 @torch.no_grad()
 def block_steps(block, x: Tensor, seq_lens: Sequence[int], backend: str = "loop") -> list[BlockStep]:
-    """Run ``block`` (a ``model.Block``) on the flat rows ``x [T, d]`` one step at a time.
+    """Run ``block`` (a ``model.Block``) on the flat rows ``x [T, d]`` and read its ten steps off it.
 
-    Steps: LayerNorm, QKV, attention (varlen, causal, ``backend``), out proj, residual,
-    LayerNorm, FFN-up, GeLU, FFN-down, residual: the modules of the block itself, and the same
-    GeLU and adds as ``Block.forward`` and ``MLP.forward``, so that the last output equals
-    ``block(x, attn)`` bit for bit (tested).
+    One real ``block(x)`` (attention varlen, causal, ``backend``) runs under forward hooks on the
+    block's own modules (``measure.recorder.module_io``): each step's output is what the NEXT step
+    read in that forward (the first residual is ``ln_2``'s input, the second the block's output),
+    so ``Block.forward`` decides every value shown. Each step's ``fn`` is the module alone (a
+    residual: its skip rows plus the step's input), ``fn64`` the same on a float64 twin, for
+    ``measure_steps`` to run a request alone. The last output is ``block(x)``, bit for bit.
     """
     lens = check_lengths(seq_lens)
     cu = cumulative(lens)
     if x.shape[0] != cu[-1]:
         raise ValueError(f"x has {x.shape[0]} rows, seq_lens add up to {cu[-1]}")
     twin = copy.deepcopy(block).double()
-    steps: list[BlockStep] = []
     whole = slice(None)
 
-    def attention_of(b):
-        def fn(t, rows=whole):
-            c = _cu_of(cu, rows)
-            meta = VarlenMetadata.build(c, device=t.device)
-            q, k, v = b.attn.qkv.split(t)                           # each [T, H, D]
-            return attention_forward(q, k, v, meta, backend, causal=True).flatten(1)  # [T, H·D]
-        return fn
+    def with_context(b, rows, run):
+        b.attn.core.context = AttentionContext(VarlenMetadata.build(_cu_of(cu, rows), device=x.device), backend)
+        try:
+            return run()
+        finally:
+            b.attn.core.context = None  # a context never outlives its forward
 
-    def add(name, kind, fn, fn64, inp):
-        out = fn(inp, whole)
-        steps.append(BlockStep(name, kind, fn, fn64, inp, out))
-        return out
+    paths = [p for _, _, p in BLOCK_STEPS if p] + [""]
+    io = with_context(block, whole, lambda: module_io(block, paths, lambda: block(x)))
+    missing = [p for p in paths if p not in io]
+    if missing:
+        raise RuntimeError(f"Block.forward did not run {missing}: block_steps reads every step off its modules")
 
-    def module(m):
+    def fn_of(b, path):
+        if path == "attn.core":  # [T, 3·H·D] -> q, k, v [T, H, D] -> [T, H·D]
+            return lambda t, rows=whole: with_context(b, rows, lambda: b.attn.core(*b.attn.qkv.split(t)).flatten(1))
+        m = b.get_submodule(path)
         return lambda t, rows=whole: m(t)
 
     def residual(skip):
         return lambda t, rows=whole: skip[rows].to(t.dtype) + t
 
-    def gelu(t, rows=whole):
-        return F.gelu(t, approximate="tanh")
-
-    h = add("LayerNorm 1", "per token", module(block.ln_1), module(twin.ln_1), x)
-    qkv = add("QKV proj", "linear", module(block.attn.qkv), module(twin.attn.qkv), h)
-    o = add("attention", "attention", attention_of(block), attention_of(twin), qkv)
-    a = add("out proj", "linear", module(block.attn.out_proj), module(twin.attn.out_proj), o)
-    x1 = add("residual add 1", "per token", residual(x), residual(x.double()), a)
-    h2 = add("LayerNorm 2", "per token", module(block.ln_2), module(twin.ln_2), x1)
-    up = add("FFN-up", "linear", module(block.mlp.fc_up), module(twin.mlp.fc_up), h2)
-    g = add("GeLU", "per token", gelu, gelu, up)
-    down = add("FFN-down", "linear", module(block.mlp.fc_down), module(twin.mlp.fc_down), g)
-    add("residual add 2", "per token", residual(x1), residual(x1.double()), down)
+    # (skip rows, output) of the two residual adds: the block's input and ln_2's; ln_2's input and the block's output
+    residuals = iter([(io["ln_1"][0][0], io["ln_2"][0][0]), (io["ln_2"][0][0], io[""][1])])
+    steps: list[BlockStep] = []
+    inp = x
+    for name, kind, path in BLOCK_STEPS:
+        if path is None:
+            skip, out = next(residuals)
+            fn, fn64 = residual(skip), residual(skip.double())
+        else:
+            fn, fn64 = fn_of(block, path), fn_of(twin, path)
+            reader, side = _READ[path]
+            out = io[reader][0][0] if side == "in" else io[reader][1]
+        steps.append(BlockStep(name, kind, fn, fn64, inp, out))
+        inp = out
     return steps
 
 

@@ -30,6 +30,7 @@ from ..core.groups import CollectiveRecord, LocalGroup
 from ..core.linear import QKVParallelLinear
 from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
+from ..measure.recorder import module_io
 from ..measure.tolerance import float64_twin
 from ..tp.dryrun import record_trace, trace_signature
 from ..tp.trace import summarize_trace
@@ -68,10 +69,6 @@ class RankLayer:
                 f"{self.products} products per output number{after}")
 
 
-class _Stop(Exception):
-    """Raised by a hook once it has what it needs: the rest of the forward is not run."""
-
-
 def _one_layer(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, n_layers=1, vocab_size=1, max_position=1)
 
@@ -88,44 +85,23 @@ def rank_layers(cfg: ModelConfig, num_tokens: int, rank: int = 0, world_size: in
     small = _one_layer(cfg)
     group = LocalGroup(rank, world_size)
     model = Transformer(small, init_weights(small), group=group, attn_backend="masked")
-    block, seen = model.layers[0], {}
-
-    def hook(name):
-        def remember(_module, inp, out) -> None:  # returns None: the output is left as it is
-            seen[name] = (tuple(inp[0].shape), tuple(out.shape))
-        return remember
-    handles = [block.get_submodule(path).register_forward_hook(hook(name)) for name, path, _ in _LINEARS]
-    try:
-        model(pack([torch.zeros(t, cfg.d_model, dtype=cfg.dtype)]))
-    finally:
-        for h in handles:
-            h.remove()
+    io = module_io(model.layers[0], [path for _, path, _ in _LINEARS],
+                   lambda: model(pack([torch.zeros(t, cfg.d_model, dtype=cfg.dtype)])))
+    seen = {name: (tuple(io[path][0][0].shape), tuple(io[path][1].shape)) for name, path, _ in _LINEARS}
     reduced = {r.layer for r in group.trace}
     return [RankLayer(name, split, *seen[name], seen[name][0][1], f"layers.0.{path}" in reduced)
             for name, path, split in _LINEARS]
 
 
 def layer0_attention(model: Transformer, batch: PackedBatch) -> Tensor:
-    """Layer 0's attention output on this model's rank, ``[T, H_local, D]``: what out proj receives.
+    """Layer 0's attention output on this model's rank, ``[T, H_local, D]``: what its attention core
+    returned in one forward of ``batch`` (a forward hook on ``layers.0.attn.core``).
 
     Layer 0's input is the embedding, replicated, so a ``LocalGroup(rank, 2)`` stand-in computes
     exactly what a real rank does there (later layers would need the other rank's partial sums).
     """
-    got = {}
-
-    def grab(_m, inp):
-        got["o"] = inp[0]
-        raise _Stop
-
-    handle = model.layers[0].attn.out_proj.register_forward_pre_hook(grab)
-    try:
-        model(batch)
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    qkv = model.layers[0].attn.qkv
-    return got["o"].view(got["o"].shape[0], qkv.n_local_heads, qkv.d_head)   # [T, H_local, D]
+    io = module_io(model, ["layers.0.attn.core"], lambda: model(batch))
+    return io["layers.0.attn.core"][1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ The op names live in one table each: ``MATMUL_OPS``, ``SOFTMAX_OPS``, ``FUSED_AT
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -185,3 +185,22 @@ def record_matmuls(fn: Callable[[], object]) -> list[Matmul]:
     "loop" and "masked" backends shows up as one ``bmm`` pair per request (or per batch);
     fused kernels (SDPA, varlen) as one pair per score block."""
     return record_ops(fn).matmuls
+
+
+def module_io(root: torch.nn.Module, paths: Sequence[str], fn: Callable[[], object]) -> dict[str, tuple[tuple, object]]:
+    """Run ``fn()`` with a forward hook on each ``root.get_submodule(path)`` (``""``: ``root`` itself)
+    and return ``{path: (inputs, output)}`` of its last call: what the model's own modules read
+    and wrote, positional inputs as a tuple. A module that did not run is missing."""
+    seen: dict[str, tuple[tuple, object]] = {}
+
+    def hook(path):
+        def remember(_module, args, out) -> None:  # returns None: the output is left as it is
+            seen[path] = (tuple(args), out)
+        return remember
+    handles = [root.get_submodule(p).register_forward_hook(hook(p)) for p in paths]
+    try:
+        fn()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
