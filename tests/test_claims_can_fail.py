@@ -21,23 +21,26 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 REPO = Path(__file__).resolve().parents[1]
-CLAIM_IDS = ["S1", "S2", "S3"] + [f"C{i}" for i in range(1, 16)]
+CLAIM_IDS = ["S1", "S2", "S3"] + [f"C{i}" for i in range(1, 16)] + [f"K{i}" for i in range(1, 6)]
+VARIANTS = sorted(k for k in BREAKS if ":" in k)  # more breakages of one claim, "<id>:<variant>", e.g. "C4:gelu"
 
 
 def test_every_claim_has_a_breakage_and_a_claim_cell():
-    assert sorted(BREAKS) == sorted(CLAIM_IDS), f"missing: {sorted(set(CLAIM_IDS) - set(BREAKS))}"
-    for claim_id, b in BREAKS.items():
+    claims = {key.split(":")[0] for key in BREAKS}
+    assert sorted(claims) == sorted(CLAIM_IDS), f"missing: {sorted(set(CLAIM_IDS) - claims)}"
+    for key, b in BREAKS.items():
         nb = nbformat.read(REPO / "notebooks" / f"{b.notebook}.ipynb", as_version=4)
-        assert claim_cells(nb, claim_id), f"{b.notebook} has no '# claim {claim_id}' cell"
+        assert claim_cells(nb, key.split(":")[0]), f"{b.notebook} has no '# claim {key}' cell"
 
 
-@pytest.mark.parametrize("claim_id", CLAIM_IDS)
+@pytest.mark.parametrize("claim_id", CLAIM_IDS + VARIANTS)
 def test_claim_cell_fails_with_the_engine_broken(claim_id, monkeypatch, tmp_path):
     if claim_id not in BREAKS:
         pytest.fail(f"no breakage registered for {claim_id} in tests/breakages.py")
     b = BREAKS[claim_id]
     nb = nbformat.read(REPO / "notebooks" / f"{b.notebook}.ipynb", as_version=4)
-    target = claim_cells(nb, claim_id)[0]
+    claim = claim_id.split(":")[0]  # a variant fails the same claim cell
+    target = claim_cells(nb, claim)[0]
     install_in_children(monkeypatch, "breakages", LESSONS_BREAK=claim_id)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
@@ -54,7 +57,7 @@ def test_claim_cell_fails_with_the_engine_broken(claim_id, monkeypatch, tmp_path
             errors[i] = "\n".join("\n".join(o.get("traceback", [])) + o.get("evalue", "")
                                   for o in cell.outputs if o.output_type == "error")
     failure = re.sub(r"\x1b\[[0-9;]*m", "", errors.get(target, ""))
-    assert f"✗ {claim_id} FAILED" in failure, (
-        f"with '{b.what}', the claim cell {target} of {b.notebook} should fail with '✗ {claim_id} FAILED'; "
+    assert f"✗ {claim} FAILED" in failure, (
+        f"with '{b.what}', the claim cell {target} of {b.notebook} should fail with '✗ {claim} FAILED'; "
         f"it gave: {failure[-800:] or 'no error'}; earlier errors: "
         f"{ {i: e[-200:] for i, e in errors.items() if e and i != target} }")

@@ -557,9 +557,9 @@ def check_causal_bound(fn: Callable[[int, int, int, int], int]) -> bool:
         if got == want:
             return None
         last_row = min(start + block_m, len_q) - 1
-        if got == min(len_k, start + block_m + len_k - len_q) and start + block_m > len_q:
-            return (f"got {got}, expected {want}: the tile's last REAL row is min(tile_start + BLOCK_M, len_q) - 1 = "
-                    f"{last_row}; the rows past the request's end need no key")
+        if got == max(0, min(len_k, start + 1 + len_k - len_q)) and last_row > start:
+            return (f"got {got}, expected {want}: that is what the tile's FIRST row needs; the LAST real row, "
+                    f"min(tile_start + BLOCK_M, len_q) - 1 = {last_row}, sees the most keys")
         if got == min(len_k, min(start + block_m, len_q)) and len_k != len_q:
             return (f"got {got}, expected {want}: with more keys than queries the diagonal is bottom-right aligned: "
                     f"row i sees keys j <= i + len_k - len_q = i + {len_k - len_q}")
@@ -633,13 +633,13 @@ def check_launch(fn: Callable[[list, int, int], tuple]) -> bool:
         programs, exits = _measured_launch(lens, heads, block_m)
         if ans == (programs, exits):
             return None
+        if ans == (programs // heads, exits // heads) and heads > 1:
+            return f"got {ans}, the kernel counts ({programs}, {exits}): every head has its own programs (x {heads})"
         own = heads * sum(cdiv(n, block_m) for n in lens)
-        if ans[0] == own:
+        if ans[0] == own and own != programs:
             return (f"got {ans}, the kernel counts ({programs}, {exits}): the grid is sized by the LONGEST request, "
                     f"(ceil(max_seqlen / BLOCK_M), H, R) = ({cdiv(max(lens), block_m)}, {heads}, {len(lens)}), not by "
                     "each request's own tiles")
-        if ans == (programs // heads, exits // heads) and heads > 1:
-            return f"got {ans}, the kernel counts ({programs}, {exits}): every head has its own programs (x {heads})"
         if ans[0] == programs and ans[1] != exits:
             strict = heads * sum(1 for n in lens for m in range(cdiv(max(lens), block_m)) if m * block_m > n)
             hint = (" - a tile that starts exactly AT the request's end (m * BLOCK_M == L) has no row either: "

@@ -1,0 +1,280 @@
+"""Lesson 07's course module (lessons_lib/course/l07_kernel.py): the program-by-program picture against the
+kernel's own counters, the online-softmax replay, the break-one-line helper, the explorer's state, the
+checkers. Kernel runs are kept to a few dozen programs (Triton's interpreter: ~10 ms each)."""
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from lessons_lib.core.attention import attention_ref
+from lessons_lib.course import l07_kernel as L
+from lessons_lib.course.grading import WrongAnswer, score
+from lessons_lib.measure.profile import random_qkv
+from lessons_lib.ops import tiling
+
+needs_kernel = pytest.mark.skipif(L.kernel_module() is None, reason="triton not installed (Linux wheels only)")
+
+
+# ---- the picture and its totals -----------------------------------------------------------------------
+
+def test_k2_the_program_table_adds_up_to_the_kernels_counters():
+    rng = random.Random(7)
+    for _ in range(200):  # the pure picture against the pure predictor, on many mixes
+        lens = [rng.randint(0, 90) for _ in range(rng.randint(1, 5))]
+        if not max(lens):
+            continue
+        bm, bn, causal = rng.choice([16, 32, 64]), rng.choice([16, 32, 64]), rng.random() < 0.5
+        table = L.program_table(lens, block_m=bm, block_n=bn, causal=causal)
+        assert L.table_totals(table, 2, bm, bn) == tiling.predict_work(lens, n_heads=2, block_m=bm, block_n=bn,
+                                                                       causal=causal), (lens, bm, bn, causal)
+    table = L.program_table([70, 5, 20], block_m=16, block_n=16, causal=True)
+    assert [p.status for p in table if p.request == 1] == ["partly masked", "returned", "returned", "returned", "returned"]
+    assert sum(p.status == "returned" for p in table) * 2 == 14
+
+
+@needs_kernel
+def test_k2_the_kernels_counters_equal_the_picture_for_a_long_and_short_mix():
+    lens = [70, 5, 20]
+    q, k, v, cu = random_qkv(lens, 2, 16, seed=2)
+    _, measured = L.run_kernel(q, k, v, cu, block_m=16, block_n=16)
+    assert measured == L.table_totals(L.program_table(lens, block_m=16, block_n=16, causal=True), 2, 16, 16)
+    assert measured.early_exits == 14
+
+
+def test_program_cells_colours_each_cell_by_what_the_kernel_does_with_it():
+    pic = L.program_cells(20, 20, grid_m=2, block_m=16, block_n=16, causal=True)
+    assert pic.shape == (32, 32)
+    assert not (pic[16:] == L.RETURNED).any()  # band 1 holds rows 16..19 of the request: it works
+    rows, cols = np.indices((20, 20))
+    useful = pic[:20, :20] == L.USEFUL
+    assert np.array_equal(useful, cols <= rows)  # exactly the causal lower triangle of the request
+    assert (pic[:16, 16:] == L.SKIPPED).all()  # band 0's second key tile is wholly above the diagonal
+    assert (pic[20:32, :32][pic[20:32, :32] != L.SKIPPED] == L.WASTED).all()  # rows past the end: computed, thrown away
+    short = L.program_cells(5, 5, grid_m=3, block_m=16, block_n=16, causal=False)
+    assert (short[16:] == L.RETURNED).all() and int((short == L.USEFUL).sum()) == 25
+
+
+def test_k3_causal_computes_n_plus_1_over_2n_of_the_tiles():
+    for block in (16, 32, 64):
+        n = 256 // block
+        causal = tiling.predict_work([256], block_m=block, block_n=block, causal=True)
+        full = tiling.predict_work([256], block_m=block, block_n=block, causal=False)
+        picture = L.table_totals(L.program_table([256], block_m=block, block_n=block, causal=True), 1, block, block)
+        assert picture == causal and Fraction(causal.tiles, full.tiles) == Fraction(n + 1, 2 * n)
+    if L.kernel_module() is not None:
+        q, k, v, cu = random_qkv([128], 1, 16, seed=3)
+        assert L.run_kernel(q, k, v, cu, block_m=32, block_n=32)[1].tiles == 10  # 1 + 2 + 3 + 4
+
+
+def test_k4_a_short_request_uses_a_sliver_of_its_tile():
+    pic = L.program_cells(10, 10, grid_m=1, block_m=64, block_n=64, causal=False)
+    assert int((pic == L.USEFUL).sum()) == 100 and int((pic == L.WASTED).sum()) == 4096 - 100
+    w = tiling.predict_work([10], block_m=64, block_n=64, causal=False)
+    assert (w.cells, w.executed_cells) == (100, 4096)
+    if L.kernel_module() is not None:
+        q, k, v, cu = random_qkv([10], 1, 16, seed=4)
+        out, measured = L.run_kernel(q, k, v, cu, causal=False, block_m=64, block_n=64)
+        assert (measured.cells, measured.executed_cells) == (100, 4096)
+        assert torch.allclose(out, attention_ref(q, k, v, cu, causal=False), atol=1e-5)
+
+
+def test_launch_picture_says_whether_the_kernels_counters_agree():
+    lens = [100, 20, 60]
+    total = tiling.predict_work(lens, block_m=32, block_n=32, causal=True)
+    fig = L.launch_picture(lens, block_m=32, block_n=32, causal=True, measured=total)
+    text = " ".join(t.get_text() for t in fig.texts)
+    assert "12 programs: 5 return at once" in text and "the same" in text
+    off = tiling.predict_work(lens, block_m=32, block_n=32, causal=False)
+    fig = L.launch_picture(lens, block_m=32, block_n=32, causal=True, measured=off)
+    assert "DIFFER" in " ".join(t.get_text() for t in fig.texts)
+
+
+# ---- online softmax -------------------------------------------------------------------------------------
+
+def test_k5_the_online_softmax_replay_is_the_softmax_and_the_bug_is_not():
+    _, _, v, _, row, scores = L.softmax_example()
+    s, values = scores[row].double(), v[:, 0].double()
+    exact = torch.softmax(s, 0) @ values
+    out, steps = L.online_softmax(s, values, 16)
+    assert float((out - exact).abs().max()) < 1e-14
+    assert all(st.error < 1e-14 for st in steps) and sum(st.max_grew for st in steps) >= 2
+    assert [st.keys_seen for st in steps] == [16, 32, 48, 64]
+    bad, bad_steps = L.online_softmax(s, values, 16, rescale=False)
+    assert float((bad - exact).abs().max()) > 1e-2
+    assert bad_steps[0].error < 1e-14  # the first tile is right: nothing to rescale yet
+    one_tile, _ = L.online_softmax(s, values, 64, rescale=False)  # a single tile never rescales: no bug to see
+    assert float((one_tile - exact).abs().max()) < 1e-14
+
+
+def test_growing_max_row_picks_the_row_whose_max_grows_most():
+    scores = torch.tensor([[5.0, 0, 0, 0], [0, 1, 2, 3], [3, 2, 1, 0]])
+    assert L.growing_max_row(scores, 1) == 1
+
+
+# ---- the kernel's source, and one line of it changed -------------------------------------------------------
+
+def test_kernel_source_is_the_files_text_with_its_line_numbers():
+    heading, code = L.kernel_source()
+    lines = L.KERNEL_FILE.read_text().splitlines()
+    first, last = (int(x) for x in heading.split("lines ")[1].split(":")[0].split("-"))
+    assert code.splitlines() == lines[first - 1:last]
+    assert code.startswith("@triton.jit\ndef _varlen_fwd_kernel(")
+    part = L.kernel_source(start="m_new = tl.maximum", stop="if COUNT:")[1]
+    assert part.strip().startswith("m_new = tl.maximum") and "l_i = l_i * alpha" in part and "tiles += 1" not in part
+    assert "triton.cdiv(max_seqlen_q, block_m)" in L.kernel_source(name="varlen_fwd")[1]
+    with pytest.raises(ValueError, match="is not in the source"):
+        L.kernel_source(start="no such line")
+
+
+def test_changed_source_changes_exactly_one_line_and_refuses_an_ambiguous_one():
+    _, code = L.kernel_source()
+    for old, new in L.KERNEL_BUGS.values():
+        changed = L.changed_source(old, new)
+        diff = [(a, b) for a, b in zip(code.splitlines(), changed.splitlines()) if a != b]
+        assert len(diff) == 1 and new in diff[0][1] and old.strip() in diff[0][0]
+    with pytest.raises(ValueError, match="lines whose code is"):
+        L.changed_source("if COUNT:", "if False:")  # several lines: name exactly one
+    with pytest.raises(ValueError, match="0 lines"):
+        L.changed_source("no such line", "x = 1")
+
+
+@needs_kernel
+def test_each_kernel_bug_moves_a_counter_or_the_output_and_the_real_kernel_comes_back():
+    tv = L.kernel_module()
+    real = tv._varlen_fwd_kernel
+    lens = [40, 5]
+    q, k, v, cu = random_qkv(lens, 1, 16, seed=9)
+    effects = {}
+    for bug in L.KERNEL_BUGS:
+        causal = bug != "columns past the end kept"
+        want = tiling.predict_work(lens, block_m=16, block_n=16, causal=causal)
+        with L.kernel_with(bug):
+            assert tv._varlen_fwd_kernel is not real
+            out, counts = L.run_kernel(q, k, v, cu, causal=causal, block_m=16, block_n=16)
+        assert tv._varlen_fwd_kernel is real
+        wrong = not torch.allclose(out, attention_ref(q, k, v, cu, causal=causal), atol=1e-4)
+        effects[bug] = (counts.tiles != want.tiles, wrong)
+    assert effects == {"no early return": (True, False), "causal bound one tile late": (True, False),
+                       "sum not rescaled": (False, True), "columns past the end kept": (False, True)}
+    with pytest.raises(ValueError, match="unknown kernel bug"):
+        with L.kernel_with("no such bug"):
+            pass
+    assert tv._varlen_fwd_kernel is real
+
+
+@needs_kernel
+def test_count_launches_sees_through_a_swapped_kernel():
+    tv = L.kernel_module()
+    q, k, v, cu = random_qkv([3, 5, 2], 1, 16, seed=1)
+    with L.kernel_with("no early return"), tv.count_launches() as grids:
+        tv.triton_varlen_attention(q, k, v, cu, block_m=16, block_n=16)
+    assert grids == [(1, 1, 3)]
+
+
+# ---- the explorer ------------------------------------------------------------------------------------------
+
+def test_kernel_state_runs_the_kernel_and_its_numbers_follow_the_input():
+    a = L.kernel_state("10, 30", 16, 16, True)
+    assert a["seq_lens"] == [10, 30] and a["grid"] == (2, 1, 2)
+    assert a["predicted"] == tiling.predict_work([10, 30], block_m=16, block_n=16, causal=True)
+    assert L.table_totals(a["table"], 1, 16, 16) == a["predicted"]
+    if L.kernel_module() is not None:
+        assert a["ran"] and a["measured"] == a["predicted"] and a["error"] <= a["bound"]
+    b = L.kernel_state("10 30 64", 32, 16, False)
+    assert b["predicted"] == tiling.predict_work([10, 30, 64], block_m=32, block_n=16, causal=False)
+    assert b["predicted"] != a["predicted"]
+    html = L.kernel_counts_html(b)
+    assert f"programs: measured {b['measured'].programs if b['ran'] else 'not run'} | predicted 6 | picture 6" in html
+    big = L.kernel_state("512, 512", 16, 16, True)  # 64 programs: more than the interpreter is allowed here
+    if L.kernel_module() is not None and L.kernel_module().INTERPRETED:
+        assert not big["ran"] and "more than 48" in big["why"] and "kernel not run" in L.kernel_status_html(big)
+    with pytest.raises(ValueError, match="not a whole number"):
+        L.kernel_state("10, x")
+
+
+def test_without_triton_the_state_and_the_checkers_fall_back_to_the_prediction(monkeypatch):
+    monkeypatch.setattr(L, "_load", lambda: (None, "ModuleNotFoundError: No module named 'triton'"))
+    state = L.kernel_state("10, 30")
+    assert not state["ran"] and "Linux wheels only" in state["why"] and state["predicted"].programs == 4
+    assert "No module named 'triton'" in L.kernel_missing()
+    assert L.check_launch(_reference_launch) and L.check_causal_bound(_reference_bound)
+    with pytest.raises(RuntimeError, match="does not run here"):
+        L.run_kernel(*random_qkv([3], 1, 16))
+
+
+def test_the_explorer_widget_updates_on_new_lengths():
+    pytest.importorskip("ipywidgets")
+    box = L.kernel_explorer("10, 30")
+    text = next(c for c in box.children[0].children if "k7x-lengths" in c._dom_classes)
+    counts = next(c for c in box.children if "k7x-counts" in c._dom_classes)
+    before = counts.value
+    text.value = "5, 50"
+    assert counts.value != before and "predicted 8" in counts.value  # grid (4, 1, 2)
+    text.value = "oops"
+    status = next(c for c in box.children if "k7x-status" in c._dom_classes)
+    assert "not a whole number" in status.value
+
+
+# ---- the checkers ------------------------------------------------------------------------------------------
+
+def _reference_bound(len_q, len_k, tile_start, block_m):
+    last_row = min(tile_start + block_m, len_q) - 1
+    return max(0, min(len_k, last_row + 1 + len_k - len_q))
+
+
+def _reference_launch(seq_lens, n_heads, block_m):
+    grid_m = -(-max(seq_lens) // block_m)
+    return grid_m * n_heads * len(seq_lens), n_heads * sum(1 for n in seq_lens for m in range(grid_m) if m * block_m >= n)
+
+
+def _reference_tiles(seq_lens, max_programs):
+    best = min((w.executed_cells, bm, bn) for bm, bn, w in L.tile_choices(seq_lens, max_programs))
+    return best[1], best[2]
+
+
+def test_the_checkers_accept_the_references(capsys):
+    assert L.check_causal_bound(_reference_bound)
+    assert L.check_launch(_reference_launch)
+    assert L.check_tiles(_reference_tiles)
+    assert capsys.readouterr().out.count("✓") == 3
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (lambda lq, lk, s, bm: max(0, min(lk, s + 1 + lk - lq)), "FIRST row"),                 # the tile's first row
+    (lambda lq, lk, s, bm: max(0, min(lk, min(s + bm, lq))), "bottom-right aligned"),      # ignores L_k - L_q
+    (lambda lq, lk, s, bm: max(0, min(lk, min(s + bm, lq) - 1 + lk - lq)), "too few keys"),
+    (lambda lq, lk, s, bm: lk, "more keys than the tile needs"),                            # no causal bound at all
+])
+def test_causal_bound_checker_explains_a_wrong_bound(wrong, phrase):
+    with pytest.raises(WrongAnswer, match=phrase):
+        L.check_causal_bound(wrong)
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (lambda lens, h, bm: (h * sum(-(-n // bm) for n in lens), 0), "sized by the LONGEST request"),
+    (lambda lens, h, bm: (_reference_launch(lens, 1, bm)[0], _reference_launch(lens, 1, bm)[1]), "every head"),
+    (lambda lens, h, bm: (_reference_launch(lens, h, bm)[0],
+                          h * sum(1 for n in lens for m in range(-(-max(lens) // bm)) if m * bm > n)), "the test is >="),
+])
+def test_launch_checker_explains_a_wrong_count(wrong, phrase):
+    with pytest.raises(WrongAnswer, match=phrase):
+        L.check_launch(wrong)
+
+
+def test_tiles_checker_explains_a_choice_over_the_bound_or_not_optimal():
+    with pytest.raises(WrongAnswer, match="76 programs, more than the 12 allowed"):
+        L.check_tiles(lambda lens, p: (16, 16))  # right until the 300-token draft: 19 query tiles x 4 requests
+    with pytest.raises(WrongAnswer, match="executes"):
+        L.check_tiles(lambda lens, p: (128, 128))
+    with pytest.raises(WrongAnswer, match="must each be one of"):
+        L.check_tiles(lambda lens, p: (48, 16))
+
+
+def test_a_grade_gives_partial_credit_with_the_explanation(capsys):
+    points = score(L.check_launch, lambda lens, h, bm: _reference_launch(lens, 1, bm), points=2)
+    out = capsys.readouterr().out
+    assert 0 < points < 2 and "every head" in out
