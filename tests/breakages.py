@@ -6,7 +6,9 @@ notebook's kernel and in every TP worker it spawns) and it applies that one brea
 then checks that the claim's cell fails with ``✗ <id> FAILED``. A claim no breakage can fail
 would be a claim that proves nothing.
 
-Each entry: ``BREAKS[id] = Breakage(notebook, what, apply)``; ``apply()`` monkeypatches
+Each entry: ``BREAKS[id] = Breakage(notebook, what, apply)``; a claim can have more breakages,
+each under ``"<id>:<variant>"`` (``breaks(id, ..., variant="gelu")``), whose run needs the same
+claim cell to fail. ``apply()`` monkeypatches
 ``lessons_lib`` in this process. Patch a function where it is LOOKED UP: ``from .attention
 import attention_forward`` in ``model.py`` keeps its own reference, so patch both modules.
 """
@@ -29,12 +31,15 @@ class Breakage:
 BREAKS: dict[str, Breakage] = {}
 
 
-def breaks(claim_id: str, notebook: str, what: str):
-    """Register ``apply`` as the breakage of ``claim_id`` (checked by the test for every claim id)."""
+def breaks(claim_id: str, notebook: str, what: str, variant: str | None = None):
+    """Register ``apply`` as the breakage of ``claim_id`` (checked by the test for every claim id);
+    ``variant``: one more breakage of that claim, registered as ``"<claim_id>:<variant>"``."""
+    key = claim_id if variant is None else f"{claim_id}:{variant}"
+
     def deco(apply: Callable[[], None]) -> Callable[[], None]:
-        if claim_id in BREAKS:
-            raise ValueError(f"{claim_id} has two breakages")
-        BREAKS[claim_id] = Breakage(notebook, what, apply)
+        if key in BREAKS:
+            raise ValueError(f"{key} has two breakages")
+        BREAKS[key] = Breakage(notebook, what, apply)
         return apply
     return deco
 

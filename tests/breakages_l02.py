@@ -50,3 +50,16 @@ def _per_tensor_activation_scale():
 breaks("C6", "02_linear_is_per_token",
        "QKVParallelLinear cuts the fused [Q; K; V] weight as one block, like a plain column-parallel layer, "
        "so rank 0 gets all of Q and half of K instead of its 4 heads of each")(qkv_cut_as_one_block)
+
+
+@breaks("C4", "02_linear_is_per_token",
+        "MLP.forward applies the exact (erf) GeLU instead of its own module, GPT-2's tanh approximation",
+        variant="gelu")
+def _mlp_forward_with_another_gelu():
+    import torch.nn.functional as F
+
+    from lessons_lib.core import model
+
+    def forward(self, x):
+        return self.fc_down(F.gelu(self.fc_up(x)))  # the bug: not self.act (approximate="tanh")
+    model.MLP.forward = forward

@@ -194,11 +194,11 @@ def block_steps(block, x: Tensor, seq_lens: Sequence[int], backend: str = "loop"
         finally:
             b.attn.core.context = None  # a context never outlives its forward
 
-    paths = [p for _, _, p in BLOCK_STEPS if p] + [""]
+    paths = sorted({reader for reader, _ in _READ.values()} | {"ln_2", ""})  # the modules whose inputs/outputs we read
     io = with_context(block, whole, lambda: module_io(block, paths, lambda: block(x)))
     missing = [p for p in paths if p not in io]
     if missing:
-        raise RuntimeError(f"Block.forward did not run {missing}: block_steps reads every step off its modules")
+        raise RuntimeError(f"Block.forward did not run {missing}: block_steps reads the steps off those modules")
 
     def fn_of(b, path):
         if path == "attn.core":  # [T, 3·H·D] -> q, k, v [T, H, D] -> [T, H·D]
@@ -210,7 +210,7 @@ def block_steps(block, x: Tensor, seq_lens: Sequence[int], backend: str = "loop"
         return lambda t, rows=whole: skip[rows].to(t.dtype) + t
 
     # (skip rows, output) of the two residual adds: the block's input and ln_2's; ln_2's input and the block's output
-    residuals = iter([(io["ln_1"][0][0], io["ln_2"][0][0]), (io["ln_2"][0][0], io[""][1])])
+    residuals = iter([(x, io["ln_2"][0][0]), (io["ln_2"][0][0], io[""][1])])
     steps: list[BlockStep] = []
     inp = x
     for name, kind, path in BLOCK_STEPS:
