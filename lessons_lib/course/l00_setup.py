@@ -46,10 +46,12 @@ LESSONS = (
      "C11, C12", 40),
     ("05", "Where the FLOPs go", "linear vs attention work, arithmetic intensity, a decode preview", "C13, C14, C15", 55),
     ("06", "A prefill engine", "a scheduler under a token budget: padded vs masked vs varlen", "S3 (+ C2, C8, C10, C12)", 60),
+    ("07", "Inside the kernel", "one Triton launch for all requests: the grid, causal tiles, online softmax",
+     "K1-K5", 50),
 )
 # What each lesson is mostly about, in the palette's meanings (a stripe on its box).
 _TOPIC = {"00": (COMM,), "01": (REQUEST[0],), "02": (LINEAR,), "03": (ATTENTION,), "04": (COMM,),
-          "05": (LINEAR, ATTENTION), "06": (REQUEST[0], LINEAR, ATTENTION, COMM)}
+          "05": (LINEAR, ATTENTION), "06": (REQUEST[0], LINEAR, ATTENTION, COMM), "07": (ATTENTION,)}
 
 
 def _wrap(text: str, width: int) -> str:
@@ -63,19 +65,20 @@ def _wrap(text: str, width: int) -> str:
     return "\n".join(lines + [line])
 
 
-@register("00_course_map", lesson="00", caption="the seven lessons, what each shows and the claims it proves")
+@register("00_course_map", lesson="00", caption="the lessons, what each shows and the claims it proves")
 def course_map() -> Figure:
-    """Seven boxes, one per lesson, in reading order: title, what it shows, the claim ids it proves.
+    """One box per lesson, in reading order: title, what it shows, the claim ids it proves.
 
     A coloured stripe on top of each box says what the lesson is about, in the palette's
     meanings (orange requests, green linear layers, blue attention, purple communication).
     """
-    fig = Figure(figsize=(12.6, 3.45))
+    w, h, gap, y = 1.66, 2.45, 0.12, 0.2
+    width = 0.24 + len(LESSONS) * (w + gap) - gap
+    fig = Figure(figsize=(width, 3.45))
     ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, 12.6)
+    ax.set_xlim(0, width)
     ax.set_ylim(0, 3.45)
     ax.axis("off")
-    w, h, gap, y = 1.66, 2.45, 0.12, 0.2
     for i, (num, title, shows, claims, minutes) in enumerate(LESSONS):
         x = 0.12 + i * (w + gap)
         ax.add_patch(Rectangle((x, y), w, h, facecolor=NEVER, edgecolor=OTHER, linewidth=1))
@@ -92,7 +95,7 @@ def course_map() -> Figure:
         if i:
             ax.add_patch(FancyArrowPatch((x - gap + 0.01, y + h / 2), (x - 0.01, y + h / 2), arrowstyle="-|>",
                                          mutation_scale=9, color=OTHER))
-    ax.text(0.12, 3.12, "The course: seven lessons, each proving the claims in italics "
+    ax.text(0.12, 3.12, f"The course: {len(LESSONS)} lessons, each proving the claims in italics "
             "(prefill only, whole requests, no KV cache)", fontsize=MIN_FONT + 2, color=TEXT, va="center")
     return fig
 
