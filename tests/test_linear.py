@@ -6,29 +6,13 @@ Runs in well under a second.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lessons_lib.core.groups import LocalGroup
 from lessons_lib.core.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-
-
-@dataclass
-class AddOthers:
-    """Rank ``rank`` of a simulated group: its all-reduce adds the other ranks' partials,
-    which the test computed beforehand (that is what a real all-reduce returns)."""
-
-    rank: int
-    world_size: int
-    others: torch.Tensor | None = None
-    trace: list = field(default_factory=list)
-
-    def all_reduce(self, tensor, *, layer=""):
-        self.trace.append((layer, tuple(tensor.shape)))
-        return tensor + self.others
+from lessons_lib.tp.threads import tp_ranks_in_threads
 
 
 def _full(out_f, in_f, seed=0):
@@ -74,13 +58,11 @@ def test_row_parallel_adds_bias_once_not_tp_times():
     h = torch.randn(40, d_in)
     n = d_in // tp
     parts = [h[:, r * n:(r + 1) * n] for r in range(tp)]
-    partials = [F.linear(parts[r], w[:, r * n:(r + 1) * n]) for r in range(tp)]  # [T, d_out] each
     full = F.linear(h, w, b)
-    for r in range(tp):
-        group = AddOthers(r, tp, others=sum(p for s, p in enumerate(partials) if s != r))
-        y = RowParallelLinear(d_in, d_out, group=group, name="x").load_full_(w, b)(parts[r])
+    outs = tp_ranks_in_threads(tp, lambda g: RowParallelLinear(d_in, d_out, group=g, name="x").load_full_(w, b)(parts[g.rank]))
+    for y, trace in outs:  # ranks as threads: the all-reduce really sums the partials
         torch.testing.assert_close(y, full, rtol=1e-6, atol=1e-6)
-        assert group.trace == [("x", (40, d_out))]  # one all-reduce of [T, d_out], before the bias
+        assert [(r.layer, r.shape) for r in trace] == [("x", (40, d_out))]  # one all-reduce of [T, d_out], before the bias
     # The bug avoided: bias added on every rank before the reduce -> (tp - 1) extra biases.
     buggy = sum(F.linear(parts[r], w[:, r * n:(r + 1) * n], b) for r in range(tp))
     torch.testing.assert_close(buggy - full, (tp - 1) * b.expand_as(full), rtol=0, atol=1e-5)
