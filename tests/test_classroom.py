@@ -177,6 +177,20 @@ def wrong(seq_lens, max_num_batched_tokens, max_num_seqs):  # sorts the whole st
         used += seq_lens[i]
     return batches + [batch]
 ''', "the budget counts requests too"),
+    # lesson 07
+    "ex07_1_grade": ('''
+def wrong(len_q, len_k, tile_start, block_m):  # what the tile's FIRST row needs, not its last
+    return max(0, min(len_k, tile_start + 1 + len_k - len_q))
+''', "FIRST row"),
+    "ex07_2_grade": ('''
+def wrong(seq_lens, n_heads, block_m):  # forgets that every head has its own programs
+    grid_m = -(-max(seq_lens) // block_m)
+    return grid_m * len(seq_lens), sum(1 for n in seq_lens for m in range(grid_m) if m * block_m >= n)
+''', "every head"),
+    "ex07_3_grade": ('''
+def wrong(seq_lens, max_programs):  # the smallest tiles, whatever the program bound
+    return 16, 16
+''', "more than the"),
 }
 
 STUDENTS = ("reference", "stub", "wrong")

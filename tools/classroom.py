@@ -82,7 +82,7 @@ c.OverwriteCells.add_missing_cells = True
 STUDENT_README = """\
 # Varlen prefill batching: the student release
 
-One folder per lesson; each holds one notebook. Work through them in order (00 to 06).
+One folder per lesson; each holds one notebook. Work through them in order ({first} to {last}).
 
 **Setup.** The notebooks import `lessons_lib`, the course's small engine. On the class
 JupyterHub it is installed for you. On your own machine, in a clone of the course repository,
@@ -446,7 +446,8 @@ def release(paths: list[Path], build: Path = BUILD, partial: bool = False, echo=
         echo(f"  {lesson.name}: {len(lesson.exercises)} exercises, "
              f"{sum(e.points for e in lesson.exercises):g} points ({time.perf_counter() - t0:.1f} s)")
     names = ", ".join(x.name for x in good)
-    (build / "release" / "README.md").write_text(STUDENT_README.format(lessons=names), encoding="utf-8")
+    readme = STUDENT_README.format(lessons=names, first=good[0].name[:2], last=good[-1].name[:2])
+    (build / "release" / "README.md").write_text(readme, encoding="utf-8")
     shutil.make_archive(str(build / "student-release"), "zip", build / "release")
     return Release(build, released, bad, time.perf_counter() - start)
 
