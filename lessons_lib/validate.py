@@ -286,8 +286,25 @@ def lengths(cu: Sequence[int]) -> list[int]:
 def row_starts(cu: Sequence[int], device=None) -> Tensor:
     """``[T]`` int64: the first row of each row's request (``[0, 2, 5]`` → ``[0, 0, 2, 2, 2]``), on
     ``device``; built from the host list with no device read."""
-    starts, lens = (torch.tensor(x, dtype=torch.int64, device=device) for x in (cu[:-1], lengths(cu)))
-    return starts.repeat_interleave(lens, output_size=cu[-1])
+    return per_row(cu, cu[:-1], device)
+
+
+def per_row(cu: Sequence[int], values: Sequence[int], device=None) -> Tensor:
+    """``[T]`` int64: ``values[i]`` on every row of request i (host lists in, no device read)."""
+    vals, lens = (torch.tensor(x, dtype=torch.int64, device=device) for x in (list(values), lengths(cu)))
+    return vals.repeat_interleave(lens, output_size=cu[-1])
+
+
+def check_num_computed(num_computed_tokens, seq_lens: Sequence[int]) -> list[int] | None:
+    """A batch's ``num_computed_tokens``: None, or one int >= 0 per request (tokens already in its KV cache)."""
+    if num_computed_tokens is None:
+        return None
+    if isinstance(num_computed_tokens, (str, bytes)) or not isinstance(num_computed_tokens, Sequence):
+        raise ValueError(f"num_computed_tokens must be a list of ints, got {type(num_computed_tokens).__name__}")
+    done = check_lengths(num_computed_tokens, 0, "num_computed_tokens")
+    if len(done) != len(seq_lens):
+        raise ValueError(f"num_computed_tokens has {len(done)} entries for {len(seq_lens)} requests")
+    return done
 
 
 def check_tp_divides(cfg, name: str, n: int) -> None:
@@ -301,13 +318,14 @@ def _shape(t):
 
 
 def check_batch(cfg, batch, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                name: str = "batch") -> list[int]:
+                name: str = "batch", cached: bool = True) -> list[int]:
     """Refuse a flat batch that a model of ``cfg`` (on ``device``, in ``dtype``) cannot run.
 
     The fields must agree with each other (``cu_seqlens``, ``seq_lens``, ``max_seqlen`` and
     positions that restart at 0 for every request); with a ``cfg``, token ids must lie in the
     vocabulary and every request within ``max_position``, hidden rows must be ``[T, d_model]``,
-    in the model's dtype, finite. Returns ``cu_seqlens`` as a list.
+    in the model's dtype, finite. ``num_computed_tokens`` (chunks) needs ``cached``: a KV cache for
+    the forward. Returns ``cu_seqlens`` as a list.
     """
     if not all(hasattr(batch, f) for f in BATCH_FIELDS):
         raise ValueError(f"{name} must be a PackedBatch (see pack), got {type(batch).__name__}")
@@ -334,11 +352,16 @@ def check_batch(cfg, batch, device: torch.device | None = None, dtype: torch.dty
     if pos.shape != (t,) or pos.is_floating_point() or pos.dtype == torch.bool or pos.device != rows.device:
         raise ValueError(f"{name}.positions must be integer [T={t}] on {rows.device}, got {pos.dtype} "
                          f"shape {tuple(pos.shape)} on {pos.device}")
-    starts = row_starts(cu, pos.device)
+    done = check_num_computed(getattr(batch, "num_computed_tokens", None), lens)
+    if not cached and any(done or ()):
+        raise ValueError(f"{name} continues requests (num_computed_tokens={done}) but no kv_cache holds their "
+                         "earlier tokens: pass kv_cache=")
+    starts = row_starts(cu, pos.device) - (0 if done is None else per_row(cu, done, pos.device))
     bad = (pos.long() != torch.arange(t, device=pos.device) - starts).nonzero()
     if bad.numel():
         row = int(bad[0, 0])
-        raise ValueError(f"{name}.positions must restart at 0 for every request: row {row} has position "
+        rule = "restart at 0 for every request" if done is None else "start at each request's num_computed_tokens"
+        raise ValueError(f"{name}.positions must {rule}: row {row} has position "
                          f"{int(pos[row])}, expected {row - int(starts[row])}")
     if cfg is None:
         return cu
@@ -346,8 +369,9 @@ def check_batch(cfg, batch, device: torch.device | None = None, dtype: torch.dty
         lo, hi = (int(x) for x in torch.aminmax(rows)) if t else (0, 0)
         if lo < 0 or hi >= cfg.vocab_size:
             raise ValueError(f"{name}.input_ids must be in [0, vocab_size={cfg.vocab_size}), got min {lo}, max {hi}")
-        if max(lens) > cfg.max_position:  # max_seqlen is only an upper bound: the real lengths decide
-            raise ValueError(f"a request of {max(lens)} tokens exceeds max_position={cfg.max_position}")
+        ends = lens if done is None else [c + n for c, n in zip(done, lens)]
+        if max(ends) > cfg.max_position:  # max_seqlen is only an upper bound: the real lengths decide
+            raise ValueError(f"a request of {max(ends)} tokens exceeds max_position={cfg.max_position}")
     else:
         want = dtype or cfg.dtype
         if rows.dim() != 2 or rows.shape[1] != cfg.d_model or rows.dtype != want:

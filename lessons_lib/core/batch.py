@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validate import check_cu_seqlens, check_lengths, check_pack_requests, request_tensors, row_starts
+from ..validate import check_cu_seqlens, check_lengths, check_num_computed, check_pack_requests, request_tensors, row_starts
 
 Tensor = torch.Tensor
 
@@ -41,10 +41,12 @@ class PackedBatch:
 
     input_ids: ``[T]`` int64 token ids, or None when ``hidden`` carries the rows.
     hidden: ``[T, d_model]`` float rows (already embedded), or None.
-    positions: ``[T]`` int64, restarting at 0 for every request.
+    positions: ``[T]`` int64, request i's starting at ``num_computed_tokens[i]`` (0 unless a chunk).
     cu_seqlens: ``[R + 1]`` int32 request boundaries, on the rows' device.
     max_seqlen: int, the longest request: a varlen kernel sizes its launch grid by it.
     seq_lens: list of R ints (host copy of the lengths: no device read needed).
+    num_computed_tokens: per request, its tokens already in the KV cache (vLLM's name; chunked prefill),
+    or None: every request starts at token 0.
     """
 
     input_ids: Tensor | None
@@ -53,6 +55,7 @@ class PackedBatch:
     cu_seqlens: Tensor
     max_seqlen: int
     seq_lens: list[int]
+    num_computed_tokens: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,15 +75,15 @@ class PackedBatch:
         def move(t):
             return None if t is None else t.to(device)
         return PackedBatch(move(self.input_ids), move(self.hidden), move(self.positions), move(self.cu_seqlens),
-                           self.max_seqlen, list(self.seq_lens))
+                           self.max_seqlen, list(self.seq_lens), self.num_computed_tokens)
 
 
-def pack(requests: Sequence, device=None) -> PackedBatch:
+def pack(requests: Sequence, device=None, num_computed_tokens: Sequence[int] | None = None) -> PackedBatch:
     """Flatten requests into a PackedBatch.
 
     requests: a list of token-id lists / 1-D integer tensors ``[L_i]``, or of float tensors
     ``[L_i, d]`` (hidden rows); all of one kind. device: where the batch goes (default: the
-    requests' device).
+    requests' device). num_computed_tokens: for chunks, each request's tokens already cached.
     """
     tensors = check_pack_requests(requests)
     seq_lens = [int(t.shape[0]) for t in tensors]
@@ -89,8 +92,11 @@ def pack(requests: Sequence, device=None) -> PackedBatch:
     else:
         input_ids, hidden = None, torch.cat(tensors)
     cu = cumulative(seq_lens)
-    positions = torch.arange(cu[-1]) - row_starts(cu)  # [T] int64: 0, 1, ... restarting for every request
-    batch = PackedBatch(input_ids, hidden, positions, torch.tensor(cu, dtype=torch.int32), max(seq_lens), seq_lens)
+    done = check_num_computed(num_computed_tokens, seq_lens)
+    positions = torch.arange(cu[-1]) - row_starts(cu)  # [T] int64: 0, 1, ... restarting for every request,
+    if done is not None:
+        positions += torch.tensor(done).repeat_interleave(torch.tensor(seq_lens))  # ... or where its cache ends
+    batch = PackedBatch(input_ids, hidden, positions, torch.tensor(cu, dtype=torch.int32), max(seq_lens), seq_lens, done)
     return batch.to(tensors[0].device if device is None else torch.device(device))
 
 

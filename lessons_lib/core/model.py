@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..validate import check_attention_fn, check_batch, check_padded_ids, check_tp_divides, check_weights
 from .attention import VarlenMetadata, attention_forward, padded_attention
-from .batch import PackedBatch, pack
+from .batch import PackedBatch, cumulative, pack
 from .config import ModelConfig, as_config
 from .groups import LocalGroup
 from .kernels import resolve_backend
@@ -51,19 +51,21 @@ def init_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
 class AttentionContext:
     """What every layer's attention reads in one forward (nano-vllm's ``Context``): ``meta`` (the flat
     batch's ``VarlenMetadata``) and ``backend`` (resolved: a name or your function), or ``key_mask``
-    ``[R, S]`` bool for ``forward_padded``. ``Transformer`` sets it on every layer for one forward."""
+    ``[R, S]`` bool for ``forward_padded``; ``kv_cache``: a chunk's cached keys (``Transformer.forward``).
+    ``Transformer`` sets it on every layer for one forward."""
 
     meta: VarlenMetadata | None
     backend: object = None
     key_mask: Tensor | None = None
+    kv_cache: object = None
 
 
 class VarlenAttention(nn.Module):
     """A layer's attention core: ``q, k, v [T, H_local, D] → o [T, H_local, D]`` under ``self.context``."""
 
-    def __init__(self):
+    def __init__(self, layer: int = 0):
         super().__init__()
-        self.context: AttentionContext | None = None
+        self.layer, self.context = layer, None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         ctx = self.context
@@ -72,7 +74,9 @@ class VarlenAttention(nn.Module):
         if ctx.key_mask is not None:  # forward_padded: [R·S, H, D] → [R, S, H, D] → dense masked attention
             shape = (*ctx.key_mask.shape, *q.shape[1:])
             return padded_attention(q.view(shape), k.view(shape), v.view(shape), ctx.key_mask).reshape(q.shape)
-        return attention_forward(q, k, v, ctx.meta, ctx.backend, causal=True)
+        if ctx.kv_cache is not None:  # keys and values [T_k, H, D]: each request's cached ones, then its chunk's
+            k, v = ctx.kv_cache.keys_values(self.layer, k, v)
+        return attention_forward(q, k, v, ctx.meta, ctx.backend, causal=True)  # causal aligned bottom-right
 
 
 class Attention(nn.Module):
@@ -81,7 +85,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, group):
         super().__init__()
         self.qkv = QKVParallelLinear(cfg.d_model, cfg.n_heads, cfg.d_head, group=group, dtype=cfg.dtype)
-        self.core = VarlenAttention()
+        self.core = VarlenAttention(index)
         self.out_proj = RowParallelLinear(cfg.qkv_dim, cfg.d_model, group=group, dtype=cfg.dtype,
                                           name=f"layers.{index}.attn.out_proj")
 
@@ -181,18 +185,23 @@ class Transformer(nn.Module):
         return self.wte[batch.input_ids] + self.wpe[batch.positions]
 
     @torch.no_grad()
-    def forward(self, batch: PackedBatch, *, attn_backend=None) -> Tensor:
+    def forward(self, batch: PackedBatch, *, attn_backend=None, kv_cache=None) -> Tensor:
         """Flat forward: a PackedBatch of T tokens → final hidden states ``[T, d_model]``.
 
         batch: on the model's device (``input_ids [T]`` int64, ``cu_seqlens [R+1]`` int32, ...).
         attn_backend: overrides the model's (a name of ``kernels.BACKENDS``, "auto", or your function).
+        kv_cache: chunked prefill (``batch.num_computed_tokens``): ``keys_values(layer, k, v)`` puts each
+        request's cached keys before its chunk's (``serve.kv_cache.KVCacheStep``); ``cu_seqlens_k`` counts both.
         Returns ``[T, d_model]`` in the weights' dtype, on their device. The batch is checked once,
         here; ``cu_seqlens`` reaches only attention, through one ``VarlenMetadata`` for all layers.
         """
-        cu = check_batch(self.cfg, batch, self.device, self.dtype)
+        cu = check_batch(self.cfg, batch, self.device, self.dtype, cached=kv_cache is not None)
         backend = resolve_backend(attn_backend or self.attn_backend, self.device, self.dtype, self.cfg.d_head)
         meta = VarlenMetadata(batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen, cu, cu)
-        return self._run(self.embed(batch), AttentionContext(meta, check_attention_fn(backend)))
+        if any(batch.num_computed_tokens or ()):
+            meta = VarlenMetadata.build(cu, cumulative(c + n for c, n in zip(batch.num_computed_tokens, batch.seq_lens)),
+                                        self.device, batch.max_seqlen)
+        return self._run(self.embed(batch), AttentionContext(meta, check_attention_fn(backend), kv_cache=kv_cache))
 
     def set_context(self, ctx: AttentionContext | None) -> None:
         """Hand ``ctx`` to every layer's attention core (None: outside a forward)."""

@@ -14,11 +14,18 @@ masked    flat ``[T, d]``, full ``[T, T]`` scores + block mask       T²
 padded    ``[R, Lmax, d]`` right-padded (``forward_padded``)         R · Lmax² (and R · Lmax rows)
 ========  =========================================================  ============================
 
-Cell counts in ``BatchStats`` are per head per layer and count whole diagonal blocks (the
-article's convention, ``flops.attention_cells(causal=False)``); FLOP counts are causal (what a
-causal model really needs: the lower triangle of each block).
+``BatchStats`` counts score cells per head per layer, and FLOPs, in both conventions by name:
+whole blocks (``cells_whole_*``, ``flops_whole_*``: the article's, ``flops.attention_cells(causal=False)``)
+and causal (``cells_causal_*``, ``flops_causal_*``: the lower triangle a causal model needs). The
+older names stay: ``attn_cells_*`` are whole blocks, ``flops_executed/useful`` causal.
 
-Taught in notebooks/06_prefill_engine.ipynb.
+Chunked prefill (``enable_chunked_prefill=True``, vLLM's): the scheduler cuts the request that
+does not fit the budget left; each forward is a list of ``ScheduledChunk``s, packed with their
+``num_computed_tokens`` (positions continue), run through a ``kv_cache.PrefillKVCache`` (one
+varlen call per layer, ``cu_seqlens_k`` = cached + chunk lengths, causal bottom-right). A request's
+output comes with the forward of its last chunk; its cache is freed then. Still prefill only.
+
+Taught in notebooks/06_prefill_engine.ipynb and notebooks/08_chunked_prefill.ipynb.
 """
 from __future__ import annotations
 
@@ -34,9 +41,19 @@ from ..core.batch import cumulative, pack, pad
 from ..core.config import ModelConfig, as_config
 from ..core.kernels import placement, resolve_backend, synchronize
 from ..core.model import Transformer, init_weights
-from ..measure.flops import METHODS, attention_cells, forward_flops
-from ..validate import check_attention_fn, check_choice, check_int, check_prompt, check_seconds, check_tp_divides, is_int
-from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Request, Scheduler
+from ..measure.flops import METHODS, flops_of
+from ..validate import (
+    check_attention_fn,
+    check_choice,
+    check_int,
+    check_lengths,
+    check_prompt,
+    check_seconds,
+    check_tp_divides,
+    is_int,
+)
+from .kv_cache import PrefillKVCache
+from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Request, ScheduledChunk, Scheduler
 
 Tensor = torch.Tensor
 
@@ -66,13 +83,27 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class BatchStats:
-    """One batch of one run. Cells are per head per layer (whole blocks, see the module doc).
+    """One forward of one run. Cells are score cells per head per layer, in two named conventions:
+
+    - whole blocks (the article's, ``flops.attention_cells(causal=False)``): each sequence's
+      ``L_q × L_k`` rectangle of queries × keys (``L²`` for a whole prompt);
+    - causal: only the cells a causal mask keeps, ``L_q·c + L_q(L_q+1)/2`` for a chunk of
+      ``L_q`` tokens after ``c`` cached ones (``L(L+1)/2`` for a whole prompt).
+
+    ``*_computed`` is what the method executes in that convention (masked: every query × every key
+    of the forward; padded: ``R · Lmax²``; varlen: the useful cells), ``*_useful`` what the requests
+    need. FLOPs (``flops.flops_of``: linear rows + ``4·d_head`` per cell) likewise: ``flops_whole_*``
+    and ``flops_causal_*``.
 
     executed_rows: rows the linear layers processed (padded: R·Lmax; flat methods: T).
-    padding_rows / padding_cells: rows and score cells spent on pad tokens (padded only).
-    masked_cells: cross-request score cells computed then masked out (masked only).
-    flops_executed / flops_useful: whole-forward FLOPs (``flops.forward_flops``, causal).
+    padding_rows / padding_cells: rows and (whole-block) cells spent on pad tokens (padded only).
+    masked_cells: cross-request (whole-block) cells computed then masked out (masked only).
+    chunks: ``(request_id, start, length)`` per sequence of the forward, in batch order (a whole
+    prompt is ``(id, 0, L)``); num_chunk_tokens: tokens of sequences that are not a whole prompt;
+    num_cached_tokens: keys read from the KV cache (Σ start, per layer per head).
     wall_s: wall-clock seconds of the forward (and logits), measured.
+    Aliases kept for lesson 06: ``attn_cells_computed/useful`` = whole blocks,
+    ``flops_executed/useful`` = causal.
     """
 
     index: int
@@ -82,38 +113,79 @@ class BatchStats:
     max_seqlen: int
     executed_rows: int
     padding_rows: int
-    attn_cells_computed: int
-    attn_cells_useful: int
+    cells_whole_computed: int
+    cells_whole_useful: int
+    cells_causal_computed: int
+    cells_causal_useful: int
     padding_cells: int
     masked_cells: int
-    flops_executed: int
-    flops_useful: int
+    flops_whole_executed: int
+    flops_whole_useful: int
+    flops_causal_executed: int
+    flops_causal_useful: int
     wall_s: float
     request_ids: list = field(default_factory=list)
+    chunks: list = field(default_factory=list)
+    num_chunk_tokens: int = 0
+    num_cached_tokens: int = 0
     all_reduces: int | None = None  # per forward, rank 0's trace (TP=2 only; C12: 2 * n_layers)
 
     @property
+    def attn_cells_computed(self) -> int:
+        return self.cells_whole_computed
+
+    @property
+    def attn_cells_useful(self) -> int:
+        return self.cells_whole_useful
+
+    @property
     def attn_cells_wasted(self) -> int:
-        return self.attn_cells_computed - self.attn_cells_useful
+        return self.cells_whole_computed - self.cells_whole_useful
+
+    @property
+    def flops_executed(self) -> int:
+        return self.flops_causal_executed
+
+    @property
+    def flops_useful(self) -> int:
+        return self.flops_causal_useful
 
 
 def batch_stats(cfg: ModelConfig, seq_lens: Sequence[int], method: str, index: int = 0, wall_s: float = 0.0,
-                request_ids: list | None = None) -> BatchStats:
-    """The analytic part of ``BatchStats`` for one batch of ``seq_lens`` run by ``method``.
+                request_ids: list | None = None, num_computed_tokens: Sequence[int] | None = None) -> BatchStats:
+    """The analytic part of ``BatchStats`` for one forward of ``seq_lens`` (query tokens per sequence)
+    run by ``method``; ``num_computed_tokens``: each sequence's cached tokens (chunked prefill), default 0.
 
     Taught in notebooks/06_prefill_engine.ipynb.
     """
-    cells = attention_cells(seq_lens, method)
-    t, r, lmax = sum(seq_lens), len(seq_lens), max(seq_lens)
+    check_choice("method", method, METHODS)
+    lens = check_lengths(seq_lens)
+    done = [0] * len(lens) if num_computed_tokens is None else check_lengths(num_computed_tokens, 0)
+    if len(done) != len(lens):
+        raise ValueError(f"num_computed_tokens has {len(done)} entries for {len(lens)} sequences")
+    t, r, lmax = sum(lens), len(lens), max(lens)
+    whole = sum(n * (c + n) for c, n in zip(done, lens))                 # L_q × L_k rectangles
+    causal = sum(n * c + n * (n + 1) // 2 for c, n in zip(done, lens))   # what a causal mask keeps
     rows = r * lmax if method == "padded" else t
+    if method == "padded":   # R · Lmax_q · Lmax_k, every pad row and column (never chunked: refused)
+        computed_whole = computed_causal = r * lmax * max(c + n for c, n in zip(done, lens))
+    elif method == "masked":  # every query × every key of the forward, then masked
+        computed_whole = computed_causal = t * (t + sum(done))
+    else:
+        computed_whole, computed_causal = whole, causal
+    ids = list(request_ids) if request_ids is not None else list(range(r))
     return BatchStats(
         index=index, method=method, num_seqs=r, num_tokens=t, max_seqlen=lmax, executed_rows=rows,
-        padding_rows=rows - t, attn_cells_computed=cells.computed, attn_cells_useful=cells.useful,
-        padding_cells=cells.wasted if method == "padded" else 0,
-        masked_cells=cells.wasted if method == "masked" else 0,
-        flops_executed=forward_flops(cfg, seq_lens, method, causal=True).total,
-        flops_useful=forward_flops(cfg, seq_lens, method, causal=True, useful_only=True).total,
-        wall_s=wall_s, request_ids=list(request_ids or []))
+        padding_rows=rows - t, cells_whole_computed=computed_whole, cells_whole_useful=whole,
+        cells_causal_computed=computed_causal, cells_causal_useful=causal,
+        padding_cells=computed_whole - whole if method == "padded" else 0,
+        masked_cells=computed_whole - whole if method == "masked" else 0,
+        flops_whole_executed=flops_of(cfg, rows, computed_whole).total, flops_whole_useful=flops_of(cfg, t, whole).total,
+        flops_causal_executed=flops_of(cfg, rows, computed_causal).total,
+        flops_causal_useful=flops_of(cfg, t, causal).total,
+        wall_s=wall_s, request_ids=list(request_ids or []),
+        chunks=[(i, c, n) for i, c, n in zip(ids, done, lens)],
+        num_chunk_tokens=0, num_cached_tokens=sum(done))
 
 
 def _progress_enabled(progress, total_tokens: int) -> bool:
@@ -141,7 +213,12 @@ class Engine:
     ``state_dict()``); default ``init_weights(cfg, seed)``.
     device, dtype: where the model runs and in what precision; default CUDA + bfloat16 when a
     GPU is present, else the CPU + float32 (``kernels.placement``). Outputs live on ``device``.
-    max_num_batched_tokens, max_num_seqs: the scheduler's budgets (vLLM's meaning).
+    max_num_batched_tokens, max_num_seqs: the scheduler's budgets (vLLM's meaning), held by every forward.
+    enable_chunked_prefill: vLLM's chunked prefill: a prompt that does not fit the budget left runs
+    in chunks over several forwards, its earlier tokens' keys and values kept in a
+    ``kv_cache.PrefillKVCache`` (per TP rank under TP=2); then any prompt up to ``max_position``
+    is served. Off (default): every prompt must fit ``max_num_batched_tokens`` whole. Not with
+    ``method="padded"``. ``kv_cache_peak_bytes``: the most the cache held in the last run.
     compute_logits: also return last-token logits (``[vocab_size]`` per request).
     progress: a tqdm bar over prompt tokens; None = only for runs of >= 50,000 tokens.
     Never shown when the environment has ``CI=true``.
@@ -154,7 +231,7 @@ class Engine:
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, method: str = "varlen", compute_logits: bool = True,
                  progress: bool | None = None, tp_backend: str = "auto", tp_timeout: float = 120.0,
-                 device=None, dtype: torch.dtype | None = None):
+                 device=None, dtype: torch.dtype | None = None, enable_chunked_prefill: bool = False):
         self.cfg = cfg = as_config(cfg)
         if not is_int(tp_size) or tp_size not in (1, 2):
             raise ValueError(f"tp_size must be 1 or 2, got {tp_size!r}")  # 2.0 == 2, but not a TP degree
@@ -186,7 +263,11 @@ class Engine:
         # TP workers resolve the REQUESTED backend on their own device (gloo may put them on the CPU).
         self._tp_attn_backend = requested
         self.attn_backend = check_attention_fn(resolve_backend(requested, self.device, self.dtype, cfg.d_head))
-        self.scheduler = Scheduler(max_num_batched_tokens, max_num_seqs)
+        self.scheduler = Scheduler(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill=enable_chunked_prefill)
+        if enable_chunked_prefill and method == "padded":
+            raise ValueError("enable_chunked_prefill=True needs a flat forward with a KV cache; method='padded' runs "
+                             "Transformer.forward_padded, which has none: use method='varlen' or 'masked'")
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.compute_logits, self.progress = bool(compute_logits), progress
         self.weights = weights if weights is not None else init_weights(cfg, seed)
         # TP=1 runs here; under TP=2 this copy still serves the replicated LM head (and references).
@@ -194,6 +275,10 @@ class Engine:
         self._tp_kw = dict(backend=tp_backend, timeout=tp_timeout)
         self._runtime = None
         self._last_all_reduces = None
+        # TP=1: the cache lives here; TP=2: each worker holds its own heads' (the runtime reports its bytes).
+        self.kv_cache = PrefillKVCache.for_model(self.model) if enable_chunked_prefill and tp_size == 1 else None
+        self.kv_cache_peak_bytes = 0
+        self._partial: dict = {}  # request id -> final hidden rows of its chunks so far (return_hidden)
         self._next_id = 0
         self._pending_ids: set = set()
         self.stats: list[BatchStats] = []
@@ -207,6 +292,7 @@ class Engine:
                 self._next_id += 1
             req = Request(self._next_id, item, return_hidden)
         self._next_id += 1
+        req.num_computed_tokens = 0  # a Request object served before starts over here
         check_prompt(self.cfg, req.prompt_token_ids, f"request {req.request_id!r}")
         self.scheduler.check_fits(req)
         return req
@@ -236,44 +322,68 @@ class Engine:
     # ---- running -----------------------------------------------------------------------
     def run(self) -> list[RequestOutput]:
         """Prefill every waiting request; outputs in submission order. ``self.stats`` gets one
-        ``BatchStats`` per batch of this run. Nothing waiting → ``[]``.
+        ``BatchStats`` per forward of this run. Nothing waiting → ``[]``.
 
-        All or nothing: if a batch fails (a worker dies, a timeout), the exception propagates
-        and every request this run took is waiting again, in order, so ``run()`` can be called
-        again (a dead TP runtime is dropped and restarted on the next batch).
+        All or nothing: if a forward fails (a worker dies, a timeout), the exception propagates
+        and every request this run took is waiting again, in order, from its first token (its KV
+        cache freed), so ``run()`` can be called again (a dead TP runtime is dropped and restarted
+        on the next forward).
         """
-        total = sum(len(r) for r in self.scheduler.waiting)
+        total = sum(len(r) - r.num_computed_tokens for r in self.scheduler.waiting)
         self.stats = []
+        self.kv_cache_peak_bytes = 0
+        if self.kv_cache is not None:
+            self.kv_cache.peak_bytes = self.kv_cache.nbytes
         outputs: list[RequestOutput] = []
-        taken: list[Request] = []
+        taken: list[Request] = []  # every request a forward of this run touched, first-touch order
         bar = None
         if _progress_enabled(self.progress, total):
             from tqdm.auto import tqdm
             bar = tqdm(total=total, unit="tok", desc=f"prefill ({self.method})")
         try:
             while self.scheduler.has_unfinished():
-                reqs = self.scheduler.schedule()
-                taken.extend(reqs)
+                chunks = self.scheduler.schedule_chunks()
+                taken.extend(c.request for c in chunks if c.start == 0)
                 t0 = time.perf_counter()
-                outputs.extend(self._execute(reqs, len(self.stats)))
+                outputs.extend(self._execute(chunks, len(self.stats)))
                 synchronize(self.device)
                 wall = time.perf_counter() - t0
-                lens = [len(r) for r in reqs]
-                stats = batch_stats(self.cfg, lens, self.method, len(self.stats), wall, [r.request_id for r in reqs])
+                lens = [c.length for c in chunks]
+                stats = batch_stats(self.cfg, lens, self.method, len(self.stats), wall,
+                                    [c.request.request_id for c in chunks], [c.start for c in chunks])
+                stats.num_chunk_tokens = sum(c.length for c in chunks if c.length != len(c.request))
                 stats.all_reduces, self._last_all_reduces = self._last_all_reduces, None
                 self.stats.append(stats)
                 if bar is not None:
                     bar.update(sum(lens))
         except BaseException:
-            self.scheduler.waiting.extendleft(reversed(taken))
-            if self._runtime is not None and self._runtime.closed:
-                self._runtime = None
+            self._abort(taken)
             raise
         finally:
             if bar is not None:
                 bar.close()
         self._pending_ids.difference_update(r.request_id for r in taken)
         return outputs
+
+    def _abort(self, taken: list[Request]) -> None:
+        """A forward failed: every taken request waits again, whole, in order; no cache is left behind."""
+        waiting = self.scheduler.waiting
+        head = [r for r in taken if waiting and r is waiting[0]]  # a chunked request still at the head
+        if head:
+            waiting.popleft()
+        waiting.extendleft(reversed(taken))
+        for r in taken:
+            r.num_computed_tokens = 0
+            self._partial.pop(r.request_id, None)
+            if self.kv_cache is not None:
+                self.kv_cache.free(r.request_id)
+        if self._runtime is not None and self._runtime.closed:
+            self._runtime = None
+        elif self._runtime is not None and self.enable_chunked_prefill:
+            try:  # the workers drop these requests' keys too (a first chunk would also reset them)
+                self._runtime.free_kv([r.request_id for r in taken])
+            except Exception:
+                self._runtime = None
 
     def prefill(self, requests: Sequence) -> list[RequestOutput]:
         """``submit_many(requests)`` then ``run()``. An empty list gives ``[]``. Requests
@@ -283,32 +393,55 @@ class Engine:
         self.submit_many(requests)
         return self.run()
 
-    def _execute(self, reqs: list[Request], index: int) -> list[RequestOutput]:
-        seqs = [torch.tensor(r.prompt_token_ids, dtype=torch.int64) for r in reqs]
-        lens = [len(r) for r in reqs]
+    def _execute(self, chunks: list[ScheduledChunk], index: int) -> list[RequestOutput]:
+        """One forward of ``chunks``; an output for each request whose last chunk ran."""
+        reqs = [c.request for c in chunks]
+        seqs = [torch.tensor(c.token_ids, dtype=torch.int64) for c in chunks]
+        lens = [c.length for c in chunks]
         if self.method == "padded":
             ids, mask = (t.to(self.device) for t in pad(seqs))      # [R, Lmax] each
             out = self.model.forward_padded(ids, mask)               # [R, Lmax, d]
             last = out[torch.arange(len(reqs)), torch.tensor(lens) - 1]  # [R, d]
-            full = lambda i: out[i, :lens[i]].clone()
+            rows = [out[i, :n] for i, n in enumerate(lens)]
         else:
-            batch = pack(seqs, device=self.device)
-            hidden = self._flat_forward(batch)                       # [T, d]
+            chunked = self.enable_chunked_prefill
+            batch = pack(seqs, device=self.device, num_computed_tokens=[c.start for c in chunks] if chunked else None)
+            hidden = self._flat_forward(batch, chunks if chunked else None)  # [T, d]
             last = hidden[batch.last_token_indices]                  # [R, d]
             starts = cumulative(lens)
-            full = lambda i: hidden[starts[i]:starts[i + 1]].clone()
-        logits = self.model.compute_logits(last) if self.compute_logits else None  # [R, vocab]
-        return [RequestOutput(r.request_id, lens[i], last[i], None if logits is None else logits[i],
-                              full(i) if r.return_hidden else None, index) for i, r in enumerate(reqs)]
+            rows = [hidden[starts[i]:starts[i + 1]] for i in range(len(chunks))]
+        done = [i for i, c in enumerate(chunks) if c.is_last]
+        for i, c in enumerate(chunks):
+            if c.request.return_hidden and not c.is_last:
+                self._partial.setdefault(c.request.request_id, []).append(rows[i].clone())
+        logits = self.model.compute_logits(last[done]) if self.compute_logits and done else None  # [R_done, vocab]
+        out = []
+        for j, i in enumerate(done):
+            r = reqs[i]
+            full = torch.cat([*self._partial.pop(r.request_id, []), rows[i]]) if r.return_hidden else None
+            out.append(RequestOutput(r.request_id, len(r), last[i], None if logits is None else logits[j], full, index))
+        return out
 
-    def _flat_forward(self, batch) -> Tensor:
+    def _flat_forward(self, batch, chunks: list[ScheduledChunk] | None = None) -> Tensor:
+        """``[T, d]`` final hidden rows of a flat batch; ``chunks``: run through the KV cache."""
+        plan = None if chunks is None else ([c.request.request_id for c in chunks], [not c.is_last for c in chunks])
         if self.tp_size == 1:
-            return self.model(batch, attn_backend=self.attn_backend)
+            if plan is None:
+                return self.model(batch, attn_backend=self.attn_backend)
+            step = self.kv_cache.step(plan[0], batch.num_computed_tokens, batch.seq_lens, plan[1])
+            hidden = self.model(batch, attn_backend=self.attn_backend, kv_cache=step)
+            step.finish()
+            self.kv_cache_peak_bytes = max(self.kv_cache_peak_bytes, self.kv_cache.peak_bytes)
+            return hidden
         if self._runtime is None:
             from ..tp.runtime import TPRuntime  # imported on first use: TP=1 engines never load the runtime
             self._runtime = TPRuntime(self.cfg, self.weights, world_size=self.tp_size, attn_backend=self._tp_attn_backend,
                                       verbose=False, device=self.device.type, dtype=self.dtype, **self._tp_kw)
-        result = self._runtime.forward(batch)
+        if plan is None:
+            result = self._runtime.forward(batch)
+        else:
+            result = self._runtime.forward(batch, request_ids=plan[0], keep_kv=plan[1])
+            self.kv_cache_peak_bytes = max(self.kv_cache_peak_bytes, result.kv_cache_peak_bytes)
         self._last_all_reduces = result.all_reduce_counts[0]
         return result.output.to(self.device)
 

@@ -2,18 +2,24 @@
 
 ``Request`` is one prompt (``request_id``, ``prompt_token_ids``), checked when created.
 ``Scheduler`` takes waiting requests in arrival order while ``Σ L_i <= max_num_batched_tokens``
-and ``R <= max_num_seqs`` (vLLM's two knobs). It never skips a request to fill a hole, and never
-splits one: every request is prefilled whole in one batch (claim S3; chunked prefill is the
-series' article 06). A prompt longer than ``max_num_batched_tokens`` could never run, so it is
-refused when added. ``plan_batches`` runs the scheduler on bare lengths.
+and ``R <= max_num_seqs`` (vLLM's two knobs). It never skips a request to fill a hole. By default
+it never splits one either: every request is prefilled whole in one batch (claim S3), and a
+prompt longer than ``max_num_batched_tokens`` could never run, so it is refused when added.
 
-Taught in notebooks/06_prefill_engine.ipynb.
+With ``enable_chunked_prefill=True`` (vLLM's chunked prefill): when the next waiting request does
+not fit the budget left in this forward, it gets the rest of the budget as a chunk and stays at
+the head of the queue, its ``num_computed_tokens`` advanced; the next forward continues it first.
+Whole prompts and one chunk share a forward; both budgets hold for every forward; FCFS order is
+kept. ``schedule_chunks`` returns ``ScheduledChunk``s (request, start, length) either way.
+``plan_batches`` runs the scheduler on bare lengths.
+
+Taught in notebooks/06_prefill_engine.ipynb (whole prompts) and notebooks/08_chunked_prefill.ipynb.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..validate import check_int, check_lengths, check_token_ids, is_int
 
@@ -36,6 +42,7 @@ class Request:
     request_id: str | int
     prompt_token_ids: list[int]
     return_hidden: bool = False
+    num_computed_tokens: int = field(default=0, init=False, compare=False)  # prompt tokens already prefilled
 
     def __post_init__(self) -> None:
         rid = self.request_id
@@ -49,26 +56,51 @@ class Request:
         return len(self.prompt_token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """One request's share of one forward: prompt tokens ``[start, start + length)`` of ``request``.
+
+    ``start`` is the request's ``num_computed_tokens`` when scheduled (keys already cached);
+    ``is_last``: the chunk ends the prompt (the request is done after this forward).
+    """
+
+    request: Request
+    start: int
+    length: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.start + self.length == len(self.request)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids[self.start:self.start + self.length]
+
+
 class Scheduler:
     """FCFS prefill scheduler with vLLM's budget knobs.
 
     max_num_batched_tokens: most prompt tokens in one batch (Σ L_i over the batch).
-    max_num_seqs: most requests in one batch.
-    Requests are never split (S3), never reordered: a request that does not fit the current
+    max_num_seqs: most requests in one batch (a chunk counts as one).
+    enable_chunked_prefill: split the request that does not fit (see the module doc); default
+    False: requests are never split (S3), never reordered: a request that does not fit the current
     batch waits for the next one, and so does everyone behind it.
 
     Taught in notebooks/06_prefill_engine.ipynb.
     """
 
     def __init__(self, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS):
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, *, enable_chunked_prefill: bool = False):
         self.max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+        if not isinstance(enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be a bool, got {enable_chunked_prefill!r}")
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
 
     def check_fits(self, req: Request) -> None:
-        """Raise ValueError if ``req`` could never be scheduled whole."""
-        if len(req) > self.max_num_batched_tokens:
+        """Raise ValueError if ``req`` could never be scheduled whole (never, with chunked prefill)."""
+        if not self.enable_chunked_prefill and len(req) > self.max_num_batched_tokens:
             raise ValueError(
                 f"request {req.request_id!r} has {len(req)} prompt tokens, more than "
                 f"max_num_batched_tokens={self.max_num_batched_tokens}: every request must fit whole in one "
@@ -92,6 +124,25 @@ class Scheduler:
             tokens += n
         return batch
 
+    def schedule_chunks(self) -> list[ScheduledChunk]:
+        """Pop the next forward as chunks. Chunked prefill off: ``schedule()``'s requests, whole. On:
+        the FCFS prefix of the queue within both budgets, the request that does not fit cut to the
+        tokens left (it stays at the head, ``num_computed_tokens`` advanced to the chunk's end)."""
+        if not self.enable_chunked_prefill:
+            return [ScheduledChunk(r, 0, len(r)) for r in self.schedule()]
+        chunks: list[ScheduledChunk] = []
+        tokens = 0
+        while self.waiting and len(chunks) < self.max_num_seqs and tokens < self.max_num_batched_tokens:
+            req = self.waiting[0]
+            n = min(len(req) - req.num_computed_tokens, self.max_num_batched_tokens - tokens)
+            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            req.num_computed_tokens += n
+            tokens += n
+            if req.num_computed_tokens < len(req):
+                break  # the budget is spent; the rest of this prompt runs first in the next forward
+            self.waiting.popleft()
+        return chunks
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting)
 
@@ -100,17 +151,21 @@ class Scheduler:
 
 
 def plan_batches(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 *, skip_oversize: bool = False) -> list[list[int]]:
+                 *, skip_oversize: bool = False, enable_chunked_prefill: bool = False) -> list[list]:
     """Request indices per batch, exactly as ``Scheduler`` forms them for requests of ``seq_lens``.
 
     A request longer than the budget raises ValueError, or with ``skip_oversize=True`` is left
-    out of every batch (the engine would refuse it at submit).
+    out of every batch (the engine would refuse it at submit). With ``enable_chunked_prefill=True``
+    every batch is a list of chunks ``(request index, start, length)`` and no request is oversize.
     """
-    sched = Scheduler(max_num_batched_tokens, max_num_seqs)
+    sched = Scheduler(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill=enable_chunked_prefill)
     for i, n in enumerate(check_lengths(seq_lens)):
-        if not (skip_oversize and n > sched.max_num_batched_tokens):
+        if enable_chunked_prefill or not (skip_oversize and n > sched.max_num_batched_tokens):
             sched.add(Request(i, [0] * n))
     batches = []
     while sched.has_unfinished():
-        batches.append([r.request_id for r in sched.schedule()])
+        if enable_chunked_prefill:
+            batches.append([(c.request.request_id, c.start, c.length) for c in sched.schedule_chunks()])
+        else:
+            batches.append([r.request_id for r in sched.schedule()])
     return batches

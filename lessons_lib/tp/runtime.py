@@ -24,6 +24,7 @@ from ..core.batch import PackedBatch
 from ..core.config import ModelConfig, as_config
 from ..core.kernels import placement, resolve_backend
 from ..core.model import Transformer, init_weights
+from ..serve.kv_cache import PrefillKVCache
 from ..validate import check_batch, check_int, check_seconds, check_weights
 from .trace import Fault, comm_debug_mode, traced_forward
 from .workers import WorkerPool, resolve_dist_backend
@@ -45,6 +46,8 @@ class TPResult:
     comm_debug_counts: per rank, CommDebugMode's count of c10d collectives in the forward
     (None per rank unless the runtime was started with ``comm_debug=True``).
     attn_backend: the attention backend the workers resolved.
+    kv_cache_bytes / kv_cache_peak_bytes: rank 0's prefill KV cache (its own heads) after this
+    forward, and the most it has held (0 unless the forward ran chunks, ``request_ids=``).
     """
 
     output: Tensor
@@ -59,6 +62,8 @@ class TPResult:
     comm_debug_counts: list
     attn_backend: str = ""
     seq_lens: list = field(default_factory=list)
+    kv_cache_bytes: int = 0
+    kv_cache_peak_bytes: int = 0
 
     @property
     def all_reduce_counts(self) -> list[int]:
@@ -126,18 +131,31 @@ class TPRuntime:
     def closed(self) -> bool:
         return self._pool.closed
 
-    def forward(self, batch: PackedBatch, *, timeout: float | None = None, fault: Fault | None = None) -> TPResult:
+    def forward(self, batch: PackedBatch, *, timeout: float | None = None, fault: Fault | None = None,
+                request_ids: list | None = None, keep_kv: list[bool] | None = None) -> TPResult:
         """One TP forward of a flat batch (any device; sent to the workers, which move it to theirs).
 
-        Returns a ``TPResult`` whose ``output`` is ``[T, d_model]`` in the runtime's dtype, on the CPU.
+        Chunked prefill: ``request_ids`` (one per sequence) runs the batch through each worker's
+        ``PrefillKVCache`` (its own heads' keys and values): sequence i continues after its
+        ``batch.num_computed_tokens[i]`` cached tokens, and its keys are kept when ``keep_kv[i]``
+        (more chunks follow), else freed. Returns a ``TPResult`` whose ``output`` is ``[T, d_model]``
+        in the runtime's dtype, on the CPU.
         """
-        check_batch(self.cfg, batch, dtype=self.dtype)  # in the caller: a bad batch must not kill a healthy runtime
+        # in the caller: a bad batch must not kill a healthy runtime
+        check_batch(self.cfg, batch, dtype=self.dtype, cached=request_ids is not None)
+        plan = None
+        if request_ids is not None or keep_kv is not None:
+            keep = [False] * batch.num_seqs if keep_kv is None else list(keep_kv)
+            done = batch.num_computed_tokens or [0] * batch.num_seqs
+            # the same checks the workers' caches make (counts aside), here: a refusal must not kill them
+            PrefillKVCache(1, 1, 1).step(list(request_ids or []), [0] * len(done), batch.seq_lens, keep)
+            plan = (list(request_ids), done, keep)
         if fault is not None and not isinstance(fault, Fault):
             raise ValueError(f"fault must be a tp.Fault or None, got {fault!r}")
         if timeout is not None:  # after the broadcast a bad value would leave a result unread in the pipe
             check_seconds("timeout", timeout)
         t0 = time.perf_counter()
-        self._pool.broadcast(("forward", batch.to("cpu"), fault))
+        self._pool.broadcast(("forward", batch.to("cpu"), fault, plan))
         outs = self._pool.collect("result", timeout=timeout, what=f"running a forward of {batch.num_tokens} tokens")
         call_s = time.perf_counter() - t0
         outputs, reports = [o[0] for o in outs], [o[1] for o in outs]
@@ -148,7 +166,12 @@ class TPRuntime:
         return TPResult(outputs[0], [rep.records for rep in reports], self.backend, self.world_size, self.startup_s,
                         max(rep.forward_s for rep in reports), call_s, [rep.qkv_shapes for rep in reports],
                         [rep.attn_collectives for rep in reports], [rep.comm_debug_count for rep in reports],
-                        self.attn_backend, list(batch.seq_lens))
+                        self.attn_backend, list(batch.seq_lens), outs[0][2], outs[0][3])
+
+    def free_kv(self, request_ids: list) -> None:
+        """Every worker drops these requests' cached keys and values (after a failed run)."""
+        self._pool.broadcast(("free", list(request_ids)))
+        self._pool.collect("result", what="freeing KV cache entries")
 
     def close(self) -> None:
         """Stop the workers (idempotent)."""
@@ -197,6 +220,7 @@ def _serve(group, channel, cfg: ModelConfig, weights_path: str | None, seed: int
     resolved = resolve_backend(attn_backend, group.device, dtype, cfg.d_head)  # "auto" → e.g. "sdpa", once
     model = Transformer(cfg, weights, group=group, attn_backend=resolved, device=group.device, dtype=dtype)
     del weights
+    cache = PrefillKVCache.for_model(model)  # this rank's heads only; chunked prefill's earlier tokens
     if comm_debug:
         comm_debug_mode()  # pay the import during startup, not in the first forward
     channel.send({"attn_backend": resolved})
@@ -207,7 +231,15 @@ def _serve(group, channel, cfg: ModelConfig, weights_path: str | None, seed: int
             return
         if cmd[0] == "close":
             return
-        _, batch, fault = cmd
-        out, report = traced_forward(model, batch.to(group.device), fault=fault, comm_debug=comm_debug)
-        channel.send((out.cpu(), report))
+        if cmd[0] == "free":
+            for rid in cmd[1]:
+                cache.free(rid)
+            channel.send(None)
+            continue
+        _, batch, fault, plan = cmd
+        step = None if plan is None else cache.step(plan[0], plan[1], batch.seq_lens, plan[2])
+        out, report = traced_forward(model, batch.to(group.device), fault=fault, comm_debug=comm_debug, kv_cache=step)
+        if step is not None:
+            step.finish()
+        channel.send((out.cpu(), report, cache.nbytes, cache.peak_bytes))
 

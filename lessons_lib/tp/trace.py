@@ -95,12 +95,13 @@ def comm_debug_mode():
 
 
 def traced_forward(model: Transformer, batch: PackedBatch, *, fault: Fault | None = None,
-                   comm_debug: bool = False) -> tuple[Tensor, ForwardReport]:
+                   comm_debug: bool = False, kv_cache=None) -> tuple[Tensor, ForwardReport]:
     """Run ``model(batch)`` once with the instrumentation of the module docstring.
 
     ``batch`` on the model's device. Returns ``(hidden [T, d_model] on that device, ForwardReport)``;
     ``forward_s`` includes the device's kernels (synchronized). Works on TP=1 too (no records).
-    comm_debug: also count c10d collectives with PyTorch's CommDebugMode.
+    comm_debug: also count c10d collectives with PyTorch's CommDebugMode. kv_cache: a chunked
+    forward's ``KVCacheStep`` (``Transformer.forward``'s ``kv_cache``).
     """
     group = model.group
     start = len(group.trace)
@@ -128,7 +129,7 @@ def traced_forward(model: Transformer, batch: PackedBatch, *, fault: Fault | Non
         with comm:
             synchronize(model.device)  # the batch's copy to the device is not the forward's time
             t0 = time.perf_counter()
-            out = model(batch)  # [T, d_model]
+            out = model(batch, kv_cache=kv_cache)  # [T, d_model]
             synchronize(out.device)
             forward_s = time.perf_counter() - t0
     finally:
