@@ -1,10 +1,12 @@
 """End to end: the lesson widgets move in a real browser, and show what lessons_lib computes.
 
-For lessons 03, 04 and 05 this opens the notebook in JupyterLab (Debian's Chromium, headless),
+For lessons 03, 04, 05 and 07 this opens the notebook in JupyterLab (Debian's Chromium, headless),
 waits for a really connected kernel, runs all cells, reads the live numbers off the widget,
 moves a slider with the keyboard, and checks that the numbers become exactly what
 ``lessons_lib`` computes for the new setting and that the figure was redrawn (a new ``<img>``
-source). Lesson 04 also checks what must NOT move: the TP trace stays the same string while the
+source). Lesson 07's explorer runs the Triton kernel: its counters and error must equal a direct
+call for the same input, before and after the tile sliders move and new lengths are typed.
+Lesson 04 also checks what must NOT move: the TP trace stays the same string while the
 requests slider moves. Screenshots before/after go to ``test-artifacts/browser/``.
 
 The update latency (key press on the slider -> new figure decoded and painted) is measured
@@ -22,8 +24,9 @@ from course_browser import ARTIFACTS
 
 from lessons_lib.core.batch import cumulative, pack
 from lessons_lib.core.config import ModelConfig
-from lessons_lib.course import l03_attention, l04_tp, l05_flops
+from lessons_lib.course import l03_attention, l04_tp, l05_flops, l07_kernel
 from lessons_lib.measure import flops
+from lessons_lib.ops import tiling
 from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
 from lessons_lib.tp.trace import summarize_trace
 
@@ -366,3 +369,67 @@ def test_lesson05_flop_mix_explorer(lab_server, browser_context, capsys):
     assert _parse_mix(_text(page, ".frx-table"))[0][-1] == "attention", "1 x T_max should be attention-dominated"
 
     _finish(page, widget, "05", latencies, text_ms, console_errors, t_start, capsys)
+
+
+K7_RE = re.compile(r"(programs|early_exits|tiles|tiles_skipped|cells): measured (\d+|not run) \| predicted (\d+) \| picture (\d+)")
+
+
+def _k7_numbers(page) -> dict:
+    text = _text(page, ".k7x-counts")
+    found = {f: (m, int(p), int(pic)) for f, m, p, pic in K7_RE.findall(text)}
+    assert set(found) == {"programs", "early_exits", "tiles", "tiles_skipped", "cells"}, f"counts not in format: {text!r}"
+    return found
+
+
+def _k7_expected(lengths: str, block_m: int, block_n: int, causal: bool) -> tuple[dict, str]:
+    """The explorer's numbers recomputed here: the kernel run directly (same seed), the tiling predictor."""
+    state = l07_kernel.kernel_state(lengths, block_m, block_n, causal)
+    want = {}
+    for f in ("programs", "early_exits", "tiles", "tiles_skipped", "cells"):
+        predicted = getattr(tiling.predict_work(state["seq_lens"], block_m=block_m, block_n=block_n, causal=causal), f)
+        measured = str(getattr(state["measured"], f)) if state["ran"] else "not run"
+        want[f] = (measured, predicted, predicted)
+    error = f"max |out - fp64 reference| = {state['error']:.2e}" if state["ran"] else "kernel not run"
+    return want, error
+
+
+def _k7_check(page, lengths: str, block_m: int, block_n: int, causal: bool) -> None:
+    want, error = _k7_expected(lengths, block_m, block_n, causal)
+    _wait_text(page, ".k7x-counts", f"t => t.includes('programs: measured {want['programs'][0]} | predicted "
+                                     f"{want['programs'][1]} |') && t.includes('cells: measured {want['cells'][0]} |')")
+    assert _k7_numbers(page) == want
+    assert error in _text(page, ".k7x-status")
+
+
+def test_lesson07_kernel_explorer(lab_server, browser_context, capsys):
+    page, widget, console_errors, t_start = _open_explorer(
+        browser_context, lab_server, "07_inside_the_kernel.ipynb", "k7x",
+        r"""() => /programs: measured/.test((document.querySelector('.k7x-counts') || {}).innerText || '')
+                  && !!document.querySelector('.k7x-figure img')""", "the kernel explorer")
+
+    lengths = page.locator(".k7x-lengths input").input_value()
+    causal = page.locator(".k7x-causal input").is_checked()
+    block_m, block_n = _readout(page, "k7x-block-m"), _readout(page, "k7x-block-n")
+    _k7_check(page, lengths, block_m, block_n, causal)
+    first = _k7_numbers(page)
+    src = page.locator(".k7x-figure img").first.get_attribute("src")
+
+    latencies, text_ms = [], []
+    for slider in ("k7x-block-m", "k7x-block-m", "k7x-block-n"):  # 16 -> 32 -> 64 rows, then 16 -> 32 keys
+        ms, new_src = _move(page, slider, ".k7x-figure", ".k7x-counts", "ArrowRight", text_ms)
+        latencies.append(ms)
+        assert new_src != src, "the launch picture was not redrawn"
+        src = new_src
+        block_m, block_n = _readout(page, "k7x-block-m"), _readout(page, "k7x-block-n")
+        _k7_check(page, lengths, block_m, block_n, causal)
+    assert (block_m, block_n) == (64, 32)
+    assert _k7_numbers(page) != first, "new tile sizes, the same numbers"
+
+    # Type new lengths: the numbers follow the input (a long + short mix, so some programs return at once)
+    box = page.locator(".k7x-lengths input")
+    box.fill("100, 5, 20")
+    box.press("Enter")
+    _k7_check(page, "100, 5, 20", block_m, block_n, causal)
+    assert int(_k7_numbers(page)["early_exits"][1]) > 0
+
+    _finish(page, widget, "07", latencies, text_ms, console_errors, t_start, capsys)
