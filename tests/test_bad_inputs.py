@@ -30,6 +30,7 @@ from lessons_lib.measure.flops import attention_cells, forward_flops
 from lessons_lib.measure.hf import from_hf_gpt2, make_hf_gpt2
 from lessons_lib.measure.tolerance import assert_close
 from lessons_lib.serve.engine import Engine
+from lessons_lib.serve.kv_cache import PrefillKVCache
 from lessons_lib.serve.scheduler import Request, Scheduler
 from lessons_lib.tp.runtime import TPRuntime, tp_forward
 from lessons_lib.tp.workers import WorkerPool
@@ -552,7 +553,35 @@ ROWS = [
         "request 0 has 5 prompt tokens, more than max_num_batched_tokens=4"),
     Row("sched-empty", "Scheduler.schedule", "nothing waiting", lambda: Scheduler().schedule(), None,
         "an empty batch `[]`", lambda r: r == []),
+    Row("sched-chunked-not-bool", "Scheduler", "`enable_chunked_prefill='yes'`",
+        lambda: Scheduler(enable_chunked_prefill="yes"), ValueError, "enable_chunked_prefill must be a bool, got 'yes'"),
+    Row("sched-chunked-long", "Scheduler.schedule_chunks", "a 5-token request, `max_num_batched_tokens=4`, chunked",
+        lambda: chunks_of(Scheduler(4, enable_chunked_prefill=True), 5), None,
+        "chunks `(start, length)`: (0, 4), then (4, 1) in the next forward", lambda r: r == [[(0, 4)], [(4, 1)]]),
+    # ---- chunked prefill: the KV cache and a chunk's batch ----------------------------------
+    Row("kv-count-mismatch", "PrefillKVCache.step", "a chunk at token 5 of a request with nothing cached",
+        lambda: PrefillKVCache(1, 4, 16).step(["a"], [5], [3], [True]), ValueError,
+        "request 'a': the KV cache holds 0 tokens, the chunk says num_computed_tokens=5"),
+    Row("kv-duplicate", "PrefillKVCache.step", "one request twice in one forward",
+        lambda: PrefillKVCache(1, 4, 16).step(["a", "a"], [0, 0], [1, 1], [True, True]), ValueError,
+        "request_ids must be distinct within one forward"),
+    Row("fwd-chunk-no-cache", "Transformer.forward", "a batch with `num_computed_tokens=[3]` and no `kv_cache`",
+        lambda: model()(pack([[1, 2]], num_computed_tokens=[3])), ValueError,
+        "batch continues requests (num_computed_tokens=[3]) but no kv_cache holds their earlier tokens"),
+    Row("pack-computed-length", "pack", "`num_computed_tokens=[0]` for two requests",
+        lambda: pack([[1], [2]], num_computed_tokens=[0]), ValueError, "num_computed_tokens has 1 entries for 2 requests"),
     # ---- Engine(...) -----------------------------------------------------------------------
+    Row("eng-chunked-not-bool", "Engine", "`enable_chunked_prefill='yes'`",
+        lambda: Engine(CFG, enable_chunked_prefill="yes"), ValueError, "enable_chunked_prefill must be a bool, got 'yes'"),
+    Row("eng-chunked-padded", "Engine", "`method='padded', enable_chunked_prefill=True`",
+        lambda: Engine(CFG, method="padded", enable_chunked_prefill=True), ValueError,
+        "enable_chunked_prefill=True needs a flat forward with a KV cache"),
+    Row("eng-chunked-max-position", "Engine.submit", "a 257-token prompt, chunked prefill on (budget 16)",
+        lambda: Engine(CFG, max_num_batched_tokens=16, enable_chunked_prefill=True).submit([1] * 257), ValueError,
+        "request 0 has 257 prompt tokens, more than max_position=256"),
+    Row("eng-attn-fn-short", "Engine", "`attn_backend=fn(q, k, v, cu_seqlens, max_seqlen)`",
+        lambda: Engine(CFG, attn_backend=lambda q, k, v, cu_seqlens, max_seqlen: q), ValueError,
+        "takes no keyword causal or softmax_scale"),
     Row("eng-tp-0", "Engine", "`tp_size=0`", lambda: Engine(CFG, tp_size=0), ValueError,
         "tp_size must be 1 or 2, got 0"),
     Row("eng-tp-negative", "Engine", "`tp_size=-1`", lambda: Engine(CFG, tp_size=-1), ValueError,
@@ -638,6 +667,15 @@ ROWS = [
         lambda: Engine(CFG, tp_size=2).prefill([[1] * 4, [1] * 257]), ValueError,
         "request 1 has 257 prompt tokens, more than max_position=256", no_spawn=True),
 ]
+
+
+def chunks_of(sched, n: int) -> list:
+    """Every forward's ``(start, length)`` chunks for one request of ``n`` tokens."""
+    sched.add(Request(0, [1] * n))
+    out = []
+    while sched.has_unfinished():
+        out.append([(c.start, c.length) for c in sched.schedule_chunks()])
+    return out
 
 
 def refused(call) -> bool:

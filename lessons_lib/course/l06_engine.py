@@ -30,7 +30,7 @@ from ..core.batch import cumulative
 from ..core.config import ModelConfig
 from ..core.kernels import synchronize
 from ..core.model import init_weights
-from ..measure.flops import METHODS, attention_cells, flops_of, forward_flops
+from ..measure.flops import METHODS, attention_cells, forward_flops
 from ..measure.profile import random_qkv, time_call
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..serve.engine import Engine, batch_stats
@@ -123,8 +123,8 @@ def stack(outputs: Mapping) -> Tensor:
 
 def whole_block_flops(cfg: ModelConfig, s) -> int:
     """FLOPs a batch executes, counted like its cells: whole blocks (``flops.forward_flops(causal=False)``),
-    from a ``BatchStats``: its rows through the linear layers and its computed score cells."""
-    return flops_of(cfg, s.executed_rows, s.attn_cells_computed).total
+    i.e. the ``BatchStats``' own ``flops_whole_executed`` (``cfg`` kept for the callers)."""
+    return s.flops_whole_executed
 
 
 def _totals(cfg: ModelConfig, stats: Sequence) -> dict:
@@ -133,14 +133,14 @@ def _totals(cfg: ModelConfig, stats: Sequence) -> dict:
             "cells_computed": sum(s.attn_cells_computed for s in stats),
             "cells_useful": sum(s.attn_cells_useful for s in stats),
             "flops_executed": sum(whole_block_flops(cfg, s) for s in stats),
-            "flops_useful": sum(flops_of(cfg, s.num_tokens, s.attn_cells_useful).total for s in stats)}
+            "flops_useful": sum(s.flops_whole_useful for s in stats)}
 
 
 def method_totals(cfg: ModelConfig, batches: Sequence[Sequence[int]]) -> dict:
     """``{method: {"rows", "pad_rows", "cells_computed", "cells_useful", "flops_executed", "flops_useful"}}``
     over ``batches`` (lists of request lengths), analytic. One convention for every number: whole
-    blocks, cells per head per layer and FLOPs of the whole forward (``forward_flops(causal=False)``;
-    ``engine.batch_stats`` counts its FLOPs causally)."""
+    blocks, cells per head per layer and FLOPs of the whole forward (``forward_flops(causal=False)``:
+    ``BatchStats``' ``cells_whole_*`` and ``flops_whole_*``; its ``flops_causal_*`` count the other way)."""
     return {m: _totals(cfg, [batch_stats(cfg, b, m) for b in batches]) for m in METHODS}
 
 
