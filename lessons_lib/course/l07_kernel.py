@@ -77,14 +77,20 @@ def kernel_missing() -> str | None:
             f"or its CPU interpreter); the import said {why}. The pictures and predictions below still run.")
 
 
+# Where the kernel runs: the GPU when there is one (Triton compiles it), else the CPU (its interpreter).
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def run_kernel(q, k, v, cu_q, cu_k=None, *, causal=True, block_m=64, block_n=64):
-    """``triton_varlen_attention`` under ``count_work``: ``(out, WorkCounts)``."""
+    """``triton_varlen_attention`` under ``count_work`` on ``KERNEL_DEVICE`` (inputs moved there):
+    ``(out on q's device, WorkCounts)``."""
     tv = kernel_module()
     if tv is None:
         raise RuntimeError(kernel_missing())
+    moved = [None if x is None else x.to(KERNEL_DEVICE) for x in (q, k, v, cu_q, cu_k)]
     with tv.count_work() as counts:
-        out = tv.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, block_m=block_m, block_n=block_n)
-    return out, counts
+        out = tv.triton_varlen_attention(*moved, causal=causal, block_m=block_m, block_n=block_n)
+    return out.to(q.device), counts
 
 
 # ---- the launch grid, program by program ---------------------------------------------------------------
