@@ -1,0 +1,902 @@
+"""What lesson 08 (chunked prefill: when a prompt does not fit) draws, explores and checks.
+
+  the hook          ``refusal``: the capstone's engine refusing lesson 06's 1,776-token draft
+  one chunk         ``chunk_mask``: the causal mask of a chunk's queries over every key so far
+                    (``attention.block_diag_mask`` with ``cu_seqlens_k``, bottom-right aligned)
+  figures           ``chunk_staircase`` (08_chunk_staircase), ``chunk_timeline`` (08_chunk_timeline)
+
+Taught in notebooks/08_chunked_prefill.ipynb.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Polygon, Rectangle
+
+from ..core.attention import block_diag_mask, varlen_attention
+from ..core.config import ModelConfig
+from ..core.model import init_weights
+from ..measure.recorder import OpRecorder
+from ..measure.tolerance import assert_close, max_abs_diff, tolerance
+from ..serve.engine import Engine
+from ..serve.scheduler import Request, plan_batches
+from ..serve.workloads import make_requests
+from ..validate import check_int
+from . import l06_engine
+from .explore import explorer, ipywidgets_module, show_figure, tagged
+from .figures import register
+from .grading import grade
+from .style import ATTENTION, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE, request_color
+
+Tensor = torch.Tensor
+
+BUDGET = l06_engine.ENGINE_STREAM["max_num_batched_tokens"]   # lesson 06's 512 prompt tokens per forward
+
+
+def stream_lengths() -> list[int]:
+    """Lesson 06's 24 prompt lengths, in arrival order (the 1,776-token draft included)."""
+    return l06_engine.stream_prompts()[0]
+
+
+def draft_index() -> int:
+    """The stream's request that lesson 06 refused: the one longer than the budget."""
+    (i,) = [i for i, n in enumerate(stream_lengths()) if n > BUDGET]
+    return i
+
+
+def refusal(cfg: ModelConfig | None = None, weights: dict | None = None, max_num_batched_tokens: int = BUDGET) -> str:
+    """The capstone's engine (whole prompts only) refusing the draft at submit: its error message."""
+    cfg = cfg or ModelConfig()
+    _, prompts = l06_engine.stream_prompts(cfg)
+    engine = Engine(cfg, weights=weights if weights is not None else init_weights(cfg, 0), device="cpu", dtype=torch.float32,
+                    max_num_batched_tokens=max_num_batched_tokens)
+    i = draft_index()
+    try:
+        engine.submit(Request(i, prompts[i]))
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError(f"the engine accepted request {i} ({len(prompts[i])} tokens) under a budget of "
+                         f"{max_num_batched_tokens}")
+
+
+# ---- one chunk's mask: rows of this chunk, keys of everything so far -------------------------------------
+
+def chunk_mask(start: int, length: int) -> Tensor:
+    """``[length, start + length]`` bool: which keys the queries of tokens ``start .. start+length-1`` of one
+    prompt may read. The keys are every token so far (``start`` of them from the KV cache, then the chunk's
+    own), so ``cu_seqlens_q = [0, length]`` and ``cu_seqlens_k = [0, start + length]``: the engine's own
+    ``block_diag_mask``, causal, aligned bottom-right (query i sees keys ``0 .. start + i``)."""
+    start, length = check_int("start", start, 0), check_int("length", length, 1)
+    return block_diag_mask([0, length], causal=True, cu_seqlens_k=[0, start + length])
+
+
+def chunk_spans(chunks: Sequence[int]) -> list[tuple[int, int]]:
+    """``[n_0, n_1, ...]`` chunk lengths of one prompt → ``[(start, length), ...]``: chunk c starts after the
+    tokens already in the KV cache."""
+    spans, start = [], 0
+    for c, n in enumerate(chunks):
+        spans.append((start, check_int(f"chunks[{c}]", n, 1)))
+        start += n
+    return spans
+
+
+def staircase_cells(chunks: Sequence[int]) -> dict:
+    """Score cells per head per layer of one prompt run in ``chunks``, counted from the chunks' masks
+    (``chunk_mask``): ``computed`` (each chunk's rows × every key so far: whole rectangles), ``allowed``
+    (the causal cells the masks keep) and ``masked`` (computed, then masked: above each chunk's diagonal)."""
+    computed = allowed = 0
+    for start, n in chunk_spans(chunks):
+        m = chunk_mask(start, n)
+        computed += m.numel()
+        allowed += int(m.sum())
+    return {"computed": computed, "allowed": allowed, "masked": computed - allowed}
+
+
+# ---- figure: one prompt cut into chunks ----------------------------------------------------------------
+
+def chunk_staircase(chunks: Sequence[int], title_prefix: str = "") -> Figure:
+    """Lesson 08: one prompt of ``L = Σ chunks`` tokens prefilled in chunks.
+
+    Left: one row per forward, the chunk's tokens computed now in orange (gid ``chunk-c``) after the
+    tokens read back from the KV cache in grey (``cache-c``). Right: the prompt's ``L × L`` score
+    matrix per head per layer; chunk c computes its rows × every key so far, a rectangle: the keys
+    from the cache all allowed (blue, ``cached-c``), its own square causal (blue below the diagonal,
+    ``diag-c``, vermillion above it: computed, then masked, ``masked-c``). White: never computed
+    (the unchunked whole-block kernel computes it, and masks it).
+    """
+    spans = chunk_spans(chunks)
+    total = spans[-1][0] + spans[-1][1]
+    cells = staircase_cells(chunks)
+    fig = Figure(figsize=(10, 5.2))
+    left, right = fig.subplots(1, 2, width_ratios=[1.15, 1])
+    bar = 0.6
+    for c, (s, n) in enumerate(spans):
+        if s:
+            left.add_patch(Rectangle((0, c - bar / 2), s, bar, facecolor=OTHER, edgecolor="white", gid=f"cache-{c}"))
+        left.add_patch(Rectangle((s, c - bar / 2), n, bar, facecolor=REQUEST[0], edgecolor="white", gid=f"chunk-{c}"))
+        left.text(s + n / 2, c, f"{n}", ha="center", va="center", fontsize=MIN_FONT, color=TEXT)
+        if s:
+            left.text(s / 2, c, f"{s} cached", ha="center", va="center", fontsize=MIN_FONT, color="white")
+    left.set_xlim(0, total * 1.02)
+    left.set_ylim(len(spans) - 0.5, -0.7)
+    left.set_yticks(range(len(spans)))
+    left.set_yticklabels([f"forward {c}" for c in range(len(spans))], fontsize=MIN_FONT)
+    left.set_xlabel("token of the prompt", fontsize=MIN_FONT)
+    left.tick_params(axis="x", labelsize=MIN_FONT)
+    left.set_title(f"{title_prefix}{total:,} tokens in {len(spans)} chunks: the KV cache grows", fontsize=10)
+    for c, (s, n) in enumerate(spans):
+        e = s + n
+        if s:
+            right.add_patch(Rectangle((0, s), s, n, facecolor=ATTENTION, edgecolor="none", gid=f"cached-{c}"))
+        right.add_patch(Polygon([(s, s), (s, e), (e, e)], closed=True, facecolor=ATTENTION, edgecolor="none",
+                                gid=f"diag-{c}"))
+        right.add_patch(Polygon([(s, s), (e, s), (e, e)], closed=True, facecolor=WASTE, edgecolor="none",
+                                gid=f"masked-{c}"))
+        right.add_patch(Rectangle((0, s), e, n, facecolor="none", edgecolor=TEXT, linewidth=0.8, gid=f"rect-{c}"))
+        right.text(e + total * 0.015, s + n / 2, f"{n} x {e:,}", ha="left", va="center",
+                   fontsize=MIN_FONT, color=TEXT)
+    right.add_patch(Rectangle((0, 0), total, total, facecolor="none", edgecolor=OTHER, linewidth=0.8,
+                              linestyle=":"))
+    right.set_xlim(0, total * 1.3)
+    right.set_ylim(total, 0)
+    right.set_aspect("equal")
+    right.set_xlabel("key (every token so far)", fontsize=MIN_FONT)
+    right.set_ylabel("query (this chunk's tokens)", fontsize=MIN_FONT)
+    right.tick_params(labelsize=MIN_FONT)
+    fig.legend(handles=[Patch(facecolor=REQUEST[0], label="chunk: computed now"),
+                        Patch(facecolor=OTHER, label="K, V read from the KV cache"),
+                        Patch(facecolor=ATTENTION, label="score cell: useful (causal)"),
+                        Patch(facecolor=WASTE, label="computed, then masked"),
+                        Patch(facecolor=NEVER, edgecolor=OTHER, label="never computed")],
+               loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
+    right.set_title(f"score cells per head per layer: {cells['computed']:,} computed\n"
+                    f"(unchunked: {total * total:,}), {cells['allowed']:,} useful either way", fontsize=10)
+    fig.subplots_adjust(left=0.1, right=0.99, bottom=0.22, top=0.86, wspace=0.25)
+    return fig
+
+
+# ---- exercise 08.1: a chunking scheduler -----------------------------------------------------------------
+
+def chunk_schedule_problem(forwards, seq_lens: Sequence[int], max_num_batched_tokens: int,
+                           max_num_seqs: int) -> str | None:
+    """What makes ``forwards`` (each a list of ``(request index, num_tokens)`` chunks) not the FCFS chunked
+    prefill of ``seq_lens``, or None. The rules: every request's tokens exactly once, in order; every
+    forward within both budgets and not empty; first come, first served (a request starts only once every
+    earlier one has started, and runs to its end before a later one may take its place: only the last chunk
+    of a forward may be partial); a forward closes only when full, at ``max_num_seqs``, or when no one waits."""
+    n = len(seq_lens)
+    if not isinstance(forwards, (list, tuple)) or not all(isinstance(f, (list, tuple)) for f in forwards):
+        return f"expected a list of forwards, each a list of (request, num_tokens) pairs, got {forwards!r}"[:300]
+    pairs = [c for f in forwards for c in f]
+    if not all(isinstance(c, (list, tuple)) and len(c) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                     for x in c) for c in pairs):
+        return "each chunk is a pair (request index, num_tokens) of ints"
+    left = list(seq_lens)
+    for f, fwd in enumerate(forwards):
+        if not fwd:
+            return f"forward {f} is empty: every forward carries at least one chunk"
+        ids = [i for i, _ in fwd]
+        if len(set(ids)) != len(ids):
+            return f"forward {f} holds request {ids[0]} twice: one chunk per request per forward"
+        for i, t in fwd:
+            if not 0 <= i < n:
+                return f"forward {f}: unknown request {i} (requests are 0 .. {n - 1})"
+            if t < 1:
+                return f"forward {f}: request {i} gets {t} tokens: a chunk holds at least one token"
+            if t > left[i]:
+                return (f"forward {f}: request {i} gets {t} tokens but only {left[i]} of its {seq_lens[i]} are left: "
+                        "a chunk continues where the cache ends, never past the prompt")
+        tokens = sum(t for _, t in fwd)
+        if tokens > max_num_batched_tokens:
+            return (f"forward {f} holds {tokens} tokens > max_num_batched_tokens={max_num_batched_tokens}: the chunk "
+                    "of the request that does not fit is the room LEFT in this forward, not a whole budget")
+        if len(fwd) > max_num_seqs:
+            return f"forward {f} holds {len(fwd)} requests > max_num_seqs={max_num_seqs}: the budget counts requests too"
+        waiting = [i for i in range(n) if left[i]]
+        if ids != waiting[:len(ids)]:
+            k = next(k for k, (a, b) in enumerate(zip(ids, waiting)) if a != b)
+            skipped, head = waiting[k], waiting[0]
+            if left[head] < seq_lens[head] and head not in ids:
+                return (f"forward {f} leaves request {head} half-prefilled (its cache holds "
+                        f"{seq_lens[head] - left[head]} tokens) and runs request {ids[k]} instead: FCFS finishes the "
+                        "head request first (put the rest of a chunked request at the FRONT of the queue)")
+            return (f"forward {f} runs request {ids[k]} while request {skipped}, which arrived earlier, still waits: "
+                    "FCFS never lets a later request jump ahead - when the next request does not fit, chunk it to "
+                    "the room left")
+        for i, t in fwd[:-1]:
+            if t < left[i]:
+                return (f"forward {f}: request {i} gets only {t} of its {left[i]} remaining tokens but is not the last "
+                        "chunk of the forward: only the request that does not fit is cut")
+        for i, t in fwd:
+            left[i] -= t
+        more = [i for i in range(n) if left[i]]
+        if more and tokens < max_num_batched_tokens and len(fwd) < max_num_seqs:
+            return (f"forward {f} closes with {max_num_batched_tokens - tokens} tokens of room and request {more[0]} "
+                    f"waiting: chunked prefill fills the budget (a prompt of exactly the room left fits whole)")
+    if any(left):
+        missing = [i for i in range(n) if left[i]]
+        return f"requests {missing[:8]} are not finished: {[left[i] for i in missing[:8]]} tokens never scheduled"
+    return None
+
+
+def _schedule_cases() -> list[tuple]:
+    return [(stream_lengths(), BUDGET, 256),
+            ([3, 1, 2], 1, 256),                        # budget 1: one token per forward
+            ([512, 5, 507, 1], 512, 256),               # prompts of exactly the budget, and of exactly the room left
+            ([10, 10, 10, 10, 10], 100, 2),             # max_num_seqs closes a forward that has room
+            ([1000, 3, 700, 2], 256, 256),              # a prompt of several budgets, then one of nearly three
+            ([40, 30, 300, 20, 20], 128, 3)]
+
+
+def check_chunk_scheduler(fn) -> bool:
+    """Exercise 08.1: ``fn(seq_lens, max_num_batched_tokens, max_num_seqs) -> [[(request, num_tokens), ...], ...]``,
+    the forwards of FCFS chunked prefill: fill each forward with the waiting requests in arrival order; the
+    first one that does not fit gets a chunk of the room left, and its rest stays at the head of the queue.
+    Six cases (lesson 06's stream, budget 1, prompts of exactly the budget or the room left, ``max_num_seqs``,
+    prompts of several budgets); each must pass ``chunk_schedule_problem``."""
+    def judge(got, lens, budget, max_seqs):
+        if isinstance(got, (list, tuple)) and got and all(isinstance(f, (list, tuple)) and f and
+                                                          all(isinstance(x, int) for x in f) for f in got):
+            return ("your forwards hold bare request indices: a chunked forward must also say how many tokens of "
+                    "each request it runs - return (request, num_tokens) pairs")
+        return chunk_schedule_problem(got, lens, budget, max_seqs)
+    return grade("chunk_scheduler", fn, _schedule_cases(), judge,
+                 "FCFS chunked prefill on 6 streams: every token once and in order, both budgets, the head chunked")
+
+
+# ---- the engine's timeline: which request's chunk runs in which forward ------------------------------------
+
+def request_waits(forwards: Sequence[Sequence[tuple]]) -> dict:
+    """``{request: (forwards, tokens)}`` from a timeline (each forward a list of ``(request, num_tokens)``):
+    how many forwards ran until the one that finished the request's prompt (that one included), and how
+    many prompt tokens the engine ran in them: its wait in steps, and in work."""
+    out, tokens = {}, 0
+    for f, fwd in enumerate(forwards):
+        tokens += sum(t for _, t in fwd)
+        for i, _ in fwd:
+            out[i] = (f + 1, tokens)  # a later chunk overwrites: the wait ends with the last chunk
+    return out
+
+
+def mean_wait(waits: dict, requests: Sequence) -> tuple[float, float]:
+    """Mean ``(forwards, tokens)`` of ``request_waits`` over ``requests``."""
+    rs = list(requests)
+    return (sum(waits[i][0] for i in rs) / len(rs), sum(waits[i][1] for i in rs) / len(rs))
+
+
+def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequence[int]) -> Figure:
+    """Lesson 08 (P2, P5): each run's forwards one after another on one axis, the prompt tokens run so far.
+
+    ``runs``: ``{label: timeline}`` (each forward a list of ``(request, num_tokens)``). One lane per run: every
+    chunk a box as wide as its tokens (orange, two shades for neighbours; the draft's chunks hatched,
+    gid ``chunk-<lane>-<forward>-<request>``), a black tick between forwards (``fwd-<lane>-<forward>``). Below
+    each lane a mark where each request of ``behind`` finishes (its forward's end, ``done-<lane>-<request>``)
+    and their mean (``mean-<lane>``).
+    """
+    labels = list(runs)
+    total = sum(seq_lens)
+    fig = Figure(figsize=(10, 1.35 * len(labels) + 1.4))
+    ax = fig.add_subplot()
+    bar = 0.42
+    for lane, label in enumerate(labels):
+        x, ends = 0, []
+        for f, fwd in enumerate(runs[label]):
+            for i, t in fwd:
+                ax.add_patch(Rectangle((x, lane - bar / 2), t, bar, facecolor=request_color(i),
+                                       hatch="///" if i == draft else None, edgecolor="white", linewidth=0.5,
+                                       gid=f"chunk-{lane}-{f}-{i}"))
+                if t >= total / 60:
+                    ax.text(x + t / 2, lane, str(i), ha="center", va="center", fontsize=MIN_FONT, color=TEXT,
+                            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6} if i == draft else None)
+                x += t
+            ax.vlines(x, lane - bar / 2 - 0.06, lane + bar / 2 + 0.06, colors=TEXT, linewidth=1.6, gid=f"fwd-{lane}-{f}")
+            ends.append(x)
+        done = request_waits(runs[label])
+        for i in behind:
+            ax.plot([done[i][1]], [lane + bar / 2 + 0.12], marker="v", color=TEXT, markersize=5, gid=f"done-{lane}-{i}")
+        _, mean_tokens = mean_wait(done, behind)
+        ax.plot([mean_tokens], [lane + bar / 2 + 0.2], marker="|", color=TEXT, markersize=14, markeredgewidth=2.5,
+                gid=f"mean-{lane}")
+        sizes = [sum(t for _, t in fwd) for fwd in runs[label]]
+        ax.text(0, lane - bar / 2 - 0.1, f"{label}: {len(sizes)} forwards, largest {max(sizes):,} tokens; "
+                f"the {len(behind)} questions behind the draft finish after {mean_tokens:,.0f} tokens on average",
+                ha="left", va="bottom", fontsize=MIN_FONT, color=TEXT)
+    ax.set_xlim(0, total * 1.01)
+    ax.set_ylim(len(labels) - 0.35, -0.75)
+    ax.set_yticks([])
+    ax.set_xlabel("prompt tokens run so far (forwards one after another; a black tick ends a forward)", fontsize=MIN_FONT)
+    ax.tick_params(axis="x", labelsize=MIN_FONT)
+    fig.legend(handles=[Patch(facecolor=REQUEST[0], label="a request's chunk (two shades tell neighbours apart)"),
+                        Patch(facecolor=REQUEST[0], hatch="///", edgecolor="white", label=f"the draft (request {draft})"),
+                        Line2D([], [], marker="v", color=TEXT, linestyle="", label="a question behind it finishes"),
+                        Line2D([], [], marker="|", color=TEXT, linestyle="", markersize=12, markeredgewidth=2.5,
+                               label="their mean")],
+               loc="lower center", ncol=2, fontsize=MIN_FONT, frameon=False)
+    ax.set_title("The stream's forwards, prompt tokens on the x axis: the work done when each request finishes",
+                 fontsize=10)
+    height = 1.35 * len(labels) + 1.4
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=1.05 / height, top=1 - 0.35 / height)
+    return fig
+
+
+# ---- the engine, chunked and not ------------------------------------------------------------------------
+
+WHOLE_BUDGET = 2048   # the smallest power of two that admits the 1,776-token draft whole
+MAX_NUM_SEQS = 256    # vLLM's default, and the engine's
+
+
+def serve(prompts: Sequence[Sequence[int]], max_num_batched_tokens: int, chunked: bool, cfg: ModelConfig | None = None,
+          weights: dict | None = None, *, tp_size: int = 1, dtype: torch.dtype = torch.float32,
+          max_num_seqs: int = MAX_NUM_SEQS, compute_logits: bool = True, requests: Sequence[int] | None = None,
+          record: bool = False, return_hidden: bool = False) -> dict:
+    """Serve ``prompts`` (request i = ``prompts[i]``; only ``requests`` if given) on the CPU with ``Engine``,
+    chunked prefill on or off. Returns ``{"outputs": {request: RequestOutput}, "stats": [BatchStats] one per
+    forward, "kv_cache_peak_bytes", "traces": [rank 0's CollectiveRecords per forward] (TP=2), "recorder":
+    the ``OpRecorder`` of the whole run (``record=True``, TP=1)}``."""
+    cfg = cfg or ModelConfig()
+    weights = weights if weights is not None else init_weights(cfg, 0)
+    ids = list(range(len(prompts))) if requests is None else list(requests)
+    traces: list = []
+    with Engine(cfg, tp_size=tp_size, weights=weights, device="cpu", dtype=dtype, compute_logits=compute_logits,
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                enable_chunked_prefill=chunked) as engine, _collect_traces(traces if tp_size > 1 else None):
+        reqs = [Request(i, list(prompts[i]), return_hidden=return_hidden) for i in ids]
+        if record:
+            with OpRecorder() as rec:
+                outputs = engine.prefill(reqs)
+        else:
+            rec, outputs = None, engine.prefill(reqs)
+        return {"outputs": {o.request_id: o for o in outputs}, "stats": list(engine.stats),
+                "kv_cache_peak_bytes": engine.kv_cache_peak_bytes, "traces": traces, "recorder": rec}
+
+
+@contextlib.contextmanager
+def _collect_traces(into: list | None):
+    """While serving under TP=2: keep rank 0's collective trace of every forward the runtime hands the engine
+    (``TPResult.traces[0]``), in order. Nothing is changed in what runs."""
+    if into is None:
+        yield
+        return
+    from ..tp.runtime import TPRuntime
+    real = TPRuntime.forward
+
+    def forward(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        into.append(list(result.traces[0]))
+        return result
+    TPRuntime.forward = forward
+    try:
+        yield
+    finally:
+        TPRuntime.forward = real
+
+
+def timeline(stats: Sequence) -> list[list[tuple]]:
+    """The forwards of a run, each a list of ``(request, num_tokens)``: which request's chunk ran in which forward
+    (``BatchStats.chunks``; a whole prompt is one chunk)."""
+    return [[(i, n) for i, _, n in s.chunks] for s in stats]
+
+
+def stacked(run: dict, what: str, requests: Sequence | None = None) -> Tensor:
+    """``[R, ...]``: each request's ``RequestOutput.<what>`` (``last_hidden`` or ``logits``), in request order
+    (only ``requests`` if given)."""
+    outs = run["outputs"]
+    return torch.stack([getattr(outs[i], what) for i in (sorted(outs) if requests is None else requests)])
+
+
+def same_argmax(a: dict, b: dict) -> bool:
+    """Do two runs pick the same next token (argmax of the logits) for every request?"""
+    return bool((stacked(a, "logits").argmax(-1) == stacked(b, "logits").argmax(-1)).all())
+
+
+def recorded_blocks(run: dict) -> list[tuple[int, int]]:
+    """``(L_q, L_k)`` of every score matrix attention computed in ``run`` (``serve(record=True)``), every layer,
+    in order: what the op recorder saw executed, whatever the backend (a call over several sequences of equal
+    lengths is one entry)."""
+    return [tuple(shape[-2:]) for shape in run["recorder"].scores]
+
+
+def recorded_cells(run: dict, cfg: ModelConfig | None = None) -> int:
+    """Score cells per head per layer attention computed in ``run`` (``serve(record=True)``): the recorder's
+    cells (every head of every layer) divided by heads × layers."""
+    cfg = cfg or ModelConfig()
+    total = run["recorder"].cells
+    per, rest = divmod(total, cfg.n_heads * cfg.n_layers)
+    if rest:
+        raise AssertionError(f"{total} cells recorded, not a multiple of {cfg.n_heads} heads x {cfg.n_layers} layers")
+    return per
+
+
+def recorded_cached_rows(run: dict, cfg: ModelConfig | None = None) -> int:
+    """Keys read beyond each block's own queries, per head per layer, from the recorder: ``Σ (L_k - L_q)`` over
+    every score matrix (a call over several sequences counts each): the keys and values that came from the cache."""
+    cfg = cfg or ModelConfig()
+    total = sum(math.prod(shape[:-2]) * (shape[-1] - shape[-2]) for shape in run["recorder"].scores)
+    per, rest = divmod(total, cfg.n_heads * cfg.n_layers)
+    if rest:
+        raise AssertionError(f"{total} cached key rows recorded, not a multiple of heads x layers")
+    return per
+
+
+def behind(seq_lens: Sequence[int]) -> list[int]:
+    """The requests that arrived after the draft (lesson 06's stream)."""
+    d = draft_index()
+    return list(range(d + 1, len(seq_lens)))
+
+
+def cached_tokens(stats) -> int:
+    """Keys and values read back from the KV cache in one forward, per head per layer (``num_cached_tokens``)."""
+    return stats.num_cached_tokens
+
+
+def trace_text(trace: Sequence) -> str:
+    """One forward's collective trace in one line: each distinct (op, shape) and how often."""
+    from collections import Counter
+    counts = Counter((r.op, tuple(r.shape)) for r in trace)
+    return ", ".join(f"{n} x {op} {list(shape)}" for (op, shape), n in counts.items()) or "no collective"
+
+
+def payloads_match(run: dict, d_model: int) -> bool:
+    """Is every all-reduce of every forward ``[tokens in that forward, d_model]``?"""
+    return all(tuple(r.shape) == (s.num_tokens, d_model) for s, trace in zip(run["stats"], run["traces"])
+               for r in trace if r.op == "all_reduce") and len(run["traces"]) == len(run["stats"])
+
+
+def other_collectives(trace: Sequence) -> int:
+    """Collectives of one forward that are not the blocks' all-reduces (the cache would show up here)."""
+    return sum(r.op != "all_reduce" or ".attn.out_proj" not in r.layer and ".mlp.fc_down" not in r.layer
+               for r in trace)
+
+
+def stream(cfg: ModelConfig | None = None) -> tuple[list[int], list[list[int]]]:
+    """Lesson 06's stream: ``(lengths, token-id prompts)`` in arrival order, the draft included."""
+    return l06_engine.stream_prompts(cfg)
+
+
+def mask_text(mask: Tensor, start: int = 0) -> str:
+    """A chunk's mask as text: one line per query (its token index in the prompt), ``#`` allowed, ``.`` not."""
+    lines = ["keys:      " + "".join(str(j % 10) for j in range(mask.shape[1]))]
+    lines += [f"query {start + i:3d}: " + "".join("#" if x else "." for x in row.tolist()) for i, row in enumerate(mask)]
+    return "\n".join(lines)
+
+
+def chunk_rows_match(start: int = 4, length: int = 4, heads: int = 2, d_head: int = 16, seed: int = 0) -> str:
+    """``varlen_attention`` of one chunk (queries ``start .. start+length-1``, keys ``0 .. start+length-1``:
+    ``cu_seqlens_q = [0, length]``, ``cu_seqlens_k = [0, start + length]``) against the same rows of one causal
+    attention over the whole ``start + length`` tokens, in float32 by the tolerance rule (float64 truth).
+    Returns the line it prints; raises AssertionError with the numbers when they differ."""
+    total = start + length
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(total, heads, d_head, generator=g) for _ in range(3))
+    cu_whole = torch.tensor([0, total], dtype=torch.int32)
+    cu_q, cu_k = torch.tensor([0, length], dtype=torch.int32), cu_whole
+    chunk = varlen_attention(q[start:], k, v, cu_q, cu_k)
+    whole = varlen_attention(q, k, v, cu_whole)[start:]
+    truth = varlen_attention(q.double(), k.double(), v.double(), cu_whole)[start:]
+    assert_close(chunk, whole, truth, f"the chunk's rows {start}..{total - 1} vs the whole attention's")
+    line = (f"rows {start}..{total - 1}: chunk (cu_seqlens_q [0, {length}], cu_seqlens_k [0, {total}]) = the whole "
+            f"causal attention over {total} tokens, within the tolerance rule")
+    print(line)
+    return line
+
+
+# ---- registered figures (the engine's own scheduler: plan_batches) ------------------------------------------
+
+def planned_timeline(seq_lens: Sequence[int], max_num_batched_tokens: int, chunked: bool,
+                     max_num_seqs: int = MAX_NUM_SEQS) -> list[list[tuple]]:
+    """The engine scheduler's forwards for bare lengths (``plan_batches``), as ``timeline`` gives a run's."""
+    plan = plan_batches(seq_lens, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill=chunked)
+    if chunked:
+        return [[(i, n) for i, _, n in fwd] for fwd in plan]
+    return [[(i, seq_lens[i]) for i in fwd] for fwd in plan]
+
+
+@register("08_chunk_staircase", lesson="08",
+          caption="Lesson 06's 1,776-token draft prefilled alone in chunks of 512: the KV cache grows, and its "
+                  "attention becomes a staircase of rectangles, each chunk's rows x every key so far (P4)")
+def _chunk_staircase() -> Figure:
+    lens = stream_lengths()
+    d = draft_index()
+    chunks = [n for fwd in plan_batches([lens[d]], BUDGET, enable_chunked_prefill=True) for _, _, n in fwd]
+    return chunk_staircase(chunks, "the draft alone: ")
+
+
+@register("08_chunk_timeline", lesson="08",
+          caption="Lesson 06's stream chunked under 512 tokens per forward, and whole under 2,048: where each "
+                  "request finishes, in prompt tokens run so far (P2, P5)")
+def _chunk_timeline() -> Figure:
+    lens = stream_lengths()
+    return chunk_timeline({f"chunked, {BUDGET} per forward": planned_timeline(lens, BUDGET, True),
+                           f"whole prompts, {WHOLE_BUDGET:,} per forward": planned_timeline(lens, WHOLE_BUDGET, False)},
+                          lens, draft_index(), behind(lens))
+
+
+# ---- break it: the bugs the claims guard against (the lesson's break-it cells and tests/breakages_l08.py) ----
+
+def _patch(module, name: str, value) -> Callable[[], None]:
+    old = getattr(module, name)
+    setattr(module, name, value)
+    return lambda: setattr(module, name, old)
+
+
+def _positions_restart() -> list:
+    """Positions restart at 0 in every chunk, where the model looks up its position embeddings (the batch's
+    ``positions`` are right, so the engine's check at the boundary passes)."""
+    from ..core import model
+
+    def embed(self, batch):
+        if batch.input_ids is None:
+            return batch.hidden
+        cu = batch.cu_seqlens.tolist()
+        restart = torch.cat([torch.arange(e - s) for s, e in zip(cu[:-1], cu[1:])]).to(batch.positions.device)
+        return self.wte[batch.input_ids] + self.wpe[restart]  # the bug: the chunk's own index, not its position
+    return [_patch(model.Transformer, "embed", embed)]
+
+
+def _cache_not_appended() -> list:
+    """Each chunk attends to its own keys only: its keys are cached, but the cached ones are never put in front
+    of them (and ``cu_seqlens_k`` is ``cu_seqlens_q``)."""
+    from ..core import attention, model
+    from ..serve import kv_cache
+    real_kv, real_build = kv_cache.KVCacheStep.keys_values, attention.VarlenMetadata.build
+
+    def keys_values(self, layer, k, v):
+        real_kv(self, layer, k, v)  # the chunk's keys still go into the cache
+        return k, v                 # ... but attention never reads the cached ones
+
+    class Meta(attention.VarlenMetadata):
+        @classmethod
+        def build(cls, cu_q, cu_k=None, device="cpu", max_seqlen_q=None, max_seqlen_k=None):
+            return real_build(cu_q, None, device, max_seqlen_q, max_seqlen_q)
+    return [_patch(kv_cache.KVCacheStep, "keys_values", keys_values), _patch(model, "VarlenMetadata", Meta)]
+
+
+def _causal_top_left() -> list:
+    """The causal mask of a chunk aligned top-left: query i sees keys 0..i of the rectangle, not 0..i + L_k - L_q."""
+    from ..core import attention
+
+    def causal_mask(lq, lk, device=None):
+        return torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
+    return [_patch(attention, "causal_mask", causal_mask)]
+
+
+def _chunk_takes_whole_budget() -> list:
+    """The head request's chunk is a whole budget, not the room left in the forward."""
+    from ..serve import scheduler as sched_mod
+    real = sched_mod.Scheduler.schedule_chunks
+
+    def schedule_chunks(self):
+        if not self.enable_chunked_prefill:
+            return real(self)
+        chunks, tokens = [], 0
+        while self.waiting and len(chunks) < self.max_num_seqs and tokens < self.max_num_batched_tokens:
+            req = self.waiting[0]
+            n = min(len(req) - req.num_computed_tokens, self.max_num_batched_tokens)  # the bug: no "- tokens"
+            chunks.append(sched_mod.ScheduledChunk(req, req.num_computed_tokens, n))
+            req.num_computed_tokens += n
+            tokens += n
+            if req.num_computed_tokens < len(req):
+                break
+            self.waiting.popleft()
+        return chunks
+    return [_patch(sched_mod.Scheduler, "schedule_chunks", schedule_chunks)]
+
+
+def _chunked_to_the_back() -> list:
+    """A chunked request goes to the back of the queue (round robin) instead of staying at its head."""
+    from ..serve import scheduler as sched_mod
+    real = sched_mod.Scheduler.schedule_chunks
+
+    def schedule_chunks(self):
+        chunks = real(self)
+        if chunks and self.waiting and self.waiting[0] is chunks[-1].request and not chunks[-1].is_last:
+            self.waiting.rotate(-1)
+        return chunks
+    return [_patch(sched_mod.Scheduler, "schedule_chunks", schedule_chunks)]
+
+
+BUGS = {"positions restart": _positions_restart, "cache not appended": _cache_not_appended,
+        "causal top-left": _causal_top_left, "chunk takes a whole budget": _chunk_takes_whole_budget,
+        "chunked request to the back": _chunked_to_the_back}
+
+
+def install(bug: str) -> Callable[[], None]:
+    """Break the engine the way ``bug`` (a key of ``BUGS``) says, in this process; returns the undo."""
+    if bug not in BUGS:
+        raise ValueError(f"unknown bug {bug!r}; choose one of {sorted(BUGS)}")
+    undos = BUGS[bug]()
+    return lambda: [undo() for undo in reversed(undos)]
+
+
+@contextlib.contextmanager
+def broken(bug: str):
+    """``with broken("positions restart"): ...``: the engine runs with that bug inside the block only."""
+    undo = install(bug)
+    try:
+        yield
+    finally:
+        undo()
+
+
+# ---- the explorer: the engine's chunked run of a workload, against whole prompts ---------------------------
+
+# The explorer runs the engine twice per move: on a small model (2 layers, d_model 64) so that it answers in
+# well under a second on a laptop CPU. Forwards, chunks, waits and score cells per head per layer do not depend
+# on the model's size; the cache bytes do (they are this small model's, and scale with layers x d_model).
+EXPLORER_CFG = ModelConfig(n_layers=2, d_model=64, n_heads=2, d_head=32, d_ffn=256, vocab_size=512, max_position=8192)
+_EXPLORER_WEIGHTS: dict = {}
+
+
+def explorer_cfg_text() -> str:
+    c = EXPLORER_CFG
+    return f"{c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads of {c.d_head}"
+
+
+def chunked_plan_state(workload: str = "long-tail", num_requests: int = 24, max_num_batched_tokens: int = 512,
+                       seed: int = 3, max_num_seqs: int = MAX_NUM_SEQS) -> dict:
+    """A seeded stream of ``workload`` (lesson 06's presets; ``long-tail``, 24, seed 3 is lesson 06's stream)
+    served by ``Engine`` twice on ``EXPLORER_CFG``: chunked prefill under ``max_num_batched_tokens``, and whole
+    prompts under the smallest power of two that admits the longest one.
+
+    Keys: ``seq_lens``, ``longest`` (request index), ``behind`` (the requests after it), ``whole_budget``, and per
+    run (``"chunked"``, ``"whole"``): ``timeline`` (the engine's forwards, ``(request, num_tokens)`` each),
+    ``waits`` (``request_waits``), ``mean_behind`` (forwards, tokens), ``max_forward`` (tokens), ``cells_whole``
+    and ``cells_causal`` (score cells per head per layer, the engine's ``BatchStats``), ``cached_tokens``
+    (K, V rows read back from the cache, per layer per head) and ``kv_cache_peak_bytes`` (the engine's).
+    """
+    if workload not in l06_engine.WORKLOAD_PRESETS:
+        raise ValueError(f"workload must be one of {tuple(l06_engine.WORKLOAD_PRESETS)}, got {workload!r}")
+    n = check_int("num_requests", num_requests, 1, 256)
+    budget = check_int("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 16)
+    lens = l06_engine.workload_lengths(workload, n, seed, **l06_engine.WORKLOAD_PRESETS[workload])
+    cfg = EXPLORER_CFG
+    if "w" not in _EXPLORER_WEIGHTS:
+        _EXPLORER_WEIGHTS["w"] = init_weights(cfg, 0)
+    prompts = make_requests(lens, cfg.vocab_size, seed=l06_engine.PROMPT_SEED)
+    longest = max(range(n), key=lambda i: (lens[i], -i))
+    after = list(range(longest + 1, n))
+    whole_budget = 1 << (max(lens) - 1).bit_length()
+    state = {"workload": workload, "seq_lens": lens, "longest": longest, "behind": after,
+             "max_num_batched_tokens": budget, "whole_budget": whole_budget}
+    for name, b, chunked in (("chunked", budget, True), ("whole", whole_budget, False)):
+        run = serve(prompts, b, chunked, cfg, _EXPLORER_WEIGHTS["w"], max_num_seqs=max_num_seqs, compute_logits=False)
+        steps = timeline(run["stats"])
+        waits = request_waits(steps)
+        state[name] = {"timeline": steps, "waits": waits, "budget": b,
+                       "mean_behind": mean_wait(waits, after) if after else (0.0, 0.0),
+                       "max_forward": max(s.num_tokens for s in run["stats"]),
+                       "cells_whole": sum(s.cells_whole_computed for s in run["stats"]),
+                       "cells_causal": sum(s.cells_causal_useful for s in run["stats"]),
+                       "cached_tokens": sum(s.num_cached_tokens for s in run["stats"]),
+                       "kv_cache_peak_bytes": run["kv_cache_peak_bytes"]}
+    return state
+
+
+def chunked_plan_html(state: dict) -> str:
+    """The explorer's readout: one ``<div>`` per run (forwards, largest, the wait of the requests behind the
+    longest, cells, cache), then one for the longest request itself."""
+    lens, i = state["seq_lens"], state["longest"]
+    lines = []
+    for name in ("chunked", "whole"):
+        r = state[name]
+        f, t = r["mean_behind"]
+        lines.append(f"<div>{name} (budget {r['budget']:,}): {len(r['timeline'])} forwards, largest {r['max_forward']:,} "
+                     f"tokens | the {len(state['behind'])} requests behind the longest wait {f:.1f} forwards, "
+                     f"{t:,.0f} tokens on average | score cells {r['cells_whole']:,} (whole blocks), "
+                     f"{r['cells_causal']:,} causal | cache read {r['cached_tokens']:,} rows, peak "
+                     f"{r['kv_cache_peak_bytes']:,} B</div>")
+    ch = [f for f, fwd in enumerate(state["chunked"]["timeline"]) if i in dict(fwd)]
+    lines.append(f"<div>the longest, request {i} ({lens[i]:,} tokens): chunked, in forwards {ch[0]}..{ch[-1]} "
+                 f"({len(ch)} chunks); whole, in forward {state['whole']['waits'][i][0] - 1}</div>")
+    return "".join(lines)
+
+
+def chunked_plan_explorer(workload: str = "long-tail", num_requests: int = 24, max_num_batched_tokens: int = 512):
+    """VBox class ``cpx``: Dropdown ``cpx-workload``, IntSliders ``cpx-num-requests`` (1..64) and ``cpx-budget``
+    (16..2048), HTML ``cpx-counts`` (``chunked_plan_html``), Output ``cpx-figure`` (``chunk_timeline`` of both
+    runs)."""
+    w = ipywidgets_module()
+    kind = tagged(w.Dropdown(options=list(l06_engine.WORKLOAD_PRESETS), value=workload, description="workload"),
+                  "cpx-workload")
+    reqs = tagged(w.IntSlider(value=num_requests, min=1, max=64, description="requests"), "cpx-num-requests")
+    budget = tagged(w.IntSlider(value=max_num_batched_tokens, min=16, max=2048, step=16, description="chunk budget"),
+                    "cpx-budget")
+    text, out = tagged(w.HTML(), "cpx-counts"), tagged(w.Output(), "cpx-figure")
+
+    def update(change=None):
+        state = chunked_plan_state(kind.value, reqs.value, budget.value)
+        text.value = chunked_plan_html(state)
+        show_figure(out, chunk_timeline({f"chunked, {state['max_num_batched_tokens']:,}": state["chunked"]["timeline"],
+                                         f"whole, {state['whole_budget']:,}": state["whole"]["timeline"]},
+                                        state["seq_lens"], state["longest"], state["behind"]))
+
+    return explorer("cpx", [kind, reqs, budget], [text, out], update)
+
+
+# ---- exercise 08.2: a budget, chosen with numbers ----------------------------------------------------------
+
+BUDGET_STEP = 16  # the budgets exercise 08.2 chooses from: multiples of 16 (and the explorer's slider step)
+
+
+def budget_measures(max_num_batched_tokens: int) -> dict:
+    """Lesson 06's stream under chunked prefill and this budget, as the engine's scheduler plans it
+    (``plan_batches(enable_chunked_prefill=True)``): ``forwards``, ``max_forward`` (tokens), the questions behind
+    the draft's mean wait ``wait_forwards`` / ``wait_tokens`` (``request_waits``), and ``draft_cache_rows``: the
+    draft's keys and values read back from the cache, rows per layer (Σ of its chunks' starts)."""
+    return dict(_budget_measures(check_int("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 16)))
+
+
+@functools.lru_cache(maxsize=512)
+def _budget_measures(budget: int) -> tuple:
+    lens, d = stream_lengths(), draft_index()
+    plan = plan_batches(lens, budget, enable_chunked_prefill=True)
+    f, t = mean_wait(request_waits([[(i, n) for i, _, n in fwd] for fwd in plan]), behind(lens))
+    return tuple({"budget": budget, "forwards": len(plan), "max_forward": max(sum(n for *_, n in fwd) for fwd in plan),
+                  "wait_forwards": f, "wait_tokens": t,
+                  "draft_cache_rows": sum(s for fwd in plan for i, s, _ in fwd if i == d)}.items())
+
+
+def budget_table(budgets: Sequence[int]) -> str:
+    """``budget_measures`` of each budget, one line each."""
+    head = f"{'budget':>6s} {'forwards':>8s} {'largest':>7s} {'wait (fwd)':>10s} {'wait (tok)':>10s} {'draft cache rows':>16s}"
+    rows = [budget_measures(b) for b in budgets]
+    return "\n".join([head] + [f"{m['budget']:6d} {m['forwards']:8d} {m['max_forward']:7d} {m['wait_forwards']:10.2f} "
+                               f"{m['wait_tokens']:10,.0f} {m['draft_cache_rows']:16,d}" for m in rows])
+
+
+def _violations(m: dict, max_forward: int, max_wait: float, max_cache_rows: int) -> list[str]:
+    out = []
+    if m["max_forward"] > max_forward:
+        out.append(f"a forward of {m['max_forward']} tokens > {max_forward}")
+    if m["wait_forwards"] > max_wait:
+        out.append(f"the questions wait {m['wait_forwards']:.2f} forwards on average > {max_wait}")
+    if m["draft_cache_rows"] > max_cache_rows:
+        out.append(f"the draft reads {m['draft_cache_rows']:,} cached rows > {max_cache_rows:,}")
+    return out
+
+
+def feasible_budgets(max_forward: int, max_wait: float, max_cache_rows: int) -> list[int]:
+    """Every budget, a multiple of ``BUDGET_STEP`` up to ``max_forward``, that meets the three limits."""
+    return [b for b in range(BUDGET_STEP, max_forward + 1, BUDGET_STEP)
+            if not _violations(budget_measures(b), max_forward, max_wait, max_cache_rows)]
+
+
+_BUDGET_CASES = [(768, 6.0, 3000), (1024, 4.0, 2000), (512, 7.0, 4000), (384, 8.0, 5000)]
+
+
+def check_budget_chooser(fn) -> bool:
+    """Exercise 08.2: ``fn(max_forward, max_wait, max_cache_rows) -> budget or None``: a chunk budget for lesson
+    06's stream under which no forward exceeds ``max_forward`` tokens, the questions behind the draft wait at most
+    ``max_wait`` forwards on average and the draft reads back at most ``max_cache_rows`` cached rows per layer,
+    or None when no budget can. Judged with ``budget_measures`` on four sets of limits (one has no answer)."""
+    def judge(got, max_forward, max_wait, max_cache_rows):
+        ok = feasible_budgets(max_forward, max_wait, max_cache_rows)
+        if got is None:
+            return None if not ok else (f"None, but budget {ok[0]} meets all three limits (and {len(ok)} budgets do): "
+                                        "try every multiple of 16 up to max_forward with L.budget_measures")
+        if isinstance(got, bool) or not isinstance(got, int) or got < 1 or got % BUDGET_STEP:
+            return f"expected a budget (a positive multiple of {BUDGET_STEP}) or None, got {got!r}"
+        problems = _violations(budget_measures(got), max_forward, max_wait, max_cache_rows)
+        if not problems:
+            return None
+        hint = ("no budget meets all three here: return None" if not ok else
+                f"{len(ok)} budgets do, e.g. {ok[0]}" + (" - the measures are not monotonic in the budget (a chunk "
+                                                         "boundary moves), so check each budget, do not bisect"
+                                                         if any(b < got for b in ok) and any(b > got for b in ok) else ""))
+        return f"budget {got}: " + "; ".join(problems) + f" ({hint})"
+    return grade("budget_chooser", fn, _BUDGET_CASES, judge,
+                 "a budget within all three limits on 4 sets of limits, None where there is none")
+
+
+# ---- exercise 08.3: the positions of a chunk ----------------------------------------------------------------
+
+_POSITION_CASES = [([14, 0, 0], [83, 36, 41]), ([0], [5]), ([512], [512]), ([1750, 0, 0], [26, 80, 45]),
+                   ([7, 3], [1, 2])]
+
+
+def _engine_positions(num_computed_tokens, seq_lens) -> Tensor:
+    from ..core.batch import pack
+    return pack([[0] * n for n in seq_lens], num_computed_tokens=list(num_computed_tokens)).positions
+
+
+ENGINE_POSITIONS_CASE = "the draft, chunked under 512 on the explorer's small model, with your positions"
+
+
+def _draft_with_positions(fn) -> dict:
+    """The draft served chunked on ``EXPLORER_CFG`` with ``fn`` giving the positions of every forward's rows,
+    and unchunked (float32 and float64): ``{"chunked", "whole", "truth"}`` last hidden states ``[1, d]``."""
+    from ..core import batch as batch_mod
+    from ..serve import engine as engine_mod
+    real = batch_mod.pack
+
+    def pack(requests, device=None, num_computed_tokens=None):
+        out = real(requests, device=device, num_computed_tokens=num_computed_tokens)
+        if num_computed_tokens is not None:
+            got = fn(list(num_computed_tokens), list(out.seq_lens))
+            out.positions = torch.as_tensor(got, dtype=torch.int64).to(out.positions.device)
+        return out
+    cfg, d = EXPLORER_CFG, draft_index()
+    if "w" not in _EXPLORER_WEIGHTS:
+        _EXPLORER_WEIGHTS["w"] = init_weights(cfg, 0)
+    prompt = make_requests([stream_lengths()[d]], cfg.vocab_size, seed=l06_engine.PROMPT_SEED)
+    undo = _patch(engine_mod, "pack", pack)
+    try:
+        chunked = serve(prompt, BUDGET, True, cfg, _EXPLORER_WEIGHTS["w"], compute_logits=False)
+    finally:
+        undo()
+    whole, truth = (serve(prompt, WHOLE_BUDGET, False, cfg, _EXPLORER_WEIGHTS["w"], dtype=dt, compute_logits=False)
+                    for dt in (torch.float32, torch.float64))
+    return {k: stacked(r, "last_hidden") for k, r in (("chunked", chunked), ("whole", whole), ("truth", truth))}
+
+
+_UNCHUNKED: dict = {}
+
+
+def chunk_error_table(prompt: Sequence[int] | None = None, cfg: ModelConfig | None = None) -> str:
+    """One prompt (default: the draft) served chunked under ``BUDGET`` and whole, on ``cfg`` (default: the
+    explorer's small model; the prompt's ids are taken modulo its vocabulary): for each chunk, the max error of its
+    final hidden rows against the float64 unchunked prefill, and the bound of the tolerance rule. With the engine
+    whole every line ends in ✓; a broken engine (``broken``) shows which chunks go wrong."""
+    cfg = cfg or EXPLORER_CFG
+    weights = init_weights(cfg, 0) if cfg is not EXPLORER_CFG else _EXPLORER_WEIGHTS.setdefault("w", init_weights(cfg, 0))
+    ids = [[t % cfg.vocab_size for t in (prompt if prompt is not None else stream()[1][draft_index()])]]
+    key = (id(cfg), tuple(ids[0]))
+    if key not in _UNCHUNKED:  # the unchunked rows do not depend on a chunking bug: computed once
+        _UNCHUNKED[key] = {name: serve(ids, WHOLE_BUDGET, False, cfg, weights, dtype=dt, compute_logits=False,
+                                       return_hidden=True)["outputs"][0].hidden
+                           for name, dt in (("whole", torch.float32), ("truth", torch.float64))}
+    chunked = serve(ids, BUDGET, True, cfg, weights, compute_logits=False, return_hidden=True)
+    rows = {"chunked": chunked["outputs"][0].hidden, **_UNCHUNKED[key]}
+    spans = [(s, n) for st in chunked["stats"] for _, s, n in st.chunks]
+    lines = [f"{len(ids[0]):,} tokens in {len(spans)} chunks ({explorer_cfg_text() if cfg is EXPLORER_CFG else 'cfg'}):"]
+    for c, (s, n) in enumerate(spans):
+        got, ref, ref64 = (rows[k][s:s + n] for k in ("chunked", "whole", "truth"))
+        err, bound = max_abs_diff(got, ref64), tolerance(ref, ref64, got.dtype)
+        lines.append(f"  chunk {c} (rows {s:4d}..{s + n - 1:4d}): max |chunked - fp64| = {err:8.1e}, allowed "
+                     f"{bound:.1e} {'✓' if err <= bound else '✗'}")
+    return "\n".join(lines)
+
+
+def check_chunk_positions(fn) -> bool:
+    """Exercise 08.3: ``fn(num_computed_tokens, seq_lens) -> [T] int64``: the position of every row of a flat
+    chunked batch (request i brings ``seq_lens[i]`` tokens after ``num_computed_tokens[i]`` cached ones). Five
+    batches against the engine's ``pack``; then the draft served chunked on the explorer's small model with YOUR
+    positions in every forward, against its unchunked prefill (the tolerance rule, float64 truth)."""
+    def run(done, lens=None):
+        if done == ENGINE_POSITIONS_CASE:
+            return _draft_with_positions(fn)
+        return fn(list(done), list(lens))
+
+    def judge(got, done, lens=None):
+        if done == ENGINE_POSITIONS_CASE:
+            err, bound = max_abs_diff(got["chunked"], got["truth"]), tolerance(got["whole"], got["truth"])
+            return None if err <= bound else (f"inside the engine the draft's last hidden state is off by {err:.2g} "
+                                              f"(allowed {bound:.1g})")
+        want = _engine_positions(done, lens)
+        if not isinstance(got, Tensor):
+            return f"expected a tensor of {sum(lens)} positions, got {type(got).__name__}"
+        if tuple(got.shape) != tuple(want.shape):
+            return f"shape {list(got.shape)}, expected [{sum(lens)}]: one position per row of the flat batch"
+        if got.dtype != torch.int64:
+            return f"dtype {got.dtype}, expected torch.int64 (an index into the position embeddings)"
+        if torch.equal(got, want):
+            return None
+        if torch.equal(got, torch.cat([torch.arange(n) for n in lens])):
+            return ("positions restart at 0 in every chunk: the second chunk's tokens get the embeddings of positions "
+                    "0, 1, ... and the model reads them as the start of a new prompt (the broken run above: chunk 0 "
+                    "right, every later chunk wrong) - start request i at num_computed_tokens[i]")
+        if torch.equal(got, torch.arange(sum(lens))):
+            return "positions run 0..T-1 across the whole batch: they restart for every REQUEST, at its cached length"
+        if torch.equal(got, want + 1):
+            return "off by one: the first new token of a request with c cached tokens sits at position c (0-based)"
+        return f"positions {got.tolist()[:12]}..., the engine's are {want.tolist()[:12]}..."
+
+    return grade("chunk_positions", run, [*_POSITION_CASES, (ENGINE_POSITIONS_CASE,)], judge,
+                 "every row's position on 5 chunked batches as the engine's pack gives them, and the draft served "
+                 "chunked with your positions equals its unchunked prefill")

@@ -1,0 +1,286 @@
+"""Lesson 08's module (lessons_lib/course/l08_chunked.py): a chunk's mask, the staircase and timeline
+figures, waits, the engine runs behind the claims, the bugs of the break-it cells, the explorer and
+the three exercise checkers (a chunking scheduler, a budget chosen with numbers, a chunk's positions)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import attempt, by_class, gids, min_font, png_of, stub
+
+from lessons_lib import ModelConfig
+from lessons_lib.core.attention import varlen_attention
+from lessons_lib.course import l08_chunked as L
+from lessons_lib.course.grading import score
+from lessons_lib.course.style import MIN_FONT
+from lessons_lib.serve.scheduler import plan_batches
+
+SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=4096)
+
+
+def chunk_fcfs(lens, budget, max_seqs):
+    """FCFS chunked prefill written here, independently of the library."""
+    left, out, head = list(lens), [], 0
+    while head < len(left):
+        fwd, room, i = [], budget, head
+        while i < len(left) and room and len(fwd) < max_seqs:
+            t = min(left[i], room)
+            fwd.append((i, t))
+            left[i] -= t
+            room -= t
+            if left[i]:
+                break
+            i += 1
+        while head < len(left) and not left[head]:
+            head += 1
+        out.append(fwd)
+    return out
+
+
+# ---- a chunk's mask and cells ---------------------------------------------------------------------
+
+def test_chunk_mask_is_bottom_right_over_every_key_so_far():
+    m = L.chunk_mask(4, 4)
+    assert m.shape == (4, 8)
+    assert m.sum(1).tolist() == [5, 6, 7, 8]            # query 4 + i sees keys 0 .. 4 + i
+    assert L.chunk_mask(0, 3).tolist() == torch.ones(3, 3, dtype=torch.bool).tril().tolist()
+
+
+def test_chunk_rows_match_the_whole_attention_and_fail_with_a_top_left_mask():
+    assert "within the tolerance rule" in L.chunk_rows_match(4, 4)
+    with L.broken("causal top-left"), pytest.raises(AssertionError, match="exceeds the bound"):
+        L.chunk_rows_match(4, 4)
+
+
+def test_staircase_cells_count_rectangles_and_keep_the_causal_cells():
+    c = L.staircase_cells([512, 512, 512, 240])
+    assert c["computed"] == 512 * 512 + 512 * 1024 + 512 * 1536 + 240 * 1776
+    assert c["allowed"] == 1776 * 1777 // 2
+    assert c["masked"] == c["computed"] - c["allowed"]
+    assert L.staircase_cells([10])["computed"] == 100
+    assert L.chunk_spans([3, 4, 5]) == [(0, 3), (3, 4), (7, 5)]
+
+
+def test_mask_text_marks_allowed_keys():
+    text = L.mask_text(L.chunk_mask(2, 2), start=2)
+    assert text.splitlines()[1:] == ["query   2: ###.", "query   3: ####"]
+
+
+# ---- figures ---------------------------------------------------------------------------------------
+
+def test_chunk_staircase_draws_every_chunk_its_cache_and_its_rectangle():
+    fig = L.chunk_staircase([5, 5, 3])
+    g = set(gids(fig))
+    assert {"chunk-0", "chunk-1", "chunk-2", "cache-1", "cache-2", "cached-1", "diag-0", "masked-2", "rect-2"} <= g
+    assert "cache-0" not in g and "cached-0" not in g        # the first chunk reads no cache
+    assert "13 tokens in 3 chunks" in fig.axes[0].get_title()
+    assert f"{5 * 5 + 5 * 10 + 3 * 13:,} computed" in fig.axes[1].get_title()
+    assert min_font(fig) >= MIN_FONT
+
+
+def test_chunk_timeline_marks_each_forward_and_where_the_requests_behind_finish():
+    lens = [3, 10, 2, 2]
+    runs = {"chunked": chunk_fcfs(lens, 4, 256), "whole": [[(0, 3)], [(1, 10), (2, 2), (3, 2)]]}
+    fig = L.chunk_timeline(runs, lens, draft=1, behind=[2, 3])
+    g = set(gids(fig))
+    assert {"fwd-0-0", "fwd-1-1", "done-0-2", "done-1-3", "mean-0", "chunk-0-1-1"} <= g
+    assert min_font(fig) >= MIN_FONT
+
+
+def test_request_waits_end_with_the_last_chunk():
+    steps = [[(0, 4)], [(0, 2), (1, 2)], [(1, 1)]]
+    assert L.request_waits(steps) == {0: (2, 8), 1: (3, 9)}
+    assert L.mean_wait(L.request_waits(steps), [0, 1]) == (2.5, 8.5)
+
+
+def test_planned_timeline_is_the_engine_scheduler():
+    lens = L.stream_lengths()
+    assert L.planned_timeline(lens, 512, True) == chunk_fcfs(lens, 512, 256)
+    whole = L.planned_timeline(lens, 2048, False)
+    assert [[i for i, _ in f] for f in whole] == plan_batches(lens, 2048)
+
+
+# ---- the engine behind the claims ------------------------------------------------------------------
+
+def test_refusal_is_the_engine_s_own_message():
+    msg = L.refusal(SMALL)
+    assert "request 9 has 1776 prompt tokens" in msg and "max_num_batched_tokens=512" in msg
+
+
+def test_serve_chunked_equals_whole_and_records_the_staircase():
+    prompts = [[t % SMALL.vocab_size for t in p] for p in ([1, 2, 3] * 4, [5] * 7)]
+    ch = L.serve(prompts, 5, True, SMALL, record=True)
+    wh = L.serve(prompts, 16, False, SMALL, record=True)
+    assert L.timeline(ch["stats"]) == chunk_fcfs([12, 7], 5, 256)
+    assert torch.allclose(L.stacked(ch, "last_hidden"), L.stacked(wh, "last_hidden"), atol=1e-5)
+    assert L.same_argmax(ch, wh)
+    assert L.recorded_cells(ch, SMALL) == sum(s.cells_whole_computed for s in ch["stats"])
+    assert L.recorded_cells(wh, SMALL) == 12 * 12 + 7 * 7
+    assert L.recorded_cached_rows(ch, SMALL) == sum(s.num_cached_tokens for s in ch["stats"]) > 0
+    assert L.recorded_cached_rows(wh, SMALL) == 0
+    assert ch["kv_cache_peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("bug", ["positions restart", "cache not appended", "causal top-left"])
+def test_each_attention_bug_breaks_the_chunks_after_the_first(bug):
+    prompt = [t % 512 for t in range(40, 1240)]          # 1,200 tokens: 3 chunks of the 512 budget
+    assert "✗" not in L.chunk_error_table(prompt)
+    with L.broken(bug):
+        lines = L.chunk_error_table(prompt).splitlines()[1:]
+    assert lines[0].endswith("✓") and all(line.endswith("✗") for line in lines[1:])
+    assert "✗" not in L.chunk_error_table(prompt)       # undone after the block
+
+
+def test_scheduler_bugs_break_the_budget_and_the_order():
+    lens = [30, 20, 50]
+    with L.broken("chunk takes a whole budget"):
+        over = plan_batches(lens, 40, enable_chunked_prefill=True)
+    assert max(sum(n for *_, n in f) for f in over) > 40
+    with L.broken("chunked request to the back"):
+        rr = plan_batches([100, 5], 40, enable_chunked_prefill=True)
+    assert [i for i, *_ in rr[1]] == [1] or 1 in [i for i, *_ in rr[1]]  # request 1 passes the chunked request 0
+    assert plan_batches([100, 5], 40, enable_chunked_prefill=True) == [[(0, 0, 40)], [(0, 40, 40)], [(0, 80, 20), (1, 0, 5)]]
+    with pytest.raises(ValueError, match="unknown bug"):
+        L.install("no such bug")
+
+
+def test_tp_helpers_read_a_trace():
+    from lessons_lib.core.groups import CollectiveRecord
+    rec = [CollectiveRecord("all_reduce", (7, 512), "float32", 7 * 2048, f"layers.{i}.attn.out_proj", 0, 2)
+           for i in range(2)]
+    assert L.trace_text(rec) == "2 x all_reduce [7, 512]"
+    assert L.other_collectives(rec) == 0
+    assert L.other_collectives([CollectiveRecord("all_gather", (7, 4, 64), "float32", 0, "layers.0.attn.kv", 0, 2)]) == 1
+
+
+# ---- the explorer ----------------------------------------------------------------------------------
+
+def test_chunked_plan_state_is_the_engine_s_run():
+    s = L.chunked_plan_state("long-tail", 24, 512)
+    assert s["seq_lens"] == L.stream_lengths() and s["longest"] == L.draft_index() == 9
+    assert s["chunked"]["timeline"] == L.planned_timeline(s["seq_lens"], 512, True)
+    assert s["whole_budget"] == 2048 and s["whole"]["max_forward"] == 2047
+    assert s["chunked"]["max_forward"] <= 512 and s["chunked"]["kv_cache_peak_bytes"] > 0
+    assert s["chunked"]["cells_causal"] == s["whole"]["cells_causal"]
+    other = L.chunked_plan_state("long-tail", 24, 256)
+    assert len(other["chunked"]["timeline"]) > len(s["chunked"]["timeline"])
+    with pytest.raises(ValueError, match="workload"):
+        L.chunked_plan_state("nope")
+
+
+def test_chunked_plan_explorer_output_changes_with_the_budget():
+    box = L.chunked_plan_explorer("uniform", 6, 128)
+    w = by_class(box)
+    before, png = w["cpx-counts"].value, png_of(w["cpx-figure"])
+    w["cpx-budget"].value = 64
+    assert w["cpx-counts"].value != before and png_of(w["cpx-figure"]) != png
+    assert "chunked (budget 64)" in w["cpx-counts"].value
+
+
+# ---- exercise 08.1 ---------------------------------------------------------------------------------
+
+def test_chunk_scheduler_checker_passes_fcfs_and_waits_for_a_stub(capsys):
+    assert L.check_chunk_scheduler(chunk_fcfs)
+    assert L.check_chunk_scheduler(stub) is False
+    assert "not attempted" in capsys.readouterr().out
+
+
+def _whole_budget_chunk(lens, budget, max_seqs):
+    left, out = list(lens), []
+    while any(left):
+        fwd, room = [], budget
+        for i in range(len(left)):
+            if not left[i]:
+                continue
+            if left[i] <= room:
+                fwd.append((i, left[i]))
+                room -= left[i]
+                left[i] = 0
+            else:
+                t = min(left[i], budget)
+                fwd.append((i, t))
+                left[i] -= t
+                break
+        out.append(fwd)
+    return out
+
+
+def _first_fit(lens, budget, max_seqs):  # never cuts: skips to whatever fits (not FCFS, and a long one never runs)
+    return chunk_fcfs(lens, budget, max_seqs)[:1] + [[(i, n)] for i, n in enumerate(lens)][1:]
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (_whole_budget_chunk, "the room LEFT"),
+    (lambda lens, b, m: chunk_fcfs(lens, b, 10 ** 6), "the budget counts requests too"),
+    (lambda lens, b, m: [[i for i, _ in f] for f in chunk_fcfs(lens, b, m)], "bare request indices"),
+    (lambda lens, b, m: [[(i, n)] for i, n in enumerate(lens)], "tokens of room"),
+])
+def test_chunk_scheduler_checker_explains_typical_mistakes(answer, hint):
+    assert hint in attempt(L.check_chunk_scheduler, answer)
+
+
+def test_chunk_schedule_problem_names_order_and_cut_mistakes():
+    lens = [10, 10]
+    assert "FRONT of the queue" in L.chunk_schedule_problem([[(0, 5)], [(1, 5)], [(0, 5), (1, 5)]], lens, 5, 256)
+    assert "jump ahead" in L.chunk_schedule_problem([[(1, 10)], [(0, 10)]], lens, 10, 256)
+    assert "not the last chunk" in L.chunk_schedule_problem([[(0, 4), (1, 6)], [(0, 6), (1, 4)]], lens, 10, 256)
+    assert L.chunk_schedule_problem(chunk_fcfs(lens, 7, 256), lens, 7, 256) is None
+
+
+def test_chunk_scheduler_checker_gives_partial_marks(capsys):
+    points = score(L.check_chunk_scheduler, lambda lens, b, m: chunk_fcfs(lens, b, 10 ** 6), 3)
+    assert 0 < points < 3
+
+
+# ---- exercise 08.2 ---------------------------------------------------------------------------------
+
+def _largest(max_forward, max_wait, max_rows):
+    for b in range(max_forward // 16 * 16, 0, -16):
+        m = L.budget_measures(b)
+        if m["max_forward"] <= max_forward and m["wait_forwards"] <= max_wait and m["draft_cache_rows"] <= max_rows:
+            return b
+    return None
+
+
+def test_budget_measures_are_the_scheduler_s():
+    m = L.budget_measures(512)
+    assert (m["forwards"], m["max_forward"], m["draft_cache_rows"]) == (8, 512, 214 + 726 + 1238 + 1750)
+    assert round(m["wait_forwards"], 2) == 6.64
+    assert "budget forwards" in L.budget_table([512, 768])
+
+
+def test_budget_chooser_checker_passes_a_search_and_explains_mistakes():
+    assert L.check_budget_chooser(_largest)
+    assert "return None" in attempt(L.check_budget_chooser, lambda f, w, r: f)
+    assert "do not bisect" in attempt(L.check_budget_chooser, lambda f, w, r: 640 if f == 768 else _largest(f, w, r))
+    assert "meets all three" in attempt(L.check_budget_chooser, lambda f, w, r: None)
+    assert "multiple of 16" in attempt(L.check_budget_chooser, lambda f, w, r: 700)
+
+
+# ---- exercise 08.3 ---------------------------------------------------------------------------------
+
+def _positions(done, lens):
+    return torch.cat([torch.arange(c, c + n) for c, n in zip(done, lens)])
+
+
+def test_chunk_positions_checker_passes_and_runs_the_engine():
+    assert L.check_chunk_positions(_positions)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (lambda done, lens: torch.cat([torch.arange(n) for n in lens]), "restart at 0 in every chunk"),
+    (lambda done, lens: torch.arange(sum(lens)), "across the whole batch"),
+    (lambda done, lens: _positions(done, lens) + 1, "off by one"),
+    (lambda done, lens: _positions(done, lens).int(), "torch.int64"),
+])
+def test_chunk_positions_checker_explains_typical_mistakes(answer, hint):
+    assert hint in attempt(L.check_chunk_positions, answer)
+
+
+def test_varlen_attention_of_a_chunk_reads_the_cache_rows():
+    """The engine's attention with cu_seqlens_q != cu_seqlens_k, independently of the course module."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(6, 2, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    whole = varlen_attention(q, k, v, cu)
+    chunk = varlen_attention(q[2:], k, v, torch.tensor([0, 4], dtype=torch.int32), cu)
+    assert torch.allclose(chunk, whole[2:], atol=1e-6)
