@@ -21,7 +21,8 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 REPO = Path(__file__).resolve().parents[1]
-CLAIM_IDS = ["S1", "S2", "S3"] + [f"C{i}" for i in range(1, 16)] + [f"K{i}" for i in range(1, 6)]
+CLAIM_IDS = (["S1", "S2", "S3"] + [f"C{i}" for i in range(1, 16)] + [f"K{i}" for i in range(1, 6)]
+             + [f"P{i}" for i in range(1, 6)])
 VARIANTS = sorted(k for k in BREAKS if ":" in k)  # more breakages of one claim, "<id>:<variant>", e.g. "C4:gelu"
 
 
