@@ -291,11 +291,23 @@ def test_tp2_chunks_each_rank_caches_its_heads_and_the_trace_is_16_all_reduces_o
         assert_close(torch.cat(got[i]), ref[i], ref64[i], f"TP=2 request {i}")
 
 
-def test_tp2_engine_serves_chunks_like_tp1():
+def test_tp2_engine_serves_chunks_like_tp1_also_after_a_failed_run(monkeypatch):
     ps = prompts([50, 3, 21], seed=11)
     with Engine(CFG, weights=WEIGHTS, device="cpu", tp_size=2, tp_backend="gloo", max_num_batched_tokens=16,
                 enable_chunked_prefill=True) as eng:
-        outs = eng.prefill([Request(i, p, True) for i, p in enumerate(ps)])
+        real, calls = eng.model.compute_logits, [0]
+
+        def flaky(hidden):  # fails after the workers ran (and cached) this forward: they must drop those keys
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("injected")
+            return real(hidden)
+        monkeypatch.setattr(eng.model, "compute_logits", flaky)
+        eng.submit_many([Request(i, p, True) for i, p in enumerate(ps)])
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.run()
+        assert [r.request_id for r in eng.scheduler.waiting] == [0, 1, 2] and not eng._runtime.closed
+        outs = eng.run()
         assert all(s.all_reduces == 2 * CFG.n_layers and s.num_tokens <= 16 for s in eng.stats)
         assert eng.kv_cache is None and eng.kv_cache_peak_bytes > 0
     assert_served_like_unchunked(outs, ps)
@@ -313,3 +325,24 @@ def test_lesson_06_stream_with_its_1776_token_draft_under_512_tokens():
     assert all(s.num_tokens <= 512 for s in eng.stats) and sum(s.num_tokens for s in eng.stats) == sum(lens)
     assert any(s.num_cached_tokens for s in eng.stats)
     assert_served_like_unchunked(outs, ps)
+
+
+@pytest.mark.parametrize("backend", ["flash", "torch_varlen"])
+def test_the_cuda_kernels_call_sites_take_the_chunks(backend, monkeypatch):
+    """FlashAttention's and PyTorch's varlen kernels get cached + chunk keys with their own cu_seqlens_k (run
+    here through the contract doubles of tests/kernel_doubles.py, which refuse what the real kernels refuse)."""
+    import kernel_doubles as kd
+
+    from lessons_lib.core import kernels
+    for name in ("flash", "torch_varlen"):
+        monkeypatch.setitem(kernels.KERNELS, name, kernels.KERNELS[name])  # restored afterwards
+    kd.install()
+    ps = prompts([45, 7, 20], seed=12)
+    eng = Engine(CFG, weights=WEIGHTS, device="cpu", dtype=torch.bfloat16, attn_backend=backend,
+                 max_num_batched_tokens=16, enable_chunked_prefill=True)
+    outs = eng.prefill([Request(i, p, True) for i, p in enumerate(ps)])
+    assert sum(s.num_cached_tokens for s in eng.stats) > 0
+    bf16 = Transformer(CFG, WEIGHTS, dtype=torch.bfloat16, attn_backend=backend)
+    for o, p in zip(outs, ps):
+        ref, ref64 = bf16(pack([torch.tensor(p)])), MODEL64(pack([torch.tensor(p)]))
+        assert_close(o.hidden, ref, ref64, f"{backend}: request {o.request_id}")
