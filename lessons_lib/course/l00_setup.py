@@ -48,10 +48,13 @@ LESSONS = (
     ("06", "A prefill engine", "a scheduler under a token budget: padded vs masked vs varlen", "S3 (+ C2, C8, C10, C12)", 60),
     ("07", "Inside the kernel", "one Triton launch for all requests: the grid, causal tiles, online softmax",
      "K1-K5", 50),
+    ("08", "Chunked prefill", "a prompt longer than the budget, in chunks over a KV cache: the staircase of cells",
+     "P1-P5", 50),
 )
 # What each lesson is mostly about, in the palette's meanings (a stripe on its box).
 _TOPIC = {"00": (COMM,), "01": (REQUEST[0],), "02": (LINEAR,), "03": (ATTENTION,), "04": (COMM,),
-          "05": (LINEAR, ATTENTION), "06": (REQUEST[0], LINEAR, ATTENTION, COMM), "07": (ATTENTION,)}
+          "05": (LINEAR, ATTENTION), "06": (REQUEST[0], LINEAR, ATTENTION, COMM), "07": (ATTENTION,),
+          "08": (REQUEST[0], ATTENTION)}
 
 
 def _wrap(text: str, width: int) -> str:
@@ -96,7 +99,7 @@ def course_map() -> Figure:
             ax.add_patch(FancyArrowPatch((x - gap + 0.01, y + h / 2), (x - 0.01, y + h / 2), arrowstyle="-|>",
                                          mutation_scale=9, color=OTHER))
     ax.text(0.12, 3.12, f"The course: {len(LESSONS)} lessons, each proving the claims in italics "
-            "(prefill only, whole requests, no KV cache)", fontsize=MIN_FONT + 2, color=TEXT, va="center")
+            "(prefill only; whole requests and no KV cache until lesson 08)", fontsize=MIN_FONT + 2, color=TEXT, va="center")
     return fig
 
 
