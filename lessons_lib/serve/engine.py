@@ -70,7 +70,9 @@ class RequestOutput:
     None when the engine runs with ``compute_logits=False``.
     hidden: ``[L, d_model]`` final hidden rows of every prompt token if the request asked for
     them, else None.
-    batch_index: which batch of the run served it.
+    batch_index: which forward of the run served it (with chunked prefill: the one of its last chunk;
+    ``hidden`` then joins the rows of all its chunks, equal to one unchunked forward's).
+    All tensors are on the engine's device, in its dtype.
     """
 
     request_id: str | int

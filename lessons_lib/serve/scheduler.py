@@ -35,6 +35,8 @@ class Request:
     prompt_token_ids: the prompt, a non-empty list of non-negative ints (a 1-D integer tensor or
     numpy array is converted to a list). ``len(request)`` is its token count L.
     return_hidden: also return the final hidden rows of every prompt token (``[L, d_model]``).
+    num_computed_tokens: prompt tokens already prefilled (vLLM's name), advanced by the scheduler's
+    chunks; 0 until a chunked prefill starts it, reset when an engine takes the request.
 
     Taught in notebooks/00_setup_one_request.ipynb and notebooks/06_prefill_engine.ipynb.
     """
