@@ -191,6 +191,34 @@ def wrong(seq_lens, n_heads, block_m):  # forgets that every head has its own pr
 def wrong(seq_lens, max_programs):  # the smallest tiles, whatever the program bound
     return 16, 16
 ''', "more than the"),
+    # lesson 08
+    "ex08_1_grade": ('''
+def wrong(seq_lens, max_num_batched_tokens, max_num_seqs):  # FCFS chunking, but max_num_seqs forgotten
+    left, head, forwards = list(seq_lens), 0, []
+    while head < len(left):
+        fwd, room, i = [], max_num_batched_tokens, head
+        while i < len(left) and room:
+            take = min(left[i], room)
+            fwd.append((i, take))
+            left[i] -= take
+            room -= take
+            if left[i]:
+                break
+            i += 1
+        while head < len(left) and not left[head]:
+            head += 1
+        forwards.append(fwd)
+    return forwards
+''', "the budget counts requests too"),
+    "ex08_2_grade": ('''
+def wrong(max_forward, max_wait, max_cache_rows):  # always the largest step allowed, never None
+    return max_forward // 16 * 16
+''', "return None"),
+    "ex08_3_grade": ('''
+def wrong(num_computed_tokens, seq_lens):  # positions restart in every chunk, as for a whole prompt
+    import torch
+    return torch.cat([torch.arange(n) for n in seq_lens])
+''', "restart at 0 in every chunk"),
 }
 
 STUDENTS = ("reference", "stub", "wrong")
