@@ -900,3 +900,9 @@ def check_chunk_positions(fn) -> bool:
     return grade("chunk_positions", run, [*_POSITION_CASES, (ENGINE_POSITIONS_CASE,)], judge,
                  "every row's position on 5 chunked batches as the engine's pack gives them, and the draft served "
                  "chunked with your positions equals its unchunked prefill")
+
+
+def error_and_bound(out: Tensor, ref: Tensor, ref64: Tensor) -> tuple[float, float]:
+    """``(max |out - ref64|, the tolerance rule's bound)`` without raising: a claim cell puts both in its table,
+    so a wrong answer fails the claim with its numbers (``check.close`` would raise before the table)."""
+    return max_abs_diff(out, ref64), tolerance(ref, ref64, out.dtype)

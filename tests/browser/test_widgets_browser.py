@@ -1,11 +1,13 @@
 """End to end: the lesson widgets move in a real browser, and show what lessons_lib computes.
 
-For lessons 03, 04, 05 and 07 this opens the notebook in JupyterLab (Debian's Chromium, headless),
+For lessons 03, 04, 05, 07 and 08 this opens the notebook in JupyterLab (Debian's Chromium, headless),
 waits for a really connected kernel, runs all cells, reads the live numbers off the widget,
 moves a slider with the keyboard, and checks that the numbers become exactly what
 ``lessons_lib`` computes for the new setting and that the figure was redrawn (a new ``<img>``
 source). Lesson 07's explorer runs the Triton kernel: its counters and error must equal a direct
-call for the same input, before and after the tile sliders move and new lengths are typed.
+call for the same input, before and after the tile sliders move and new lengths are typed. Lesson 08's
+explorer runs the engine chunked and whole: its readout must equal a direct call of its state function
+for each budget the slider moves to.
 Lesson 04 also checks what must NOT move: the TP trace stays the same string while the
 requests slider moves. Screenshots before/after go to ``test-artifacts/browser/``.
 
@@ -24,7 +26,7 @@ from course_browser import ARTIFACTS
 
 from lessons_lib.core.batch import cumulative, pack
 from lessons_lib.core.config import ModelConfig
-from lessons_lib.course import l03_attention, l04_tp, l05_flops, l07_kernel
+from lessons_lib.course import l03_attention, l04_tp, l05_flops, l07_kernel, l08_chunked
 from lessons_lib.measure import flops
 from lessons_lib.ops import tiling
 from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
@@ -433,3 +435,46 @@ def test_lesson07_kernel_explorer(lab_server, browser_context, capsys):
     assert int(_k7_numbers(page)["early_exits"][1]) > 0
 
     _finish(page, widget, "07", latencies, text_ms, console_errors, t_start, capsys)
+
+
+CPX_RE = re.compile(r"chunked \(budget ([\d,]+)\): (\d+) forwards, largest ([\d,]+) tokens \| the (\d+) requests behind the "
+                    r"longest wait ([\d.]+) forwards, ([\d,]+) tokens on average \| score cells ([\d,]+) \(whole blocks\), "
+                    r"([\d,]+) causal \| cache read ([\d,]+) rows, peak ([\d,]+) B")
+
+
+def _expected_chunked(workload: str, num_requests: int, budget: int) -> str:
+    """Lesson 08's readout for these inputs, from a direct call of the state function (it runs the engine)."""
+    state = l08_chunked.chunked_plan_state(workload, num_requests, budget)
+    assert state["chunked"]["timeline"] == l08_chunked.planned_timeline(state["seq_lens"], budget, True)
+    return re.sub(r"<div>(.*?)</div>", r"\1\n", l08_chunked.chunked_plan_html(state)).strip()
+
+
+def test_lesson08_chunked_prefill_explorer(lab_server, browser_context, capsys):
+    page, widget, console_errors, t_start = _open_explorer(
+        browser_context, lab_server, "08_chunked_prefill.ipynb", "cpx",
+        r"""() => /chunked \(budget/.test((document.querySelector('.cpx-counts') || {}).innerText || '')
+                  && !!document.querySelector('.cpx-figure img')""", "the chunked-prefill explorer")
+
+    workload = page.locator(".cpx-workload select").input_value()
+    r, budget = _readout(page, "cpx-num-requests"), _readout(page, "cpx-budget")
+    text = _text(page, ".cpx-counts")
+    assert text == _expected_chunked(workload, r, budget)
+    first = CPX_RE.search(text)
+    assert first and int(first[1].replace(",", "")) == budget
+    src = page.locator(".cpx-figure img").first.get_attribute("src")
+
+    latencies, text_ms = [], []
+    for _ in range(MOVES):  # the budget up by one slider step (16 tokens): the engine runs again
+        ms, new_src = _move(page, "cpx-budget", ".cpx-figure", ".cpx-counts", "ArrowRight", text_ms)
+        latencies.append(ms)
+        assert new_src != src, "the timeline was not redrawn"
+        src = new_src
+        new_budget = _readout(page, "cpx-budget")
+        assert new_budget == budget + 16, f"ArrowRight moved the budget from {budget} to {new_budget}"
+        budget = new_budget
+        want = _expected_chunked(workload, r, budget)
+        _wait_text(page, ".cpx-counts", f"t => t === {want!r}")
+        got = CPX_RE.search(_text(page, ".cpx-counts"))
+        assert got and int(got[1].replace(",", "")) == budget and got[0] != first[0], "the numbers did not change"
+
+    _finish(page, widget, "08", latencies, text_ms, console_errors, t_start, capsys)
