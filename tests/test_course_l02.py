@@ -14,7 +14,7 @@ from lessons_lib.core.attention import VarlenMetadata
 from lessons_lib.core.model import AttentionContext
 from lessons_lib.course import l02_linear as L
 from lessons_lib.course.grading import score
-from lessons_lib.course.style import MIN_FONT
+from lessons_lib.style import MIN_FONT
 
 # --- the walk ------------------------------------------------------------------------------------------
 

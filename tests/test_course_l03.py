@@ -16,10 +16,10 @@ from lessons_lib.core.attention import VarlenMetadata, attention_forward, block_
 from lessons_lib.core.batch import seq_lens_to_cu_seqlens
 from lessons_lib.course import l03_attention as L
 from lessons_lib.course.grading import score
-from lessons_lib.course.style import MIN_FONT, SKIPPED, USEFUL, WASTED
 from lessons_lib.measure.flops import attention_cells
 from lessons_lib.measure.profile import random_qkv
 from lessons_lib.measure.recorder import OpRecorder
+from lessons_lib.style import MIN_FONT, SKIPPED, USEFUL, WASTED
 
 BATCHES = [[10, 30], [3, 1, 5], [7], [1, 1], [4, 9, 2, 9]]
 LINE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted (\d+)")

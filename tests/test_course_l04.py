@@ -15,9 +15,9 @@ from lessons_lib.core.groups import LocalGroup
 from lessons_lib.core.model import Transformer, init_weights
 from lessons_lib.course import l04_tp as L
 from lessons_lib.course.grading import score
-from lessons_lib.course.style import COMM, MIN_FONT
 from lessons_lib.measure.flops import attention_cells
 from lessons_lib.measure.tolerance import max_abs_diff, tolerance
+from lessons_lib.style import COMM, MIN_FONT
 from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
 from lessons_lib.tp.threads import tp_ranks_in_threads
 

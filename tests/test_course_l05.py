@@ -16,8 +16,8 @@ from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.model import Transformer
 from lessons_lib.course import l05_flops as L
 from lessons_lib.course.grading import score
-from lessons_lib.course.style import MIN_FONT
 from lessons_lib.measure.flops import attention_cells, forward_flops
+from lessons_lib.style import MIN_FONT
 
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128)
 

@@ -12,10 +12,10 @@ from helpers import attempt, by_class, by_gid, png_of, stub
 from lessons_lib import ModelConfig
 from lessons_lib.course import l06_engine as L
 from lessons_lib.course.grading import score
-from lessons_lib.course.style import MIN_FONT
 from lessons_lib.serve.engine import batch_stats
 from lessons_lib.serve.scheduler import plan_batches
 from lessons_lib.serve.workloads import workload_lengths
+from lessons_lib.style import MIN_FONT
 
 
 def fcfs(lens, budget):
@@ -95,7 +95,7 @@ def test_c2_c8_c10_batch_waste_bars_are_the_per_batch_counts():
 def test_batch_waste_uses_the_course_palette():
     from matplotlib.colors import to_hex
 
-    from lessons_lib.course.style import ATTENTION, LINEAR, WASTE
+    from lessons_lib.style import ATTENTION, LINEAR, WASTE
     cfg = ModelConfig()
     stats = {m: [batch_stats(cfg, [10, 30], m)] for m in ("padded", "masked", "varlen")}
     fig = L.batch_waste(stats)

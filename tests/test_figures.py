@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.text import Text
 
 from lessons_lib.course import figures
-from lessons_lib.course.style import MIN_FONT, to_png
+from lessons_lib.style import MIN_FONT, to_png
 
 ROOT = Path(__file__).resolve().parents[1]
 figures.load_lessons()  # every lesson's figures registered before the tests are collected

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from .style import to_png
+from ..style import to_png
 
 WIDGET_DPI = 80
 

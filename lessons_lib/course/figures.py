@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import matplotlib
 from matplotlib.figure import Figure
 
-from .style import to_png
+from ..style import to_png
 
 LESSON_MODULES = ("l00_setup", "l01_flat_batch", "l02_linear", "l03_attention", "l04_tp", "l05_flops", "l06_engine", "l07_kernel",
                   "l08_chunked")

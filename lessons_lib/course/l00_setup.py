@@ -24,12 +24,12 @@ from ..core.groups import LocalGroup
 from ..core.kernels import available_backends, placement, resolve_backend
 from ..core.model import Transformer
 from ..measure.profile import time_call
+from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT
 from ..tp.dryrun import expected_trace, record_trace
 from ..validate import check_int, dtype_name
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import grade, int_tuple
-from .style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT
 
 # ---------------------------------------------------------------------------------------------
 # The course map

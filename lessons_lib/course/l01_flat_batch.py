@@ -19,11 +19,11 @@ from matplotlib.patches import Patch, Rectangle
 from ..core.batch import cumulative, pack, unpad_input
 from ..measure.flops import attention_cells, executed_tokens
 from ..measure.tolerance import float64_twin  # noqa: F401 - lesson 01 shows it as L.float64_twin
+from ..style import ATTENTION, MIN_FONT, OTHER, TEXT, WASTE, cu_ticks, draw_strip, request_color, request_name
 from ..validate import check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import Tensor, grade
-from .style import ATTENTION, MIN_FONT, OTHER, TEXT, WASTE, cu_ticks, draw_strip, request_color, request_name
 
 _SHOWN = 16  # requests drawn one by one; beyond this the picture keeps its totals only
 

@@ -32,13 +32,13 @@ from ..core.linear import QKVParallelLinear
 from ..core.model import AttentionContext
 from ..measure.recorder import module_io
 from ..measure.tolerance import max_abs_diff, tolerance
+from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, draw_strip, request_name
 from ..validate import check_choice, check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade, matches, tensor_problem
 from .l00_setup import consecutive_runs
 from .probe import row_dependency, who_reads_whom
-from .style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, draw_strip, request_name
 
 Tensor = torch.Tensor
 KIND_COLORS = {"per token": OTHER, "linear": LINEAR, "attention": ATTENTION}

@@ -32,12 +32,7 @@ from ..measure.flops import METHODS, attention_cells
 from ..measure.profile import peak_bytes, random_qkv
 from ..measure.recorder import OpRecorder
 from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
-from ..validate import check_int, check_lengths
-from .explore import explorer, ipywidgets_module, show_figure, tagged
-from .figures import ARTICLE_LENS, register
-from .grading import Tensor, grade, matches, tensor_problem
-from .probe import row_dependency
-from .style import (
+from ..style import (
     ATTENTION,
     CELL_CMAP,
     CELL_COLORS,
@@ -51,6 +46,11 @@ from .style import (
     WASTED,
     short_lens,
 )
+from ..validate import check_int, check_lengths
+from .explore import explorer, ipywidgets_module, show_figure, tagged
+from .figures import ARTICLE_LENS, register
+from .grading import Tensor, grade, matches, tensor_problem
+from .probe import row_dependency
 
 BATCHES = [[10, 30], [5], [1, 1, 1], [7, 1, 12, 3], [30, 10]]
 

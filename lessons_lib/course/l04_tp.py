@@ -32,6 +32,7 @@ from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
 from ..measure.recorder import module_io
 from ..measure.tolerance import float64_twin
+from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, draw_strip, request_color, request_name
 from ..tp.dryrun import record_trace, trace_signature
 from ..tp.trace import summarize_trace
 from ..tp.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -40,7 +41,6 @@ from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade
 from .l03_attention import launch_grid
-from .style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, draw_strip, request_color, request_name
 
 Tensor = torch.Tensor
 

@@ -30,11 +30,11 @@ from ..core.batch import PackedBatch, cumulative, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
 from ..measure.flops import ForwardFlops, forward_flops, linear_flops_per_token
 from ..measure.recorder import BF16, Matmul, record_matmuls
+from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT
 from ..validate import check_choice, check_int
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import grade
-from .style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT
 
 Tensor = torch.Tensor
 

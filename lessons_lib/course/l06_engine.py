@@ -36,11 +36,11 @@ from ..measure.tolerance import max_abs_diff, tolerance
 from ..serve.engine import Engine, batch_stats
 from ..serve.scheduler import Request, plan_batches
 from ..serve.workloads import make_requests, workload_lengths
+from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE, request_color
 from ..validate import check_int
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import NOT_YET, WrongAnswer, call_reader, grade
-from .style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE, request_color
 
 Tensor = torch.Tensor
 

@@ -40,11 +40,11 @@ from ..measure.profile import random_qkv
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..ops import tiling
 from ..ops.tiling import WorkCounts, cdiv, key_tiles
+from ..style import ATTENTION, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_name
 from ..validate import check_int, check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade, int_tuple
-from .style import ATTENTION, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_name
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL_FILE = ROOT / "lessons_lib" / "ops" / "triton_varlen.py"

@@ -17,7 +17,7 @@ def write_plots(result: dict, out_dir: pathlib.Path) -> list[str]:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    from ..course.style import measured_series, to_png
+    from ..style import measured_series, to_png
 
     files = {}
     names = [n for n in result["workloads"]]

@@ -118,7 +118,7 @@ def _varlen_fwd_kernel(Q, K, V, Out, CU_Q, CU_K, COUNTS, scale,
         m_i = m_new
         if COUNT:
             tiles += 1
-            cells += tl.minimum(BLOCK_M, len_q - m_block * BLOCK_M) * tl.minimum(BLOCK_N, len_k - start_n)
+            cells += tl.sum((row_ok[:, None] & col_ok[None, :]).to(tl.int32))  # in-bounds cells of this tile
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                  # a row that sees no key: zeros
     tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
