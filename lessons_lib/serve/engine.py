@@ -204,7 +204,6 @@ class Engine:
     cfg: model sizes (default: the article's ``ModelConfig()``).
     tp_size: 1 runs the model in this process; 2 runs it on two worker processes through
     ``tp.TPRuntime`` (started at the first batch; ``close()`` or ``with Engine(...)`` stops it).
-    ``cfg.tp_size`` describes a deployment; this argument decides what actually runs.
     method: "varlen" (default), "masked" or "padded" — see the module doc.
     attn_backend: attention backend for ``method="varlen"`` ("auto" = fastest here, see
     ``kernels.resolve_backend``), or your own function with ``flash_attn_varlen_func``'s contract,

@@ -33,6 +33,7 @@ from ..core.groups import CollectiveRecord
 from ..core.kernels import synchronize
 from ..core.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..core.model import Transformer, init_weights
+from ..validate import check_int
 
 Tensor = torch.Tensor
 
@@ -54,9 +55,7 @@ class Fault:
         if self.kind not in ("raise", "sigkill", "hang"):
             raise ValueError(f"Fault.kind must be 'raise', 'sigkill' or 'hang', got {self.kind!r}")
         for name in ("rank", "layer"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"Fault.{name} must be an int >= 0, got {value!r}")
+            setattr(self, name, check_int(f"Fault.{name}", getattr(self, name), 0))
 
     def fire(self, rank: int) -> None:
         if rank != self.rank:
