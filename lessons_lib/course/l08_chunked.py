@@ -1,9 +1,18 @@
 """What lesson 08 (chunked prefill: when a prompt does not fit) draws, explores and checks.
 
   the hook          ``refusal``: the capstone's engine refusing lesson 06's 1,776-token draft
-  one chunk         ``chunk_mask``: the causal mask of a chunk's queries over every key so far
-                    (``attention.block_diag_mask`` with ``cu_seqlens_k``, bottom-right aligned)
+  one chunk         ``chunk_mask`` / ``mask_text`` / ``chunk_rows_match``: a chunk's causal mask over every key
+                    so far (``attention.block_diag_mask`` with ``cu_seqlens_k``, bottom-right aligned);
+                    ``chunk_spans``, ``staircase_cells``: the rectangles and their cells
+  the engine        ``serve`` (Engine, chunked or whole; the op recorder; rank 0's TP trace), ``timeline``,
+                    ``stacked``, ``error_and_bound``, ``recorded_cells`` / ``recorded_blocks`` /
+                    ``recorded_cached_rows`` (what attention really ran), ``trace_text``, ``payloads_match``
+  waits             ``request_waits``, ``mean_wait``, ``behind``: derived from the engine's forwards only
   figures           ``chunk_staircase`` (08_chunk_staircase), ``chunk_timeline`` (08_chunk_timeline)
+  break it          ``BUGS``, ``install``, ``broken``, ``chunk_error_table`` (also tests/breakages_l08.py)
+  explorer          ``chunked_plan_state`` / ``chunked_plan_html`` / ``chunked_plan_explorer`` (runs the engine)
+  exercises         ``check_chunk_scheduler`` (08.1), ``check_budget_chooser`` with ``budget_measures`` (08.2),
+                    ``check_chunk_positions`` (08.3)
 
 Taught in notebooks/08_chunked_prefill.ipynb.
 """
