@@ -11,8 +11,8 @@ from lessons_lib import ModelConfig
 from lessons_lib.core.attention import varlen_attention
 from lessons_lib.course import l08_chunked as L
 from lessons_lib.course.grading import score
-from lessons_lib.course.style import MIN_FONT
 from lessons_lib.serve.scheduler import plan_batches
+from lessons_lib.style import MIN_FONT
 
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=4096)
 

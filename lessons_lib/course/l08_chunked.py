@@ -36,12 +36,12 @@ from ..measure.tolerance import assert_close, max_abs_diff, tolerance
 from ..serve.engine import Engine
 from ..serve.scheduler import Request, plan_batches
 from ..serve.workloads import make_requests
+from ..style import ATTENTION, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE, request_color
 from ..validate import check_int
 from . import l06_engine
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import grade
-from .style import ATTENTION, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE, request_color
 
 Tensor = torch.Tensor
 
