@@ -179,9 +179,12 @@ def wrong(seq_lens, max_num_batched_tokens, max_num_seqs):  # sorts the whole st
 ''', "the budget counts requests too"),
     # lesson 07
     "ex07_1_grade": ('''
-def wrong(len_q, len_k, tile_start, block_m):  # what the tile's FIRST row needs, not its last
-    return max(0, min(len_k, tile_start + 1 + len_k - len_q))
-''', "FIRST row"),
+def wrong(len_q, len_k, tile_start, block_m, block_n, window):  # ignores L_k - L_q: the diagonal top-left aligned
+    last_row = min(tile_start + block_m, len_q) - 1
+    hi = min(len_k, last_row + 1)
+    lo = 0 if window is None else max(0, tile_start - window + 1)
+    return (0, 0) if last_row < tile_start or hi <= lo else (lo // block_n, -(-hi // block_n))
+''', "bottom-right aligned"),
     "ex07_2_grade": ('''
 def wrong(seq_lens, n_heads, block_m):  # forgets that every head has its own programs
     grid_m = -(-max(seq_lens) // block_m)

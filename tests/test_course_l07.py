@@ -88,6 +88,9 @@ def test_launch_picture_says_whether_the_kernels_counters_agree():
     fig = L.launch_picture(lens, block_m=32, block_n=32, causal=True, measured=total)
     text = " ".join(t.get_text() for t in fig.texts)
     assert "12 programs: 5 return at once" in text and "the same" in text
+    useful = sum(int((L.program_cells(n, n, 4, 32, 32, True) == L.USEFUL).sum()) for n in lens)
+    assert useful == sum(n * (n + 1) // 2 for n in lens)  # the causal triangles: blue, counted apart from in-bounds
+    assert f"{useful} useful (blue)" in text and f"in-bounds (masked ones included): {total.cells}" in text
     off = tiling.predict_work(lens, block_m=32, block_n=32, causal=False)
     fig = L.launch_picture(lens, block_m=32, block_n=32, causal=True, measured=off)
     assert "DIFFER" in " ".join(t.get_text() for t in fig.texts)
@@ -194,6 +197,20 @@ def test_kernel_state_runs_the_kernel_and_its_numbers_follow_the_input():
         assert not big["ran"] and "more than 48" in big["why"] and "kernel not run" in L.kernel_status_html(big)
     with pytest.raises(ValueError, match="not a whole number"):
         L.kernel_state("10, x")
+    with pytest.raises(ValueError, match="unknown kernel bug"):
+        L.kernel_state("10, 30", bug="no such bug")
+
+
+@needs_kernel
+def test_kernel_state_with_a_bug_runs_the_broken_kernel():
+    late = L.kernel_state("70, 5", 16, 16, True, bug="no early return")
+    assert late["ran"] and late["measured"] != late["predicted"] and late["error"] <= late["bound"]
+    assert late["measured"].tiles > late["predicted"].tiles and late["measured"].cells == late["predicted"].cells
+    assert "with the bug 'no early return'" in L.kernel_status_html(late)
+    wrong = L.kernel_state("70, 5", 16, 16, True, bug="sum not rescaled")
+    assert wrong["measured"] == wrong["predicted"] and wrong["error"] > wrong["bound"]
+    assert "OUTSIDE" in L.kernel_status_html(wrong)
+    assert L.kernel_module()._varlen_fwd_kernel is not None and L.kernel_state("70, 5")["error"] <= late["bound"]
 
 
 def test_without_triton_the_state_and_the_checkers_fall_back_to_the_prediction(monkeypatch):
@@ -201,7 +218,7 @@ def test_without_triton_the_state_and_the_checkers_fall_back_to_the_prediction(m
     state = L.kernel_state("10, 30")
     assert not state["ran"] and "Linux wheels only" in state["why"] and state["predicted"].programs == 4
     assert "No module named 'triton'" in L.kernel_missing()
-    assert L.check_launch(_reference_launch) and L.check_causal_bound(_reference_bound)
+    assert L.check_launch(_reference_launch) and L.check_window_tiles(_reference_window)
     with pytest.raises(RuntimeError, match="does not run here"):
         L.run_kernel(*random_qkv([3], 1, 16))
 
@@ -221,9 +238,16 @@ def test_the_explorer_widget_updates_on_new_lengths():
 
 # ---- the checkers ------------------------------------------------------------------------------------------
 
-def _reference_bound(len_q, len_k, tile_start, block_m):
-    last_row = min(tile_start + block_m, len_q) - 1
-    return max(0, min(len_k, last_row + 1 + len_k - len_q))
+def _reference_window(len_q, len_k, tile_start, block_m, block_n, window):
+    off, last_row = len_k - len_q, min(tile_start + block_m, len_q) - 1
+    hi = min(len_k, last_row + 1 + off)
+    lo = 0 if window is None else max(0, tile_start + off - window + 1)
+    return (0, 0) if last_row < tile_start or hi <= lo else (lo // block_n, -(-hi // block_n))
+
+
+def _reference_allowed(seq_lens, max_programs):
+    block_ms = tuple(bm for bm in L.TILE_SIZES if -(-max(seq_lens) // bm) * len(seq_lens) <= max_programs)
+    return block_ms, (L.TILE_SIZES if block_ms else ())
 
 
 def _reference_launch(seq_lens, n_heads, block_m):
@@ -237,21 +261,63 @@ def _reference_tiles(seq_lens, max_programs):
 
 
 def test_the_checkers_accept_the_references(capsys):
-    assert L.check_causal_bound(_reference_bound)
+    assert L.check_window_tiles(_reference_window)
     assert L.check_launch(_reference_launch)
     assert L.check_tiles(_reference_tiles)
-    assert capsys.readouterr().out.count("✓") == 3
+    assert L.check_tile_bound(_reference_allowed)
+    assert capsys.readouterr().out.count("✓") == 4
+
+
+def test_window_truth_is_the_kernels_causal_bound_without_a_window():
+    for case in L.WINDOW_CASES:
+        lq, lk, start, bm, bn, _ = case
+        computed, _ = tiling.key_tiles(lq, lk, start, bm, bn, causal=True)
+        first, end = L.window_tiles_needed(lq, lk, start, bm, bn, None)
+        assert (first, end) == ((0, computed) if computed else (0, 0)), case
+    assert L.window_tiles_needed(64, 64, 48, 16, 16, 20) == (1, 4)   # rows 48..63 see keys 29..63
+    assert L.window_tiles_needed(64, 64, 32, 16, 16, 8) == (1, 3)    # rows 32..47 see keys 25..47
+
+
+def _window_with(first=None, end=None):
+    """The reference with its first or its end computed another (wrong) way."""
+    def fn(lq, lk, s, bm, bn, w):
+        f, e = _reference_window(lq, lk, s, bm, bn, w)
+        if (f, e) == (0, 0):
+            return f, e
+        return (f if first is None else first(lq, lk, s, bm, bn, w)), (e if end is None else end(lq, lk, s, bm, bn, w))
+    return fn
 
 
 @pytest.mark.parametrize("wrong, phrase", [
-    (lambda lq, lk, s, bm: max(0, min(lk, s + 1 + lk - lq)), "FIRST row"),                 # the tile's first row
-    (lambda lq, lk, s, bm: max(0, min(lk, min(s + bm, lq))), "bottom-right aligned"),      # ignores L_k - L_q
-    (lambda lq, lk, s, bm: max(0, min(lk, min(s + bm, lq) - 1 + lk - lq)), "too few keys"),
-    (lambda lq, lk, s, bm: lk, "more keys than the tile needs"),                            # no causal bound at all
+    (_window_with(end=lambda lq, lk, s, bm, bn, w: -(-min(lk, s + 1 + lk - lq) // bn)), "FIRST row"),
+    (lambda lq, lk, s, bm, bn, w: _reference_window(lq, lq, s, bm, bn, w), "bottom-right aligned"),   # ignores L_k - L_q
+    (_window_with(first=lambda lq, lk, s, bm, bn, w: 0 if w is None else
+                  max(0, min(s + bm, lq) - 1 + lk - lq - w + 1) // bn), "LAST row's window"),
+    (_window_with(first=lambda lq, lk, s, bm, bn, w: 0 if w is None else max(0, s + lk - lq - w) // bn), "holds W"),
+    (_window_with(first=lambda lq, lk, s, bm, bn, w: 0 if w is None else -(-max(0, s + lk - lq - w + 1) // bn)),
+     "rounded down"),
+    (lambda lq, lk, s, bm, bn, w: (0, -(-lk // bn)), "more key tiles than the rows see"),       # every key tile
+    (lambda lq, lk, s, bm, bn, w: (_reference_window(lq, lk, s, bm, bn, w)[0], _reference_window(lq, lk, s, bm, bn, w)[0] + 1),
+     "misses key tiles"),                                                                     # one key tile only
 ])
-def test_causal_bound_checker_explains_a_wrong_bound(wrong, phrase):
+def test_window_checker_explains_a_wrong_range(wrong, phrase):
     with pytest.raises(WrongAnswer, match=phrase):
-        L.check_causal_bound(wrong)
+        L.check_window_tiles(wrong)
+
+
+def test_window_checker_compares_with_the_kernels_count_on_a_chunk():
+    # right on every tile it is shown, wrong only where L_k > L_q and the tile is not the first: the kernel catches it
+    assert L._chunk_kernel_tiles(*L.CHUNK_MIX, 16, 16) == tiling.predict_work(*L.CHUNK_MIX, block_m=16, block_n=16).tiles
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (lambda lens, p: (_reference_allowed(lens, p)[0], _reference_allowed(lens, p)[0]), "has no BLOCK_N"),
+    (lambda lens, p: (tuple(bm for bm in L.TILE_SIZES if sum(-(-n // bm) for n in lens) <= p), L.TILE_SIZES),
+     "sized by the longest one"),
+])
+def test_tile_bound_checker_explains_a_wrong_defence(wrong, phrase):
+    with pytest.raises(WrongAnswer, match=phrase):
+        L.check_tile_bound(wrong)
 
 
 @pytest.mark.parametrize("wrong, phrase", [

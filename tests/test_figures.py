@@ -106,5 +106,5 @@ def test_the_lessons_figures_are_registered():
     """The figures the lessons show are there (the parametrized test above checks only what is registered)."""
     assert {"00_course_map", "00_tp_split", "00_allreduce_growth", "01_padded_vs_flat", "01_token_strip",
             "04_trace_timeline", "04_two_axes", "05_intensity", "05_flops_1x1000_vs_10x100", "05_attention_share",
-            "05_weight_reuse", "06_fcfs_batches", "06_batch_waste", "07_launch_grid", "07_online_softmax",
+            "05_weight_reuse", "06_fcfs_batches", "06_batch_waste", "07_launch_grid", "07_online_softmax", "07_fifty_launches",
             "07_short_request_tile"} <= set(figures.REGISTRY)

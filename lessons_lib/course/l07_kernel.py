@@ -209,9 +209,12 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
         ax.tick_params(labelsize=MIN_FONT, length=0)
     axes[0].set_ylabel(f"query tile m ({block_m} rows each)", fontsize=MIN_FONT)
     total = table_totals(table, n_heads, block_m, block_n)
-    foot = (f"grid ({grid_m}, {n_heads}, {len(lq)}) = {total.programs} programs: {total.early_exits} return at once\n"
-            f"{total.tiles} tiles computed, {total.tiles_skipped} skipped | {total.cells} of "
-            f"{total.executed_cells} executed cells inside the requests")
+    useful = n_heads * sum(int((program_cells(nq, nk, grid_m, block_m, block_n, causal) == USEFUL).sum())
+                           for nq, nk in zip(lq, lk))
+    foot = (f"grid ({grid_m}, {n_heads}, {len(lq)}) = {total.programs} programs: {total.early_exits} return at once | "
+            f"{total.tiles} tiles computed, {total.tiles_skipped} skipped\n"
+            f"{total.executed_cells} executed cells: {useful} useful (blue); the kernel's cells counter, "
+            f"in-bounds (masked ones included): {total.cells}")
     if measured is not None:
         foot += " | kernel's counters: " + ("the same" if measured == total else f"DIFFER {measured.as_dict()}")
     fig.legend(handles=[Patch(facecolor=CODE_COLORS[c], edgecolor=OTHER, label=CODE_LABELS[c])
@@ -305,16 +308,16 @@ def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block
     for t, start in enumerate(range(0, n, block_n)):
         if t % 2:
             left.axvspan(start - 0.5, min(n, start + block_n) - 0.5, color=OTHER, alpha=0.15, linewidth=0)
-        left.text(start + block_n / 2 - 0.5, top + 1.5, f"tile {t}", ha="center", fontsize=MIN_FONT, color=TEXT)
+        left.text(start + block_n / 2 - 0.5, top + 1.9, f"tile {t}", ha="center", fontsize=MIN_FONT, color=TEXT)
     left.plot(range(n), scores_row.tolist(), "o", color=ATTENTION, markersize=3.5, label="score s_j of key j")
     xs = [x for st in good for x in (st.tile * block_n - 0.5, st.keys_seen - 0.5)]
     ys = [st.m for st in good for _ in (0, 1)]
     left.plot(xs, ys, "-", color=TEXT, linewidth=1.6, label="running max m after each tile")
-    for st in good:
+    for st in good:  # above every score and the step line, under the tile's name
         if st.max_grew:
-            left.text(st.tile * block_n + 0.5, st.m + 0.25, "max grows: rescale", fontsize=MIN_FONT, color=TEXT,
-                      ha="left", va="bottom")
-    left.set_ylim(bottom - 1.6, top + 2.2)
+            left.text(st.tile * block_n + block_n / 2 - 0.5, top + 0.35, "max grows:\nrescale", fontsize=MIN_FONT,
+                      color=TEXT, ha="center", va="bottom")
+    left.set_ylim(bottom - 1.6, top + 2.6)
     left.legend(fontsize=MIN_FONT, frameon=False, loc="lower left", ncol=2)
     left.set_xlabel("key j (one request)", fontsize=MIN_FONT)
     left.set_ylabel("score", fontsize=MIN_FONT)
@@ -322,14 +325,15 @@ def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block
     floor = 1e-17
     tiles = [st.tile for st in good]
     right.plot(tiles, [max(st.error, floor) for st in good], "o-", color=ATTENTION, label="with the rescale (the kernel)")
-    right.plot(tiles, [max(st.error, floor) for st in bad], "s--", color=WASTE, label="sum l not rescaled (the bug)")
+    # the bug in grey dashes: vermillion means "computed, then thrown away" in every figure of the course
+    right.plot(tiles, [max(st.error, floor) for st in bad], "s--", color=OTHER, label="sum l not rescaled (the bug)")
     right.set_yscale("log")
-    right.set_ylim(floor / 3, 10)
+    right.set_ylim(floor / 3, 1e8)
     right.set_xticks(tiles, [f"after\ntile {t}" for t in tiles])
     right.set_xlim(-0.4, tiles[-1] + 0.4)
-    right.set_ylabel("|running output - exact softmax|", fontsize=MIN_FONT)
-    right.legend(fontsize=MIN_FONT, frameon=False, loc="center left")
-    right.set_title("the answer so far, in float64", fontsize=MIN_FONT + 1)
+    right.set_ylabel("max |acc / l - exact|", fontsize=MIN_FONT)
+    right.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")   # above both lines
+    right.set_title("error of acc / l after each key tile\nvs the exact softmax (float64)", fontsize=MIN_FONT + 1)
     for ax in (left, right):
         ax.tick_params(labelsize=MIN_FONT)
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.2, top=0.88, wspace=0.28)
@@ -449,9 +453,15 @@ MAX_PROGRAMS = 48     # ~10-25 ms each under the interpreter: an update stays we
 EXPLORER_HEADS, EXPLORER_D = 1, 16
 
 
-def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: bool = True) -> dict:
+NO_BUG = "none (the real kernel)"
+
+
+def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: bool = True, bug: str = NO_BUG) -> dict:
     """Run the engine's kernel once on random q, k, v for the typed lengths (one head of 16) and return
-    ``{"seq_lens", "grid", "measured", "predicted", "table", "error", "bound", "ran", "why", "ms"}``.
+    ``{"seq_lens", "grid", "bug", "measured", "predicted", "table", "error", "bound", "ran", "why", "ms"}``.
+
+    ``bug``: ``NO_BUG`` or a name of ``KERNEL_BUGS``: the kernel then runs with that one line changed
+    (``kernel_with``), so its counters can differ from the prediction and its error jump.
 
     ``measured`` is the kernel's own counters (``count_work``), ``predicted`` ``tiling.predict_work``,
     ``table`` the program-by-program picture whose totals must be both. Without Triton, or for a grid
@@ -460,10 +470,12 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
     """
     lens = parse_lengths(lengths, max_requests=8, max_length=512)
     bm, bn = (check_int(n, b, 16, 128) for n, b in (("block_m", block_m), ("block_n", block_n)))
+    if bug != NO_BUG and bug not in KERNEL_BUGS:
+        raise ValueError(f"unknown kernel bug {bug!r}; choose one of {sorted(KERNEL_BUGS)}")
     predicted = tiling.predict_work(lens, n_heads=EXPLORER_HEADS, block_m=bm, block_n=bn, causal=causal)
     table = program_table(lens, block_m=bm, block_n=bn, causal=causal)
     state = {"seq_lens": lens, "grid": tiling.launch_grid(max(lens), EXPLORER_HEADS, len(lens), bm), "block_m": bm,
-             "block_n": bn, "causal": bool(causal), "predicted": predicted,
+             "block_n": bn, "causal": bool(causal), "bug": bug, "predicted": predicted,
              "table": table, "measured": None, "error": None, "bound": None, "ran": False, "why": None, "ms": None}
     tv = kernel_module()
     if tv is None:
@@ -475,7 +487,11 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
         return state
     q, k, v, cu = random_qkv(lens, EXPLORER_HEADS, EXPLORER_D, seed=sum(lens))
     t0 = time.perf_counter()
-    out, measured = run_kernel(q, k, v, cu, causal=causal, block_m=bm, block_n=bn)
+    if bug == NO_BUG:
+        out, measured = run_kernel(q, k, v, cu, causal=causal, block_m=bm, block_n=bn)
+    else:
+        with kernel_with(bug):
+            out, measured = run_kernel(q, k, v, cu, causal=causal, block_m=bm, block_n=bn)
     state["ms"] = (time.perf_counter() - t0) * 1e3
     ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
     state.update(measured=measured, error=max_abs_diff(out, ref64), bound=tolerance(ref, ref64), ran=True)
@@ -503,13 +519,16 @@ def kernel_status_html(state: dict) -> str:
     if not state["ran"]:
         return f"<div>kernel not run: {state['why']}</div>"
     ok = "within" if state["error"] <= state["bound"] else "OUTSIDE"
-    return (f"<div>kernel ran: grid {state['grid']} in {state['ms']:.0f} ms | max |out - fp64 reference| = "
+    which = "" if state.get("bug", NO_BUG) == NO_BUG else f" with the bug '{state['bug']}'"
+    return (f"<div>kernel ran{which}: grid {state['grid']} in {state['ms']:.0f} ms | max |out - fp64 reference| = "
             f"{state['error']:.2e}, {ok} the bound {state['bound']:.2e}</div>")
 
 
-def kernel_explorer(lengths: str = "10, 30", block_m: int = 16, block_n: int = 16, causal: bool = True):
+def kernel_explorer(lengths: str = "10, 30", block_m: int = 16, block_n: int = 16, causal: bool = True,
+                    bug: str = NO_BUG):
     """VBox class ``k7x``: Text ``k7x-lengths`` (lengths, Enter to run), SelectionSliders ``k7x-block-m`` and
-    ``k7x-block-n`` (16..128), Checkbox ``k7x-causal``; HTML ``k7x-status`` (running / ran / why not,
+    ``k7x-block-n`` (16..128), Checkbox ``k7x-causal``, Dropdown ``k7x-bug`` (the real kernel or one of
+    ``KERNEL_BUGS``); HTML ``k7x-status`` (running / ran / why not,
     the error vs the reference), HTML ``k7x-counts`` (measured, predicted, picture), Output
     ``k7x-figure`` (the launch picture drawn from the program table, checked against the counters)."""
     w = ipywidgets_module()
@@ -517,12 +536,13 @@ def kernel_explorer(lengths: str = "10, 30", block_m: int = 16, block_n: int = 1
     bm = tagged(w.SelectionSlider(options=list(TILE_SIZES), value=block_m, description="BLOCK_M"), "k7x-block-m")
     bn = tagged(w.SelectionSlider(options=list(TILE_SIZES), value=block_n, description="BLOCK_N"), "k7x-block-n")
     causal_box = tagged(w.Checkbox(value=causal, description="causal"), "k7x-causal")
+    bug_box = tagged(w.Dropdown(options=[NO_BUG, *KERNEL_BUGS], value=bug, description="bug"), "k7x-bug")
     status, counts, out = tagged(w.HTML(), "k7x-status"), tagged(w.HTML(), "k7x-counts"), tagged(w.Output(), "k7x-figure")
 
     def update(change=None):
         status.value = "<div>running the kernel ...</div>"
         try:
-            state = kernel_state(text.value, bm.value, bn.value, causal_box.value)
+            state = kernel_state(text.value, bm.value, bn.value, causal_box.value, bug_box.value)
         except ValueError as exc:
             status.value = f"<div>{exc}</div>"
             return
@@ -532,86 +552,113 @@ def kernel_explorer(lengths: str = "10, 30", block_m: int = 16, block_n: int = 1
         show_figure(out, launch_picture(lens, block_m=state["block_m"], block_n=state["block_n"], causal=state["causal"],
                                         measured=state["measured"], figsize=(8.6, 4.2)))
 
-    return explorer("k7x", [text, bm, bn, causal_box], [status, counts, out], update)
+    return explorer("k7x", [text, bm, bn, causal_box, bug_box], [status, counts, out], update)
 
 
 # ---- exercises ---------------------------------------------------------------------------------------------
 
-def keys_needed(len_q: int, len_k: int, tile_start: int, block_m: int) -> int:
-    """The truth for exercise 07.1, by brute force over the causal mask: one past the last key any real
-    row of the query tile may read (0 when none)."""
-    last = 0
+def window_tiles_needed(len_q: int, len_k: int, tile_start: int, block_m: int, block_n: int,
+                        window: int | None) -> tuple[int, int]:
+    """The truth for exercise 07.1, by brute force over the mask: ``(first, end)``, the key tiles
+    ``[first, end)`` a query tile must compute when row i sees keys j with
+    ``i + L_k - L_q - W < j <= i + L_k - L_q`` (``window=None``: plain causal, no lower edge);
+    ``(0, 0)`` when no real row of the tile sees a key."""
+    seen = set()
     for row in range(tile_start, min(tile_start + block_m, len_q)):
-        allowed = [j for j in range(len_k) if j <= row + len_k - len_q]
-        if allowed:
-            last = max(last, allowed[-1] + 1)
-    return last
+        top = row + len_k - len_q
+        low = -1 if window is None else top - window
+        seen.update(j // block_n for j in range(max(0, low + 1), min(len_k, top + 1)))
+    return (min(seen), max(seen) + 1) if seen else (0, 0)
 
 
-BOUND_CASES = [(30, 30, 0, 16), (30, 30, 16, 16), (10, 10, 0, 64), (256, 256, 64, 64), (256, 256, 192, 64),
-               (20, 40, 0, 16), (20, 40, 16, 16), (5, 9, 0, 16), (100, 100, 96, 32), (64, 64, 0, 64), (1, 1, 0, 16)]
+# (len_q, len_k, tile_start, block_m, block_n, window): chunks with more keys than queries, tiles hanging past
+# the end, windows narrower and wider than a tile, and plain causal (window None)
+WINDOW_CASES = [(64, 64, 32, 16, 16, None), (20, 50, 16, 16, 16, None), (10, 10, 0, 64, 64, None),
+                (64, 64, 48, 16, 16, 20), (64, 64, 32, 16, 16, 8), (40, 100, 16, 16, 16, 24), (30, 30, 16, 16, 16, 16),
+                (100, 100, 96, 32, 16, 40), (5, 9, 0, 16, 16, 3), (128, 128, 64, 32, 32, 64), (16, 80, 0, 16, 16, 1)]
+CHUNK_MIX = ([20, 10], [50, 10])   # (L_q, L_k) per request: a 20-token chunk after 30 cached keys, and a whole prompt
 
 
-def check_causal_bound(fn: Callable[[int, int, int, int], int]) -> bool:
-    """Exercise 07.1: ``fn(len_q, len_k, tile_start, block_m) -> hi``, the keys ``[0, hi)`` a causal query tile
-    must read (the smallest such hi). Then, for a mix, the key tiles your bound makes the kernel
-    compute against what the kernel counts itself."""
-    def judge(got, len_q, len_k, start, block_m):
-        if not isinstance(got, (int, np.integer)) or isinstance(got, bool):
-            return f"expected an int, got {got!r}"
-        want = keys_needed(len_q, len_k, start, block_m)
-        if got == want:
+def check_window_tiles(fn: Callable[[int, int, int, int, int, int | None], tuple]) -> bool:
+    """Exercise 07.1: ``fn(len_q, len_k, tile_start, block_m, block_n, window) -> (first, end)``, the smallest
+    range of key tiles ``[first, end)`` the query tile must compute. Then, with ``window=None`` on a chunk
+    mix (L_k > L_q), the key tiles your ranges add up to against what the engine's kernel counts itself."""
+    def judge(got, len_q, len_k, start, block_m, block_n, window):
+        ans, problem = int_tuple(got, "first, end")
+        if problem:
+            return problem
+        want = window_tiles_needed(len_q, len_k, start, block_m, block_n, window)
+        if ans == want:
             return None
-        last_row = min(start + block_m, len_q) - 1
-        if got == max(0, min(len_k, start + 1 + len_k - len_q)) and last_row > start:
-            return (f"got {got}, expected {want}: that is what the tile's FIRST row needs; the LAST real row, "
-                    f"min(tile_start + BLOCK_M, len_q) - 1 = {last_row}, sees the most keys")
-        if got == min(len_k, min(start + block_m, len_q)) and len_k != len_q:
-            return (f"got {got}, expected {want}: with more keys than queries the diagonal is bottom-right aligned: "
-                    f"row i sees keys j <= i + len_k - len_q = i + {len_k - len_q}")
-        if got < want:
-            return (f"got {got}, expected {want}: too few keys, row {last_row} needs key {want - 1} "
-                    f"(row i sees keys j <= i + len_k - len_q): the answer would be wrong")
-        if got == want + 1 or got == min(len_k, want + 1):
-            return f"got {got}, expected {want}: one key too many (an off-by-one: the last key row {last_row} sees is {want - 1})"
-        return (f"got {got}, expected {want}: more keys than the tile needs (the answer stays right, but the kernel "
-                f"computes key tiles above the diagonal)")
+        off, last = len_k - len_q, min(start + block_m, len_q) - 1
+        if len_k != len_q and ans == window_tiles_needed(len_q, len_q, start, block_m, block_n, window):
+            return (f"got {ans}, expected {want}: with more keys than queries the diagonal is bottom-right aligned: "
+                    f"row i sees keys up to i + L_k - L_q = i + {off}")
+        if ans[1] != want[1] and ans[1] == window_tiles_needed(len_q, len_k, start, 1, block_n, window)[1]:
+            return (f"got {ans}, expected {want}: your end is what the tile's FIRST row needs; the LAST real row, "
+                    f"min(tile_start + BLOCK_M, L_q) - 1 = {last}, sees the furthest key")
+        if window is not None and ans[0] != want[0]:
+            last_first = window_tiles_needed(len_q, len_k, last, 1, block_n, window)[0]
+            lo = max(0, start + off - window + 1)
+            hints = []  # several mistakes can give the same tile: name each that fits
+            if ans[0] == last_first:
+                hints.append(f"your first tile is where the LAST row's window starts; the FIRST row {start} reaches "
+                             f"furthest back, to key {lo}")
+            if ans[0] == max(0, lo - 1) // block_n and lo > 0:
+                hints.append(f"the window holds W = {window} keys, j > i + L_k - L_q - W: row {start}'s first key is "
+                             f"{lo}, not {lo - 1}")
+            if ans[0] == cdiv(lo, block_n):
+                hints.append(f"key {lo} lies INSIDE key tile {lo // block_n}: the first tile is lo // BLOCK_N, "
+                             "rounded down, not up")
+            if hints:
+                return f"got {ans}, expected {want}: " + "; or ".join(hints)
+        if ans[0] > want[0] or ans[1] < want[1]:
+            return (f"got {ans}, expected {want}: your range misses key tiles a real row sees: the output "
+                    "would be wrong")
+        return (f"got {ans}, expected {want}: more key tiles than the rows see (the output stays right, but the "
+                "kernel computes tiles that are wholly masked)")
 
-    def tiles_judge(got, lens, block_m, block_n):
-        want = kernel_or_predicted_tiles(lens, block_m, block_n)
-        return None if got == want else (f"with your bound the kernel would compute {got} key tiles for lengths {lens} "
-                                          f"(BLOCK_M = {block_m}, BLOCK_N = {block_n}); it computes {want}")
+    def tiles_judge(got, lens_q, lens_k, block_m, block_n):
+        want = _chunk_kernel_tiles(lens_q, lens_k, block_m, block_n)
+        return None if got == want else (
+            f"your ranges add up to {got} key tiles for L_q = {lens_q}, L_k = {lens_k} (BLOCK {block_m} x "
+            f"{block_n}, causal); the engine's kernel counts {want}")
 
-    cases = [("bound", *c) for c in BOUND_CASES] + [("tiles", [30, 10, 70], 16, 16)]
+    cases = [("tiles", *c) for c in WINDOW_CASES] + [("kernel", *CHUNK_MIX, 16, 16)]
 
     def run(kind, *case):
-        if kind == "bound":
+        if kind == "tiles":
             return fn(*case)
-        lens, block_m, block_n = case
+        lens_q, lens_k, block_m, block_n = case
         total = 0
-        for n in lens:
-            for start in range(0, n, block_m):
-                hi = fn(n, n, start, block_m)
-                if not isinstance(hi, (int, np.integer)):
-                    return hi
-                total += cdiv(max(int(hi), 0), block_n)
+        for nq, nk in zip(lens_q, lens_k):
+            for start in range(0, nq, block_m):
+                got = fn(nq, nk, start, block_m, block_n, None)
+                ans, problem = int_tuple(got, "first, end")
+                if problem:
+                    return got
+                total += ans[1] - ans[0]
         return total
 
     def judge_any(got, kind, *case):
-        return judge(got, *case) if kind == "bound" else tiles_judge(got, *case)
+        return judge(got, *case) if kind == "tiles" else tiles_judge(got, *case)
 
     run.__name__ = getattr(fn, "__name__", "fn")
-    return grade("causal_bound", run, cases, judge_any,
-                 f"the causal bound on {len(BOUND_CASES)} tiles, and the key tiles it makes the kernel compute for a mix")
+    return grade("window_tiles", run, cases, judge_any,
+                 f"the key tiles of {len(WINDOW_CASES)} query tiles (causal and sliding window), and the kernel's own "
+                 "count for a chunk mix")
 
 
-def kernel_or_predicted_tiles(lens, block_m, block_n) -> int:
-    """Key tiles computed for ``lens`` (one head, causal): the kernel's own count where it runs, else the prediction."""
+def _chunk_kernel_tiles(lens_q, lens_k, block_m, block_n) -> int:
+    """Key tiles computed for a causal launch with ``L_k`` per request: the kernel's own count where it
+    runs, else the prediction."""
     tv = kernel_module()
     if tv is None:
-        return tiling.predict_work(lens, block_m=block_m, block_n=block_n, causal=True).tiles
-    q, k, v, cu = random_qkv(lens, 1, 16, seed=0)
-    return run_kernel(q, k, v, cu, causal=True, block_m=block_m, block_n=block_n)[1].tiles
+        return tiling.predict_work(lens_q, lens_k, block_m=block_m, block_n=block_n, causal=True).tiles
+    q = random_qkv(lens_q, 1, 16, seed=0)[0]
+    _, k, v, cu_k = random_qkv(lens_k, 1, 16, seed=1)
+    cu_q = random_qkv(lens_q, 1, 16, seed=0)[3]
+    return run_kernel(q, k, v, cu_q, cu_k, causal=True, block_m=block_m, block_n=block_n)[1].tiles
 
 
 LAUNCH_CASES = [([10, 30], 1, 16), ([100, 5, 20], 2, 32), ([64, 64], 1, 64), ([65, 3], 4, 64), ([16, 48, 33], 1, 16),
@@ -696,6 +743,40 @@ def check_tiles(fn: Callable[[list, int], tuple]) -> bool:
     return grade("tiles", fn, TILE_CASES, judge, f"the tile sizes of least executed work for {len(TILE_CASES)} mixes")
 
 
+def allowed_tiles(lens, max_programs) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The BLOCK_M and the BLOCK_N values of ``TILE_SIZES`` that appear in some choice within ``max_programs``."""
+    choices = tile_choices(lens, max_programs)
+    return tuple(sorted({bm for bm, _, _ in choices})), tuple(sorted({bn for _, bn, _ in choices}))
+
+
+DEFENCE_CASES = [([300, 20, 20, 20], 12), ([10, 30], 8), ([500, 3], 10), ([130, 7, 64], 30)]
+
+
+def check_tile_bound(fn: Callable[[list, int], tuple]) -> bool:
+    """Exercise 07.3, the defence: ``fn(seq_lens, max_programs) -> (allowed BLOCK_M values, allowed BLOCK_N
+    values)``, each a sorted tuple from ``TILE_SIZES``: what the program bound forces, and what it leaves free."""
+    def judge(got, lens, max_programs):
+        if not (isinstance(got, tuple) and len(got) == 2):
+            return f"expected (block_m values, block_n values), two tuples; got {got!r}"
+        try:
+            ans = tuple(tuple(sorted(int(x) for x in part)) for part in got)
+        except (TypeError, ValueError):
+            return f"expected two tuples of tile sizes; got {got!r}"
+        want = allowed_tiles(lens, max_programs)
+        if ans == want:
+            return None
+        if ans[1] != want[1]:
+            return (f"got BLOCK_N {ans[1]}, expected {want[1]}: the grid (ceil(max_seqlen / BLOCK_M), H, R) has no "
+                    "BLOCK_N in it; the key tile size changes the work of a program, never how many there are")
+        own = tuple(bm for bm in TILE_SIZES if sum(cdiv(n, bm) for n in lens) <= max_programs)
+        if ans[0] == own and own != want[0]:
+            return (f"got BLOCK_M {ans[0]}, expected {want[0]}: every request gets ceil(max_seqlen / BLOCK_M) = "
+                    f"ceil({max(lens)} / BLOCK_M) query tiles, sized by the longest one, not its own")
+        return f"got BLOCK_M {ans[0]}, expected {want[0]}: count ceil({max(lens)} / BLOCK_M) x {len(lens)} requests"
+    return grade("tile_bound", fn, DEFENCE_CASES, judge,
+                 f"what the program bound forces and leaves free, for {len(DEFENCE_CASES)} mixes")
+
+
 # ---- figures --------------------------------------------------------------------------------------------------
 
 GRID_LENS = [100, 20, 60]
@@ -705,7 +786,12 @@ GRID_LENS = [100, 20, 60]
           caption="one causal launch over requests of 100, 20 and 60 tokens at 32 x 32 tiles: 12 programs, each a band "
                   "of key tiles computed, partly thrown away, skipped above the diagonal, or returned at once")
 def _launch_grid() -> Figure:
-    return launch_picture(GRID_LENS, block_m=32, block_n=32, causal=True, figsize=(9.0, 4.4))
+    fig = launch_picture(GRID_LENS, block_m=32, block_n=32, causal=True, figsize=(9.0, 4.4))
+    a = fig.axes[0]  # A's last program: rows 96-127 of its tile, of which only 96-99 exist
+    a.annotate("rows 96-99: A's only\n4 real rows here", xy=(64, 98), xytext=(64, 116), ha="center", va="center",
+               fontsize=MIN_FONT, color=TEXT, arrowprops={"arrowstyle": "->", "color": TEXT},
+               bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": OTHER})
+    return fig
 
 
 @register("07_online_softmax", lesson="07",
@@ -717,7 +803,49 @@ def _online_softmax() -> Figure:
 
 
 @register("07_short_request_tile", lesson="07",
-          caption="A's 10 tokens in one 64 x 64 tile beside a 256-token request: 100 of 4096 executed cells are A's")
+          caption="A's 10 tokens in one 64 x 64 tile beside a 250-token request: whole tiles either way")
 def _short_tile() -> Figure:
-    return launch_picture([ARTICLE_LENS[0], 256], block_m=64, block_n=64, causal=False, figsize=(7.0, 4.4),
+    return launch_picture([ARTICLE_LENS[0], 250], block_m=64, block_n=64, causal=False, figsize=(7.0, 4.4),
                           title="non-causal, 64 x 64 tiles: a 10-token request still executes a whole tile")
+
+
+def launches_picture(n_requests: int = 50) -> Figure:
+    """Lesson 03's loop against the kernel, as launches: the loop's ``n_requests`` launches of grid
+    ``(1, 1, 1)``, one after the other, each preceded by the host's launch cost; the kernel's one launch of
+    grid ``tiling.launch_grid(13, 1, n_requests)``, its programs side by side. Schematic: time is not to scale."""
+    grid = tiling.launch_grid(13, 1, n_requests)
+    fig = Figure(figsize=(9.0, 2.9))
+    ax = fig.subplots()
+    cost, work = 1.0, 0.5
+    for i in range(n_requests):
+        x = i * (cost + work)
+        ax.add_patch(Rectangle((x, 1.55), cost, 0.5, facecolor=OTHER, edgecolor="white", linewidth=0.4))
+        ax.add_patch(Rectangle((x + cost, 1.55), work, 0.5, facecolor=ATTENTION, edgecolor="white", linewidth=0.4))
+    ax.add_patch(Rectangle((0, 0.1), cost, 0.5, facecolor=OTHER, edgecolor="white", linewidth=0.4))
+    for r in range(grid[2]):
+        ax.add_patch(Rectangle((cost, 0.1 + r * 0.5 / grid[2]), work, 0.5 / grid[2], facecolor=ATTENTION,
+                               edgecolor="white", linewidth=0.2))
+    end = n_requests * (cost + work)
+    ax.text(0, 2.2, f"lesson 03's loop: {n_requests} launches of grid (1, 1, 1), one after the other",
+            fontsize=MIN_FONT, color=TEXT, va="bottom")
+    ax.text(cost + work + 1.0, 0.35, f"the kernel: 1 launch of grid {grid}, its {grid[2]} programs side by side",
+            fontsize=MIN_FONT, color=TEXT, va="center")
+    ax.set_xlim(-0.5, end + 0.5)
+    ax.set_ylim(-0.35, 2.75)
+    ax.set_yticks([])
+    ax.set_xticks([])
+    ax.set_xlabel("time (schematic, not to scale)", fontsize=MIN_FONT)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    fig.legend(handles=[Patch(facecolor=OTHER, label="a launch (host cost)"),
+                        Patch(facecolor=ATTENTION, label="the programs' work")], loc="upper right", ncol=2,
+               fontsize=MIN_FONT, frameon=False)
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.14, top=0.86)
+    return fig
+
+
+@register("07_fifty_launches", lesson="07",
+          caption="50 requests served by lesson 03's loop (50 launches, each paying the launch cost) and by the kernel "
+                  "(one launch, 50 programs side by side); schematic")
+def _fifty_launches() -> Figure:
+    return launches_picture(50)
