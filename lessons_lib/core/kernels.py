@@ -8,8 +8,8 @@ precision; a head dim ≤ 256 and a multiple of 8. PyTorch renamed ``varlen_attn
 The course's own Triton kernel (``triton``, lesson 07) runs on CUDA and, through Triton's
 interpreter, on the CPU (slow: opt-in); ``auto`` does not take it until a GPU run has timed it
 against the others (``tools/gpu_check.py``). ``auto``: on CUDA flash → torch_varlen → sdpa; on the
-CPU sdpa. ``placement``: CUDA + bfloat16 with a GPU, else CPU + float32; explicit arguments win. A test swaps a kernel for a contract
-double by replacing its ``KERNELS`` entry.
+CPU sdpa. ``placement``: CUDA + bfloat16 with a GPU, else CPU + float32; explicit arguments win.
+A test swaps a kernel for a contract double by replacing its ``KERNELS`` entry.
 
 Taught in notebooks/00_setup_one_request.ipynb, notebooks/03_masked_vs_varlen_attention.ipynb and
 notebooks/07_inside_the_kernel.ipynb.
