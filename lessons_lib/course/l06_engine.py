@@ -335,16 +335,24 @@ def prefill_plan_html(state: dict) -> str:
     return "".join(lines)
 
 
+def workload_controls(prefix: str, workload: str, num_requests: int, max_requests: int, budget: int, max_budget: int,
+                      budget_label: str = "token budget") -> tuple:
+    """The controls of a stream explorer: Dropdown ``{prefix}-workload``, IntSliders ``{prefix}-num-requests``
+    (1..max_requests) and ``{prefix}-budget`` (16..max_budget, steps of 16), HTML ``{prefix}-counts``, Output
+    ``{prefix}-figure``. Used by lesson 06's and lesson 08's explorers."""
+    w = ipywidgets_module()
+    kind = tagged(w.Dropdown(options=list(WORKLOAD_PRESETS), value=workload, description="workload"), f"{prefix}-workload")
+    reqs = tagged(w.IntSlider(value=num_requests, min=1, max=max_requests, description="requests"),
+                  f"{prefix}-num-requests")
+    slider = tagged(w.IntSlider(value=budget, min=16, max=max_budget, step=16, description=budget_label), f"{prefix}-budget")
+    return kind, reqs, slider, tagged(w.HTML(), f"{prefix}-counts"), tagged(w.Output(), f"{prefix}-figure")
+
+
 def prefill_plan_explorer(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 1024):
     """VBox class ``ppx``: Dropdown ``ppx-workload``, IntSliders ``ppx-num-requests`` (1..256) and
     ``ppx-budget`` (max_num_batched_tokens, 16..8192), HTML ``ppx-counts`` (``prefill_plan_html``),
     Output ``ppx-figure`` (``batch_waste``; empty when every request was refused)."""
-    w = ipywidgets_module()
-    kind = tagged(w.Dropdown(options=list(WORKLOAD_PRESETS), value=workload, description="workload"), "ppx-workload")
-    reqs = tagged(w.IntSlider(value=num_requests, min=1, max=256, description="requests"), "ppx-num-requests")
-    budget = tagged(w.IntSlider(value=max_num_batched_tokens, min=16, max=8192, step=16, description="token budget"),
-                    "ppx-budget")
-    text, out = tagged(w.HTML(), "ppx-counts"), tagged(w.Output(), "ppx-figure")
+    kind, reqs, budget, text, out = workload_controls("ppx", workload, num_requests, 256, max_num_batched_tokens, 8192)
 
     def update(change=None):
         state = prefill_plan_state(kind.value, reqs.value, budget.value)

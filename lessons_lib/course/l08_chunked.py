@@ -39,7 +39,7 @@ from ..serve.workloads import make_requests
 from ..style import ATTENTION, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE, request_color
 from ..validate import check_int
 from . import l06_engine
-from .explore import explorer, ipywidgets_module, show_figure, tagged
+from .explore import explorer, show_figure
 from .figures import register
 from .grading import grade
 
@@ -710,13 +710,8 @@ def chunked_plan_explorer(workload: str = "long-tail", num_requests: int = 24, m
     """VBox class ``cpx``: Dropdown ``cpx-workload``, IntSliders ``cpx-num-requests`` (1..64) and ``cpx-budget``
     (16..2048), HTML ``cpx-counts`` (``chunked_plan_html``), Output ``cpx-figure`` (``chunk_timeline`` of both
     runs)."""
-    w = ipywidgets_module()
-    kind = tagged(w.Dropdown(options=list(l06_engine.WORKLOAD_PRESETS), value=workload, description="workload"),
-                  "cpx-workload")
-    reqs = tagged(w.IntSlider(value=num_requests, min=1, max=64, description="requests"), "cpx-num-requests")
-    budget = tagged(w.IntSlider(value=max_num_batched_tokens, min=16, max=2048, step=16, description="chunk budget"),
-                    "cpx-budget")
-    text, out = tagged(w.HTML(), "cpx-counts"), tagged(w.Output(), "cpx-figure")
+    kind, reqs, budget, text, out = l06_engine.workload_controls("cpx", workload, num_requests, 64, max_num_batched_tokens,
+                                                                2048, "chunk budget")
 
     def update(change=None):
         state = chunked_plan_state(kind.value, reqs.value, budget.value)
