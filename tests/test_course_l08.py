@@ -284,3 +284,22 @@ def test_varlen_attention_of_a_chunk_reads_the_cache_rows():
     whole = varlen_attention(q, k, v, cu)
     chunk = varlen_attention(q[2:], k, v, torch.tensor([0, 4], dtype=torch.int32), cu)
     assert torch.allclose(chunk, whole[2:], atol=1e-6)
+
+
+# ---- the notebook's independent counts ------------------------------------------------------------
+
+class _Stats:
+    def __init__(self, chunks, wall_s=0.0):
+        self.chunks, self.wall_s = chunks, wall_s
+
+
+def test_cache_peak_rows_copy_and_in_place():
+    # one prompt of 10 in chunks 4, 4, 2: the copy peak is forward 1's 4 old + 8 new rows; in place 8 rows
+    stats = [_Stats([(0, 0, 4)]), _Stats([(0, 4, 4)]), _Stats([(0, 8, 2), (1, 0, 3)])]
+    assert L.cache_peak_rows(stats, [10, 3]) == {"copy": 12, "in_place": 8}
+
+
+def test_causal_cells_from_masks_and_wait_seconds():
+    stats = [_Stats([(0, 0, 4)], 0.5), _Stats([(0, 4, 4), (1, 0, 2)], 0.25)]
+    assert L.causal_cells_from_masks(stats) == 8 * 9 // 2 + 2 * 3 // 2
+    assert L.wait_seconds(stats) == {0: 0.75, 1: 0.75}

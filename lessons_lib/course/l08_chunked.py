@@ -433,6 +433,58 @@ def recorded_cached_rows(run: dict, cfg: ModelConfig | None = None) -> int:
     return per
 
 
+def _per_head_layer(total: int, cfg: ModelConfig, what: str) -> int:
+    per, rest = divmod(total, cfg.n_heads * cfg.n_layers)
+    if rest:
+        raise AssertionError(f"{total} {what} recorded, not a multiple of {cfg.n_heads} heads x {cfg.n_layers} layers")
+    return per
+
+
+def recorded_query_rows(run: dict, cfg: ModelConfig | None = None) -> int:
+    """Query rows of every score matrix the recorder saw (``Σ L_q``, every sequence of a call counted), per head
+    per layer: the tokens whose attention actually ran, from the kernels' own blocks, not from the scheduler."""
+    cfg = cfg or ModelConfig()
+    return _per_head_layer(sum(math.prod(s[:-2]) * s[-2] for s in run["recorder"].scores), cfg, "query rows")
+
+
+def recorded_cells_wider_than(run: dict, num_keys: int, cfg: ModelConfig | None = None) -> int:
+    """Score cells per head per layer of the recorded blocks with more than ``num_keys`` keys (``L_k > num_keys``)."""
+    cfg = cfg or ModelConfig()
+    total = sum(math.prod(s[:-2]) * s[-2] * s[-1] for s in run["recorder"].scores if s[-1] > num_keys)
+    return _per_head_layer(total, cfg, "cells")
+
+
+def causal_cells_from_masks(stats: Sequence) -> int:
+    """Causal cells per head per layer of a run, counted from the masks: every chunk ``(request, cached, new)``
+    of every forward's ``BatchStats.chunks`` gets its own ``chunk_mask`` and its allowed cells are summed
+    (not ``BatchStats.cells_causal_useful``)."""
+    return sum(int(chunk_mask(s, n).sum()) for st in stats for _, s, n in st.chunks)
+
+
+def cache_peak_rows(stats: Sequence, seq_lens: Sequence[int]) -> dict:
+    """Token rows (per layer, K and V together) the prefill KV cache must hold at its peak, summed from the
+    forwards' chunks ``(request, cached, new)``. ``copy``: this engine's (``torch.cat``): while a forward runs,
+    the cached rows read (``cached``) beside the new copies of the requests that continue (``cached + new``).
+    ``in_place``: a cache written in place (preallocated blocks): only the rows held after a forward."""
+    copy = in_place = 0
+    for st in stats:
+        kept = sum(s + n for i, s, n in st.chunks if s + n < seq_lens[i])
+        copy = max(copy, sum(s for _, s, _ in st.chunks) + kept)
+        in_place = max(in_place, kept)
+    return {"copy": copy, "in_place": in_place}
+
+
+def wait_seconds(stats: Sequence) -> dict:
+    """``{request: seconds}``: the measured ``BatchStats.wall_s`` of every forward up to the one that finished
+    the request's prompt (that one included). Varies from run to run: shown, never asserted."""
+    out, t = {}, 0.0
+    for st in stats:
+        t += st.wall_s
+        for i, _, _ in st.chunks:
+            out[i] = t
+    return out
+
+
 def behind(seq_lens: Sequence[int]) -> list[int]:
     """The requests that arrived after the draft (lesson 06's stream)."""
     d = draft_index()
