@@ -383,9 +383,10 @@ def _k7_numbers(page) -> dict:
     return found
 
 
-def _k7_expected(lengths: str, block_m: int, block_n: int, causal: bool) -> tuple[dict, str]:
-    """The explorer's numbers recomputed here: the kernel run directly (same seed), the tiling predictor."""
-    state = l07_kernel.kernel_state(lengths, block_m, block_n, causal)
+def _k7_expected(lengths: str, block_m: int, block_n: int, causal: bool, bug: str = l07_kernel.NO_BUG
+                 ) -> tuple[dict, str]:
+    """The explorer's numbers recomputed here: the kernel run directly (same seed, same bug), the tiling predictor."""
+    state = l07_kernel.kernel_state(lengths, block_m, block_n, causal, bug)
     want = {}
     for f in ("programs", "early_exits", "tiles", "tiles_skipped", "cells"):
         predicted = getattr(tiling.predict_work(state["seq_lens"], block_m=block_m, block_n=block_n, causal=causal), f)
@@ -395,10 +396,11 @@ def _k7_expected(lengths: str, block_m: int, block_n: int, causal: bool) -> tupl
     return want, error
 
 
-def _k7_check(page, lengths: str, block_m: int, block_n: int, causal: bool) -> None:
-    want, error = _k7_expected(lengths, block_m, block_n, causal)
+def _k7_check(page, lengths: str, block_m: int, block_n: int, causal: bool, bug: str = l07_kernel.NO_BUG) -> None:
+    want, error = _k7_expected(lengths, block_m, block_n, causal, bug)
     _wait_text(page, ".k7x-counts", f"t => t.includes('programs: measured {want['programs'][0]} | predicted "
-                                     f"{want['programs'][1]} |') && t.includes('cells: measured {want['cells'][0]} |')")
+                                     f"{want['programs'][1]} |') && t.includes('cells: measured {want['cells'][0]} |') "
+                                     f"&& t.includes('tiles: measured {want['tiles'][0]} |')")
     assert _k7_numbers(page) == want
     assert error in _text(page, ".k7x-status")
 
@@ -433,6 +435,14 @@ def test_lesson07_kernel_explorer(lab_server, browser_context, capsys):
     box.press("Enter")
     _k7_check(page, "100, 5, 20", block_m, block_n, causal)
     assert int(_k7_numbers(page)["early_exits"][1]) > 0
+
+    # Pick a bug: the kernel runs with one line changed and its tiles leave the prediction
+    page.locator(".k7x-bug select").select_option(label="no early return")
+    _k7_check(page, "100, 5, 20", block_m, block_n, causal, "no early return")
+    tiles = _k7_numbers(page)["tiles"]
+    if tiles[0] != "not run":
+        assert int(tiles[0]) > tiles[1], f"no early return, yet the kernel's tiles equal the prediction: {tiles}"
+        assert "with the bug 'no early return'" in _text(page, ".k7x-status")
 
     _finish(page, widget, "07", latencies, text_ms, console_errors, t_start, capsys)
 
