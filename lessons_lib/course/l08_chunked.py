@@ -148,6 +148,9 @@ def chunk_staircase(chunks: Sequence[int], title_prefix: str = "") -> Figure:
         right.add_patch(Polygon([(s, s), (e, s), (e, e)], closed=True, facecolor=WASTE, edgecolor="none",
                                 gid=f"masked-{c}"))
         right.add_patch(Rectangle((0, s), e, n, facecolor="none", edgecolor=TEXT, linewidth=0.8, gid=f"rect-{c}"))
+        if e < total:  # right of the rectangle: never computed (outlined, so white reads as a region)
+            right.add_patch(Rectangle((e, s), total - e, n, facecolor=NEVER, edgecolor=OTHER, linewidth=0.5,
+                                      gid=f"never-{c}"))
         right.text(e + total * 0.015, s + n / 2, f"{n} x {e:,}", ha="left", va="center",
                    fontsize=MIN_FONT, color=TEXT)
     right.add_patch(Rectangle((0, 0), total, total, facecolor="none", edgecolor=OTHER, linewidth=0.8,
@@ -162,11 +165,11 @@ def chunk_staircase(chunks: Sequence[int], title_prefix: str = "") -> Figure:
                         Patch(facecolor=OTHER, label="K, V read from the KV cache"),
                         Patch(facecolor=ATTENTION, label="score cell: useful (causal)"),
                         Patch(facecolor=WASTE, label="computed, then masked"),
-                        Patch(facecolor=NEVER, edgecolor=OTHER, label="never computed")],
+                        Patch(facecolor=NEVER, edgecolor=OTHER, linewidth=0.8, label="never computed (outlined)")],
                loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
-    right.set_title(f"score cells per head per layer: {cells['computed']:,} computed\n"
-                    f"(unchunked: {total * total:,}), {cells['allowed']:,} useful either way", fontsize=10)
-    fig.subplots_adjust(left=0.1, right=0.99, bottom=0.22, top=0.86, wspace=0.25)
+    right.set_title(f"score cells per head per layer:\n{cells['computed']:,} computed "
+                    f"(unchunked: {total * total:,}),\n{cells['allowed']:,} useful either way", fontsize=10)
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.22, top=0.84, wspace=0.25)
     return fig
 
 
@@ -309,6 +312,13 @@ def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequ
         done = request_waits(runs[label])
         for i in behind:
             ax.plot([done[i][1]], [lane + bar / 2 + 0.12], marker="v", color=TEXT, markersize=5, gid=f"done-{lane}-{i}")
+        at: dict = {}
+        for i in behind:  # several finish in one forward: their marks overlap, so count them
+            at[done[i][1]] = at.get(done[i][1], 0) + 1
+        for x_done, count in at.items():
+            if count > 1:
+                ax.text(x_done + total * 0.004, lane + bar / 2 + 0.12, f"×{count}", ha="left", va="center",
+                        fontsize=MIN_FONT, color=TEXT, gid=f"count-{lane}-{x_done}")
         _, mean_tokens = mean_wait(done, behind)
         ax.plot([mean_tokens], [lane + bar / 2 + 0.2], marker="|", color=TEXT, markersize=14, markeredgewidth=2.5,
                 gid=f"mean-{lane}")
@@ -316,7 +326,7 @@ def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequ
         ax.text(0, lane - bar / 2 - 0.1, f"{label}: {len(sizes)} forwards, largest {max(sizes):,} tokens; "
                 f"the {len(behind)} questions behind the draft finish after {mean_tokens:,.0f} tokens on average",
                 ha="left", va="bottom", fontsize=MIN_FONT, color=TEXT)
-    ax.set_xlim(0, total * 1.01)
+    ax.set_xlim(0, total * 1.04)
     ax.set_ylim(len(labels) - 0.35, -0.75)
     ax.set_yticks([])
     ax.set_xlabel("prompt tokens run so far (forwards one after another; a black tick ends a forward)", fontsize=MIN_FONT)
@@ -527,6 +537,30 @@ def mask_text(mask: Tensor, start: int = 0) -> str:
     return "\n".join(lines)
 
 
+_CHUNK_ROWS_ERROR: dict = {}
+
+
+def chunk_rows_error(start: int = 4, length: int = 4, heads: int = 2, d_head: int = 16, seed: int = 0) -> tuple:
+    """``(max |chunk rows - fp64|, the tolerance rule's bound)`` of ``chunk_rows_match``'s comparison (which
+    raises when they differ): for a claim table."""
+    key = (start, length, heads, d_head, seed)
+    if key not in _CHUNK_ROWS_ERROR:
+        with contextlib.redirect_stdout(None):
+            chunk_rows_match(*key)
+    return _CHUNK_ROWS_ERROR[key]
+
+
+def recorded_draft_blocks(cfg: ModelConfig | None = None) -> list[tuple[int, int]]:
+    """The draft served alone, chunked under ``BUDGET``, on ``cfg`` (default: the explorer's small model) under the
+    op recorder: the ``(L_q, L_k)`` of its score matrix in each forward, layer 0's (the recorder's own blocks; run
+    it inside ``broken(...)`` to see what a bug does to them)."""
+    cfg = cfg or EXPLORER_CFG
+    weights = init_weights(cfg, 0) if cfg is not EXPLORER_CFG else _EXPLORER_WEIGHTS.setdefault("w", init_weights(cfg, 0))
+    ids = [[t % cfg.vocab_size for t in stream()[1][draft_index()]]]
+    run = serve(ids, BUDGET, True, cfg, weights, compute_logits=False, record=True)
+    return [tuple(shape[-2:]) for shape in run["recorder"].scores][::cfg.n_layers]
+
+
 def chunk_rows_match(start: int = 4, length: int = 4, heads: int = 2, d_head: int = 16, seed: int = 0) -> str:
     """``varlen_attention`` of one chunk (queries ``start .. start+length-1``, keys ``0 .. start+length-1``:
     ``cu_seqlens_q = [0, length]``, ``cu_seqlens_k = [0, start + length]``) against the same rows of one causal
@@ -540,6 +574,7 @@ def chunk_rows_match(start: int = 4, length: int = 4, heads: int = 2, d_head: in
     chunk = varlen_attention(q[start:], k, v, cu_q, cu_k)
     whole = varlen_attention(q, k, v, cu_whole)[start:]
     truth = varlen_attention(q.double(), k.double(), v.double(), cu_whole)[start:]
+    _CHUNK_ROWS_ERROR[(start, length, heads, d_head, seed)] = (max_abs_diff(chunk, truth), tolerance(whole, truth, chunk.dtype))
     assert_close(chunk, whole, truth, f"the chunk's rows {start}..{total - 1} vs the whole attention's")
     line = (f"rows {start}..{total - 1}: chunk (cu_seqlens_q [0, {length}], cu_seqlens_k [0, {total}]) = the whole "
             f"causal attention over {total} tokens, within the tolerance rule")
