@@ -196,23 +196,24 @@ def wrong(seq_lens, max_programs):  # the smallest tiles, whatever the program b
 ''', "more than the"),
     # lesson 08
     "ex08_1_grade": ('''
-def wrong(seq_lens, max_num_batched_tokens, max_num_seqs):  # FCFS chunking, but max_num_seqs forgotten
-    left, head, forwards = list(seq_lens), 0, []
-    while head < len(left):
-        fwd, room, i = [], max_num_batched_tokens, head
-        while i < len(left) and room:
-            take = min(left[i], room)
-            fwd.append((i, take))
-            left[i] -= take
-            room -= take
-            if left[i]:
+def wrong(seq_lens, max_num_batched_tokens, max_num_seqs, long_prefill_token_threshold):  # a capped chunk ends the forward
+    left, forwards = list(seq_lens), []
+    cap = long_prefill_token_threshold or max_num_batched_tokens
+    while any(left):
+        fwd, room = [], max_num_batched_tokens
+        for i, rest in enumerate(left):
+            if not room or len(fwd) == max_num_seqs:
                 break
-            i += 1
-        while head < len(left) and not left[head]:
-            head += 1
+            if rest:
+                take = min(rest, cap, room)
+                fwd.append((i, take))
+                left[i] -= take
+                room -= take
+                if left[i]:
+                    break
         forwards.append(fwd)
     return forwards
-''', "the budget counts requests too"),
+''', "a capped chunk does not end the forward"),
     "ex08_2_grade": ('''
 def wrong(max_forward, max_wait, max_cache_rows):  # always the largest step allowed, never None
     return max_forward // 16 * 16

@@ -303,3 +303,42 @@ def test_causal_cells_from_masks_and_wait_seconds():
     stats = [_Stats([(0, 0, 4)], 0.5), _Stats([(0, 4, 4), (1, 0, 2)], 0.25)]
     assert L.causal_cells_from_masks(stats) == 8 * 9 // 2 + 2 * 3 // 2
     assert L.wait_seconds(stats) == {0: 0.75, 1: 0.75}
+
+
+# ---- exercise 08.1: the chunk cap -------------------------------------------------------------------
+
+def _capped(lens, budget, max_seqs, cap, stop_after_cap=False, ignore_seqs=False):
+    left, forwards, limit = list(lens), [], cap or budget
+    while any(left):
+        fwd, room = [], budget
+        for i, rest in enumerate(left):
+            if not room or (len(fwd) == max_seqs and not ignore_seqs):
+                break
+            if rest:
+                take = min(rest, limit, room)
+                fwd.append((i, take))
+                left[i] -= take
+                room -= take
+                if stop_after_cap and left[i]:
+                    break
+        forwards.append(fwd)
+    return forwards
+
+
+def test_capped_scheduler_checker_passes_and_the_cap_lets_the_questions_pass():
+    assert L.check_capped_scheduler(_capped)
+    assert L.capped_finish(_capped, 0)["before"] == 0
+    assert L.capped_finish(_capped, 128)["before"] == 14
+    # a cap at or above the budget is plain FCFS chunking, the engine scheduler's
+    assert _capped(L.stream_lengths(), 512, 256, 512) == chunk_fcfs(L.stream_lengths(), 512, 256)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (lambda lens, b, m, c: _capped(lens, b, m, c, stop_after_cap=True), "does not end the forward"),
+    (lambda lens, b, m, c: _capped(lens, b, m, c, ignore_seqs=True), "the budget counts requests too"),
+    (lambda lens, b, m, c: chunk_fcfs(lens, b, m), "no chunk may exceed the cap"),
+    (lambda lens, b, m, c: _capped(lens, b, m, c or 1), "0 means no cap"),
+    (lambda lens, b, m, c: [[i for i, _ in f] for f in _capped(lens, b, m, c)], "pair (request index"),
+])
+def test_capped_scheduler_checker_explains_typical_mistakes(answer, hint):
+    assert hint in attempt(L.check_capped_scheduler, answer)

@@ -11,7 +11,8 @@
   figures           ``chunk_staircase`` (08_chunk_staircase), ``chunk_timeline`` (08_chunk_timeline)
   break it          ``BUGS``, ``install``, ``broken``, ``chunk_error_table`` (also tests/breakages_l08.py)
   explorer          ``chunked_plan_state`` / ``chunked_plan_html`` / ``chunked_plan_explorer`` (runs the engine)
-  exercises         ``check_chunk_scheduler`` (08.1), ``check_budget_chooser`` with ``budget_measures`` (08.2),
+  exercises         ``check_capped_scheduler`` (08.1; ``check_chunk_scheduler`` for the plain rule),
+                    ``check_budget_chooser`` with ``budget_measures`` (08.2),
                     ``check_chunk_positions`` (08.3)
 
 Taught in notebooks/08_chunked_prefill.ipynb.
@@ -808,6 +809,98 @@ def chunked_plan_explorer(workload: str = "long-tail", num_requests: int = 24, m
                                         state["seq_lens"], state["longest"], state["behind"]))
 
     return explorer("cpx", [kind, reqs, budget], [text, out], update)
+
+
+# ---- exercise 08.1: a chunk cap (vLLM's long_prefill_token_threshold) --------------------------------------
+
+def _capped_reference(seq_lens, max_num_batched_tokens, max_num_seqs, cap):
+    """FCFS chunked prefill with a per-request chunk cap (``cap`` 0: none): each forward takes the unfinished
+    requests in arrival order, each ``min(its rest, cap, room left)`` tokens, until the forward is full, holds
+    ``max_num_seqs`` requests, or nobody waits. (The engine has no cap: this is the checker's own rule.)"""
+    left, forwards = list(seq_lens), []
+    limit = cap if cap else max_num_batched_tokens
+    while any(left):
+        fwd, room = [], max_num_batched_tokens
+        for i, rest in enumerate(left):
+            if not room or len(fwd) == max_num_seqs:
+                break
+            if rest:
+                take = min(rest, limit, room)
+                fwd.append((i, take))
+                left[i] -= take
+                room -= take
+        forwards.append(fwd)
+    return forwards
+
+
+def _capped_cases() -> list[tuple]:
+    lens = stream_lengths()
+    return [(lens, BUDGET, 256, 128),                  # lesson 06's stream: the draft capped at 128 a forward
+            ([3, 1, 2], 1, 256, 1),                    # budget 1
+            ([700, 40, 30], 256, 256, 256),            # cap = budget: the cap changes nothing
+            ([700, 40, 30], 256, 256, 1000),           # cap > budget: still nothing
+            ([600, 10, 10, 10], 200, 2, 64),           # max_num_seqs closes a forward that still has room
+            ([300, 50, 500, 20], 256, 256, 100),       # two long prompts capped, short ones between them
+            ([90, 5], 64, 256, 0)]                     # cap 0: no cap (vLLM's default)
+
+
+def capped_schedule_problem(got, seq_lens, max_num_batched_tokens, max_num_seqs, cap) -> str | None:
+    """Why ``got`` is not ``_capped_reference``'s forwards, in words (the first rule it breaks), or None."""
+    want = _capped_reference(seq_lens, max_num_batched_tokens, max_num_seqs, cap)
+    if not isinstance(got, (list, tuple)) or not all(isinstance(f, (list, tuple)) for f in got):
+        return f"expected a list of forwards, each a list of (request, num_tokens) pairs, got {got!r}"[:300]
+    pairs = [c for f in got for c in f]
+    if not all(isinstance(c, (list, tuple)) and len(c) == 2 for c in pairs):
+        return "each chunk is a pair (request index, num_tokens): a chunked forward says how many tokens each request runs"
+    got = [[tuple(c) for c in f] for f in got]
+    if got == want:
+        return None
+    limit = cap if cap else max_num_batched_tokens
+    for f, fwd in enumerate(got):
+        if f >= len(want):
+            return f"{len(got)} forwards where {len(want)} suffice: forward {f} should not exist"
+        tokens = sum(t for _, t in fwd)
+        big = [(i, t) for i, t in fwd if t > limit]
+        if big:
+            i, t = big[0]
+            return (f"forward {f}: request {i} runs {t} tokens > long_prefill_token_threshold={cap}: no chunk may "
+                    "exceed the cap" if cap else f"forward {f}: request {i} runs {t} tokens > the budget")
+        if tokens > max_num_batched_tokens:
+            return f"forward {f} holds {tokens} tokens > max_num_batched_tokens={max_num_batched_tokens}"
+        if len(fwd) > max_num_seqs:
+            return f"forward {f} holds {len(fwd)} requests > max_num_seqs={max_num_seqs}: the budget counts requests too"
+        if fwd != want[f]:
+            w = want[f]
+            if cap >= max_num_batched_tokens:
+                hint = "a cap at or above the budget changes nothing: the forwards are plain FCFS chunking"
+            elif len(fwd) < len(w) and tokens < max_num_batched_tokens:
+                hint = ("a capped chunk does not end the forward: the room left goes to the requests behind it "
+                        "(that is the point of the cap)")
+            elif cap == 0:
+                hint = "long_prefill_token_threshold=0 means no cap (vLLM's default)"
+            else:
+                hint = "each request, in arrival order, runs min(its rest, the cap, the room left)"
+            more_got, more_want = " ..." if len(fwd) > 6 else "", " ..." if len(w) > 6 else ""
+            return f"forward {f}: got {fwd[:6]}{more_got}, expected {w[:6]}{more_want}: {hint}"
+    return f"{len(got)} forwards, but {len(want)} are needed: some tokens are never scheduled"
+
+
+def check_capped_scheduler(fn) -> bool:
+    """Exercise 08.1: ``fn(seq_lens, max_num_batched_tokens, max_num_seqs, long_prefill_token_threshold)`` →
+    the forwards of FCFS chunked prefill with a per-request chunk cap, on 7 cases (the stream, budget 1, a cap
+    equal to and above the budget, ``max_num_seqs``, two capped prompts, cap 0)."""
+    return grade("capped_scheduler", fn, _capped_cases(), capped_schedule_problem,
+                 "FCFS chunked prefill with a chunk cap on 7 cases: the cap, both budgets, cap >= budget and cap 0")
+
+
+def capped_finish(fn, cap: int, max_num_batched_tokens: int = BUDGET) -> dict:
+    """The stream under ``fn``'s capped scheduler: ``{"draft": forward its last chunk runs in, "before": how many
+    of the questions behind it finish in an earlier forward, "forwards": how many forwards}`` (forwards counted from 1)."""
+    lens = stream_lengths()
+    waits = request_waits(fn(lens, max_num_batched_tokens, MAX_NUM_SEQS, cap))
+    d = draft_index()
+    return {"draft": waits[d][0], "forwards": max(w[0] for w in waits.values()),
+            "before": sum(waits[i][0] < waits[d][0] for i in behind(lens))}
 
 
 # ---- exercise 08.2: a budget, chosen with numbers ----------------------------------------------------------
