@@ -187,12 +187,11 @@ def test_stats_count_both_conventions_the_chunks_and_the_cached_keys():
     assert (s0.num_chunk_tokens, s1.num_chunk_tokens, s0.num_cached_tokens, s1.num_cached_tokens) == (8, 2, 0, 8)
     assert (s1.cells_whole_useful, s1.cells_causal_useful) == (2 * 10 + 4 * 4, 2 * 8 + 3 + 10)
     assert s1.cells_whole_computed == s1.cells_whole_useful and s1.cells_causal_computed == s1.cells_causal_useful
-    assert s1.attn_cells_computed == s1.cells_whole_computed and s1.flops_executed == s1.flops_causal_executed
     masked = batch_stats(CFG, [2, 4], "masked", num_computed_tokens=[8, 0])
     assert masked.cells_whole_computed == 6 * 14 and masked.masked_cells == 6 * 14 - 36
     whole = batch_stats(CFG, [10, 30], "varlen")  # no chunk: the article's counts, and lesson 06's names
-    assert (whole.attn_cells_computed, whole.cells_causal_useful) == (1000, 55 + 465)
-    assert whole.flops_whole_executed > whole.flops_causal_executed == whole.flops_useful
+    assert (whole.cells_whole_computed, whole.cells_causal_useful) == (1000, 55 + 465)
+    assert whole.flops_whole_executed > whole.flops_causal_executed == whole.flops_causal_useful
 
 
 # ---- all or nothing, bad inputs, memory ------------------------------------------------------------------

@@ -97,20 +97,20 @@ def test_stats_match_budgets_and_analytic_counts(method):
         assert s.num_tokens == sum(b) <= 64 and s.num_seqs <= 3 and s.max_seqlen == max(b)
         assert [outs[len(served) - len(b) + j].batch_index for j in range(len(b))] == [k] * len(b)
         brute = {"varlen": sum(n * n for n in b), "masked": sum(b) ** 2, "padded": len(b) * max(b) ** 2}[method]
-        assert s.attn_cells_computed == brute and s.attn_cells_useful == sum(n * n for n in b)
+        assert s.cells_whole_computed == brute and s.cells_whole_useful == sum(n * n for n in b)
         assert s.executed_rows == (len(b) * max(b) if method == "padded" else sum(b))
         assert s.padding_rows == s.executed_rows - sum(b)
-        assert s.padding_cells == (brute - s.attn_cells_useful if method == "padded" else 0)
-        assert s.masked_cells == (brute - s.attn_cells_useful if method == "masked" else 0)
-        assert s.flops_executed >= s.flops_useful > 0 and s.wall_s > 0
+        assert s.padding_cells == (brute - s.cells_whole_useful if method == "padded" else 0)
+        assert s.masked_cells == (brute - s.cells_whole_useful if method == "masked" else 0)
+        assert s.flops_causal_executed >= s.flops_causal_useful > 0 and s.wall_s > 0
     assert served == lens
 
 
 def test_batch_stats_cells_agree_with_flops_module():
     s = batch_stats(CFG, [10, 30], "masked")
     c = attention_cells([10, 30], "masked")
-    assert (s.attn_cells_computed, s.attn_cells_useful, s.attn_cells_wasted) == (c.computed, c.useful, c.wasted)
-    assert (s.attn_cells_computed, s.attn_cells_useful, s.masked_cells) == (1600, 1000, 600)  # C8, by hand
+    assert (s.cells_whole_computed, s.cells_whole_useful, s.cells_whole_wasted) == (c.computed, c.useful, c.wasted)
+    assert (s.cells_whole_computed, s.cells_whole_useful, s.masked_cells) == (1600, 1000, 600)  # C8, by hand
 
 
 def test_empty_request_list_is_a_defined_result():

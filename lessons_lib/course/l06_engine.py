@@ -130,8 +130,8 @@ def whole_block_flops(cfg: ModelConfig, s) -> int:
 def _totals(cfg: ModelConfig, stats: Sequence) -> dict:
     """``method_totals``'s counts for one method, summed over its ``BatchStats`` (whole blocks)."""
     return {"rows": sum(s.executed_rows for s in stats), "pad_rows": sum(s.padding_rows for s in stats),
-            "cells_computed": sum(s.attn_cells_computed for s in stats),
-            "cells_useful": sum(s.attn_cells_useful for s in stats),
+            "cells_computed": sum(s.cells_whole_computed for s in stats),
+            "cells_useful": sum(s.cells_whole_useful for s in stats),
             "flops_executed": sum(whole_block_flops(cfg, s) for s in stats),
             "flops_useful": sum(s.flops_whole_useful for s in stats)}
 
@@ -265,12 +265,12 @@ def batch_waste(stats: Mapping[str, Sequence], max_num_batched_tokens: int | Non
     for j, m in enumerate(methods):
         for b, s in enumerate(runs[m]):
             x = b - 0.4 + (j + 0.5) * width
-            bottom.bar(x, s.attn_cells_useful, width * 0.92, color=ATTENTION, gid=f"cells-{m}-useful-{b}")
-            bottom.bar(x, s.attn_cells_wasted, width * 0.92, bottom=s.attn_cells_useful, color=WASTE,
+            bottom.bar(x, s.cells_whole_useful, width * 0.92, color=ATTENTION, gid=f"cells-{m}-useful-{b}")
+            bottom.bar(x, s.cells_whole_wasted, width * 0.92, bottom=s.cells_whole_useful, color=WASTE,
                        hatch=_HATCH.get(m, ""), edgecolor="white", gid=f"cells-{m}-wasted-{b}")
             if n <= 12:
-                bottom.text(x, s.attn_cells_computed, m[0].upper(), ha="center", va="bottom", fontsize=MIN_FONT)
-    tallest = max(s.attn_cells_computed for m in methods for s in runs[m])
+                bottom.text(x, s.cells_whole_computed, m[0].upper(), ha="center", va="bottom", fontsize=MIN_FONT)
+    tallest = max(s.cells_whole_computed for m in methods for s in runs[m])
     bottom.set_ylim(0, tallest * 1.3)
     bottom.set_ylabel("score cells\nper head per layer", fontsize=MIN_FONT)
     bottom.yaxis.set_major_formatter(EngFormatter(sep=""))
@@ -278,7 +278,7 @@ def batch_waste(stats: Mapping[str, Sequence], max_num_batched_tokens: int | Non
                            Patch(facecolor=WASTE, hatch="///", edgecolor="white", label="pad cells (P)"),
                            Patch(facecolor=WASTE, hatch="...", edgecolor="white", label="masked cells (M)")],
                   fontsize=MIN_FONT, frameon=False, loc="upper right", ncol=3)
-    cells = {m: sum(s.attn_cells_computed for s in runs[m]) for m in methods}
+    cells = {m: sum(s.cells_whole_computed for s in runs[m]) for m in methods}
     bottom.set_title("score cells computed, whole blocks (P padded, M masked, V varlen): "
                      + ", ".join(f"{m[0].upper()} {cells[m]:,}" for m in methods), fontsize=10)
     bottom.set_xticks(range(n))

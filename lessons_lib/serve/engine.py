@@ -16,8 +16,8 @@ padded    ``[R, Lmax, d]`` right-padded (``forward_padded``)         R · Lmax²
 
 ``BatchStats`` counts score cells per head per layer, and FLOPs, in both conventions by name:
 whole blocks (``cells_whole_*``, ``flops_whole_*``: the article's, ``flops.attention_cells(causal=False)``)
-and causal (``cells_causal_*``, ``flops_causal_*``: the lower triangle a causal model needs). The
-older names stay: ``attn_cells_*`` are whole blocks, ``flops_executed/useful`` causal.
+and causal (``cells_causal_*``, ``flops_causal_*``: the lower triangle a causal model needs); every
+reader names the convention it means.
 
 Chunked prefill (``enable_chunked_prefill=True``, vLLM's): the scheduler cuts the request that
 does not fit the budget left; each forward is a list of ``ScheduledChunk``s, packed with their
@@ -104,8 +104,6 @@ class BatchStats:
     prompt is ``(id, 0, L)``); num_chunk_tokens: tokens of sequences that are not a whole prompt;
     num_cached_tokens: keys read from the KV cache (Σ start, per layer per head).
     wall_s: wall-clock seconds of the forward (and logits), measured.
-    Aliases kept for lesson 06: ``attn_cells_computed/useful`` = whole blocks,
-    ``flops_executed/useful`` = causal.
     """
 
     index: int
@@ -133,24 +131,9 @@ class BatchStats:
     all_reduces: int | None = None  # per forward, rank 0's trace (TP=2 only; C12: 2 * n_layers)
 
     @property
-    def attn_cells_computed(self) -> int:
-        return self.cells_whole_computed
-
-    @property
-    def attn_cells_useful(self) -> int:
-        return self.cells_whole_useful
-
-    @property
-    def attn_cells_wasted(self) -> int:
+    def cells_whole_wasted(self) -> int:
+        """Whole-block cells computed and thrown away (pad and cross-request cells)."""
         return self.cells_whole_computed - self.cells_whole_useful
-
-    @property
-    def flops_executed(self) -> int:
-        return self.flops_causal_executed
-
-    @property
-    def flops_useful(self) -> int:
-        return self.flops_causal_useful
 
 
 def batch_stats(cfg: ModelConfig, seq_lens: Sequence[int], method: str, index: int = 0, wall_s: float = 0.0,
