@@ -5,6 +5,8 @@ line replaced (``course.l07_kernel.install``, the helper the lesson's break-it c
 ``@triton.jit`` function cannot be monkeypatched line by line. K1 puts the loop over requests back
 in Python, in the engine's triton backend.
 """
+import functools
+
 from breakages import breaks
 
 NOTEBOOK = "07_inside_the_kernel"
@@ -35,21 +37,12 @@ def _one_launch_per_request():
     attention._triton = attention.IMPLS["triton"] = per_request
 
 
-@breaks("K2", NOTEBOOK, "the kernel's early return removed: programs past their request's end walk its keys anyway")
-def _no_early_return():
-    _install("no early return")
-
-
-@breaks("K3", NOTEBOOK, "the causal loop bound one key tile too far: tiles wholly above the diagonal are computed")
-def _causal_bound_one_tile_late():
-    _install("causal bound one tile late")
-
-
-@breaks("K4", NOTEBOOK, "the tile's key columns past the request's end are no longer masked (they score 0, not -inf)")
-def _columns_past_the_end_kept():
-    _install("columns past the end kept")
-
-
-@breaks("K5", NOTEBOOK, "the running sum l is not rescaled when the running max grows")
-def _sum_not_rescaled():
-    _install("sum not rescaled")
+# K2-K5: one line of the kernel each (l07_kernel.KERNEL_BUGS names them).
+for _claim, _bug, _what in (
+        ("K2", "no early return", "the kernel's early return removed: programs past their request's end walk its keys anyway"),
+        ("K3", "causal bound one tile late",
+         "the causal loop bound one key tile too far: tiles wholly above the diagonal are computed"),
+        ("K4", "columns past the end kept",
+         "the tile's key columns past the request's end are no longer masked (they score 0, not -inf)"),
+        ("K5", "sum not rescaled", "the running sum l is not rescaled when the running max grows")):
+    breaks(_claim, NOTEBOOK, _what)(functools.partial(_install, _bug))
