@@ -14,6 +14,7 @@ import attention_forward`` in ``model.py`` keeps its own reference, so patch bot
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable
@@ -42,6 +43,13 @@ def breaks(claim_id: str, notebook: str, what: str, variant: str | None = None):
         BREAKS[key] = Breakage(notebook, what, apply)
         return apply
     return deco
+
+
+def breaks_each(notebook: str, install: Callable[[str], None], table) -> None:
+    """Register ``install(bug)`` as the breakage of each ``(claim id, bug, what)`` of ``table`` (lessons whose
+    bugs are named variants of one mechanism, e.g. a kernel rebuilt with one line changed)."""
+    for claim_id, bug, what in table:
+        breaks(claim_id, notebook, what)(functools.partial(install, bug))
 
 
 # ---- the breakages, one module per lesson: tests/breakages_lNN.py ---------------------------------

@@ -5,9 +5,7 @@ line replaced (``course.l07_kernel.install``, the helper the lesson's break-it c
 ``@triton.jit`` function cannot be monkeypatched line by line. K1 puts the loop over requests back
 in Python, in the engine's triton backend.
 """
-import functools
-
-from breakages import breaks
+from breakages import breaks, breaks_each
 
 NOTEBOOK = "07_inside_the_kernel"
 
@@ -38,11 +36,10 @@ def _one_launch_per_request():
 
 
 # K2-K5: one line of the kernel each (l07_kernel.KERNEL_BUGS names them).
-for _claim, _bug, _what in (
+breaks_each(NOTEBOOK, _install, (
         ("K2", "no early return", "the kernel's early return removed: programs past their request's end walk its keys anyway"),
         ("K3", "causal bound one tile late",
          "the causal loop bound one key tile too far: tiles wholly above the diagonal are computed"),
         ("K4", "columns past the end kept",
          "the tile's key columns past the request's end are no longer masked (they score 0, not -inf)"),
-        ("K5", "sum not rescaled", "the running sum l is not rescaled when the running max grows")):
-    breaks(_claim, NOTEBOOK, _what)(functools.partial(_install, _bug))
+        ("K5", "sum not rescaled", "the running sum l is not rescaled when the running max grows")))

@@ -1,8 +1,6 @@
 """Breakages of the claims lesson 08 proves (see breakages.py). Each installs one of the bugs of
 ``course.l08_chunked.BUGS``, the same ones the lesson's break-it cells run."""
-import functools
-
-from breakages import breaks
+from breakages import breaks_each
 
 NOTEBOOK = "08_chunked_prefill"
 
@@ -14,7 +12,7 @@ def _install(bug: str):
 
 
 # One bug per claim (l08_chunked's break-it table names them).
-for _claim, _bug, _what in (
+breaks_each(NOTEBOOK, _install, (
         ("P1", "positions restart", "positions restart at 0 in every chunk where the model looks up its position embeddings"),
         ("P2", "chunk takes a whole budget",
          "the chunked scheduler gives the head request a whole budget, not the room left in the forward"),
@@ -22,5 +20,4 @@ for _claim, _bug, _what in (
          "the causal mask of a chunk is aligned top-left (query i sees keys 0..i of its rectangle), on every TP rank"),
         ("P4", "cache not appended", "the cache is never appended in front of a chunk: each chunk attends to its own keys only"),
         ("P5", "chunked request to the back",
-         "a chunked request goes to the back of the queue (round robin) instead of staying at its head")):
-    breaks(_claim, NOTEBOOK, _what)(functools.partial(_install, _bug))
+         "a chunked request goes to the back of the queue (round robin) instead of staying at its head")))
