@@ -1,7 +1,7 @@
 """Measurements on this machine: wall time, peak allocated bytes, and a forward's time split.
 
 Everything here MEASURES, so its numbers vary from run to run and machine to machine.
-Lessons show them (cells marked ``# NBVAL_IGNORE_OUTPUT``) next to the exact analytic counts
+Lessons show them (cells tagged ``nbval-ignore-output``) next to the exact analytic counts
 of ``flops``; tests never assert a timing.
 
 - ``time_call`` / ``peak_bytes``: fastest-of-N wall time; bytes allocated at the peak of one
