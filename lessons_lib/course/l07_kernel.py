@@ -96,9 +96,11 @@ def run_kernel(q, k, v, cu_q, cu_k=None, *, causal=True, block_m=64, block_n=64)
 # ---- the launch grid, program by program ---------------------------------------------------------------
 
 # Cell codes of the launch picture. The colours keep the palette's meanings: blue useful attention work,
-# vermillion computed then thrown away, white never computed, grey a program that did nothing.
+# vermillion computed then thrown away, white never computed; a program that returned at once did
+# nothing either, so it is white too, told apart by an ink hatch (``RETURNED_HATCH``).
 SKIPPED, USEFUL, WASTED, RETURNED = 0, 1, 2, 3
-CODE_COLORS = {SKIPPED: NEVER, USEFUL: ATTENTION, WASTED: WASTE, RETURNED: OTHER}
+CODE_COLORS = {SKIPPED: NEVER, USEFUL: ATTENTION, WASTED: WASTE, RETURNED: NEVER}
+RETURNED_HATCH = "///"
 CODE_LABELS = {USEFUL: "computed, useful", WASTED: "computed, thrown away (masked or past the end)",
                SKIPPED: "key tile skipped (above the diagonal)", RETURNED: "program returned at once"}
 
@@ -197,7 +199,11 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
         for y in range(0, h + 1, block_m):
             ax.axhline(y, color=TEXT, linewidth=1.0)
         for x in range(0, w + 1, block_n):
-            ax.axvline(x, color=OTHER, linewidth=0.6)
+            ax.axvline(x, color=TEXT, linewidth=0.6, linestyle=":")
+        for m in range(grid_m):  # a program that returned at once: white, hatched in ink
+            if m * block_m >= nq:
+                ax.add_patch(Rectangle((0, m * block_m), w, block_m, facecolor=NEVER, edgecolor=TEXT, linewidth=0,
+                                       hatch=RETURNED_HATCH, gid=f"returned-{r}-{m}"))
         ax.add_patch(Rectangle((0, 0), nk, nq, fill=False, edgecolor=TEXT, linewidth=1.6, gid=f"request-{r}"))
         ax.set_yticks([(m + 0.5) * block_m for m in range(grid_m)], [f"m={m}" for m in range(grid_m)] if r == 0 else
                       [""] * grid_m)
@@ -217,7 +223,8 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
             f"in-bounds (masked ones included): {total.cells}")
     if measured is not None:
         foot += " | kernel's counters: " + ("the same" if measured == total else f"DIFFER {measured.as_dict()}")
-    fig.legend(handles=[Patch(facecolor=CODE_COLORS[c], edgecolor=OTHER, label=CODE_LABELS[c])
+    fig.legend(handles=[Patch(facecolor=CODE_COLORS[c], edgecolor=TEXT, linewidth=0.6, label=CODE_LABELS[c],
+                              hatch=RETURNED_HATCH if c == RETURNED else None)
                         for c in (USEFUL, WASTED, SKIPPED, RETURNED)], loc="lower center", ncol=2, fontsize=MIN_FONT,
                frameon=False)
     fig.text(0.5, 0.14, foot, ha="center", fontsize=MIN_FONT, color=TEXT)
@@ -306,8 +313,8 @@ def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.5, 1]})
     top, bottom = float(scores_row.max()), float(scores_row.min())
     for t, start in enumerate(range(0, n, block_n)):
-        if t % 2:
-            left.axvspan(start - 0.5, min(n, start + block_n) - 0.5, color=OTHER, alpha=0.15, linewidth=0)
+        if t:  # the boundary between two key tiles
+            left.axvline(start - 0.5, color=TEXT, linewidth=0.8, linestyle=":")
         left.text(start + block_n / 2 - 0.5, top + 1.9, f"tile {t}", ha="center", fontsize=MIN_FONT, color=TEXT)
     left.plot(range(n), scores_row.tolist(), "o", color=ATTENTION, markersize=3.5, label="score s_j of key j")
     xs = [x for st in good for x in (st.tile * block_n - 0.5, st.keys_seen - 0.5)]
@@ -325,8 +332,8 @@ def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block
     floor = 1e-17
     tiles = [st.tile for st in good]
     right.plot(tiles, [max(st.error, floor) for st in good], "o-", color=ATTENTION, label="with the rescale (the kernel)")
-    # the bug in grey dashes: vermillion means "computed, then thrown away" in every figure of the course
-    right.plot(tiles, [max(st.error, floor) for st in bad], "s--", color=OTHER, label="sum l not rescaled (the bug)")
+    # the bug in ink dashes: vermillion means "computed, then thrown away" in every figure of the course
+    right.plot(tiles, [max(st.error, floor) for st in bad], "s--", color=TEXT, label="sum l not rescaled (the bug)")
     right.set_yscale("log")
     right.set_ylim(floor / 3, 1e8)
     right.set_xticks(tiles, [f"after\ntile {t}" for t in tiles])
@@ -790,7 +797,7 @@ def _launch_grid() -> Figure:
     a = fig.axes[0]  # A's last program: rows 96-127 of its tile, of which only 96-99 exist
     a.annotate("rows 96-99: A's only\n4 real rows here", xy=(64, 98), xytext=(64, 116), ha="center", va="center",
                fontsize=MIN_FONT, color=TEXT, arrowprops={"arrowstyle": "->", "color": TEXT},
-               bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": OTHER})
+               bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": TEXT})
     return fig
 
 
@@ -805,7 +812,7 @@ def _online_softmax() -> Figure:
 @register("07_short_request_tile", lesson="07",
           caption="A's 10 tokens in one 64 x 64 tile beside a 250-token request: whole tiles either way")
 def _short_tile() -> Figure:
-    return launch_picture([ARTICLE_LENS[0], 250], block_m=64, block_n=64, causal=False, figsize=(7.0, 4.4),
+    return launch_picture([ARTICLE_LENS[0], 250], block_m=64, block_n=64, causal=False, figsize=(9.0, 4.4),
                           title="non-causal, 64 x 64 tiles: a 10-token request still executes a whole tile")
 
 

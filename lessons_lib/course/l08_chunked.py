@@ -150,11 +150,11 @@ def chunk_staircase(chunks: Sequence[int], title_prefix: str = "") -> Figure:
                                 gid=f"masked-{c}"))
         right.add_patch(Rectangle((0, s), e, n, facecolor="none", edgecolor=TEXT, linewidth=0.8, gid=f"rect-{c}"))
         if e < total:  # right of the rectangle: never computed (outlined, so white reads as a region)
-            right.add_patch(Rectangle((e, s), total - e, n, facecolor=NEVER, edgecolor=OTHER, linewidth=0.5,
+            right.add_patch(Rectangle((e, s), total - e, n, facecolor=NEVER, edgecolor=TEXT, linewidth=0.5,
                                       gid=f"never-{c}"))
-        right.text(e + total * 0.015, s + n / 2, f"{n} x {e:,}", ha="left", va="center",
+        right.text(total * 1.015, s + n / 2, f"{n} x {e:,}", ha="left", va="center",
                    fontsize=MIN_FONT, color=TEXT)
-    right.add_patch(Rectangle((0, 0), total, total, facecolor="none", edgecolor=OTHER, linewidth=0.8,
+    right.add_patch(Rectangle((0, 0), total, total, facecolor="none", edgecolor=TEXT, linewidth=0.8,
                               linestyle=":"))
     right.set_xlim(0, total * 1.3)
     right.set_ylim(total, 0)
@@ -166,7 +166,7 @@ def chunk_staircase(chunks: Sequence[int], title_prefix: str = "") -> Figure:
                         Patch(facecolor=OTHER, label="K, V read from the KV cache"),
                         Patch(facecolor=ATTENTION, label="score cell: useful (causal)"),
                         Patch(facecolor=WASTE, label="computed, then masked"),
-                        Patch(facecolor=NEVER, edgecolor=OTHER, linewidth=0.8, label="never computed (outlined)")],
+                        Patch(facecolor=NEVER, edgecolor=TEXT, linewidth=0.8, label="never computed (outlined)")],
                loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
     right.set_title(f"score cells per head per layer:\n{cells['computed']:,} computed "
                     f"(unchunked: {total * total:,}),\n{cells['allowed']:,} useful either way", fontsize=10)
