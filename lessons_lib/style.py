@@ -10,8 +10,10 @@ ATTENTION   blue       attention work: a useful score cell, attention FLOPs or t
 LINEAR      green      linear-layer work: rows through QKV, out proj, FFN; their FLOPs
 WASTE       vermillion computed, then thrown away: pad rows and cells, masked cells
 COMM        purple     communication: an all-reduce
-OTHER       grey       everything else (LayerNorm, GeLU, copies), reference lines
-NEVER       white      never computed
+OTHER       grey       a fill only: work that is not attention, a linear layer or communication
+                       (LayerNorm, GeLU, the residual add, copies, reading cached K/V, a launch's host cost)
+NEVER       white      never computed (refused, returned early, empty: white with a hatch or an ink outline)
+TEXT        ink        text, outlines, guide and reference lines (told apart by line style), never a meaning
 ==========  =========  ==============================================================
 
 Shared by the lessons' figures (``course``) and the benchmark's plots (``measure.bench_report``), so it
@@ -112,11 +114,11 @@ _MARKERS = ("o-", "s--", "^:", "d-.")
 def measured_series(x: Sequence[float], series: Mapping[str, Sequence[float]], xlabel: str, ylabel: str,
                     title: str, logx: bool = True, logy: bool = True) -> Figure:
     """A line plot of measured numbers (times, bytes) side by side; a series named after a method
-    takes that method's colour (``METHOD_COLORS``), any other is grey; markers tell them apart."""
+    takes that method's colour (``METHOD_COLORS``), any other is ink; markers tell them apart."""
     fig = Figure(figsize=(6, 3.4))
     ax = fig.add_subplot()
     for i, (name, ys) in enumerate(series.items()):
-        ax.plot(list(x), list(ys), _MARKERS[i % len(_MARKERS)], color=METHOD_COLORS.get(name, OTHER), label=name)
+        ax.plot(list(x), list(ys), _MARKERS[i % len(_MARKERS)], color=METHOD_COLORS.get(name, TEXT), label=name)
     if logx:
         ax.set_xscale("log", base=2)
     if logy:

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from helpers import min_font
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 
 from lessons_lib.course import figures
-from lessons_lib.style import MIN_FONT, to_png
+from lessons_lib.style import MIN_FONT, OTHER, TEXT, to_png
 
 ROOT = Path(__file__).resolve().parents[1]
 figures.load_lessons()  # every lesson's figures registered before the tests are collected
@@ -108,3 +109,93 @@ def test_the_lessons_figures_are_registered():
             "04_trace_timeline", "04_two_axes", "05_intensity", "05_flops_1x1000_vs_10x100", "05_attention_share",
             "05_weight_reuse", "06_fcfs_batches", "06_batch_waste", "07_launch_grid", "07_online_softmax", "07_fifty_launches",
             "07_short_request_tile"} <= set(figures.REGISTRY)
+
+
+def _drawn(name: str):
+    """The registered figure, drawn once (tick labels exist), and its renderer."""
+    fig = figures.build(name)
+    return fig, _agg_renderer(fig)
+
+
+def _agg_renderer(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = FigureCanvasAgg(fig)
+    with figures.style():
+        canvas.draw()
+    return canvas.get_renderer()
+
+
+def clipped_texts(fig, renderer, tolerance_px: float = 1.0) -> list[str]:
+    """Every visible, non-empty text whose drawn box leaves the figure's canvas (cut in the PNG)."""
+    box = fig.bbox
+    tick_labels, drawn_ticks = set(), set()
+    for ax in fig.axes:  # an axis keeps Text objects for ticks it no longer draws (outside its limits)
+        for axis in ax._axis_map.values():
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                tick_labels |= {id(tick.label1), id(tick.label2)}
+            if not (ax.get_visible() and ax.axison and axis.get_visible()):
+                continue
+            for tick in axis._update_ticks():
+                drawn_ticks |= {id(tick.label1), id(tick.label2)}
+    out = []
+    for t in fig.findobj(Text):
+        if not (t.get_visible() and t.get_text().strip()) or (id(t) in tick_labels and id(t) not in drawn_ticks):
+            continue
+        e = t.get_window_extent(renderer)
+        if (e.x0 < box.x0 - tolerance_px or e.y0 < box.y0 - tolerance_px
+                or e.x1 > box.x1 + tolerance_px or e.y1 > box.y1 + tolerance_px):
+            out.append(f"{t.get_text()[:50]!r} spans x {e.x0:.0f}..{e.x1:.0f}, y {e.y0:.0f}..{e.y1:.0f} "
+                       f"of a {box.width:.0f} x {box.height:.0f} canvas")
+    return out
+
+
+def grey_strokes(fig) -> list[str]:
+    """Every line, outline or edge drawn in ``style.OTHER`` grey. Grey means one thing course-wide: a
+    FILL for work that is not attention, a linear layer or communication; strokes use ``style.TEXT``."""
+    from matplotlib.collections import Collection
+    from matplotlib.colors import same_color, to_rgba_array
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    def grey(colours) -> bool:
+        return any(c[3] > 0 and same_color(c[:3], OTHER) for c in to_rgba_array(colours))
+
+    out = []
+    for a in fig.findobj(lambda a: isinstance(a, (Line2D, Patch, Collection)) and a.get_visible()):
+        if isinstance(a, Line2D):
+            if a.get_linestyle() not in ("None", "", " ") and grey(a.get_color()):
+                out.append(f"line {a.get_label()!r}")
+            elif a.get_marker() not in ("None", "", " ", None) and grey(a.get_markerfacecolor()):
+                out.append(f"markers {a.get_label()!r}")
+        elif isinstance(a, Patch):
+            if a.get_linewidth() > 0 and grey(a.get_edgecolor()):
+                out.append(f"{type(a).__name__} edge (gid {a.get_gid()!r})")
+        elif len(a.get_linewidths()) and max(a.get_linewidths()) > 0 and len(a.get_edgecolors()) and grey(a.get_edgecolors()):
+            out.append(f"{type(a).__name__} strokes")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(figures.REGISTRY))
+def test_every_figure_keeps_its_text_on_the_canvas_and_grey_for_fills(name):
+    fig, renderer = _drawn(name)
+    cut = clipped_texts(fig, renderer)
+    assert not cut, f"{name}: text cut at the canvas edge:\n" + "\n".join(cut[:10])
+    strokes = grey_strokes(fig)
+    assert not strokes, (f"{name}: grey (style.OTHER) used for strokes; guides, outlines and reference lines are "
+                         "style.TEXT:\n" + "\n".join(sorted(set(strokes))[:10]))
+
+
+def test_the_figure_checks_catch_a_cut_title_and_a_grey_guide_line():
+    fig = Figure(figsize=(3, 2))
+    ax = fig.add_subplot()
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title("a title far too long to fit on a three-inch wide canvas, cut at the right edge")
+    ax.axhline(0.5, color=OTHER)
+    ax.add_patch(Rectangle((0, 0), 0.2, 0.2, facecolor=OTHER, edgecolor="white"))  # a grey fill is allowed
+    renderer = _agg_renderer(fig)
+    assert len(clipped_texts(fig, renderer)) == 1
+    assert len(grey_strokes(fig)) == 1
+    ax.set_title("short")
+    ax.lines[0].set_color(TEXT)
+    assert clipped_texts(fig, renderer) == [] and grey_strokes(fig) == []
