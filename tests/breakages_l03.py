@@ -59,3 +59,25 @@ def _loop_reads_from_row_zero():
         return out
 
     attention._loop = attention.IMPLS["loop"] = broken
+
+
+@breaks("C10", "03_masked_vs_varlen_attention",
+        "the loop's causal mask is off by one: query i also reads key i + 1 of its request", variant="causal-off-by-one")
+def _loop_causal_off_by_one():
+    import torch
+
+    from lessons_lib.core import attention
+
+    def broken(q, k, v, meta, causal, scale):
+        out = torch.empty_like(q)
+        for i in range(len(meta.cu_q) - 1):
+            qs, qe, ks, ke = meta.cu_q[i], meta.cu_q[i + 1], meta.cu_k[i], meta.cu_k[i + 1]
+            q_i, k_i, v_i = q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)
+            scores = (q_i @ k_i.transpose(1, 2)) * scale
+            if causal:
+                seen = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=q.device).tril(1)  # the bug: tril(1)
+                scores.masked_fill_(~seen, float("-inf"))
+            out[qs:qe] = (scores.softmax(dim=-1) @ v_i).transpose(0, 1)
+        return out
+
+    attention._loop = attention.IMPLS["loop"] = broken

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-import statistics
 
 import numpy as np
 import pytest
@@ -154,68 +153,98 @@ def test_c7_c10_attention_dependency_and_cross_pairs():
     assert L.cross_request_pairs(L.attention_dependency([3, 5], backend=None, causal=True), [3, 5]) == 3 * 5
 
 
-def test_launch_grid_is_sized_by_max_seqlen():
-    assert L.launch_grid([10, 30], 8) == (2, 1, 8)
-    assert L.launch_grid([10, 1000], 8, tile=128) == (2, 8, 8)
-    assert L.launch_grid([129], 1, tile=128) == (1, 2, 1)
-    with pytest.raises(ValueError, match="tile"):
-        L.launch_grid([4], 1, tile=0)
+# --- the attention-run explorer ---------------------------------------------------------------------------
+
+ROW = re.compile(r"(?:<div>)?([^<>]+?): cells measured (\d+) \| predicted (\d+) \| score matrices (\d+), largest (.+?) \| "
+                 r"max err (\S+) \| ([\d.]+) ms")
 
 
-# --- the diagonal-block explorer --------------------------------------------------------------------------
+def test_c8_c10_attention_run_state_measures_what_each_backend_computes_for_a_and_b():
+    s = L.attention_run_state("10, 30", causal=True)
+    rows = s["rows"]
+    assert s["seq_lens"] == [10, 30] and s["useful"] == 55 + 465
+    # the article's numbers, from the lengths by hand: whole blocks, T^2, R * Lmax^2
+    assert {n: r["cells"] for n, r in rows.items()} == {"loop": 1000, "masked": 1600, "padded": 1800, "varlen": 1000}
+    assert all(r["cells"] == r["predicted"] for r in rows.values())
+    assert (rows["loop"]["scores"], rows["masked"]["scores"], rows["padded"]["scores"]) == (2, 1, 1)
+    h = L.RUN_HEADS
+    assert rows["loop"]["largest_bytes"] == 4 * h * 30 * 30          # one request's [H, 30, 30] at a time
+    assert rows["masked"]["largest_bytes"] == 4 * h * 40 * 40        # the whole [H, T, T]
+    assert rows["padded"]["largest_bytes"] == 4 * 2 * h * 30 * 30    # [R, H, Lmax, Lmax]
+    assert rows["varlen"]["backend"] == "sdpa" and rows["varlen"]["largest_bytes"] is None
+    assert all(r["error"] <= s["bound"] for r in rows.values())
+    assert all(r["ms"] > 0 for r in rows.values())
+    assert s["tiled"].tiles == 2 and s["tiled"].executed_cells == 2 * 128 * 128 and s["tiled"].cells == 1000
 
-def test_explorer_seq_lens_ramp_equal_and_article_case():
-    assert L.explorer_seq_lens(2, 10, "ramp") == [10, 30]
-    assert L.explorer_seq_lens(1, 7, "ramp") == [7]
-    assert L.explorer_seq_lens(5, 9, "ramp") == [round(9 * (1 + 2 * i / 4)) for i in range(5)]
-    assert L.explorer_seq_lens(4, 6, "equal") == [6, 6, 6, 6]
+
+@pytest.mark.parametrize("lens", [[5], [1, 1, 1], [7, 1, 12, 3], [100, 3]])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_run_state_counts_follow_the_lengths(lens, causal):
+    s = L.attention_run_state(lens, causal=causal)
+    t, lmax = sum(lens), max(lens)
+    want = {"loop": sum(n * n for n in lens), "masked": t * t, "padded": len(lens) * lmax * lmax,
+            "varlen": sum(n * n for n in lens)}
+    assert {n: r["cells"] for n, r in s["rows"].items()} == want
+    assert {n: r["predicted"] for n, r in s["rows"].items()} == want
+    assert s["rows"]["loop"]["scores"] == len(lens)
+    assert s["useful"] == sum(n * (n + 1) // 2 if causal else n * n for n in lens)
+    assert all(r["error"] <= s["bound"] for r in s["rows"].values())
 
 
-def test_explorer_seq_lens_long_tail_is_deterministic_positive_and_centred():
-    a = L.explorer_seq_lens(15, 40, "long-tail")
-    assert a == L.explorer_seq_lens(15, 40, "long-tail") and len(a) == 15 and min(a) >= 1
-    assert 30 <= statistics.median(a) <= 50 and max(a) > 3 * 40
-    assert L.explorer_seq_lens(1, 12, "long-tail") == [12]
+def test_attention_run_state_numbers_equal_a_direct_recorder_call():
+    s = L.attention_run_state("7, 1, 12", causal=False)
+    q, k, v, cu = random_qkv([7, 1, 12], L.RUN_HEADS, L.RUN_D_HEAD, seed=0)
+    with OpRecorder() as rec:
+        varlen_attention(q, k, v, cu, causal=False, backend="masked")
+    assert s["rows"]["masked"]["cells"] == rec.cells // L.RUN_HEADS == 20 * 20
 
 
-@pytest.mark.parametrize("args, match", [((0, 10, "ramp"), "num_requests"), ((2, 0, "ramp"), "length"),
-                                         ((2, 10, "zipf"), "pattern"), ((2.0, 10, "ramp"), "num_requests")])
-def test_explorer_seq_lens_rejects_bad_input(args, match):
+@pytest.mark.parametrize("text, match", [("10, 0", "1..512"), ("", "empty"), ("10, x", "not a whole number"),
+                                         ("600", "1..512"), (", ".join(["5"] * 17), "at most 16"),
+                                         ("500, 500, 100", "at most 1024 tokens"), ([3, 0], "must be >= 1, got 0"),
+                                         ([], "empty")])
+def test_attention_run_state_rejects_bad_lengths(text, match):
     with pytest.raises(ValueError, match=match):
-        L.explorer_seq_lens(*args)
+        L.attention_run_state(text)
 
 
-@pytest.mark.parametrize("r, n, pattern", [(2, 10, "ramp"), (7, 13, "long-tail"), (16, 64, "equal")])
-def test_c8_diagonal_block_state_counts_are_attention_cells(r, n, pattern):
-    state = L.diagonal_block_state(r, n, pattern)
-    assert state["seq_lens"] == L.explorer_seq_lens(r, n, pattern)
-    for method in ("padded", "masked", "varlen"):
-        assert state["counts"][method] == attention_cells(state["seq_lens"], method)
-        assert state["causal"][method] == attention_cells(state["seq_lens"], method, causal=True)
+def test_attention_run_html_lines_and_predicted_block():
+    s = L.attention_run_state("10, 30", causal=True)
+    rows = ROW.findall(L.attention_run_html(s))
+    assert [r[0] for r in rows] == ["loop (one call per request)", "masked", "padded", "varlen (sdpa)"]
+    assert [int(r[1]) for r in rows] == [1000, 1600, 1800, 1000]
+    pred = LINE.findall(L.attention_run_predicted_html(s))
+    assert pred == [("padded", "1800", "520", "1280"), ("masked", "1600", "520", "1080"), ("varlen", "520", "520", "0")]
+    summary = L.attention_run_summary_html(s)
+    assert "the causal mask keeps: 520" in summary and "32768 cells executed" in summary
 
 
-def test_c8_diagonal_block_explorer_contract_and_callbacks():
+def test_attention_run_explorer_contract_and_callbacks():
     import ipywidgets as w
-    box = L.diagonal_block_explorer()
-    assert isinstance(box, w.VBox) and "dbx" in box._dom_classes
+    box = L.attention_run_explorer()
+    assert isinstance(box, w.VBox) and "arx" in box._dom_classes
     k = by_class(box)
-    reqs, base, pat, counts, out = k["dbx-num-requests"], k["dbx-length"], k["dbx-pattern"], k["dbx-counts"], k["dbx-figure"]
-    assert isinstance(reqs, w.IntSlider) and (reqs.min, reqs.max, reqs.value) == (1, 16, 2)
-    assert isinstance(base, w.IntSlider) and (base.min, base.max, base.value) == (1, 64, 10)
-    assert isinstance(pat, w.Dropdown) and list(pat.options) == ["ramp", "equal", "long-tail"]
-    assert isinstance(counts, w.HTML) and isinstance(out, w.Output)
-    assert LINE.findall(counts.value) == [("padded", "1800", "1000", "800"), ("masked", "1600", "1000", "600"),
-                                          ("varlen", "1000", "1000", "0")]
-    assert counts.value.count("<div>") == 3  # the browser test reads exactly three lines
-    assert "520 of the 1000" in k["dbx-causal"].value and "mask 480" in k["dbx-causal"].value
+    text, causal, rows, out = k["arx-lengths"], k["arx-causal"], k["arx-rows"], k["arx-figure"]
+    assert isinstance(text, w.Text) and text.value == "10, 30" and isinstance(causal, w.Checkbox) and causal.value
+    assert "dbx-counts" in k["arx-predicted"]._dom_classes  # the site test reads the predicted block by this name
+    assert [int(r[1]) for r in ROW.findall(rows.value)] == [1000, 1600, 1800, 1000]
     first = png_of(out)
-    for r, n, p in [(5, 20, "ramp"), (9, 33, "long-tail"), (16, 64, "equal"), (1, 1, "ramp")]:
-        reqs.value, base.value, pat.value = r, n, p
-        state = L.diagonal_block_state(r, n, p)
-        assert [(m, int(c), int(u), int(wa)) for m, c, u, wa in LINE.findall(counts.value)] == \
-            [(m, x.computed, x.useful, x.wasted) for m, x in state["counts"].items()]
-        assert png_of(out) != first
-    assert "T = 1 " in k["dbx-lengths"].value
+    text.value = "10, 30, 5"
+    assert [int(r[1]) for r in ROW.findall(rows.value)] == [1025, 45 ** 2, 3 * 900, 1025]
+    assert png_of(out) != first
+    causal.value = False
+    assert "useful (whole blocks): 1025" in k["arx-summary"].value
+    before = rows.value
+    text.value = "10, 0"
+    assert "1..512" in k["arx-status"].value and rows.value == before
+
+
+def test_attention_run_figure_text_inside_and_ink_guides():
+    from lessons_lib.style import OTHER
+    fig = L.attention_run_figure(L.attention_run_state("10, 30", causal=True))
+    ax = fig.axes[0]
+    assert all(line.get_color() != OTHER for line in ax.get_lines())
+    assert [t.get_text().strip() for t in ax.texts] == ["1000", "1600", "1800", "1000"]
 
 
 # --- exercises -------------------------------------------------------------------------------------------
@@ -339,3 +368,11 @@ def test_document_mask_checker():
     assert "cells differ, e.g. query row 1, key row 0: got False, expected True" in odd
     # a one-request batch hides the missing document test: partial marks
     assert 0 < score(L.check_document_mask, lambda cu: (lambda qi, ki: ki <= qi), points=2) < 2
+
+
+def test_the_lesson_s_tile_numbers_are_what_predict_work_counts():
+    from lessons_lib.ops.tiling import predict_work
+    ab = predict_work([10, 30], n_heads=1, block_m=128, block_n=128, causal=True)
+    assert (ab.tiles, ab.executed_cells, ab.cells) == (2, 32_768, 1000)         # cells 11, 29 and the summary
+    long = predict_work([1000], n_heads=1, block_m=128, block_n=128, causal=True)
+    assert (long.tiles_skipped, long.tiles + long.tiles_skipped) == (28, 64)   # "28 of the 64 tiles"

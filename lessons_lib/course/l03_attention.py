@@ -4,8 +4,8 @@
   one colour per cell category (useful, computed and thrown away, never computed) (C2, C8, C10);
 - ``masked_growth``, ``sweep_attention`` and ``measured_sweep``: cells, measured time and memory
   as R grows (C9);
-- ``launch_grid``: how ``max_seqlen`` sizes a varlen kernel's launch grid;
-- the diagonal-block explorer (``diagonal_block_state`` + ``diagonal_block_explorer``);
+- the attention-run explorer (``attention_run_state`` + ``attention_run_explorer``): the engine's loop,
+  masked, padded and varlen backends run on the learner's lengths under ``OpRecorder``;
 - the checkers of exercises 03.1-03.3.
 
 Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
@@ -16,7 +16,6 @@ import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from statistics import NormalDist
 
 import numpy as np
 import torch
@@ -26,19 +25,19 @@ from matplotlib.patches import Patch, Rectangle
 from ..core.attention import attention_ref, block_diag_mask, plain_attention, varlen_attention
 from ..core.batch import cumulative, pack, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
-from ..core.kernels import synchronize
+from ..core.kernels import resolve_backend, synchronize
 from ..core.model import Transformer, init_weights
 from ..measure.flops import METHODS, attention_cells
-from ..measure.profile import peak_bytes, random_qkv
-from ..measure.recorder import OpRecorder
+from ..measure.profile import peak_bytes, random_qkv, time_call
+from ..measure.recorder import SOFTMAX_OPS, OpRecorder
 from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
+from ..ops.tiling import predict_work
 from ..style import (
     ATTENTION,
     CELL_CMAP,
     CELL_COLORS,
     CELL_LABELS,
     MIN_FONT,
-    OTHER,
     SKIPPED,
     TEXT,
     USEFUL,
@@ -47,7 +46,7 @@ from ..style import (
     short_lens,
 )
 from ..validate import check_int, check_lengths
-from .explore import explorer, ipywidgets_module, show_figure, tagged
+from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import Tensor, grade, matches, tensor_problem
 from .probe import row_dependency
@@ -109,7 +108,7 @@ def _sample(n: int, max_pixels: int | None) -> np.ndarray:
 PANEL_TITLES = {("padded", False): "padded", ("masked", False): "masked", ("varlen", False): "varlen"}
 CAUSAL_TITLES = {("padded", False): "padded", ("masked", False): "masked",
                  ("varlen", True): "varlen: our loop, sdpa\n(whole blocks, upper half masked)",
-                 ("varlen", False): "varlen: causal kernel\n(skips the upper half)"}
+                 ("varlen", False): "varlen: ideal causal kernel\n(no masked cell computed)"}
 
 
 def panel_cells(seq_lens: Sequence[int], method: str, causal: bool = False, whole_blocks: bool = False):
@@ -142,8 +141,8 @@ def _draw_attention(ax, lens: list[int], method: str, causal: bool, max_pixels: 
         edges = cumulative(lens)
         if len(edges) <= 65:
             for e in edges[1:-1]:
-                ax.axhline(e, color=OTHER, linewidth=0.6)
-                ax.axvline(e, color=OTHER, linewidth=0.6)
+                ax.axhline(e, color=TEXT, linewidth=0.6, linestyle=":")
+                ax.axvline(e, color=TEXT, linewidth=0.6, linestyle=":")
         ticks = edges if len(edges) <= 6 else []
         ax.set_xticks(ticks)
         ax.set_yticks(ticks)
@@ -172,7 +171,7 @@ def attention_patterns(seq_lens: Sequence[int], methods: Sequence[str] = METHODS
     for ax, (method, whole) in zip(axes, panels):
         _draw_attention(ax, lens, method, causal, max_pixels, whole, titles.get((method, whole), method))
     axes[0].set_ylabel("query row", fontsize=MIN_FONT)
-    fig.legend(handles=[Patch(facecolor=CELL_COLORS[k], edgecolor=OTHER, label=CELL_LABELS[k])
+    fig.legend(handles=[Patch(facecolor=CELL_COLORS[k], edgecolor=TEXT, label=CELL_LABELS[k])
                         for k in (USEFUL, WASTED, SKIPPED)], loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
     kind = ("causal: only each block's lower triangle is useful" if causal
             else "whole blocks, no causal mask (the article's pictures)")
@@ -298,86 +297,185 @@ def cross_request_pairs(dep: Tensor, seq_lens: Sequence[int]) -> int:
     return int((dep & (owner[:, None] != owner[None, :])).sum())
 
 
-def launch_grid(seq_lens: Sequence[int], n_heads: int, tile: int = 128) -> tuple[int, int, int]:
-    """``(R, ⌈max_seqlen / tile⌉, H)``: the thread blocks a FlashAttention-style varlen kernel
-    launches (one per request, query tile and head). ``max_seqlen`` sizes the GRID; a block whose
-    query tile starts past its own request's end returns at once. Tiles stay ``tile`` rows."""
-    lens = check_lengths(seq_lens, minimum=0)
-    check_int("n_heads", n_heads, 1)
-    check_int("tile", tile, 1)
-    return len(lens), -(-max(lens) // tile), n_heads
+# ---- the attention-run explorer: the engine's backends on the learner's lengths ------------------------
+
+RUN_BACKENDS = ("loop", "masked", "padded", "varlen")
+RUN_MAX_REQUESTS, RUN_MAX_LENGTH, RUN_MAX_TOKENS = 16, 512, 1024
+RUN_HEADS, RUN_D_HEAD, RUN_TILE = 8, 64, 128
+RUN_DEFAULT = "10, 30"
 
 
-# ---- the diagonal-block explorer ----------------------------------------------------------------------
+def run_lengths(lengths) -> list[int]:
+    """The explorer's lengths: a string ``"10, 30, 5"`` or a list of ints; at most ``RUN_MAX_REQUESTS``
+    requests of 1..``RUN_MAX_LENGTH`` tokens and ``RUN_MAX_TOKENS`` in all (masked attention stores a
+    ``T x T`` score matrix per head: past 1024 rows one call takes seconds on a small CPU)."""
+    if isinstance(lengths, str):
+        lens = parse_lengths(lengths, max_requests=RUN_MAX_REQUESTS, max_length=RUN_MAX_LENGTH)
+    else:
+        lens = check_lengths(lengths)
+        if not lens:
+            raise ValueError("lengths is empty: give at least one request length")
+        if len(lens) > RUN_MAX_REQUESTS or max(lens) > RUN_MAX_LENGTH:
+            raise ValueError(f"lengths: at most {RUN_MAX_REQUESTS} requests of 1..{RUN_MAX_LENGTH} tokens, got {lens}")
+    if sum(lens) > RUN_MAX_TOKENS:
+        raise ValueError(f"lengths: at most {RUN_MAX_TOKENS} tokens in all (the masked backend stores T x T scores "
+                         f"per head), got T = {sum(lens)}; use shorter or fewer requests")
+    return lens
 
-PATTERNS = ("ramp", "equal", "long-tail")
-_LONG_TAIL_SIGMA = 1.0
-_LONG_TAIL_SEED = 0
+
+def backend_of(name: str) -> str:
+    """The engine backend behind an explorer row: ``varlen`` is what ``backend="auto"`` picks on the CPU."""
+    if name not in RUN_BACKENDS:
+        raise ValueError(f"unknown explorer backend {name!r}; choose one of {RUN_BACKENDS}")
+    return resolve_backend("auto", "cpu", torch.float32, RUN_D_HEAD) if name == "varlen" else name
 
 
-def explorer_seq_lens(num_requests: int, length: int, pattern: str) -> list[int]:
-    """Request lengths for ``num_requests`` requests around a base ``length``.
+def predicted_cells(seq_lens: Sequence[int], name: str, causal: bool) -> int:
+    """Score cells per head the backend ``name`` computes, from ``flops.attention_cells``: masked and
+    padded compute their whole matrices; the loop and sdpa compute each request's whole block and
+    mask its upper triangle inside it, so causal or not they compute the non-causal varlen count."""
+    method = "varlen" if name in ("loop", "varlen") else backend_of(name)
+    return attention_cells(seq_lens, method, causal=causal and method != "varlen").computed
 
-    "ramp": R=1 → [L]; otherwise request i gets ``round(L·(1 + 2i/(R-1)))`` (L to 3L; R=2, L=10 →
-    [10, 30], the article's A and B). "equal": [L]·R. "long-tail": lognormal quantiles with
-    median L (σ=1), shuffled with a fixed seed: deterministic, each >= 1.
+
+def _largest_score_bytes(rec: OpRecorder, itemsize: int) -> int | None:
+    """Bytes of the largest score tensor a softmax was handed (None: a fused kernel, no tensor stored)."""
+    shapes = [op.args[0].shape for op in rec.named(*SOFTMAX_OPS)]
+    return max(math.prod(s) for s in shapes) * itemsize if shapes else None
+
+
+def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0, repeats: int = 3) -> dict:
+    """Run each of ``RUN_BACKENDS`` once under ``OpRecorder`` on random q, k, v (``random_qkv``, 8 heads
+    of 64, float32, CPU) for the given lengths and return
+    ``{"seq_lens", "causal", "useful", "bound", "tiled", "rows": {name: row}}``, each row
+    ``{"backend", "cells", "predicted", "scores", "largest_bytes", "error", "ms"}``:
+
+    - ``cells``: score cells per head the recorder saw (``rec.cells // H``); ``scores``: how many score
+      matrices (one per request for the loop, one per length group for sdpa);
+    - ``predicted``: ``predicted_cells`` (``flops.attention_cells``); ``useful``: what the mask keeps;
+    - ``largest_bytes``: the largest score tensor handed to a softmax (from the recorder's shapes; None
+      for a fused kernel, which never stores one);
+    - ``error``: max |out - fp64 reference|, against ``bound`` (``tolerance``); ``ms``: fastest of
+      ``repeats`` calls on this CPU (noisy, shown, never asserted);
+    - ``tiled``: ``tiling.predict_work`` for a FlashAttention-style kernel with 128 x 128 tiles, one head
+      (not run here: its tiles, the cells they execute and the cells inside the requests).
     """
-    r = check_int("num_requests", num_requests, 1, 1 << 20)
-    n = check_int("length", length, 1, 1 << 30)
-    if pattern not in PATTERNS:
-        raise ValueError(f"unknown pattern {pattern!r}; choose one of {PATTERNS}")
-    if pattern == "equal":
-        return [n] * r
-    if pattern == "ramp":
-        return [n] if r == 1 else [round(n * (1 + 2 * i / (r - 1))) for i in range(r)]
-    z = [NormalDist().inv_cdf((i + 0.5) / r) for i in range(r)]
-    lens = [max(1, round(n * float(np.exp(_LONG_TAIL_SIGMA * zi)))) for zi in z]
-    order = np.random.default_rng(_LONG_TAIL_SEED).permutation(r)
-    return [lens[int(i)] for i in order]
+    lens = run_lengths(lengths)
+    check_int("repeats", repeats, 1, 100)
+    q, k, v, cu = random_qkv(lens, RUN_HEADS, RUN_D_HEAD, seed=seed)
+    ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
+    rows = {}
+    for name in RUN_BACKENDS:
+        backend = backend_of(name)
+        call = functools.partial(varlen_attention, q, k, v, cu, causal=causal, backend=backend)
+        with OpRecorder() as rec:
+            out = call()
+        rows[name] = {"backend": backend, "cells": rec.cells // RUN_HEADS, "predicted": predicted_cells(lens, name, causal),
+                      "scores": len(rec.scores), "largest_bytes": _largest_score_bytes(rec, q.element_size()),
+                      "error": max_abs_diff(out, ref64), "ms": time_call(call, repeats=repeats, warmup=0) * 1e3}
+    return {"seq_lens": lens, "causal": bool(causal), "useful": attention_cells(lens, "varlen", causal).useful,
+            "bound": tolerance(ref, ref64), "rows": rows,
+            "tiled": predict_work(lens, n_heads=1, block_m=RUN_TILE, block_n=RUN_TILE, causal=causal)}
 
 
-def diagonal_block_state(num_requests: int, length: int, pattern: str) -> dict:
-    """``{"seq_lens": [...], "counts": {method: AttentionCells}, "causal": {method: AttentionCells}}``
-    per head per layer: ``counts`` whole blocks (the article's convention), ``causal`` lower triangles."""
-    lens = explorer_seq_lens(num_requests, length, pattern)
-    return {"seq_lens": lens, "counts": {m: attention_cells(lens, m) for m in METHODS},
-            "causal": {m: attention_cells(lens, m, causal=True) for m in METHODS}}
+def _kib(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "none stored (fused kernel)"
+    return f"{nbytes} B" if nbytes < 1024 else f"{nbytes / 1024:.1f} KiB"
 
 
-def diagonal_block_html(state: dict) -> str:
-    """One ``<div>`` per method: ``padded: computed 1800 | useful 1000 | wasted 800`` (whole blocks)."""
-    return "".join(f"<div>{m}: computed {c.computed} | useful {c.useful} | wasted {c.wasted}</div>"
-                   for m, c in state["counts"].items())
+def run_label(state: dict, name: str) -> str:
+    backend = state["rows"][name]["backend"]
+    return {"loop": "loop (one call per request)", "varlen": f"varlen ({backend})"}.get(name, name)
 
 
-def diagonal_block_causal_html(state: dict) -> str:
-    """The causal view in one line: how many of the whole-block cells a causal mask keeps."""
-    whole, causal = state["counts"]["varlen"].useful, state["causal"]["varlen"].useful
-    return (f"<div>with the model's causal mask: {causal} of the {whole} whole-block cells are useful "
-            f"({causal / whole:.0%}); our loop and sdpa compute the {whole} and mask {whole - causal}, a causal "
-            f"kernel computes about {causal}; masked still computes {state['causal']['masked'].computed}</div>")
+def attention_run_html(state: dict) -> str:
+    """One ``<div>`` per backend: ``loop (one call per request): cells measured 1000 | predicted 1000 |
+    score matrices 2, largest 28.1 KiB | max err 2.38e-07 | 0.12 ms``."""
+    rows = []
+    for name, r in state["rows"].items():
+        rows.append(f"<div>{run_label(state, name)}: cells measured {r['cells']} | predicted {r['predicted']} | "
+                    f"score matrices {r['scores']}, largest {_kib(r['largest_bytes'])} | max err {r['error']:.2e} | "
+                    f"{r['ms']:.2f} ms</div>")
+    return "".join(rows)
 
 
-def diagonal_block_explorer(num_requests: int = 2, length: int = 10, pattern: str = "ramp"):
-    """VBox class ``dbx``: sliders ``dbx-num-requests`` (1..16), ``dbx-length`` (1..64), Dropdown
-    ``dbx-pattern``, HTML ``dbx-counts`` (one line per method, whole blocks), HTML ``dbx-causal``
-    (the causal count), HTML ``dbx-lengths``, Output ``dbx-figure`` (redrawn on every change)."""
+def attention_run_summary_html(state: dict) -> str:
+    """What every row is measured against: the useful cells, the error bound, the tiled kernel's prediction."""
+    lens, t = state["seq_lens"], state["tiled"]
+    mask = "the causal mask keeps" if state["causal"] else "useful (whole blocks)"
+    return (f"<div>lengths {lens} | T = {sum(lens)} rows | {RUN_HEADS} heads of {RUN_D_HEAD}, float32 | cells per head | "
+            f"{mask}: {state['useful']} | error bound {state['bound']:.2e} | time: this CPU, fastest of a few calls, "
+            f"noisy</div><div>a tiled kernel (128 x 128 tiles, predicted by tiling.predict_work, not run here): "
+            f"{t.tiles} tiles, {t.executed_cells} cells executed, {t.cells} of them inside the requests</div>")
+
+
+def attention_run_predicted_html(state: dict) -> str:
+    """``flops.attention_cells`` for the three ways, one ``<div>`` each (``padded: computed 1800 | useful 520 |
+    wasted 1280``); with the causal mask the varlen line is an ideal kernel that computes no masked cell."""
+    lens, causal = state["seq_lens"], state["causal"]
+    rows = []
+    for m in METHODS:
+        c = attention_cells(lens, m, causal)
+        note = " (an ideal causal kernel: no backend here computes this little)" if causal and m == "varlen" else ""
+        rows.append(f"<div>{m}: computed {c.computed} | useful {c.useful} | wasted {c.wasted}{note}</div>")
+    return "".join(rows)
+
+
+def attention_run_figure(state: dict) -> Figure:
+    """Measured score cells per head of each backend (bars, log scale) against the useful cells (line)."""
+    names = list(state["rows"])
+    cells = [state["rows"][n]["cells"] for n in names]
+    fig = Figure(figsize=(7.6, 3.2))
+    ax = fig.add_subplot()
+    colors = [WASTE if c > state["useful"] else ATTENTION for c in cells]
+    ax.barh(range(len(names)), cells, color=colors)
+    ax.axvline(state["useful"], color=TEXT, linestyle="--", linewidth=1.2, label=f"useful: {state['useful']}")
+    ax.axvline(state["tiled"].executed_cells, color=TEXT, linestyle=":", linewidth=1.2,
+               label=f"tiled kernel executes: {state['tiled'].executed_cells}")
+    for i, c in enumerate(cells):
+        ax.text(c, i, f" {c}", va="center", fontsize=MIN_FONT)
+    ax.set_xscale("log")
+    hi = max(cells + [state["tiled"].executed_cells])
+    ax.set_xlim(max(1, min(cells + [state["useful"]]) / 2), hi * 8)
+    ax.set_yticks(range(len(names)), [run_label(state, n) for n in names], fontsize=MIN_FONT)
+    ax.invert_yaxis()
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.set_xlabel("score cells per head, measured by OpRecorder (log scale)", fontsize=MIN_FONT)
+    ax.legend(fontsize=MIN_FONT, frameon=False, loc="lower right")
+    kind = "causal" if state["causal"] else "no causal mask"
+    ax.set_title(f"score cells each backend computed, lengths {short_lens(state['seq_lens'])} ({kind})",
+                 fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.3, right=0.97, bottom=0.17, top=0.88)
+    return fig
+
+
+def attention_run_explorer(lengths: str = RUN_DEFAULT, causal: bool = True):
+    """VBox class ``arx``: Text ``arx-lengths`` (Enter to run), Checkbox ``arx-causal``; HTML ``arx-status``
+    (running / the error for bad input), HTML ``arx-summary`` (lengths, useful cells, bound, tiled kernel),
+    HTML ``arx-rows`` (one line per backend), HTML ``arx-predicted`` (``flops.attention_cells`` of the three ways;
+    also class ``dbx-counts``, the name the site test reads), Output ``arx-figure`` (measured cells per backend)."""
     w = ipywidgets_module()
-    reqs = tagged(w.IntSlider(value=num_requests, min=1, max=16, description="requests R"), "dbx-num-requests")
-    base = tagged(w.IntSlider(value=length, min=1, max=64, description="base length L"), "dbx-length")
-    pat = tagged(w.Dropdown(options=list(PATTERNS), value=pattern, description="pattern"), "dbx-pattern")
-    counts, causal, lengths = tagged(w.HTML(), "dbx-counts"), tagged(w.HTML(), "dbx-causal"), tagged(w.HTML(), "dbx-lengths")
-    out = tagged(w.Output(), "dbx-figure")
+    text = tagged(w.Text(value=lengths, description="lengths", continuous_update=False), "arx-lengths")
+    causal_box = tagged(w.Checkbox(value=causal, description="causal"), "arx-causal")
+    status, summary, rows = tagged(w.HTML(), "arx-status"), tagged(w.HTML(), "arx-summary"), tagged(w.HTML(), "arx-rows")
+    predicted = tagged(tagged(w.HTML(), "arx-predicted"), "dbx-counts")
+    out = tagged(w.Output(), "arx-figure")
 
     def update(change=None):
-        state = diagonal_block_state(reqs.value, base.value, pat.value)
-        counts.value = diagonal_block_html(state)
-        causal.value = diagonal_block_causal_html(state)
-        lens = state["seq_lens"]
-        lengths.value = f"<div>lengths {lens if len(lens) <= 16 else '...'} | T = {sum(lens)} flat rows</div>"
-        show_figure(out, attention_patterns(lens, figsize=(7.5, 3.9), max_pixels=240))
+        status.value = "<div>running the four backends ...</div>"
+        try:
+            state = attention_run_state(text.value, causal_box.value)
+        except ValueError as exc:
+            status.value = f"<div>{exc}</div>"
+            return
+        summary.value = attention_run_summary_html(state)
+        rows.value = attention_run_html(state)
+        predicted.value = attention_run_predicted_html(state)
+        show_figure(out, attention_run_figure(state))
+        status.value = f"<div>ran on lengths {state['seq_lens']}, causal {state['causal']}</div>"
 
-    return explorer("dbx", [reqs, base, pat], [counts, causal, lengths, out], update)
+    return explorer("arx", [text, causal_box], [status, summary, rows, predicted, out], update)
 
 
 # ---- exercises -------------------------------------------------------------------------------------------
@@ -555,7 +653,8 @@ def _attention_patterns() -> Figure:
 
 @register("03_causal_patterns", lesson="03",
           caption="the same with the model's causal mask: 520 of the 1000 whole-block cells are useful; the engine's "
-                  "loop computes the 1000 and masks 480, a causal kernel computes about 520 (C8, C10)")
+                  "loop computes the 1000 and masks 480; an ideal cell-by-cell causal kernel would compute the 520 "
+                  "(a tiled kernel computes whole 128 x 128 tiles: lesson 07) (C8, C10)")
 def _causal_patterns() -> Figure:
     return attention_patterns(ARTICLE_LENS, causal=True)
 
