@@ -2,7 +2,6 @@
 measures, and the two exercise checkers (your attention inside Engine, a length-sorting scheduler)."""
 from __future__ import annotations
 
-import math
 import re
 
 import pytest
@@ -13,7 +12,7 @@ from lessons_lib import ModelConfig
 from lessons_lib.course import l06_engine as L
 from lessons_lib.course.grading import score
 from lessons_lib.serve.engine import batch_stats
-from lessons_lib.serve.scheduler import plan_batches
+from lessons_lib.serve.scheduler import Request, Scheduler, plan_batches
 from lessons_lib.serve.workloads import workload_lengths
 from lessons_lib.style import MIN_FONT
 
@@ -222,156 +221,153 @@ def test_schedule_measures_count_pad_rows_masked_cells_and_fairness():
     assert table[2].split()[:3] == ["yours", "3", "280"]
 
 
-# ---- exercise 06.1: your attention inside the engine ------------------------------------------------
+# ---- what the engine executed -------------------------------------------------------------------
 
-def loop(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, causal=True, softmax_scale=None, *, scale=None,
-         whole=False, place="own", layout="THD"):
-    out, cu = torch.zeros_like(q), cu_seqlens.tolist()
-    assert cu == cu_seqlens_k.tolist() and max_seqlen == max_seqlen_k  # self-attention: every key is a query's row
-    cu = [0, cu[-1]] if whole else cu
-    scale = (1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale) if scale is None else scale(q)
-    for s, e in zip(cu[:-1], cu[1:]):
-        qi, ki, vi = (x[s:e].transpose(0, 1) for x in (q, k, v))
-        sc = qi @ ki.transpose(1, 2) * scale
-        if causal:
-            sc = sc.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
-        o = (sc.softmax(-1) @ vi).transpose(0, 1)
-        if place == "own":
-            out[s:e] = o
-        else:
-            out[:e - s] = o  # every request written at the top
-    return out.transpose(0, 1) if layout == "HTD" else out
+def test_c2_c8_c10_run_recorded_reads_rows_and_cells_off_the_executed_ops():
+    """A and B (10 and 30 tokens) as one forward per method, counted by hand: padded 2 x 30 rows and
+    2 x 30^2 cells, masked 40 rows and 40^2 cells, varlen 40 rows and 10^2 + 30^2 cells."""
+    reqs = [Request(0, list(range(10))), Request(1, list(range(30)))]
+    got = {}
+    for method in ("padded", "masked", "varlen"):
+        outs, (rec,) = L.run_recorded(L.TINY, L._tiny_weights(), method, [reqs], 64)
+        assert sorted(o.request_id for o in outs) == [0, 1] and rec.request_ids == (0, 1)
+        assert len(rec.linear_rows) == 4 * L.TINY.n_layers  # qkv, out proj, fc1, fc2 per block
+        got[method] = (rec.rows, rec.cells)
+    assert got == {"padded": (60, 1800), "masked": (40, 1600), "varlen": (40, 1000)}
+    assert L.recorded_totals([rec, rec]) == {"rows": 80, "cells": 2000}
 
 
-def test_attention_checker_passes_the_loop_and_waits_for_a_stub(capsys):
-    assert L.check_attention_backend(loop)
-    out = capsys.readouterr().out
-    assert "your attention served lesson 06's stream" in out and re.search(r"^total: yours [\d.]+ s", out, re.M)
-    assert len(re.findall(r"^\s+\d+\s+\d+\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+$", out, re.M)) == 5  # one row per batch
-    assert L.check_attention_backend(stub) is False
-    assert "not attempted yet" in capsys.readouterr().out
+def test_run_recorded_refuses_a_batch_that_is_not_one_forward_and_rows_that_disagree():
+    reqs = [Request(0, list(range(40))), Request(1, list(range(40)))]
+    with pytest.raises(ValueError, match="not one"):
+        L.run_recorded(L.TINY, L._tiny_weights(), "varlen", [reqs], 64)
+    odd = L.BatchRecord("varlen", (0,), (40, 41), 0, ())
+    with pytest.raises(ValueError, match="different row counts"):
+        _ = odd.rows
 
 
-def test_keep_engine_run_takes_the_lesson_s_own_run_and_refuses_anything_else():
-    from lessons_lib.serve.engine import Engine
-    ref, stats = L._engine_run(torch.float32)
-    saved = dict(L._ENGINE_RUNS)
-    try:
-        outputs = [type("Out", (), {"request_id": i, "hidden": h})() for i, h in ref.items()]
-        assert L.keep_engine_run(outputs, stats) == 23 and L.stream_reference(torch.float32) == ref
-        with pytest.raises(ValueError, match="23 requests"):
-            L.keep_engine_run(outputs[:-1], stats)
-        with pytest.raises(ValueError, match="float32"):
-            L.keep_engine_run([type("Out", (), {"request_id": o.request_id, "hidden": o.hidden.double()})()
-                               for o in outputs], stats)
-    finally:
-        L._ENGINE_RUNS.clear()
-        L._ENGINE_RUNS.update(saved)
-    assert Engine  # the run the lesson keeps is an Engine's
+def test_c2_recorded_rows_catch_a_padded_forward_that_skips_its_pad_rows(monkeypatch):
+    from lessons_lib.core import model
+    from lessons_lib.core.batch import pack
 
-
-def test_stream_table_lines_up_the_two_runs():
-    cfg = ModelConfig()
-    mine = [batch_stats(cfg, b, "varlen", i, wall_s=0.5, request_ids=[i]) for i, b in enumerate([[10, 30], [5]])]
-    theirs = [batch_stats(cfg, b, "varlen", i, wall_s=0.25, request_ids=[i]) for i, b in enumerate([[10, 30], [5]])]
-    text = L.stream_table(mine, theirs)
-    assert "total: yours 1.00 s, the engine's own backend 0.50 s (2.00x)" in text
-    assert text.splitlines()[2].split() == ["0", "2", "40", "30", "500.0", "250.0"]
-    with pytest.raises(ValueError, match="same batches"):
-        L.stream_table(mine, theirs[:1])
-
-
-@pytest.mark.parametrize("mistake, hint", [
-    (dict(causal=False), "not causal"),
-    (dict(whole=True), "cu_seqlens ignored"),
-    (dict(scale=lambda q: 1.0), "not scaled"),
-    (dict(scale=lambda q: 1 / q.shape[-1]), "not 1/d_head"),
-    (dict(scale=lambda q: 1 / math.sqrt(q.shape[1] * q.shape[2])), "one head's width"),
-    (dict(place="top"), "not at its own rows"),
-    (dict(layout="HTD"), "transpose your [H, T, D] back"),
-])
-def test_attention_checker_explains_typical_mistakes(mistake, hint):
-    assert hint in attempt(L.check_attention_backend, lambda *a, **kw: loop(*a, **(kw | mistake)))
-
-
-def test_attention_checker_recognises_swapped_rows_nan_rows_and_wrong_dtype():
-    def swapped(*a, **kw):
-        out, cu = loop(*a, **kw), a[3]
-        if len(cu) == 6:  # requests 0 and 3 both have 7 tokens: their outputs swapped
-            out[[*range(0, 7), *range(20, 27)]] = out[[*range(20, 27), *range(0, 7)]].clone()
+    def skipping(self, input_ids, attention_mask):
+        mask = attention_mask.bool()
+        flat = self.forward(pack([r[m] for r, m in zip(input_ids, mask)]))
+        out = flat.new_zeros(*input_ids.shape, flat.shape[-1])
+        out[mask] = flat
         return out
-
-    def nan_rows(*a, **kw):
-        out = loop(*a, **kw)
-        out[-1] = float("nan")
-        return out
-    assert "hold request 3's output" in attempt(L.check_attention_backend, swapped)
-    assert "NaN" in attempt(L.check_attention_backend, nan_rows)
-    assert "dtype" in attempt(L.check_attention_backend, lambda *a, **kw: loop(*a, **kw).double())
-    assert "expected a tensor" in attempt(L.check_attention_backend, lambda *a, **kw: loop(*a, **kw).tolist())
+    monkeypatch.setattr(model.Transformer, "forward_padded", torch.no_grad()(skipping))
+    reqs = [Request(0, list(range(10))), Request(1, list(range(30)))]
+    _, (rec,) = L.run_recorded(L.TINY, L._tiny_weights(), "padded", [reqs], 64)
+    assert rec.rows == 40 != batch_stats(L.TINY, [10, 30], "padded").executed_rows
 
 
-def test_attention_checker_gives_partial_marks(capsys):
-    # ignoring cu_seqlens is right for one request and wrong for several: 1 case of 4
-    assert score(L.check_attention_backend, lambda *a, **kw: loop(*a, **kw, whole=True), 3) == 0.75
-    assert score(L.check_attention_backend, stub, 3) == 0
-    assert "cu_seqlens ignored" in capsys.readouterr().out
+# ---- exercise 06.1: a bucketing scheduler ----------------------------------------------------------
 
+class Bucket(Scheduler):
+    """Shortest first, except that a request passed over ``bound`` times goes first (oldest first)."""
+    bound = L.MAX_PASSED_OVER
 
-def test_attention_checker_fails_a_function_that_is_wrong_only_inside_the_engine():
-    def flaky(*a, **kw):  # right on the small cases, wrong once a batch holds many requests
-        out = loop(*a, **kw)
-        return out * 1.01 if len(a[3]) > 6 else out
-    assert "passes the small cases but not inside the engine" in attempt(L.check_attention_backend, flaky)
-
-
-def test_time_backend_waits_for_a_stub():
-    assert "not attempted yet" in L.time_backend(stub)
-
-
-# ---- exercise 06.2: a length-sorting scheduler ----------------------------------------------------
-
-def window_sorted(lens, budget, max_seqs, window=16, check_seqs=True):
-    batches = []
-    for start in range(0, len(lens), window):
+    def schedule(self):
+        passes = self.__dict__.setdefault("passes", {})
+        queue = list(self.waiting)
+        due = [r for r in queue if passes.get(r.request_id, 0) >= self.bound]
         batch, used = [], 0
-        for i in sorted(range(start, min(start + window, len(lens))), key=lambda i: lens[i]):
-            if batch and (used + lens[i] > budget or (check_seqs and len(batch) == max_seqs)):
-                batches.append(batch)
-                batch, used = [], 0
-            batch.append(i)
-            used += lens[i]
-        batches.append(batch)
-    return batches
+        for r in due + sorted((r for r in queue if r not in due), key=len):
+            if len(batch) == self.max_num_seqs:
+                break
+            if used + len(r) <= self.max_num_batched_tokens:
+                batch.append(r)
+                used += len(r)
+            elif r in due:
+                break
+        newest = max(r.request_id for r in batch)
+        for r in queue:
+            if r not in batch and r.request_id < newest:
+                passes[r.request_id] = passes.get(r.request_id, 0) + 1
+        for r in batch:
+            self.waiting.remove(r)
+        return batch
 
 
-def test_sorted_schedule_checker_passes_sorting_designs_and_prints_the_trade_off(capsys):
-    assert L.check_sorted_schedule(window_sorted)
+class ShortestFirst(Bucket):
+    bound = 10 ** 9  # nobody is ever due: starvation
+
+
+class NoSeqLimit(Bucket):
+    def schedule(self):
+        self.max_num_seqs = 10 ** 9  # forgets the request budget
+        return super().schedule()
+
+
+class Empty(Scheduler):
+    def schedule(self):
+        return []
+
+
+class Stub(Scheduler):
+    def schedule(self):
+        raise NotImplementedError
+
+
+def test_bucket_scheduler_checker_passes_a_bounded_design_and_prints_the_trade_off(capsys):
+    assert L.check_bucket_scheduler(Bucket)
     out = capsys.readouterr().out
-    assert "pad rows" in out and "max delay" in out and re.search(r"^FCFS\s+5\s+2,095", out, re.M)
-    assert L.check_sorted_schedule(lambda lens, b, s: window_sorted(lens, b, s, window=len(lens)))  # a global sort
-    assert L.check_sorted_schedule(stub) is False
+    assert re.search(r"^FCFS\s+5\s+2,095", out, re.M) and "max delay" in out
+    m = re.search(r"padded engine's linear layers: yours ([\d,]+), FCFS ([\d,]+)", out)
+    assert m and int(m[1].replace(",", "")) < int(m[2].replace(",", "")) == 4064  # FCFS: sum of R x Lmax, by hand below
+    kept = [n for n in L.stream_prompts()[0] if n <= 512]
+    assert sum(len(b) * max(kept[i] for i in b) for b in fcfs(kept, 512)) == 4064
+    assert L.check_bucket_scheduler(Stub) is False and "not attempted" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("answer, hint", [
-    (lambda lens, b, s: plan_batches(lens, b, s), "these are FCFS's batches"),
-    (lambda lens, b, s: [[lens[i] for i in bb] for bb in window_sorted(lens, b, s)], "LENGTHS"),
-    (lambda lens, b, s: window_sorted(lens, b, s)[:-1], "exactly once"),
-    (lambda lens, b, s: [sorted(range(len(lens)), key=lambda i: lens[i])[k:k + 4] for k in range(0, len(lens), 4)],
-     "> max_num_batched_tokens"),
-    (lambda lens, b, s: window_sorted(lens, b, s, check_seqs=False), "> max_num_seqs"),
-    (lambda lens, b, s: window_sorted(lens, b, s, window=4), "cannot regroup"),
+    (Scheduler, "these are FCFS's batches"),
+    (ShortestFirst, "passed over"),
+    (NoSeqLimit, "> max_num_seqs"),
+    (Empty, "empty batch"),
 ])
-def test_sorted_schedule_checker_explains_invalid_and_useless_answers(answer, hint):
-    assert hint in attempt(L.check_sorted_schedule, answer)
+def test_bucket_scheduler_checker_explains_wrong_designs(answer, hint):
+    assert hint in attempt(L.check_bucket_scheduler, answer)
 
 
-def test_sorted_schedule_checker_gives_partial_marks(capsys):
-    # a window as wide as one batch of 4 regroups nothing on the last stream only: 4 of 5
-    assert score(L.check_sorted_schedule, lambda lens, b, s: window_sorted(lens, b, s, window=4), 2) == 1.6
-    # ignoring max_num_seqs breaks the two streams that bound it: 3 of 5
-    assert score(L.check_sorted_schedule, lambda lens, b, s: window_sorted(lens, b, s, check_seqs=False), 2) == 1.2
-    assert score(L.check_sorted_schedule, lambda lens, b, s: plan_batches(lens, b, s), 2) == 0
+def test_bucket_scheduler_checker_gives_partial_marks_and_refuses_a_non_scheduler(capsys):
+    assert 0 < score(L.check_bucket_scheduler, ShortestFirst, 3) < 3
+    assert score(L.check_bucket_scheduler, Scheduler, 3) < score(L.check_bucket_scheduler, Bucket, 3) == 3
+    with pytest.raises(AssertionError, match="subclass of Scheduler"):
+        L.check_bucket_scheduler(lambda lens: lens)
+
+
+def test_drive_scheduler_feeds_arrivals_between_steps():
+    # FCFS with 2 requests per batch: step 0 sees [5, 6, 7], step 1 adds [8]
+    assert L.drive_scheduler(lambda b, s: Scheduler(b, s), [[5, 6, 7], [8]], 100, 2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="empty batch"):
+        L.drive_scheduler(lambda b, s: Empty(b, s), [[5]], 100, 2)
+
+
+# ---- exercise 06.2: a counter-example, measured ----------------------------------------------------
+
+def test_sorted_batches_is_shortest_first_within_both_budgets():
+    assert L.sorted_batches([92, 56, 36, 73, 36], 128) == [[2, 4, 1], [3], [0]]
+    assert L.sorted_batches([1, 1, 1], 10, 2) == [[0, 1], [2]]
+    with pytest.raises(ValueError, match="seq_lens"):
+        L.sorted_batches([5, 200], 128)
+
+
+def test_measure_schedule_records_padded_rows_and_masked_cells():
+    m = L.measure_schedule([92, 56, 36, 73, 36], [[0], [1, 2], [3, 4]], 128)
+    assert m == {"padded_rows": 92 + 2 * 56 + 2 * 73, "masked_cells": 92 ** 2 + 92 ** 2 + 109 ** 2}
+
+
+def test_masked_counterexample_checker(capsys):
+    assert L.check_masked_counterexample(lambda: ([92, 56, 36, 73, 36], 128))
+    out = capsys.readouterr().out
+    assert "sorted  [[36, 36, 56], [73], [92]]: padded rows 333, masked cells 30,177" in out
+    assert "not more" in attempt(L.check_masked_counterexample, lambda: ([100, 10, 100, 10], 110))
+    assert "did not pad fewer" in attempt(L.check_masked_counterexample, lambda: ([10, 10, 10], 100))
+    assert "no request over the budget" in attempt(L.check_masked_counterexample, lambda: ([300], 256))
+    assert "expected (seq_lens" in attempt(L.check_masked_counterexample, lambda: [5, 5])
+    assert L.check_masked_counterexample(stub) is False
 
 
 # ---- measured --------------------------------------------------------------------------------------

@@ -1,15 +1,16 @@
 """What lesson 06 (the prefill engine, the capstone) draws, explores and checks.
 
   the stream        ``ENGINE_STREAM``, ``stream_prompts``, ``stream_reference`` (the engine's own
-                    varlen outputs on it, float32 and float64, computed once; ``keep_engine_run``
-                    hands the lesson's own float32 run over instead of serving the stream again)
-  counts            ``method_totals`` / ``totals_text``: rows, cells and FLOPs per method, whole blocks
+                    varlen outputs on it in float64, computed once: the truth of the tolerance rule)
+  executed          ``run_recorded`` / ``BatchRecord`` / ``recorded_totals``: each batch run as one forward
+                    under ``OpRecorder``, the rows its linear layers saw and the score cells it computed
+  counts            ``method_totals`` / ``totals_text``: rows, cells and FLOPs per method, whole blocks (predicted)
   figures           ``fcfs_batches`` (06_fcfs_batches), ``batch_waste`` (06_batch_waste)
   explorer          ``prefill_plan_state`` / ``prefill_plan_html`` / ``prefill_plan_explorer``
   schedules         ``schedule_measures``, ``schedule_table``: pad rows, masked cells, fairness
-  exercises         ``check_attention_backend`` (06.1, your attention inside ``Engine``),
-                    ``check_sorted_schedule`` (06.2, a length-sorting scheduler)
-  measured          ``run_methods``, ``throughput_text``, ``time_backend``
+  exercises         ``check_bucket_scheduler`` (06.1, a bucketing scheduler inside ``Engine``, probed by
+                    ``drive_scheduler``), ``check_masked_counterexample`` (06.2, measured by ``measure_schedule``)
+  measured          ``run_methods``, ``throughput_text``
 
 Taught in notebooks/06_prefill_engine.ipynb.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,22 +27,19 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import EngFormatter
 
-from ..core.attention import varlen_attention
-from ..core.batch import cumulative
 from ..core.config import ModelConfig
 from ..core.kernels import synchronize
 from ..core.model import init_weights
 from ..measure.flops import METHODS, attention_cells, forward_flops
-from ..measure.profile import random_qkv, time_call
-from ..measure.tolerance import max_abs_diff, tolerance
+from ..measure.recorder import OpRecorder
 from ..serve.engine import Engine, batch_stats
 from ..serve.scheduler import Request, plan_batches
 from ..serve.workloads import make_requests, workload_lengths
-from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE, request_color
+from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, REQUEST, TEXT, WASTE, request_color
 from ..validate import check_int
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
-from .grading import NOT_YET, WrongAnswer, call_reader, grade
+from .grading import WrongAnswer, grade
 
 Tensor = torch.Tensor
 
@@ -96,27 +95,60 @@ def stream_reference(dtype: torch.dtype = torch.float32) -> dict:
     return _engine_run(dtype)[0]
 
 
-def keep_engine_run(outputs: Sequence, stats: Sequence) -> int:
-    """Keep the lesson's own float32 varlen run of the stream (``Engine`` with its defaults on the CPU,
-    ``init_weights(ModelConfig(), 0)``, ``return_hidden=True``) as ``stream_reference(torch.float32)``:
-    exercise 06.1 then compares your attention with it, and times yours against it, without serving
-    the stream a second time. Returns the number of requests kept; raises ValueError when ``outputs``
-    are not the stream's served requests in float32 with their hidden rows."""
-    lens, _ = stream_prompts()
-    budget = ENGINE_STREAM["max_num_batched_tokens"]
-    hidden = {o.request_id: o.hidden for o in outputs}
-    want = [i for i, n in enumerate(lens) if n <= budget]
-    if sorted(hidden) != want or any(h is None or h.dtype != torch.float32 or h.shape[0] != lens[i]
-                                     for i, h in hidden.items()):
-        raise ValueError("keep_engine_run wants the float32 outputs, with hidden rows, of every request of lesson 06's "
-                         f"stream that fits the budget ({len(want)} requests)")
-    _ENGINE_RUNS[torch.float32] = (hidden, list(stats))
-    return len(hidden)
-
-
 def stack(outputs: Mapping) -> Tensor:
     """``{request_id: [L, d]}`` → ``[Σ L, d]`` in request-id order (the stream's flat rows)."""
     return torch.cat([outputs[i] for i in sorted(outputs)])
+
+
+# ---- what the engine executed: each batch run under the op recorder --------------------------------
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """What one forward of ``Engine(method=...)`` EXECUTED, read by ``OpRecorder`` (not predicted).
+
+    linear_rows: the rows ``m`` of every linear-layer matmul of the forward (one per linear layer:
+    4 per block); cells: attention score cells computed, per head per layer (every score matrix
+    the softmax or a fused kernel saw, all heads and layers, divided by ``n_heads · n_layers``);
+    score_shapes: those score matrices' shapes, in order."""
+
+    method: str
+    request_ids: tuple
+    linear_rows: tuple
+    cells: float
+    score_shapes: tuple
+
+    @property
+    def rows(self) -> int:
+        """Rows through the linear layers; ValueError if the linear layers did not all see the same rows."""
+        if len(set(self.linear_rows)) != 1:
+            raise ValueError(f"the linear layers saw different row counts {sorted(set(self.linear_rows))}")
+        return self.linear_rows[0]
+
+
+def run_recorded(cfg: ModelConfig, weights: dict, method: str, batches: Sequence[Sequence[Request]],
+                 max_num_batched_tokens: int, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[list, list]:
+    """Serve each batch of ``batches`` (lists of ``Request``) as ONE forward of ``Engine(method=method)`` under
+    an ``OpRecorder``: ``(outputs of every request, [BatchRecord per batch])``. Raises ValueError when a batch
+    does not run as one forward (it does not fit the budgets)."""
+    engine = Engine(cfg, weights=weights, method=method, device=device, dtype=dtype, compute_logits=False,
+                    max_num_batched_tokens=max_num_batched_tokens)
+    outputs, records = [], []
+    per = cfg.n_heads * cfg.n_layers
+    for b, reqs in enumerate(batches):
+        with OpRecorder() as rec:
+            outputs += engine.prefill([Request(r.request_id, r.prompt_token_ids, r.return_hidden) for r in reqs])
+        if len(engine.stats) != 1:
+            raise ValueError(f"batch {b} ran as {len(engine.stats)} forwards, not one: it does not fit the budgets")
+        cells = rec.cells
+        records.append(BatchRecord(method, tuple(r.request_id for r in reqs),
+                                   tuple(m.m for m in rec.matmuls if m.kind == "linear"),
+                                   cells // per if cells % per == 0 else cells / per, tuple(rec.scores)))
+    return outputs, records
+
+
+def recorded_totals(records: Sequence[BatchRecord]) -> dict:
+    """``{"rows", "cells"}`` summed over a method's ``BatchRecord``s: what it executed on the stream."""
+    return {"rows": sum(r.rows for r in records), "cells": sum(r.cells for r in records)}
 
 
 # ---- counts per method, one convention --------------------------------------------------------------
@@ -162,7 +194,7 @@ def fcfs_batches(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_s
 
     Each batch is a row of its requests in arrival order (labelled with their index when wide
     enough), the room left up to the budget is white, the budget is a dashed line; a request
-    longer than the budget has a grey row of its own at the bottom: it is refused, never split.
+    longer than the budget has a hatched, empty row of its own at the bottom: it is refused, never split.
     Gids: ``req-<i>`` per served request, ``refused-<i>`` per refused one.
     """
     lens = [check_int(f"seq_lens[{i}]", n, 1) for i, n in enumerate(seq_lens)]
@@ -189,13 +221,15 @@ def fcfs_batches(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_s
                 above = not above
             ax.text(x + lens[i] / 2, y, str(i), ha="center", va=va, fontsize=MIN_FONT, color=TEXT, gid=f"label-{i}")
             x += lens[i]
-        ax.add_patch(Rectangle((x, b - bar / 2), budget - x, bar, facecolor=NEVER, edgecolor=OTHER, linewidth=0.5,
+        ax.add_patch(Rectangle((x, b - bar / 2), budget - x, bar, facecolor=NEVER, edgecolor=TEXT, linewidth=0.5,
                                linestyle=":"))
     for r, i in enumerate(refused):
         y = len(batches) + r
-        ax.add_patch(Rectangle((0, y - bar / 2), xmax, bar, facecolor=OTHER, edgecolor="white", gid=f"refused-{i}"))
+        ax.add_patch(Rectangle((0, y - bar / 2), xmax, bar, facecolor=NEVER, edgecolor=TEXT, hatch="xx",
+                               linewidth=0.8, gid=f"refused-{i}"))
         ax.text(budget * 0.02, y, f"request {i}: {lens[i]:,} tokens > {budget:,}: refused at submit, never split",
-                ha="left", va="center", fontsize=MIN_FONT, color="white", fontweight="bold")
+                ha="left", va="center", fontsize=MIN_FONT, color=TEXT, fontweight="bold",
+                bbox=dict(facecolor=NEVER, edgecolor="none", pad=1.5))
     ax.axvline(budget, color=TEXT, linestyle="--", linewidth=1)
     ax.text(budget, -0.75, f"max_num_batched_tokens = {budget:,}", ha="right", va="bottom", fontsize=MIN_FONT)
     ax.set_xlim(0, xmax)
@@ -207,8 +241,8 @@ def fcfs_batches(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_s
     ax.tick_params(axis="x", labelsize=MIN_FONT)
     fig.legend(handles=[Patch(facecolor=REQUEST[0], label="a request"),
                         Patch(facecolor=REQUEST[1], label="its neighbour (two shades only tell them apart)"),
-                        Patch(facecolor=NEVER, edgecolor=OTHER, linestyle=":", label="room left under the budget"),
-                        Patch(facecolor=OTHER, label="refused")],
+                        Patch(facecolor=NEVER, edgecolor=TEXT, linestyle=":", label="room left under the budget"),
+                        Patch(facecolor=NEVER, edgecolor=TEXT, hatch="xx", label="refused")],
                loc="lower center", ncol=2, fontsize=MIN_FONT, frameon=False)
     served = sum(len(ids) for ids in batches)
     ax.set_title(f"FCFS under a {budget:,}-token budget: {served} requests in {len(batches)} batches, "
@@ -279,28 +313,46 @@ def batch_waste(stats: Mapping[str, Sequence], max_num_batched_tokens: int | Non
                            Patch(facecolor=WASTE, hatch="...", edgecolor="white", label="masked cells (M)")],
                   fontsize=MIN_FONT, frameon=False, loc="upper right", ncol=3)
     cells = {m: sum(s.cells_whole_computed for s in runs[m]) for m in methods}
-    bottom.set_title("score cells computed, whole blocks (P padded, M masked, V varlen): "
-                     + ", ".join(f"{m[0].upper()} {cells[m]:,}" for m in methods), fontsize=10)
+    bottom.set_title("score cells computed per head per layer, whole blocks (P padded, M masked, V varlen)\n"
+                     + ", ".join(f"{m} {cells[m]:,}" for m in methods), fontsize=10)
     bottom.set_xticks(range(n))
     every = max(1, math.ceil(n / 12))
     bottom.set_xticklabels([(f"batch {b}\nR={s.num_seqs}" if n <= 12 else str(b)) if b % every == 0 else ""
                             for b, s in enumerate(base)], fontsize=MIN_FONT)
     for ax in (top, bottom):
         ax.tick_params(axis="y", labelsize=MIN_FONT)
-    fig.subplots_adjust(left=0.12, right=0.98, bottom=0.1, top=0.94, hspace=0.3)
+    fig.subplots_adjust(left=0.12, right=0.98, bottom=0.1, top=0.94, hspace=0.4)
     return fig
 
 
 # ---- the explorer ----------------------------------------------------------------------------------
 
+RECORD_LIMIT = 1_000_000  # score cells per head per layer above which the explorer does not run a batch (too slow here)
+
+
+def record_one_batch(seq_lens: Sequence[int], ids: Sequence[int], max_num_batched_tokens: int) -> dict:
+    """Batch ``ids`` of a stream of ``seq_lens`` run as one forward of ``Engine(TINY, method=m)`` for each method,
+    under ``OpRecorder``: ``{method: BatchRecord, or None when its predicted cells exceed RECORD_LIMIT}``."""
+    prompts = make_requests([seq_lens[i] for i in ids], TINY.vocab_size, seed=PROMPT_SEED)
+    reqs = [Request(i, p) for i, p in zip(ids, prompts)]
+    out = {}
+    for m in METHODS:
+        if batch_stats(TINY, [seq_lens[i] for i in ids], m).cells_whole_computed > RECORD_LIMIT:
+            out[m] = None
+        else:
+            out[m] = run_recorded(TINY, _tiny_weights(), m, [reqs], max_num_batched_tokens)[1][0]
+    return out
+
+
 def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 1024,
-                       seed: int = 0) -> dict:
+                       seed: int = 0, batch: int | None = 0) -> dict:
     """A seeded stream of ``workload`` requests (``WORKLOAD_PRESETS``), scheduled FCFS, costed per method.
 
     Keys: ``workload``, ``seq_lens``, ``batches`` (lists of request ids), ``rejected`` (ids),
     ``max_num_batched_tokens``, ``stats`` ({method: [engine.BatchStats]}, analytic:
     ``engine.batch_stats``) and ``totals`` (``method_totals``: rows, pad rows, cells and FLOPs, all
-    counted by whole blocks).
+    counted by whole blocks); ``batch`` (the index recorded, clipped to the last batch; None: none) and
+    ``recorded`` (``record_one_batch`` of that batch: what the engine EXECUTED, or ``{}``).
     """
     if workload not in WORKLOAD_PRESETS:
         raise ValueError(f"workload must be one of {tuple(WORKLOAD_PRESETS)}, got {workload!r}")
@@ -313,8 +365,10 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     stats = {m: [batch_stats(cfg, [lens[i] for i in ids], m, b, request_ids=ids) for b, ids in enumerate(batches)]
              for m in METHODS}
     totals = {m: _totals(cfg, stats[m]) for m in METHODS}
+    pick = None if batch is None or not batches else min(check_int("batch", batch, 0), len(batches) - 1)
+    recorded = {} if pick is None else record_one_batch(lens, batches[pick], budget)
     return {"workload": workload, "seq_lens": lens, "batches": batches, "rejected": rejected, "stats": stats,
-            "totals": totals, "max_num_batched_tokens": budget}
+            "totals": totals, "max_num_batched_tokens": budget, "batch": pick, "recorded": recorded}
 
 
 def prefill_plan_html(state: dict) -> str:
@@ -329,6 +383,22 @@ def prefill_plan_html(state: dict) -> str:
         lines.append(f"<div>{m}: rows {t['rows']:,} (pad {t['pad_rows']:,}) | attention cells {t['cells_computed']:,} "
                      f"(wasted {t['cells_computed'] - t['cells_useful']:,}) | FLOPs executed / useful {ratio:.2f}x "
                      "(whole blocks)</div>")
+    b = state.get("batch")
+    if b is not None:
+        lines.append(f"<div class='ppx-recorded'>batch {b} ({len(state['batches'][b])} requests, "
+                     f"{state['stats']['varlen'][b].num_tokens} tokens) as EXECUTED, one forward per method under "
+                     "OpRecorder (Engine(L.TINY)):</div>")
+        for m, rec in state["recorded"].items():
+            pred = state["stats"][m][b]
+            if rec is None:
+                lines.append(f"<div>{m}: not run here ({pred.cells_whole_computed:,} cells predicted > "
+                             f"{RECORD_LIMIT:,})</div>")
+                continue
+            sides = sorted({sh[-1] for sh in rec.score_shapes})
+            ok = "=" if (rec.rows, rec.cells) == (pred.executed_rows, pred.cells_whole_computed) else "differs from"
+            lines.append(f"<div>{m}: recorded rows {rec.rows:,}, cells {rec.cells:,}, score matrices of side "
+                         f"{sides[:6]}{'...' if len(sides) > 6 else ''} {ok} predicted rows {pred.executed_rows:,}, "
+                         f"cells {pred.cells_whole_computed:,}</div>")
     rej = state["rejected"]
     lines.append(f"<div>refused (longer than the budget, S3): {len(rej)}"
                  + (f" - lengths {[lens[i] for i in rej][:8]}" if rej else "") + "</div>")
@@ -349,20 +419,23 @@ def workload_controls(prefix: str, workload: str, num_requests: int, max_request
 
 
 def prefill_plan_explorer(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 1024):
-    """VBox class ``ppx``: Dropdown ``ppx-workload``, IntSliders ``ppx-num-requests`` (1..256) and
-    ``ppx-budget`` (max_num_batched_tokens, 16..8192), HTML ``ppx-counts`` (``prefill_plan_html``),
+    """VBox class ``ppx``: Dropdown ``ppx-workload``, IntSliders ``ppx-num-requests`` (1..256),
+    ``ppx-budget`` (max_num_batched_tokens, 16..8192) and ``ppx-batch`` (the batch run under the recorder,
+    clipped to the last one), HTML ``ppx-counts`` (``prefill_plan_html``),
     Output ``ppx-figure`` (``batch_waste``; empty when every request was refused)."""
     kind, reqs, budget, text, out = workload_controls("ppx", workload, num_requests, 256, max_num_batched_tokens, 8192)
+    pick = tagged(ipywidgets_module().IntSlider(value=0, min=0, max=64, description="record batch"), "ppx-batch")
 
     def update(change=None):
-        state = prefill_plan_state(kind.value, reqs.value, budget.value)
+        text.value = "<div>running...</div>" + text.value
+        state = prefill_plan_state(kind.value, reqs.value, budget.value, batch=pick.value)
         text.value = prefill_plan_html(state)
         if state["batches"]:
             show_figure(out, batch_waste(state["stats"], budget.value))
         else:
             out.outputs = ()
 
-    return explorer("ppx", [kind, reqs, budget], [text, out], update)
+    return explorer("ppx", [kind, reqs, budget, pick], [text, out], update)
 
 
 # ---- schedules: validity (S3) and the three measures ------------------------------------------------
@@ -434,216 +507,6 @@ def schedule_table(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], ma
                                f"{m['max_delay']:9d} {m['overtakes']:9d}" for k, m in rows.items()])
 
 
-# ---- exercise 06.1: your attention inside the engine -----------------------------------------------
-
-STREAM_CASE = "lesson 06's stream, served by Engine(attn_backend=your function)"
-_ATTN_CASES = [("one request", [10], 2, 16), ("A and B", [10, 30], 2, 16),
-               ("five requests, two of the same length", [7, 1, 12, 7, 3], 4, 64), (STREAM_CASE,)]
-
-
-def _qkv(lens: list[int], heads: int, d_head: int, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Random q, k, v ``[T, H, D]`` as the engine hands them over (views of one ``[T, 3, H, D]``
-    tensor: not contiguous) and int32 ``cu_seqlens``."""
-    return random_qkv(lens, heads, d_head, seed=seed + 7 * len(lens), fused=True)
-
-
-def as_backend(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> Tensor:
-    """``fn`` called exactly as the engine calls an attention backend (``flash_attn_varlen_func``'s
-    contract) for causal self-attention: keys are the queries' own rows, scale ``1 / sqrt(D)``."""
-    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, softmax_scale=1.0 / math.sqrt(q.shape[-1]))
-
-
-def _attn64(q, k, v, cu, causal=True, scale=None, whole=False):
-    cu = torch.tensor([0, q.shape[0]], dtype=torch.int32) if whole else cu
-    return varlen_attention(q.double(), k.double(), v.double(), cu, causal=causal, softmax_scale=scale, backend="loop")
-
-
-def _near(got: Tensor, want: Tensor) -> bool:
-    return tuple(got.shape) == tuple(want.shape) and max_abs_diff(got, want) <= 1e-4
-
-
-def _attention_problem(got, lens: list[int], heads: int, d_head: int) -> str | None:
-    q, k, v, cu = _qkv(lens, heads, d_head)
-    want64 = _attn64(q, k, v, cu)
-    want = varlen_attention(q, k, v, cu, causal=True, backend="loop")
-    t = q.shape[0]
-    if not isinstance(got, Tensor):
-        return f"expected a tensor [T, H, D] = {[t, heads, d_head]}, got {type(got).__name__}"
-    if tuple(got.shape) != tuple(q.shape):
-        hint = (" - FlashAttention's layout is [T, H, D]: transpose your [H, T, D] back"
-                if tuple(got.shape) == (heads, t, d_head) else "")
-        return f"shape {list(got.shape)}, expected q's shape {list(q.shape)}{hint}"
-    if got.dtype != q.dtype:
-        return f"dtype {got.dtype}, expected q's dtype {q.dtype}: the engine keeps one dtype end to end"
-    if not torch.isfinite(got).all():
-        rows = torch.nonzero(~torch.isfinite(got).reshape(t, -1).all(1)).flatten().tolist()
-        return (f"NaN or inf in rows {rows[:6]}: a row whose scores are all -inf has no key to read - "
-                "mask only the keys AFTER each query (triu(diagonal=1)), never its own")
-    err, bound = max_abs_diff(got, want64), tolerance(want, want64, got.dtype)
-    if err <= bound:
-        return None
-    alternatives = [
-        (_attn64(q, k, v, cu, causal=False), "not causal: query j of a request may read only keys 0..j of ITS request - "
-         "mask the upper triangle of each [L_i x L_i] block"),
-        (_attn64(q, k, v, cu, whole=True), "cu_seqlens ignored: request A's queries read B's keys (C7) - slice q, k, v "
-         "to rows cu_seqlens[i]:cu_seqlens[i+1] and attend within the slice"),
-        (_attn64(q, k, v, cu, causal=False, whole=True), "neither causal nor per request: slice by cu_seqlens, then mask "
-         "the upper triangle of each request's block"),
-        (_attn64(q, k, v, cu, scale=1.0), "scores not scaled: multiply Q K^T by 1/sqrt(d_head)"),
-        (_attn64(q, k, v, cu, scale=1.0 / d_head), "scale is 1/sqrt(d_head), not 1/d_head"),
-        (_attn64(q, k, v, cu, scale=1.0 / math.sqrt(heads * d_head)),
-         "scale by 1/sqrt(d_head) with d_head = q.shape[-1], one head's width, not all heads' H*D"),
-    ]
-    for alt, hint in alternatives:
-        if _near(got, alt):
-            return f"values differ from the reference by up to {err:.2g} - {hint}"
-    cu_list = cumulative(lens)
-    spans = list(zip(cu_list[:-1], cu_list[1:]))
-    wrong = [i for i, (s, e) in enumerate(spans) if max_abs_diff(got[s:e], want64[s:e]) > bound]
-    for i in wrong:
-        s, e = spans[i]
-        for j, (s2, e2) in enumerate(spans):
-            if j != i and e2 - s2 == e - s and _near(got[s:e], want64[s2:e2]):
-                return (f"request {i}'s rows {s}..{e - 1} hold request {j}'s output - each output goes back into its "
-                        "own rows, out[cu_seqlens[i]:cu_seqlens[i+1]]")
-    for j, (s, e) in reversed(list(enumerate(spans))):
-        if s > 0 and _near(got[:e - s], want64[s:e]):
-            return (f"request {j}'s output sits at rows 0..{e - s - 1}, not at its own rows {s}..{e - 1} - write request "
-                    "i's output into out[cu_seqlens[i]:cu_seqlens[i+1]]")
-    for i in wrong:
-        s, e = spans[i]
-        where = f"request {i} (rows {s}..{e - 1}) is wrong"
-        if not got[s:e].abs().any():
-            return f"{where}: its rows are all zero, never written - write its output into out[cu[i]:cu[i+1]]"
-        return f"{where}: off by up to {max_abs_diff(got[s:e], want64[s:e]):.2g} (allowed {bound:.1g})"
-    return f"values differ from the reference by up to {err:.2g} (allowed {bound:.1g})"
-
-
-def _stream_problem(got: dict) -> str | None:
-    ref, ref64 = stream_reference(torch.float32), stream_reference(torch.float64)
-    out, want, want64 = stack(got), stack(ref), stack(ref64)
-    err, bound = max_abs_diff(out, want64), tolerance(want, want64, out.dtype)
-    if err <= bound:
-        return None
-    for i in sorted(ref):
-        e = max_abs_diff(got[i], ref64[i])
-        if e > tolerance(ref[i], ref64[i], got[i].dtype):
-            return (f"request {i} ({ref[i].shape[0]} tokens): final hidden rows off by up to {e:.2g}, allowed "
-                    f"{bound:.1g} - your function passes the small cases but not inside the engine; there q, k, v are "
-                    "views of one tensor (use reshape, not view) and a batch holds up to 10 requests")
-    return f"final hidden rows off by up to {err:.2g} (allowed {bound:.1g})"
-
-
-def check_attention_backend(fn: Callable) -> bool:
-    """Exercise 06.1: ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
-    softmax_scale=None) -> [T, H, D]`` (``flash_attn_varlen_func``'s contract, what ``Engine(attn_backend=fn)``
-    calls), here causal self-attention of each request over its own rows.
-
-    Three small cases against the library's varlen attention (float64 truth, the tolerance rule),
-    then the capstone: lesson 06's stream served by the engine with ``fn`` in every layer, every
-    request's final hidden rows compared with the engine's own varlen backend. Recognised
-    mistakes: not causal, ``cu_seqlens`` ignored, a wrong scale, rows written in the wrong place,
-    the ``[H, T, D]`` layout, NaN rows.
-    """
-    if not callable(fn):
-        raise WrongAnswer(f"attention_backend: expected a function, got {type(fn).__name__}")
-    served = []
-
-    def run(what, lens=None, heads=None, d_head=None):
-        if what == STREAM_CASE:
-            hidden, stats = _serve_stream(fn)
-            served.append(stats)
-            return hidden
-        q, k, v, cu = _qkv(lens, heads, d_head)
-        return as_backend(fn, q, k, v, cu, max(lens))
-
-    def judge(got, what, lens=None, heads=None, d_head=None):
-        return _stream_problem(got) if what == STREAM_CASE else _attention_problem(got, lens, heads, d_head)
-
-    ok = grade("attention_backend", run, _ATTN_CASES, judge,
-               "matches varlen on 3 small cases, and serves lesson 06's stream inside Engine with every request's "
-               "hidden rows within the tolerance rule of the engine's own backend")
-    if ok and served:
-        print(stream_table(served[-1], _engine_run(torch.float32)[1]))
-    return ok
-
-
-def stream_table(yours: Sequence, engine: Sequence) -> str:
-    """Lesson 06's stream served twice, batch by batch: your attention's forward time against the
-    engine's own varlen backend (``BatchStats.wall_s``, one run each; shown, never asserted)."""
-    if [s.request_ids for s in yours] != [s.request_ids for s in engine]:
-        raise ValueError("the two runs did not serve the same batches")
-    lines = ["your attention served lesson 06's stream (CPU, float32; one run each, timings vary):",
-             f"{'batch':>5s} {'R':>3s} {'T':>5s} {'max_seqlen':>10s} {'yours ms':>9s} {'engine ms':>9s}"]
-    for a, b in zip(yours, engine):
-        lines.append(f"{a.index:5d} {a.num_seqs:3d} {a.num_tokens:5d} {a.max_seqlen:10d} {a.wall_s * 1e3:9.1f} "
-                     f"{b.wall_s * 1e3:9.1f}")
-    ta, tb = sum(s.wall_s for s in yours), sum(s.wall_s for s in engine)
-    lines.append(f"total: yours {ta:.2f} s, the engine's own backend {tb:.2f} s"
-                 + (f" ({ta / tb:.2f}x)" if tb else ""))
-    return "\n".join(lines)
-
-
-def time_backend(fn: Callable, repeats: int = 1) -> str:
-    """Wall-clock of lesson 06's stream served with ``fn`` and with the engine's own varlen backend
-    (CPU, float32; shown, never asserted). A stub gives "not attempted yet"."""
-    if call_reader("time_backend", lambda: _probe(fn)) is NOT_YET:
-        return "time_backend: not attempted yet - write your attention function first"
-    times = {name: time_call(lambda backend=backend: _serve_stream(backend), repeats=repeats, warmup=0)
-             for name, backend in (("yours", fn), ("engine (auto)", "auto"))}
-    ratio = times["yours"] / times["engine (auto)"]
-    return " | ".join(f"{k}: {v:.2f} s" for k, v in times.items()) + f" | yours / engine: {ratio:.2f}x"
-
-
-def _probe(fn: Callable):
-    q, k, v, cu = _qkv([3, 2], 1, 8)
-    return as_backend(fn, q, k, v, cu, 3)
-
-
-# ---- exercise 06.2: a length-sorting scheduler -----------------------------------------------------
-
-def _sort_cases() -> list[tuple]:
-    lens, _ = stream_prompts()
-    kept = [n for n in lens if n <= ENGINE_STREAM["max_num_batched_tokens"]]
-    return [(kept, ENGINE_STREAM["max_num_batched_tokens"], 256),
-            (workload_lengths("long-tail", 64, 1, median=64, sigma=1.0, max_len=1024), 1024, 8),
-            (workload_lengths("bimodal", 40, 2, short=50, long=1500, p_long=0.2), 2048, 256),
-            (workload_lengths("uniform", 32, 4, low=16, high=512), 1024, 6),
-            ([300, 20, 300, 20, 300, 20, 20, 20], 640, 4)]
-
-
-def check_sorted_schedule(fn: Callable[[list, int, int], list]) -> bool:
-    """Exercise 06.2: ``fn(seq_lens, max_num_batched_tokens, max_num_seqs) -> [[request index, ...], ...]``,
-    a scheduler that groups requests of similar length, on 5 streams (no request over the budget).
-
-    Each stream: the batches must be valid (``schedule_problem``: every request once, whole; both
-    budgets) and pad fewer rows than FCFS on the same stream. Then the three measures of the
-    reader's scheduler against FCFS on lesson 06's stream are printed (``schedule_table``).
-    """
-    cases = _sort_cases()
-
-    def judge(got, lens, budget, max_seqs):
-        problem = schedule_problem(got, lens, budget, max_seqs)
-        if problem:
-            return problem
-        got = [[int(i) for i in b] for b in got]
-        fcfs = plan_batches(lens, budget, max_seqs)
-        mine, base = (schedule_measures(lens, b, budget, max_seqs)["pad_rows"] for b in (got, fcfs))
-        if mine < base:
-            return None
-        if got == fcfs:
-            return ("these are FCFS's batches: sort the waiting requests by length (over a window of several "
-                    "batches) so that similar lengths share a batch")
-        return (f"valid, but {mine:,} pad rows, FCFS pads {base:,}: similar lengths must share a batch - a window no "
-                "wider than one batch cannot regroup anything; sort over a wider window")
-    ok = grade("sorted_schedule", fn, cases, judge, "valid batches (S3) with fewer pad rows than FCFS on 5 streams")
-    if ok:
-        lens, budget, max_seqs = cases[0]
-        print("lesson 06's stream:\n" + schedule_table(lens, call_reader("sorted_schedule", fn, list(lens), budget,
-                                                                        max_seqs), budget, max_seqs))
-    return ok
-
-
 # ---- measured: the three methods on the device -----------------------------------------------------
 
 def run_methods(cfg: ModelConfig, weights: dict, requests: Sequence[Request], max_num_batched_tokens: int,
@@ -692,5 +555,248 @@ def _fcfs_batches() -> Figure:
           caption="The same 5 batches run padded, masked and varlen: rows through the linear layers and attention "
                   "cells per batch, useful vs thrown away (C2, C8, C10)")
 def _batch_waste() -> Figure:
-    state = prefill_plan_state(**ENGINE_STREAM)
+    state = prefill_plan_state(**ENGINE_STREAM, batch=None)
     return batch_waste(state["stats"], state["max_num_batched_tokens"])
+
+
+# ---- exercise 06.1: a budget-aware bucketing scheduler, plugged into the engine ---------------------
+
+MAX_PASSED_OVER = 2  # 06.1's fairness bound: a request may see at most this many batches serve later arrivals first
+TINY = ModelConfig(n_layers=1, d_model=8, n_heads=1, d_head=8, d_ffn=16, vocab_size=97, max_position=8192)
+_TINY_WEIGHTS: dict = {}
+
+
+def _tiny_weights() -> dict:
+    """``init_weights(TINY, 0)``, made once (the recorded runs count rows and cells: any weights do)."""
+    if not _TINY_WEIGHTS:
+        _TINY_WEIGHTS.update(init_weights(TINY, 0))
+    return _TINY_WEIGHTS
+
+
+def _steady_trickle() -> list[list[int]]:
+    """One 400-token request, then 6 short ones arriving at every step for 12 steps (a starvation probe)."""
+    rng = np.random.default_rng(5)
+    return [[400] + rng.integers(8, 40, 6).tolist()] + [rng.integers(8, 40, 6).tolist() for _ in range(11)]
+
+
+def _bucket_cases() -> list[tuple]:
+    lens, _ = stream_prompts()
+    budget = ENGINE_STREAM["max_num_batched_tokens"]
+    kept = [n for n in lens if n <= budget]
+    return [("lesson 06's stream, all waiting at once", [kept], budget, 256),
+            ("bimodal: 50-token questions beside 1,500-token drafts", [workload_lengths(
+                "bimodal", 40, 2, short=50, long=1500, p_long=0.2)], 2048, 256),
+            ("long-tail, at most 6 requests per batch", [workload_lengths("long-tail", 48, 1, median=64, sigma=1.0,
+                                                                          max_len=1024)], 1024, 6),
+            ("a 400-token request, then 6 short ones arriving at every step", _steady_trickle(), 512, 256),
+            ("lesson 06's stream served by Engine(TINY, method='padded') with your scheduler, under OpRecorder",
+             [kept], budget, 256)]
+
+
+def drive_scheduler(make: Callable[[int, int], object], arrivals: Sequence[Sequence[int]], max_num_batched_tokens: int,
+                    max_num_seqs: int, max_steps: int = 10_000) -> list[list[int]]:
+    """Drive a scheduler step by step: at step s the requests of ``arrivals[s]`` (lengths) are added (ids
+    numbered in arrival order), then ``schedule()`` forms one batch. Returns the batches as request ids.
+    ValueError when a step returns an empty batch while requests wait, or a request it was never given."""
+    sched = make(max_num_batched_tokens, max_num_seqs)
+    batches, step, rid, known = [], 0, 0, {}
+    while step < len(arrivals) or sched.waiting:
+        for n in (arrivals[step] if step < len(arrivals) else []):
+            req = Request(rid, [1] * n)
+            known[rid] = req
+            sched.add(req)
+            rid += 1
+        step += 1
+        if not sched.waiting:
+            continue
+        batch = sched.schedule()
+        if not isinstance(batch, list) or not all(isinstance(r, Request) for r in batch):
+            raise ValueError(f"schedule() must return a list of Request objects, got {batch!r}"[:200])
+        if not batch:
+            raise ValueError(f"schedule() returned an empty batch at step {step - 1} while {len(sched.waiting)} "
+                             "requests waited: every forward must carry at least one request")
+        for r in batch:
+            if known.get(r.request_id) is not r:
+                raise ValueError(f"schedule() returned request {r.request_id!r}, which was not waiting")
+        batches.append([r.request_id for r in batch])
+        if len(batches) > max_steps:
+            raise ValueError(f"more than {max_steps} batches: does schedule() take requests out of self.waiting?")
+    return batches
+
+
+def _arrival_step(arrivals: Sequence[Sequence[int]]) -> dict[int, int]:
+    out, rid = {}, 0
+    for s, wave in enumerate(arrivals):
+        for _ in wave:
+            out[rid] = s
+            rid += 1
+    return out
+
+
+def _passed_over_timed(batches, arrivals) -> dict[int, int]:
+    """``passed_over`` when requests arrive over time: batch b (formed at step b) passes over i only if i had
+    arrived by then (the driver forms one batch per step while anything waits)."""
+    arrived = _arrival_step(arrivals)
+    served_at = {i: b for b, ids in enumerate(batches) for i in ids}
+    return {i: sum(1 for b in range(served_at[i]) if arrived[i] <= b and any(j > i for j in batches[b]))
+            for i in served_at}
+
+
+def _bucket_problem(batches, arrivals, budget, max_seqs) -> str | None:
+    lens = [n for wave in arrivals for n in wave]
+    problem = schedule_problem(batches, lens, budget, max_seqs)
+    if problem:
+        return problem
+    over = _passed_over_timed(batches, arrivals)
+    worst = max(over, key=over.get)
+    if over[worst] > MAX_PASSED_OVER:
+        return (f"request {worst} ({lens[worst]} tokens) waited while {over[worst]} batches served requests that arrived "
+                f"after it (the bound is MAX_PASSED_OVER = {MAX_PASSED_OVER}): grouping by length starves it - count how "
+                "often each waiting request is passed over, and once a request reaches the bound put it in the next batch")
+    if len(arrivals) == 1:
+        fcfs = plan_batches(lens, budget, max_seqs)
+        mine, base = (schedule_measures(lens, b, budget, max_seqs)["pad_rows"] for b in (batches, fcfs))
+        if mine >= base:
+            if [list(b) for b in batches] == fcfs:
+                return "these are FCFS's batches: group waiting requests of similar length (look past the head of the queue)"
+            return (f"valid and fair, but {mine:,} pad rows where FCFS pads {base:,}: a batch should hold requests of "
+                    "similar length - sort the waiting requests by length before you fill the batch")
+    return None
+
+
+def _engine_problem(make, lens, budget, max_seqs) -> str | None:
+    """Serve ``lens`` with ``Engine(TINY, method='padded')`` and the reader's scheduler, under the recorder."""
+    engine = Engine(TINY, weights=_tiny_weights(), method="padded", device="cpu", dtype=torch.float32,
+                    compute_logits=False, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    engine.scheduler = make(budget, max_seqs)
+    reqs = make_requests(lens, TINY.vocab_size, seed=PROMPT_SEED)
+    with OpRecorder() as rec:
+        outputs = engine.prefill(reqs)
+    served = sorted(o.request_id for o in outputs)
+    if served != list(range(len(lens))):
+        return f"the engine served requests {served[:10]}..., not each of the {len(lens)} exactly once"
+    batches = [list(s.request_ids) for s in engine.stats]
+    problem = _bucket_problem(batches, [lens], budget, max_seqs)
+    if problem:
+        return "inside the engine: " + problem
+    linears = 4 * TINY.n_layers
+    rows = [m.m for m in rec.matmuls if m.kind == "linear"]
+    executed = sum(rows) // linears
+    fcfs = sum(len(b) * max(lens[i] for i in b) for b in plan_batches(lens, budget, max_seqs))
+    if executed >= fcfs:
+        return (f"the padded engine ran {executed:,} rows through its linear layers with your scheduler, "
+                f"{fcfs:,} with FCFS's batches: no saving where it counts")
+    _ENGINE_ROWS["last"] = (executed, fcfs)
+    return None
+
+
+_ENGINE_ROWS: dict = {}
+
+
+def _scheduler_factory(cls) -> Callable[[int, int], object]:
+    from ..serve.scheduler import Scheduler
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise WrongAnswer(f"bucket_scheduler: expected a subclass of Scheduler, got {cls!r}"[:200])
+    return lambda budget, seqs: cls(budget, seqs)
+
+
+def check_bucket_scheduler(cls) -> bool:
+    """Exercise 06.1: ``cls`` subclasses ``Scheduler`` and overrides ``schedule()`` (the next batch, a list of
+    ``Request`` taken out of ``self.waiting``). Probed on 4 generated streams (``drive_scheduler``: one
+    ``schedule()`` per step, new arrivals between steps) and once inside ``Engine``:
+
+    valid (``schedule_problem``: every request once, whole, both budgets); fair (no request passed over
+    by more than ``MAX_PASSED_OVER`` batches, ``_passed_over_timed``); worth it (fewer pad rows than FCFS
+    when everything waits at once; inside the engine fewer rows RECORDED through the padded linears)."""
+    make = _scheduler_factory(cls)
+    cases = _bucket_cases()
+
+    def run(what, arrivals, budget, seqs):
+        if what.startswith("lesson 06's stream served by Engine"):
+            return _engine_problem(make, arrivals[0], budget, seqs) or "ok"
+        return drive_scheduler(make, arrivals, budget, seqs)
+
+    def judge(got, what, arrivals, budget, seqs):
+        if what.startswith("lesson 06's stream served by Engine"):
+            return None if got == "ok" else got
+        return _bucket_problem(got, arrivals, budget, seqs)
+
+    ok = grade("bucket_scheduler", run, cases, judge,
+               f"valid batches, nobody passed over more than {MAX_PASSED_OVER} times, fewer pad rows than FCFS on 4 "
+               "streams, and fewer rows recorded through the padded engine's linear layers")
+    if ok:
+        lens = cases[0][1][0]
+        mine = drive_scheduler(make, [lens], cases[0][2], cases[0][3])
+        print("lesson 06's stream:\n" + schedule_table(lens, mine, cases[0][2], cases[0][3]))
+        if "last" in _ENGINE_ROWS:
+            print("rows recorded through the padded engine's linear layers: yours {:,}, FCFS {:,}".format(
+                *_ENGINE_ROWS["last"]))
+    return ok
+
+
+# ---- exercise 06.2: a counter-example, measured ------------------------------------------------------
+
+def sorted_batches(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_seqs: int = 256) -> list[list[int]]:
+    """Shortest first over the whole stream, cut into batches within both budgets (the extreme of sorting)."""
+    lens = [check_int(f"seq_lens[{i}]", n, 1, max_num_batched_tokens) for i, n in enumerate(seq_lens)]
+    batches, cur, used = [], [], 0
+    for i in sorted(range(len(lens)), key=lambda i: (lens[i], i)):
+        if cur and (used + lens[i] > max_num_batched_tokens or len(cur) == max_num_seqs):
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += lens[i]
+    return batches + ([cur] if cur else [])
+
+
+def measure_schedule(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int) -> dict:
+    """Run ``batches`` through ``Engine(TINY)`` padded and masked, one forward each, under ``OpRecorder``:
+    ``{"padded_rows", "masked_cells"}`` as EXECUTED (rows through the linears, score cells per head per layer)."""
+    reqs = [Request(i, p) for i, p in enumerate(make_requests(list(seq_lens), TINY.vocab_size, seed=PROMPT_SEED))]
+    weights = _tiny_weights()
+    out = {}
+    for method, key in (("padded", "padded_rows"), ("masked", "masked_cells")):
+        _, recs = run_recorded(TINY, weights, method, [[reqs[i] for i in b] for b in batches], max_num_batched_tokens)
+        tot = recorded_totals(recs)
+        out[key] = tot["rows"] if method == "padded" else tot["cells"]
+    return out
+
+
+def check_masked_counterexample(fn: Callable[[], tuple]) -> bool:
+    """Exercise 06.2: ``fn() -> (seq_lens, max_num_batched_tokens)``: at most 12 requests, each at most the
+    budget, budget at most 256. Both schedules, FCFS (``plan_batches``) and shortest-first (``sorted_batches``),
+    are RUN through the padded and the masked engine under the recorder: sorting must pad fewer rows and
+    make the masked engine compute MORE score cells than FCFS."""
+    def judge(got):
+        if not (isinstance(got, tuple) and len(got) == 2):
+            return f"expected (seq_lens, max_num_batched_tokens), got {got!r}"[:200]
+        lens, budget = got
+        if not (isinstance(budget, int) and 1 <= budget <= 256):
+            return f"max_num_batched_tokens must be an int in 1..256, got {budget!r}"
+        if not (isinstance(lens, (list, tuple)) and 1 <= len(lens) <= 12
+                and all(isinstance(n, int) and 1 <= n <= budget for n in lens)):
+            return f"seq_lens must be 1 to 12 ints, each in 1..{budget} (no request over the budget), got {lens!r}"[:200]
+        fcfs, srt = plan_batches(list(lens), budget), sorted_batches(lens, budget)
+        a, b = measure_schedule(lens, fcfs, budget), measure_schedule(lens, srt, budget)
+        _CE["last"] = (list(lens), budget, fcfs, srt, a, b)
+        if b["padded_rows"] >= a["padded_rows"]:
+            return (f"sorting did not pad fewer rows: {b['padded_rows']} recorded against FCFS's {a['padded_rows']} - "
+                    "FCFS must put a short request beside a long one")
+        if b["masked_cells"] <= a["masked_cells"]:
+            return (f"sorting padded less ({b['padded_rows']} rows against {a['padded_rows']}) but the masked engine "
+                    f"computed {b['masked_cells']:,} cells against FCFS's {a['masked_cells']:,}: not more. Masked pays "
+                    "T^2 per batch - when does sorting make the batches' token counts T more uneven, or fuller?")
+        return None
+
+    ok = grade("masked_counterexample", fn, [()], judge,
+               "a stream on which sorting by length pads fewer rows but makes masked compute more cells (recorded)")
+    if ok and "last" in _CE:
+        lens, budget, fcfs, srt, a, b = _CE["last"]
+        print(f"stream {lens}, budget {budget}\n  FCFS    {[[lens[i] for i in x] for x in fcfs]}: padded rows "
+              f"{a['padded_rows']}, "
+              f"masked cells {a['masked_cells']:,}\n  sorted  {[[lens[i] for i in x] for x in srt]}: padded rows "
+              f"{b['padded_rows']}, masked cells {b['masked_cells']:,}")
+    return ok
+
+
+_CE: dict = {}
