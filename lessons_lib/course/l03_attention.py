@@ -344,7 +344,7 @@ def _largest_score_bytes(rec: OpRecorder, itemsize: int) -> int | None:
     return max(math.prod(s) for s in shapes) * itemsize if shapes else None
 
 
-def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0, repeats: int = 3) -> dict:
+def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0, repeats: int = 2) -> dict:
     """Run each of ``RUN_BACKENDS`` once under ``OpRecorder`` on random q, k, v (``random_qkv``, 8 heads
     of 64, float32, CPU) for the given lengths and return
     ``{"seq_lens", "causal", "useful", "bound", "tiled", "rows": {name: row}}``, each row
@@ -356,12 +356,21 @@ def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0,
     - ``largest_bytes``: the largest score tensor handed to a softmax (from the recorder's shapes; None
       for a fused kernel, which never stores one);
     - ``error``: max |out - fp64 reference|, against ``bound`` (``tolerance``); ``ms``: fastest of
-      ``repeats`` calls on this CPU (noisy, shown, never asserted);
+      ``repeats`` calls on this CPU, on one thread (noisy, shown, never asserted);
     - ``tiled``: ``tiling.predict_work`` for a FlashAttention-style kernel with 128 x 128 tiles, one head
       (not run here: its tiles, the cells they execute and the cells inside the requests).
     """
     lens = run_lengths(lengths)
     check_int("repeats", repeats, 1, 100)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: steadier times on a shared machine, the same rounding in every process
+    try:
+        return _attention_run(lens, bool(causal), seed, repeats)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _attention_run(lens: list[int], causal: bool, seed: int, repeats: int) -> dict:
     q, k, v, cu = random_qkv(lens, RUN_HEADS, RUN_D_HEAD, seed=seed)
     ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
     rows = {}
@@ -373,7 +382,7 @@ def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0,
         rows[name] = {"backend": backend, "cells": rec.cells // RUN_HEADS, "predicted": predicted_cells(lens, name, causal),
                       "scores": len(rec.scores), "largest_bytes": _largest_score_bytes(rec, q.element_size()),
                       "error": max_abs_diff(out, ref64), "ms": time_call(call, repeats=repeats, warmup=0) * 1e3}
-    return {"seq_lens": lens, "causal": bool(causal), "useful": attention_cells(lens, "varlen", causal).useful,
+    return {"seq_lens": lens, "causal": causal, "useful": attention_cells(lens, "varlen", causal).useful,
             "bound": tolerance(ref, ref64), "rows": rows,
             "tiled": predict_work(lens, n_heads=1, block_m=RUN_TILE, block_n=RUN_TILE, causal=causal)}
 
@@ -405,8 +414,8 @@ def attention_run_summary_html(state: dict) -> str:
     lens, t = state["seq_lens"], state["tiled"]
     mask = "the causal mask keeps" if state["causal"] else "useful (whole blocks)"
     return (f"<div>lengths {lens} | T = {sum(lens)} rows | {RUN_HEADS} heads of {RUN_D_HEAD}, float32 | cells per head | "
-            f"{mask}: {state['useful']} | error bound {state['bound']:.2e} | time: this CPU, fastest of a few calls, "
-            f"noisy</div><div>a tiled kernel (128 x 128 tiles, predicted by tiling.predict_work, not run here): "
+            f"{mask}: {state['useful']} | error bound {state['bound']:.2e} | time: this CPU, one thread, fastest of 2 "
+            f"calls, noisy</div><div>a tiled kernel (128 x 128 tiles, predicted by tiling.predict_work, not run here): "
             f"{t.tiles} tiles, {t.executed_cells} cells executed, {t.cells} of them inside the requests</div>")
 
 

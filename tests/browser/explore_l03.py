@@ -1,49 +1,111 @@
-"""Lesson 03's diagonal-block explorer in the browser: its counts equal ``attention_cells`` for every R.
+"""Lesson 03's attention-run explorer in the browser: for lengths typed in and the causal box toggled, the
+numbers it shows equal a direct call of its state function, of ``OpRecorder`` on the engine's backends and
+of ``flops.attention_cells``.
 """
 from __future__ import annotations
 
+import math
 import re
 
-from widget_driver import MOVES, finish, inner_text, open_explorer, readout, step_right, wait_text
+from widget_driver import ARM_PROBE_JS, UPDATE_TIMEOUT_MS, finish, inner_text, open_explorer, wait_text
 
-from lessons_lib.course import l03_attention
+from lessons_lib.core.attention import varlen_attention
+from lessons_lib.course import l03_attention as L
 from lessons_lib.measure import flops
+from lessons_lib.measure.profile import random_qkv
+from lessons_lib.measure.recorder import OpRecorder
 
-COUNTS_RE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted (\d+)")
-
-
-def _parse_counts(text: str) -> dict:
-    found = {m: tuple(int(x) for x in rest) for m, *rest in COUNTS_RE.findall(text)}
-    assert set(found) == set(flops.METHODS), f"counts widget text does not list all methods: {text!r}"
-    return found
+ROW_RE = re.compile(r"^(.+?): cells measured (\d+) \| predicted (\d+) \| score matrices (\d+), largest (.+?) \| "
+                    r"max err (\S+) \| ([\d.]+) ms$")
+PRED_RE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted (\d+)")
 
 
-def _expected_counts(num_requests: int, length: int, pattern: str) -> dict:
-    state = l03_attention.diagonal_block_state(num_requests, length, pattern)
-    # Independent of the widget module's own bookkeeping: recount from the lengths it reports.
-    assert state["seq_lens"] == l03_attention.explorer_seq_lens(num_requests, length, pattern)
-    for m in flops.METHODS:
-        assert state["counts"][m] == flops.attention_cells(state["seq_lens"], m)
-    return {m: (c.computed, c.useful, c.wasted) for m, c in state["counts"].items()}
+def _shown(page) -> dict:
+    rows = {}
+    for line in inner_text(page, ".arx-rows").splitlines():
+        m = ROW_RE.match(line.strip())
+        assert m, f"explorer row not in format: {line!r}"
+        label, cells, pred, scores, largest, err, _ms = m.groups()
+        rows[label] = (int(cells), int(pred), int(scores), largest, float(err))
+    return rows
 
 
-def test_lesson03_diagonal_block_explorer(lab_server, browser_context, capsys):
+def _check(page, lengths: str, causal: bool, wait: bool = True) -> dict:
+    """The explorer's rows against a direct call of the state function, of the recorder and of flops."""
+    state = L.attention_run_state(lengths, causal)
+    lens = state["seq_lens"]
+    done = f"ran on lengths {lens}, causal {state['causal']}"   # the status line is set last
+    if wait:
+        wait_text(page, ".arx-status", f"t => t === {done!r}")
+    shown = _shown(page)
+    assert list(shown) == [L.run_label(state, n) for n in L.RUN_BACKENDS]
+    q, k, v, cu = random_qkv(lens, L.RUN_HEADS, L.RUN_D_HEAD, seed=0)
+    for name in L.RUN_BACKENDS:
+        row = state["rows"][name]
+        cells, pred, scores, largest, err = shown[L.run_label(state, name)]
+        assert (cells, pred, scores) == (row["cells"], row["predicted"], row["scores"])
+        assert largest == L._kib(row["largest_bytes"])
+        with OpRecorder() as rec:  # the recorder, called here directly on the same backend and inputs
+            varlen_attention(q, k, v, cu, causal=causal, backend=row["backend"])
+        assert cells == rec.cells // L.RUN_HEADS
+        method = "masked" if name == "masked" else "padded" if name == "padded" else "varlen"
+        assert pred == flops.attention_cells(lens, method, causal and method != "varlen").computed
+        # the error is a float32 rounding: equal up to the thread split of the kernel process vs this one
+        assert err <= state["bound"] and math.isclose(err, row["error"], rel_tol=0.5, abs_tol=1e-7), (name, err, row)
+    pred_lines = PRED_RE.findall(inner_text(page, ".arx-predicted"))
+    assert [(m, int(c), int(u), int(w)) for m, c, u, w in pred_lines] == \
+        [(m, *(lambda x: (x.computed, x.useful, x.wasted))(flops.attention_cells(lens, m, causal))) for m in flops.METHODS]
+    summary = inner_text(page, ".arx-summary")
+    assert f"{state['tiled'].executed_cells} cells executed" in summary and f": {state['useful']} |" in summary
+    return shown
+
+
+def _timed(page, action, text_ms: list, latencies: list, src: str) -> str:
+    """Run ``action`` (a key press on a control); record key -> new figure on screen. Returns the new src."""
+    page.evaluate(ARM_PROBE_JS, [".arx-figure", ".arx-rows"])
+    action()
+    page.wait_for_function("() => window.__probe.t1 !== null", timeout=UPDATE_TIMEOUT_MS)
+    probe = page.evaluate("() => window.__probe")
+    if probe["tText"] is not None:
+        text_ms.append(probe["tText"] - probe["t0"])
+    latencies.append(probe["t1"] - probe["t0"])
+    assert probe["src"] != src, "the explorer's figure was not redrawn"
+    return probe["src"]
+
+
+def test_lesson03_attention_run_explorer(lab_server, browser_context, capsys):
     page, widget, console_errors, t_start = open_explorer(
-        browser_context, lab_server, "03_masked_vs_varlen_attention.ipynb", "dbx",
-        r"""() => /varlen: computed \d+/.test((document.querySelector('.dbx-counts') || {}).innerText || '')
-                  && !!document.querySelector('.dbx-figure img')""", "the diagonal-block explorer")
+        browser_context, lab_server, "03_masked_vs_varlen_attention.ipynb", "arx",
+        r"""() => /cells measured \d+/.test((document.querySelector('.arx-rows') || {}).innerText || '')
+                  && !!document.querySelector('.arx-figure img')""", "the attention-run explorer")
+    box, causal_box = page.locator(".arx-lengths input"), page.locator(".arx-causal input")
+    lengths, causal = box.input_value(), causal_box.is_checked()
+    first = _check(page, lengths, causal)
+    src = page.locator(".arx-figure img").first.get_attribute("src")
 
-    pattern = page.locator(".dbx-pattern select").input_value()
-    r, length = readout(page, "dbx-num-requests"), readout(page, "dbx-length")
-    assert _parse_counts(inner_text(page, ".dbx-counts")) == _expected_counts(r, length, pattern)
-    src = page.locator(".dbx-figure img").first.get_attribute("src")
+    def type_lengths(text):
+        def act():
+            box.fill(text)
+            box.press("Enter")
+        return act
 
     latencies, text_ms = [], []
-    for _ in range(MOVES):
-        r, src = step_right(page, "dbx", ".dbx-counts", r, src, latencies, text_ms)
-        want = _expected_counts(r, length, pattern)
-        want_text = "\n".join(f"{m}: computed {c} | useful {u} | wasted {w}" for m, (c, u, w) in want.items())
-        wait_text(page, ".dbx-counts", f"t => t === {want_text!r}")
-        assert _parse_counts(inner_text(page, ".dbx-counts")) == want
+    src = _timed(page, type_lengths("10, 30, 5"), text_ms, latencies, src)
+    assert _check(page, "10, 30, 5", causal) != first, "new lengths, the same numbers"
+    before = _shown(page)
+    src = _timed(page, lambda: (causal_box.focus(), page.keyboard.press("Space")), text_ms, latencies, src)
+    assert causal_box.is_checked() != causal
+    causal = not causal
+    _check(page, "10, 30, 5", causal)
+    assert _shown(page) != before or "useful (whole blocks)" in inner_text(page, ".arx-summary")
+    for text in ("1, 1, 1, 1, 1, 1, 1, 1", "100, 100, 100", "300, 5, 5, 5"):
+        src = _timed(page, type_lengths(text), text_ms, latencies, src)
+        _check(page, text, causal)
+
+    # Bad input: a clear message, the last numbers stay
+    box.fill("10, 0")
+    box.press("Enter")
+    wait_text(page, ".arx-status", "t => t.includes('1..512')")
+    _check(page, "300, 5, 5, 5", causal, wait=False)
 
     finish(page, widget, "03", latencies, text_ms, console_errors, t_start, capsys)

@@ -12,7 +12,7 @@ several moves and printed; never asserted (timings vary by machine).
 Each lesson's test is in ``explore_lNN.py``; they are collected here so that all of them share
 one JupyterLab server and one Chromium (module-scoped fixtures in ``conftest.py``).
 """
-from explore_l03 import test_lesson03_diagonal_block_explorer  # noqa: F401
+from explore_l03 import test_lesson03_attention_run_explorer  # noqa: F401
 from explore_l04 import test_lesson04_tp_packing_explorer  # noqa: F401
 from explore_l05 import test_lesson05_flop_mix_explorer  # noqa: F401
 from explore_l06 import test_lesson06_prefill_plan_explorer  # noqa: F401
