@@ -1,6 +1,6 @@
 """Lesson 08's module (lessons_lib/course/l08_chunked.py): a chunk's mask, the staircase and timeline
 figures, waits, the engine runs behind the claims, the bugs of the break-it cells, the explorer and
-the three exercise checkers (a chunking scheduler, a budget chosen with numbers, a chunk's positions)."""
+the three exercise checkers (a chunking scheduler, a budget chosen with numbers, the fix of a bug report)."""
 from __future__ import annotations
 
 import pytest
@@ -262,8 +262,16 @@ def _positions(done, lens):
     return torch.cat([torch.arange(c, c + n) for c, n in zip(done, lens)])
 
 
-def test_chunk_positions_checker_passes_and_runs_the_engine():
-    assert L.check_chunk_positions(_positions)
+def test_bug_report_checker_passes_and_runs_the_engine():
+    assert L.check_bug_report_fix(_positions)
+
+
+def test_the_reported_bug_is_one_of_the_named_bugs_and_breaks_the_later_chunks():
+    assert L.REPORTED_BUG in L.BUGS
+    with L.reported_bug():
+        table = L.chunk_error_table()
+    lines = table.splitlines()[1:]
+    assert lines[0].endswith("✓") and all(line.endswith("✗") for line in lines[1:]), table
 
 
 @pytest.mark.parametrize("answer, hint", [
@@ -271,9 +279,12 @@ def test_chunk_positions_checker_passes_and_runs_the_engine():
     (lambda done, lens: torch.arange(sum(lens)), "across the whole batch"),
     (lambda done, lens: _positions(done, lens) + 1, "off by one"),
     (lambda done, lens: _positions(done, lens).int(), "torch.int64"),
+    (lambda done, lens: torch.cumsum(torch.tensor([0, *(c + n for c, n in zip(done, lens))]), 0), "that is cu_seqlens_k"),
+    (lambda done, lens: torch.cumsum(torch.tensor([0, *lens]), 0), "that is cu_seqlens_q"),
+    (lambda done, lens: torch.ones(sum(lens), sum(lens), dtype=torch.bool), "a mask"),
 ])
-def test_chunk_positions_checker_explains_typical_mistakes(answer, hint):
-    assert hint in attempt(L.check_chunk_positions, answer)
+def test_bug_report_checker_explains_typical_mistakes(answer, hint):
+    assert hint in attempt(L.check_bug_report_fix, answer)
 
 
 def test_varlen_attention_of_a_chunk_reads_the_cache_rows():

@@ -13,7 +13,7 @@
   explorer          ``chunked_plan_state`` / ``chunked_plan_html`` / ``chunked_plan_explorer`` (runs the engine)
   exercises         ``check_capped_scheduler`` (08.1; ``check_chunk_scheduler`` for the plain rule),
                     ``check_budget_chooser`` with ``budget_measures`` (08.2),
-                    ``check_chunk_positions`` (08.3)
+                    ``check_bug_report_fix`` (08.3)
 
 Taught in notebooks/08_chunked_prefill.ipynb.
 """
@@ -711,6 +711,18 @@ def install(bug: str) -> Callable[[], None]:
     return lambda: [undo() for undo in reversed(undos)]
 
 
+# Exercise 08.3's bug report: one of ``BUGS``, run without its name so that the learner diagnoses it.
+REPORTED_BUG = "positions restart"
+
+
+@contextlib.contextmanager
+def reported_bug():
+    """``with reported_bug(): ...``: the engine as the bug report of exercise 08.3 ran it ("chunked prefill is wrong
+    after the first chunk"), inside the block only."""
+    with broken(REPORTED_BUG):
+        yield
+
+
 @contextlib.contextmanager
 def broken(bug: str):
     """``with broken("positions restart"): ...``: the engine runs with that bug inside the block only."""
@@ -989,7 +1001,7 @@ def _engine_positions(num_computed_tokens, seq_lens) -> Tensor:
     return pack([[0] * n for n in seq_lens], num_computed_tokens=list(num_computed_tokens)).positions
 
 
-ENGINE_POSITIONS_CASE = "the draft, chunked under 512 on the explorer's small model, with your positions"
+ENGINE_POSITIONS_CASE = "the draft, chunked under 512 on the explorer's small model, with your answer in every forward"
 
 
 def _draft_with_positions(fn) -> dict:
@@ -1047,11 +1059,13 @@ def chunk_error_table(prompt: Sequence[int] | None = None, cfg: ModelConfig | No
     return "\n".join(lines)
 
 
-def check_chunk_positions(fn) -> bool:
-    """Exercise 08.3: ``fn(num_computed_tokens, seq_lens) -> [T] int64``: the position of every row of a flat
-    chunked batch (request i brings ``seq_lens[i]`` tokens after ``num_computed_tokens[i]`` cached ones). Five
-    batches against the engine's ``pack``; then the draft served chunked on the explorer's small model with YOUR
-    positions in every forward, against its unchunked prefill (the tolerance rule, float64 truth)."""
+def check_bug_report_fix(fn) -> bool:
+    """Exercise 08.3: ``fn(num_computed_tokens, seq_lens)``: the quantity of a flat chunked batch (request i brings
+    ``seq_lens[i]`` tokens after ``num_computed_tokens[i]`` cached ones) that the bug report's engine
+    (``reported_bug``) gets wrong, as the intact engine computes it: the ``[T]`` int64 positions. Five batches
+    against the engine's ``pack``; then the draft served chunked on the explorer's small model with YOUR positions
+    in every forward, against its unchunked prefill (the tolerance rule, float64 truth). An answer that is another
+    input of the forward (``cu_seqlens_q``/``_k``, a mask) is told what the instruments say about that input."""
     def run(done, lens=None):
         if done == ENGINE_POSITIONS_CASE:
             return _draft_with_positions(fn)
@@ -1064,26 +1078,37 @@ def check_chunk_positions(fn) -> bool:
                                               f"(allowed {bound:.1g})")
         want = _engine_positions(done, lens)
         if not isinstance(got, Tensor):
-            return f"expected a tensor of {sum(lens)} positions, got {type(got).__name__}"
+            return (f"expected a tensor (the quantity of the batch the broken engine gets wrong), got "
+                    f"{type(got).__name__}")
+        cu_q = torch.cumsum(torch.tensor([0, *lens]), 0)
+        cu_k = torch.cumsum(torch.tensor([0, *(c + n for c, n in zip(done, lens))]), 0)
+        if got.dim() == 1 and got.numel() == len(lens) + 1 and (torch.equal(got.long(), cu_k) or torch.equal(got.long(), cu_q)):
+            which = "cu_seqlens_k" if torch.equal(got.long(), cu_k) else "cu_seqlens_q"
+            return (f"that is {which}, and the broken engine gets it right: under reported_bug() the recorder's blocks "
+                    f"(recorded_draft_blocks) are n x (s + n), exactly the intact ones. Rule out the next suspect")
+        if got.dim() == 2 and got.dtype == torch.bool:
+            return ("a mask: the broken engine's masks are right, chunk_mask and chunk_rows_error give the intact "
+                    "answer under reported_bug(), and attention alone matches the whole prompt. What else does a "
+                    "forward take per row?")
         if tuple(got.shape) != tuple(want.shape):
-            return f"shape {list(got.shape)}, expected [{sum(lens)}]: one position per row of the flat batch"
+            return f"shape {list(got.shape)}, expected [{sum(lens)}]: one value per row of the flat batch"
         if got.dtype != torch.int64:
             return f"dtype {got.dtype}, expected torch.int64 (an index into the position embeddings)"
         if torch.equal(got, want):
             return None
         if torch.equal(got, torch.cat([torch.arange(n) for n in lens])):
-            return ("positions restart at 0 in every chunk: the second chunk's tokens get the embeddings of positions "
-                    "0, 1, ... and the model reads them as the start of a new prompt (the broken run above: chunk 0 "
-                    "right, every later chunk wrong) - start request i at num_computed_tokens[i]")
+            return ("positions restart at 0 in every chunk: that is what the bug report's engine does - the second "
+                    "chunk's tokens get the embeddings of positions 0, 1, ... and the model reads them as the start of "
+                    "a new prompt; start request i at num_computed_tokens[i]")
         if torch.equal(got, torch.arange(sum(lens))):
             return "positions run 0..T-1 across the whole batch: they restart for every REQUEST, at its cached length"
         if torch.equal(got, want + 1):
             return "off by one: the first new token of a request with c cached tokens sits at position c (0-based)"
-        return f"positions {got.tolist()[:12]}..., the engine's are {want.tolist()[:12]}..."
+        return f"values {got.tolist()[:12]}..., the engine's are {want.tolist()[:12]}..."
 
-    return grade("chunk_positions", run, [*_POSITION_CASES, (ENGINE_POSITIONS_CASE,)], judge,
-                 "every row's position on 5 chunked batches as the engine's pack gives them, and the draft served "
-                 "chunked with your positions equals its unchunked prefill")
+    return grade("bug_report_fix", run, [*_POSITION_CASES, (ENGINE_POSITIONS_CASE,)], judge,
+                 "the quantity the bug report's engine gets wrong, on 5 chunked batches as the engine's pack gives "
+                 "it, and the draft served chunked with yours equals its unchunked prefill")
 
 
 def error_and_bound(out: Tensor, ref: Tensor, ref64: Tensor) -> tuple[float, float]:
