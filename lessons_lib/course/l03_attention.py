@@ -432,30 +432,32 @@ def attention_run_predicted_html(state: dict) -> str:
 
 
 def attention_run_figure(state: dict) -> Figure:
-    """Measured score cells per head of each backend (bars, log scale) against the useful cells (line)."""
+    """Measured score cells per head of each backend (log scale): the useful part in the useful colour, the
+    rest (computed, thrown away) in the wasted colour; a dotted ink line at what a tiled kernel executes."""
     names = list(state["rows"])
     cells = [state["rows"][n]["cells"] for n in names]
+    useful = state["useful"]
+    tiled = state["tiled"].executed_cells
     fig = Figure(figsize=(7.6, 3.2))
     ax = fig.add_subplot()
-    colors = [WASTE if c > state["useful"] else ATTENTION for c in cells]
-    ax.barh(range(len(names)), cells, color=colors)
-    ax.axvline(state["useful"], color=TEXT, linestyle="--", linewidth=1.2, label=f"useful: {state['useful']}")
-    ax.axvline(state["tiled"].executed_cells, color=TEXT, linestyle=":", linewidth=1.2,
-               label=f"tiled kernel executes: {state['tiled'].executed_cells}")
+    ax.set_xscale("log")
+    left = max(1, min(cells + [useful]) / 4)
+    ys = range(len(names))
+    ax.barh(ys, [useful - left] * len(names), left=left, color=CELL_COLORS[USEFUL], label=CELL_LABELS[USEFUL])
+    ax.barh(ys, [max(c - useful, 0) for c in cells], left=useful, color=CELL_COLORS[WASTED], label=CELL_LABELS[WASTED])
+    ax.axvline(tiled, color=TEXT, linestyle=":", linewidth=1.2, label=f"a tiled kernel executes {tiled}")
     for i, c in enumerate(cells):
         ax.text(c, i, f" {c}", va="center", fontsize=MIN_FONT)
-    ax.set_xscale("log")
-    hi = max(cells + [state["tiled"].executed_cells])
-    ax.set_xlim(max(1, min(cells + [state["useful"]]) / 2), hi * 8)
-    ax.set_yticks(range(len(names)), [run_label(state, n) for n in names], fontsize=MIN_FONT)
+    ax.set_xlim(left, max(cells + [tiled]) * 8)
+    ax.set_yticks(list(ys), [run_label(state, n) for n in names], fontsize=MIN_FONT)
     ax.invert_yaxis()
     ax.tick_params(labelsize=MIN_FONT)
-    ax.set_xlabel("score cells per head, measured by OpRecorder (log scale)", fontsize=MIN_FONT)
-    ax.legend(fontsize=MIN_FONT, frameon=False, loc="lower right")
+    ax.set_xlabel(f"score cells per head, measured by OpRecorder (log scale); useful: {useful}", fontsize=MIN_FONT)
+    ax.legend(fontsize=MIN_FONT, loc="lower right", framealpha=1.0, edgecolor=TEXT)  # opaque: the dotted line passes behind
     kind = "causal" if state["causal"] else "no causal mask"
-    ax.set_title(f"score cells each backend computed, lengths {short_lens(state['seq_lens'])} ({kind})",
+    ax.set_title(f"score cells per head each backend computed\nlengths {short_lens(state['seq_lens'])} ({kind})",
                  fontsize=MIN_FONT + 1)
-    fig.subplots_adjust(left=0.3, right=0.97, bottom=0.17, top=0.88)
+    fig.subplots_adjust(left=0.3, right=0.97, bottom=0.17, top=0.84)
     return fig
 
 
