@@ -63,3 +63,16 @@ def _mlp_forward_with_another_gelu():
     def forward(self, x):
         return self.fc_down(F.gelu(self.fc_up(x)))  # the bug: not self.act (approximate="tanh")
     model.MLP.forward = forward
+
+
+@breaks("C6", "02_linear_is_per_token",
+        "RowParallelLinear adds the bias on every rank before the all-reduce, so the sum holds it tp times",
+        variant="bias")
+def _row_parallel_bias_before_the_reduce():
+    import torch.nn.functional as F
+
+    from lessons_lib.core import linear
+
+    def forward(self, x):
+        return self.group.all_reduce(F.linear(x, self.weight, self.bias), layer=self.name)  # the bug: b on each rank
+    linear.RowParallelLinear.forward = forward

@@ -92,9 +92,15 @@ def wrong(x, eps):  # the unbiased variance (torch's default); warns for a one-t
     return (x - x.mean(dim=0, keepdim=True)) / (x.var(dim=0, keepdim=True) + eps) ** 0.5
 ''', "biased variance"),
     "ex02_2_grade": ('''
-def wrong(partials, bias):  # every rank adds the bias before the sum
-    return sum(p + bias for p in partials)
-''', "the bias was added"),
+def wrong(suspect):  # reads the payload shape, never asks whether the ranks agree
+    _, sent = suspect.run(torch.randn(3, suspect.in_features))
+    if not sent[0]:
+        return "no all-reduce"
+    if sent[0][0].shape[1] != suspect.out_features:
+        return "all-reduce before the matmul"
+    at_zero, _ = suspect.run(torch.zeros(1, suspect.in_features))
+    return "correct" if torch.allclose(at_zero[0][0], suspect.bias, atol=1e-5) else "bias on every rank"
+''', "the sum came too early"),
     "ex02_3_grade": ('''
 def wrong(x):  # no guard for a row of zeros
     s = x.abs().amax(dim=-1, keepdim=True) / 127

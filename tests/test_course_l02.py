@@ -1,4 +1,4 @@
-"""course.l02_linear: the walk through a block, its measurements, the figures, the row-reach explorer
+"""course.l02_linear: the walk through a block, its measurements, the figures, the module-reach explorer
 and the checkers of lesson 02 (claims C4, C5, C6)."""
 from __future__ import annotations
 
@@ -137,50 +137,98 @@ def test_c6_qkv_shards_uses_the_palette_and_says_what_each_rank_computes():
     assert min_font(fig) >= MIN_FONT
 
 
-# --- the row-reach explorer -------------------------------------------------------------------------------
+# --- the module-reach explorer ------------------------------------------------------------------------------
 
-def test_c4_c7_c10_layer_dependency_per_kind():
-    eye = np.eye(40, dtype=bool)
-    for kind in ("LayerNorm", "linear (QKV proj)", "GeLU", "residual add"):
-        np.testing.assert_array_equal(L.layer_dependency(kind), eye)
-    np.testing.assert_array_equal(L.layer_dependency("plain attention (flat rows, causal)"), np.tril(np.ones((40, 40), bool)))
-    varlen = np.zeros((40, 40), bool)
-    varlen[:10, :10] = np.tril(np.ones((10, 10), bool))
-    varlen[10:, 10:] = np.tril(np.ones((30, 30), bool))
-    np.testing.assert_array_equal(L.layer_dependency("varlen attention (causal)"), varlen)
-    with pytest.raises(ValueError, match="kind"):
-        L.layer_dependency("BatchNorm")
+def _block_diag_causal(lens):
+    t = sum(lens)
+    want = np.zeros((t, t), bool)
+    start = 0
+    for n in lens:
+        want[start:start + n, start:start + n] = np.tril(np.ones((n, n), bool))
+        start += n
+    return want
 
 
-def test_row_reach_state_names_the_rows_and_requests():
-    s = L.row_reach_state(12, "plain attention (flat rows, causal)")
-    assert (s["request"], s["position"], s["readers"]) == ("B", 2, list(range(13)))
-    assert s["per_request"] == {"A": 10, "B": 3} and s["other_requests"] == 10
-    assert "reads 10 rows of another request" in L.row_reach_text(s)
-    v = L.row_reach_state(12, "varlen attention (causal)")
-    assert v["readers"] == [10, 11, 12] and v["other_requests"] == 0
-    assert "input rows 10-12" in L.row_reach_text(v)
-    assert L.row_reach_state(3, "GeLU")["readers"] == [3]
-    with pytest.raises(ValueError, match="row"):
-        L.row_reach_state(40, "GeLU")
+def test_c4_c5_c10_module_reach_measures_the_engines_modules():
+    lens = [3, 5, 2]
+    eye = np.eye(10, dtype=bool)
+    for name in ("LayerNorm (block.ln_1)", "QKV linear (block.attn.qkv)", "out proj (block.attn.out_proj)",
+                 "GeLU (block.mlp.act)", "FFN: up, GeLU, down (block.mlp)", "residual add (x + skip)",
+                 "BatchNorm1d, eval mode (running stats)", "yours: softmax over each row"):
+        s = L.module_reach_state(name, lens)
+        np.testing.assert_array_equal(s["dep"], eye, err_msg=name)
+        assert (s["reads"], s["verdict"], s["other_requests"]) == ("row i only", L.SAFE, 0), name
+    att = L.module_reach_state("attention with cu_seqlens (block.attn.core)", lens)
+    np.testing.assert_array_equal(att["dep"], _block_diag_causal(lens))
+    assert att["own_request"] == 3 + 10 + 1 and att["verdict"] == L.SAFE and att["reads"] == "rows of its own request"
+    one = L.module_reach_state("attention told one sequence, cu = [0, T]", lens)
+    np.testing.assert_array_equal(one["dep"], np.tril(np.ones((10, 10), bool)))
+    assert one["other_requests"] == 3 * 5 + 8 * 2 and one["verdict"] == L.MIXES
 
 
-def test_row_reach_explorer_contract_and_callbacks():
+def test_module_reach_catches_modules_that_mix_requests():
+    bn = L.module_reach_state("BatchNorm1d, training mode", [4, 6])
+    assert bn["pairs"] == 100 and bn["other_requests"] == 2 * 4 * 6 and bn["verdict"] == L.MIXES
+    cs = L.module_reach_state("yours: cumsum over the tokens", [4, 6])
+    assert cs["other_requests"] == 6 * 4 and cs["own_request"] == 6 + 15   # B's rows read all of A's
+    back = L.module_reach_state("yours: cumsum over the tokens", [6, 4])
+    assert back["other_requests"] == 4 * 6
+    assert L.module_reach_state("yours: mean over the tokens", [4, 6])["pairs"] == 100
+    assert "mixes requests" in L.module_reach_text(cs) and "across requests 24" in L.module_reach_text(cs)
+
+
+def test_add_reach_module_and_bad_inputs():
+    L.add_reach_module("shift by one token", lambda t: torch.roll(t, 1, dims=0))
+    s = L.module_reach_state("yours: shift by one token", [2, 3])
+    assert s["other_requests"] == 2 and s["diagonal"] == 0   # row 2 reads row 1 (A), row 0 reads row 4 (B)
+    with pytest.raises(ValueError, match="one row per input row"):
+        L.add_reach_module("sum", lambda t: t.sum(0, keepdim=True))
+        L.module_reach_state("yours: sum", [2, 3])
+    with pytest.raises(ValueError, match="failed on 1 rows"):
+        L.module_reach_state("BatchNorm1d, training mode", [1])
+    with pytest.raises(ValueError, match="at most 16 requests and 120 tokens"):
+        L.module_reach_state("GeLU (block.mlp.act)", [100, 30])
+    with pytest.raises(ValueError, match="module"):
+        L.module_reach_state("nonsense", [2])
+    with pytest.raises(ValueError, match="seq_lens"):
+        L.module_reach_state("GeLU (block.mlp.act)", [3, 0])
+    with pytest.raises(ValueError, match="name"):
+        L.add_reach_module("  ", lambda t: t)
+    with pytest.raises(ValueError, match="fn must be"):
+        L.add_reach_module("x", 3)
+
+
+def test_who_reads_whom_panels_use_one_colour_per_kind():
+    panels, colors = L.who_reads_whom_panels([10, 30])
+    assert list(colors.values()) == [L.OTHER, L.LINEAR, L.ATTENTION, L.ATTENTION]
+    assert [int(p.sum()) for p in panels.values()] == [40, 40, 820, 520]
+
+
+def test_module_reach_explorer_contract_and_callbacks():
     import ipywidgets as w
-    box = L.row_reach_explorer()
-    assert "rdx" in box._dom_classes
+    box = L.module_reach_explorer()
+    assert "mrx" in box._dom_classes
     k = by_class(box)
-    row, kind, readers, out = k["rdx-row"], k["rdx-kind"], k["rdx-readers"], k["rdx-figure"]
-    assert isinstance(row, w.IntSlider) and (row.min, row.max, row.value) == (0, 39, 12)
-    assert isinstance(kind, w.Dropdown) and list(kind.options) == list(L.LAYER_KINDS)
-    assert "0-12" in readers.value
-    first_text, first_png = readers.value, png_of(out)
-    kind.value = "varlen attention (causal)"
-    assert "10-12" in readers.value and png_of(out) != first_png
-    second_png = png_of(out)
-    row.value = 3
-    assert "output row 3 (A, position 3)" in readers.value and "0-3" in readers.value
-    assert png_of(out) != second_png and readers.value != first_text
+    pick, text, verdict, out = k["mrx-module"], k["mrx-lengths"], k["mrx-verdict"], k["mrx-figure"]
+    assert isinstance(pick, w.Dropdown) and "BatchNorm1d, training mode" in pick.options
+    assert isinstance(text, w.Text) and text.value == "10, 30"
+    assert verdict.value == f"<div>{L.module_reach_text(L.module_reach_state(pick.value, [10, 30]))}</div>"
+    first = png_of(out)
+    pick.value = "LayerNorm (block.ln_1)"
+    assert "safe to batch flat" in verdict.value and png_of(out) != first
+    second = png_of(out)
+    text.value = "3, 4, 5"
+    assert "cu_seqlens [0, 3, 7, 12]" in verdict.value and png_of(out) != second
+    text.value = "3, x"
+    assert "mrx-error" in verdict._dom_classes and "not a whole number" in verdict.value
+    text.value = "4"
+    assert "mrx-error" not in verdict._dom_classes
+
+
+def test_module_reach_figure_text_is_readable():
+    fig = L.module_reach_figure(L.module_reach_state("yours: cumsum over the tokens", [10, 30]))
+    assert "mixes requests: 300 pairs across requests" in fig._suptitle.get_text()
+    assert min_font(fig) >= MIN_FONT
 
 
 # --- exercises -------------------------------------------------------------------------------------------
@@ -219,17 +267,63 @@ def test_batch_norm_checker_explains_a_wrong_dependency_set(capsys):
     assert score(L.check_batch_norm, per_request_mean, points=2) == 1.5  # 3 of 4 cases
 
 
-def test_row_parallel_combine_checker():
-    assert L.check_row_parallel_combine(lambda partials, b: torch.stack(partials).sum(0) + b)
-    assert "bias was added 2 times" in attempt(L.check_row_parallel_combine, lambda p, b: sum(x + b for x in p))
-    assert "bias is missing" in attempt(L.check_row_parallel_combine, lambda p, b: sum(p))
-    assert "rank 0's partial" in attempt(L.check_row_parallel_combine, lambda p, b: p[0] + b)
-    assert "average" in attempt(L.check_row_parallel_combine, lambda p, b: torch.stack(p).mean(0) + b)
+def _diagnose(suspect):
+    per_rank, sent = suspect.run(torch.randn(5, suspect.in_features))
+    if not all(torch.allclose(y, per_rank[0], atol=1e-5) for y in per_rank):
+        return "all-reduce before the matmul" if sent[0] else "no all-reduce"
+    zero, _ = suspect.run(torch.zeros(1, suspect.in_features))
+    return "correct" if torch.allclose(zero[0][0], suspect.bias, atol=1e-5) else "bias on every rank"
 
 
-def test_row_parallel_combine_bias_on_every_rank_gets_partial_marks(capsys):
-    assert score(L.check_row_parallel_combine, lambda p, b: sum(x + b for x in p), points=2) == 0.5  # right at tp=1
-    assert "bias was added" in capsys.readouterr().out
+def test_c6_run_row_parallel_sums_the_halves_once():
+    g = torch.Generator().manual_seed(6)
+    x, w, b = torch.randn(7, 12, generator=g), torch.randn(5, 12, generator=g), torch.randn(5, generator=g)
+    for tp in (1, 2, 3, 4):
+        outs, traces = L.run_row_parallel(w, b, x, tp)
+        assert len(outs) == tp and all(torch.allclose(y, F.linear(x, w, b), atol=1e-5) for y in outs)
+        assert all([r.shape for r in t] == [(7, 5)] for t in traces)
+
+
+def test_row_parallel_suspects_behave_as_named():
+    x = torch.randn(4, 12)
+    want = L.RowParallelSuspect("correct", 12, 5, 3, seed=2)
+    full = F.linear(x, want._weight, want.bias)
+    outs, traces = want.run(x)
+    for y, trace in zip(outs, traces):   # the engine's RowParallelLinear on 3 thread ranks = the unsharded layer
+        torch.testing.assert_close(y, full)
+        assert [(r.op, r.shape) for r in trace] == [("all_reduce", (4, 5))]
+    twice, _ = L.RowParallelSuspect("bias on every rank", 12, 5, 3, seed=2).run(x)
+    torch.testing.assert_close(twice[1], full + 2 * want.bias)
+    early, early_trace = L.RowParallelSuspect("all-reduce before the matmul", 12, 5, 3, seed=2).run(x)
+    assert early_trace[0][0].shape == (4, 4) and not torch.allclose(early[0], early[1])
+    none, none_trace = L.RowParallelSuspect("no all-reduce", 12, 5, 3, seed=2).run(x)
+    assert none_trace == [[], [], []] and not torch.allclose(none[0], full)
+    assert {n: _diagnose(s) for n, s in L.row_parallel_suspects().items()} == {
+        "layer_1": "bias on every rank", "layer_2": "correct", "layer_3": "no all-reduce",
+        "layer_4": "all-reduce before the matmul"}
+    with pytest.raises(ValueError, match="x must be"):
+        want.run(torch.randn(4, 11))
+    with pytest.raises(ValueError, match="divisible"):
+        L.RowParallelSuspect("correct", 10, 5, 3)
+
+
+def test_row_parallel_diagnosis_checker_explains_wrong_rules(capsys):
+    assert L.check_row_parallel_diagnosis(_diagnose)
+    assert "2 x the bias" in attempt(L.check_row_parallel_diagnosis, lambda s: "correct")
+
+    def shape_only(s):  # reads the payload shape, not whether the ranks agree
+        _, sent = s.run(torch.randn(3, s.in_features))
+        if not sent[0]:
+            return "no all-reduce"
+        if sent[0][0].shape[1] != s.out_features:
+            return "all-reduce before the matmul"
+        zero, _ = s.run(torch.zeros(1, s.in_features))
+        return "correct" if torch.allclose(zero[0][0], s.bias, atol=1e-5) else "bias on every rank"
+    message = attempt(L.check_row_parallel_diagnosis, shape_only)
+    assert "ranks DISAGREE" in message and "the sum came too early" in message
+    assert score(L.check_row_parallel_diagnosis, shape_only, points=2) == 2 * 7 / 8
+    assert "answer one of" in attempt(L.check_row_parallel_diagnosis, lambda s: "broken")
+    assert L.check_row_parallel_diagnosis(stub) is False
 
 
 def test_quantize_rows_checker():

@@ -5,7 +5,9 @@
 - ``block_steps`` / ``measure_steps``: the same steps run on a real ``Block`` of the engine, one
   at a time, with ``probe.row_dependency`` and the flat-vs-alone rounding of every step;
 - ``qkv_shards``: the QKV weight's rows (its feature extractors) and the rank that owns each (C6);
-- the row-reach explorer (``row_reach_state`` + ``row_reach_explorer``);
+- the module-reach explorer (``module_reach_state`` + ``module_reach_explorer``): ``probe.row_dependency``
+  live on a module of the engine, a BatchNorm1d or one of the learner's, for the lengths typed, and its verdict;
+- exercise 02.2's ``RowParallelSuspect`` layers (the engine's ``RowParallelLinear`` and three bugs on top of it);
 - the checkers of exercises 02.1-02.3.
 
 Taught in notebooks/02_linear_is_per_token.ipynb.
@@ -24,21 +26,22 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from ..core.attention import VarlenMetadata, attention_forward, plain_attention
+from ..core.attention import VarlenMetadata
 from ..core.batch import cumulative, pack
 from ..core.config import ModelConfig
 from ..core.groups import LocalGroup
-from ..core.linear import QKVParallelLinear
-from ..core.model import AttentionContext
+from ..core.linear import QKVParallelLinear, RowParallelLinear
+from ..core.model import AttentionContext, Transformer, init_weights
 from ..measure.recorder import module_io
 from ..measure.tolerance import max_abs_diff, tolerance
-from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, draw_strip, request_name
+from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, request_name
+from ..tp.threads import tp_ranks_in_threads
 from ..validate import check_choice, check_int, check_lengths
-from .explore import explorer, ipywidgets_module, show_figure, tagged
+from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade, matches, tensor_problem
 from .l00_setup import consecutive_runs
-from .probe import row_dependency, who_reads_whom
+from .probe import row_dependency
 
 Tensor = torch.Tensor
 KIND_COLORS = {"per token": OTHER, "linear": LINEAR, "attention": ATTENTION}
@@ -413,121 +416,168 @@ def qkv_shards(cfg: ModelConfig, tokens: int = 40, tp_size: int = 2) -> Figure:
     return fig
 
 
-# ---- the row-reach explorer -------------------------------------------------------------------------
+# ---- the module-reach explorer: which rows does a module let a row read? -------------------------------
 
-LAYER_KINDS = ("LayerNorm", "linear (QKV proj)", "GeLU", "residual add", "plain attention (flat rows, causal)",
-               "varlen attention (causal)")
-_KIND_COLOR = {"LayerNorm": OTHER, "linear (QKV proj)": LINEAR, "GeLU": OTHER, "residual add": OTHER,
-               "plain attention (flat rows, causal)": ATTENTION, "varlen attention (causal)": ATTENTION}
-
-
-@functools.lru_cache(maxsize=32)
-def layer_dependency(kind: str, seq_lens: tuple = tuple(ARTICLE_LENS), d_model: int = 32, n_heads: int = 4,
-                     seed: int = 0) -> np.ndarray:
-    """Bool ``[T, T]``: measured with ``row_dependency`` on one small layer of this ``kind``
-    (random weights of a fixed seed; the map does not depend on them). Cached per kind."""
-    check_choice("kind", kind, LAYER_KINDS)
-    lens = check_lengths(seq_lens)
-    d, h = check_int("d_model", d_model, 1), check_int("n_heads", n_heads, 1)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(lens), d, generator=g)
-    w_qkv = torch.randn(3 * d, d, generator=g) / d ** 0.5
-    skip = torch.randn(sum(lens), d, generator=g)
-    meta = VarlenMetadata.build(cumulative(lens))
-
-    def qkv(t):                                                        # [T, d] -> q, k, v [T, H, d/H]
-        return F.linear(t, w_qkv).view(t.shape[0], 3, h, d // h).unbind(1)
-
-    fns = {"LayerNorm": lambda t: F.layer_norm(t, (d,)),
-           "linear (QKV proj)": lambda t: F.linear(t, w_qkv),
-           "GeLU": lambda t: F.gelu(t, approximate="tanh"),
-           "residual add": lambda t: t + skip,
-           "plain attention (flat rows, causal)": lambda t: plain_attention(*qkv(t)),
-           "varlen attention (causal)": lambda t: attention_forward(*qkv(t), meta, "loop", causal=True)}
-    return row_dependency(fns[kind], x).numpy()
+REACH_CFG = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=50, max_position=64)
+MAX_REACH_TOKENS, MAX_REACH_REQUESTS = 120, 16
+SAFE, MIXES = "safe to batch flat", "mixes requests"
 
 
-def row_reach_state(row: int, kind: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> dict:
-    """Which input rows can change output ``row`` under a layer of ``kind`` (measured, cached).
+@dataclass(frozen=True)
+class ReachModule:
+    """A module for the explorer: ``fn(t [T, width], cu_seqlens) -> [T, ...]``, its palette kind
+    ("per token", "linear", "attention") and its input width."""
 
-    Returns ``{"row", "kind", "request", "position", "readers": [j, ...], "per_request": {name: n},
-    "other_requests": n}``: ``readers`` are the input rows j whose change changes output row ``row``.
+    fn: Callable
+    kind: str
+    width: int
+
+
+@functools.lru_cache(maxsize=1)
+def _reach_block():
+    """One block of the engine at ``REACH_CFG`` (fixed seed): the maps are bools, they do not depend on the sizes."""
+    return Transformer(REACH_CFG, init_weights(REACH_CFG, seed=0)).layers[0]
+
+
+def _engine_modules() -> dict[str, ReachModule]:
+    b, cfg = _reach_block(), REACH_CFG
+    d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
+    skip = torch.randn(MAX_REACH_TOKENS, d, generator=torch.Generator().manual_seed(11))
+
+    def attention(cu_of):
+        def run(t, cu):
+            b.attn.core.context = AttentionContext(VarlenMetadata.build(cu_of(cu)), "masked")
+            try:
+                return b.attn.core(*b.attn.qkv.split(t)).flatten(1)
+            finally:
+                b.attn.core.context = None
+        return run
+
+    train_bn, eval_bn = torch.nn.BatchNorm1d(d), torch.nn.BatchNorm1d(d)
+    eval_bn.running_mean.normal_(generator=torch.Generator().manual_seed(12))
+    eval_bn.eval()
+    return {
+        "LayerNorm (block.ln_1)": ReachModule(lambda t, cu: b.ln_1(t), "per token", d),
+        "QKV linear (block.attn.qkv)": ReachModule(lambda t, cu: b.attn.qkv(t), "linear", d),
+        "attention with cu_seqlens (block.attn.core)": ReachModule(attention(lambda cu: cu), "attention", 3 * k),
+        "attention told one sequence, cu = [0, T]": ReachModule(attention(lambda cu: [0, cu[-1]]), "attention", 3 * k),
+        "out proj (block.attn.out_proj)": ReachModule(lambda t, cu: b.attn.out_proj(t), "linear", k),
+        "GeLU (block.mlp.act)": ReachModule(lambda t, cu: b.mlp.act(t), "per token", f),
+        "FFN: up, GeLU, down (block.mlp)": ReachModule(lambda t, cu: b.mlp(t), "linear", d),
+        "residual add (x + skip)": ReachModule(lambda t, cu: t + skip[:t.shape[0]], "per token", d),
+        "BatchNorm1d, training mode": ReachModule(lambda t, cu: train_bn(t), "per token", d),
+        "BatchNorm1d, eval mode (running stats)": ReachModule(lambda t, cu: eval_bn(t), "per token", d),
+    }
+
+
+# Modules a learner defines: name -> fn(t [T, d]) -> [T, ...]. Three to start; add yours with add_reach_module.
+_OWN_MODULES: dict[str, Callable] = {
+    "yours: softmax over each row": lambda t: torch.softmax(t, dim=-1),
+    "yours: mean over the tokens": lambda t: t.mean(dim=0, keepdim=True).expand_as(t),
+    "yours: cumsum over the tokens": lambda t: t.cumsum(dim=0),
+}
+
+
+def add_reach_module(name: str, fn: Callable[[Tensor], Tensor]) -> None:
+    """Add your own module to the explorer: ``fn(t [T, d_model]) -> [T, ...]`` (one output row per token)."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if not callable(fn):
+        raise ValueError(f"fn must be a function t -> tensor, got {type(fn).__name__}")
+    _OWN_MODULES["yours: " + name.strip().removeprefix("yours: ")] = fn
+
+
+def reach_modules() -> dict[str, ReachModule]:
+    """Every module the explorer offers: the engine's own, two BatchNorm1d, and the learner's."""
+    own = {name: ReachModule(lambda t, cu, fn=fn: fn(t), "per token", REACH_CFG.d_model)
+           for name, fn in _OWN_MODULES.items()}
+    return {**_engine_modules(), **own}
+
+
+def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> dict:
+    """Run ``probe.row_dependency`` on ``module`` for the flat batch of ``seq_lens`` (random input
+    rows, fixed seed) and sort the pairs it finds.
+
+    Returns ``{"module", "kind", "seq_lens", "cu_seqlens", "dep" (bool [T, T]), "pairs", "diagonal",
+    "own_request", "other_requests", "reads", "verdict"}``: ``own_request`` counts pairs (i, j != i) of
+    one request, ``other_requests`` pairs across requests; the verdict is ``SAFE`` when that is 0.
     """
+    modules = reach_modules()
+    check_choice("module", module, tuple(modules))
     lens = check_lengths(seq_lens)
-    cu = cumulative(lens)
-    i = check_int("row", row, 0, cu[-1] - 1)
-    dep = layer_dependency(kind, tuple(lens))
-    readers = np.flatnonzero(dep[i]).tolist()
-    req = int(np.searchsorted(cu, i, side="right") - 1)
-    per_request = {request_name(r): sum(cu[r] <= j < cu[r + 1] for j in readers) for r in range(len(lens))}
-    return {"row": i, "kind": kind, "request": request_name(req), "position": i - cu[req], "readers": readers,
-            "per_request": per_request, "other_requests": len(readers) - per_request[request_name(req)]}
+    if len(lens) > MAX_REACH_REQUESTS or sum(lens) > MAX_REACH_TOKENS:
+        raise ValueError(f"lengths: at most {MAX_REACH_REQUESTS} requests and {MAX_REACH_TOKENS} tokens in all "
+                         f"(the explorer runs the module once per row), got {len(lens)} requests, {sum(lens)} tokens")
+    m, cu = modules[module], cumulative(lens)
+    x = torch.randn(cu[-1], m.width, generator=torch.Generator().manual_seed(5))
+    try:
+        dep = row_dependency(lambda t: m.fn(t, cu), x)
+    except Exception as exc:  # a learner's module, or BatchNorm on one token: say so, never a wrong map
+        raise ValueError(f"{module} failed on {cu[-1]} rows: {type(exc).__name__}: {exc}") from None
+    if dep.shape != (cu[-1], cu[-1]):
+        raise ValueError(f"{module} must return one row per input row: {cu[-1]} rows in, {dep.shape[0]} out")
+    dep = dep.numpy()
+    owner = np.repeat(np.arange(len(lens)), lens)
+    same = owner[:, None] == owner[None, :]
+    diag = int(np.trace(dep))
+    own = int((dep & same).sum()) - diag
+    other = int((dep & ~same).sum())
+    reads = "other requests too" if other else "rows of its own request" if own else "row i only"
+    return {"module": module, "kind": m.kind, "seq_lens": lens, "cu_seqlens": cu, "dep": dep, "pairs": int(dep.sum()),
+            "diagonal": diag, "own_request": own, "other_requests": other, "reads": reads,
+            "verdict": MIXES if other else SAFE}
 
 
-def _spans(rows: list[int]) -> str:
-    parts = [f"{a}" if b - a == 1 else f"{a}-{b - 1}" for a, b in consecutive_runs(rows)]
-    return ", ".join(parts) if parts else "none"
+def module_reach_text(state: dict) -> str:
+    """``<module> on cu_seqlens [...]: 40 of 1600 pairs change | diagonal 40 | ... | verdict``."""
+    t = state["cu_seqlens"][-1]
+    return (f"{state['module']} on cu_seqlens {state['cu_seqlens']}: {state['pairs']} of {t * t} pairs change | "
+            f"diagonal {state['diagonal']} | same request {state['own_request']} | "
+            f"across requests {state['other_requests']} | row i reads {state['reads']} | {state['verdict']}")
 
 
-def row_reach_text(state: dict) -> str:
-    """One readable line: ``output row 12 (B, position 2) under ...: changed by input rows 0-12 ...``."""
-    counts = ", ".join(f"{n} of {name}" for name, n in state["per_request"].items() if n)
-    verdict = (f"reads {state['other_requests']} rows of another request: a wrong answer" if state["other_requests"]
-               else "stays inside its own request")
-    return (f"output row {state['row']} ({state['request']}, position {state['position']}) under {state['kind']}: "
-            f"changed by input rows {_spans(state['readers'])} ({counts}) - {verdict}")
-
-
-def row_reach_figure(state: dict, seq_lens: Sequence[int] = ARTICLE_LENS) -> Figure:
-    """The flat rows coloured by request (top) and the input rows that can change output row i (bottom)."""
-    lens = check_lengths(seq_lens)
-    t = sum(lens)
-    fig = Figure(figsize=(8.4, 2.8))
-    ax = fig.add_axes((0.13, 0.26, 0.85, 0.46))
-    draw_strip(ax, lens, y=1.3, height=0.8)
-    color = _KIND_COLOR[state["kind"]]
-    cu = cumulative(lens)
-    req = [int(np.searchsorted(cu, j, side="right") - 1) for j in range(t)]
-    own = req[state["row"]]
-    readers = set(state["readers"])
-    for j in range(t):
-        hit = j in readers
-        ax.add_patch(Rectangle((j, 0), 1, 0.8, facecolor=color if hit else NEVER, edgecolor=OTHER, linewidth=0.4,
-                               hatch="xx" if hit and req[j] != own else ""))
-    ax.annotate("", xy=(state["row"] + 0.5, 2.1), xytext=(state["row"] + 0.5, 2.7),
-                arrowprops={"arrowstyle": "-|>", "color": TEXT, "lw": 1.5}, annotation_clip=False)
-    ax.set_xlim(0, t)
-    ax.set_ylim(0, 2.2)
-    ax.set_yticks([0.4, 1.7])
-    ax.set_yticklabels(["rows that\nchange it", "flat batch"], fontsize=MIN_FONT)
-    ax.set_xticks(cu)
-    ax.tick_params(labelsize=MIN_FONT)
-    for side in ("left", "top", "right"):
-        ax.spines[side].set_visible(False)
-    ax.set_xlabel("flat row (ticks at cu_seqlens); crossed cells belong to another request", fontsize=MIN_FONT)
-    fig.suptitle(f"{state['kind']}: the input rows that change output row {state['row']} "
-                 f"({state['request']}, position {state['position']})\n{len(state['readers'])} rows, "
-                 f"{state['other_requests']} of them from another request", fontsize=MIN_FONT + 1, y=0.98)
+def module_reach_figure(state: dict) -> Figure:
+    """The measured who-reads-whom map of ``state``, request boundaries dashed, verdict in the title."""
+    title = state["module"]
+    fig = dependency_maps({title: state["dep"]}, state["seq_lens"], colors={title: KIND_COLORS[state["kind"]]})
+    fig.set_size_inches(5.6, 5.0)
+    fig.subplots_adjust(left=0.14, right=0.96, bottom=0.11, top=0.8)
+    fig.suptitle(f"{state['verdict']}: {state['other_requests']} pairs across requests", fontsize=MIN_FONT + 2,
+                 color=TEXT, fontweight="bold", y=0.97)
     return fig
 
 
-def row_reach_explorer(row: int = 12, kind: str = "plain attention (flat rows, causal)",
-                       seq_lens: Sequence[int] = ARTICLE_LENS):
-    """VBox class ``rdx``: IntSlider ``rdx-row`` (output row), Dropdown ``rdx-kind`` (layer kind),
-    HTML ``rdx-readers`` (the rows that can change it, by request), Output ``rdx-figure``."""
+def module_reach_explorer(module: str = "yours: cumsum over the tokens", lengths: str = "10, 30"):
+    """VBox class ``mrx``: Dropdown ``mrx-module``, Text ``mrx-lengths``, HTML ``mrx-verdict`` (the
+    ``module_reach_text`` line), Output ``mrx-figure``. Bad input shows its error (class ``mrx-error``)."""
     w = ipywidgets_module()
-    lens = check_lengths(seq_lens)
-    slider = tagged(w.IntSlider(value=row, min=0, max=sum(lens) - 1, description="output row"), "rdx-row")
-    kinds = tagged(w.Dropdown(options=list(LAYER_KINDS), value=kind, description="layer",
-                              layout=w.Layout(width="380px")), "rdx-kind")
-    readers, out = tagged(w.HTML(), "rdx-readers"), tagged(w.Output(), "rdx-figure")
+    names = list(reach_modules())
+    pick = tagged(w.Dropdown(options=names, value=module, description="module", layout=w.Layout(width="420px")),
+                  "mrx-module")
+    text = tagged(w.Text(value=lengths, description="lengths", continuous_update=False), "mrx-lengths")
+    verdict, out = tagged(w.HTML(), "mrx-verdict"), tagged(w.Output(), "mrx-figure")
 
     def update(change=None):
-        state = row_reach_state(slider.value, kinds.value, lens)
-        readers.value = f"<div>{row_reach_text(state)}</div>"
-        show_figure(out, row_reach_figure(state, lens))
+        try:
+            state = module_reach_state(pick.value, parse_lengths(text.value, MAX_REACH_REQUESTS, MAX_REACH_TOKENS))
+        except ValueError as exc:
+            verdict.add_class("mrx-error")
+            verdict.value = f"<div>{exc}</div>"
+            return
+        verdict.remove_class("mrx-error")
+        verdict.value = f"<div>{module_reach_text(state)}</div>"
+        show_figure(out, module_reach_figure(state))
 
-    return explorer("rdx", [slider, kinds], [readers, out], update)
+    return explorer("mrx", [pick, text], [verdict, out], update)
+
+
+def who_reads_whom_panels(seq_lens: Sequence[int] = ARTICLE_LENS) -> tuple[dict, dict]:
+    """The lesson figure's four measured maps (``module_reach_state``) and the colour of each."""
+    picks = {"LayerNorm (per token)": "LayerNorm (block.ln_1)", "QKV linear": "QKV linear (block.attn.qkv)",
+             "attention told one sequence": "attention told one sequence, cu = [0, T]",
+             "attention with cu_seqlens": "attention with cu_seqlens (block.attn.core)"}
+    states = {title: module_reach_state(name, seq_lens) for title, name in picks.items()}
+    return ({t: s["dep"] for t, s in states.items()}, {t: KIND_COLORS[s["kind"]] for t, s in states.items()})
 
 
 # ---- exercises -------------------------------------------------------------------------------------
@@ -582,35 +632,126 @@ def check_batch_norm(fn: Callable[[Tensor, float], Tensor]) -> bool:
                  "A's answer would depend on who it is batched with")
 
 
-def check_row_parallel_combine(fn: Callable[[list, Tensor], Tensor]) -> bool:
-    """Exercise 02.2: ``fn(partials, bias) -> [T, d_out]``: finish a row-parallel linear layer
-    from the ranks' partial outputs (what the all-reduce and the bias add do together)."""
-    g = torch.Generator().manual_seed(3)
-    cases, wants = [], {}
-    for t, d_in, d_out, tp in ((40, 16, 8, 2), (5, 12, 6, 3), (3, 8, 4, 1), (7, 16, 4, 4)):
-        x, w, b = torch.randn(t, d_in, generator=g), torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g)
-        n = d_in // tp
-        partials = [x[:, r * n:(r + 1) * n] @ w[:, r * n:(r + 1) * n].T for r in range(tp)]  # [T, d_out] each
-        cases.append((partials, b))
-        wants[id(partials)] = F.linear(x, w, b)  # the unsharded layer: the truth to match
+@torch.no_grad()
+def run_row_parallel(weight: Tensor, bias: Tensor | None, x: Tensor, tp: int = 2,
+                     cls: type = RowParallelLinear) -> tuple[list[Tensor], list[list]]:
+    """The row-parallel layer ``cls`` (default: the engine's ``RowParallelLinear``) holding the full
+    ``weight [out, in]`` and ``bias [out]``, cut over ``tp`` ranks that are threads of this process and
+    really all-reduce (``tp.threads``); rank r gets its slice of the input features of ``x [T, in]``.
+    Returns each rank's output ``[T, out]`` and each rank's list of collectives."""
+    n = check_int("in_features", weight.shape[1], 1) // check_int("tp", tp, 1, 16)
 
-    def judge(got, partials, b):
-        want = wants[id(partials)]
-        problem = tensor_problem(got, want, atol=1e-4)
-        if problem is None:
+    def rank(group):
+        layer = cls(weight.shape[1], weight.shape[0], bias is not None, group=group, dtype=weight.dtype,
+                    name="row_parallel").load_full_(weight, bias)
+        return layer(x[:, group.rank * n:(group.rank + 1) * n].contiguous())
+
+    results = tp_ranks_in_threads(tp, rank)
+    return [y for y, _ in results], [list(trace) for _, trace in results]
+
+
+# Exercise 02.2: four row-parallel layers, one of them right. The bugs are written here, on top of the
+# engine's RowParallelLinear (the right one IS the engine's class); the learner sees outputs and traces only.
+ROW_PARALLEL_VERDICTS = ("correct", "bias on every rank", "all-reduce before the matmul", "no all-reduce")
+
+
+class _BiasOnEveryRank(RowParallelLinear):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.group.all_reduce(F.linear(x, self.weight, self.bias), layer=self.name)  # b summed tp times
+
+
+class _ReduceBeforeMatmul(RowParallelLinear):
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.group.all_reduce(x.clone(), layer=self.name)  # sums the ranks' INPUT slices [T, in/tp]
+        return F.linear(x, self.weight, self.bias)
+
+
+class _NoAllReduce(RowParallelLinear):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)  # each rank keeps its partial
+
+
+_SUSPECT_CLASSES = {"correct": RowParallelLinear, "bias on every rank": _BiasOnEveryRank,
+                    "all-reduce before the matmul": _ReduceBeforeMatmul, "no all-reduce": _NoAllReduce}
+
+
+class RowParallelSuspect:
+    """A row-parallel layer ``[T, in] -> [T, out]`` on ``world_size`` ranks (threads that really
+    all-reduce, ``tp.threads``), with the full weight hidden: you may only run it.
+
+    ``run(x [T, in])`` gives ``(outputs, traces)``: each rank's output ``[T, out]`` (rank r is handed
+    its slice ``x[:, r·in/tp : (r+1)·in/tp]``, as in a real TP forward) and each rank's list of
+    collectives (``CollectiveRecord``: ``op``, ``shape``, ...). ``bias`` is the full bias ``[out]``
+    (what the right layer adds once); ``in_features``, ``out_features``, ``world_size`` as named.
+    """
+
+    def __init__(self, verdict: str, in_features: int, out_features: int, world_size: int, seed: int = 0):
+        check_choice("verdict", verdict, ROW_PARALLEL_VERDICTS)
+        self._verdict = verdict
+        self.in_features = check_int("in_features", in_features, 1)
+        self.out_features = check_int("out_features", out_features, 1)
+        self.world_size = check_int("world_size", world_size, 2, 8)
+        if in_features % world_size:
+            raise ValueError(f"in_features={in_features} is not divisible by world_size={world_size}")
+        g = torch.Generator().manual_seed(seed)
+        self._weight = torch.randn(out_features, in_features, generator=g) / in_features ** 0.5
+        self.bias = torch.randn(out_features, generator=g) + 1.0
+
+    def run(self, x: Tensor) -> tuple[list[Tensor], list[list]]:
+        if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.in_features or not x.is_floating_point():
+            got = f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x must be a float tensor [T, {self.in_features}], got {got}")
+        return run_row_parallel(self._weight, self.bias, x.float(), self.world_size, _SUSPECT_CLASSES[self._verdict])
+
+    def __repr__(self) -> str:
+        return (f"RowParallelSuspect(in_features={self.in_features}, out_features={self.out_features}, "
+                f"world_size={self.world_size})")
+
+
+def row_parallel_suspects() -> dict[str, RowParallelSuspect]:
+    """The four layers of the lesson (in=16, out=6, TP=2), under names that do not give the bug away."""
+    order = ("bias on every rank", "correct", "no all-reduce", "all-reduce before the matmul")
+    return {f"layer_{i + 1}": RowParallelSuspect(v, 16, 6, 2, seed=i) for i, v in enumerate(order)}
+
+
+def _evidence(s: RowParallelSuspect) -> str:
+    """What the outputs and traces show (computed by running the suspect), for the checker's hints."""
+    outs, traces = s.run(torch.randn(4, s.in_features, generator=torch.Generator().manual_seed(9)))
+    zero, _ = s.run(torch.zeros(2, s.in_features))
+    agree = all(torch.allclose(o, outs[0], atol=1e-5) for o in outs)
+    times = (zero[0][0] / s.bias).mean().item()
+    shapes = sorted({tuple(r.shape) for r in traces[0]})
+    return (f"its ranks {'agree' if agree else 'DISAGREE'} on a random x; on x = 0 rank 0 gives {times:.2f} x bias; "
+            f"rank 0 made {len(traces[0])} all-reduce(s)" + (f" of shape {shapes}" if shapes else "") +
+            f" (a [T, out] partial would be [T, {s.out_features}], an input slice [T, {s.in_features // s.world_size}])")
+
+
+def check_row_parallel_diagnosis(fn: Callable[[RowParallelSuspect], str]) -> bool:
+    """Exercise 02.2: ``fn(suspect) -> one of ROW_PARALLEL_VERDICTS``, found by running the suspect
+    (``suspect.run(x)``) on inputs of your choice: its outputs and its collective trace, nothing else."""
+    cases = [(RowParallelSuspect(v, i, o, tp, seed=10 + k),) for k, (v, i, o, tp) in enumerate((
+        ("bias on every rank", 16, 6, 2), ("correct", 16, 6, 2), ("no all-reduce", 12, 5, 3),
+        ("all-reduce before the matmul", 16, 6, 2), ("bias on every rank", 12, 4, 4), ("correct", 8, 3, 4),
+        ("all-reduce before the matmul", 16, 8, 2),   # in/tp = out: the payload shape alone cannot tell
+        ("no all-reduce", 16, 8, 2)))]
+
+    def judge(got, s):
+        want = s._verdict
+        if got == want:
             return None
-        tp = len(partials)
-        if tp > 1 and matches(got, want + (tp - 1) * b, 1e-4):
-            return problem + f" - the bias was added {tp} times (once per rank): add it once, after the sum"
-        if matches(got, want - b, 1e-4):
-            return problem + " - the bias is missing: add it once after summing the partials"
-        if matches(got, partials[0] + b, 1e-4):
-            return problem + " - that is rank 0's partial only: the all-reduce SUMS the partials of all ranks"
-        if tp > 1 and matches(got, (want - b) / tp + b, 1e-4):
-            return problem + " - an average, not a sum: each partial is a share of the dot product"
-        return problem + " - the full output is the SUM of the partials (an all-reduce), plus the bias once"
+        if got not in ROW_PARALLEL_VERDICTS:
+            return f"answer one of {list(ROW_PARALLEL_VERDICTS)}, got {got!r}"
+        hints = {"correct": "the right layer: every rank gives the same [T, out], exactly the bias on x = 0, one "
+                            "all-reduce of the [T, out] partial",
+                 "bias on every rank": f"the ranks agree, but x = 0 gives {s.world_size} x the bias: each rank added b "
+                                       "before the sum",
+                 "all-reduce before the matmul": "it all-reduces, yet the ranks disagree: the sum came too early "
+                                                 "(of the input slices), so each rank multiplies by its own W_r",
+                 "no all-reduce": "no collective at all: each rank returns its own partial plus b, and they disagree"}
+        return f"not '{got}': {_evidence(s)}. What fits is: {hints[want]}"
 
-    return grade("row_parallel_combine", fn, cases, judge, "sum of partials + bias once, for tp = 2, 3, 1, 4")
+    return grade("row_parallel_diagnosis", fn, cases, judge,
+                 "each suspect named from its outputs and its trace, for TP = 2, 3 and 4")
 
 
 def quantize_rows(x: Tensor) -> Tensor:
@@ -670,9 +811,15 @@ def _forward_walk() -> Figure:
 
 
 @register("02_who_reads_whom", lesson="02",
-          caption="which input rows change which output rows: per-token layers vs attention (C4, C5, C7, C10)")
+          caption="which input rows change which output rows, measured on the engine's block: LayerNorm (grey), "
+                  "QKV (green), attention without and with cu_seqlens (blue) (C4, C5, C7, C10)")
 def _who_reads_whom() -> Figure:
-    return dependency_maps(who_reads_whom(ARTICLE_LENS), ARTICLE_LENS)
+    panels, colors = who_reads_whom_panels(ARTICLE_LENS)
+    fig = dependency_maps(panels, ARTICLE_LENS, colors)
+    fig.suptitle("Pairs (i, j) where perturbing input row j changed output row i, measured by row_dependency on "
+                 "the engine's block (A = 10, B = 30 tokens)", fontsize=MIN_FONT + 2, color=TEXT)
+    fig.subplots_adjust(top=0.76)
+    return fig
 
 
 @register("02_qkv_shards", lesson="02",
