@@ -96,6 +96,17 @@ def test_launch_picture_says_whether_the_kernels_counters_agree():
     assert "DIFFER" in " ".join(t.get_text() for t in fig.texts)
 
 
+
+def test_launch_picture_hatches_exactly_the_programs_that_return():
+    """A returned program is white with an ink hatch (not grey: grey is a fill for other work); one hatched band
+    per program the kernel's prediction says returns, for one head."""
+    lens = [100, 20, 60]
+    fig = L.launch_picture(lens, block_m=32, block_n=32, causal=True)
+    hatched = [p for ax in fig.axes for p in ax.patches if (p.get_gid() or "").startswith("returned-")]
+    assert len(hatched) == tiling.predict_work(lens, block_m=32, block_n=32, causal=True).early_exits == 5
+    assert all(p.get_hatch() == L.RETURNED_HATCH for p in hatched)
+    assert L.CODE_COLORS[L.RETURNED] == L.CODE_COLORS[L.SKIPPED]  # both white: the hatch tells them apart
+
 # ---- online softmax -------------------------------------------------------------------------------------
 
 def test_k5_the_online_softmax_replay_is_the_softmax_and_the_bug_is_not():
