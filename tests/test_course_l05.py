@@ -1,5 +1,5 @@
 """course.l05_flops: the matmul recorder on the engine, intensity and the crossover rule, the figures,
-the FLOP-mix explorer and the checkers of lesson 05 (claims C13, C14, C15)."""
+the roofline explorer and the checkers of lesson 05 (claims C13, C14, C15)."""
 from __future__ import annotations
 
 import math
@@ -108,41 +108,102 @@ def test_c15_min_decode_batch_is_the_smallest_r_reaching_the_ridge(cfg, ridge, n
         assert r == 1 or L.block_linear_intensity(cfg, r - 1, nbytes) < ridge
 
 
-# --- the FLOP mix and its explorer --------------------------------------------------------------------------
+# --- the roofline explorer ----------------------------------------------------------------------------------
 
-def test_c14_flop_mix_state_is_forward_flops_of_three_packings():
-    s = L.flop_mix_state(1000)
-    assert [r["label"] for r in s["rows"]] == ["1 x 1000", "10 x 100", "100 x 10"]
-    for row, f in zip(s["rows"], s["flops"]):
-        assert f == forward_flops(ModelConfig(), row["seq_lens"])
-        assert row["linear_gflop"] == round(f.linear / 1e9, 2) and row["share"] == round(100 * f.attention_fraction, 1)
-    assert s["rows"][0]["share"] == 24.6 and s["rows"][0]["dominated"] == "linear-dominated"
-    assert s["crossover"] == 3072 and L.flop_mix_state(1000, "causal")["crossover"] == 6143
-    assert L.flop_mix_state(16000)["rows"][0]["dominated"] == "attention-dominated"
-    with pytest.raises(ValueError, match="multiple of 100"):
-        L.flop_mix_state(1050)
-    with pytest.raises(ValueError, match="counting"):
-        L.flop_mix_state(1000, "half")
+FAKE_CPU = ("this CPU, measured", 100e9, 10e9)  # a machine given by hand: ridge 10 FLOP/byte
 
 
-def test_flop_mix_text_formats():
-    s = L.flop_mix_state(1000)
-    assert L.flop_mix_html(s).startswith(
-        "<div>1 x 1000: linear 50.33 GFLOP | attention 16.38 GFLOP | 24.6% attention | linear-dominated</div>")
-    assert L.flop_mix_rule(s) == "attention overtakes the linears at L = 3072 tokens per request (whole blocks)"
+def test_roofline_state_counts_by_hand_on_the_h200():
+    s = L.roofline_state()   # the article's model, bf16, H200 datasheet, 1 x 1000, 10 x 100, typed 700, 200, 100
+    assert [r["label"] for r in s["rows"]] == ["1 x 1000", "10 x 100", "typed 700, 200, 100"]
+    assert s["ridge"] == pytest.approx(989e12 / 4.8e12)
+    w, a = 3 * 512 * 512 + 512 * 512 + 2 * 512 * 2048, 8192             # weights, row numbers per layer
+    for row in s["rows"]:
+        lin, att = row["linear"], row["attention"]
+        assert lin["flops"] == 8 * 1000 * 2 * w                          # the same T = 1000 rows every time
+        assert lin["bytes"] == 8 * 2 * (w + 1000 * a)
+        assert att["bytes"] == 8 * 2 * 1000 * 4 * 512                     # Q, K, V, O once
+        cells = sum(n * (n + 1) // 2 for n in row["seq_lens"])
+        assert att["flops"] == 8 * 8 * cells * 4 * 64
+        for part in (lin, att):
+            assert part["intensity"] == part["flops"] / part["bytes"]
+            assert part["seconds"] == max(part["flops"] / 989e12, part["bytes"] / 4.8e12)
+            assert part["bound"] == ("compute-bound" if part["intensity"] >= s["ridge"] else "memory-bound")
+    assert [r["attention"]["bound"] for r in s["rows"]] == ["compute-bound", "memory-bound", "memory-bound"]
+    assert s["rows"][0]["linear"]["bound"] == "compute-bound" and s["measured"] is None
 
 
-def test_c14_flop_mix_explorer_callbacks():
-    box = L.flop_mix_explorer()
+def test_roofline_state_gqa_shrinks_kv_bytes_and_qkv_not_attention_flops():
+    full, grouped = L.roofline_state(n_kv_heads=8), L.roofline_state(n_kv_heads=2)
+    for f, g in zip(full["rows"], grouped["rows"]):
+        assert g["attention"]["flops"] == f["attention"]["flops"]
+        assert f["attention"]["bytes"] - g["attention"]["bytes"] == 8 * 2 * 1000 * 2 * (512 - 128)
+        assert f["linear"]["flops"] - g["linear"]["flops"] == 8 * 1000 * 2 * 512 * 2 * (512 - 128)
+
+
+def test_roofline_state_packings_machine_and_bad_input():
+    s = L.roofline_state(machine=FAKE_CPU, total=1000, requests=3, lengths=[5, 6], nbytes=4)
+    assert [r["seq_lens"] for r in s["rows"]] == [[1000], [334, 333, 333], [5, 6]]
+    assert s["rows"][1]["label"] == "3 x ~333" and s["ridge"] == 10.0
+    assert L.machine_line(s) == "this CPU, measured: peak 100.0 GFLOP/s, bandwidth 10.00 GB/s, ridge 10.0 FLOP/byte"
+    assert L.packing_lengths(10, 4) == [3, 3, 2, 2]
+    with pytest.raises(ValueError, match="n_heads must divide d_model"):
+        L.roofline_state(n_heads=3)
+    with pytest.raises(ValueError, match="n_kv_heads must divide n_heads"):
+        L.roofline_state(n_kv_heads=3)
+    with pytest.raises(ValueError, match="lengths"):
+        L.roofline_state(lengths="10, 0")
+    with pytest.raises(ValueError, match="more than the tokens"):
+        L.roofline_state(total=5, requests=6)
+    with pytest.raises(ValueError, match="bytes_per_element"):
+        L.roofline_state(nbytes=3)
+    with pytest.raises(ValueError, match="machine"):
+        L.roofline_state(machine=("x", 0, 1))
+
+
+def test_roofline_lines_format():
+    line = L.roofline_lines(L.roofline_state())[0]
+    assert line.startswith("1 x 1000: linear 50.33 GFLOP 181.40 MB 277.5 FLOP/B compute-bound ")
+    assert " | attention 8.20 GFLOP 32.77 MB 250.2 FLOP/B compute-bound " in line and "| predicted " in line
+
+
+def test_measured_point_is_predicted_from_the_forward_measured():
+    fw = {"cfg": L.HERE_CFG, "seq_lens": list(L.HERE_LENS), "seconds": 0.05}
+    s = L.roofline_state(machine=FAKE_CPU, here={"machine": FAKE_CPU, "forward": fw})
+    m = s["measured"]
+    f = forward_flops(L.HERE_CFG, L.HERE_LENS, causal=True)
+    assert m["flops"] == f.total and m["seconds"] == 0.05
+    lin_b = 2 * 4 * ((256 * 768 + 256 * 256 + 2 * 256 * 1024) + 512 * (1024 + 512 + 1280 + 1280))
+    att_b = 2 * 4 * 512 * 4 * 256
+    assert m["bytes"] == lin_b + att_b
+    assert m["predicted"] == pytest.approx(max(f.linear / 100e9, lin_b / 10e9) + max(f.attention / 100e9, att_b / 10e9))
+    assert "50.000 ms measured" in L.measured_line(s)
+
+
+def test_measure_here_times_this_cpu_once():
+    here = L.measure_here(repeats=1, forward=False)
+    name, peak, bw = here["machine"]
+    assert name == "this CPU, measured" and peak > 0 and bw > 0 and here["forward"] is None
+
+
+def test_roofline_explorer_callbacks():
+    fw = {"cfg": L.HERE_CFG, "seq_lens": list(L.HERE_LENS), "seconds": 0.05}
+    box = L.roofline_explorer({"machine": FAKE_CPU, "forward": fw})
     k = by_class(box)
-    tokens, count, table, rule, out = k["frx-tokens"], k["frx-counting"], k["frx-table"], k["frx-rule"], k["frx-figure"]
-    assert "frx" in box._dom_classes and (tokens.value, tokens.step, count.value) == (1000, 100, "whole blocks")
-    assert table.value == L.flop_mix_html(L.flop_mix_state(1000)) and "3072" in rule.value
+    assert "frx" in box._dom_classes
+    table, out, err = k["frx-table"], k["frx-figure"], k["frx-error"]
+    want = L.roofline_state(machine=L.H200, here={"machine": FAKE_CPU, "forward": fw})
+    assert table.value == "".join(f"<div>{x}</div>" for x in L.roofline_lines(want))
     before = png_of(out)
-    tokens.value = 8000
-    assert "1 x 8000" in table.value and "attention-dominated" in table.value and png_of(out) != before
-    count.value = "causal"
-    assert "6143" in rule.value and table.value == L.flop_mix_html(L.flop_mix_state(8000, "causal"))
+    k["frx-machine"].value = FAKE_CPU[0]
+    assert "ridge 10.0" in k["frx-machine-line"].value and png_of(out) != before
+    k["frx-heads"].value = 4
+    assert list(k["frx-kvheads"].options) == [1, 2, 4] and k["frx-kvheads"].value == 4
+    k["frx-lengths"].value = "10, x"
+    assert "not a whole number" in err.value
+    k["frx-lengths"].value = "40"
+    assert err.value == "" and "typed 40:" in table.value
+    assert "50.000 ms measured" in k["frx-measured"].value
 
 
 # --- figures --------------------------------------------------------------------------------------------------
@@ -225,31 +286,41 @@ def test_time_split_bars_fill_100_percent():
 
 # --- exercises ----------------------------------------------------------------------------------------------
 
-def _attn_flops(cfg, lens):
-    return cfg.n_layers * cfg.n_heads * sum(n * n for n in lens) * 4 * cfg.d_head
+def _gqa(cfg, lens, kv):
+    d, q, w, f = cfg.d_model, cfg.n_heads * cfg.d_head, kv * cfg.d_head, cfg.d_ffn
+    t = sum(lens)
+    return {"attention_flops": cfg.n_layers * cfg.n_heads * sum(n * n for n in lens) * 4 * cfg.d_head,
+            "linear_flops": cfg.n_layers * t * 2 * (d * (q + 2 * w) + q * d + 2 * d * f),
+            "kv_cache_bytes": cfg.n_layers * t * 2 * w * 2}
 
 
-def test_c14_attention_flops_checker():
-    assert L.check_attention_flops(_attn_flops)
-    assert "n_layers" in attempt(L.check_attention_flops, lambda c, s: _attn_flops(c, s) // c.n_layers)
-    assert "4 x d_head" in attempt(L.check_attention_flops, lambda c, s: _attn_flops(c, s) // 4)
-    masked = lambda c, s: c.n_layers * c.n_heads * sum(s) ** 2 * 4 * c.d_head
-    assert "masked" in attempt(L.check_attention_flops, masked)
-    causal = lambda c, s: forward_flops(c, s, causal=True).attention
-    assert "causal" in attempt(L.check_attention_flops, causal)
-    msg = attempt(L.check_attention_flops, lambda c, s: _attn_flops(c, s) // 2)
-    assert "off by a factor 2: count both matmuls, QK^T and PV" in msg and "missing" not in msg
-    average = lambda c, s: c.n_layers * c.n_heads * sum(s) ** 2 / len(s) * 4 * c.d_head
-    assert "average length" in attempt(L.check_attention_flops, average)
-    width_d = lambda c, s: c.n_layers * sum(n * n for n in s) * 4 * c.d_model
-    assert "not d_model" in attempt(L.check_attention_flops, width_d)
+def _with(key, value_fn):
+    return lambda c, s, kv: _gqa(c, s, kv) | {key: value_fn(c, s, kv)}
 
 
-def test_attention_flops_checker_partial_marks(capsys):
-    assert L.check_attention_flops(stub) is False
+def test_gqa_checker_explains_wrong_answers():
+    assert L.check_gqa(_gqa)
+    shrunk = _with("attention_flops", lambda c, s, kv: _gqa(c, s, kv)["attention_flops"] * kv // c.n_heads)
+    assert "does not share the scores" in attempt(L.check_gqa, shrunk)
+    mha_lin = _with("linear_flops", lambda c, s, kv: _gqa(c, s, c.n_heads)["linear_flops"])
+    assert "ungrouped QKV" in attempt(L.check_gqa, mha_lin)
+    q_too = _with("linear_flops", lambda c, s, kv: c.n_layers * sum(s) * 2 * (
+        c.d_model * 3 * kv * c.d_head + c.n_heads * c.d_head * c.d_model + 2 * c.d_model * c.d_ffn))
+    assert "Q keeps all" in attempt(L.check_gqa, q_too)
+    mha_kv = _with("kv_cache_bytes", lambda c, s, kv: _gqa(c, s, c.n_heads)["kv_cache_bytes"])
+    assert "not the" in attempt(L.check_gqa, mha_kv)
+    k_only = _with("kv_cache_bytes", lambda c, s, kv: _gqa(c, s, kv)["kv_cache_bytes"] // 2)
+    assert "factor 2" in attempt(L.check_gqa, k_only)
+    per_layer = _with("kv_cache_bytes", lambda c, s, kv: _gqa(c, s, kv)["kv_cache_bytes"] // c.n_layers)
+    assert "n_layers" in attempt(L.check_gqa, per_layer)
+    assert "keys" in attempt(L.check_gqa, lambda c, s, kv: 5)
+
+
+def test_gqa_checker_partial_marks(capsys):
+    assert L.check_gqa(stub) is False
     assert "not attempted" in capsys.readouterr().out
-    average = lambda c, s: c.n_layers * c.n_heads * sum(s) ** 2 // len(s) * 4 * c.d_head
-    assert 0 < score(L.check_attention_flops, average, points=2) < 2  # right when all lengths are equal
+    mha_kv = _with("kv_cache_bytes", lambda c, s, kv: _gqa(c, s, c.n_heads)["kv_cache_bytes"])
+    assert 0 < score(L.check_gqa, mha_kv, points=2) < 2   # right where n_kv_heads = n_heads
 
 
 def _crossover(cfg, causal):

@@ -15,9 +15,13 @@ from lessons_lib.measure.flops import (
     attention_cells,
     decode_attention_intensity,
     executed_tokens,
+    forward_bytes,
     forward_flops,
+    kv_cache_bytes,
     linear_flops_per_token,
     linear_intensity,
+    linear_shapes,
+    roofline_seconds,
 )
 
 
@@ -165,3 +169,39 @@ def test_c15_decode_attention_intensity_is_about_1_flop_per_byte(kv_len):
     got = decode_attention_intensity(kv_len, 64)
     assert got == pytest.approx(flops / bytes_moved, rel=1e-12)
     assert 0.7 < got < 1.0 and math.isclose(got, 1.0, rel_tol=0.3)
+
+
+# --- grouped-query attention, bytes, the roofline ---------------------------------------------------------
+
+def test_gqa_default_is_the_course_model_and_kv_heads_shrink_only_k_and_v():
+    cfg = ModelConfig()
+    assert linear_flops_per_token(cfg, n_kv_heads=8) == linear_flops_per_token(cfg) == 8 * 2 * 3_145_728
+    assert linear_shapes(cfg, 2) == ((512, 512 + 2 * 128), (512, 512), (512, 2048), (2048, 512))
+    one, grouped = forward_flops(cfg, [100] * 10), forward_flops(cfg, [100] * 10, n_kv_heads=1)
+    assert grouped.attention == one.attention                       # every query head keeps its own scores
+    assert one.linear - grouped.linear == 8 * 1000 * 2 * 512 * 2 * (512 - 64)
+    assert kv_cache_bytes(cfg, [10, 30]) == 8 * 40 * 2 * 512 * 2 and kv_cache_bytes(cfg, [10, 30], 2) == 8 * 40 * 2 * 128 * 2
+    for bad, what in ((3, "divide"), (0, "1..n_heads"), (16, "1..n_heads"), (2.0, "whole number")):
+        with pytest.raises(ValueError, match=what):
+            forward_flops(cfg, [4], n_kv_heads=bad)
+
+
+def test_forward_bytes_counts_weights_once_and_rows_per_token():
+    cfg = ModelConfig()
+    b1, b2 = forward_bytes(cfg, [1]), forward_bytes(cfg, [600, 400])
+    assert b1.linear == 8 * 2 * (3_145_728 + 8192) and b1.attention == 8 * 2 * 4 * 512
+    assert b2.linear - b1.linear == 8 * 2 * 999 * 8192               # the weights do not come back
+    assert forward_bytes(cfg, [1000], bytes_per_element=4).total == 2 * forward_bytes(cfg, [1000]).total
+    assert forward_bytes(cfg, [1000], n_kv_heads=4).attention == 8 * 2 * 1000 * (2 * 512 + 2 * 256)
+    with pytest.raises(ValueError, match="bytes_per_element"):
+        forward_bytes(cfg, [4], bytes_per_element=3)
+
+
+def test_c13_roofline_time_is_the_longer_of_arithmetic_and_memory():
+    assert roofline_seconds(100, 10, peak_flops=10, bytes_per_s=10) == 10       # compute: 100 / 10
+    assert roofline_seconds(100, 500, peak_flops=10, bytes_per_s=10) == 50      # memory: 500 / 10
+    f, b = forward_flops(ModelConfig(), [100] * 10, causal=True), forward_bytes(ModelConfig(), [100] * 10)
+    h200 = (989e12, 4.8e12)
+    assert f.linear / b.linear > h200[0] / h200[1] > f.attention / b.attention  # C13's 10 x 100 on an H200
+    with pytest.raises(ValueError, match="> 0"):
+        roofline_seconds(1, 1, 0, 1)

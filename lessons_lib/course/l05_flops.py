@@ -8,9 +8,10 @@ it for a model forward, ``decode_attention_matmuls`` for one decode step's atten
 
 Figures ``05_intensity`` (intensity against rows per weight read, with two machines' ridge
 points), ``05_flops_1x1000_vs_10x100`` (the same tokens, three packings) and
-``05_attention_share`` (attention's share against request length). Explorer
-``flop_mix_explorer`` wraps ``flop_mix_state``. Exercise checkers: ``check_attention_flops``
-(05.1), ``check_crossover`` (05.2), ``check_decode_batch`` (05.3).
+``05_attention_share`` (attention's share against request length). Explorer ``roofline_explorer``
+wraps ``roofline_state`` (a model, a machine, packings -> FLOPs, bytes, intensity, the roofline's
+time) and ``measure_here`` (this CPU's peak and bandwidth and one engine forward, timed once).
+Exercise checkers: ``check_gqa`` (05.1), ``check_crossover`` (05.2), ``check_decode_batch`` (05.3).
 
 Taught in notebooks/05_flop_regimes.ipynb.
 """
@@ -24,15 +25,24 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
 from ..core.attention import varlen_attention
 from ..core.batch import PackedBatch, cumulative, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
-from ..measure.flops import ForwardFlops, forward_flops, linear_flops_per_token
+from ..measure.flops import (
+    ForwardFlops,
+    forward_bytes,
+    forward_flops,
+    kv_cache_bytes,
+    kv_heads,
+    linear_flops_per_token,
+    roofline_seconds,
+)
 from ..measure.recorder import BF16, Matmul, record_matmuls
-from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT
-from ..validate import check_choice, check_int
-from .explore import explorer, ipywidgets_module, show_figure, tagged
+from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE
+from ..validate import check_int, check_lengths
+from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import register
 from .grading import grade
 
@@ -115,51 +125,6 @@ def crossover_length(cfg: ModelConfig, causal: bool = False) -> int:
     return lo
 
 
-MIX = (1, 10, 100)  # the packings the explorer compares: R requests of T / R tokens
-COUNTING = ("whole blocks", "causal")
-
-
-def flop_mix_state(total_tokens: int = 1000, counting: str = "whole blocks", cfg: ModelConfig | None = None,
-                   crossover: int | None = None) -> dict:
-    """The same T tokens as 1 x T, 10 x T/10 and 100 x T/100 (T a multiple of 100).
-
-    Keys: ``rows``: per packing ``{"label", "seq_lens", "linear_gflop", "attention_gflop",
-    "share" (attention %, one decimal), "dominated"}``; ``crossover`` (``crossover_length``, or the
-    ``crossover`` given: a caller that already holds it for this cfg and counting); ``counting``;
-    ``flops`` (the ``ForwardFlops`` per packing).
-    """
-    cfg = cfg or ModelConfig()
-    t = check_int("total_tokens", total_tokens, 100, 1 << 24)
-    if t % 100:
-        raise ValueError(f"total_tokens must be a multiple of 100 (it is split 100 ways), got {t}")
-    check_choice("counting", counting, COUNTING)
-    causal = counting == "causal"
-    rows, flops = [], []
-    for r in MIX:
-        lens = [t // r] * r
-        f = forward_flops(cfg, lens, "varlen", causal)
-        flops.append(f)
-        rows.append({"label": f"{r} x {t // r}", "seq_lens": lens, "linear_gflop": round(f.linear / 1e9, 2),
-                     "attention_gflop": round(f.attention / 1e9, 2), "share": round(100 * f.attention_fraction, 1),
-                     "dominated": f"{f.dominant}-dominated"})
-    if crossover is None:
-        crossover = crossover_length(cfg, causal)
-    return {"rows": rows, "crossover": crossover, "counting": counting, "flops": flops,
-            "total_tokens": t}
-
-
-def flop_mix_html(state: dict) -> str:
-    """One ``<div>`` per packing: ``1 x 1000: linear 50.33 GFLOP | attention 16.38 GFLOP | 24.6% attention |
-    linear-dominated``."""
-    return "".join(f"<div>{r['label']}: linear {r['linear_gflop']:.2f} GFLOP | attention {r['attention_gflop']:.2f} GFLOP"
-                   f" | {r['share']:.1f}% attention | {r['dominated']}</div>" for r in state["rows"])
-
-
-def flop_mix_rule(state: dict) -> str:
-    """``attention overtakes the linears at L = 3072 tokens per request (whole blocks)``."""
-    return f"attention overtakes the linears at L = {state['crossover']} tokens per request ({state['counting']})"
-
-
 # ---------------------------------------------------------------------------------------------
 # Figures
 
@@ -201,7 +166,7 @@ def flops_bars(cases: Sequence[tuple[str, Sequence[int]]], cfg: ModelConfig | No
 def _blocks(ax, lens: list[int], title: str) -> None:
     """The T x T score matrix: each request's diagonal block (blue, computed), the rest never computed."""
     t = sum(lens)
-    ax.add_patch(Rectangle((0, 0), t, t, facecolor=NEVER, edgecolor=OTHER, linewidth=0.8))
+    ax.add_patch(Rectangle((0, 0), t, t, facecolor=NEVER, edgecolor=TEXT, linewidth=0.8))
     for s, n in zip(cumulative(lens)[:-1], lens):
         ax.add_patch(Rectangle((s, t - s - n), n, n, facecolor=ATTENTION, edgecolor="none"))
     ax.set_xlim(0, t)
@@ -214,7 +179,7 @@ def _blocks(ax, lens: list[int], title: str) -> None:
 
 @register("05_flops_1x1000_vs_10x100", lesson="05",
           caption="the same 1000 tokens as 1 x 1000, 10 x 100, 100 x 10: score blocks and whole-forward FLOPs (C14)")
-def same_tokens_figure(cfg: ModelConfig | None = None, total: int = 1000, mix: Sequence[int] = MIX) -> Figure:
+def same_tokens_figure(cfg: ModelConfig | None = None, total: int = 1000, mix: Sequence[int] = (1, 10, 100)) -> Figure:
     """Claim C14: the same ``total`` tokens as R x total/R for each R in ``mix``. Top: each
     request's score block on the T x T square (whole blocks, per head per layer); bottom: the
     whole forward's FLOPs, linear vs attention."""
@@ -252,16 +217,16 @@ def attention_share_curve(cfg: ModelConfig | None = None, lengths: Sequence[int]
         ax.plot(lengths, share, style, color=ATTENTION, label="causal (what the model runs)" if causal
                 else "whole blocks (the article's count)")
         cross = crossover_length(cfg, causal)
-        ax.axvline(cross, color=OTHER, linestyle=style, linewidth=1)
+        ax.axvline(cross, color=TEXT, linestyle=style, linewidth=1)
         ax.text(cross * (1.08 if causal else 0.93), 3, f"L = {cross:,}\n({'12' if causal else '6'} x d_model"
                 f"{' - 1' if causal else ''})", fontsize=MIN_FONT, color=TEXT, ha="left" if causal else "right")
-    ax.axhline(50, color=OTHER, linewidth=0.8)
+    ax.axhline(50, color=TEXT, linestyle=":", linewidth=0.8)
     for n in marks:  # below 50 %: the label above-left of the curves; above: right of them, lower down
         s = 100 * forward_flops(cfg, [n], "varlen").attention_fraction
         ax.plot([n], [s], "o", color=ATTENTION)
         at = (n / 5, s + 8) if s < 50 else (n * 2.5, s - 30)
         ax.annotate(f"L = {n:,}: {s:.1f}%", (n, s), xytext=at, ha="left", va="bottom", fontsize=MIN_FONT, color=TEXT,
-                    arrowprops={"arrowstyle": "-", "color": OTHER, "linewidth": 0.8})
+                    arrowprops={"arrowstyle": "-", "color": TEXT, "linewidth": 0.8})
     ax.set_xscale("log")
     ax.set_xlabel("tokens per request L (any number of requests of this length)", fontsize=MIN_FONT + 1)
     ax.set_ylabel("attention's share of the FLOPs (%)", fontsize=MIN_FONT + 1)
@@ -307,7 +272,7 @@ def intensity_figure(cfg: ModelConfig | None = None, decode_r: Sequence[int] = (
         label = f"decode step, R = {r}: {y:.1f}"
         if r < 4:
             ax.annotate(label, (r, y), xytext=(1.12, 0.46), ha="left", va="top", fontsize=MIN_FONT, color=TEXT,
-                        arrowprops={"arrowstyle": "-", "color": OTHER, "linewidth": 0.8})
+                        arrowprops={"arrowstyle": "-", "color": TEXT, "linewidth": 0.8})
         else:
             below = r >= 128
             ax.annotate(label, (r, y), textcoords="offset points", xytext=(12, -30) if below else (-8, 10),
@@ -316,7 +281,7 @@ def intensity_figure(cfg: ModelConfig | None = None, decode_r: Sequence[int] = (
     ax.axhline(att, color=ATTENTION, linewidth=2,
                label=f"decode attention of each request, {kv_len:,} cached tokens (bf16): {att:.2f}, any R")
     for (name, ridge), style in zip(ridges.items(), (":", "-.")):  # high ridges labelled above-left, low ones below-right
-        ax.axhline(ridge, color=OTHER, linestyle=style, linewidth=1.2)
+        ax.axhline(ridge, color=TEXT, linestyle=style, linewidth=1.2)
         left = ridge > 50
         machine, _, how = name.partition(" (")
         ax.text(0.6 if left else tokens[-1], ridge * 1.12 if left else ridge / 1.12,
@@ -477,31 +442,249 @@ def time_splits(model, batches: Mapping[str, PackedBatch], repeats: int = 3, war
 
 
 # ---------------------------------------------------------------------------------------------
-# The explorer
+# The roofline explorer: a model, a machine, packings of the same tokens -> FLOPs, bytes, intensity,
+# the roofline's time; plus one forward of the real engine timed here, beside its prediction.
+
+H200 = ("H200 (datasheet)", H200_PEAK_FLOPS, H200_BYTES_PER_S)
+HERE_CFG = ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=64, d_ffn=1024, vocab_size=1000, max_position=1024)
+HERE_LENS = (128,) * 4  # the measured forward: 4 requests of 128 tokens on HERE_CFG, fp32, on this CPU
 
 
-def flop_mix_explorer(total_tokens: int = 1000, counting: str = "whole blocks"):
-    """VBox class ``frx``: IntSlider ``frx-tokens`` (total tokens T, 100..16000, step 100), Dropdown
-    ``frx-counting`` (whole blocks / causal); HTML ``frx-table`` (``flop_mix_html``: one line per
-    packing 1 x T, 10 x T/10, 100 x T/100), HTML ``frx-rule`` (``flop_mix_rule``), Output
-    ``frx-figure`` (the three packings' FLOPs side by side)."""
+def measure_here(repeats: int = 5, forward: bool = True) -> dict:
+    """This CPU's roofline, measured once (``measure.profile``): peak = the fastest fp32
+    ``[1024, 1024] @ [1024, 1024]`` (``matmul_throughput``), bandwidth = the fastest copy of a 32 MiB
+    fp32 tensor (read + write counted, ``time_call``); and, with ``forward``, one real forward of
+    ``HERE_CFG`` on ``HERE_LENS`` timed by ``time_call``. Keys: ``machine`` (name, FLOP/s, bytes/s),
+    ``forward`` (``{"cfg", "seq_lens", "seconds"}`` or None). Varies run to run; never asserted."""
+    from ..core.batch import pack
+    from ..core.model import Transformer
+    from ..measure.profile import matmul_throughput, time_call
+    n = check_int("repeats", repeats, 1, 100)
+    peak = matmul_throughput(1024, 1024, 1024, repeats=n) * 1e9
+    x = torch.ones(8 << 20)
+    y = torch.empty_like(x)
+    bw = 2 * x.numel() * x.element_size() / time_call(lambda: y.copy_(x), repeats=n)
+    point = None
+    if forward:
+        model = Transformer(HERE_CFG, seed=0)
+        g = torch.Generator().manual_seed(0)
+        batch = pack([torch.randint(0, HERE_CFG.vocab_size, (m,), generator=g) for m in HERE_LENS])
+        with torch.no_grad():
+            seconds = time_call(lambda: model(batch), repeats=n, warmup=2)
+        point = {"cfg": HERE_CFG, "seq_lens": list(HERE_LENS), "seconds": seconds}
+    return {"machine": ("this CPU, measured", peak, bw), "forward": point}
+
+
+def _machine(machine) -> tuple[str, float, float]:
+    try:
+        name, peak, bw = machine
+    except (TypeError, ValueError):
+        raise ValueError(f"machine must be (name, peak FLOP/s, bytes/s), got {machine!r}") from None
+    if not (isinstance(peak, (int, float)) and isinstance(bw, (int, float)) and peak > 0 and bw > 0):
+        raise ValueError(f"machine {name!r}: peak FLOP/s and bytes/s must be positive numbers, got {peak!r}, {bw!r}")
+    return str(name), float(peak), float(bw)
+
+
+def packing_lengths(total: int, requests: int) -> list[int]:
+    """``total`` tokens as ``requests`` requests of as equal lengths as whole tokens allow."""
+    t, r = check_int("tokens T", total, 1), check_int("requests R", requests, 1)
+    if r > t:
+        raise ValueError(f"requests R = {r} is more than the tokens T = {t}: every request needs a token")
+    return [t // r + (i < t % r) for i in range(r)]
+
+
+def _part(flops: int, nbytes: int, peak: float, bw: float) -> dict:
+    seconds = roofline_seconds(flops, nbytes, peak, bw)
+    return {"flops": flops, "bytes": nbytes, "intensity": flops / nbytes, "seconds": seconds,
+            "bound": "compute-bound" if flops / peak >= nbytes / bw else "memory-bound"}
+
+
+def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads: int = 8, n_layers: int = 8,
+                   nbytes: int = BF16, machine=H200, total: int = 1000, requests: int = 10,
+                   lengths: Sequence[int] | str = "700, 200, 100", here: dict | None = None) -> dict:
+    """Each packing's linear and attention FLOPs (``measure.flops.forward_flops``, causal: what the
+    model runs), bytes (``forward_bytes``), intensity and roofline time (``roofline_seconds``) on
+    ``machine`` = (name, FLOP/s, bytes/s); d_head = d_model / n_heads. Packings: ``1 x T``,
+    ``R x T/R`` (as equal as whole tokens allow) and the ``lengths`` typed. ``here``
+    (``measure_here``'s): its measured forward beside the roofline's time for it on ``here``'s machine.
+    Keys: ``cfg``, ``n_kv_heads``, ``nbytes``, ``machine``, ``ridge``, ``rows`` (per packing
+    ``{"label", "seq_lens", "linear": part, "attention": part, "seconds"}``, part = ``{"flops",
+    "bytes", "intensity", "seconds", "bound"}``), ``measured`` (or None)."""
+    d, h = check_int("d_model", d_model, 8, 1 << 16), check_int("n_heads", n_heads, 1, 1024)
+    if d % h:
+        raise ValueError(f"n_heads must divide d_model (d_head = d_model / n_heads): {d} / {h} is not whole")
+    cfg = ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 1024), d_model=d, n_heads=h, d_head=d // h,
+                      d_ffn=check_int("d_ffn", d_ffn, 1, 1 << 18))
+    kv = kv_heads(cfg, n_kv_heads)
+    name, peak, bw = _machine(machine)
+    typed = parse_lengths(lengths, max_requests=256, max_length=1 << 16) if isinstance(lengths, str) \
+        else check_lengths(lengths)
+    if not typed:
+        raise ValueError("lengths is empty: type request lengths like '700, 200, 100'")
+    t = check_int("tokens T", total, 1, 1 << 20)
+    r = check_int("requests R", requests, 1, 1 << 20)
+    packs = [(f"1 x {t}", [t]), (f"{r} x {t // r}" if t % r == 0 else f"{r} x ~{t / r:.0f}", packing_lengths(t, r)),
+             ("typed " + ", ".join(map(str, typed)), list(typed))]
+    rows = []
+    for label, lens in packs:
+        f = forward_flops(cfg, lens, "varlen", causal=True, n_kv_heads=kv)
+        b = forward_bytes(cfg, lens, n_kv_heads=kv, bytes_per_element=nbytes)
+        lin, att = _part(f.linear, b.linear, peak, bw), _part(f.attention, b.attention, peak, bw)
+        rows.append({"label": label, "seq_lens": lens, "linear": lin, "attention": att,
+                     "seconds": lin["seconds"] + att["seconds"]})
+    measured = None
+    if here and here.get("forward"):
+        hname, hpeak, hbw = _machine(here["machine"])
+        fw = here["forward"]
+        f = forward_flops(fw["cfg"], fw["seq_lens"], "varlen", causal=True)
+        b = forward_bytes(fw["cfg"], fw["seq_lens"], bytes_per_element=4)
+        predicted = (roofline_seconds(f.linear, b.linear, hpeak, hbw)
+                     + roofline_seconds(f.attention, b.attention, hpeak, hbw))
+        measured = {"cfg": fw["cfg"], "seq_lens": fw["seq_lens"], "seconds": fw["seconds"], "predicted": predicted,
+                    "flops": f.total, "bytes": b.total, "machine": (hname, hpeak, hbw)}
+    return {"cfg": cfg, "n_kv_heads": kv, "nbytes": nbytes, "machine": (name, peak, bw), "ridge": peak / bw,
+            "rows": rows, "measured": measured}
+
+
+def _num(x: float) -> str:
+    """FLOPs, bytes, seconds in engineering units: ``50.33 G``, ``812 k``."""
+    for scale, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.2f} "
+
+
+def roofline_lines(state: dict) -> list[str]:
+    """One line per packing: ``1 x 1000: linear 50.33 GFLOP 181.40 MB 277.5 FLOP/B compute-bound 0.05089 ms |
+    attention 8.20 GFLOP 32.77 MB 250.2 FLOP/B compute-bound 0.008292 ms | predicted 0.05918 ms``."""
+    out = []
+    for row in state["rows"]:
+        parts = [f"{p} {_num(row[p]['flops'])}FLOP {_num(row[p]['bytes'])}B {row[p]['intensity']:.1f} FLOP/B "
+                 f"{row[p]['bound']} {row[p]['seconds'] * 1e3:.4g} ms" for p in ("linear", "attention")]
+        out.append(f"{row['label']}: " + " | ".join(parts) + f" | predicted {row['seconds'] * 1e3:.4g} ms")
+    return out
+
+
+def machine_line(state: dict) -> str:
+    name, peak, bw = state["machine"]
+    return f"{name}: peak {peak / 1e9:.1f} GFLOP/s, bandwidth {bw / 1e9:.2f} GB/s, ridge {state['ridge']:.1f} FLOP/byte"
+
+
+def measured_line(state: dict) -> str:
+    m = state["measured"]
+    if m is None:
+        return "measured here: not taken (call measure_here() first)"
+    c = m["cfg"]
+    return (f"measured here: one forward of the engine ({c.n_layers} layers, d_model {c.d_model}, "
+            f"{len(m['seq_lens'])} x {m['seq_lens'][0]} tokens, fp32) on {m['machine'][0]}: "
+            f"{m['seconds'] * 1e3:.3f} ms measured, {m['predicted'] * 1e3:.3f} ms predicted by its roofline "
+            f"(measured / predicted = {m['seconds'] / m['predicted']:.1f})")
+
+
+def roofline_figure(state: dict) -> Figure:
+    """Log-log roofline of ``state``'s machine: attainable FLOP/s = min(peak, intensity x bandwidth),
+    the ridge (dotted ink), each packing's linear (green) and attention (blue) points at their
+    intensity on the roof; the measured forward (ink ring: achieved FLOP/s) beside its predicted point
+    (ink cross) when the machine is the one it was measured on."""
+    name, peak, bw = state["machine"]
+    ridge = state["ridge"]
+    fig = Figure(figsize=(7.6, 4.2))
+    ax = fig.add_subplot()
+    pts = [row[p]["intensity"] for row in state["rows"] for p in ("linear", "attention")]
+    m = state["measured"]
+    if m is not None and m["machine"] == state["machine"]:
+        pts.append(m["flops"] / m["bytes"])
+    lo, hi = min(pts + [ridge]) / 4, max(pts + [ridge]) * 4
+    xs = np.logspace(np.log10(lo), np.log10(hi), 200)
+    ax.plot(xs, np.minimum(peak, xs * bw), "-", color=TEXT, linewidth=1.5, label=f"roof of {name}")
+    ax.axvline(ridge, color=TEXT, linestyle=":", linewidth=1)
+    ax.text(ridge * 1.1, peak * 0.02, f"ridge\n{ridge:.1f} FLOP/B", fontsize=MIN_FONT, color=TEXT, ha="left")
+    markers = ("o", "s", "^")
+    for row, mk in zip(state["rows"], markers):
+        for part, color in (("linear", LINEAR), ("attention", ATTENTION)):
+            x = row[part]["intensity"]
+            ax.plot([x], [min(peak, x * bw)], mk, color=color, markersize=8,
+                    label=f"{row['label'][:22]}: {part}")
+    if m is not None and m["machine"] == state["machine"]:
+        x = m["flops"] / m["bytes"]
+        ax.plot([x], [m["flops"] / m["predicted"]], "x", color=TEXT, markersize=9, label="engine forward: predicted")
+        ax.plot([x], [m["flops"] / m["seconds"]], "o", markerfacecolor=NEVER, markeredgecolor=TEXT, markersize=9,
+                label="engine forward: measured here")
+    ylo, yhi = peak / 2e3, peak * 3
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(ylo, yhi)
+    # Fixed decade ticks, no minor ticks: the explorer redraws this on every knob move, and matplotlib's
+    # automatic log ticks cost most of a redraw.
+    for axis, (a, b) in ((ax.xaxis, (lo, hi)), (ax.yaxis, (ylo, yhi))):
+        decades = [10.0 ** e for e in range(math.ceil(math.log10(a)), math.floor(math.log10(b)) + 1)]
+        axis.set_major_locator(FixedLocator(decades))
+        axis.set_major_formatter(FixedFormatter([_num(v).replace(".00", "").strip() for v in decades]))
+        axis.set_minor_locator(NullLocator())
+    ax.set_xlabel("arithmetic intensity (FLOP per byte moved)", fontsize=MIN_FONT + 1)
+    ax.set_ylabel("attainable FLOP/s = min(peak, intensity x bandwidth)", fontsize=MIN_FONT)
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.legend(fontsize=MIN_FONT, frameon=False, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    c = state["cfg"]
+    fig.text(0.02, 0.97, f"Roofline of {name}: d_model {c.d_model}, {c.n_heads} heads ({state['n_kv_heads']} K/V), "
+             f"FFN {c.d_ffn}, {c.n_layers} layers, {state['nbytes']} B/number", fontsize=MIN_FONT + 1, color=TEXT,
+             va="top")
+    fig.subplots_adjust(left=0.11, right=0.6, bottom=0.13, top=0.9)
+    return fig
+
+
+D_MODELS, BYTES = (128, 256, 512, 768, 1024, 2048, 4096, 8192), ((("bf16 (2 B)"), 2), (("fp32 (4 B)"), 4))
+
+
+def roofline_explorer(here: dict | None = None):
+    """VBox class ``frx``. Model: Dropdown ``frx-dmodel``, IntText ``frx-dffn``, Dropdown ``frx-heads``,
+    Dropdown ``frx-kvheads`` (the divisors of the heads), IntSlider ``frx-layers``, Dropdown ``frx-bytes``;
+    machine: Dropdown ``frx-machine`` (``here``'s measured CPU when given, the H200's datasheet);
+    packing: IntSlider ``frx-tokens`` (T), IntSlider ``frx-requests`` (R), Text ``frx-lengths``.
+    Readouts: HTML ``frx-machine-line``, ``frx-table`` (``roofline_lines``), ``frx-measured``
+    (``measured_line``), ``frx-error`` (a bad input, named), Output ``frx-figure``."""
     w = ipywidgets_module()
-    tokens = tagged(w.IntSlider(value=total_tokens, min=100, max=16000, step=100, description="tokens T"), "frx-tokens")
-    count = tagged(w.Dropdown(options=list(COUNTING), value=counting, description="count"), "frx-counting")
-    table, rule, out = tagged(w.HTML(), "frx-table"), tagged(w.HTML(), "frx-rule"), tagged(w.Output(), "frx-figure")
-
-    crossovers: dict[str, int] = {}  # crossover_length depends only on the counting: one search per counting
+    machines = {H200[0]: H200}
+    if here is not None:
+        machines = {here["machine"][0]: _machine(here["machine"])} | machines
+    dm = tagged(w.Dropdown(options=list(D_MODELS), value=512, description="d_model"), "frx-dmodel")
+    ffn = tagged(w.BoundedIntText(value=2048, min=1, max=1 << 18, description="d_ffn"), "frx-dffn")
+    heads = tagged(w.Dropdown(options=[1, 2, 4, 8, 16, 32, 64], value=8, description="heads"), "frx-heads")
+    kvh = tagged(w.Dropdown(options=[1, 2, 4, 8], value=8, description="KV heads"), "frx-kvheads")
+    layers = tagged(w.IntSlider(value=8, min=1, max=96, description="layers"), "frx-layers")
+    nb = tagged(w.Dropdown(options=list(BYTES), value=BF16, description="dtype"), "frx-bytes")
+    mach = tagged(w.Dropdown(options=list(machines), value=H200[0], description="machine"), "frx-machine")
+    tokens = tagged(w.IntSlider(value=1000, min=100, max=16000, step=100, description="tokens T"), "frx-tokens")
+    reqs = tagged(w.IntSlider(value=10, min=1, max=100, description="requests R"), "frx-requests")
+    lens = tagged(w.Text(value="700, 200, 100", description="lengths", continuous_update=False), "frx-lengths")
+    mline, table = tagged(w.HTML(), "frx-machine-line"), tagged(w.HTML(), "frx-table")
+    meas, err, out = tagged(w.HTML(), "frx-measured"), tagged(w.HTML(), "frx-error"), tagged(w.Output(), "frx-figure")
 
     def update(change=None):
-        if count.value not in crossovers:
-            crossovers[count.value] = crossover_length(ModelConfig(), count.value == "causal")
-        state = flop_mix_state(tokens.value, count.value, crossover=crossovers[count.value])
-        table.value, rule.value = flop_mix_html(state), f"<div>{flop_mix_rule(state)}</div>"
-        cases = [(r["label"], r["seq_lens"]) for r in state["rows"]]
-        show_figure(out, flops_bars(cases, causal=count.value == "causal", flops=state["flops"],
-                                    title=f"the same {tokens.value:,} tokens, three packings ({count.value})"))
+        if change is not None and change.get("owner") is heads:  # KV heads: the divisors of the heads
+            opts = [k for k in range(1, heads.value + 1) if heads.value % k == 0]
+            keep = kvh.value if kvh.value in opts else heads.value
+            kvh.unobserve(update, names="value")
+            kvh.options, kvh.value = opts, keep
+            kvh.observe(update, names="value")
+        try:
+            state = roofline_state(dm.value, ffn.value, heads.value, kvh.value, layers.value, nb.value,
+                                   machines[mach.value], tokens.value, reqs.value, lens.value, here)
+        except ValueError as exc:
+            err.value = f"<div style='color:{WASTE}'>{exc}</div>"
+            return
+        err.value = ""
+        mline.value = f"<div>{machine_line(state)}</div>"
+        table.value = "".join(f"<div>{line}</div>" for line in roofline_lines(state))
+        meas.value = f"<div>{measured_line(state)}</div>"
+        show_figure(out, roofline_figure(state))
 
-    return explorer("frx", [tokens, count], [table, rule, out], update)
+    box = explorer("frx", [dm, ffn, heads, kvh, layers, nb], [w.HBox([mach, tokens, reqs, lens]), mline, table, meas,
+                                                              err, out], update)
+    for c in (mach, tokens, reqs, lens):
+        c.observe(update, names="value")
+    return box
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,42 +698,65 @@ _CFGS = (ModelConfig(), ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=3
 _CFG_ODD = ModelConfig(n_layers=2, d_model=64, n_heads=3, d_head=16, d_ffn=100)  # k = 48: nothing divides
 
 
-def check_attention_flops(fn: Callable[[ModelConfig, list], int]) -> bool:
-    """Exercise 05.1: ``fn(cfg, seq_lens) -> int``, attention FLOPs of one whole varlen forward
-    (whole blocks, ``QK^T`` and ``PV``, 2 FLOPs per multiply-add), on the article's model, a smaller
-    one, and one whose attention width k = n_heads x d_head is not d_model."""
-    cases = [(cfg, lens) for cfg in _CFGS[:2] for lens in ([1000], [100] * 10, [10, 30], [7, 1, 12])]
-    cases += [(_CFGS[2], [10, 30]), (_CFGS[2], [64] * 3)]
+def gqa_costs(cfg: ModelConfig, seq_lens: Sequence[int], n_kv_heads: int) -> dict[str, int]:
+    """Exercise 05.1's answer from ``measure.flops``: a varlen forward of ``seq_lens`` (whole blocks)
+    with ``n_kv_heads`` K/V heads: ``attention_flops``, ``linear_flops`` and ``kv_cache_bytes`` (bf16)."""
+    f = forward_flops(cfg, seq_lens, "varlen", n_kv_heads=n_kv_heads)
+    return {"attention_flops": f.attention, "linear_flops": f.linear,
+            "kv_cache_bytes": kv_cache_bytes(cfg, seq_lens, n_kv_heads, bytes_per_element=BF16)}
 
-    def judge(got, cfg, lens):
-        want = forward_flops(cfg, lens, "varlen").attention
-        if got == want:
+
+_GQA_CASES = ((ModelConfig(), [1000], 8), (ModelConfig(), [1000], 2), (ModelConfig(), [100] * 10, 1),
+              (ModelConfig(), [10, 30], 4), (_CFGS[1], [7, 1, 12], 2),
+              (ModelConfig(n_layers=3, d_model=384, n_heads=6, d_head=48, d_ffn=1000), [50, 20], 3))
+
+
+def check_gqa(fn: Callable[[ModelConfig, list, int], Mapping]) -> bool:
+    """Exercise 05.1: ``fn(cfg, seq_lens, n_kv_heads) -> {"attention_flops", "linear_flops",
+    "kv_cache_bytes"}`` of one whole varlen forward (all layers, whole blocks, bf16 cache) of a
+    grouped-query model: the queries keep ``cfg.n_heads`` heads, K and V have ``n_kv_heads``."""
+    keys = ("attention_flops", "linear_flops", "kv_cache_bytes")
+
+    def judge(got, cfg, lens, kv):
+        want = gqa_costs(cfg, lens, kv)
+        if not isinstance(got, Mapping) or set(got) != set(keys):
+            return f"expected a dict with the keys {list(keys)}, got {got!r}"
+        if all(got[k] == want[k] for k in keys):
             return None
-        if not isinstance(got, (int, float)) or isinstance(got, bool) or not got:
-            return f"got {got!r}, expected {want}"
-        t, r, k, d = sum(lens), len(lens), cfg.qkv_dim, cfg.d_model
-        per_cell = cfg.n_layers * cfg.n_heads * 4 * cfg.d_head
-        if r > 1 and got == t ** 2 * per_cell:
-            return f"got {got}, expected {want} - that counts the whole T x T matrix (masked); varlen computes sum L_i^2"
-        if r > 1 and len(set(lens)) > 1 and math.isclose(got, t * t / r * per_cell):
-            return (f"got {got}, expected {want} - that uses the average length: R x (T/R)^2 equals sum L_i^2 only when "
-                    f"every request has the same length; here {lens}")
-        if got == forward_flops(cfg, lens, "varlen", causal=True).attention:
-            return f"got {got}, expected {want} - that is the causal count; this exercise counts whole blocks L_i^2"
-        if k != d and math.isclose(got, want * d / k):
-            return (f"got {got}, expected {want} - attention's width is k = n_heads x d_head = {k} here, not d_model = {d}: "
-                    f"each head works on d_head numbers")
-        factors = [(cfg.n_layers, f"a factor n_layers = {cfg.n_layers}: every layer has its own attention"),
-                   (cfg.n_heads, f"a factor n_heads = {cfg.n_heads}: every head computes its own scores"),
-                   (cfg.n_layers * cfg.n_heads, "a factor n_layers x n_heads: every head of every layer"),
-                   (2, "a factor 2: count both matmuls, QK^T and PV, each 2 x d_head FLOPs per cell"),
-                   (4, "a factor 4: a score cell costs 4 x d_head FLOPs, 2 x d_head in QK^T and 2 x d_head in PV"),
-                   (cfg.d_head, f"a factor d_head = {cfg.d_head}: each cell is a dot product of d_head numbers"),
-                   (0.5, "a factor 2 too many: 2 FLOPs per multiply-add and two matmuls make 4 x d_head per cell, not 8")]
-        ratio = want / got
-        hint = next((text for value, text in factors if math.isclose(ratio, value)), None)
-        return f"got {got}, expected {want}" + (f" - off by {hint}" if hint else "")
-    return grade("attention_flops", fn, cases, judge, "n_layers x n_heads x sum(L_i^2) x 4 x d_head on 10 cases")
+        group, h, dh = cfg.n_heads // kv, cfg.n_heads, cfg.d_head
+        mha = gqa_costs(cfg, lens, h)
+        g_att, g_lin, g_kv = (got[k] for k in keys)
+        if g_att != want["attention_flops"]:
+            if group > 1 and math.isclose(g_att, want["attention_flops"] / group):
+                return (f"attention_flops: got {g_att}, expected {want['attention_flops']} - sharing K and V does not share "
+                        f"the scores: each of the {h} query heads still computes its own L x L cells against its group's "
+                        f"keys, 4 x d_head FLOPs per cell; grouping cuts bytes, not attention FLOPs")
+            return (f"attention_flops: got {g_att}, expected {want['attention_flops']} (n_layers x n_heads x sum L_i^2 x "
+                    f"4 x d_head: the count of a model without grouping)")
+        if g_lin != want["linear_flops"]:
+            if group > 1 and g_lin == mha["linear_flops"]:
+                return (f"linear_flops: got {g_lin}, expected {want['linear_flops']} - that is the ungrouped QKV: the "
+                        f"K and V projections output only n_kv_heads x d_head = {kv * dh} numbers each, not {h * dh}")
+            q_too = cfg.n_layers * sum(lens) * 2 * (cfg.d_model * 3 * kv * dh + h * dh * cfg.d_model
+                                                     + 2 * cfg.d_model * cfg.d_ffn)
+            if group > 1 and g_lin == q_too:
+                return (f"linear_flops: got {g_lin}, expected {want['linear_flops']} - Q keeps all {h} heads "
+                        f"({h * dh} wide); only K and V shrink to {kv * dh}")
+            return (f"linear_flops: got {g_lin}, expected {want['linear_flops']} (the four layers, 2 FLOPs per weight "
+                    f"per token: QKV is d_model x (n_heads + 2 n_kv_heads) x d_head)")
+        if group > 1 and g_kv == mha["kv_cache_bytes"]:
+            return (f"kv_cache_bytes: got {g_kv}, expected {want['kv_cache_bytes']} - the cache holds the K/V heads, "
+                    f"{kv} per layer, not the {h} query heads: that is the saving grouping buys")
+        ratio = want["kv_cache_bytes"] / g_kv if g_kv else 0
+        for value, hint in ((2, "a factor 2: both K and V are cached (or: 2 bytes per bf16 number)"),
+                            (4, "a factor 4: K and V, 2 bytes each"),
+                            (cfg.n_layers, f"a factor n_layers = {cfg.n_layers}: every layer keeps its own K and V"),
+                            (0.5, "a factor 2 too many: bf16 is 2 bytes per number, K and V make 2 tensors")):
+            if math.isclose(ratio, value):
+                return f"kv_cache_bytes: got {g_kv}, expected {want['kv_cache_bytes']} - off by {hint}"
+        return f"kv_cache_bytes: got {g_kv}, expected {want['kv_cache_bytes']}"
+    return grade("gqa", fn, list(_GQA_CASES), judge,
+                 "attention FLOPs unchanged, K/V projections and KV cache shrunk by the group, on 6 cases")
 
 
 def check_crossover(fn: Callable[[ModelConfig, bool], int]) -> bool:

@@ -11,6 +11,13 @@ Conventions (stated once, used everywhere):
   (O(T·d), small next to the matmuls). Nor is the LM head, which is not small: O(R·d·V), one row
   ``[1, 512] @ [512, 50257]`` is 51.5 MFLOP, more than the 8 blocks' linear layers per token
   (50.3 MFLOP); the engine computes it for the R last tokens only, outside "the forward" counted here.
+- Grouped-query attention (``n_kv_heads`` < ``n_heads``, default ``n_heads``: the course's model): the
+  queries keep ``n_heads`` heads, K and V have ``n_kv_heads``, each shared by ``n_heads / n_kv_heads``
+  query heads. The score work is unchanged (every query head computes its own cells); the K and V
+  projections and the KV bytes shrink by the group factor.
+- Bytes (``forward_bytes``): each operand moved once, no cache reuse. A linear layer moves its weight
+  once per forward plus its input and output rows; a fused varlen attention kernel (FlashAttention's
+  kind, no score matrix in memory) reads Q, K, V and writes O once per layer.
 
 Taught in notebooks/03_masked_vs_varlen_attention.ipynb and notebooks/05_flop_regimes.ipynb.
 """
@@ -57,10 +64,30 @@ def executed_tokens(seq_lens: Sequence[int], method: str) -> int:
     return len(lens) * max(lens, default=0) if _method(method) == "padded" else sum(lens)
 
 
-def linear_flops_per_token(cfg: ModelConfig) -> int:
-    """FLOPs of the four matmuls of all layers for ONE token (whole model, all ranks)."""
+def kv_heads(cfg: ModelConfig, n_kv_heads: int | None = None) -> int:
+    """The K/V head count: ``n_kv_heads`` (must divide ``cfg.n_heads``), or ``cfg.n_heads`` when None."""
+    if n_kv_heads is None:
+        return cfg.n_heads
+    if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or not 1 <= n_kv_heads <= cfg.n_heads:
+        raise ValueError(f"n_kv_heads must be a whole number in 1..n_heads = {cfg.n_heads}, got {n_kv_heads!r}")
+    if cfg.n_heads % n_kv_heads:
+        raise ValueError(f"n_kv_heads must divide n_heads = {cfg.n_heads} (each K/V head serves a whole group of "
+                         f"query heads), got {n_kv_heads}")
+    return n_kv_heads
+
+
+def linear_shapes(cfg: ModelConfig, n_kv_heads: int | None = None) -> tuple[tuple[int, int], ...]:
+    """``(d_in, d_out)`` of one block's four linear layers: QKV (Q: k = n_heads·d_head wide, K and V:
+    n_kv_heads·d_head each), out proj, FFN-up, FFN-down."""
     d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
-    return cfg.n_layers * 2 * (d * 3 * k + k * d + d * f + f * d)
+    kv = kv_heads(cfg, n_kv_heads) * cfg.d_head
+    return ((d, k + 2 * kv), (k, d), (d, f), (f, d))
+
+
+def linear_flops_per_token(cfg: ModelConfig, n_kv_heads: int | None = None) -> int:
+    """FLOPs of the four matmuls of all layers for ONE token (whole model, all ranks): 2 per weight,
+    ``2 · (d·3k + k·d + d·f + f·d)`` per layer without grouped-query attention."""
+    return cfg.n_layers * 2 * sum(a * b for a, b in linear_shapes(cfg, n_kv_heads))
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,21 +109,22 @@ class ForwardFlops:
 
 
 def forward_flops(cfg: ModelConfig, seq_lens: Sequence[int], method: str = "varlen", causal: bool = False,
-                  useful_only: bool = False) -> ForwardFlops:
+                  useful_only: bool = False, n_kv_heads: int | None = None) -> ForwardFlops:
     """FLOPs of one whole forward (all layers, all heads, all ranks).
 
     ``method`` says what is executed (padded rows and masked cells included); with
-    ``useful_only=True`` only the work a request really needs is counted.
+    ``useful_only=True`` only the work a request really needs is counted. ``n_kv_heads``: grouped-query
+    attention (K/V projections shrink; attention's FLOPs do not change).
     """
     cells = attention_cells(seq_lens, method, causal)
     rows = sum(check_lengths(seq_lens)) if useful_only else executed_tokens(seq_lens, method)
-    return flops_of(cfg, rows, cells.useful if useful_only else cells.computed)
+    return flops_of(cfg, rows, cells.useful if useful_only else cells.computed, n_kv_heads=n_kv_heads)
 
 
-def flops_of(cfg: ModelConfig, rows: int, cells: int) -> ForwardFlops:
+def flops_of(cfg: ModelConfig, rows: int, cells: int, n_kv_heads: int | None = None) -> ForwardFlops:
     """FLOPs of one whole forward that runs ``rows`` rows through the linear layers and computes
     ``cells`` score cells (per head per layer) in attention: ``forward_flops``'s arithmetic."""
-    linear = rows * linear_flops_per_token(cfg)
+    linear = rows * linear_flops_per_token(cfg, n_kv_heads)
     attention = cfg.n_layers * cfg.n_heads * cells * 4 * cfg.d_head
     return ForwardFlops(linear, attention)
 
@@ -121,3 +149,54 @@ def decode_attention_intensity(kv_len: int, d_head: int, bytes_per_element: int 
     if kv_len < 1:
         raise ValueError(f"kv_len must be >= 1, got {kv_len}")
     return 2 * kv_len * d_head / (bytes_per_element * (kv_len * d_head + d_head + kv_len))
+
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBytes:
+    linear: int
+    attention: int
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.attention
+
+
+def _bytes_per_element(nbytes: int) -> int:
+    if isinstance(nbytes, bool) or nbytes not in (1, 2, 4, 8):
+        raise ValueError(f"bytes_per_element must be 1, 2, 4 or 8, got {nbytes!r}")
+    return nbytes
+
+
+def forward_bytes(cfg: ModelConfig, seq_lens: Sequence[int], n_kv_heads: int | None = None,
+                  bytes_per_element: int = 2) -> ForwardBytes:
+    """Bytes one whole varlen forward moves (all layers), each operand once, no cache reuse.
+
+    Linear, per layer: the four weights once + every flat row's input and output of each layer.
+    Attention, per layer (a fused kernel: scores never in memory): Q and O, ``T·k`` numbers each,
+    K and V, ``T·n_kv_heads·d_head`` each, with T = Σ L_i.
+    """
+    t = sum(check_lengths(seq_lens))
+    nb = _bytes_per_element(bytes_per_element)
+    shapes = linear_shapes(cfg, n_kv_heads)
+    linear = sum(a * b for a, b in shapes) + t * sum(a + b for a, b in shapes)
+    attention = t * (2 * cfg.qkv_dim + 2 * kv_heads(cfg, n_kv_heads) * cfg.d_head)
+    return ForwardBytes(cfg.n_layers * nb * linear, cfg.n_layers * nb * attention)
+
+
+def kv_cache_bytes(cfg: ModelConfig, seq_lens: Sequence[int], n_kv_heads: int | None = None,
+                   bytes_per_element: int = 2) -> int:
+    """Bytes of the K and V a forward leaves for decode: every token, every layer, K and V,
+    ``n_kv_heads · d_head`` numbers each."""
+    t = sum(check_lengths(seq_lens))
+    return cfg.n_layers * 2 * t * kv_heads(cfg, n_kv_heads) * cfg.d_head * _bytes_per_element(bytes_per_element)
+
+
+def roofline_seconds(flops: float, nbytes: float, peak_flops: float, bytes_per_s: float) -> float:
+    """The roofline's time for one kernel: the longer of its arithmetic at peak and its bytes at full
+    bandwidth, ``max(flops / peak, bytes / bandwidth)``."""
+    if not (peak_flops > 0 and bytes_per_s > 0):
+        raise ValueError(f"peak_flops and bytes_per_s must be > 0, got {peak_flops!r}, {bytes_per_s!r}")
+    if flops < 0 or nbytes < 0:
+        raise ValueError(f"flops and nbytes must be >= 0, got {flops!r}, {nbytes!r}")
+    return max(flops / peak_flops, nbytes / bytes_per_s)

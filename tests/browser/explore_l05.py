@@ -1,66 +1,100 @@
-"""Lesson 05's FLOP-mix explorer in the browser: its table equals ``measure.flops`` for every T.
+"""Lesson 05's roofline explorer in the browser: its lines equal ``course.l05_flops.roofline_state``
+(``measure.flops.forward_flops`` / ``forward_bytes`` / ``roofline_seconds``) for the knobs on screen.
 """
 from __future__ import annotations
 
 import re
 
-from widget_driver import MOVES, finish, inner_text, move, open_explorer, readout, slider_max, wait_text
+from widget_driver import MOVES, finish, inner_text, move, open_explorer, readout, wait_text
 
-from lessons_lib.core.config import ModelConfig
 from lessons_lib.course import l05_flops
 from lessons_lib.measure import flops
 
-MIX_RE = re.compile(r"(\d+) x (\d+): linear ([\d.]+) GFLOP \| attention ([\d.]+) GFLOP \| ([\d.]+)% attention \| "
-                    r"(linear|attention)-dominated")
-
-def _parse_mix(text: str) -> list[tuple]:
-    rows = [MIX_RE.fullmatch(line.strip()) for line in text.splitlines() if line.strip()]
-    assert rows and all(rows), f"FLOP-mix widget text not in the documented format: {text!r}"
-    return [(int(m[1]), int(m[2]), m[3], m[4], m[5], m[6]) for m in rows]
+LINE_RE = re.compile(r"(.+?): linear ([\d.]+ [kMGT]?)FLOP ([\d.]+ [kMGT]?)B ([\d.]+) FLOP/B (compute|memory)-bound "
+                     r"([\d.e+-]+) ms \| attention ([\d.]+ [kMGT]?)FLOP ([\d.]+ [kMGT]?)B ([\d.]+) FLOP/B "
+                     r"(compute|memory)-bound ([\d.e+-]+) ms \| predicted ([\d.e+-]+) ms")
 
 
-def _expected_mix(total: int, counting: str) -> list[tuple]:
-    """Recomputed from measure.flops alone: 1 x T, 10 x T/10, 100 x T/100, GFLOP to 2 decimals."""
-    state = l05_flops.flop_mix_state(total, counting)
-    out = []
-    for r, row in zip((1, 10, 100), state["rows"]):
-        lens = [total // r] * r
-        assert row["seq_lens"] == lens
-        f = flops.forward_flops(ModelConfig(), lens, "varlen", causal=counting == "causal")
-        out.append((r, total // r, f"{f.linear / 1e9:.2f}", f"{f.attention / 1e9:.2f}",
-                    f"{100 * f.attention_fraction:.1f}", "attention" if f.attention > f.linear else "linear"))
-    return out
+def _lines(page) -> list[str]:
+    lines = [x.strip() for x in inner_text(page, ".frx-table").splitlines() if x.strip()]
+    assert len(lines) == 3 and all(LINE_RE.fullmatch(x) for x in lines), f"roofline lines not in the format: {lines}"
+    return lines
 
 
-def test_lesson05_flop_mix_explorer(lab_server, browser_context, capsys):
+def _knobs(page) -> dict:
+    sel = lambda cls: page.locator(f".{cls} select")
+    return {"d_model": int(sel("frx-dmodel").locator("option:checked").inner_text()),
+            "d_ffn": int(page.locator(".frx-dffn input").input_value()),
+            "n_heads": int(sel("frx-heads").locator("option:checked").inner_text()),
+            "n_kv_heads": int(sel("frx-kvheads").locator("option:checked").inner_text()),
+            "n_layers": readout(page, "frx-layers"),
+            "nbytes": 2 if "bf16" in sel("frx-bytes").locator("option:checked").inner_text() else 4,
+            "total": readout(page, "frx-tokens"), "requests": readout(page, "frx-requests"),
+            "lengths": page.locator(".frx-lengths input").input_value()}
+
+
+def _expected(knobs: dict, machine=l05_flops.H200) -> tuple[list[str], dict]:
+    """A direct call of the library for the knobs read off the page; the FLOPs cross-checked against
+    measure.flops alone."""
+    state = l05_flops.roofline_state(machine=machine, **knobs)
+    for row in state["rows"]:
+        f = flops.forward_flops(state["cfg"], row["seq_lens"], causal=True, n_kv_heads=knobs["n_kv_heads"])
+        assert (row["linear"]["flops"], row["attention"]["flops"]) == (f.linear, f.attention)
+    return l05_flops.roofline_lines(state), state
+
+
+def test_lesson05_roofline_explorer(lab_server, browser_context, capsys):
     page, widget, console_errors, t_start = open_explorer(
         browser_context, lab_server, "05_flop_regimes.ipynb", "frx",
-        r"""() => /-dominated/.test((document.querySelector('.frx-table') || {}).innerText || '')
-                  && !!document.querySelector('.frx-figure img')""", "the FLOP-mix explorer")
+        r"""() => /predicted/.test((document.querySelector('.frx-table') || {}).innerText || '')
+                  && !!document.querySelector('.frx-figure img')""", "the roofline explorer")
 
-    counting = page.locator(".frx-counting select").input_value()
-    total = readout(page, "frx-tokens")
-    assert _parse_mix(inner_text(page, ".frx-table")) == _expected_mix(total, counting)
-    assert inner_text(page, ".frx-rule").endswith(f"L = {l05_flops.crossover_length(ModelConfig(), counting == 'causal')} "
-                                             f"tokens per request ({counting})")
+    assert "H200" in page.locator(".frx-machine select option:checked").inner_text()
+    want, state = _expected(_knobs(page))
+    assert _lines(page) == want
+    assert inner_text(page, ".frx-machine-line") == l05_flops.machine_line(state)
+    assert re.search(r"[\d.]+ ms measured, [\d.]+ ms predicted", inner_text(page, ".frx-measured"))
     src = page.locator(".frx-figure img").first.get_attribute("src")
 
     latencies, text_ms = [], []
-    # Small steps first (100 tokens each), then End (the slider's max), where 1 x T is attention-dominated.
-    for key in ["ArrowRight"] * (MOVES - 1) + ["End"]:
+    for key in ["ArrowRight"] * MOVES:            # tokens T up by 100 each: numbers and figure follow
         ms, new_src = move(page, "frx-tokens", ".frx-figure", ".frx-table", key, text_ms)
         latencies.append(ms)
-        assert new_src != src, "the FLOPs figure was not redrawn"
+        assert new_src != src, "the roofline figure was not redrawn"
         src = new_src
-        total = readout(page, "frx-tokens")
-        want = _expected_mix(total, counting)
-        wait_text(page, ".frx-table", f"t => t.startsWith('1 x {total}:')")
-        assert _parse_mix(inner_text(page, ".frx-table")) == want
-    max_tokens = slider_max(page, "frx-tokens")
-    assert total == max_tokens, f"End on the tokens slider left T={total}, slider max is {max_tokens}"
-    assert _parse_mix(inner_text(page, ".frx-table"))[0][-1] == "attention", "1 x T_max should be attention-dominated"
+        knobs = _knobs(page)
+        want, _ = _expected(knobs)
+        wait_text(page, ".frx-table", f"t => t.startsWith('1 x {knobs['total']}:')")
+        assert _lines(page) == want
+
+    # Grouped-query attention: 1 K/V head. Attention FLOPs stay, its bytes and the linear FLOPs drop.
+    before = [LINE_RE.fullmatch(x) for x in _lines(page)]
+    page.locator(".frx-kvheads select").select_option(label="1")
+    knobs = _knobs(page)
+    assert knobs["n_kv_heads"] == 1
+    want, _ = _expected(knobs)
+    wait_text(page, ".frx-table", f"t => t.split('\\n')[0] === {want[0]!r}")
+    after = [LINE_RE.fullmatch(x) for x in _lines(page)]
+    assert _lines(page) == want
+    assert all(a[7] == b[7] and a[8] != b[8] and a[2] != b[2] for a, b in zip(after, before)), (after, before)
+
+    # Typed lengths (Enter commits the text).
+    page.locator(".frx-lengths input").fill("3000, 40")
+    page.locator(".frx-lengths input").press("Enter")
+    wait_text(page, ".frx-table", "t => t.includes('typed 3000, 40:')")
+    assert _lines(page) == _expected(_knobs(page))[0]
+
+    # This CPU, measured: FLOPs and bytes do not depend on the machine; its ridge is what its line says.
+    page.locator(".frx-machine select").select_option(index=0)
+    wait_text(page, ".frx-machine-line", "t => t.startsWith('this CPU, measured')")
+    m = re.fullmatch(r"this CPU, measured: peak ([\d.]+) GFLOP/s, bandwidth ([\d.]+) GB/s, ridge ([\d.]+) FLOP/byte",
+                     inner_text(page, ".frx-machine-line"))
+    assert m, inner_text(page, ".frx-machine-line")
+    cpu = ("this CPU, measured", float(m[1]) * 1e9, float(m[2]) * 1e9)
+    want, _ = _expected(_knobs(page), cpu)
+    got = [LINE_RE.fullmatch(x) for x in _lines(page)]
+    for g, w in zip(got, (LINE_RE.fullmatch(x) for x in want)):
+        machine_free = (1, 2, 3, 4, 7, 8, 9)         # label, FLOPs, bytes, intensity of both parts
+        assert [g[i] for i in machine_free] == [w[i] for i in machine_free], (g[0], w[0])
 
     finish(page, widget, "05", latencies, text_ms, console_errors, t_start, capsys)
-
-
-K7_RE = re.compile(r"(programs|early_exits|tiles|tiles_skipped|cells): measured (\d+|not run) \| predicted (\d+) \| picture (\d+)")

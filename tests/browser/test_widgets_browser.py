@@ -14,7 +14,7 @@ one JupyterLab server and one Chromium (module-scoped fixtures in ``conftest.py`
 """
 from explore_l03 import test_lesson03_attention_run_explorer  # noqa: F401
 from explore_l04 import test_lesson04_tp_packing_explorer  # noqa: F401
-from explore_l05 import test_lesson05_flop_mix_explorer  # noqa: F401
+from explore_l05 import test_lesson05_roofline_explorer  # noqa: F401
 from explore_l06 import test_lesson06_prefill_plan_explorer  # noqa: F401
 from explore_l07 import test_lesson07_kernel_explorer  # noqa: F401
 from explore_l08 import test_lesson08_chunked_prefill_explorer  # noqa: F401
