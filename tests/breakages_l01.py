@@ -41,3 +41,19 @@ def _positions_do_not_restart():
         return out
 
     batch.pack = pack
+
+
+@breaks("C2", "01_flat_batch", "the padded forward quietly runs only the real rows: what the recorder sees executed no "
+        "longer matches the R x Lmax rows that measure.flops predicts for padding", variant="recorded-rows")
+def _padded_forward_runs_real_rows_only():
+    from lessons_lib.core import model
+    from lessons_lib.core.batch import pack
+
+    def forward_padded(self, input_ids, attention_mask):
+        mask = attention_mask.bool()
+        flat = self.forward(pack([row[m] for row, m in zip(input_ids, mask)], device=input_ids.device))
+        out = flat.new_zeros(*input_ids.shape, flat.shape[-1])
+        out[mask] = flat
+        return out
+
+    model.Transformer.forward_padded = forward_padded

@@ -55,24 +55,82 @@ def test_c2_c3_flat_batch_state_numbers():
     assert (s["attention"]["padded"].computed, s["attention"]["varlen"].computed) == (1800, 1000)
     three = L.flat_batch_state([10, 30, 5])
     assert (three["pad_rows"], three["cu_seqlens"]) == (3 * 30 - 45, [0, 10, 40, 45])
-    assert L.flat_batch_html(s) != L.flat_batch_html(three)
     with pytest.raises(ValueError):
         L.flat_batch_state([])
 
 
-def test_flat_batch_explorer_follows_the_lengths_and_reports_bad_input():
+def test_c2_c3_flat_run_state_runs_the_model_both_ways():
+    s = L.flat_run_state([3, 17, 5])
+    # What pack built, against an independent reading of the requests
+    requests = L.request_ids([3, 17, 5])
+    assert s["flat"]["input_ids"] == [t for r in requests for t in r.tolist()]
+    assert s["flat"]["positions"] == list(range(3)) + list(range(17)) + list(range(5))
+    assert (s["flat"]["cu_seqlens"], s["flat"]["cu_dtype"], s["flat"]["max_seqlen"]) == ([0, 3, 20, 25], "int32", 17)
+    # What the recorder saw: every linear layer on R x S rows padded, on T rows flat
+    assert s["padded_shape"] == [3, 17] and s["rows"] == {"padded": 51, "flat": 25} and s["pad_rows"] == 26
+    assert s["cells"] == {"padded": 3 * 17 * 17, "flat": 9 + 289 + 25}
+    assert s["largest"]["padded"] == (3, 4, 17, 17) and s["largest"]["flat"] == (4, 17, 17)
+    assert s["hidden_bytes"] == {"padded": 51 * 64 * 4, "flat": 25 * 64 * 4}
+    assert s["input_bytes"] == {"padded": 51 * 8 + 51, "flat": 25 * 8 * 2 + 4 * 4}
+    assert all(s["equal"]["flat"]) and all(s["equal"]["padded"])
+    assert max(s["diff"]["flat"]) < 1e-5
+
+
+def test_flat_run_state_pads_to_a_length_and_on_the_left():
+    wide = L.flat_run_state([3, 17, 5], pad_to=32)
+    assert wide["padded_shape"] == [3, 32] and wide["rows"]["padded"] == 96 and wide["pad_rows"] == 71
+    assert all(wide["equal"]["padded"])
+    left = L.flat_run_state([3, 17, 5], side="left")
+    # forward_padded numbers columns 0..S-1: the requests with pads in front get shifted positions; B has none
+    assert left["equal"]["padded"] == [False, True, False] and all(left["equal"]["flat"])
+    assert min(left["diff"]["padded"][i] for i in (0, 2)) > 1e-2
+    text = L.flat_run_text(left)["alone"]
+    assert "padded NO" in text and "left padding" in text
+    for bad, match in ((dict(pad_to=10), "pad_to must be an int >= the longest request"),
+                       (dict(side="middle"), "side must be one of"), (dict(pad_to=600), "at most 512 tokens")):
+        with pytest.raises(ValueError, match=match):
+            L.flat_run_state([3, 17, 5], **bad)
+    with pytest.raises(ValueError, match="at most 1024 tokens in all"):
+        L.flat_run_state([500, 500, 100])
+
+
+def test_pad_ids_left_moves_each_rows_real_tokens_to_its_end():
+    ids, mask = L.pad_ids([torch.tensor([1, 2]), torch.tensor([3, 4, 5])], pad_to=4, side="left")
+    assert ids.tolist() == [[0, 0, 1, 2], [0, 3, 4, 5]]
+    assert mask.tolist() == [[False, False, True, True], [False, True, True, True]]
+
+
+def test_flat_batch_explorer_follows_the_inputs_and_reports_bad_input():
     box = L.flat_batch_explorer()
     w = by_class(box)
-    assert {"fbx-lengths", "fbx-counts", "fbx-figure"} <= set(w)
-    assert "cu_seqlens = [0, 10, 40]" in w["fbx-counts"].value
+    assert {"fbx-lengths", "fbx-pad-to", "fbx-side", "fbx-flat", "fbx-counts", "fbx-alone", "fbx-figure"} <= set(w)
+    assert "cu_seqlens [0, 3, 20, 25] (int32)" in w["fbx-flat"].value
+    assert "pad rows computed 26" in w["fbx-counts"].value
     png = png_of(w["fbx-figure"])
     w["fbx-lengths"].value = "5, 7, 20"
-    assert "cu_seqlens = [0, 5, 12, 32]" in w["fbx-counts"].value and "pad 28" in w["fbx-counts"].value
+    assert "cu_seqlens [0, 5, 12, 32]" in w["fbx-flat"].value and "pad rows computed 28" in w["fbx-counts"].value
     assert png_of(w["fbx-figure"]) != png
+    w["fbx-pad-to"].value = "64"
+    assert "padded 192 | flat 32 | pad rows computed 160" in w["fbx-counts"].value
+    w["fbx-side"].value = "left"
+    assert "padded NO" in w["fbx-alone"].value
     w["fbx-lengths"].value = "5, x"
     assert "fbx-error" in w["fbx-counts"]._dom_classes and "not a whole number" in w["fbx-counts"].value
+    w["fbx-lengths"].value = "80, 5"
+    assert "pad_to must be an int" in w["fbx-counts"].value
     w["fbx-lengths"].value = "20, 20"
-    assert "fbx-error" not in w["fbx-counts"]._dom_classes and "pad 0" in w["fbx-counts"].value
+    assert "fbx-error" not in w["fbx-counts"]._dom_classes and "pad rows computed 88" in w["fbx-counts"].value
+
+
+def test_flat_run_figure_draws_the_pad_spans_on_the_chosen_side():
+    left = L.flat_run_figure(L.flat_run_state([3, 17, 5], side="left"))
+    top = left.axes[0]
+    pads = {p.get_gid(): (p.get_x(), p.get_width()) for p in top.patches}
+    assert pads == {"pad-0": (0, 14), "pad-2": (0, 12)}
+    right = L.flat_run_figure(L.flat_run_state([3, 17, 5]))
+    assert {p.get_gid(): p.get_x() for p in right.axes[0].patches} == {"pad-0": 3, "pad-2": 5}
+    assert "51 rows computed (recorded), 26 of them pad" in top.get_title()
+    assert list(right.axes[1].get_xticks()) == [0, 3, 20, 25]
 
 
 def test_float64_twin_holds_the_same_weights():
@@ -86,26 +144,44 @@ def test_float64_twin_holds_the_same_weights():
 
 # ---- exercise checkers -----------------------------------------------------------------------------
 
-def _pack(requests, restart=True, lead_zero=True, cu_dtype=torch.int32, max_total=False):
-    lens = [len(r) for r in requests]
-    ids = torch.tensor([t for r in requests for t in r])
-    pos = torch.cat([torch.arange(n) for n in lens]) if restart else torch.arange(sum(lens))
-    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=cu_dtype)
-    return ids, pos, cu if lead_zero else cu[1:], sum(lens) if max_total else max(lens)
+def _wrong(lens, bug, k):
+    if bug == "late":
+        return {k}
+    return {k} if lens[k - 1] == 1 else {k - 1, k}
 
 
-def test_c3_pack_checker(capsys):
-    assert L.check_pack(_pack)
-    assert L.check_pack(stub) is False and "not attempted yet" in capsys.readouterr().out
-    assert "restart at 0" in attempt(L.check_pack, lambda r: _pack(r, restart=False))
-    assert "starts with 0" in attempt(L.check_pack, lambda r: _pack(r, lead_zero=False))
-    assert "int32" in attempt(L.check_pack, lambda r: _pack(r, cu_dtype=torch.int64))
-    assert "not the total" in attempt(L.check_pack, lambda r: _pack(r, max_total=True))
-    assert "must be a tensor" in attempt(L.check_pack, lambda r: ([1], [0], [0, 1], 1))
+def test_broken_pack_moves_one_boundary_and_keeps_the_batch_consistent():
+    reqs = [torch.arange(4), torch.arange(10, 16), torch.arange(20, 25)]
+    late, early = L.broken_pack(reqs, "late", 2), L.broken_pack(reqs, "early", 1)
+    assert late.cu_seqlens.tolist() == [0, 4, 11, 15] and late.positions.tolist()[10:12] == [6, 0]
+    assert early.cu_seqlens.tolist() == [0, 3, 10, 15] and early.positions.tolist()[2:4] == [2, 0]
+    assert torch.equal(late.input_ids, torch.cat(reqs))
+    emptied = L.broken_pack([torch.arange(1), torch.arange(3)], "early", 1)
+    assert emptied.cu_seqlens.tolist() == [0, 0, 4] and emptied.seq_lens == [0, 4]
+    for bug, k, match in (("sideways", 1, "bug must be one of"), ("late", 0, "inner boundary"), ("late", 3, "inner boundary")):
+        with pytest.raises(ValueError, match=match):
+            L.broken_pack(reqs, bug, k)
+
+
+def test_c3_wrong_requests_are_measured_by_running_the_engine():
+    # Measured, not derived: the engine's outputs decide, and they follow the causal argument
+    for lens, bug, k in L.WRONG_CASES:
+        assert L.wrong_requests(lens, bug, k)[0] == _wrong(lens, bug, k), (lens, bug, k)
+
+
+def test_c3_wrong_requests_checker(capsys):
+    assert L.check_wrong_requests(_wrong)
+    assert L.check_wrong_requests(stub) is False and "not attempted yet" in capsys.readouterr().out
+    both = attempt(L.check_wrong_requests, lambda lens, bug, k: {k - 1, k})
+    assert "is unchanged" in both and "causal attention" in both
+    single = attempt(L.check_wrong_requests, lambda lens, bug, k: {k} if bug == "late" else {k - 1, k})
+    assert "has one token" in single
+    assert "numbered 0.." in attempt(L.check_wrong_requests, lambda lens, bug, k: {len(lens)})
+    assert "set of request indices" in attempt(L.check_wrong_requests, lambda lens, bug, k: "k")
     capsys.readouterr()
-    # Positions that never restart pass only the two single-request batches.
-    assert score(L.check_pack, lambda r: _pack(r, restart=False), points=5) == 2
-    assert "restart at 0" in capsys.readouterr().out
+    # Forgetting the one-token case costs exactly one of the seven cases
+    assert score(L.check_wrong_requests, lambda lens, bug, k: {k} if bug == "late" else {k - 1, k}, points=7) == 6
+    assert "has one token" in capsys.readouterr().out
 
 
 def _extremes(total, r):
@@ -130,28 +206,31 @@ def test_c2_padding_extremes_checker(capsys):
     assert L.pad_rows([10, 30]) == 20
 
 
-def _unpad(padded, mask, right_only=False, keep_pads=False, cu_from_s=False, cu_dtype=torch.int32):
-    if keep_pads:
-        flat = padded.reshape(-1, padded.shape[-1])
-    elif right_only:
-        flat = torch.cat([padded[b, :int(n)] for b, n in enumerate(mask.sum(1))])
-    else:
-        flat = padded[mask]
-    lens = [mask.shape[1]] * mask.shape[0] if cu_from_s else mask.sum(1).tolist()
-    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=cu_dtype)
-    return flat, cu
+def _unpad_ids(ids, mask, columns=False, first_l=False, by_id=False, keep=False, cu_dtype=torch.int32):
+    real = (ids != 0) if by_id else mask
+    lens = real.sum(1)
+    cu = torch.zeros(len(lens) + 1, dtype=cu_dtype)
+    cu[1:] = torch.cumsum(lens, 0)
+    if keep:
+        return ids.flatten(), torch.arange(ids.numel()), cu
+    flat = torch.cat([ids[b, :int(n)] for b, n in enumerate(lens)]) if first_l else ids[real]
+    pos = torch.arange(ids.shape[1]).expand_as(ids)[real] if columns else torch.cat([torch.arange(int(n)) for n in lens])
+    return flat, pos, cu
 
 
-def test_c3_unpad_checker(capsys):
-    assert L.check_unpad(_unpad)
-    assert L.check_unpad(stub) is False
-    assert "still holds the pad rows" in attempt(L.check_unpad, lambda x, m: _unpad(x, m, keep_pads=True))
-    assert "LEFT" in attempt(L.check_unpad, lambda x, m: _unpad(x, m, right_only=True))
-    assert "not the padded length" in attempt(L.check_unpad, lambda x, m: _unpad(x, m, cu_from_s=True))
-    assert "int32" in attempt(L.check_unpad, lambda x, m: _unpad(x, m, cu_dtype=torch.int64))
+def test_c3_unpad_ids_checker(capsys):
+    assert L.check_unpad_ids(_unpad_ids)
+    assert L.check_unpad_ids(stub) is False
+    cols = attempt(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, columns=True))
+    assert "engine refuses" in cols and "not the column" in cols
+    assert "LEFT" in attempt(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, first_l=True))
+    assert "a real token can have id 0" in attempt(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, by_id=True))
+    assert "still holds the pad tokens" in attempt(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, keep=True))
+    assert "int32" in attempt(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, cu_dtype=torch.int64))
+    assert "three tensors" in attempt(L.check_unpad_ids, lambda i, m: (i, m))
     capsys.readouterr()
-    # Assuming right padding passes the three right-padded batches of five.
-    assert score(L.check_unpad, lambda x, m: _unpad(x, m, right_only=True), points=5) == 3
+    # Taking the first L columns is right on the two right-padded batches only (the mixed one has a left row)
+    assert score(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, first_l=True), points=6) == 2
     assert "LEFT" in capsys.readouterr().out
 
 

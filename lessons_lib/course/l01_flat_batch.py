@@ -2,13 +2,17 @@
 
 Figures: ``01_padded_vs_flat`` (the padded grid above the flat strip, and what padding costs in
 attention score cells) and ``01_token_strip`` (the flat batch's positions, restarting at every
-``cu_seqlens`` boundary). The explorer ``flat_batch_explorer`` wraps ``flat_batch_state``.
-Exercise checkers: ``check_pack``, ``check_padding_extremes``, ``check_unpad``.
+``cu_seqlens`` boundary). The explorer ``flat_batch_explorer`` wraps ``flat_run_state``: it packs and
+pads the learner's requests, runs the real model both ways under ``OpRecorder`` and compares every
+request with the request run alone. Exercise checkers: ``check_wrong_requests`` (a packer with a
+boundary off by one: which requests go wrong), ``check_padding_extremes``, ``check_unpad_ids`` (a
+padded batch, left or right, turned into a flat batch the engine runs).
 
 Taught in notebooks/01_flat_batch.ipynb.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -16,10 +20,13 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from ..core.batch import cumulative, pack, unpad_input
+from ..core.batch import PackedBatch, cumulative, pack, pad, unpack
+from ..core.config import ModelConfig
+from ..core.model import Transformer
 from ..measure.flops import attention_cells, executed_tokens
-from ..measure.tolerance import float64_twin  # noqa: F401 - lesson 01 shows it as L.float64_twin
-from ..style import ATTENTION, MIN_FONT, OTHER, TEXT, WASTE, cu_ticks, draw_strip, request_color, request_name
+from ..measure.recorder import OpRecorder
+from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
+from ..style import ATTENTION, MIN_FONT, TEXT, WASTE, cu_ticks, draw_strip, request_color, request_name
 from ..validate import check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
@@ -109,8 +116,8 @@ def flat_positions(seq_lens: Sequence[int]) -> Figure:
             ax.text(cu[i] + n / 2, max(lens) * 1.02, f"{request_name(i)}: rows {cu[i]}..{cu[i + 1] - 1}", ha="center",
                     va="bottom", fontsize=MIN_FONT, color=TEXT)
     for i, c in enumerate(cu):
-        ax.axvline(c, color=OTHER, linestyle="--", linewidth=1, gid=f"cu-{i}")
-    ax.axhline(max(lens) - 1, color=OTHER, linestyle=":", linewidth=1)
+        ax.axvline(c, color=TEXT, linestyle="--", linewidth=0.8, gid=f"cu-{i}")
+    ax.axhline(max(lens) - 1, color=TEXT, linestyle=":", linewidth=0.8)
     ax.text(cu[-1], max(lens) - 1, f" max_seqlen = {max(lens)}\n (positions 0..{max(lens) - 1})", va="center",
             ha="left", fontsize=MIN_FONT, color=TEXT)
     ax.set_xlim(0, cu[-1])
@@ -127,7 +134,7 @@ def flat_positions(seq_lens: Sequence[int]) -> Figure:
 
 
 def flat_batch_state(seq_lens: Sequence[int]) -> dict:
-    """Everything the flat-batch explorer shows (claims C2, C3).
+    """The counts of claims C2, C3 for any lengths, predicted by ``measure.flops`` (no model run).
 
     Keys: ``seq_lens``, ``cu_seqlens`` (list), ``max_seqlen``, ``padded_rows`` (R·Lmax),
     ``flat_rows`` (Σ L), ``pad_rows``, ``row_ratio`` (padded / flat rows), ``attention``
@@ -142,38 +149,237 @@ def flat_batch_state(seq_lens: Sequence[int]) -> dict:
             "attention": {m: attention_cells(lens, m) for m in ("padded", "varlen")}}
 
 
-def flat_batch_html(state: dict) -> str:
-    a_pad, a_var = state["attention"]["padded"], state["attention"]["varlen"]
-    cu = state["cu_seqlens"]
-    return (f"<div>cu_seqlens = {cu if len(cu) <= 17 else '[...]'} | max_seqlen = {state['max_seqlen']}</div>"
-            f"<div>rows: padded {state['padded_rows']} | flat {state['flat_rows']} | "
-            f"pad {state['pad_rows']} | ratio {state['row_ratio']:.2f}x</div>"
-            f"<div>score cells per head per layer: padded {a_pad.computed:,} | flat (varlen) {a_var.computed:,} | "
-            f"ratio {a_pad.computed / a_var.computed:.2f}x</div>")
+# The explorer's model: the course's architecture at a tiny width, so that a forward of a few
+# hundred tokens takes milliseconds (the batching does not depend on the width).
+EXPLORER_CONFIG = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=1000,
+                              max_position=512)
+PAD_SIDES = ("right", "left")
+EXPLORER_MAX_TOKENS = 1024  # all requests together: the explorer stays interactive
 
 
-def flat_batch_explorer(lengths: str = "10, 30"):
-    """VBox class ``fbx``: Text ``fbx-lengths``, HTML ``fbx-counts``, Output ``fbx-figure``.
+@functools.lru_cache(maxsize=1)
+def explorer_models() -> tuple[Transformer, Transformer]:
+    """The explorer's float32 model (``EXPLORER_CONFIG``, seed 0) and its float64 twin."""
+    model = Transformer(EXPLORER_CONFIG, seed=0)
+    return model, float64_twin(model)
 
-    Type request lengths; the counts and ``padded_vs_flat`` follow. Bad input shows the error
-    text in ``fbx-counts`` (class ``fbx-error`` added) instead of raising.
+
+def request_ids(seq_lens: Sequence[int], vocab_size: int = EXPLORER_CONFIG.vocab_size) -> list[Tensor]:
+    """One token-id tensor per request: request i of length L gets the same L ids every time
+    (seeded by i and L), so that the explorer's numbers are reproducible."""
+    return [torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(1000 * i + n))
+            for i, n in enumerate(check_lengths(seq_lens))]
+
+
+def pad_ids(requests: Sequence[Tensor], pad_to: int | None = None, side: str = "right") -> tuple[Tensor, Tensor]:
+    """``pad`` (right, to the longest), widened to ``pad_to`` columns and, for ``side="left"``, each
+    row's real tokens moved to its end: ``(ids [R, S], mask [R, S] bool)``."""
+    if side not in PAD_SIDES:
+        raise ValueError(f"side must be one of {PAD_SIDES}, got {side!r}")
+    ids, mask = pad(requests)
+    lmax = ids.shape[1]
+    if pad_to is not None:
+        if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < lmax:
+            raise ValueError(f"pad_to must be an int >= the longest request ({lmax}), got {pad_to!r}")
+        ids = torch.nn.functional.pad(ids, (0, pad_to - lmax))
+        mask = torch.nn.functional.pad(mask, (0, pad_to - lmax))
+    if side == "left":  # a row's real tokens end at the last column: roll each row by its pad count
+        ids = torch.stack([row.roll(int((~m).sum())) for row, m in zip(ids, mask)])
+        mask = torch.stack([m.roll(int((~m).sum())) for m in mask])
+    return ids, mask
+
+
+def _linear_rows(rec: OpRecorder) -> int:
+    """The rows every linear layer ran on, as the recorder saw them (one m for all of them)."""
+    rows = {m.m for m in rec.matmuls if m.kind == "linear"}
+    if len(rows) != 1:
+        raise AssertionError(f"the linear layers ran on different row counts: {sorted(rows)}")
+    return rows.pop()
+
+
+def _largest_scores(rec: OpRecorder) -> tuple:
+    """The shape of the largest score matrix attention computed (heads in the leading dims)."""
+    return max(rec.scores, key=math.prod)
+
+
+def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str = "right") -> dict:
+    """Run the requests of ``seq_lens`` through the explorer's model flat and padded (claims C2, C3).
+
+    pad_to: the padded length (None: the longest request); side: "right" or "left" padding.
+    Keys: ``seq_lens``; ``flat``: ``input_ids``, ``positions``, ``cu_seqlens`` (lists), ``max_seqlen``,
+    what ``pack`` built; ``padded_shape`` ``[R, S]``, ``side``; ``rows`` / ``cells`` / ``largest``:
+    {"padded", "flat"} as ``OpRecorder`` saw them (rows of every linear layer, score cells per head
+    per layer, the shape of the largest score matrix one op computed); ``pad_rows`` (padded − flat rows);
+    ``input_bytes`` / ``hidden_bytes``: {"padded", "flat"} bytes of the model's inputs (ids + mask;
+    ids + positions + cu_seqlens) and of its output hidden states; ``diff`` / ``bound``: {"padded",
+    "flat"} per request, ``max |out − out64 alone|`` and the tolerance rule's bound; ``equal``:
+    {"padded", "flat"} per request, diff ≤ bound.
+    """
+    lens = check_lengths(seq_lens)
+    if not lens:
+        raise ValueError("seq_lens is empty: give at least one request length")
+    cfg = EXPLORER_CONFIG
+    if max(lens) > cfg.max_position or (pad_to or 0) > cfg.max_position:
+        raise ValueError(f"the explorer's model takes requests of at most {cfg.max_position} tokens, "
+                         f"got {max(max(lens), pad_to or 0)}")
+    if sum(lens) > EXPLORER_MAX_TOKENS:
+        raise ValueError(f"at most {EXPLORER_MAX_TOKENS} tokens in all for the explorer, got {sum(lens)}")
+    model, twin = explorer_models()
+    requests = request_ids(lens)
+    ids, mask = pad_ids(requests, pad_to, side)
+    batch = pack(requests)
+    with OpRecorder() as rec_flat:
+        out_flat = model.forward(batch)
+    with OpRecorder() as rec_pad:
+        out_pad = model.forward_padded(ids, mask)
+    alone, alone64 = model.forward_each(requests), twin.forward_each(requests)
+    per_head_layer = cfg.n_heads * cfg.n_layers
+    got = {"flat": unpack(out_flat, batch.cu_seqlens), "padded": [out_pad[b][mask[b]] for b in range(len(lens))]}
+    diff = {k: [max_abs_diff(o, r64) for o, r64 in zip(v, alone64)] for k, v in got.items()}
+    bound = [tolerance(r, r64, torch.float32) for r, r64 in zip(alone, alone64)]
+    rows = {"padded": _linear_rows(rec_pad), "flat": _linear_rows(rec_flat)}
+
+    def nbytes(*ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+    return {"seq_lens": lens, "side": side, "padded_shape": list(ids.shape),
+            "flat": {"input_ids": batch.input_ids.tolist(), "positions": batch.positions.tolist(),
+                     "cu_seqlens": batch.cu_seqlens.tolist(), "cu_dtype": str(batch.cu_seqlens.dtype).removeprefix("torch."),
+                     "max_seqlen": batch.max_seqlen},
+            "rows": rows, "pad_rows": rows["padded"] - rows["flat"],
+            "cells": {"padded": rec_pad.cells // per_head_layer, "flat": rec_flat.cells // per_head_layer},
+            "largest": {"padded": _largest_scores(rec_pad), "flat": _largest_scores(rec_flat)},
+            "input_bytes": {"padded": nbytes(ids, mask), "flat": nbytes(batch.input_ids, batch.positions, batch.cu_seqlens)},
+            "hidden_bytes": {"padded": nbytes(out_pad), "flat": nbytes(out_flat)},
+            "diff": diff, "bound": bound,
+            "equal": {k: [d <= b for d, b in zip(v, bound)] for k, v in diff.items()}}
+
+
+def _rgb(color: str) -> tuple[float, float, float]:
+    return tuple(int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+
+
+def flat_run_figure(state: dict) -> Figure:
+    """The explorer's picture of ``flat_run_state``: the padded ``[R, S]`` ids as the model received
+    them (real tokens orange by request, pad cells vermillion, on the side chosen), above the flat
+    stream of ``T`` ids with its ``cu_seqlens`` ticks. Two images: quick to redraw."""
+    lens, (r, s) = state["seq_lens"], state["padded_shape"]
+    shown = min(r, _SHOWN)
+    cu = state["flat"]["cu_seqlens"]
+    grid = torch.tensor(_rgb(WASTE)).repeat(shown, s, 1)
+    for i, n in enumerate(lens[:shown]):
+        start = s - n if state["side"] == "left" else 0
+        grid[i, start:start + n] = torch.tensor(_rgb(request_color(i)))
+    strip = torch.zeros(1, cu[-1], 3)
+    for i in range(len(lens)):
+        strip[0, cu[i]:cu[i + 1]] = torch.tensor(_rgb(request_color(i)))
+    fig = Figure(figsize=(9, 1.6 + 0.18 * shown))
+    gs = fig.add_gridspec(2, 1, height_ratios=[max(1.0, 0.3 * shown), 0.45], hspace=0.9)
+    top, bottom = fig.add_subplot(gs[0]), fig.add_subplot(gs[1])
+    top.imshow(grid.numpy(), aspect="auto", interpolation="nearest", extent=(0, s, shown, 0))
+    for i, n in enumerate(lens[:shown]):  # hatch the pad span of each row, white lines between rows
+        if n < s:
+            top.add_patch(Rectangle((0 if state["side"] == "left" else n, i), s - n, 1, facecolor="none",
+                                    edgecolor="white", hatch="///", linewidth=0, gid=f"pad-{i}"))
+    top.hlines(range(1, shown), 0, s, colors="white", linewidth=1)
+    top.set_yticks([i + 0.5 for i in range(shown)])
+    top.set_yticklabels([f"{request_name(i)} ({n})" for i, n in enumerate(lens[:shown])], fontsize=MIN_FONT)
+    top.tick_params(axis="x", labelsize=MIN_FONT)
+    more = f", first {shown} of {r} drawn" if r > shown else ""
+    top.set_title(f"padded [{r} x {s}], {state['side']} padding: {state['rows']['padded']} rows computed "
+                  f"(recorded), {state['pad_rows']} of them pad (vermillion, hatched){more}", fontsize=MIN_FONT + 1)
+    bottom.imshow(strip.numpy(), aspect="auto", interpolation="nearest", extent=(0, cu[-1], 1, 0))
+    bottom.set_yticks([])
+    bottom.vlines(cu[1:-1], 0, 1, colors="white", linewidth=1)
+    bottom.set_xticks(cu)
+    labelled, last = [], -cu[-1]
+    for c in cu:  # a label closer than 1/30 of the strip to the previous one would overlap it
+        keep = c - last >= cu[-1] / 30 or c == cu[-1]
+        labelled.append(str(c) if keep else "")
+        last = c if keep else last
+    if len(labelled) > 1 and labelled[-1] and labelled[-2] and cu[-1] - cu[-2] < cu[-1] / 30:
+        labelled[-2] = ""
+    bottom.set_xticklabels(labelled, fontsize=MIN_FONT)
+    bottom.set_title(f"flat [{cu[-1]}]: {state['rows']['flat']} rows computed (recorded), none of them pad; "
+                     "ticks = cu_seqlens", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.12, top=0.86)
+    return fig
+
+
+def _short(xs: list, n: int = 24) -> str:
+    return str(xs) if len(xs) <= n else f"[{', '.join(map(str, xs[:n]))}, ...] ({len(xs)} in all)"
+
+
+def _kib(n: int) -> str:
+    return f"{n:,} B" if n < 10_240 else f"{n / 1024:,.1f} KiB"
+
+
+def flat_run_text(state: dict) -> dict[str, str]:
+    """The explorer's three readouts as plain lines: ``flat`` (what pack built), ``padded`` (what the
+    recorder saw both ways, and memory), ``alone`` (each request against itself alone)."""
+    f, r, c, big = state["flat"], state["rows"], state["cells"], state["largest"]
+    flat = "\n".join([f"input_ids {_short(f['input_ids'])}", f"positions {_short(f['positions'])}",
+                      f"cu_seqlens {_short(f['cu_seqlens'])} ({f['cu_dtype']}) | max_seqlen {f['max_seqlen']}"])
+    shape = state["padded_shape"]
+    padded = "\n".join([
+        f"padded ids [{shape[0]} x {shape[1]}] ({state['side']} padding) | flat ids [{len(f['input_ids'])}]",
+        f"rows through every linear layer (recorded): padded {r['padded']} | flat {r['flat']} | "
+        f"pad rows computed {state['pad_rows']}",
+        f"score cells per head per layer (recorded): padded {c['padded']} | flat {c['flat']}",
+        f"inputs: padded {_kib(state['input_bytes']['padded'])} | flat {_kib(state['input_bytes']['flat'])}; "
+        f"hidden states: padded {_kib(state['hidden_bytes']['padded'])} | flat {_kib(state['hidden_bytes']['flat'])}",
+        f"largest score matrix (recorded): padded {list(big['padded'])} = {_kib(4 * math.prod(big['padded']))} | "
+        f"flat {list(big['flat'])} = {_kib(4 * math.prod(big['flat']))} (float32)"])
+    lines = []
+    for i, n in enumerate(state["seq_lens"][:_SHOWN]):
+        lines.append(f"{request_name(i)} ({n}): flat {state['diff']['flat'][i]:.1e} "
+                     f"{'=' if state['equal']['flat'][i] else 'DIFFERS'} | padded {state['diff']['padded'][i]:.1e} "
+                     f"{'=' if state['equal']['padded'][i] else 'DIFFERS'} | bound {state['bound'][i]:.1e}")
+    if len(state["seq_lens"]) > _SHOWN:
+        lines.append(f"... {len(state['seq_lens']) - _SHOWN} more requests")
+    ok = {k: all(v) for k, v in state["equal"].items()}
+    lines.append(f"every request equals itself alone: flat {'yes' if ok['flat'] else 'NO'} | "
+                 f"padded {'yes' if ok['padded'] else 'NO'}")
+    if not ok["padded"] and state["side"] == "left":
+        lines.append("left padding: forward_padded numbers the columns 0..S-1, so a request with p pad rows "
+                     "in front gets positions p.. instead of 0..")
+    return {"flat": flat, "padded": padded, "alone": "\n".join(lines)}
+
+
+def _pre(text: str) -> str:
+    import html
+    return f"<pre style='margin:0;font-size:12px'>{html.escape(text)}</pre>"
+
+
+def flat_batch_explorer(lengths: str = "3, 17, 5", pad_to: str = "longest", side: str = "right"):
+    """VBox class ``fbx``: Text ``fbx-lengths``, Dropdowns ``fbx-pad-to`` and ``fbx-side``; HTML
+    ``fbx-flat`` (what pack built), ``fbx-counts`` (what the recorder saw, padded vs flat, and
+    memory), ``fbx-alone`` (each request's max |diff| from itself alone, under the tolerance rule);
+    Output ``fbx-figure`` (``padded_vs_flat``).
+
+    Every change packs and pads the typed requests and runs the explorer's model (``EXPLORER_CONFIG``)
+    both ways. Bad input shows the error in ``fbx-counts`` (class ``fbx-error``) instead of raising.
     """
     w = ipywidgets_module()
     text = tagged(w.Text(value=lengths, description="lengths", continuous_update=False), "fbx-lengths")
-    counts, out = tagged(w.HTML(), "fbx-counts"), tagged(w.Output(), "fbx-figure")
+    pad_box = tagged(w.Dropdown(options=["longest", "32", "64", "128"], value=pad_to, description="pad to"), "fbx-pad-to")
+    side_box = tagged(w.Dropdown(options=list(PAD_SIDES), value=side, description="pad side"), "fbx-side")
+    flat, counts, alone = (tagged(w.HTML(), f"fbx-{k}") for k in ("flat", "counts", "alone"))
+    out = tagged(w.Output(), "fbx-figure")
 
     def update(change=None):
         try:
-            state = flat_batch_state(parse_lengths(text.value))
+            lens = parse_lengths(text.value, max_requests=32, max_length=EXPLORER_CONFIG.max_position)
+            state = flat_run_state(lens, None if pad_box.value == "longest" else int(pad_box.value), side_box.value)
         except ValueError as exc:
             counts.add_class("fbx-error")
-            counts.value = f"<div>{exc}</div>"
+            counts.value, flat.value, alone.value = _pre(str(exc)), "", ""
             return
         counts.remove_class("fbx-error")
-        counts.value = flat_batch_html(state)
-        show_figure(out, padded_vs_flat(state["seq_lens"]))
+        shown = flat_run_text(state)
+        flat.value, counts.value, alone.value = (_pre(shown[k]) for k in ("flat", "padded", "alone"))
+        show_figure(out, flat_run_figure(state))
 
-    return explorer("fbx", [text], [counts, out], update)
+    return explorer("fbx", [text, pad_box, side_box], [flat, counts, alone, out], update)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,53 +388,97 @@ def flat_batch_explorer(lengths: str = "10, 30"):
 LENS_CASES = [[10, 30], [5], [1, 1, 1], [7, 1, 12, 3], [30, 10]]
 
 
-def _token_cases(seed: int = 3) -> list[list[list[int]]]:
-    g = torch.Generator().manual_seed(seed)
-    return [[torch.randint(0, 1000, (n,), generator=g).tolist() for n in lens]
-            for lens in ([10, 30], [4], [6], [1, 1, 1], [7, 1, 12, 3])]
+BOUNDARY_BUGS = ("late", "early")
+# (seq_lens, bug, k): the packer put boundary k (1 <= k <= R-1) one row late or early.
+WRONG_CASES = [([10, 30], "late", 1), ([10, 30], "early", 1), ([4, 6, 5], "late", 2), ([4, 6, 5], "early", 1),
+               ([1, 8, 3], "early", 1), ([6, 2, 7, 3], "late", 1), ([6, 2, 7, 3], "early", 3)]
+
+
+def broken_pack(requests: Sequence, bug: str, k: int) -> PackedBatch:
+    """What a packer that miscounts one boundary builds: the same flat token stream, but boundary
+    ``k`` of ``cu_seqlens`` one row later (``bug="late"``: request k's first token is handed to
+    request k-1) or earlier (``"early"``: request k-1's last token is handed to request k), with
+    positions consistent with the wrong boundaries (so the engine's batch check cannot tell). A
+    one-token request that loses its token stays in the batch, empty."""
+    if bug not in BOUNDARY_BUGS:
+        raise ValueError(f"bug must be one of {BOUNDARY_BUGS}, got {bug!r}")
+    tensors = [torch.as_tensor(r) for r in requests]
+    lens = check_lengths([len(t) for t in tensors])
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(lens) - 1:
+        raise ValueError(f"k must be an inner boundary 1..{len(lens) - 1} of {len(lens)} requests, got {k!r}")
+    moved = list(lens)
+    step = 1 if bug == "late" else -1
+    moved[k - 1] += step
+    moved[k] -= step
+    flat, cu = torch.cat(tensors), cumulative(moved)
+    # pack the non-empty pieces; a request the bug emptied keeps its (repeated) boundary, as in FlashAttention
+    batch = pack([flat[cu[i]:cu[i + 1]] for i in range(len(moved)) if moved[i]])
+    batch.cu_seqlens, batch.seq_lens = torch.tensor(cu, dtype=torch.int32), moved
+    return batch
+
+
+def wrong_requests(seq_lens: Sequence[int], bug: str, k: int) -> tuple[set[int], list[float]]:
+    """Run ``broken_pack`` through the explorer's model; the requests whose rows (cut at the TRUE
+    boundaries) are not within the tolerance rule of the request alone, and each one's max |diff|."""
+    wrong, diffs = _wrong_requests(tuple(check_lengths(seq_lens)), bug, k)
+    return set(wrong), list(diffs)
+
+
+@functools.lru_cache(maxsize=64)  # a checker asks for the same few cases again and again
+def _wrong_requests(seq_lens: tuple[int, ...], bug: str, k: int) -> tuple[frozenset[int], tuple[float, ...]]:
+    model, twin = explorer_models()
+    requests = request_ids(seq_lens)
+    out = model.forward(broken_pack(requests, bug, k))
+    parts = unpack(out, torch.tensor(cumulative(seq_lens), dtype=torch.int32))
+    alone, alone64 = model.forward_each(requests), twin.forward_each(requests)
+    diffs = [max_abs_diff(p, r64) for p, r64 in zip(parts, alone64)]
+    wrong = frozenset(i for i, (d, r, r64) in enumerate(zip(diffs, alone, alone64)) if d > tolerance(r, r64, torch.float32))
+    return wrong, tuple(diffs)
+
+
+def _why(i: int, lens: list[int], bug: str, k: int) -> str:
+    """Why request i is (or is not) changed by boundary k moved ``bug``: the causal argument."""
+    name = request_name(i)
+    if bug == "late" and i == k - 1:
+        return (f"request {i} ({name}) is unchanged: it gains request {k}'s first token AFTER its own rows, and "
+                "causal attention lets each row see only the rows before it")
+    if bug == "late" and i == k:
+        return (f"request {i} ({name}) lost its first token: its other rows no longer see it, and their "
+                "positions start one lower")
+    if bug == "early" and i == k - 1:
+        if lens[i] == 1:
+            return (f"request {i} ({name}) has one token: handed to request {k} it becomes that request's first "
+                    "row, position 0, seeing only itself - exactly what it is alone")
+        return (f"request {i} ({name}) handed its last token to request {k}: that row now has position 0 and "
+                "sees only itself, and the last row is the one a server samples from")
+    if bug == "early" and i == k:
+        return f"request {i} ({name}) gained a foreign first row: every one of its rows sees it, at shifted positions"
+    return f"request {i} ({name}) does not touch boundary {k}: its rows, keys and positions are all its own"
+
+
+def check_wrong_requests(fn: Callable[[list, str, int], object]) -> bool:
+    """Exercise 01.1: ``fn(seq_lens, bug, k) -> the set of request indices whose output differs from
+    the request run alone`` when boundary ``k`` is one row ``bug`` ("late" / "early"); graded by running
+    ``broken_pack`` through the engine (``wrong_requests``)."""
+    def judge(got, lens, bug, k):
+        try:
+            said = {int(i) for i in got}
+        except (TypeError, ValueError):
+            return f"expected a set of request indices like {{1}}, got {got!r}"
+        if not said <= set(range(len(lens))):
+            return f"{sorted(said)}: the requests are numbered 0..{len(lens) - 1}"
+        wrong, diffs = wrong_requests(lens, bug, k)
+        if said == wrong:
+            return None
+        notes = [_why(i, lens, bug, k) + f" (engine: max |diff| {diffs[i]:.1e})"
+                 for i in sorted(said ^ wrong)]
+        return f"you said {sorted(said)}, the engine finds {sorted(wrong)} wrong: " + "; ".join(notes)
+    return grade("wrong_requests", fn, WRONG_CASES, judge,
+                 "late: only request k goes wrong; early: k-1 and k, unless k-1 has a single token")
 
 
 def _as_list(x):
     return x.tolist() if isinstance(x, Tensor) else list(x) if isinstance(x, (list, tuple)) else x
-
-
-def check_pack(fn: Callable[[list], tuple]) -> bool:
-    """Exercise 01.1: ``fn(requests) -> (input_ids [T] int64, positions [T] int64, cu_seqlens [R+1]
-    int32, max_seqlen int)`` for a list of token-id lists, graded against ``core.batch.pack``."""
-    def judge(got, requests):
-        want = pack(requests)
-        if not isinstance(got, (tuple, list)) or len(got) != 4:
-            return f"expected a tuple (input_ids, positions, cu_seqlens, max_seqlen), got {got!r}"
-        ids, pos, cu, mx = got
-        for name, t in (("input_ids", ids), ("positions", pos), ("cu_seqlens", cu)):
-            if not isinstance(t, Tensor):
-                return f"{name} must be a tensor (the kernel takes tensors), got {type(t).__name__}"
-        lens, total = want.seq_lens, want.num_tokens
-        if ids.tolist() != want.input_ids.tolist():
-            return "input_ids differ - concatenate the requests' token ids in order, nothing in between"
-        if pos.tolist() != want.positions.tolist():
-            if pos.tolist() == list(range(total)):
-                return ("positions run 0..T-1 across the whole batch - they restart at 0 for every request, "
-                        "as if each ran alone (else request B's first token gets position 10 and a different embedding)")
-            if pos.tolist() == [p + 1 for p in want.positions.tolist()]:
-                return "positions start at 0, not 1"
-            return f"positions {pos.tolist()[:12]}... expected {want.positions.tolist()[:12]}..."
-        if cu.tolist() != want.cu_seqlens.tolist():
-            if cu.tolist() == want.cu_seqlens.tolist()[1:]:
-                return "cu_seqlens has R + 1 entries: it starts with 0 (request i owns rows cu[i] .. cu[i+1]-1)"
-            if cu.tolist() == [0] + lens:
-                return "cu_seqlens is cumulative: each entry adds the next length to the previous one"
-            return f"cu_seqlens {cu.tolist()}, expected {want.cu_seqlens.tolist()}"
-        if cu.dtype != torch.int32:
-            return f"cu_seqlens is {cu.dtype}; varlen kernels (FlashAttention, vLLM) take int32"
-        if isinstance(mx, bool) or not isinstance(mx, int):
-            return f"max_seqlen must be a Python int, got {type(mx).__name__}"
-        if mx != want.max_seqlen:
-            hint = " - the longest request, not the total" if mx == total else ""
-            return f"max_seqlen {mx}, expected {want.max_seqlen}{hint}"
-        return None
-    return grade("pack", fn, [(c,) for c in _token_cases()], judge,
-                 "input_ids, restarting positions, int32 cu_seqlens and max_seqlen agree with pack on 5 batches")
 
 
 EXTREME_CASES = [(40, 2), (100, 4), (10, 3), (7, 7), (50, 3), (1000, 10)]
@@ -268,51 +518,64 @@ def check_padding_extremes(fn: Callable[[int, int], tuple]) -> bool:
                  "of each other, R*ceil(T/R) - T pad rows")
 
 
-def _unpad_cases(seed: int = 5) -> list[tuple[Tensor, Tensor]]:
-    g = torch.Generator().manual_seed(seed)
+def _unpad_id_cases(seed: int = 5) -> list[tuple[Tensor, Tensor]]:
+    """Padded id batches ``(ids [B, S], mask [B, S])``: right, left and mixed padding, and real tokens
+    equal to the pad id 0 (so a mask cannot be guessed from the ids)."""
     cases = []
-    for lens, s, left in (([10, 30], 30, False), ([3, 1, 5], 5, False), ([4, 4], 4, False), ([2, 5], 5, True),
-                          ([6, 1, 3], 6, True)):
-        mask = torch.zeros(len(lens), s, dtype=torch.bool)
-        for b, n in enumerate(lens):
-            mask[b, s - n:] = True if left else False
-            mask[b, :n] = False if left else True
-        x = torch.randn(len(lens), s, 4, generator=g) * mask[..., None]
-        cases.append((x, mask))
+    for lens, pad_to, side in (([10, 30], None, "right"), ([3, 1, 5], 8, "right"), ([2, 5], None, "left"),
+                               ([6, 1, 3], 7, "left"), ([4, 4], 6, "left")):
+        requests = request_ids(lens)
+        requests[0][0] = 0  # a real token whose id is the pad value
+        cases.append(pad_ids(requests, pad_to, side))
+    ids, mask = pad_ids(request_ids([5, 2, 4]), 6, "right")  # one request right-padded, one left, one full
+    left_ids, left_mask = pad_ids(request_ids([5, 2, 4]), 6, "left")
+    ids[1], mask[1] = left_ids[1], left_mask[1]
+    cases.append((ids, mask))
     return cases
 
 
-def check_unpad(fn: Callable[[Tensor, Tensor], tuple]) -> bool:
-    """Exercise 01.3: ``fn(padded [B, S, d], mask [B, S] bool) -> (flat [T, d], cu_seqlens [B+1] int32)``,
-    graded against ``core.batch.unpad_input`` (FlashAttention's ``bert_padding.unpad_input``)."""
-    def judge(got, x, mask):
-        flat, _, cu, _, _ = unpad_input(x, mask)
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            return f"expected a pair (flat, cu_seqlens), got {type(got).__name__}"
-        g_flat, g_cu = got
-        if not isinstance(g_flat, Tensor) or not isinstance(g_cu, Tensor):
-            return "return two tensors: flat [T, d] and cu_seqlens [B+1]"
-        if tuple(g_flat.shape) != tuple(flat.shape):
-            if tuple(g_flat.shape) == (x.shape[0] * x.shape[1], x.shape[2]):
-                return f"flat has shape {list(g_flat.shape)}: it still holds the pad rows - keep only rows where mask is True"
-            return f"flat has shape {list(g_flat.shape)}, expected {list(flat.shape)}"
-        if not torch.equal(g_flat, flat):
-            right = torch.cat([x[b, :int(n)] for b, n in enumerate(mask.sum(1))])
-            if torch.equal(g_flat, right):
-                return ("right rows count, wrong rows: this mask has its pads on the LEFT (as generation batches often "
-                        "do) - select the rows the mask marks, not the first L of each request")
-            return "flat holds the wrong rows - in order: request 0's real rows, then request 1's, ..."
-        if g_cu.tolist() != cu.tolist():
-            if g_cu.tolist() == cu.tolist()[1:]:
-                return "cu_seqlens has B + 1 entries: it starts with 0"
-            if g_cu.tolist() == [x.shape[1] * b for b in range(x.shape[0] + 1)]:
-                return "cu_seqlens counts real tokens (mask.sum per request), not the padded length S"
-            return f"cu_seqlens {g_cu.tolist()}, expected {cu.tolist()}"
+def check_unpad_ids(fn: Callable[[Tensor, Tensor], tuple]) -> bool:
+    """Exercise 01.3: ``fn(ids [B, S], mask [B, S] bool) -> (input_ids [T], positions [T], cu_seqlens [B+1])``:
+    a flat batch the engine runs; graded by running it through the explorer's model and comparing each
+    request with the request run alone (the real tokens of row b, in order)."""
+    def judge(got, ids, mask):
+        if not isinstance(got, (tuple, list)) or len(got) != 3 or not all(isinstance(t, Tensor) for t in got):
+            return f"expected three tensors (input_ids, positions, cu_seqlens), got {got!r}"
+        g_ids, g_pos, g_cu = got
+        requests = [ids[b][mask[b]] for b in range(ids.shape[0])]
+        lens = [len(r) for r in requests]
+        if g_cu.dim() != 1 or g_cu.numel() != len(lens) + 1:
+            return f"cu_seqlens needs B + 1 = {len(lens) + 1} entries (it starts with 0), got {g_cu.tolist()}"
         if g_cu.dtype != torch.int32:
             return f"cu_seqlens is {g_cu.dtype}; varlen kernels take int32"
+        if g_ids.numel() == ids.numel() and g_ids.numel() != sum(lens):
+            return f"input_ids has all {ids.numel()} cells: it still holds the pad tokens - keep the cells mask marks"
+        got_lens = [int(b) - int(a) for a, b in zip(g_cu.tolist(), g_cu.tolist()[1:])]
+        try:
+            batch = PackedBatch(g_ids, None, g_pos, g_cu, max(got_lens + [0]), got_lens)
+            out = explorer_models()[0].forward(batch)
+        except ValueError as exc:  # the engine's own batch check: say what it refused
+            hint = (" - positions count inside each request, not the column of the padded batch (left padding "
+                    "puts a request's first token in a later column)" if "positions" in str(exc) else "")
+            return f"the engine refuses this batch: {exc}{hint}"
+        if got_lens != lens:
+            hint = (" - count the cells mask marks (ids == 0 is no test: a real token can have id 0)"
+                    if got_lens == [int((r != 0).sum()) for r in ids] else "")
+            return f"cu_seqlens {g_cu.tolist()} gives lengths {got_lens}, the mask says {lens}{hint}"
+        model, twin = explorer_models()
+        alone, alone64 = model.forward_each(requests), twin.forward_each(requests)
+        for b, (part, r, r64) in enumerate(zip(unpack(out, g_cu), alone, alone64)):
+            err, bound = max_abs_diff(part, r64), tolerance(r, r64, torch.float32)
+            if err > bound:
+                first_columns = ids[b][:lens[b]]
+                right = torch.equal(g_ids[g_cu[b]:g_cu[b + 1]], first_columns) and not torch.equal(first_columns, requests[b])
+                hint = (" - its mask has the pads on the LEFT: take the cells mask marks, not the first L columns"
+                        if right else " - request b's real tokens, in their order, go between cu_seqlens[b] and cu_seqlens[b+1]")
+                return f"request {b}'s output differs from it alone (max |diff| {err:.1e} > bound {bound:.1e}){hint}"
         return None
-    return grade("unpad", fn, _unpad_cases(), judge,
-                 "flat rows and int32 cu_seqlens agree with unpad_input on 5 batches, left padding included")
+    return grade("unpad_ids", fn, _unpad_id_cases(), judge,
+                 "the engine runs your flat batch and each request equals itself alone, on right-, left- and "
+                 "mixed-padded batches")
 
 
 # ---------------------------------------------------------------------------------------------
