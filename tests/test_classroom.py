@@ -64,28 +64,24 @@ def wrong(cfg, num_tokens, world_size):  # forgets that a single rank has nothin
 ''', "with one rank there is nobody to add partial sums with"),
     # lesson 01
     "ex01_1_grade": ('''
-def wrong(requests):  # positions run across the whole batch instead of restarting for every request
-    import torch
-    lens = [len(r) for r in requests]
-    ids = torch.tensor([t for r in requests for t in r], dtype=torch.int64)
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    return ids, torch.arange(sum(lens)), cu, max(lens)
-''', "positions run 0..T-1 across the whole batch"),
+def wrong(seq_lens, bug, k):  # both neighbours of a moved boundary always go wrong
+    return {k - 1, k}
+''', "causal attention lets each row see only the rows before it"),
     "ex01_2_grade": ('''
 def wrong(total, num_requests):  # the best case drops the remainder of total / num_requests
     worst = [total - (num_requests - 1)] + [1] * (num_requests - 1)
     return worst, [total // num_requests] * num_requests
 ''', "give the remainder to some requests"),
     "ex01_3_grade": ('''
-def wrong(padded, mask):  # assumes the pads are at the end of every request
+def wrong(ids, mask):  # assumes the pads are at the end of every request
     import torch
     lens = mask.sum(dim=1)
-    flat = torch.cat([padded[b, :int(n)] for b, n in enumerate(lens)])
+    flat = torch.cat([ids[b, :int(n)] for b, n in enumerate(lens)])
+    positions = torch.cat([torch.arange(int(n)) for n in lens])
     cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens, 0)
-    return flat, cu
-''', "this mask has its pads on the LEFT"),
+    return flat, positions, cu
+''', "its mask has the pads on the LEFT"),
     # lesson 02
     "ex02_1_grade": ('''
 def wrong(x, eps):  # the unbiased variance (torch's default); warns for a one-token batch
