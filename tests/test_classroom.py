@@ -58,10 +58,13 @@ def wrong(cfg, tp_size):  # every tensor cut tp_size ways
     return (cfg.vocab_size * d + cfg.max_position * d + cfg.n_layers * per_layer + 2 * d) / tp_size
 ''', "not everything is split"),
     "ex00_2_grade": ('''
-def wrong(cfg, num_tokens, world_size):  # forgets that a single rank has nothing to all-reduce
+def wrong(fit, cfg, num_tokens, world_size):  # every step sends the whole payload: right at TP=2 only
     import torch
-    return 2 * cfg.n_layers, num_tokens * cfg.d_model * torch.empty((), dtype=cfg.dtype).element_size()
-''', "with one rank there is nobody to add partial sums with"),
+    row = cfg.d_model * torch.empty((), dtype=cfg.dtype).element_size()
+    steps = 2 * (world_size - 1)
+    one = steps * fit.alpha_s + num_tokens * row / fit.beta
+    return 2 * cfg.n_layers * one, steps * fit.alpha_s * fit.beta / row
+''', "the bandwidth term has the ring factor too"),
     # lesson 01
     "ex01_1_grade": ('''
 def wrong(seq_lens, bug, k):  # both neighbours of a moved boundary always go wrong

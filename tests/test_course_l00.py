@@ -1,4 +1,4 @@
-"""Lesson 00's module: the figures, the all-reduce explorer, the notebook's helpers and the exercise checkers."""
+"""Lesson 00's module: the figures, the alpha-beta model of the all-reduces and its explorer, the notebook's helpers and the exercise checkers."""
 from __future__ import annotations
 
 import re
@@ -75,61 +75,108 @@ def test_course_map_minutes_are_the_lessons_own():
     assert {num: minutes for num, *_, minutes in L.LESSONS} == stated
 
 
-# ---- the explorer ---------------------------------------------------------------------------------
+# ---- the alpha-beta model of the all-reduces and its explorer ---------------------------------------
 
-def test_c1_allreduce_state_numbers():
-    s = L.allreduce_state(1000)
-    assert (s["count"], s["shape"], s["bytes_each"]) == (16, [1000, 512], 1000 * 512 * 4)
-    assert s["bytes_per_forward"] == 16 * 2_048_000 and s["ring_sent_each"] == 2_048_000  # 2(p-1)/p = 1 at TP=2
-    assert s["ring_sent_total"] == 16 * 2 * (2 - 1) * 2_048_000
-    assert L.allreduce_text(s).startswith("TP=2: 16 all-reduces per forward on each rank | each [1000, 512] float32 = 2,048,000 B")
-    eight = L.allreduce_state(1000, world_size=8)
-    assert eight["bytes_each"] == s["bytes_each"]  # the payload does not shrink with TP
-    assert eight["ring_sent_total"] == 16 * 2 * 7 * 2_048_000 and eight["ring_sent_each"] == 2 * 7 * 2_048_000 // 8
-    assert "1.75 x its payload" in L.allreduce_text(eight)
-    assert L.allreduce_state(10, "bfloat16")["bytes_each"] == 10 * 512 * 2
+def _ring(alpha, beta, payload, p):
+    """The ring model written out on its own: 2(p-1) steps, each alpha + (S/p)/beta."""
+    return 2 * (p - 1) * (alpha + payload / p / beta)
 
 
-def test_c1_tp_1_makes_no_all_reduce():
-    s = L.allreduce_state(1000, world_size=1)
-    assert (s["count"], s["bytes_each"], s["bytes_per_forward"], s["ring_sent_total"]) == (0, 0, 0, 0)
-    assert "nobody to add partial sums with" in L.allreduce_text(s)
+def test_c1_fit_alpha_beta_recovers_a_synthetic_link():
+    sizes = [2 ** k for k in range(10, 24)]
+    for p in (2, 4):
+        exact = [_ring(30e-6, 3e9, s, p) for s in sizes]
+        fit = L.fit_alpha_beta(sizes, exact, world_size=p)
+        assert (fit.alpha_s, fit.beta) == (30e-6, 3e9)  # exact data, 3 significant digits
+    rng = torch.Generator().manual_seed(0)
+    noisy = [_ring(30e-6, 3e9, s, 2) * (1 + 0.05 * (torch.rand((), generator=rng).item() - 0.5)) for s in sizes]
+    fit = L.fit_alpha_beta(sizes, noisy)
+    assert abs(fit.alpha_s / 30e-6 - 1) < 0.05 and abs(fit.beta / 3e9 - 1) < 0.05
+    # A line with a (noise-made) negative intercept: refitted through 0, alpha = 0, the bandwidth still found.
+    zero = L.fit_alpha_beta(sizes, [s / 1e9 - 2e-7 for s in sizes])
+    assert zero.alpha_s == 0 and abs(zero.beta / 1e9 - 1) < 0.1
 
 
-def test_every_control_changes_the_readout():
-    base = L.allreduce_text(L.allreduce_state(10, "float32", 2))
-    for other in (L.allreduce_state(11, "float32", 2), L.allreduce_state(10, "bfloat16", 2),
-                  L.allreduce_state(10, "float32", 4), L.allreduce_state(10, "float32", 1)):
-        assert L.allreduce_text(other) != base
+@pytest.mark.parametrize("sizes, times, match", [([1, 2], [1e-3], "same length"), ([5, 5], [1e-3, 2e-3], "two distinct"),
+                                                 ([1, 2], [0, 1e-3], "positive"), ([1, 10, 100], [3e-3, 2e-3, 1e-3], "grow"),
+                                                 ([1, 2], [float("nan"), 1e-3], "positive")])
+def test_fit_alpha_beta_refuses_what_it_cannot_fit(sizes, times, match):
+    with pytest.raises(ValueError, match=match):
+        L.fit_alpha_beta(sizes, times)
 
 
-@pytest.mark.parametrize("bad", [(0,), (10, "int8"), (10, "float32", 3), (10, "float32", 16), (1.5,)])
-def test_allreduce_state_refuses_bad_input(bad):
+def test_alpha_beta_refuses_bad_values():
+    for bad in ({"alpha_s": -1e-6, "beta": 1e9}, {"alpha_s": 1e-6, "beta": 0}, {"alpha_s": float("inf"), "beta": 1e9}):
+        with pytest.raises(ValueError, match="AlphaBeta"):
+            L.AlphaBeta(**bad)
+    with pytest.raises(ValueError, match="world_size"):
+        L.ring_time_terms(L.AlphaBeta(1e-6, 1e9), 100, world_size=1)
+
+
+def test_c1_comm_cost_state_counts_from_the_trace_and_times_from_the_ring():
+    fit = L.AlphaBeta(80e-6, 2e9)
+    s = L.comm_cost_state(1000, fit)
+    assert (s["count"], s["bytes_each"]) == (16, 1000 * 512 * 4)
+    assert s["one_s"] == pytest.approx(_ring(80e-6, 2e9, 2_048_000, 2))
+    assert s["forward_s"] == pytest.approx(16 * s["one_s"]) and s["dominated"] == "bandwidth"
+    # at N* the two terms are equal; the layer count does not move N*
+    n_star = s["crossover"]
+    assert _ring(80e-6, 2e9, 0, 2) == pytest.approx(_ring(0, 2e9, n_star * 512 * 4, 2) * 1.0)
+    assert L.comm_cost_state(10, fit, n_layers=80)["crossover"] == n_star
+    assert L.comm_cost_state(10, fit, n_layers=80)["count"] == 160
+    assert L.comm_cost_state(10, fit, dtype="bfloat16")["bytes_each"] == 10 * 512 * 2
+    assert L.comm_cost_state(int(n_star) - 1, fit)["dominated"] == "latency"
+    # 4 requests of 250 as one forward each: four times the all-reduces, four times the latency
+    four = L.comm_cost_state(1000, fit, requests=4)
+    assert four["lens"] == [250] * 4 and four["separate_count"] == 64
+    assert four["separate_s"] == pytest.approx(4 * 16 * _ring(80e-6, 2e9, 250 * 512 * 4, 2))
+    assert "packed in one forward 16 all-reduces" in L.comm_cost_text(four)
+    assert L.comm_cost_state(10, fit, requests=3)["lens"] == [4, 3, 3]
+
+
+@pytest.mark.parametrize("bad", [{"num_tokens": 0}, {"num_tokens": 5, "requests": 6}, {"num_tokens": 5, "dtype": "int8"},
+                                 {"num_tokens": 5, "n_layers": 0}, {"num_tokens": 5, "world_size": 1}])
+def test_comm_cost_state_refuses_bad_input(bad):
     with pytest.raises(ValueError):
-        L.allreduce_state(*bad)
+        L.comm_cost_state(fit=L.AlphaBeta(1e-6, 1e9), **bad)
 
 
-def test_ring_bytes_sent():
-    assert L.ring_bytes_sent(1000, 1) == 0
-    assert L.ring_bytes_sent(1000, 2) == 1000
-    assert L.ring_bytes_sent(1024, 8) == 2 * 7 * 1024 // 8
+def test_network_fit():
+    mine = L.AlphaBeta(1e-4, 1e9, "here")
+    assert L.network_fit("measured", mine) is mine
+    assert L.network_fit("nvlink").beta == 450e9
+    with pytest.raises(ValueError, match="measured_fit"):
+        L.network_fit("measured")
+    with pytest.raises(ValueError, match="network"):
+        L.network_fit("infiniband")
 
 
-def test_allreduce_explorer_callbacks_follow_every_control():
-    box = L.allreduce_explorer()
+def test_comm_cost_figure_draws_the_terms_the_crossover_and_the_measured_points():
+    s = L.comm_cost_state(64, L.AlphaBeta(80e-6, 2e9), requests=4)
+    measured = {"tokens": [1, 16], "bytes": [2048, 32768], "seconds": [2e-4, 3e-4], "backend": "gloo", "world_size": 2}
+    fig = L.comm_cost_figure(s, measured)
+    assert {"model", "latency", "bandwidth", "crossover", "mark", "measured", "bar-latency-1"} <= set(gids(fig))
+    left = fig.axes[0]
+    dots = next(ln for ln in left.get_lines() if ln.get_gid() == "measured")
+    assert list(dots.get_xdata()) == [1, 16] and list(dots.get_ydata()) == [16 * 2e-4, 16 * 3e-4]
+    assert "measured" not in gids(L.comm_cost_figure(s))
+
+
+def test_comm_cost_explorer_callbacks_follow_every_control():
+    measured = {"tokens": [1, 16], "bytes": [2048, 32768], "seconds": [2e-4, 3e-4], "backend": "gloo", "world_size": 2}
+    box = L.comm_cost_explorer(measured, L.AlphaBeta(80e-6, 2e9, "fitted"), num_tokens=64)
     w = by_class(box)
-    assert {"arx-tokens", "arx-world-size", "arx-dtype", "arx-text", "arx-figure"} <= set(w)
-    text, png = w["arx-text"].value, png_of(w["arx-figure"])
-    assert "20,480 B" in text
-    w["arx-tokens"].value = 1000
-    assert "2,048,000 B" in w["arx-text"].value and png_of(w["arx-figure"]) != png
-    w["arx-dtype"].value = "bfloat16"
-    assert "1,024,000 B" in w["arx-text"].value
-    before = w["arx-text"].value
-    w["arx-world-size"].value = 8
-    assert w["arx-text"].value != before and "all 8 ranks" in w["arx-text"].value
-    w["arx-world-size"].value = 1
-    assert "0 all-reduces" in w["arx-text"].value
+    assert {"abx-tokens", "abx-requests", "abx-d-model", "abx-dtype", "abx-layers", "abx-network", "abx-text",
+            "abx-figure"} <= set(w)
+    assert "alpha = 80 us per step, beta = 2 GB/s" in w["abx-text"].value
+    for name, value in (("abx-tokens", 5000), ("abx-requests", 8), ("abx-d-model", 4096), ("abx-dtype", "bfloat16"),
+                        ("abx-layers", 80), ("abx-network", "nvlink")):
+        before, png = w["abx-text"].value, png_of(w["abx-figure"])
+        w[name].value = value
+        assert w["abx-text"].value != before and png_of(w["abx-figure"]) != png, name
+    assert "450 GB/s" in w["abx-text"].value and "160 all-reduces" in w["abx-text"].value
+    w["abx-tokens"].value = 3
+    assert "requests must be at most num_tokens" in w["abx-text"].value
 
 
 # ---- helpers the notebook calls ---------------------------------------------------------------------
@@ -230,27 +277,33 @@ def test_s1_the_article_counts_are_the_real_models():
     assert L._article_counts() == counts
 
 
-def test_c1_all_reduce_traffic_checker(capsys):
-    def right(c, n, tp):
-        return (0, 0) if tp == 1 else (2 * c.n_layers, n * c.d_model * _itemsize(c))
+def _forward_comm(fit, cfg, n, p, ring=True, count=None, items=True, crossover=None):
+    s = cfg.dtype.itemsize if items else 1
+    payload = n * cfg.d_model * s
+    one = _ring(fit.alpha_s, fit.beta, payload, p) if ring else fit.alpha_s + payload / fit.beta
+    cross = p * fit.alpha_s * fit.beta / (cfg.d_model * cfg.dtype.itemsize)
+    return (count if count is not None else 2 * cfg.n_layers) * one, cross if crossover is None else crossover(cross, cfg, p)
 
-    assert L.check_all_reduce_traffic(right)
-    assert L.check_all_reduce_traffic(stub) is False and "not attempted" in capsys.readouterr().out
-    assert "two per layer" in attempt(L.check_all_reduce_traffic,
-                                      lambda c, n, tp: (c.n_layers, n * c.d_model * _itemsize(c)))
-    assert "OUTPUT" in attempt(L.check_all_reduce_traffic, lambda c, n, tp: (2 * c.n_layers, n * c.d_ffn * _itemsize(c)))
-    assert "does not shrink" in attempt(L.check_all_reduce_traffic,
-                                        lambda c, n, tp: (2 * c.n_layers, n * c.d_model * _itemsize(c) // tp))
-    assert "bytes, not elements" in attempt(L.check_all_reduce_traffic, lambda c, n, tp: (2 * c.n_layers, n * c.d_model))
-    assert "the article's model (8 layers)" in attempt(L.check_all_reduce_traffic,
-                                                       lambda c, n, tp: (16, n * c.d_model * _itemsize(c)))
-    # 4 bytes hard-coded: right in float32, and the bfloat16 case names the itemsize (not the FFN input)
-    four = attempt(L.check_all_reduce_traffic, lambda c, n, tp: (0, 0) if tp == 1 else (2 * c.n_layers, n * c.d_model * 4))
-    assert "2 bytes per element" in four and "OUTPUT" not in four
+
+def test_c1_forward_comm_checker(capsys):
+    assert L.check_forward_comm(_forward_comm)
+    assert L.check_forward_comm(stub) is False and "not attempted" in capsys.readouterr().out
+    assert "no ring factor" in attempt(L.check_forward_comm, lambda f, c, n, p: _forward_comm(f, c, n, p, ring=False))
+    assert "bytes, not elements" in attempt(L.check_forward_comm, lambda f, c, n, p: _forward_comm(f, c, n, p, items=False))
+    assert "two all-reduces per layer" in attempt(L.check_forward_comm,
+                                                  lambda f, c, n, p: _forward_comm(f, c, n, p, count=c.n_layers))
+    assert "that is ONE all-reduce" in attempt(L.check_forward_comm, lambda f, c, n, p: _forward_comm(f, c, n, p, count=1))
+    assert "in BYTES" in attempt(L.check_forward_comm, lambda f, c, n, p: _forward_comm(
+        f, c, n, p, crossover=lambda x, c, p: x * c.d_model * c.dtype.itemsize))
+    assert "carries 1/p" in attempt(L.check_forward_comm, lambda f, c, n, p: _forward_comm(
+        f, c, n, p, crossover=lambda x, c, p: x / p))
+    assert "cancels out" in attempt(L.check_forward_comm, lambda f, c, n, p: _forward_comm(
+        f, c, n, p, crossover=lambda x, c, p: x * 2 * c.n_layers))
+    assert "a pair" in attempt(L.check_forward_comm, lambda f, c, n, p: 1.0)
     capsys.readouterr()
-    # Forgetting TP=1 is one case of five.
-    earned = score(L.check_all_reduce_traffic, lambda c, n, tp: (2 * c.n_layers, n * c.d_model * _itemsize(c)), 5)
-    assert earned == 4 and "nobody to add partial sums with" in capsys.readouterr().out
+    # Hard-coding TP=2's factor 2(p-1)/p = 1 is right at p = 2 only: partial credit.
+    earned = score(L.check_forward_comm, lambda f, c, n, p: _forward_comm(f, c, n, 2), points=6)
+    assert 0 < earned < 6
 
 
 def test_time_forward_is_a_positive_time(tiny_cfg):

@@ -2,17 +2,21 @@
 
 Figures: the course map (``00_course_map``), how tensor parallelism cuts a block's four linear
 layers (``00_tp_split``), and the all-reduces of one request against its length and the TP size
-(``00_allreduce_growth``). The explorer ``allreduce_explorer`` wraps ``allreduce_state``.
+(``00_allreduce_growth``).
 Helpers the notebook calls: ``shard_table``, ``heads_held``, ``follow_request``,
-``time_forward``, ``machine_report``. Exercise checkers: ``check_rank_params`` (00.1),
-``check_all_reduce_traffic`` (00.2).
+``time_forward``, ``machine_report``. What the all-reduces cost: ``measure_all_reduces`` (real ones on
+two spawned ranks), ``fit_alpha_beta`` (the alpha-beta ring model fitted to them), ``comm_cost_state``
+and its explorer ``comm_cost_explorer``. Exercise checkers: ``check_rank_params`` (00.1),
+``check_forward_comm`` (00.2).
 
 Taught in notebooks/00_setup_one_request.ipynb.
 """
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,18 +29,19 @@ from ..core.kernels import available_backends, placement, resolve_backend
 from ..core.model import Transformer
 from ..measure.profile import time_call
 from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT
-from ..tp.dryrun import expected_trace, record_trace
+from ..tp.dryrun import expected_trace
 from ..validate import check_int, dtype_name
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
-from .grading import grade, int_tuple
+from .grading import grade
 
 # ---------------------------------------------------------------------------------------------
 # The course map
 
 # (lesson, title, what it shows, claim ids, minutes to work through)
 LESSONS = (
-    ("00", "One request", "the model and its TP split; 16 all-reduces per forward, whatever N", "S1, C1", 45),
+    ("00", "One request", "the model and its TP split; 16 all-reduces per forward, whatever N, and their cost",
+     "S1, C1", 50),
     ("01", "Padding vs one flat batch", "pad rows and wasted score cells; the flat batch and cu_seqlens", "S2, C2, C3", 35),
     ("02", "Linear layers are per token", "LayerNorm, GeLU and the four matmuls never see a request boundary",
      "C4, C5, C6", 35),
@@ -84,7 +89,7 @@ def course_map() -> Figure:
     ax.axis("off")
     for i, (num, title, shows, claims, minutes) in enumerate(LESSONS):
         x = 0.12 + i * (w + gap)
-        ax.add_patch(Rectangle((x, y), w, h, facecolor=NEVER, edgecolor=OTHER, linewidth=1))
+        ax.add_patch(Rectangle((x, y), w, h, facecolor=NEVER, edgecolor=TEXT, linewidth=1))
         colours = _TOPIC[num]
         for j, c in enumerate(colours):
             ax.add_patch(Rectangle((x + j * w / len(colours), y + h - 0.16), w / len(colours), 0.16, facecolor=c,
@@ -97,7 +102,7 @@ def course_map() -> Figure:
         ax.text(x + 0.08, y + 0.1, claims, ha="left", va="bottom", fontsize=MIN_FONT, color=TEXT, style="italic")
         if i:
             ax.add_patch(FancyArrowPatch((x - gap + 0.01, y + h / 2), (x - 0.01, y + h / 2), arrowstyle="-|>",
-                                         mutation_scale=9, color=OTHER))
+                                         mutation_scale=9, color=TEXT))
     ax.text(0.12, 3.12, f"The course: {len(LESSONS)} lessons, each proving the claims in italics "
             "(prefill only; whole requests and no KV cache until lesson 08)", fontsize=MIN_FONT + 2, color=TEXT, va="center")
     return fig
@@ -115,7 +120,7 @@ def _box(ax, x, y, w, h, colour, text="", hatched=False, gid=None):
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5, "alpha": 0.9} if hatched else None)
 
 
-def _arrow(ax, a, b, colour=OTHER):
+def _arrow(ax, a, b, colour=TEXT):
     ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=10, color=colour, linewidth=1.2))
 
 
@@ -182,8 +187,8 @@ def tp_split(cfg: ModelConfig | None = None) -> Figure:
     _box(ax, x0 + 9.2, 5.6, 2.0, 1.4, OTHER, f"sum [T x {d}]")
     _arrow(ax, (x0 + 10.2, 5.55), (x0 + 10.2, 5.15))
     _box(ax, x0 + 9.2, 3.6, 2.0, 1.5, LINEAR, f"+ bias [{d}]\nwhole on each\nrank, added\nONCE", gid="row-b")
-    ax.text(x0 + 3.3, 3.05, "the bias is added once, after the sum (added before the all-reduce,\n"
-            f"it would be counted {tp} times); its output y is the same on every rank", ha="left", va="top",
+    ax.text(x0 + 3.3, 3.05, "the bias is added once, after the sum (added on every\n"
+            f"rank before the all-reduce, it would be counted {tp} times);\nits output y is the same on every rank", ha="left", va="top",
             fontsize=MIN_FONT, color=TEXT)
     ax.text(x0, 1.3, f"out proj: [T x {k // tp}] -> partial [T x {d}];  FFN-down: [T x {f // tp}] -> partial [T x {d}]\n"
             f"2 row-parallel layers per block x {cfg.n_layers} blocks = {2 * cfg.n_layers} all-reduces of [T x {d}] "
@@ -205,43 +210,6 @@ def ring_bytes_sent(payload: int, world_size: int) -> int:
     (reduce-scatter, then all-gather, each moving ``(p−1)/p`` of the buffer). 0 at ``p = 1``."""
     check_int("world_size", world_size, 1)
     return 2 * (world_size - 1) * payload // world_size
-
-
-def allreduce_state(num_tokens: int, dtype: str = "float32", world_size: int = 2) -> dict:
-    """What one forward of a single N-token request all-reduces (C1), from ``expected_trace``.
-
-    Keys: ``num_tokens``, ``dtype``, ``world_size``, ``count`` (per rank: 2·n_layers, 0 at
-    TP=1), ``shape`` (``[N, d_model]``), ``bytes_each`` (one all-reduce's payload on one rank),
-    ``bytes_per_forward`` (per rank), ``ring_sent_each`` (bytes ONE rank sends in one ring
-    all-reduce: ``2·(p−1)/p · bytes_each``), ``ring_sent_total`` (bytes all ranks together send
-    in one forward: ``count · p · ring_sent_each = count · 2·(p−1) · bytes_each``), ``trace``
-    (rank 0's ``CollectiveRecord`` list).
-    """
-    n = check_int("num_tokens", num_tokens, 1, 1 << 24)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if world_size not in WORLD_SIZES:
-        raise ValueError(f"world_size must be one of {WORLD_SIZES} (dividing the 8 heads), got {world_size!r}")
-    cfg = ModelConfig(dtype=getattr(torch, dtype))
-    trace = expected_trace(cfg, n, 0, world_size)
-    each = trace[0].bytes if trace else 0
-    sent = ring_bytes_sent(each, world_size)
-    return {"num_tokens": n, "dtype": dtype, "world_size": world_size, "count": len(trace), "shape": [n, cfg.d_model],
-            "bytes_each": each, "bytes_per_forward": sum(r.bytes for r in trace), "ring_sent_each": sent,
-            "ring_sent_total": world_size * len(trace) * sent, "trace": trace}
-
-
-def allreduce_text(state: dict) -> str:
-    """The readouts, separated by `` | ``: ``TP=2: 16 all-reduces per forward on each rank | ...``."""
-    p = state["world_size"]
-    if state["count"] == 0:
-        return (f"TP={p}: 0 all-reduces - one rank holds every weight, its row-parallel outputs are already "
-                "complete, there is nobody to add partial sums with | 0 B moved")
-    return (f"TP={p}: {state['count']} all-reduces per forward on each rank | each {state['shape']} {state['dtype']} = "
-            f"{state['bytes_each']:,} B on every rank, whatever the TP size | {state['bytes_per_forward']:,} B per "
-            f"forward on each rank | ring all-reduce: each rank sends 2(p-1)/p = {2 * (p - 1) / p:g} x its payload = "
-            f"{state['ring_sent_each']:,} B per all-reduce; all {p} ranks together send {state['ring_sent_total']:,} B "
-            "per forward")
 
 
 @register("00_allreduce_growth", lesson="00",
@@ -293,7 +261,7 @@ def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | Non
     if mark is not None:
         each = int(mark) * cfg.d_model * item
         for ax in (left, right):
-            ax.axvline(mark, color=OTHER, linestyle=":", linewidth=1)
+            ax.axvline(mark, color=TEXT, linestyle=":", linewidth=1)
         if world_size > 1:
             left.plot([mark], [each], "s", color=COMM, markeredgecolor=TEXT, gid="mark")
             right.plot([mark], [count * world_size * ring_bytes_sent(each, world_size)], "s", color=COMM,
@@ -309,24 +277,296 @@ def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | Non
     return fig
 
 
-def allreduce_explorer(num_tokens: int = 10, dtype: str = "float32", world_size: int = 2):
-    """VBox class ``arx``: IntSlider ``arx-tokens`` (1..16384), Dropdown ``arx-world-size`` (1, 2, 4, 8),
-    Dropdown ``arx-dtype``, HTML ``arx-text`` (``allreduce_text``), Output ``arx-figure``
-    (``allreduce_growth`` with N marked and the TP size drawn thicker)."""
+# ---------------------------------------------------------------------------------------------
+# What the 16 all-reduces cost: an alpha-beta model fitted to real all-reduces (C1)
+
+AR_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)  # the [N, 512] float32 payloads measure_all_reduces times
+AR_REPEATS = 9
+# A datasheet-like fast link, for comparison: NVLink 4 on an H100 SXM moves 900 GB/s per GPU counting both
+# directions, so 450 GB/s one way; the 5 us per ring step is an assumed order of magnitude, not a datasheet value.
+NVLINK = {"alpha_s": 5e-6, "beta": 450e9}
+NETWORK_NAMES = {"measured": "this machine, fitted to the all-reduces timed above",
+                 "nvlink": "NVLink 4 (H100), datasheet-like: 450 GB/s one way, 5 us per step assumed"}
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """The alpha-beta model of a ring all-reduce: ``alpha_s`` seconds of latency per step, ``beta`` bytes per
+    second of one link in one direction; ``source`` says where the two numbers come from.
+
+    A ring all-reduce of S bytes over p ranks takes 2(p-1) steps (p-1 to reduce-scatter, p-1 to all-gather);
+    in each step every rank sends S/p bytes to its neighbour, which costs ``alpha + (S/p)/beta``. So
+
+        t(S) = 2(p-1)·alpha  +  2(p-1)/p · S/beta      (latency term + bandwidth term)
+    """
+
+    alpha_s: float
+    beta: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name, value, low in (("alpha_s", self.alpha_s, 0.0), ("beta", self.beta, None)):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+            if not ok or value < 0 or (low is None and value == 0):
+                raise ValueError(f"AlphaBeta.{name} must be a finite {'non-negative' if low == 0 else 'positive'} "
+                                 f"number, got {value!r}")
+
+
+def _ring_size(world_size: int) -> int:
+    return check_int("world_size", world_size, 2, 1024)
+
+
+def ring_time_terms(fit: AlphaBeta, payload_bytes: float, world_size: int = 2) -> tuple[float, float]:
+    """``(latency, bandwidth)`` seconds of ONE ring all-reduce of ``payload_bytes`` on each rank:
+    ``2(p-1)·alpha`` and ``2(p-1)/p · S/beta`` (see ``AlphaBeta``)."""
+    p = _ring_size(world_size)
+    if isinstance(payload_bytes, bool) or not isinstance(payload_bytes, (int, float)) or not payload_bytes >= 0:
+        raise ValueError(f"payload_bytes must be a non-negative number, got {payload_bytes!r}")
+    return 2 * (p - 1) * fit.alpha_s, 2 * (p - 1) * payload_bytes / (p * fit.beta)
+
+
+def all_reduce_seconds(fit: AlphaBeta, payload_bytes: float, world_size: int = 2) -> float:
+    """The alpha-beta model's time of one ring all-reduce of ``payload_bytes`` per rank: latency + bandwidth."""
+    return sum(ring_time_terms(fit, payload_bytes, world_size))
+
+
+def crossover_tokens(fit: AlphaBeta, d_model: int, itemsize: int, world_size: int = 2) -> float:
+    """The N at which one all-reduce of ``[N, d_model]`` spends as long on bandwidth as on latency:
+    ``2(p-1)/p · N·d·s/beta = 2(p-1)·alpha``, so ``N* = p·alpha·beta / (d·s)``. Below N* latency dominates.
+    It does not depend on the number of layers (both terms are paid 2·n_layers times per forward)."""
+    p = _ring_size(world_size)
+    d, s = check_int("d_model", d_model, 1), check_int("itemsize", itemsize, 1, 16)
+    return p * fit.alpha_s * fit.beta / (d * s)
+
+
+def _sig(x: float, digits: int) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def fit_alpha_beta(payload_bytes: Sequence[float], seconds: Sequence[float], world_size: int = 2,
+                   source: str = "fitted", digits: int = 3) -> AlphaBeta:
+    """Fit the ring model ``t = a + b·S`` to measured all-reduce times, then read alpha and beta off it:
+    ``alpha = a / 2(p-1)``, ``beta = 2(p-1) / (p·b)``.
+
+    Least squares on RELATIVE errors (each point weighs 1/t: the sizes span three orders of magnitude, and a
+    plain fit would ignore the small ones, which are the ones that show the latency). A negative intercept
+    (noise on a machine with almost no latency) is refitted through the origin: alpha = 0. Both results are
+    rounded to ``digits`` significant digits, no more than the measurement supports (and what the lesson shows).
+    Raises ValueError if the inputs are ragged, non-positive, fewer than two distinct sizes, or if the times do
+    not grow with the payload.
+    """
+    p = _ring_size(world_size)
+    s, t = np.asarray(payload_bytes, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
+    if s.ndim != 1 or s.shape != t.shape:
+        raise ValueError(f"payload_bytes and seconds must be two lists of the same length, got {s.shape} and {t.shape}")
+    if not (np.all(np.isfinite(s)) and np.all(s > 0) and np.all(np.isfinite(t)) and np.all(t > 0)):
+        raise ValueError("payload_bytes and seconds must be positive finite numbers")
+    if len(set(s.tolist())) < 2:
+        raise ValueError(f"need at least two distinct payload sizes to fit a line, got {sorted(set(s.tolist()))}")
+    w = 1.0 / t
+    (a, b), *_ = np.linalg.lstsq(np.stack([w, s * w], axis=1), np.ones_like(t), rcond=None)
+    if a < 0:
+        a, b = 0.0, float(np.sum(s * w) / np.sum((s * w) ** 2))
+    if not b > 0:
+        raise ValueError("the measured times do not grow with the payload: no bandwidth can be fitted "
+                         f"(slope {b:.3g} s per byte); measure larger payloads")
+    return AlphaBeta(_sig(a / (2 * (p - 1)), digits), _sig(2 * (p - 1) / (p * b), digits), source)
+
+
+def time_all_reduces(group, sizes: Sequence[int], repeats: int = AR_REPEATS, warmup: int = 2) -> list[list[float]]:
+    """A worker for ``tp.workers.launch``: for each element count in ``sizes``, the seconds of ``repeats``
+    all-reduces (after ``warmup`` untimed ones) of a float32 tensor through the rank's ``DistGroup``, each
+    started right after a barrier so that no rank times its wait for the other."""
+    import torch.distributed as dist
+
+    out = []
+    for numel in sizes:
+        x = torch.ones(int(numel), device=group.device)
+        times = []
+        for i in range(warmup + repeats):
+            x.fill_(1.0)
+            dist.barrier(group=group.process_group)
+            t0 = time.perf_counter()
+            group.all_reduce(x, layer="timing")
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        out.append(times)
+    return out
+
+
+def measure_all_reduces(tokens: Sequence[int] = AR_TOKENS, d_model: int = 512, repeats: int = AR_REPEATS,
+                        world_size: int = 2) -> dict:
+    """Time real all-reduces of ``[N, d_model]`` float32 payloads on ``world_size`` spawned ranks (gloo here).
+
+    Returns ``{"tokens", "bytes" (each payload, as the ranks' traces recorded it), "seconds" (per payload:
+    the median over ``repeats`` of the slower rank), "backend", "world_size"}``. A wall-clock measurement:
+    shown and fitted, never asserted.
+    """
+    from ..tp.workers import launch
+
+    ns = [check_int("tokens", n, 1, 1 << 16) for n in tokens]
+    d = check_int("d_model", d_model, 1, 1 << 14)
+    reps = check_int("repeats", repeats, 1, 100)
+    res = launch(time_all_reduces, check_int("world_size", world_size, 2, 8), args=([n * d for n in ns], reps),
+                 verbose=False)
+    medians = [[float(np.median(ts)) for ts in rank] for rank in res.results]
+    per_size = len(res.traces[0]) // len(ns)
+    return {"tokens": ns, "bytes": [res.traces[0][i * per_size].bytes for i in range(len(ns))],
+            "seconds": [max(col) for col in zip(*medians)], "backend": res.backend, "world_size": world_size}
+
+
+def network_fit(network: str, measured_fit: AlphaBeta | None = None) -> AlphaBeta:
+    """The alpha-beta pair of ``network``: ``"measured"`` (``measured_fit``) or ``"nvlink"`` (``NVLINK``)."""
+    if network == "nvlink":
+        return AlphaBeta(NVLINK["alpha_s"], NVLINK["beta"], NETWORK_NAMES["nvlink"])
+    if network == "measured":
+        if measured_fit is None:
+            raise ValueError("network='measured' needs the fit of this machine's all-reduces (measured_fit)")
+        return measured_fit
+    raise ValueError(f"network must be one of {tuple(NETWORK_NAMES)}, got {network!r}")
+
+
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def comm_cost_state(num_tokens: int, fit: AlphaBeta, d_model: int = 512, dtype: str = "float32", n_layers: int = 8,
+                    requests: int = 1, world_size: int = 2) -> dict:
+    """What the all-reduces of one TP forward of ``num_tokens`` tokens cost under ``fit``, and what the same
+    tokens cost as ``requests`` separate forwards (requests as equal as possible).
+
+    The count and each payload come from ``tp.dryrun.expected_trace`` (the model's 2·n_layers row-parallel
+    outputs); the times from ``ring_time_terms``. Keys: ``num_tokens``, ``d_model``, ``dtype``, ``n_layers``,
+    ``requests``, ``world_size``, ``alpha_s``, ``beta``, ``count``, ``bytes_each``, ``latency_s``,
+    ``bandwidth_s``, ``one_s`` (one all-reduce), ``forward_s`` (count · one), ``dominated`` ("latency" or
+    "bandwidth"), ``crossover`` (N*), ``lens`` (the separate requests), ``separate_count``, ``separate_s``.
+    """
+    n = check_int("num_tokens", num_tokens, 1, 1 << 20)
+    r = check_int("requests", requests, 1, 4096)
+    if r > n:
+        raise ValueError(f"requests must be at most num_tokens (each request has at least one token), got "
+                         f"requests={r} > num_tokens={n}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    p = _ring_size(world_size)
+    cfg = ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 256), d_model=check_int("d_model", d_model, 1, 1 << 15),
+                      dtype=getattr(torch, dtype))
+    trace = expected_trace(cfg, n, 0, p)
+    count, each = len(trace), trace[0].bytes
+    lat, bw = ring_time_terms(fit, each, p)
+    lens = _split(n, r)
+    separate = [expected_trace(cfg, m, 0, p) for m in lens]
+    return {"num_tokens": n, "d_model": cfg.d_model, "dtype": dtype, "n_layers": cfg.n_layers, "requests": r,
+            "world_size": p, "alpha_s": fit.alpha_s, "beta": fit.beta, "source": fit.source, "count": count,
+            "bytes_each": each, "latency_s": lat, "bandwidth_s": bw, "one_s": lat + bw, "forward_s": count * (lat + bw),
+            "dominated": "latency" if lat >= bw else "bandwidth",
+            "crossover": crossover_tokens(fit, cfg.d_model, cfg.dtype.itemsize, p), "lens": lens,
+            "separate_count": sum(len(t) for t in separate),
+            "separate_s": sum(all_reduce_seconds(fit, rec.bytes, p) for t in separate for rec in t)}
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.1f} us"
+
+
+def comm_cost_text(state: dict) -> str:
+    """The readouts, one per line (the format the browser test parses)."""
+    s = state
+    r = s["requests"]
+    lines = [f"alpha = {s['alpha_s'] * 1e6:.3g} us per step, beta = {s['beta'] / 1e9:.3g} GB/s ({s['source']})",
+             f"N = {s['num_tokens']}: {s['count']} all-reduces per forward (2 x {s['n_layers']} layers), each "
+             f"[{s['num_tokens']}, {s['d_model']}] {s['dtype']} = {s['bytes_each']:,} B",
+             f"one all-reduce (ring, TP={s['world_size']}): latency {_us(s['latency_s'])} + bandwidth "
+             f"{_us(s['bandwidth_s'])} = {_us(s['one_s'])}, {s['dominated']}-dominated",
+             f"per forward: {s['count']} x {_us(s['one_s'])} = {_us(s['forward_s'])}",
+             f"crossover: N* = {s['crossover']:,.1f} tokens (latency dominates below, bandwidth above; the same for "
+             "any number of layers)"]
+    if r > 1:
+        lens = s["lens"]
+        shown = f"{lens[0]}" if len(set(lens)) == 1 else f"{min(lens)}-{max(lens)}"
+        lines.append(f"the same {s['num_tokens']} tokens as {r} requests of {shown}: packed in one forward "
+                     f"{s['count']} all-reduces, {_us(s['forward_s'])} | one forward each {s['separate_count']} "
+                     f"all-reduces, {_us(s['separate_s'])} ({s['separate_s'] / s['forward_s']:.1f} x)")
+    return "\n".join(lines)
+
+
+def comm_cost_figure(state: dict, measured: Mapping | None = None) -> Figure:
+    """Left: all-reduce time per forward against N (log-log) under the state's alpha and beta: the model (purple),
+    its latency term (dashed) and bandwidth term (dotted), the crossover N* (dash-dot), the chosen N (square),
+    and ``measured`` (``measure_all_reduces``' dict) as black dots at the N whose payload they carried, x count.
+    Right: the state's tokens packed in one forward vs one forward per request, latency (hatched) + bandwidth."""
+    s = state
+    fit = AlphaBeta(s["alpha_s"], s["beta"])
+    p, count, item = s["world_size"], s["count"], torch.empty((), dtype=getattr(torch, s["dtype"])).element_size()
+    row = s["d_model"] * item
+    ns = np.unique(np.logspace(0, np.log10(max(16384, s["num_tokens"])), 80).astype(int))
+    lat = [count * ring_time_terms(fit, int(n) * row, p)[0] for n in ns]
+    bw = [count * ring_time_terms(fit, int(n) * row, p)[1] for n in ns]
+    fig = Figure(figsize=(10.4, 4.3))
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.1, 1]})
+    left.plot(ns, np.add(lat, bw), color=COMM, linewidth=2.5, label="alpha-beta model: latency + bandwidth", gid="model")
+    left.plot(ns, lat, "--", color=TEXT, linewidth=1, label=f"latency term {count} x 2(p-1) alpha", gid="latency")
+    left.plot(ns, bw, ":", color=TEXT, linewidth=1.3, label=f"bandwidth term {count} x 2(p-1)/p S/beta", gid="bandwidth")
+    left.axvline(s["crossover"], color=TEXT, linestyle="-.", linewidth=1, gid="crossover")
+    left.plot([s["num_tokens"]], [s["forward_s"]], "s", color=COMM, markeredgecolor=TEXT, markersize=8, gid="mark")
+    if measured:
+        xs = [b / row for b in measured["bytes"]]
+        left.plot(xs, [count * t for t in measured["seconds"]], "o", color=TEXT, markersize=5, gid="measured",
+                  label=f"measured here ({measured['backend']}, TP={measured['world_size']}), x {count}")
+    left.set_xscale("log")
+    left.set_yscale("log")
+    left.set_xlabel(f"tokens N in the forward ([N, {s['d_model']}] {s['dtype']} per all-reduce)")
+    left.set_ylabel("seconds of all-reduce per forward")
+    left.set_title(f"{count} all-reduces per forward: N* = {s['crossover']:,.0f} tokens", fontsize=MIN_FONT + 1)
+    left.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
+    r = s["requests"]
+    sep_lat = s["separate_count"] * s["latency_s"]
+    bars = [("1 forward,\npacked", count * s["latency_s"], count * s["bandwidth_s"]),
+            (f"{r} forward{'s' if r > 1 else ''},\none per request", sep_lat, s["separate_s"] - sep_lat)]
+    for i, (_, lt, bt) in enumerate(bars):
+        right.bar(i, lt * 1e3, color=COMM, edgecolor=TEXT, hatch="///", gid=f"bar-latency-{i}",
+                  label="latency" if i == 0 else None)
+        right.bar(i, bt * 1e3, bottom=lt * 1e3, color=COMM, edgecolor=TEXT, gid=f"bar-bandwidth-{i}",
+                  label="bandwidth" if i == 0 else None)
+    right.set_xticks([0, 1], [b[0] for b in bars])
+    right.set_ylabel("ms of all-reduce")
+    right.set_title(f"{s['num_tokens']} tokens as {r} request{'s' if r > 1 else ''}", fontsize=MIN_FONT + 1)
+    right.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
+    right.set_ylim(0, 1.25 * max(sum(b[1:]) for b in bars) * 1e3)
+    for ax in (left, right):
+        ax.tick_params(labelsize=MIN_FONT)
+    fig.suptitle(f"All-reduce time under alpha = {s['alpha_s'] * 1e6:.3g} us, beta = {s['beta'] / 1e9:.3g} GB/s "
+                 f"(TP={p}): N = {s['num_tokens']} is {s['dominated']}-dominated", fontsize=MIN_FONT + 2)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.16, top=0.86, wspace=0.28)
+    return fig
+
+
+def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: int = 64):
+    """VBox class ``abx``: IntSlider ``abx-tokens`` (1..16384), IntSlider ``abx-requests`` (1..64),
+    Dropdowns ``abx-d-model``, ``abx-dtype``, ``abx-layers``, ``abx-network``; HTML ``abx-text``
+    (``comm_cost_text``, one div per line), Output ``abx-figure`` (``comm_cost_figure``).
+    ``measured``: ``measure_all_reduces``' dict, drawn while the network is "measured"."""
     w = ipywidgets_module()
-    tokens = tagged(w.IntSlider(value=num_tokens, min=1, max=16384, description="tokens N"), "arx-tokens")
-    size = tagged(w.Dropdown(options=list(WORLD_SIZES), value=world_size, description="TP size"), "arx-world-size")
-    kind = tagged(w.Dropdown(options=list(DTYPES), value=dtype, description="dtype"), "arx-dtype")
-    text, out = tagged(w.HTML(), "arx-text"), tagged(w.Output(), "arx-figure")
+    tokens = tagged(w.IntSlider(value=num_tokens, min=1, max=16384, description="tokens N"), "abx-tokens")
+    reqs = tagged(w.IntSlider(value=1, min=1, max=64, description="requests"), "abx-requests")
+    d_model = tagged(w.Dropdown(options=[512, 1024, 4096, 8192], value=512, description="d_model"), "abx-d-model")
+    kind = tagged(w.Dropdown(options=list(DTYPES), value="float32", description="dtype"), "abx-dtype")
+    layers = tagged(w.Dropdown(options=[8, 32, 80], value=8, description="layers"), "abx-layers")
+    net = tagged(w.Dropdown(options=[("this machine (fitted)", "measured"), ("NVLink 4 (datasheet-like)", "nvlink")],
+                            value="measured", description="network"), "abx-network")
+    text, out = tagged(w.HTML(), "abx-text"), tagged(w.Output(), "abx-figure")
 
     def update(change=None):
-        state = allreduce_state(tokens.value, kind.value, size.value)
-        text.value = "<div>" + "</div><div>".join(allreduce_text(state).split(" | ")) + "</div>"
-        show_figure(out, allreduce_growth(ModelConfig(dtype=getattr(torch, kind.value)), mark=tokens.value,
-                                          world_size=size.value))
+        fit = network_fit(net.value, measured_fit)
+        try:
+            state = comm_cost_state(tokens.value, fit, d_model.value, kind.value, layers.value, reqs.value)
+        except ValueError as exc:  # e.g. more requests than tokens
+            text.value = f"<div>{exc}</div>"
+            return
+        text.value = "<div>" + "</div><div>".join(comm_cost_text(state).splitlines()) + "</div>"
+        show_figure(out, comm_cost_figure(state, measured if net.value == "measured" else None))
 
-    return explorer("arx", [tokens, size, kind], [text, out], update)
-
+    return explorer("abx", [tokens, reqs, d_model, kind, layers, net], [text, out], update)
 
 # ---------------------------------------------------------------------------------------------
 # What the notebook reads off the model
@@ -539,42 +779,72 @@ def check_rank_params(fn: Callable[[ModelConfig, int], int]) -> bool:
                  f"matches the real model (tp_size=1) and each rank's real shard on {len(cases)} layouts")
 
 
-def check_all_reduce_traffic(fn: Callable[[ModelConfig, int, int], tuple]) -> bool:
-    """Exercise 00.2: ``fn(cfg, num_tokens, world_size) -> (count, bytes_each)``: the all-reduces
-    one rank makes in one forward of a single request under TP=world_size, and the bytes of each
-    (in ``cfg.dtype``); ``(0, 0)`` at TP=1 (C1)."""
-    # d_ffn = 3 x d_model: a 4-byte guess in bfloat16 (N x d_model x 4) is not N x d_ffn x 2 by chance
+def _ring_hint(got: float, fit: AlphaBeta, cfg: ModelConfig, n: int, p: int) -> str:
+    """The typical slip behind a wrong per-forward all-reduce time, or ""."""
+    s = cfg.dtype.itemsize
+    each = n * cfg.d_model * s
+    lat, bw = ring_time_terms(fit, each, p)
+    count = 2 * cfg.n_layers
+    slips = [
+        (lat + bw, "that is ONE all-reduce: a forward makes 2 x n_layers of them (out proj and FFN-down of every "
+                   "block)"),
+        (cfg.n_layers * (lat + bw), "two all-reduces per layer, not one: after the attention out proj and after "
+                                    "FFN-down"),
+        (count * (fit.alpha_s + each / fit.beta), "no ring factor: a ring takes 2(p-1) steps of alpha, and each "
+                                                  "step sends S/p bytes, so 2(p-1)/p x S/beta in all"),
+        (count * (2 * (p - 1) * fit.alpha_s + each / fit.beta), "the bandwidth term has the ring factor too: "
+                                                                "2(p-1) steps of S/p bytes = 2(p-1)/p x S/beta"),
+        (count * (fit.alpha_s + 2 * (p - 1) / p * each / fit.beta), "the latency is paid once per STEP: 2(p-1) "
+                                                                    "steps, 2(p-1) x alpha"),
+        (count * (lat + bw / s), "bytes, not elements: multiply N x d_model by the dtype's itemsize"),
+        (count * (lat + 2 * (p - 1) * each / fit.beta), "each step sends S/p bytes, not S: 2(p-1)/p x S/beta"),
+        (count * (lat + bw / cfg.d_model * cfg.d_ffn), "the all-reduce carries the row-parallel layer's OUTPUT, "
+                                                       "[N, d_model], not its input"),
+    ]
+    for value, hint in slips:
+        if np.isclose(got, value, rtol=1e-6):
+            return hint
+    return ""
+
+
+def check_forward_comm(fn: Callable[[AlphaBeta, ModelConfig, int, int], tuple]) -> bool:
+    """Exercise 00.2: ``fn(fit, cfg, num_tokens, world_size) -> (seconds, crossover_n)``: the alpha-beta model's
+    all-reduce time of ONE forward of ``num_tokens`` tokens under TP=world_size (ring), and the N at which one
+    all-reduce spends as long on bandwidth as on latency. Checked against the model's own trace
+    (``expected_trace``), ``all_reduce_seconds`` and ``crossover_tokens`` on several networks, models and TP
+    sizes, to a relative 1e-6."""
     bf16 = ModelConfig(n_layers=3, d_model=64, n_heads=4, d_head=16, d_ffn=192, vocab_size=50, max_position=64,
                        dtype=torch.bfloat16)
-    cases = [(_SMALL_CFGS[0], 10, 2), (_SMALL_CFGS[0], 111, 4), (bf16, 7, 2), (_SMALL_CFGS[1], 9, 3),
-             (_SMALL_CFGS[0], 5, 1)]
+    slow, fast = AlphaBeta(80e-6, 2e9), AlphaBeta(5e-6, 450e9)
+    cases = [(slow, ModelConfig(), 10, 2), (slow, ModelConfig(), 4096, 2), (fast, ModelConfig(), 100, 2),
+             (slow, _SMALL_CFGS[0], 7, 4), (fast, bf16, 3000, 2), (AlphaBeta(20e-6, 10e9), _SMALL_CFGS[1], 50, 3)]
 
-    def judge(got, cfg, n, tp):
-        trace = record_trace(cfg, [n], 0, tp)  # the model's own code on a recording stand-in for rank 0
-        want = (len(trace), trace[0].bytes if trace else 0)
-        got, problem = int_tuple(got, "count, bytes_each")
-        if problem or got == want:
-            return problem
-        size = cfg.dtype.itemsize
-        hint = ""
-        if tp == 1:
-            hint = (" - with one rank there is nobody to add partial sums with: the row-parallel layer already "
-                    "holds its whole input, so its output is complete and nothing is all-reduced")
-        elif got[0] == 16 and want[0] != 16:
-            hint = (f" - 16 is the article's model (8 layers); count from cfg: two per layer, this config has "
-                    f"{cfg.n_layers} layers")
-        elif got[0] == cfg.n_layers:
-            hint = " - two per layer: after the attention out proj and after FFN-down"
-        elif got[1] * tp == want[1]:
-            hint = (" - the payload does not shrink with TP: each rank all-reduces a full [N, d_model] partial sum, "
-                    "not a 1/tp slice")
-        elif got[1] == n * cfg.d_model:
-            hint = f" - bytes, not elements: {cfg.dtype} has {size} bytes per element"
-        elif got[1] in (n * cfg.d_model * s for s in (2, 4, 8) if s != size):
-            hint = (f" - {cfg.dtype} has {size} bytes per element: take the itemsize from cfg.dtype "
-                    "(torch.empty((), dtype=cfg.dtype).element_size())")
-        elif got[1] in (n * cfg.d_ffn * size, n * cfg.d_ffn * size // tp):
-            hint = " - the all-reduce carries the row-parallel layer's OUTPUT, [N, d_model], not its input"
-        return f"got {got}, expected {want} (TP={tp}){hint}"
-    return grade("all_reduce_traffic", fn, cases, judge,
-                 "2 x n_layers all-reduces of N x d_model x itemsize bytes at TP >= 2, none at TP=1, on 5 cases")
+    def judge(got, fit, cfg, n, p):
+        if not (isinstance(got, tuple) and len(got) == 2):
+            return f"return a pair (seconds, crossover_n), got {got!r}"
+        try:
+            secs, cross = float(got[0]), float(got[1])
+        except (TypeError, ValueError):
+            return f"both values must be numbers, got {got!r}"
+        trace = expected_trace(cfg, n, 0, p)  # the model's 2 x n_layers row-parallel outputs
+        want = sum(all_reduce_seconds(fit, rec.bytes, p) for rec in trace)
+        want_x = crossover_tokens(fit, cfg.d_model, cfg.dtype.itemsize, p)
+        problems = []
+        if not np.isclose(secs, want, rtol=1e-6):
+            hint = _ring_hint(secs, fit, cfg, n, p)
+            problems.append(f"seconds: got {secs:.6g}, expected {want:.6g}" + (f" - {hint}" if hint else ""))
+        if not np.isclose(cross, want_x, rtol=1e-6):
+            hint = ""
+            s, d = cfg.dtype.itemsize, cfg.d_model
+            if np.isclose(cross, want_x * d * s, rtol=1e-6):
+                hint = "that is the crossover payload in BYTES; divide by d_model x itemsize for tokens"
+            elif np.isclose(cross, want_x / p, rtol=1e-6):
+                hint = "the bandwidth term carries 1/p (each step sends S/p bytes): N* = p x alpha x beta / (d x s)"
+            elif any(np.isclose(cross, want_x * f, rtol=1e-6) for f in (2 * cfg.n_layers, 1 / (2 * cfg.n_layers))):
+                hint = "both terms are paid 2 x n_layers times per forward: the layer count cancels out of N*"
+            elif np.isclose(cross, want_x * d, rtol=1e-6):
+                hint = "bytes, not elements: a row of the payload is d_model x itemsize bytes"
+            problems.append(f"crossover: got {cross:.6g}, expected {want_x:.6g}" + (f" - {hint}" if hint else ""))
+        return "; ".join(problems) or None
+    return grade("forward_comm", fn, cases, judge,
+                 f"the all-reduce time of a forward and the crossover N match the model on {len(cases)} cases")

@@ -12,6 +12,7 @@ several moves and printed; never asserted (timings vary by machine).
 Each lesson's test is in ``explore_lNN.py``; they are collected here so that all of them share
 one JupyterLab server and one Chromium (module-scoped fixtures in ``conftest.py``).
 """
+from explore_l00 import test_lesson00_comm_cost_explorer  # noqa: F401
 from explore_l03 import test_lesson03_attention_run_explorer  # noqa: F401
 from explore_l04 import test_lesson04_tp_packing_explorer  # noqa: F401
 from explore_l05 import test_lesson05_roofline_explorer  # noqa: F401

@@ -1,0 +1,71 @@
+"""Lesson 00's all-reduce cost explorer in the browser: its readout equals ``comm_cost_state`` for the input shown.
+
+The widget shows the alpha and beta it runs on (the kernel's fit of this machine's all-reduces, three
+significant digits, or the NVLink preset); the test reads them off the page and recomputes every other
+number with a direct call of ``lessons_lib``, before and after moving the tokens, the requests and the network.
+"""
+from __future__ import annotations
+
+import re
+
+from widget_driver import MOVES, finish, inner_text, move, open_explorer, readout, slider_max, wait_text
+
+from lessons_lib.course import l00_setup
+
+HEAD_RE = re.compile(r"alpha = ([\d.e+-]+) us per step, beta = ([\d.e+-]+) GB/s \((.+)\)")
+
+
+def _expected(page) -> str:
+    """What the readout must say, from the alpha and beta it shows and the controls' values."""
+    text = inner_text(page, ".abx-text")
+    head = HEAD_RE.match(text.splitlines()[0])
+    assert head, f"the first readout line is not in the documented format: {text!r}"
+    fit = l00_setup.AlphaBeta(float(f"{head[1]}e-6"), float(f"{head[2]}e9"), head[3])
+    state = l00_setup.comm_cost_state(readout(page, "abx-tokens"), fit, int(page.locator(".abx-d-model select").input_value()),
+                                      page.locator(".abx-dtype select").input_value(),
+                                      int(page.locator(".abx-layers select").input_value()), readout(page, "abx-requests"))
+    return l00_setup.comm_cost_text(state)
+
+
+def _check(page) -> str:
+    text = inner_text(page, ".abx-text")
+    want = _expected(page)
+    assert text == want, f"the readout is not what lessons_lib computes:\n{text}\n!=\n{want}"
+    return text
+
+
+def test_lesson00_comm_cost_explorer(lab_server, browser_context, capsys):
+    page, widget, console_errors, t_start = open_explorer(
+        browser_context, lab_server, "00_setup_one_request.ipynb", "abx",
+        r"""() => /crossover: N\*/.test((document.querySelector('.abx-text') || {}).innerText || '')
+                  && !!document.querySelector('.abx-figure img')""", "the all-reduce cost explorer")
+
+    text = _check(page)
+    assert "this machine, fitted" in text
+    src = page.locator(".abx-figure img").first.get_attribute("src")
+    latencies, text_ms = [], []
+    for _ in range(MOVES - 2):  # one more token each: new numbers, new figure
+        n = readout(page, "abx-tokens")
+        ms, new_src = move(page, "abx-tokens", ".abx-figure", ".abx-text", "ArrowRight", text_ms)
+        latencies.append(ms)
+        assert new_src != src and readout(page, "abx-tokens") == n + 1
+        src = new_src
+        new_text = _check(page)
+        assert new_text != text
+        text = new_text
+    # Two requests instead of one: the same tokens, twice the all-reduces when each is its own forward.
+    ms, src = move(page, "abx-requests", ".abx-figure", ".abx-text", "ArrowRight", text_ms)
+    latencies.append(ms)
+    text = _check(page)
+    assert "as 2 requests" in text and "one forward each 32 all-reduces" in text
+    # The datasheet-like link: alpha and beta change, every number follows.
+    page.locator(".abx-network select").select_option(label="NVLink 4 (datasheet-like)")
+    wait_text(page, ".abx-text", "t => t.includes('beta = 450 GB/s')")
+    _check(page)
+    ms, src = move(page, "abx-tokens", ".abx-figure", ".abx-text", "End", text_ms)
+    latencies.append(ms)
+    assert readout(page, "abx-tokens") == slider_max(page, "abx-tokens")
+    text = _check(page)
+    assert "bandwidth-dominated" in text.splitlines()[2], text
+
+    finish(page, widget, "00", latencies, text_ms, console_errors, t_start, capsys)
