@@ -155,8 +155,8 @@ def test_c7_c10_attention_dependency_and_cross_pairs():
 
 # --- the attention-run explorer ---------------------------------------------------------------------------
 
-ROW = re.compile(r"(?:<div>)?([^<>]+?): cells measured (\d+) \| predicted (\d+) \| score matrices (\d+), largest (.+?) \| "
-                 r"max err (\S+) \| ([\d.]+) ms")
+ROW = re.compile(r"<tr><td[^>]*>([^<]+)</td><td[^>]*>(\d+)</td><td[^>]*>(\d+)</td><td[^>]*>(\d+)</td><td[^>]*>([^<]+)</td>"
+                 r"<td[^>]*>([^<]+)</td><td[^>]*>([\d.]+)</td></tr>")
 
 
 def test_c8_c10_attention_run_state_measures_what_each_backend_computes_for_a_and_b():
@@ -236,7 +236,7 @@ def test_attention_run_explorer_contract_and_callbacks():
     assert "useful (whole blocks): 1025" in k["arx-summary"].value
     before = rows.value
     text.value = "10, 0"
-    assert "1..512" in k["arx-status"].value and rows.value == before
+    assert "not run: lengths: every request needs 1..512 tokens, got 0" in k["arx-status"].value and rows.value == before
 
 
 def test_attention_run_figure_text_inside_and_ink_guides():

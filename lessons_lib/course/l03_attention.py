@@ -398,15 +398,20 @@ def run_label(state: dict, name: str) -> str:
     return {"loop": "loop (one call per request)", "varlen": f"varlen ({backend})"}.get(name, name)
 
 
+RUN_COLUMNS = ("backend", "cells measured", "predicted", "score matrices", "largest stored", "max err vs fp64",
+               "ms (this CPU)")
+
+
 def attention_run_html(state: dict) -> str:
-    """One ``<div>`` per backend: ``loop (one call per request): cells measured 1000 | predicted 1000 |
-    score matrices 2, largest 28.1 KiB | max err 2.38e-07 | 0.12 ms``."""
-    rows = []
+    """A ``<table>``: a header row of ``RUN_COLUMNS``, then one row per backend, e.g. ``loop (one call per
+    request) | 1000 | 1000 | 2 | 28.1 KiB | 6.87e-07 | 0.16``."""
+    head = "".join(f"<th style='padding:0 8px;text-align:left'>{c}</th>" for c in RUN_COLUMNS)
+    rows = [f"<tr>{head}</tr>"]
     for name, r in state["rows"].items():
-        rows.append(f"<div>{run_label(state, name)}: cells measured {r['cells']} | predicted {r['predicted']} | "
-                    f"score matrices {r['scores']}, largest {_kib(r['largest_bytes'])} | max err {r['error']:.2e} | "
-                    f"{r['ms']:.2f} ms</div>")
-    return "".join(rows)
+        cells = (run_label(state, name), r["cells"], r["predicted"], r["scores"], _kib(r["largest_bytes"]),
+                 f"{r['error']:.2e}", f"{r['ms']:.2f}")
+        rows.append("<tr>" + "".join(f"<td style='padding:0 8px'>{c}</td>" for c in cells) + "</tr>")
+    return f"<table>{''.join(rows)}</table>"
 
 
 def attention_run_summary_html(state: dict) -> str:
@@ -423,7 +428,7 @@ def attention_run_predicted_html(state: dict) -> str:
     """``flops.attention_cells`` for the three ways, one ``<div>`` each (``padded: computed 1800 | useful 520 |
     wasted 1280``); with the causal mask the varlen line is an ideal kernel that computes no masked cell."""
     lens, causal = state["seq_lens"], state["causal"]
-    rows = []
+    rows = ["<div>flops.attention_cells predicts, for the three ways:</div>"]
     for m in METHODS:
         c = attention_cells(lens, m, causal)
         note = " (an ideal causal kernel: no backend here computes this little)" if causal and m == "varlen" else ""
@@ -478,7 +483,7 @@ def attention_run_explorer(lengths: str = RUN_DEFAULT, causal: bool = True):
         try:
             state = attention_run_state(text.value, causal_box.value)
         except ValueError as exc:
-            status.value = f"<div>{exc}</div>"
+            status.value = f"<div>not run: {exc} (the numbers below are still those of the last input that ran)</div>"
             return
         summary.value = attention_run_summary_html(state)
         rows.value = attention_run_html(state)
