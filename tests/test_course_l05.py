@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import attempt, by_class, min_font, png_of, stub
+from helpers import attempt, by_class, min_font, png_of, stub, texts
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from lessons_lib.core.attention import varlen_attention
@@ -17,7 +17,7 @@ from lessons_lib.core.model import Transformer
 from lessons_lib.course import l05_flops as L
 from lessons_lib.course.grading import score
 from lessons_lib.measure.flops import attention_cells, forward_flops
-from lessons_lib.style import MIN_FONT
+from lessons_lib.style import ATTENTION, LINEAR, MIN_FONT, OTHER, TEXT
 
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128)
 
@@ -384,3 +384,24 @@ def test_time_splits_warm_up_every_batch_then_split_each():
     assert calls[:4] == [1, 3, 1, 3]  # the warm-up forwards come first, for every batch
     with pytest.raises(ValueError, match="warmup"):
         L.time_splits(model, batches, warmup=-1)
+
+
+def test_roofline_figure_keeps_text_on_the_canvas_ink_lines_and_points_on_the_roof():
+    fw = {"cfg": L.HERE_CFG, "seq_lens": list(L.HERE_LENS), "seconds": 0.05}
+    s = L.roofline_state(machine=FAKE_CPU, here={"machine": FAKE_CPU, "forward": fw},
+                         lengths="3000, 2000, 1000, 500, 100, 7")
+    fig = L.roofline_figure(s)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer, (w, h) = canvas.get_renderer(), canvas.get_width_height()
+    for t in texts(fig):
+        box = t.get_window_extent(renderer)
+        assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= w and box.y1 <= h, t.get_text()
+    assert min_font(fig) >= MIN_FONT
+    ax = fig.axes[0]
+    assert all(line.get_color() != OTHER for line in ax.get_lines())
+    roof = ax.get_lines()[0]
+    assert roof.get_color() == TEXT and max(roof.get_ydata()) == 100e9          # the peak, flat past the ridge
+    points = {(line.get_marker(), line.get_color()): line.get_xdata()[0] for line in ax.get_lines()[2:8]}
+    assert points[("o", LINEAR)] == s["rows"][0]["linear"]["intensity"]
+    assert points[("s", ATTENTION)] == s["rows"][1]["attention"]["intensity"]

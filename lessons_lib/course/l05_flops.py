@@ -599,12 +599,15 @@ def roofline_figure(state: dict) -> Figure:
     ax.plot(xs, np.minimum(peak, xs * bw), "-", color=TEXT, linewidth=1.5, label=f"roof of {name}")
     ax.axvline(ridge, color=TEXT, linestyle=":", linewidth=1)
     ax.text(ridge * 1.1, peak * 0.02, f"ridge\n{ridge:.1f} FLOP/B", fontsize=MIN_FONT, color=TEXT, ha="left")
-    markers = ("o", "s", "^")
-    for row, mk in zip(state["rows"], markers):
+    markers = ("o", "s", "^")                          # one shape per packing, one colour per part
+    for i, (row, mk) in enumerate(zip(state["rows"], markers)):
         for part, color in (("linear", LINEAR), ("attention", ATTENTION)):
             x = row[part]["intensity"]
             ax.plot([x], [min(peak, x * bw)], mk, color=color, markersize=8,
-                    label=f"{row['label'][:22]}: {part}")
+                    label=("linear layers" if part == "linear" else "attention") if i == 0 else None)
+    fig.text(0.62, 0.3, "packings (marker shapes):\n" + "\n".join(
+        f"{s} {row['label'] if len(row['label']) <= 26 else row['label'][:25] + '…'}"
+        for s, row in zip("●■▲", state["rows"])), fontsize=MIN_FONT, color=TEXT, va="top")
     if m is not None and m["machine"] == state["machine"]:
         x = m["flops"] / m["bytes"]
         ax.plot([x], [m["flops"] / m["predicted"]], "x", color=TEXT, markersize=9, label="engine forward: predicted")
@@ -625,7 +628,7 @@ def roofline_figure(state: dict) -> Figure:
     ax.set_xlabel("arithmetic intensity (FLOP per byte moved)", fontsize=MIN_FONT + 1)
     ax.set_ylabel("attainable FLOP/s = min(peak, intensity x bandwidth)", fontsize=MIN_FONT)
     ax.tick_params(labelsize=MIN_FONT)
-    ax.legend(fontsize=MIN_FONT, frameon=False, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.legend(fontsize=MIN_FONT, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     c = state["cfg"]
     fig.text(0.02, 0.97, f"Roofline of {name}: d_model {c.d_model}, {c.n_heads} heads ({state['n_kv_heads']} K/V), "
              f"FFN {c.d_ffn}, {c.n_layers} layers, {state['nbytes']} B/number", fontsize=MIN_FONT + 1, color=TEXT,
