@@ -8,9 +8,10 @@ Conventions (stated once, used everywhere):
   useful; padded and masked still compute their full squares, varlen computes the triangles.
 - A matmul ``[m, k] @ [k, n]`` is ``2·m·k·n`` FLOPs. Attention per cell per head: ``2·d_head``
   for ``QK^T`` and ``2·d_head`` for ``P @ V``. Softmax, LayerNorm and GeLU are not counted
-  (O(T·d), small next to the matmuls). Nor is the LM head, which is not small: O(R·d·V), one row
-  ``[1, 512] @ [512, 50257]`` is 51.5 MFLOP, more than the 8 blocks' linear layers per token
-  (50.3 MFLOP); the engine computes it for the R last tokens only, outside "the forward" counted here.
+  (O(T·d), small next to the matmuls). Nor is the LM head, which is not small: O(T·d·V) if run on
+  all T rows, O(R·d·V) as the engine runs it (the R last tokens only, outside "the forward" counted
+  here); one row ``[1, 512] @ [512, 50257]`` is 51.5 MFLOP, more than the 8 blocks' linear layers
+  per token (50.3 MFLOP).
 - Grouped-query attention (``n_kv_heads`` < ``n_heads``, default ``n_heads``: the course's model): the
   queries keep ``n_heads`` heads, K and V have ``n_kv_heads``, each shared by ``n_heads / n_kv_heads``
   query heads. The score work is unchanged (every query head computes its own cells); the K and V
