@@ -139,14 +139,20 @@ def wrong(cfg, seq_lens, tp):  # the LM head's logits summed over the ranks inst
     return [("all_reduce", "wte", (t, cfg.d_model))] + blocks + [("all_reduce", "lm_head", (t, cfg.vocab_size))]
 ''', "gather them (all_gather of [T, V/tp])"),
     "ex04_2_grade": ('''
-def wrong(full, n_heads, rank, tp):  # a plain column-parallel cut of [Q | K | V]
-    return full.chunk(tp)[rank]
-''', "that is a plain column-parallel cut"),
+def wrong(n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number):  # n_kv_heads // tp: no replication
+    per_rank = n_kv_heads // tp
+    return ([list(range(r * per_rank, (r + 1) * per_rank)) for r in range(tp)],
+            2 * per_rank * d_head * n_layers * bytes_per_number)
+''', "must be REPLICATED"),
     # lesson 05
     "ex05_1_grade": ('''
-def wrong(cfg, seq_lens):  # the masked count: the whole T x T matrix
-    return cfg.n_layers * cfg.n_heads * sum(seq_lens) ** 2 * 4 * cfg.d_head
-''', "counts the whole T x T matrix"),
+def wrong(cfg, seq_lens, n_kv_heads):  # caches every query head's K and V: grouping saves nothing
+    d, q, f = cfg.d_model, cfg.n_heads * cfg.d_head, cfg.d_ffn
+    kv, t = n_kv_heads * cfg.d_head, sum(seq_lens)
+    return {"attention_flops": cfg.n_layers * cfg.n_heads * sum(n * n for n in seq_lens) * 4 * cfg.d_head,
+            "linear_flops": cfg.n_layers * t * 2 * (d * (q + 2 * kv) + q * d + 2 * d * f),
+            "kv_cache_bytes": cfg.n_layers * t * 2 * q * 2}
+''', "the cache holds the K/V heads"),
     "ex05_2_grade": ('''
 def wrong(cfg, causal):  # the whole-block answer, also for causal
     d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn

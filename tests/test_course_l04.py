@@ -110,22 +110,61 @@ def test_packing_lens_patterns_and_bad_input():
         L.packing_lens(40, 2, "random")
 
 
-def test_c12_packing_state_trace_stays_while_attention_inputs_change():
-    base = L.tp_packing_state(40, 1)
+def _direct_partials(lens, rank):
+    """Rank ``rank``'s layer-0 out-proj partial sums, recomputed on a LocalGroup stand-in (not threads)."""
+    cfg = ModelConfig(vocab_size=1000, max_position=2048)
+    model = Transformer(cfg, init_weights(cfg, seed=0), group=LocalGroup(rank, 2))
+    return L.out_proj_partials(model, L.explorer_batch(cfg, lens))
+
+
+def test_c12_packing_state_trace_stays_while_attention_inputs_and_partials_change():
     want = [trace_signature(expected_trace(ModelConfig(), 40, rank, 2)) for rank in (0, 1)]
-    seen_cells, seen_cu = set(), set()
+    seen_cells, seen_cu, seen_partials = set(), set(), set()
     for r, pattern in ((1, "equal"), (2, "equal"), (3, "ramp"), (5, "one long"), (40, "equal")):
         s = L.tp_packing_state(40, r, pattern)
         lens = L.packing_lens(40, r, pattern)
         assert s["seq_lens"] == lens and s["cu_seqlens"] == cumulative(lens) and s["max_seqlen"] == max(lens)
         assert [trace_signature(t) for t in s["traces"]] == want and s["same_as_one_request"] == [True, True]
-        assert s["trace_text"] == base["trace_text"] == ["16 × all_reduce [40, 512] float32, 81,920 B each"] * 2
+        assert s["trace_text"] == ["16 × all_reduce [40, 512] float32, 81,920 B each"] * 2
         assert s["positions"] == pack([[0] * n for n in lens]).positions.tolist()
         assert s["cells"] == attention_cells(lens, "varlen").computed and s["cells_per_rank"] == s["cells"] * 4 * 8
-        assert s["heads"] == [(0, 3), (4, 7)] and s["tiles"] == 1 and s["grid"] == r * 4
+        assert s["heads"] == [(0, 3), (4, 7)] and s["outputs_equal"]
+        assert s["sum_err"] <= s["sum_allowed"] < 1e-4
         seen_cells.add(s["cells"])
         seen_cu.add(tuple(s["cu_seqlens"]))
-    assert len(seen_cells) == 5 and len(seen_cu) == 5
+        seen_partials.add(tuple(s["partials"][0]))
+    # the last token reads only its own request: [20, 20] and the ramp [7, 13, 20] end in the same 20-token request
+    assert len(seen_cells) == 5 and len(seen_cu) == 5 and len(seen_partials) == 4
+    assert L.tp_packing_state(40, 2)["partials"] == L.tp_packing_state(40, 3, "ramp")["partials"]
+
+
+@pytest.mark.parametrize("t, r, pattern", [(40, 2, "equal"), (40, 40, "equal"), (23, 4, "ramp")])
+def test_c12_packing_state_partials_are_each_rank_s_own_and_add_up(t, r, pattern):
+    s = L.tp_packing_state(t, r, pattern)
+    lens = L.packing_lens(t, r, pattern)
+    direct = [_direct_partials(lens, rank) for rank in (0, 1)]
+    for rank in (0, 1):
+        got = torch.tensor(s["partials"][rank])
+        assert max_abs_diff(got, direct[rank][t - 1, :L.SHOWN]) < 1e-5
+        assert s["partial_norms"][rank] == pytest.approx(float(direct[rank][t - 1].norm()), rel=1e-5)
+    assert max_abs_diff(torch.tensor(s["partials"][0]), torch.tensor(s["partials"][1])) > 1e-3  # the ranks differ
+    assert (s["token"], s["token_request"], s["token_position"]) == (t - 1, r - 1, lens[-1] - 1)
+
+
+def test_packing_state_sum_check_can_fail():
+    """A rank that sent twice its partial sums would be caught by the sum row."""
+    s = L.tp_packing_state(40, 2)
+    rank0 = L._explorer_models(ModelConfig(vocab_size=1000, max_position=2048), 2)["ranks"][0]
+    layer = rank0.layers[0].attn.out_proj
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    try:
+        bad = L.tp_packing_state(40, 2)
+    finally:
+        with torch.no_grad():
+            layer.weight.div_(2)
+    assert bad["sum_err"] > 100 * bad["sum_allowed"] and s["sum_err"] <= s["sum_allowed"]
+    assert "allowed" in L.tp_ranks_html(bad) and L.tp_ranks_html(bad).endswith(": NO</div>")
 
 
 def test_packing_html_formats():
@@ -133,34 +172,32 @@ def test_packing_html_formats():
     trace = L.tp_trace_html(s)
     assert trace.count("<div>rank ") == 2 and "same as 1 request of 40 tokens: yes" in trace
     attn = L.tp_attention_html(s)
-    assert ("R = 3 | cu_seqlens [0, 14, 27, 40] | positions 0..13, 0..12, 0..12 | max_seqlen 14 | "
-            "grid 1 tile x 3 requests x 4 heads = 12 blocks") in attn
-    assert "rank 1: heads 4-7, sum L_i^2 = 534 cells per head per layer, 17088 per forward" in attn
-    assert isinstance(L.tp_packing_figure(s), Figure) and min_font(L.tp_packing_figure(s)) >= MIN_FONT
-
-
-def test_max_seqlen_sizes_the_launch_grid_not_the_trace():
-    one, two = L.tp_packing_state(300, 1), L.tp_packing_state(300, 2, "one long")
-    assert (one["tiles"], one["grid"]) == (3, 12) and (two["max_seqlen"], two["tiles"], two["grid"]) == (150, 2, 16)
-    assert one["trace_text"] == two["trace_text"]
-    assert "grid 3 tiles x 1 request x 4 heads = 12 blocks" in L.tp_attention_html(one)
-    many = L.tp_packing_state(300, 30)
-    assert (many["tiles"], many["grid"]) == (1, 120)
+    assert "R = 3 | cu_seqlens [0, 14, 27, 40] | positions 0..13, 0..12, 0..12 | max_seqlen 14" in attn
+    ranks = L.tp_ranks_html(s)
+    assert "token 39 = request C, position 12" in ranks
+    assert re.search(r"rank 1: heads 4-7 \| sum L_i\^2 = 534 cells per head per layer, 17088 per forward \| "
+                     r"out proj partial, token 39: norm \d\.\d{4} \[([+-]\d\.\d{4}, ){6}\.\.\.\]", ranks)
+    assert "rank 0 + rank 1 = TP=1 out proj (before its bias), all 40 tokens" in ranks and ranks.endswith(": yes</div>")
+    fig = L.tp_packing_figure(s)
+    assert isinstance(fig, Figure) and min_font(fig) >= MIN_FONT
+    with pytest.raises(ValueError, match="at most 160 tokens"):
+        L.explorer_batch(ModelConfig(), [100, 100])
 
 
 def test_c12_packing_explorer_callbacks():
     box = L.tp_packing_explorer()
     k = by_class(box)
     tokens, reqs, pattern = k["tpx-tokens"], k["tpx-num-requests"], k["tpx-pattern"]
-    trace, attn, out = k["tpx-trace"], k["tpx-attention"], k["tpx-figure"]
+    trace, attn, ranks, out = k["tpx-trace"], k["tpx-attention"], k["tpx-ranks"], k["tpx-figure"]
     assert "tpx" in box._dom_classes and (tokens.value, reqs.value, pattern.value) == (40, 2, "equal")
-    before_trace, before_attn, before_png = trace.value, attn.value, png_of(out)
+    before_trace, before_attn, before_ranks, before_png = trace.value, attn.value, ranks.value, png_of(out)
     assert "cu_seqlens [0, 20, 40]" in before_attn
     reqs.value = 5
     assert trace.value == before_trace and attn.value != before_attn and png_of(out) != before_png
+    assert ranks.value != before_ranks
     pattern.value = "one long"
     assert trace.value == before_trace and "cu_seqlens [0, 20, 25, 30, 35, 40]" in attn.value
-    assert tokens.max == L.MAX_TOKENS > L.TILE
+    assert tokens.max == L.MAX_TOKENS
     tokens.value = 4  # fewer tokens than requests: R is clamped to T
     assert reqs.max == 4 and reqs.value == 4
     assert "16 × all_reduce [4, 512] float32, 8,192 B each" in trace.value
@@ -259,57 +296,71 @@ def test_vocab_trace_checker_stub_and_partial_marks(capsys):
 
 # --- exercise 04.2 ----------------------------------------------------------------------------------------
 
-def _qkv(full, n_heads, rank, tp, *, heads=None, per_head=False, width=None):
-    k = full.shape[0] // 3
-    d_head, hl = k // n_heads, n_heads // tp
-    heads = range(rank * hl, (rank + 1) * hl) if heads is None else heads(rank, tp, n_heads)
-    if width is not None:  # d_model where k belongs
-        n = width(full) // tp
-        return torch.cat([p[rank * n:(rank + 1) * n] for p in full.chunk(3)])
-    if per_head:
-        return torch.cat([p[h * d_head:(h + 1) * d_head] for h in heads for p in full.chunk(3)])
-    return torch.cat([p[h * d_head:(h + 1) * d_head] for p in full.chunk(3) for h in heads])
+def test_kv_plan_matches_vllm_s_rule_and_refuses_uneven_splits():
+    # vLLM's QKVParallelLinear: tp >= n_kv_heads -> one K/V head per rank, rank r holds head r // (tp / n_kv_heads)
+    heads, nbytes = L.kv_plan(64, 8, 128, 80, 16, 2)
+    assert heads == [[r // 2] for r in range(16)] and nbytes == 2 * 128 * 80 * 2
+    assert L.kv_plan(64, 8, 128, 80, 8, 2) == ([[r] for r in range(8)], nbytes)  # no further shrinking past tp = 8
+    assert L.kv_plan(32, 8, 128, 32, 2, 2) == ([[0, 1, 2, 3], [4, 5, 6, 7]], 65536)
+    assert L.kv_plan(16, 1, 64, 24, 4, 2)[0] == [[0]] * 4
+    assert L.kv_plan(8, 8, 64, 8, 1, 4) == ([list(range(8))], 2 * 8 * 64 * 8 * 4)
+    for args, match in (((12, 8, 64, 1, 2, 2), "must divide n_heads"), ((12, 4, 64, 1, 5, 2), "tp=5 must divide n_heads"),
+                        ((12, 2, 64, 1, 3, 2), "or be a multiple"), ((8, 0, 64, 1, 2, 2), "n_kv_heads")):
+        with pytest.raises(ValueError, match=match):
+            L.kv_plan(*args)
 
 
-def test_c11_qkv_shard_checker_accepts_the_reference_and_the_engine():
-    assert L.check_qkv_shard(_qkv)
-    assert L.check_qkv_shard(L.engine_qkv_shard)
+def test_c11_engine_kv_plan_is_measured_on_the_engine():
+    cfg = ModelConfig(vocab_size=64, max_position=64)
+    assert L.engine_kv_plan(cfg, 2) == L.kv_plan(8, 8, 64, 8, 2, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], 16384)
+    assert L.engine_kv_plan(SMALL, 4, num_tokens=3)[0] == [[0], [1], [2], [3]]
 
 
-def test_c11_qkv_shard_checker_names_typical_mistakes():
-    check = L.check_qkv_shard
-    plain = lambda f, h, r, tp: f[r * (f.shape[0] // tp):(r + 1) * (f.shape[0] // tp)]
-    assert "plain column-parallel cut" in attempt(check, plain)
-    strided = lambda f, h, r, tp: _qkv(f, h, r, tp, heads=lambda r, tp, n: range(r, n, tp))
-    assert "contiguous range" in attempt(check, strided)
-    assert "interleaved head by head" in attempt(check, lambda f, h, r, tp: _qkv(f, h, r, tp, per_head=True))
-    only_q = lambda f, h, r, tp: f.chunk(3)[0][r * (f.shape[0] // 3 // tp):(r + 1) * (f.shape[0] // 3 // tp)]
-    assert "Q, K AND V" in attempt(check, only_q)
-    assert "expected a tensor" in attempt(check, lambda f, h, r, tp: None)
+def _kv(h, kv, dh, layers, tp, nb, *, floor=False, strided=False, k_only=False, per_layer=False, q_heads=False,
+        share=False, numbers=False):
+    heads, nbytes = L.kv_plan(h, kv, dh, layers, tp, nb)
+    if floor and tp > kv:
+        heads = [[] for _ in range(tp)]
+    if strided and tp < kv:
+        heads = [list(range(r, kv, tp)) for r in range(tp)]
+    held = len(heads[0]) or 1
+    nbytes = 2 * (h // tp if q_heads else held) * dh * layers * nb
+    if k_only:
+        nbytes //= 2
+    if per_layer:
+        nbytes //= layers
+    if numbers:
+        nbytes //= nb
+    if share and tp > kv:
+        nbytes = 2 * kv * dh * layers * nb // tp
+    return heads, nbytes
 
 
-def test_qkv_shard_checker_sees_d_model_used_for_k():
-    """Cases where n_heads x d_head != d_model: d_model / tp rows per third is wrong there."""
-    d_model_width = lambda f, h, r, tp: _qkv(f, h, r, tp, width=lambda full: full.shape[1] if full.dim() == 2 else full.shape[0] // 3)
-    assert "not d_model" in attempt(L.check_qkv_shard, d_model_width)
+def test_c11_kv_plan_checker_accepts_the_reference_and_names_typical_mistakes():
+    check = L.check_kv_plan
+    assert check(_kv) and check(L.kv_plan)
+    assert "REPLICATED" in attempt(check, lambda *a: _kv(*a, floor=True))
+    assert "contiguous range" in attempt(check, lambda *a: _kv(*a, strided=True))
+    assert "K AND V" in attempt(check, lambda *a: _kv(*a, k_only=True))
+    assert "every one of the" in attempt(check, lambda *a: _kv(*a, per_layer=True))
+    assert "query heads: the cache holds K/V heads" in attempt(check, lambda *a: _kv(*a, q_heads=True))
+    assert "cannot shrink below one head" in attempt(check, lambda *a: _kv(*a, share=True))
+    assert "x 2 bytes per number" in attempt(check, lambda *a: _kv(*a, numbers=True))
+    assert "expected (kv_heads, kv_bytes)" in attempt(check, lambda *a: 7)
+    assert "one per rank" in attempt(check, lambda *a: ([[0]], 1))
 
 
-def test_qkv_shard_checker_plugs_the_answer_into_the_model():
-    """Right on every direct case but wrong inside the model: only the model case can catch it."""
-    calls = []
-
-    def right_until_the_model(full, n_heads, rank, tp):
-        calls.append(tp)
-        if len(calls) > len(L._QKV_CASES):  # the model: rank 1 gets rank 0's heads
-            return _qkv(full, n_heads, 0, tp)
-        return _qkv(full, n_heads, rank, tp)
-    assert "plugged into the model" in attempt(L.check_qkv_shard, right_until_the_model)
+def test_kv_plan_checker_uses_the_engine_for_the_course_model():
+    """Right on every grouped-query case, wrong only on the course's model: only the engine's case catches it."""
+    def right_until_the_engine(h, kv, dh, layers, tp, nb):
+        heads, nbytes = L.kv_plan(h, kv, dh, layers, tp, nb)
+        return (heads, nbytes // 2) if (h, kv, dh, layers, tp, nb) == (8, 8, 64, 8, 2, 4) else (heads, nbytes)
+    assert "kv_bytes = 8,192, expected 16,384" in attempt(L.check_kv_plan, right_until_the_engine)
 
 
-def test_qkv_shard_checker_stub_and_partial_marks(capsys):
-    assert L.check_qkv_shard(stub) is False
+def test_kv_plan_checker_stub_and_partial_marks(capsys):
+    assert L.check_kv_plan(stub) is False
     assert "not attempted" in capsys.readouterr().out
-    plain = lambda f, h, r, tp: f[r * (f.shape[0] // tp):(r + 1) * (f.shape[0] // tp)]
-    got = score(L.check_qkv_shard, plain, points=2)
-    assert 0 < got < 2  # right at tp = 1 only
-    assert re.search(r"[\d.]+ of 2 points \(1 of 7 cases right\)", capsys.readouterr().out)
+    got = score(L.check_kv_plan, lambda *a: _kv(*a, floor=True), points=2)
+    assert 0 < got < 2  # wrong only where tp > n_kv_heads
+    assert re.search(r"[\d.]+ of 2 points \(4 of 6 cases right\)", capsys.readouterr().out)

@@ -4,13 +4,15 @@ Figures: ``04_two_axes`` (the idea: requests cut the flat rows, TP cuts the head
 attention is one independent problem per (request, head), the all-reduce carries every row) and
 ``04_trace_timeline`` (one TP=2 forward per rank, all-reduces in purple, the same for 1, 2 and
 40 requests; the lesson draws it from the real ranks' records with ``tp_trace_timeline``).
-Explorer ``tp_packing_explorer`` wraps ``tp_packing_state``: pack T tokens as R requests and
-watch the trace stay while attention's inputs (and the kernel's launch grid) change.
+Explorer ``tp_packing_explorer`` wraps ``tp_packing_state``: pack T tokens as R requests, run
+them on two real ranks (threads that really add), and watch the trace stay while attention's
+inputs and each rank's own partial sums change.
 Helpers the notebook calls: ``rank_layers`` (what each rank's four linear layers compute),
 ``layer0_attention`` (one layer's attention output on a rank). ``vocab_parallel_forward``: the
 model with ``tp.vocab``'s vocab-parallel embedding and tied LM head around its blocks, as a real
 deployment runs it (on ``tp.threads`` ranks, or dry-run on a ``LocalGroup`` stand-in). Exercise checkers: ``check_vocab_trace``
-(04.1, the trace of that forward), ``check_qkv_shard`` (04.2, cut the fused QKV weight by head).
+(04.1, the trace of that forward), ``check_kv_plan`` (04.2, a grouped-query model under TP: which
+K/V heads each rank holds, ``kv_plan``, and what a token costs in its cache).
 
 Taught in notebooks/04_tp2_invariance.ipynb.
 """
@@ -27,20 +29,19 @@ from matplotlib.patches import Rectangle
 from ..core.batch import PackedBatch, cumulative, pack
 from ..core.config import ModelConfig
 from ..core.groups import CollectiveRecord, LocalGroup
-from ..core.linear import QKVParallelLinear
 from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
 from ..measure.recorder import module_io
-from ..measure.tolerance import float64_twin
-from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, draw_strip, request_color, request_name
+from ..measure.tolerance import tolerance
+from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, OTHER, TEXT, draw_strip, request_color, request_name
 from ..tp.dryrun import record_trace, trace_signature
+from ..tp.threads import tp_ranks_in_threads
 from ..tp.trace import summarize_trace
 from ..tp.vocab import ParallelLMHead, VocabParallelEmbedding
 from ..validate import check_choice, check_int, check_lengths
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade
-from .l03_attention import launch_grid
 
 Tensor = torch.Tensor
 
@@ -201,8 +202,8 @@ def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings:
     would wait forever, or the trace would depend on the packing). Layer 0 is drawn in detail
     (green linear layers with each rank's shapes, blue attention on the rank's own heads), the
     other layers compactly; every all-reduce is one purple bar across all ranks (gid
-    ``allreduce-k``), numbered; the replicated embedding and final LayerNorm + LM head are
-    grey. The packings are drawn underneath; ``source`` says where the traces came from.
+    ``allreduce-k``), numbered; the replicated embedding and final LayerNorm are grey, the
+    replicated LM head green (a linear layer). The packings are drawn underneath; ``source`` says where the traces came from.
     """
     cfg = cfg or ModelConfig()
     runs = [[list(t) for t in traces] for traces in traces_by_packing]
@@ -263,14 +264,17 @@ def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings:
             x += w + 0.04
         ax.text((x0 + x) / 2, -0.08, f"layer {layer}", ha="center", va="top", fontsize=MIN_FONT, color=TEXT)
         x += 0.1
-    x = replicated(x, "LN\nLM")
+    x = replicated(x, "LN")
+    for r in range(n_ranks):  # the LM head is a linear layer (replicated here)
+        _box(ax, x, rank_y(r), 0.55, row_h, LINEAR, "LM")
+    x += 0.6
     for r in range(n_ranks):
         ax.text(-0.12, rank_y(r) + row_h / 2, f"rank {r}", ha="right", va="center", fontsize=MIN_FONT + 1, color=TEXT)
     shape = f"[{', '.join(map(str, first.shape))}]"
     ax.text(-1.3, top + 0.95,
             f"One forward at TP={n_ranks}: {len(sig)} all-reduces (purple, numbered), each of {shape} {first.dtype}, "
             f"{first.bytes:,} B per rank.\nGreen: linear layers (shapes per rank above); blue: attention on the rank's own "
-            f"heads, no collective; grey: embedding, final LayerNorm and LM head, replicated.",
+            f"heads, no collective; grey: embedding and final LayerNorm; the LM head (green) is replicated.",
             fontsize=MIN_FONT + 1, color=TEXT, va="bottom")
     # The packings that all produced exactly this trace, as token strips.
     width = 8.0
@@ -318,13 +322,9 @@ def _trace_timeline() -> Figure:
 # The explorer: the same tokens packed differently
 
 PATTERNS = ("equal", "ramp", "one long")
-# A FlashAttention-style varlen kernel hands each thread block (a group of GPU threads that run
-# together on one streaming multiprocessor) one tile of TILE query rows of one request and one
-# head. One launch starts ceil(max_seqlen / TILE) x R x heads blocks: its launch grid. The tile
-# size is fixed when the kernel is compiled; max_seqlen only decides how many tiles to start
-# (a block whose tile lies past its request's end returns at once).
-TILE = 128
-MAX_TOKENS = 320  # the explorer's T slider: past two tiles, so that max_seqlen can change the grid
+MAX_TOKENS = 160  # the explorer's T slider
+TAPPED = "layers.0.attn.out_proj"  # the all-reduce whose inputs (each rank's partial sums) the explorer shows
+SHOWN = 6  # numbers of one token's partial sums printed per rank (of d_model)
 
 
 def packing_lens(total_tokens: int, num_requests: int, pattern: str = "equal") -> list[int]:
@@ -350,33 +350,112 @@ def packing_lens(total_tokens: int, num_requests: int, pattern: str = "equal") -
     return lens
 
 
+class _TapGroup:
+    """Rank ``rank``'s group in the explorer's models, built once: each collective goes to the
+    ``tp.threads.ThreadRank`` of the forward in flight (``inner``, which really sums over the
+    threads and records), and the tensor this rank hands to the all-reduce ``TAPPED`` is kept in
+    ``sent``: its own partial sums, before they are added to the other ranks'."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size, self.inner, self.sent = rank, world_size, None, None
+
+    def all_reduce(self, tensor: Tensor, *, layer: str = "") -> Tensor:
+        if layer == TAPPED:
+            self.sent = tensor.clone()
+        return self.inner.all_reduce(tensor, layer=layer)
+
+    def all_gather(self, tensor: Tensor, *, layer: str = "") -> Tensor:
+        return self.inner.all_gather(tensor, layer=layer)
+
+
+_EXPLORER_MODELS: dict = {}
+
+
+def _explorer_models(cfg: ModelConfig, tp: int) -> dict:
+    """Built once per (cfg, tp): the weights (``init_weights(cfg, seed=0)``), one model per rank on a
+    ``_TapGroup``, layer 0 alone at TP=1 in float32 and float64 (the reference of the sum)."""
+    key = (repr(cfg), tp)
+    if key not in _EXPLORER_MODELS:
+        if len(_EXPLORER_MODELS) >= 2:
+            _EXPLORER_MODELS.clear()
+        weights = init_weights(cfg, seed=0)
+        ranks = [Transformer(cfg, weights, group=_TapGroup(r, tp)) for r in range(tp)]
+        one = dataclasses.replace(cfg, n_layers=1)
+        w1 = {k: v for k, v in weights.items() if not k.startswith("layers.") or k.startswith("layers.0.")}
+        _EXPLORER_MODELS[key] = {"ranks": ranks, "tp1": Transformer(one, w1),
+                                 "fp64": Transformer(one, w1, dtype=torch.float64, attn_backend="loop")}
+    return _EXPLORER_MODELS[key]
+
+
+def explorer_batch(cfg: ModelConfig, seq_lens: Sequence[int]) -> PackedBatch:
+    """The explorer's batch: the first T of its fixed token ids (seed 0), cut into ``seq_lens``."""
+    lens = check_lengths(seq_lens)
+    if sum(lens) > MAX_TOKENS:
+        raise ValueError(f"the explorer packs at most {MAX_TOKENS} tokens, got {sum(lens)}")
+    ids = torch.randint(0, cfg.vocab_size, (MAX_TOKENS,), generator=torch.Generator().manual_seed(0))
+    return pack(list(ids[:sum(lens)].split(lens)))
+
+
+def out_proj_partials(model: Transformer, batch: PackedBatch) -> Tensor:
+    """What layer 0's out proj of ``model`` (any group) hands to its all-reduce, ``[T, d_model]``: its
+    output minus its bias. On a ``LocalGroup`` stand-in the all-reduce returns the tensor it was
+    given, so this is the rank's partial sum (layer 0's input, the embedding, is the same on every rank)."""
+    io = module_io(model, ["layers.0.attn.out_proj"], lambda: model(batch))
+    out = io["layers.0.attn.out_proj"][1]
+    return out - model.layers[0].attn.out_proj.bias
+
+
 def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal",
                      cfg: ModelConfig | None = None, tp_size: int = 2) -> dict:
-    """The same T tokens packed as R requests, on every one of ``tp_size`` TP ranks.
+    """The same T tokens packed as R requests, run through the model on ``tp_size`` real ranks.
 
-    Traces are dry runs of the model's own code (``tp.dryrun.record_trace``), compared with the
-    dry run of the same tokens as ONE request. Keys: ``seq_lens``, ``cu_seqlens``, ``positions``
-    (restarting per request), ``max_seqlen``, ``tiles`` (ceil(max_seqlen / TILE)), ``grid``
-    (tiles x R x heads per rank: the thread blocks of one FlashAttention-style launch on one
-    rank), ``traces`` (per rank), ``trace_text`` (``summarize_trace``
-    per rank), ``same_as_one_request`` (per rank), ``heads`` (per rank: first, last head),
-    ``cells`` (score cells per head per layer, whole blocks: sum L_i^2), ``cells_per_rank``
-    (x heads per rank x layers: what each rank's attention computes, locally).
+    The ranks are threads of this process (``tp.threads.tp_ranks_in_threads``): each runs the whole
+    forward on its shard and really adds its partial sums to the others'. Keys: ``seq_lens``,
+    ``cu_seqlens``, ``positions`` (restarting per request), ``max_seqlen``; ``traces`` (each rank's
+    record of its collectives), ``trace_text`` (``summarize_trace`` per rank), ``same_as_one_request``
+    (per rank: the trace equals a dry run of ONE request of the same T tokens); ``heads`` (per rank:
+    first, last head), ``cells`` (score cells per head per layer, whole blocks: sum L_i^2; the
+    same on every rank and head), ``cells_per_rank`` (x heads per rank x layers); ``token`` (the
+    flat row shown: T - 1, the last token) with ``token_request`` and ``token_position``;
+    ``partials`` (per rank, the first ``SHOWN`` numbers that rank handed to layer 0's out-proj
+    all-reduce for that token) and ``partial_norms`` (their whole row's norm, d_model numbers);
+    ``sum_err`` (max over all T rows of |sum of the ranks' partials - TP=1's out proj before its
+    bias, in float64|) and ``sum_allowed`` (the tolerance rule's bound for TP=1's float32 result);
+    ``outputs_equal`` (every rank ended the forward with the same hidden states).
     """
-    cfg = cfg or ModelConfig()
+    cfg = cfg or ModelConfig(vocab_size=1000, max_position=2048)
     lens = packing_lens(total_tokens, num_requests, pattern)
-    tp = tp_size
-    traces = [record_trace(cfg, lens, r, tp) for r in range(tp)]
+    tp = check_int("tp_size", tp_size, 1, 16)
+    hl = cfg.heads_per_rank(tp)
+    models = _explorer_models(cfg, tp)
+    batch = explorer_batch(cfg, lens)
+
+    def rank_forward(group):
+        model = models["ranks"][group.rank]
+        model.group.inner = group
+        try:
+            return model(batch), model.group.sent
+        finally:
+            model.group.inner = None
+    runs = tp_ranks_in_threads(tp, rank_forward)
+    traces = [trace for _, trace in runs]
+    partials = [sent for (_, sent), _ in runs]
+    with torch.no_grad():
+        ref = out_proj_partials(models["tp1"], batch)
+        ref64 = out_proj_partials(models["fp64"], batch)
+    total = torch.stack([p.double() for p in partials]).sum(0)
     ones = [_one_request_signature(cfg, sum(lens), r, tp) for r in range(tp)]
     cells = attention_cells(lens, "varlen").computed
-    hl = cfg.heads_per_rank(tp)
-    reqs, tiles, heads = launch_grid(lens, hl, TILE)
-    return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "positions": pack([[0] * n for n in lens]).positions.tolist(),
-            "max_seqlen": max(lens), "tiles": tiles, "grid": tiles * reqs * heads, "traces": traces,
-            "trace_text": [summarize_trace(t) for t in traces],
+    token = sum(lens) - 1
+    return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "positions": batch.positions.tolist(),
+            "max_seqlen": max(lens), "traces": traces, "trace_text": [summarize_trace(t) for t in traces],
             "same_as_one_request": [trace_signature(t) == s for t, s in zip(traces, ones)],
             "heads": [(r * hl, (r + 1) * hl - 1) for r in range(tp)], "cells": cells,
-            "cells_per_rank": cells * hl * cfg.n_layers}
+            "cells_per_rank": cells * hl * cfg.n_layers, "token": token, "token_request": len(lens) - 1,
+            "token_position": lens[-1] - 1, "partials": [p[token, :SHOWN].tolist() for p in partials],
+            "partial_norms": [float(p[token].norm()) for p in partials],
+            "sum_err": float((total - ref64).abs().max()), "sum_allowed": tolerance(ref, ref64),
+            "outputs_equal": all(torch.equal(runs[0][0][0], out) for (out, _), _ in runs)}
 
 
 def trace_shapes(records: Sequence[CollectiveRecord]) -> list[tuple]:
@@ -399,6 +478,10 @@ def _positions_text(lens: list[int]) -> str:
     return ", ".join(shown) + (f", ... ({len(lens)} runs)" if len(lens) > 8 else "")
 
 
+def _numbers(values: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{v:+.4f}" for v in values) + ", ...]"
+
+
 def tp_trace_html(state: dict) -> str:
     """What TP sees: one line per rank, then whether it equals one request's trace.
 
@@ -410,27 +493,39 @@ def tp_trace_html(state: dict) -> str:
 
 
 def tp_attention_html(state: dict) -> str:
-    """What attention sees: ``R = 3 | cu_seqlens [0, 14, 27, 40] | positions 0..13, 0..12, 0..12 |
-    max_seqlen 14 | grid 1 tile x 3 requests x 4 heads = 12 blocks`` then, per rank, its heads
-    and score cells."""
-    cu, r, hl = state["cu_seqlens"], len(state["seq_lens"]), state["heads"][0][1] - state["heads"][0][0] + 1
-    tiles = state["tiles"]
-    head = (f"<div>R = {r} | cu_seqlens {short_cu(cu)} | positions {_positions_text(state['seq_lens'])} | "
-            f"max_seqlen {state['max_seqlen']} | grid {tiles} tile{'s' if tiles > 1 else ''} x {r} "
-            f"request{'s' if r > 1 else ''} x {hl} heads = {state['grid']} blocks</div>")
-    ranks = "".join(f"<div>rank {r}: heads {a}-{b}, sum L_i^2 = {state['cells']} cells per head per layer, "
-                    f"{state['cells_per_rank']} per forward, no collective</div>" for r, (a, b) in enumerate(state["heads"]))
-    return head + ranks
+    """What attention sees, the same on every rank: ``R = 3 | cu_seqlens [0, 14, 27, 40] | positions
+    0..13, 0..12, 0..12 | max_seqlen 14``."""
+    cu, r = state["cu_seqlens"], len(state["seq_lens"])
+    return (f"<div>R = {r} | cu_seqlens {short_cu(cu)} | positions {_positions_text(state['seq_lens'])} | "
+            f"max_seqlen {state['max_seqlen']}</div>")
+
+
+def tp_ranks_html(state: dict) -> str:
+    """What each rank holds and sends, one line per rank: ``rank 0: heads 0-3 | sum L_i^2 = 800
+    cells per head per layer | out proj partial, token 39: norm 1.2345 [+0.1234, ...]``, then the
+    measured sum: ``rank 0 + rank 1 = TP=1 out proj (before its bias), all 40 tokens: max |sum -
+    float64| = 1.2e-07, allowed 2.4e-07: yes``."""
+    t, name = state["token"], request_name(state["token_request"])
+    lines = [f"<div>rank {r}: heads {a}-{b} | sum L_i^2 = {state['cells']} cells per head per layer, "
+             f"{state['cells_per_rank']} per forward | out proj partial, token {t}: norm "
+             f"{state['partial_norms'][r]:.4f} {_numbers(state['partials'][r])}</div>"
+             for r, (a, b) in enumerate(state["heads"])]
+    ranks = " + ".join(f"rank {r}" for r in range(len(state["heads"])))
+    ok = "yes" if state["sum_err"] <= state["sum_allowed"] else "NO"
+    return (f"<div>token {t} = request {name}, position {state['token_position']}</div>" + "".join(lines)
+            + f"<div>{ranks} = TP=1 out proj (before its bias), all {t + 1} tokens: max |sum - float64| = "
+              f"{state['sum_err']:.1e}, allowed {state['sum_allowed']:.1e}: {ok}</div>")
 
 
 def tp_packing_figure(state: dict) -> Figure:
     """Top: the all-reduces of one forward (purple, the same for every packing). Middle: the flat
-    tokens coloured by request, positions written under them. Bottom: each rank's score cells
-    (whole blocks: blue computed, white never), on its own heads."""
+    tokens coloured by request, positions written under them. Bottom: per rank, the first
+    ``SHOWN`` numbers of the partial sums it sent to layer 0's out-proj all-reduce for the last
+    token (green, a linear layer's output), and their sum after the all-reduce (purple)."""
     lens, tp = state["seq_lens"], len(state["traces"])
     t, n_ar = sum(lens), len(state["traces"][0])
     fig = Figure(figsize=(8.4, 5.0))
-    gs = fig.add_gridspec(3, tp, height_ratios=(0.55, 0.7, 2.4), hspace=0.75, left=0.04, right=0.98, top=0.93, bottom=0.03)
+    gs = fig.add_gridspec(3, 1, height_ratios=(0.55, 0.7, 2.2), hspace=0.75, left=0.07, right=0.98, top=0.93, bottom=0.03)
     ax = fig.add_subplot(gs[0, :])
     ax.axis("off")
     for k in range(n_ar):
@@ -451,40 +546,54 @@ def tp_packing_figure(state: dict) -> Figure:
     ax.axis("off")
     ax.set_title(f"what attention sees: cu_seqlens = {short_cu(state['cu_seqlens'])}, positions restart per request",
                  fontsize=MIN_FONT + 1)
-    for r in range(tp):
-        ax = fig.add_subplot(gs[2, r])
-        ax.add_patch(Rectangle((0, 0), t, t, facecolor=NEVER, edgecolor=OTHER, linewidth=0.8))
-        for s, n in zip(state["cu_seqlens"][:-1], lens):
-            ax.add_patch(Rectangle((s, t - s - n), n, n, facecolor=ATTENTION, edgecolor="white", linewidth=0.3))
-        ax.set_xlim(0, t)
-        ax.set_ylim(0, t)
-        ax.set_aspect("equal")
-        ax.set_xticks([])
-        ax.set_yticks([])
-        a, b = state["heads"][r]
-        ax.set_title(f"rank {r}, heads {a}-{b}: {state['cells']:,} cells\nper head per layer (whole blocks)",
-                     fontsize=MIN_FONT + 1)
+    parts = state["partials"]
+    groups = parts + [[sum(c) for c in zip(*parts)]]      # each rank's partial sums, then their sum
+    n = len(parts[0])
+    lim = 1.15 * max(abs(v) for g in groups for v in g) or 1.0
+    ax = fig.add_subplot(gs[2, :])
+    for r, values in enumerate(groups):
+        x0 = r * (n + 2)
+        ax.bar([x0 + i for i in range(n)], values, color=LINEAR if r < tp else COMM, width=0.75)
+        if r < tp:
+            a, b = state["heads"][r]
+            label = f"rank {r} (heads {a}-{b}) sends\nits partial sums"
+        else:
+            label = "after the all-reduce: their\nsum, the same on every rank"
+        ax.text(x0 + (n - 1) / 2, lim, label, ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
+        if r:
+            ax.text(x0 - 1.5, 0, "+" if r < tp else "=", ha="center", va="center", fontsize=MIN_FONT + 3, color=TEXT)
+    ax.axhline(0, color=TEXT, linewidth=0.8)
+    ax.set_xlim(-1, len(groups) * (n + 2) - 2)
+    ax.set_ylim(-lim, lim * 1.45)
+    ax.set_xticks([])
+    ax.tick_params(labelsize=MIN_FONT)
+    for side in ("top", "right", "bottom"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(f"layer 0, out proj, token {state['token']} (the last): the first {n} of "
+                 f"{state['traces'][0][0].shape[1]} numbers each rank sends to all-reduce 1", fontsize=MIN_FONT + 1)
     return fig
 
 
 def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal"):
     """VBox class ``tpx``: IntSliders ``tpx-tokens`` (T, 1..MAX_TOKENS) and ``tpx-num-requests`` (R, 1..T),
     Dropdown ``tpx-pattern``; HTML ``tpx-trace`` (``tp_trace_html``: stays while R and the pattern
-    move), HTML ``tpx-attention`` (``tp_attention_html``: changes), Output ``tpx-figure``."""
+    move), HTML ``tpx-attention`` (``tp_attention_html``) and ``tpx-ranks`` (``tp_ranks_html``: each
+    rank's own heads and partial sums, and their measured sum), Output ``tpx-figure``."""
     w = ipywidgets_module()
     total = tagged(w.IntSlider(value=total_tokens, min=1, max=MAX_TOKENS, description="tokens T"), "tpx-tokens")
     reqs = tagged(w.IntSlider(value=min(num_requests, total_tokens), min=1, max=total_tokens, description="requests R"),
                   "tpx-num-requests")
     pat = tagged(w.Dropdown(options=list(PATTERNS), value=pattern, description="lengths"), "tpx-pattern")
-    trace, attn, out = tagged(w.HTML(), "tpx-trace"), tagged(w.HTML(), "tpx-attention"), tagged(w.Output(), "tpx-figure")
+    trace, attn = tagged(w.HTML(), "tpx-trace"), tagged(w.HTML(), "tpx-attention")
+    ranks, out = tagged(w.HTML(), "tpx-ranks"), tagged(w.Output(), "tpx-figure")
 
     def update(change=None):
         reqs.max = total.value  # R <= T: every request needs a token (clamps reqs.value too)
         state = tp_packing_state(total.value, reqs.value, pat.value)
-        trace.value, attn.value = tp_trace_html(state), tp_attention_html(state)
+        trace.value, attn.value, ranks.value = tp_trace_html(state), tp_attention_html(state), tp_ranks_html(state)
         show_figure(out, tp_packing_figure(state))
 
-    return explorer("tpx", [total, reqs, pat], [trace, attn, out], update)
+    return explorer("tpx", [total, reqs, pat], [trace, attn, ranks, out], update)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,123 +731,134 @@ def check_vocab_trace(fn: Callable[[ModelConfig, list, int], list]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Exercise 04.2: cut the fused QKV weight by head
+# Exercise 04.2: grouped-query attention under TP, which K/V heads each rank holds
 
-_QKV_CASES = ((8, 4, 32, 2, 0, False), (8, 4, 32, 2, 1, False), (8, 4, 32, 2, 1, True), (6, 8, 96, 3, 2, False),
-              (8, 4, 32, 4, 3, True), (4, 8, 32, 1, 0, False))    # n_heads, d_head, d_model, tp, rank, bias
-_MODEL_CASE = "your function as every rank's cut, in a model at TP=2"
-_CFG_QKV = ModelConfig(n_layers=1, d_model=48, n_heads=4, d_head=16, d_ffn=96, vocab_size=50, max_position=32)
+def kv_plan(n_heads: int, n_kv_heads: int, d_head: int, n_layers: int, tp: int,
+            bytes_per_number: int) -> tuple[list[list[int]], int]:
+    """Grouped-query attention (``n_kv_heads`` K/V heads shared by ``n_heads`` query heads; query
+    head h reads K/V head ``h // (n_heads / n_kv_heads)``) split over ``tp`` ranks by head.
 
-
-def _qkv_full(n_heads, d_head, d_model, bias, seed):
-    g = torch.Generator().manual_seed(seed)
-    shape = (3 * n_heads * d_head,) if bias else (3 * n_heads * d_head, d_model)
-    return torch.randn(*shape, generator=g, dtype=torch.float64)
-
-
-def engine_qkv_shard(full: Tensor, n_heads: int, rank: int, tp: int) -> Tensor:
-    """What the engine's ``QKVParallelLinear.shard_rows`` cuts for rank ``rank`` of ``tp``."""
-    d_head = full.shape[0] // (3 * n_heads)
-    layer = QKVParallelLinear(full.shape[-1] if full.dim() == 2 else 1, n_heads, d_head, group=LocalGroup(rank, tp))
-    return _ENGINE_CUT(layer, full)   # the engine's method, also while the checker plugs a reader's cut in
-
-
-_ENGINE_CUT = QKVParallelLinear.shard_rows
-
-
-def _heads_rows(full, heads, n_heads):
-    """Rows of Q, K and V of the given heads, laid out [q | k | v]."""
-    d_head = full.shape[0] // (3 * n_heads)
-    return torch.cat([part[h * d_head:(h + 1) * d_head] for part in full.chunk(3) for h in heads])
+    Returns ``(kv_heads, kv_bytes)``: ``kv_heads[r]``, the K/V heads rank r must hold, which are
+    the ones its contiguous query heads ``[r·H/tp, (r+1)·H/tp)`` read (when tp > n_kv_heads one
+    K/V head is held, REPLICATED, by tp / n_kv_heads ranks); ``kv_bytes``, the bytes of K and V
+    one token adds to one rank's cache over all layers: 2 x heads held x d_head x n_layers x
+    bytes_per_number. tp must divide n_heads, and divide n_kv_heads or be a multiple of it (as
+    vLLM's ``QKVParallelLinear`` requires): otherwise the ranks would hold unequal shares."""
+    h, kv, dh = check_int("n_heads", n_heads, 1), check_int("n_kv_heads", n_kv_heads, 1), check_int("d_head", d_head, 1)
+    layers, tp = check_int("n_layers", n_layers, 1), check_int("tp", tp, 1)
+    nbytes = check_int("bytes_per_number", bytes_per_number, 1)
+    if h % kv:
+        raise ValueError(f"n_kv_heads={kv} must divide n_heads={h}: each K/V head serves n_heads / n_kv_heads query heads")
+    if h % tp:
+        raise ValueError(f"tp={tp} must divide n_heads={h}: every rank gets the same number of query heads")
+    if kv % tp and tp % kv:
+        raise ValueError(f"tp={tp} must divide n_kv_heads={kv} or be a multiple of it: otherwise the ranks would "
+                         f"hold unequal shares of the K/V heads")
+    group, local = h // kv, h // tp
+    heads = [sorted({q // group for q in range(r * local, (r + 1) * local)}) for r in range(tp)]
+    return heads, 2 * len(heads[0]) * dh * layers * nbytes
 
 
-def _qkv_problem(got, full, n_heads, rank, tp) -> str | None:
-    want = engine_qkv_shard(full, n_heads, rank, tp)
-    if not isinstance(got, Tensor):
-        return f"expected a tensor of shape {list(want.shape)}, got {type(got).__name__}"
-    if tuple(got.shape) == tuple(want.shape) and torch.equal(got.double(), want):
-        return None
-    k, hl = full.shape[0] // 3, n_heads // tp
-    d_head = k // n_heads
-    ours = list(range(rank * hl, (rank + 1) * hl))
-    if tuple(got.shape) != tuple(want.shape):
-        rows = got.shape[0] if got.dim() else 0
-        if full.dim() == 2 and full.shape[1] != k and rows != 3 * hl * d_head:
-            return (f"{rows} rows, expected {want.shape[0]}: each of Q, K and V has n_heads x d_head = {k} rows, not "
-                    f"d_model = {full.shape[1]} (here they differ); a rank keeps (n_heads / tp) x d_head = "
-                    f"{hl * d_head} rows of each")
-        if rows == k // tp:
-            return (f"{rows} rows, expected {want.shape[0]}: the rank needs Q, K AND V of its heads, "
-                    f"(n_heads / tp) x d_head rows of each")
-        return f"shape {list(got.shape)}, expected {list(want.shape)}: 3 x (n_heads / tp) x d_head rows"
-    n = full.shape[0] // tp
-    if torch.equal(got.double(), full[rank * n:(rank + 1) * n]):
-        return (f"that is a plain column-parallel cut, rows {rank * n}..{(rank + 1) * n - 1} of [Q | K | V]: they are "
-                f"not Q, K and V of the same heads. A rank needs heads {ours[0]}-{ours[-1]} out of EACH third")
-    strided = list(range(rank, n_heads, tp))
-    if strided != ours and torch.equal(got.double(), _heads_rows(full, strided, n_heads)):
-        return (f"heads {strided}: a rank's heads must be the contiguous range {ours[0]}-{ours[-1]}, because out proj "
-                f"(row-parallel) holds the matching contiguous slice of its input features")
-    per_head = torch.cat([part[h * d_head:(h + 1) * d_head] for h in ours for part in full.chunk(3)])
-    if torch.equal(got.double(), per_head):
-        return ("the right rows, interleaved head by head: QKVParallelLinear.split reads a rank's rows as "
-                "[q of its heads | k of its heads | v of its heads]")
-    return f"values differ from rows of heads {ours[0]}-{ours[-1]} of Q, K and V, laid out [q | k | v]"
+def engine_kv_plan(cfg: ModelConfig, tp: int, num_tokens: int = 5) -> tuple[list[list[int]], int]:
+    """``kv_plan`` of the course's own model (every head has its own K/V: n_kv_heads = n_heads),
+    MEASURED on the engine: the K heads whose rows ``QKVParallelLinear.shard_rows`` keeps on each
+    stand-in rank (``LocalGroup``), and the bytes a prefill of ``num_tokens`` tokens leaves in
+    that rank's ``serve.kv_cache.PrefillKVCache``, per token."""
+    from ..serve.kv_cache import PrefillKVCache
+    k, n = cfg.qkv_dim, check_int("num_tokens", num_tokens, 1)
+    heads, per_token = [], set()
+    for r in range(tp):
+        model = _stand_in_model(cfg, r, tp)
+        rows = [int(i) for i in model.layers[0].attn.qkv.shard_rows(torch.arange(3 * k))]
+        heads.append(sorted({(i - k) // cfg.d_head for i in rows if k <= i < 2 * k}))
+        cache = PrefillKVCache.for_model(model)
+        step = cache.step(["one"], [0], [n], [True])
+        model(pack([torch.zeros(n, dtype=torch.long)]), kv_cache=step)
+        step.finish()
+        per_token.add(cache.nbytes // n)
+    if len(per_token) != 1:
+        raise RuntimeError(f"the ranks' caches differ per token: {sorted(per_token)}")
+    return heads, per_token.pop()
 
 
-def _qkv_in_model(fn: Callable, cfg: ModelConfig) -> list[tuple[float, float]]:
-    """``fn`` as every rank's QKV cut (in place of ``QKVParallelLinear.shard_rows``), on stand-in ranks
-    of TP=2: per rank, (|its layer-0 attention - TP=1's same heads in float64|, the tolerance rule's bound)."""
-    from ..measure.tolerance import max_abs_diff, tolerance
-    weights = init_weights(cfg, seed=3)
-    batch = pack([torch.arange(n) % cfg.vocab_size for n in (5, 9, 2)])
-    model = Transformer(cfg, weights)
-    full = layer0_attention(model, batch)
-    exact = layer0_attention(float64_twin(model), batch)
-    real = QKVParallelLinear.shard_rows
-    QKVParallelLinear.shard_rows = lambda self, t: fn(t.clone(), self.n_heads, self.group.rank, self.group.world_size)
+_CFG_KV = ModelConfig(vocab_size=64, max_position=64)  # the article's model: 8 heads of 64, 8 layers
+# (n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number): Llama-3-8B-like at tp = 2 and 8, a
+# 70B-like at tp = 16 (more ranks than K/V heads), one K/V head for all (multi-query), groups of 3.
+_KV_CASES = ((32, 8, 128, 32, 2, 2), (32, 8, 128, 32, 8, 2), (64, 8, 128, 80, 16, 2), (16, 1, 64, 24, 4, 2),
+             (12, 4, 64, 10, 2, 4))
+_KV_ENGINE = "the course's model (8 heads, each its own K/V) at tp = 2, measured on the engine"
+
+
+def _kv_problem(got, want, h, kv, dh, layers, tp, nbytes) -> str | None:
     try:
-        per_rank = [layer0_attention(Transformer(cfg, weights, group=LocalGroup(r, 2)), batch) for r in (0, 1)]
-    finally:
-        QKVParallelLinear.shard_rows = real
-    hl = cfg.n_heads // 2
-    out = []
-    for r, got in enumerate(per_rank):
-        heads = slice(r * hl, (r + 1) * hl)
-        out.append((max_abs_diff(got, exact[:, heads]), tolerance(full[:, heads], exact[:, heads])))
-    return out
+        heads = [sorted(int(x) for x in rank) for rank in got[0]]
+        total = got[1]
+        if isinstance(total, bool) or not float(total).is_integer():
+            raise TypeError
+        total = int(total)
+    except (TypeError, ValueError, IndexError):
+        return f"expected (kv_heads, kv_bytes): a list of K/V head lists, one per rank, and an int; got {got!r}"[:300]
+    want_heads, want_bytes = want
+    group, local = h // kv, h // tp
+    if len(heads) != tp:
+        return f"{len(heads)} lists of K/V heads, expected one per rank: tp = {tp}"
+    for r, (mine, right) in enumerate(zip(heads, want_heads)):
+        if mine == right:
+            continue
+        q = f"query heads {r * local}-{(r + 1) * local - 1}"
+        if not mine:
+            return (f"rank {r} holds no K/V head, but its {q} read K/V head {right[0]} (query head q reads K/V head "
+                    f"q // (n_heads / n_kv_heads) = q // {group}). With tp = {tp} > n_kv_heads = {kv}, "
+                    f"n_kv_heads // tp is 0: each K/V head must be REPLICATED on tp / n_kv_heads = {tp // kv} ranks")
+        strided = sorted(range(r, kv, tp)) if tp <= kv else None
+        if strided is not None and mine == strided != right:
+            return (f"rank {r}: K/V heads {mine} (every tp-th), but its {q} are a contiguous range and read K/V heads "
+                    f"{right}: q // {group} for each of them")
+        return f"rank {r}: K/V heads {mine}, but its {q} read K/V heads {right} (query head q reads K/V head q // {group})"
+    if total == want_bytes:
+        return None
+    held = len(want_heads[0])
+    hints = [(want_bytes // 2, "that is K alone: the cache keeps K AND V, two numbers per head per dimension"),
+             (want_bytes // layers, f"that is one layer: every one of the {layers} layers caches its own K and V"),
+             (want_bytes // nbytes, f"that counts numbers, not bytes: x {nbytes} bytes per number"),
+             (2 * local * dh * layers * nbytes, f"that counts the rank's {local} query heads: the cache holds K/V "
+                                                f"heads, {held} on each rank"),
+             (2 * kv * dh * layers * nbytes, f"that is every K/V head: a rank caches only the {held} it holds")]
+    if tp > kv:
+        hints.append((2 * kv * dh * layers * nbytes // tp, f"a replicated head is stored whole on each of the "
+                                                             f"{tp // kv} ranks that hold it: a rank's share cannot "
+                                                             f"shrink below one head"))
+    hint = "; or ".join(dict.fromkeys(text for value, text in hints if value == total))
+    return (f"kv_bytes = {total:,}, expected {want_bytes:,} = 2 x {held} head(s) x d_head {dh} x {layers} layers x "
+            f"{nbytes} B" + (f": {hint}" if hint else ""))
 
 
-def check_qkv_shard(fn: Callable[[Tensor, int, int, int], Tensor]) -> bool:
-    """Exercise 04.2: ``fn(full, n_heads, rank, tp) -> Tensor``: rank ``rank``'s rows of the fused QKV
-    weight ``full [3·n_heads·d_head, d_model]`` (rows: Q of heads 0..H-1, then K, then V) or of
-    its bias ``[3·n_heads·d_head]``, laid out ``[q | k | v]`` of the rank's own heads. Compared with
-    the engine's ``QKVParallelLinear.shard_rows`` (tp = 1, 2, 3, 4; a model whose n_heads x d_head
-    is not d_model), then plugged into a model at TP=2 as every rank's cut: each rank's attention
-    must be its heads of the one-process attention, by the tolerance rule."""
-    cases = [(_qkv_full(h, dh, d, b, seed=h + d + tp + r), h, r, tp) for h, dh, d, tp, r, b in _QKV_CASES]
-    cases.append((_MODEL_CASE, _CFG_QKV))
+def check_kv_plan(fn: Callable[[int, int, int, int, int, int], tuple]) -> bool:
+    """Exercise 04.2: ``fn(n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number) ->
+    (kv_heads, kv_bytes)``: the K/V heads each rank holds (one list per rank) and the bytes of K and
+    V one token adds to a rank's cache, all layers. Compared with ``kv_plan`` on grouped-query
+    models (tp below, equal to and above the K/V heads, one K/V head for all), then on the course's
+    own model, whose answer is measured on the engine (``engine_kv_plan``)."""
+    cases = [tuple(c) for c in _KV_CASES] + [(_KV_ENGINE,)]
 
     def run(*case):
-        if case[0] == _MODEL_CASE:
-            return _qkv_in_model(fn, case[1])
-        full, h, r, tp = case
-        return fn(full.clone(), h, r, tp)
+        if case[0] == _KV_ENGINE:
+            c = _CFG_KV
+            return fn(c.n_heads, c.n_heads, c.d_head, c.n_layers, 2, c.dtype.itemsize)
+        return fn(*case)
 
     def judge(got, *case):
-        if case[0] == _MODEL_CASE:
-            hl = case[1].n_heads // 2
-            for r, (err, bound) in enumerate(got):
-                if err > bound:
-                    return (f"plugged into the model as every rank's QKV cut, rank {r}'s attention is {err:.3g} away "
-                            f"from heads {r * hl}-{(r + 1) * hl - 1} of the one-process attention (allowed {bound:.3g})")
-            return None
-        return _qkv_problem(got, *case)
-    return grade("qkv_shard", fn=run, cases=cases, judge=judge,
-                 done="tp = 1, 2, 3 and 4, weights and biases, and inside the model at TP=2")
+        if case[0] == _KV_ENGINE:
+            c = _CFG_KV
+            return _kv_problem(got, engine_kv_plan(c, 2), c.n_heads, c.n_heads, c.d_head, c.n_layers, 2,
+                               c.dtype.itemsize)
+        return _kv_problem(got, kv_plan(*case), *case)
+    return grade("kv_plan", fn=run, cases=cases, judge=judge,
+                 done="tp below, equal to and above the K/V heads, multi-query, and the course's model on the engine")
 
 
 __all__ = ["RankLayer", "rank_layers", "layer0_attention", "two_axes_figure", "tp_trace_timeline", "packing_lens",
            "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_packing_figure", "tp_packing_explorer",
            "trace_shapes", "vocab_parallel_forward",
-           "vocab_parallel_trace", "check_vocab_trace", "engine_qkv_shard", "check_qkv_shard"]
+           "vocab_parallel_trace", "check_vocab_trace", "kv_plan", "engine_kv_plan", "check_kv_plan",
+           "explorer_batch", "out_proj_partials", "tp_ranks_html"]

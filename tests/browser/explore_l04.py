@@ -1,109 +1,118 @@
-"""Lesson 04's TP packing explorer in the browser: the attention readout follows the packing, the TP trace does not.
+"""Lesson 04's TP packing explorer in the browser: each rank's partial sums follow the packing and differ
+between the ranks, the recorded all-reduce trace does not move.
 """
 from __future__ import annotations
 
-import math
 import re
 
+import torch
 from widget_driver import MOVES, finish, inner_text, move, open_explorer, readout, slider_max, step_right, wait_text
 
-from lessons_lib.core.batch import cumulative, pack
+from lessons_lib.core.batch import cumulative
 from lessons_lib.core.config import ModelConfig
+from lessons_lib.core.groups import LocalGroup
+from lessons_lib.core.model import Transformer, init_weights
 from lessons_lib.course import l04_tp
 from lessons_lib.measure import flops
 from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
 from lessons_lib.tp.trace import summarize_trace
 
-TRACE_RE = re.compile(r"rank (\d): (.+)")
-ATTN_RE = re.compile(r"R = (\d+) \| cu_seqlens (\[[^\]]*\](?: \(\d+ requests\))?) \| positions (.+) \| max_seqlen (\d+) \| "
-                     r"grid (\d+) tiles? x (\d+) requests? x (\d+) heads = (\d+) blocks")
-RANK_RE = re.compile(r"rank (\d): heads (\d+)-(\d+), sum L_i\^2 = (\d+) cells per head per layer, (\d+) per forward")
+CFG = ModelConfig(vocab_size=1000, max_position=2048)  # the explorer's model: the article's, a small vocabulary
+ATTN_RE = re.compile(r"R = (\d+) \| cu_seqlens (\[[^\]]*\](?: \(\d+ requests\))?) \| positions (.+) \| max_seqlen (\d+)")
+RANK_RE = re.compile(r"rank (\d): heads (\d+)-(\d+) \| sum L_i\^2 = (\d+) cells per head per layer, (\d+) per forward \| "
+                     r"out proj partial, token (\d+): norm ([\d.]+) \[([^\]]*), \.\.\.\]")
+SUM_RE = re.compile(r"rank 0 \+ rank 1 = TP=1 out proj \(before its bias\), all (\d+) tokens: max \|sum - float64\| = "
+                    r"(\S+), allowed (\S+): (yes|NO)")
+_STAND_INS: dict = {}
 
-# A kernel whose status reads "Idle" but is not yet connected drops a Run All clicked then:
 
-def _expected_tp(total: int, num_requests: int, pattern: str) -> tuple[str, dict]:
-    """What the lesson 04 explorer must show, recomputed from the dry run, ``pack`` and ``attention_cells``."""
+def _partials(lens: list[int], rank: int) -> torch.Tensor:
+    """Rank ``rank``'s layer-0 out-proj partial sums for the explorer's batch, on a LocalGroup stand-in
+    (not the explorer's threads): layer 0's input is replicated, so a stand-in sends what a real rank sends."""
+    if rank not in _STAND_INS:
+        _STAND_INS[rank] = Transformer(CFG, init_weights(CFG, seed=0), group=LocalGroup(rank, 2))
+    return l04_tp.out_proj_partials(_STAND_INS[rank], l04_tp.explorer_batch(CFG, lens))
+
+
+def _expected(total: int, num_requests: int, pattern: str) -> tuple[str, dict]:
+    """What the explorer must show, recomputed from the dry run, ``attention_cells`` and stand-in ranks."""
     lens = l04_tp.packing_lens(total, num_requests, pattern)
     assert sum(lens) == total and len(lens) == num_requests
-    cfg = ModelConfig()
-    traces = [record_trace(cfg, lens, rank, 2) for rank in (0, 1)]
-    assert all(trace_signature(t) == trace_signature(expected_trace(cfg, total, rank, 2)) for rank, t in enumerate(traces))
+    traces = [record_trace(CFG, lens, rank, 2) for rank in (0, 1)]
+    assert all(trace_signature(t) == trace_signature(expected_trace(CFG, total, rank, 2)) for rank, t in enumerate(traces))
     trace_text = "\n".join(f"rank {rank}: {summarize_trace(t)}" for rank, t in enumerate(traces))
     trace_text += f"\nsame as 1 request of {total} tokens: yes"
     cells = flops.attention_cells(lens, "varlen").computed
-    tiles = math.ceil(max(lens) / l04_tp.TILE)
-    return trace_text, {"R": num_requests, "cu": cumulative(lens), "max_seqlen": max(lens), "tiles": tiles,
-                        "grid": tiles * num_requests * cfg.heads_per_rank(2), "cells": cells,
-                        "per_forward": cells * cfg.heads_per_rank(2) * cfg.n_layers,
-                        "positions_restart": pack([[0] * n for n in lens]).positions.tolist().count(0)}
+    partials = [_partials(lens, rank)[total - 1] for rank in (0, 1)]
+    return trace_text, {"R": num_requests, "cu": cumulative(lens), "max_seqlen": max(lens), "cells": cells,
+                        "per_forward": cells * CFG.heads_per_rank(2) * CFG.n_layers, "token": total - 1,
+                        "partials": [p[:l04_tp.SHOWN] for p in partials], "norms": [float(p.norm()) for p in partials]}
 
 
-def _parse_attention(text: str) -> dict:
-    head = ATTN_RE.search(text)
+def _check(page, want: dict) -> list[list[float]]:
+    """The attention line and the per-rank lines equal the direct computation; returns the shown partials."""
+    head = ATTN_RE.search(inner_text(page, ".tpx-attention"))
+    assert head, f"attention readout not in the documented format: {inner_text(page, '.tpx-attention')!r}"
+    assert int(head[1]) == want["R"] and head[2] == l04_tp.short_cu(want["cu"]) and int(head[4]) == want["max_seqlen"]
+    text = inner_text(page, ".tpx-ranks")
     ranks = RANK_RE.findall(text)
-    assert head and len(ranks) == 2, f"attention readout not in the documented format: {text!r}"
-    cells = {int(c) for *_, c, _ in ranks}
-    assert len(cells) == 1 and [(int(a), int(b)) for _, a, b, _, _ in ranks] == [(0, 3), (4, 7)]
-    shown_cu = head[2]
-    tiles, requests, heads, grid = (int(head[i]) for i in (5, 6, 7, 8))
-    assert requests == int(head[1]) and tiles * requests * heads == grid, f"the grid does not add up: {head[0]!r}"
-    return {"R": int(head[1]), "cu": shown_cu, "max_seqlen": int(head[4]), "tiles": tiles, "grid": grid,
-            "cells": cells.pop(),
-            "per_forward": int(ranks[0][4]),
-            "positions_restart": sum(e.strip() == "0" or e.strip().startswith("0..") for e in head[3].split(","))}
-
-
-def _check_attention(text: str, want: dict) -> None:
-    got = _parse_attention(text)
-    assert got["cu"] == l04_tp.short_cu(want["cu"]), (got["cu"], want["cu"])
-    for key in ("R", "max_seqlen", "tiles", "grid", "cells", "per_forward"):
-        assert got[key] == want[key], (key, got[key], want[key])
-    if want["R"] <= 8:  # every run of positions is listed: each starts at 0
-        assert got["positions_restart"] == want["positions_restart"]
+    assert len(ranks) == 2, f"per-rank readout not in the documented format: {text!r}"
+    shown = []
+    for rank, (r, a, b, cells, per_forward, token, norm, numbers) in enumerate(ranks):
+        assert (int(r), int(a), int(b)) == (rank, 4 * rank, 4 * rank + 3)
+        assert (int(cells), int(per_forward), int(token)) == (want["cells"], want["per_forward"], want["token"])
+        values = [float(v) for v in numbers.split(", ")]
+        assert torch.allclose(torch.tensor(values), want["partials"][rank], atol=6e-5), (values, want["partials"][rank])
+        assert abs(float(norm) - want["norms"][rank]) < 6e-5
+        shown.append(values)
+    assert shown[0] != shown[1], "both ranks show the same partial sums"
+    total = SUM_RE.search(text)
+    assert total and int(total[1]) == want["token"] + 1 and total[4] == "yes" and float(total[2]) <= float(total[3])
+    return shown
 
 
 def test_lesson04_tp_packing_explorer(lab_server, browser_context, capsys):
     page, widget, console_errors, t_start = open_explorer(
         browser_context, lab_server, "04_tp2_invariance.ipynb", "tpx",
         r"""() => /same as 1 request/.test((document.querySelector('.tpx-trace') || {}).innerText || '')
+                  && /allowed/.test((document.querySelector('.tpx-ranks') || {}).innerText || '')
                   && !!document.querySelector('.tpx-figure img')""", "the TP packing explorer")
 
     pattern = page.locator(".tpx-pattern select").input_value()
     total, r = readout(page, "tpx-tokens"), readout(page, "tpx-num-requests")
-    want_trace, want_attn = _expected_tp(total, r, pattern)
+    want_trace, want = _expected(total, r, pattern)
     trace = inner_text(page, ".tpx-trace")
     assert trace == want_trace
-    _check_attention(inner_text(page, ".tpx-attention"), want_attn)
+    seen = [_check(page, want)]
     src = page.locator(".tpx-figure img").first.get_attribute("src")
 
     latencies, text_ms = [], []
-    for _ in range(MOVES - 1):  # more requests, the same tokens: the trace must not move
-        r, src = step_right(page, "tpx", ".tpx-attention", r, src, latencies, text_ms)
-        _, want_attn = _expected_tp(total, r, pattern)
+    for _ in range(MOVES - 1):  # more requests, the same tokens: the partial sums move, the trace must not
+        r, src = step_right(page, "tpx", ".tpx-ranks", r, src, latencies, text_ms)
+        _, want = _expected(total, r, pattern)
         wait_text(page, ".tpx-attention", f"t => t.includes('R = {r} |')")
-        _check_attention(inner_text(page, ".tpx-attention"), want_attn)
+        seen.append(_check(page, want))
         assert inner_text(page, ".tpx-trace") == trace, "the TP trace moved although only the packing changed"
+    assert len({tuple(s[0]) for s in seen}) > 1, "rank 0's partial sums never changed with the packing"
     # End on the tokens slider: more tokens, and now the trace changes (only its T)
     ms, new_src = move(page, "tpx-tokens", ".tpx-figure", ".tpx-trace", "End", text_ms)
     latencies.append(ms)
     assert new_src != src
     total = readout(page, "tpx-tokens")
-    max_tokens = slider_max(page, "tpx-tokens")
-    assert total == max_tokens, f"End on the tokens slider left T={total}, slider max is {max_tokens}"
-    want_trace, want_attn = _expected_tp(total, r, pattern)
+    assert total == slider_max(page, "tpx-tokens") == l04_tp.MAX_TOKENS
+    want_trace, want = _expected(total, r, pattern)
     wait_text(page, ".tpx-trace", f"t => t === {want_trace!r}")
     assert f"[{total}, 512]" in inner_text(page, ".tpx-trace") and inner_text(page, ".tpx-trace") != trace
-    wait_text(page, ".tpx-attention", f"t => t.includes('cu_seqlens {l04_tp.short_cu(want_attn['cu'])}')")
-    _check_attention(inner_text(page, ".tpx-attention"), want_attn)
+    wait_text(page, ".tpx-ranks", f"t => t.includes('token {total - 1}:')")
+    _check(page, want)
     trace, src = inner_text(page, ".tpx-trace"), new_src
-    # Home on the requests slider: ONE request of T tokens, longer than a tile: max_seqlen adds tiles to the grid
-    ms, new_src = move(page, "tpx-num-requests", ".tpx-figure", ".tpx-attention", "Home", text_ms)
+    # Home on the requests slider: ONE request of T tokens; the trace stays
+    ms, new_src = move(page, "tpx-num-requests", ".tpx-figure", ".tpx-ranks", "Home", text_ms)
     latencies.append(ms)
     assert new_src != src and readout(page, "tpx-num-requests") == 1
-    _, want_attn = _expected_tp(total, 1, pattern)
-    assert want_attn["tiles"] > 1, f"T = {total} does not exceed one tile of {l04_tp.TILE}"
+    _, want = _expected(total, 1, pattern)
     wait_text(page, ".tpx-attention", "t => t.includes('R = 1 |')")
-    _check_attention(inner_text(page, ".tpx-attention"), want_attn)
+    _check(page, want)
     assert inner_text(page, ".tpx-trace") == trace, "the TP trace moved although only the packing changed"
 
     finish(page, widget, "04", latencies, text_ms, console_errors, t_start, capsys)
