@@ -158,7 +158,7 @@ def test_comm_cost_figure_draws_the_terms_the_crossover_and_the_measured_points(
     assert {"model", "latency", "bandwidth", "crossover", "mark", "measured", "bar-latency-1"} <= set(gids(fig))
     left = fig.axes[0]
     dots = next(ln for ln in left.get_lines() if ln.get_gid() == "measured")
-    assert list(dots.get_xdata()) == [1, 16] and list(dots.get_ydata()) == [16 * 2e-4, 16 * 3e-4]
+    assert list(dots.get_xdata()) == [1, 16] and list(dots.get_ydata()) == [1e3 * 16 * 2e-4, 1e3 * 16 * 3e-4]  # ms
     assert "measured" not in gids(L.comm_cost_figure(s))
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.ticker import FuncFormatter, NullLocator
 
 from ..core.config import ModelConfig
 from ..core.groups import LocalGroup
@@ -188,7 +189,8 @@ def tp_split(cfg: ModelConfig | None = None) -> Figure:
     _arrow(ax, (x0 + 10.2, 5.55), (x0 + 10.2, 5.15))
     _box(ax, x0 + 9.2, 3.6, 2.0, 1.5, LINEAR, f"+ bias [{d}]\nwhole on each\nrank, added\nONCE", gid="row-b")
     ax.text(x0 + 3.3, 3.05, "the bias is added once, after the sum (added on every\n"
-            f"rank before the all-reduce, it would be counted {tp} times);\nits output y is the same on every rank", ha="left", va="top",
+            f"rank before the all-reduce, it would be counted {tp} times);\n"
+            "its output y is the same on every rank", ha="left", va="top",
             fontsize=MIN_FONT, color=TEXT)
     ax.text(x0, 1.3, f"out proj: [T x {k // tp}] -> partial [T x {d}];  FFN-down: [T x {f // tp}] -> partial [T x {d}]\n"
             f"2 row-parallel layers per block x {cfg.n_layers} blocks = {2 * cfg.n_layers} all-reduces of [T x {d}] "
@@ -500,23 +502,26 @@ def comm_cost_figure(state: dict, measured: Mapping | None = None) -> Figure:
     p, count, item = s["world_size"], s["count"], torch.empty((), dtype=getattr(torch, s["dtype"])).element_size()
     row = s["d_model"] * item
     ns = np.unique(np.logspace(0, np.log10(max(16384, s["num_tokens"])), 80).astype(int))
-    lat = [count * ring_time_terms(fit, int(n) * row, p)[0] for n in ns]
-    bw = [count * ring_time_terms(fit, int(n) * row, p)[1] for n in ns]
+    lat = [1e3 * count * ring_time_terms(fit, int(n) * row, p)[0] for n in ns]  # ms
+    bw = [1e3 * count * ring_time_terms(fit, int(n) * row, p)[1] for n in ns]
     fig = Figure(figsize=(10.4, 4.3))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.1, 1]})
     left.plot(ns, np.add(lat, bw), color=COMM, linewidth=2.5, label="alpha-beta model: latency + bandwidth", gid="model")
     left.plot(ns, lat, "--", color=TEXT, linewidth=1, label=f"latency term {count} x 2(p-1) alpha", gid="latency")
     left.plot(ns, bw, ":", color=TEXT, linewidth=1.3, label=f"bandwidth term {count} x 2(p-1)/p S/beta", gid="bandwidth")
     left.axvline(s["crossover"], color=TEXT, linestyle="-.", linewidth=1, gid="crossover")
-    left.plot([s["num_tokens"]], [s["forward_s"]], "s", color=COMM, markeredgecolor=TEXT, markersize=8, gid="mark")
+    left.plot([s["num_tokens"]], [1e3 * s["forward_s"]], "s", color=COMM, markeredgecolor=TEXT, markersize=8, gid="mark")
     if measured:
         xs = [b / row for b in measured["bytes"]]
-        left.plot(xs, [count * t for t in measured["seconds"]], "o", color=TEXT, markersize=5, gid="measured",
-                  label=f"measured here ({measured['backend']}, TP={measured['world_size']}), x {count}")
+        left.plot(xs, [1e3 * count * t for t in measured["seconds"]], "o", color=TEXT, markersize=5, gid="measured",
+                  label=f"measured here ({measured['backend']}, TP={measured['world_size']}): one all-reduce x {count}")
     left.set_xscale("log")
     left.set_yscale("log")
+    for axis in (left.xaxis, left.yaxis):  # no minor ticks, plain labels: mathtext ticks are most of the drawing time
+        axis.set_minor_locator(NullLocator())
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     left.set_xlabel(f"tokens N in the forward ([N, {s['d_model']}] {s['dtype']} per all-reduce)")
-    left.set_ylabel("seconds of all-reduce per forward")
+    left.set_ylabel("ms of all-reduce per forward")
     left.set_title(f"{count} all-reduces per forward: N* = {s['crossover']:,.0f} tokens", fontsize=MIN_FONT + 1)
     left.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
     r = s["requests"]
