@@ -189,6 +189,14 @@ def pad_ids(requests: Sequence[Tensor], pad_to: int | None = None, side: str = "
     return ids, mask
 
 
+@functools.lru_cache(maxsize=256)  # request i of length n has the same ids every time: run it alone once
+def _alone(i: int, n: int) -> tuple[Tensor, Tensor]:
+    """Request i of length n (``request_ids``) run alone by the explorer's model and by its float64 twin."""
+    model, twin = explorer_models()
+    ids = request_ids([1] * i + [n])[i]
+    return model.forward(pack([ids])), twin.forward(pack([ids]))
+
+
 def _linear_rows(rec: OpRecorder) -> int:
     """The rows every linear layer ran on, as the recorder saw them (one m for all of them)."""
     rows = {m.m for m in rec.matmuls if m.kind == "linear"}
@@ -232,7 +240,7 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
         out_flat = model.forward(batch)
     with OpRecorder() as rec_pad:
         out_pad = model.forward_padded(ids, mask)
-    alone, alone64 = model.forward_each(requests), twin.forward_each(requests)
+    alone, alone64 = zip(*(_alone(i, n) for i, n in enumerate(lens)))
     per_head_layer = cfg.n_heads * cfg.n_layers
     got = {"flat": unpack(out_flat, batch.cu_seqlens), "padded": [out_pad[b][mask[b]] for b in range(len(lens))]}
     diff = {k: [max_abs_diff(o, r64) for o, r64 in zip(v, alone64)] for k, v in got.items()}

@@ -13,6 +13,7 @@ Each lesson's test is in ``explore_lNN.py``; they are collected here so that all
 one JupyterLab server and one Chromium (module-scoped fixtures in ``conftest.py``).
 """
 from explore_l00 import test_lesson00_comm_cost_explorer  # noqa: F401
+from explore_l01 import test_lesson01_flat_batch_explorer  # noqa: F401
 from explore_l02 import test_lesson02_module_reach_explorer  # noqa: F401
 from explore_l03 import test_lesson03_attention_run_explorer  # noqa: F401
 from explore_l04 import test_lesson04_tp_packing_explorer  # noqa: F401
