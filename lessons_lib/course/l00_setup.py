@@ -29,7 +29,7 @@ from ..core.groups import LocalGroup
 from ..core.kernels import available_backends, placement, resolve_backend
 from ..core.model import Transformer
 from ..measure.profile import time_call
-from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT
+from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, REQUEST, TEXT
 from ..tp.dryrun import expected_trace
 from ..validate import check_int, dtype_name
 from .explore import explorer, ipywidgets_module, show_figure, tagged
@@ -114,7 +114,8 @@ def course_map() -> Figure:
 
 def _box(ax, x, y, w, h, colour, text="", hatched=False, gid=None):
     """A labelled rectangle; a hatched one (rank 1) gets white stripes and a white label background."""
-    ax.add_patch(Rectangle((x, y), w, h, facecolor=colour, edgecolor="white", hatch="///" if hatched else None,
+    edge = TEXT if colour == NEVER else "white"  # activations: white, outlined (and hatched) in ink
+    ax.add_patch(Rectangle((x, y), w, h, facecolor=colour, edgecolor=edge, hatch="///" if hatched else None,
                            linewidth=0.8, gid=gid))
     if text:
         ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=MIN_FONT, color=TEXT,
@@ -136,7 +137,7 @@ def tp_split(cfg: ModelConfig | None = None) -> Figure:
     communication. Right: a row-parallel layer (out proj, FFN-down) is cut by INPUT features;
     each rank makes a full-width partial sum, one all-reduce adds them, and the bias, whole on
     every rank, is added once, after the sum. Rank 0 plain, rank 1 hatched; green = linear
-    work, purple = communication, grey = activations. Patches carry gids (``col-w-r``,
+    work, purple = communication, white (ink outline) = activations. Patches carry gids (``col-w-r``,
     ``col-b-r``, ``row-w-r``, ``all-reduce``, ``row-b``).
     """
     cfg = cfg or ModelConfig()
@@ -148,12 +149,12 @@ def tp_split(cfg: ModelConfig | None = None) -> Figure:
     ax.axis("off")
     ax.text(0.2, 9.65, f"Tensor parallelism, TP={tp}: how one block's four linear layers are cut", fontsize=MIN_FONT + 4,
             fontweight="bold", color=TEXT, va="center")
-    ax.text(0.2, 9.15, "rank 0 plain, rank 1 hatched; green: linear work, purple: communication, grey: activations",
+    ax.text(0.2, 9.15, "rank 0 plain, rank 1 hatched; green: linear work, purple: communication, white: activations (data)",
             fontsize=MIN_FONT + 1, color=TEXT, va="center")
     # --- column-parallel: y_r = x W_r^T + b_r -------------------------------------------------------
     ax.text(0.2, 8.4, "column-parallel: QKV, FFN-up", fontsize=MIN_FONT + 3, fontweight="bold", color=TEXT)
     ax.text(0.2, 7.9, "cut by OUTPUT features; each rank reads the whole x", fontsize=MIN_FONT + 1, color=TEXT)
-    _box(ax, 0.2, 3.9, 1.7, 3.0, OTHER, f"x\n[T x {d}]\nwhole on\nboth ranks")
+    _box(ax, 0.2, 3.9, 1.7, 3.0, NEVER, f"x\n[T x {d}]\nwhole on\nboth ranks")
     _arrow(ax, (2.0, 5.4), (2.6, 5.4))
     ax.text(4.3, 7.35, "weight W^T [in x out]", ha="center", fontsize=MIN_FONT, color=TEXT)
     _box(ax, 2.7, 3.9, 1.6, 3.3, LINEAR, "rank 0:\nfirst half\nof the\noutputs", gid="col-w-0")
@@ -176,7 +177,7 @@ def tp_split(cfg: ModelConfig | None = None) -> Figure:
     ax.text(x0, 7.9, "cut by INPUT features; each rank makes a full-width partial sum", fontsize=MIN_FONT + 1,
             color=TEXT)
     for r, y0 in ((0, 5.6), (1, 3.6)):
-        _box(ax, x0, y0, 1.6, 1.4, OTHER, f"x{r}\n[T x in/2]", hatched=bool(r))
+        _box(ax, x0, y0, 1.6, 1.4, NEVER, f"x{r}\n[T x in/2]", hatched=bool(r))
         _arrow(ax, (x0 + 1.65, y0 + 0.7), (x0 + 2.05, y0 + 0.7))
         _box(ax, x0 + 2.1, y0, 1.7, 1.4, LINEAR, f"W{r}^T\n[in/2 x {d}]", hatched=bool(r), gid=f"row-w-{r}")
         _arrow(ax, (x0 + 3.85, y0 + 0.7), (x0 + 4.25, y0 + 0.7))
@@ -185,7 +186,7 @@ def tp_split(cfg: ModelConfig | None = None) -> Figure:
         ax.text(x0 - 0.05, y0 - 0.05, f"rank {r}", ha="left", va="top", fontsize=MIN_FONT, color=TEXT)
     _box(ax, x0 + 6.7, 4.1, 2.0, 2.0, COMM, "all-reduce\np0 + p1\nsame sum on\nboth ranks", gid="all-reduce")
     _arrow(ax, (x0 + 8.75, 5.1), (x0 + 9.15, 5.1), COMM)
-    _box(ax, x0 + 9.2, 5.6, 2.0, 1.4, OTHER, f"sum [T x {d}]")
+    _box(ax, x0 + 9.2, 5.6, 2.0, 1.4, NEVER, f"sum [T x {d}]")
     _arrow(ax, (x0 + 10.2, 5.55), (x0 + 10.2, 5.15))
     _box(ax, x0 + 9.2, 3.6, 2.0, 1.5, LINEAR, f"+ bias [{d}]\nwhole on each\nrank, added\nONCE", gid="row-b")
     ax.text(x0 + 3.3, 3.05, "the bias is added once, after the sum (added on every\n"
