@@ -399,6 +399,7 @@ def qkv_shards(cfg: ModelConfig, tokens: int = 40, tp_size: int = 2) -> Figure:
             ax.text(part * k + (h + 0.5) * cfg.d_head, 0.5, f"h{h}", ha="center", va="center", fontsize=MIN_FONT,
                     color="white" if owner[part * k + h * cfg.d_head] % 2 == 0 else TEXT)
     ax.set_xlim(0, 3 * k)
+    ax.set_xticks(range(0, 3 * k + 1, k // 2))  # only ticks inside the row range (no label past the last row)
     ax.set_ylim(0, 1.3)
     ax.set_yticks([])
     for side in ("left", "top", "right"):
