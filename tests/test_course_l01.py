@@ -130,6 +130,8 @@ def test_flat_run_figure_draws_the_pad_spans_on_the_chosen_side():
     right = L.flat_run_figure(L.flat_run_state([3, 17, 5]))
     assert {p.get_gid(): p.get_x() for p in right.axes[0].patches} == {"pad-0": 3, "pad-2": 5}
     assert "51 rows computed (recorded), 26 of them pad" in top.get_title()
+    many = L.flat_run_figure(L.flat_run_state([5] * 32, pad_to=128, side="left"))
+    assert "(16 of 32 drawn)" in many.axes[0].get_title() and len(many.axes[0].get_yticklabels()) == 16
     assert list(right.axes[1].get_xticks()) == [0, 3, 20, 25]
 
 

@@ -292,9 +292,9 @@ def flat_run_figure(state: dict) -> Figure:
     top.set_yticks([i + 0.5 for i in range(shown)])
     top.set_yticklabels([f"{request_name(i)} ({n})" for i, n in enumerate(lens[:shown])], fontsize=MIN_FONT)
     top.tick_params(axis="x", labelsize=MIN_FONT)
-    more = f", first {shown} of {r} drawn" if r > shown else ""
-    top.set_title(f"padded [{r} x {s}], {state['side']} padding: {state['rows']['padded']} rows computed "
-                  f"(recorded), {state['pad_rows']} of them pad (vermillion, hatched){more}", fontsize=MIN_FONT + 1)
+    more = f" ({shown} of {r} drawn)" if r > shown else ""
+    top.set_title(f"padded [{r} x {s}], {state['side']} padding{more}: {state['rows']['padded']} rows computed "
+                  f"(recorded), {state['pad_rows']} of them pad (hatched)", fontsize=MIN_FONT + 1)
     bottom.imshow(strip.numpy(), aspect="auto", interpolation="nearest", extent=(0, cu[-1], 1, 0))
     bottom.set_yticks([])
     bottom.vlines(cu[1:-1], 0, 1, colors="white", linewidth=1)
