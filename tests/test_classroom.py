@@ -171,23 +171,20 @@ def wrong(cfg, ridge, nbytes):  # never None: assumes a big enough batch always 
 ''', "the intensity never passes"),
     # lesson 06
     "ex06_1_grade": ('''
-def wrong(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None):  # causal
-    # over all the flat rows: cu_seqlens ignored
-    import torch.nn.functional as F
-    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                          is_causal=True).transpose(0, 1)
-''', "cu_seqlens ignored"),
+def wrong(self):  # shortest first, always: valid and pads less, but a long request starves
+    batch, used = [], 0
+    for r in sorted(self.waiting, key=len):
+        if len(batch) < self.max_num_seqs and used + len(r) <= self.max_num_batched_tokens:
+            batch.append(r)
+            used += len(r)
+    for r in batch:
+        self.waiting.remove(r)
+    return batch
+''', "passed over"),
     "ex06_2_grade": ('''
-def wrong(seq_lens, max_num_batched_tokens, max_num_seqs):  # sorts the whole stream, forgets max_num_seqs
-    batches, batch, used = [], [], 0
-    for i in sorted(range(len(seq_lens)), key=lambda i: seq_lens[i]):
-        if batch and used + seq_lens[i] > max_num_batched_tokens:
-            batches.append(batch)
-            batch, used = [], 0
-        batch.append(i)
-        used += seq_lens[i]
-    return batches + [batch]
-''', "the budget counts requests too"),
+def wrong():  # FCFS already groups these lengths well: sorting cannot pad less
+    return [10, 10, 10, 100], 128
+''', "did not pad fewer"),
     # lesson 07
     "ex07_1_grade": ('''
 def wrong(len_q, len_k, tile_start, block_m, block_n, window):  # ignores L_k - L_q: the diagonal top-left aligned

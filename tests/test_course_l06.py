@@ -271,7 +271,7 @@ class Bucket(Scheduler):
     def schedule(self):
         passes = self.__dict__.setdefault("passes", {})
         queue = list(self.waiting)
-        due = [r for r in queue if passes.get(r.request_id, 0) >= self.bound]
+        due = [r for r in queue if passes.get(r.request_id, 0) >= getattr(self, "bound", L.MAX_PASSED_OVER)]
         batch, used = [], 0
         for r in due + sorted((r for r in queue if r not in due), key=len):
             if len(batch) == self.max_num_seqs:
@@ -335,7 +335,11 @@ def test_bucket_scheduler_checker_gives_partial_marks_and_refuses_a_non_schedule
     assert 0 < score(L.check_bucket_scheduler, ShortestFirst, 3) < 3
     assert score(L.check_bucket_scheduler, Scheduler, 3) < score(L.check_bucket_scheduler, Bucket, 3) == 3
     with pytest.raises(AssertionError, match="subclass of Scheduler"):
-        L.check_bucket_scheduler(lambda lens: lens)
+        L.check_bucket_scheduler(int)
+    assert L.check_bucket_scheduler(Bucket.schedule)  # a bare schedule(self) is made a Scheduler method
+    assert issubclass(L.with_schedule(Bucket.schedule), Scheduler)
+    with pytest.raises(ValueError, match="schedule"):
+        L.with_schedule(3)
 
 
 def test_drive_scheduler_feeds_arrivals_between_steps():

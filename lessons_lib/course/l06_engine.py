@@ -693,22 +693,39 @@ def _engine_problem(make, lens, budget, max_seqs) -> str | None:
 _ENGINE_ROWS: dict = {}
 
 
-def _scheduler_factory(cls) -> Callable[[int, int], object]:
+def with_schedule(schedule: Callable) -> type:
+    """A ``Scheduler`` subclass whose ``schedule(self)`` is ``schedule``: ``Engine`` takes it as
+    ``engine.scheduler = with_schedule(fn)(max_num_batched_tokens, max_num_seqs)``."""
     from ..serve.scheduler import Scheduler
-    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
-        raise WrongAnswer(f"bucket_scheduler: expected a subclass of Scheduler, got {cls!r}"[:200])
+    if not callable(schedule):
+        raise ValueError(f"with_schedule takes a function schedule(self), got {schedule!r}"[:200])
+    return type(f"Scheduler_{getattr(schedule, '__name__', 'yours')}", (Scheduler,), {"schedule": schedule})
+
+
+def _scheduler_factory(answer) -> Callable[[int, int], object]:
+    """``answer``: a function ``schedule(self)`` or a ``Scheduler`` subclass → ``make(budget, max_num_seqs)``."""
+    from ..serve.scheduler import Scheduler
+    if isinstance(answer, type):
+        if not issubclass(answer, Scheduler):
+            raise WrongAnswer(f"bucket_scheduler: expected schedule(self) or a subclass of Scheduler, got {answer!r}"[:200])
+        cls = answer
+    elif callable(answer):
+        cls = with_schedule(answer)
+    else:
+        raise WrongAnswer(f"bucket_scheduler: expected schedule(self) or a subclass of Scheduler, got {answer!r}"[:200])
     return lambda budget, seqs: cls(budget, seqs)
 
 
-def check_bucket_scheduler(cls) -> bool:
-    """Exercise 06.1: ``cls`` subclasses ``Scheduler`` and overrides ``schedule()`` (the next batch, a list of
-    ``Request`` taken out of ``self.waiting``). Probed on 4 generated streams (``drive_scheduler``: one
+def check_bucket_scheduler(answer) -> bool:
+    """Exercise 06.1: ``answer`` is a function ``schedule(self)`` (made a ``Scheduler`` method by
+    ``with_schedule``) or a ``Scheduler`` subclass; ``schedule`` returns the next batch, a list of
+    ``Request`` taken out of ``self.waiting``. Probed on 4 generated streams (``drive_scheduler``: one
     ``schedule()`` per step, new arrivals between steps) and once inside ``Engine``:
 
     valid (``schedule_problem``: every request once, whole, both budgets); fair (no request passed over
     by more than ``MAX_PASSED_OVER`` batches, ``_passed_over_timed``); worth it (fewer pad rows than FCFS
     when everything waits at once; inside the engine fewer rows RECORDED through the padded linears)."""
-    make = _scheduler_factory(cls)
+    make = _scheduler_factory(answer)
     cases = _bucket_cases()
 
     def run(what, arrivals, budget, seqs):
@@ -762,40 +779,55 @@ def measure_schedule(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], 
     return out
 
 
+_CE_CASES = [("a valid stream: 1 to 12 requests, none over the budget, budget 1..256",),
+             ("shortest first pads fewer rows than FCFS (recorded through the padded engine)",),
+             ("shortest first makes the masked engine compute more score cells (recorded)",)]
+
+
+def _ce_measures(lens: tuple, budget: int) -> tuple:
+    key = (lens, budget)
+    if _CE.get("key") != key:
+        fcfs, srt = plan_batches(list(lens), budget), sorted_batches(lens, budget)
+        _CE.update(key=key, last=(list(lens), budget, fcfs, srt, measure_schedule(lens, fcfs, budget),
+                                  measure_schedule(lens, srt, budget)))
+    return _CE["last"][4:]
+
+
 def check_masked_counterexample(fn: Callable[[], tuple]) -> bool:
     """Exercise 06.2: ``fn() -> (seq_lens, max_num_batched_tokens)``: at most 12 requests, each at most the
     budget, budget at most 256. Both schedules, FCFS (``plan_batches``) and shortest-first (``sorted_batches``),
-    are RUN through the padded and the masked engine under the recorder: sorting must pad fewer rows and
-    make the masked engine compute MORE score cells than FCFS."""
-    def judge(got):
+    are RUN through the padded and the masked engine under the recorder (``measure_schedule``); three checks,
+    one point each: a valid stream, sorting pads fewer rows, and sorting makes masked compute MORE cells."""
+    def judge(got, what):
         if not (isinstance(got, tuple) and len(got) == 2):
             return f"expected (seq_lens, max_num_batched_tokens), got {got!r}"[:200]
         lens, budget = got
-        if not (isinstance(budget, int) and 1 <= budget <= 256):
+        if not (isinstance(budget, int) and not isinstance(budget, bool) and 1 <= budget <= 256):
             return f"max_num_batched_tokens must be an int in 1..256, got {budget!r}"
         if not (isinstance(lens, (list, tuple)) and 1 <= len(lens) <= 12
-                and all(isinstance(n, int) and 1 <= n <= budget for n in lens)):
+                and all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= budget for n in lens)):
             return f"seq_lens must be 1 to 12 ints, each in 1..{budget} (no request over the budget), got {lens!r}"[:200]
-        fcfs, srt = plan_batches(list(lens), budget), sorted_batches(lens, budget)
-        a, b = measure_schedule(lens, fcfs, budget), measure_schedule(lens, srt, budget)
-        _CE["last"] = (list(lens), budget, fcfs, srt, a, b)
-        if b["padded_rows"] >= a["padded_rows"]:
+        if what == _CE_CASES[0][0]:
+            return None
+        a, b = _ce_measures(tuple(lens), budget)
+        if what == _CE_CASES[1][0]:
+            if b["padded_rows"] < a["padded_rows"]:
+                return None
             return (f"sorting did not pad fewer rows: {b['padded_rows']} recorded against FCFS's {a['padded_rows']} - "
                     "FCFS must put a short request beside a long one")
-        if b["masked_cells"] <= a["masked_cells"]:
-            return (f"sorting padded less ({b['padded_rows']} rows against {a['padded_rows']}) but the masked engine "
-                    f"computed {b['masked_cells']:,} cells against FCFS's {a['masked_cells']:,}: not more. Masked pays "
-                    "T^2 per batch - when does sorting make the batches' token counts T more uneven, or fuller?")
-        return None
+        if b["masked_cells"] > a["masked_cells"]:
+            return None
+        return (f"the masked engine computed {b['masked_cells']:,} cells for the sorted batches against FCFS's "
+                f"{a['masked_cells']:,}: not more. Masked pays T^2 per batch - when does sorting make the batches' "
+                "token counts T more uneven, or fuller?")
 
-    ok = grade("masked_counterexample", fn, [()], judge,
+    ok = grade("masked_counterexample", lambda what: fn(), _CE_CASES, judge,
                "a stream on which sorting by length pads fewer rows but makes masked compute more cells (recorded)")
     if ok and "last" in _CE:
         lens, budget, fcfs, srt, a, b = _CE["last"]
         print(f"stream {lens}, budget {budget}\n  FCFS    {[[lens[i] for i in x] for x in fcfs]}: padded rows "
-              f"{a['padded_rows']}, "
-              f"masked cells {a['masked_cells']:,}\n  sorted  {[[lens[i] for i in x] for x in srt]}: padded rows "
-              f"{b['padded_rows']}, masked cells {b['masked_cells']:,}")
+              f"{a['padded_rows']}, masked cells {a['masked_cells']:,}\n  sorted  {[[lens[i] for i in x] for x in srt]}: "
+              f"padded rows {b['padded_rows']}, masked cells {b['masked_cells']:,}")
     return ok
 
 
