@@ -12,6 +12,7 @@ Taught in notebooks/01_flat_batch.ipynb.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -157,6 +158,18 @@ PAD_SIDES = ("right", "left")
 EXPLORER_MAX_TOKENS = 1024  # all requests together: the explorer stays interactive
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Run the tiny model on one CPU thread: its matmuls are too small to share, and on a busy machine
+    two threads waiting for each other cost ten times the work (measured: ~40 ms vs ~400 ms an update)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @functools.lru_cache(maxsize=1)
 def explorer_models() -> tuple[Transformer, Transformer]:
     """The explorer's float32 model (``EXPLORER_CONFIG``, seed 0) and its float64 twin."""
@@ -232,15 +245,16 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
                          f"got {max(max(lens), pad_to or 0)}")
     if sum(lens) > EXPLORER_MAX_TOKENS:
         raise ValueError(f"at most {EXPLORER_MAX_TOKENS} tokens in all for the explorer, got {sum(lens)}")
-    model, twin = explorer_models()
+    model = explorer_models()[0]
     requests = request_ids(lens)
     ids, mask = pad_ids(requests, pad_to, side)
     batch = pack(requests)
-    with OpRecorder() as rec_flat:
-        out_flat = model.forward(batch)
-    with OpRecorder() as rec_pad:
-        out_pad = model.forward_padded(ids, mask)
-    alone, alone64 = zip(*(_alone(i, n) for i, n in enumerate(lens)))
+    with one_thread():
+        with OpRecorder() as rec_flat:
+            out_flat = model.forward(batch)
+        with OpRecorder() as rec_pad:
+            out_pad = model.forward_padded(ids, mask)
+        alone, alone64 = zip(*(_alone(i, n) for i, n in enumerate(lens)))
     per_head_layer = cfg.n_heads * cfg.n_layers
     got = {"flat": unpack(out_flat, batch.cu_seqlens), "padded": [out_pad[b][mask[b]] for b in range(len(lens))]}
     diff = {k: [max_abs_diff(o, r64) for o, r64 in zip(v, alone64)] for k, v in got.items()}
@@ -436,9 +450,10 @@ def wrong_requests(seq_lens: Sequence[int], bug: str, k: int) -> tuple[set[int],
 def _wrong_requests(seq_lens: tuple[int, ...], bug: str, k: int) -> tuple[frozenset[int], tuple[float, ...]]:
     model, twin = explorer_models()
     requests = request_ids(seq_lens)
-    out = model.forward(broken_pack(requests, bug, k))
+    with one_thread():
+        out = model.forward(broken_pack(requests, bug, k))
+        alone, alone64 = model.forward_each(requests), twin.forward_each(requests)
     parts = unpack(out, torch.tensor(cumulative(seq_lens), dtype=torch.int32))
-    alone, alone64 = model.forward_each(requests), twin.forward_each(requests)
     diffs = [max_abs_diff(p, r64) for p, r64 in zip(parts, alone64)]
     wrong = frozenset(i for i, (d, r, r64) in enumerate(zip(diffs, alone, alone64)) if d > tolerance(r, r64, torch.float32))
     return wrong, tuple(diffs)
@@ -561,7 +576,8 @@ def check_unpad_ids(fn: Callable[[Tensor, Tensor], tuple]) -> bool:
         got_lens = [int(b) - int(a) for a, b in zip(g_cu.tolist(), g_cu.tolist()[1:])]
         try:
             batch = PackedBatch(g_ids, None, g_pos, g_cu, max(got_lens + [0]), got_lens)
-            out = explorer_models()[0].forward(batch)
+            with one_thread():
+                out = explorer_models()[0].forward(batch)
         except ValueError as exc:  # the engine's own batch check: say what it refused
             hint = (" - positions count inside each request, not the column of the padded batch (left padding "
                     "puts a request's first token in a later column)" if "positions" in str(exc) else "")
@@ -570,8 +586,8 @@ def check_unpad_ids(fn: Callable[[Tensor, Tensor], tuple]) -> bool:
             hint = (" - count the cells mask marks (ids == 0 is no test: a real token can have id 0)"
                     if got_lens == [int((r != 0).sum()) for r in ids] else "")
             return f"cu_seqlens {g_cu.tolist()} gives lengths {got_lens}, the mask says {lens}{hint}"
-        model, twin = explorer_models()
-        alone, alone64 = model.forward_each(requests), twin.forward_each(requests)
+        with one_thread():
+            alone, alone64 = (m.forward_each(requests) for m in explorer_models())
         for b, (part, r, r64) in enumerate(zip(unpack(out, g_cu), alone, alone64)):
             err, bound = max_abs_diff(part, r64), tolerance(r, r64, torch.float32)
             if err > bound:
