@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -539,10 +540,10 @@ def module_reach_text(state: dict) -> str:
 
 def module_reach_figure(state: dict) -> Figure:
     """The measured who-reads-whom map of ``state``, request boundaries dashed, verdict in the title."""
-    title = state["module"]
+    title = "\n".join(textwrap.wrap(state["module"], 44))  # a long name of the learner's own stays inside
     fig = dependency_maps({title: state["dep"]}, state["seq_lens"], colors={title: KIND_COLORS[state["kind"]]})
-    fig.set_size_inches(5.6, 5.0)
-    fig.subplots_adjust(left=0.14, right=0.96, bottom=0.11, top=0.8)
+    fig.set_size_inches(4.8, 4.6)
+    fig.subplots_adjust(left=0.15, right=0.96, bottom=0.11, top=0.78 if "\n" in title else 0.8)
     fig.suptitle(f"{state['verdict']}: {state['other_requests']} pairs across requests", fontsize=MIN_FONT + 2,
                  color=TEXT, fontweight="bold", y=0.97)
     return fig
