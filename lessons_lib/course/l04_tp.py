@@ -33,7 +33,7 @@ from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
 from ..measure.recorder import module_io
 from ..measure.tolerance import tolerance
-from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, OTHER, TEXT, draw_strip, request_color, request_name
+from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, OTHER, TEXT, request_color, request_name
 from ..tp.dryrun import record_trace, trace_signature
 from ..tp.threads import tp_ranks_in_threads
 from ..tp.trace import summarize_trace
@@ -519,58 +519,65 @@ def tp_ranks_html(state: dict) -> str:
 
 def tp_packing_figure(state: dict) -> Figure:
     """Top: the all-reduces of one forward (purple, the same for every packing). Middle: the flat
-    tokens coloured by request, positions written under them. Bottom: per rank, the first
-    ``SHOWN`` numbers of the partial sums it sent to layer 0's out-proj all-reduce for the last
-    token (green, a linear layer's output), and their sum after the all-reduce (purple)."""
+    tokens coloured by request, a 0 under each request's first token (positions restart). Bottom:
+    per rank, the first ``SHOWN`` numbers of the partial sums it sent to layer 0's out-proj
+    all-reduce for the last token (green, a linear layer's output), and their sum after the
+    all-reduce (purple). One axes in figure units (the explorer redraws it on every move)."""
     lens, tp = state["seq_lens"], len(state["traces"])
-    t, n_ar = sum(lens), len(state["traces"][0])
+    t, n_ar, rec = sum(lens), len(state["traces"][0]), state["traces"][0][0]
     fig = Figure(figsize=(8.4, 5.0))
-    gs = fig.add_gridspec(3, 1, height_ratios=(0.55, 0.7, 2.2), hspace=0.75, left=0.07, right=0.98, top=0.93, bottom=0.03)
-    ax = fig.add_subplot(gs[0, :])
+    ax = fig.add_axes((0, 0, 1, 1))
     ax.axis("off")
+    ax.set_xlim(0, 100)
+    ax.set_ylim(0, 60)
+    x0, width = 8.0, 90.0
+    ax.text(x0 + width / 2, 58.5, f"what TP sees: {n_ar} all-reduces of [{rec.shape[0]}, {rec.shape[1]}] on each rank "
+            f"(1 request of {t} tokens: the same)", ha="center", va="top", fontsize=MIN_FONT + 1, color=TEXT)
+    step = width / max(n_ar, 1)
     for k in range(n_ar):
-        ax.add_patch(Rectangle((k, 0), 0.85, 1, facecolor=COMM, edgecolor="white"))
-        ax.text(k + 0.42, 0.5, str(k + 1), ha="center", va="center", fontsize=MIN_FONT, color="white")
-    ax.set_xlim(0, max(n_ar, 1))
-    ax.set_ylim(0, 1)
-    rec = state["traces"][0][0]
-    ax.set_title(f"what TP sees: {n_ar} all-reduces of [{rec.shape[0]}, {rec.shape[1]}] on each rank "
-                 f"(1 request of {t} tokens: the same)", fontsize=MIN_FONT + 1)
-    ax = fig.add_subplot(gs[1, :])
-    draw_strip(ax, lens, label_requests=t <= 80)
-    if t <= 48:
-        for i, p in enumerate(state["positions"]):
-            ax.text(i + 0.5, -0.35, str(p), ha="center", va="center", fontsize=MIN_FONT, color=TEXT)
-    ax.set_xlim(0, t)
-    ax.set_ylim(-0.7, 1)
-    ax.axis("off")
-    ax.set_title(f"what attention sees: cu_seqlens = {short_cu(state['cu_seqlens'])}, positions restart per request",
-                 fontsize=MIN_FONT + 1)
+        ax.add_patch(Rectangle((x0 + k * step, 49), 0.85 * step, 5, facecolor=COMM, edgecolor="white"))
+        ax.text(x0 + (k + 0.425) * step, 51.5, str(k + 1), ha="center", va="center", fontsize=MIN_FONT, color="white")
+    ax.text(x0 + width / 2, 45.5, f"what attention sees: cu_seqlens = {short_cu(state['cu_seqlens'])}; positions "
+            f"restart at 0 in every request", ha="center", va="top", fontsize=MIN_FONT + 1, color=TEXT)
+    scale, cu = width / t, cumulative(lens)
+    for i, n in enumerate(lens):
+        ax.add_patch(Rectangle((x0 + cu[i] * scale, 36), n * scale, 5, facecolor=request_color(i), edgecolor="white",
+                               linewidth=0.5))
+        if n * scale >= 2.5 and len(lens) <= 26:
+            ax.text(x0 + (cu[i] + n / 2) * scale, 38.5, request_name(i), ha="center", va="center", fontsize=MIN_FONT,
+                    fontweight="bold", color=TEXT)
+        if len(lens) <= 12:
+            ax.text(x0 + (cu[i] + 0.5) * scale, 35.2, "0", ha="center", va="top", fontsize=MIN_FONT, color=TEXT)
+    if t <= 80:
+        ax.vlines([x0 + j * scale for j in range(1, t)], 36, 41, colors="white", linewidth=0.3)
     parts = state["partials"]
     groups = parts + [[sum(c) for c in zip(*parts)]]      # each rank's partial sums, then their sum
     n = len(parts[0])
-    lim = 1.15 * max(abs(v) for g in groups for v in g) or 1.0
-    ax = fig.add_subplot(gs[2, :])
+    lim = max(abs(v) for g in groups for v in g) or 1.0
+    base, half = 12.0, 9.0                                # the bars' zero line and the height of +-lim
+    ax.text(x0 + width / 2, 30.5, f"layer 0, out proj, token {state['token']} (the last): the first {n} of "
+            f"{rec.shape[1]} numbers each rank sends to all-reduce 1", ha="center", va="top", fontsize=MIN_FONT + 1,
+            color=TEXT)
+    slot = width / (len(groups) * (n + 2) - 2)
     for r, values in enumerate(groups):
-        x0 = r * (n + 2)
-        ax.bar([x0 + i for i in range(n)], values, color=LINEAR if r < tp else COMM, width=0.75)
+        g0 = x0 + r * (n + 2) * slot
+        for i, v in enumerate(values):
+            ax.add_patch(Rectangle((g0 + i * slot, base), 0.75 * slot, v / lim * half,
+                                   facecolor=LINEAR if r < tp else COMM, edgecolor="none"))
         if r < tp:
             a, b = state["heads"][r]
             label = f"rank {r} (heads {a}-{b}) sends\nits partial sums"
         else:
             label = "after the all-reduce: their\nsum, the same on every rank"
-        ax.text(x0 + (n - 1) / 2, lim, label, ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
+        ax.text(g0 + (n * slot) / 2, base + half + 1.0, label, ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
         if r:
-            ax.text(x0 - 1.5, 0, "+" if r < tp else "=", ha="center", va="center", fontsize=MIN_FONT + 3, color=TEXT)
-    ax.axhline(0, color=TEXT, linewidth=0.8)
-    ax.set_xlim(-1, len(groups) * (n + 2) - 2)
-    ax.set_ylim(-lim, lim * 1.45)
-    ax.set_xticks([])
-    ax.tick_params(labelsize=MIN_FONT)
-    for side in ("top", "right", "bottom"):
-        ax.spines[side].set_visible(False)
-    ax.set_title(f"layer 0, out proj, token {state['token']} (the last): the first {n} of "
-                 f"{state['traces'][0][0].shape[1]} numbers each rank sends to all-reduce 1", fontsize=MIN_FONT + 1)
+            ax.text(g0 - 1.1 * slot, base, "+" if r < tp else "=", ha="center", va="center", fontsize=MIN_FONT + 3,
+                    color=TEXT)
+    ax.plot([x0, x0 + width], [base, base], color=TEXT, linewidth=0.8)
+    ax.plot([x0 - 0.8] * 2, [base - half, base + half], color=TEXT, linewidth=0.8)
+    for sign in (1, -1):
+        ax.text(x0 - 1.2, base + sign * half, f"{sign * lim:+.3f}", ha="right", va="center", fontsize=MIN_FONT,
+                color=TEXT)
     return fig
 
 
