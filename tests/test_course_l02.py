@@ -153,11 +153,12 @@ def test_c4_c5_c10_module_reach_measures_the_engines_modules():
     lens = [3, 5, 2]
     eye = np.eye(10, dtype=bool)
     for name in ("LayerNorm (block.ln_1)", "QKV linear (block.attn.qkv)", "out proj (block.attn.out_proj)",
-                 "GeLU (block.mlp.act)", "FFN: up, GeLU, down (block.mlp)", "residual add (x + skip)",
+                 "GeLU (block.mlp.act)", "FFN: up, GeLU, down (block.mlp)", "residual add (t + block.mlp(t))",
                  "BatchNorm1d, eval mode (running stats)", "yours: softmax over each row"):
         s = L.module_reach_state(name, lens)
         np.testing.assert_array_equal(s["dep"], eye, err_msg=name)
         assert (s["reads"], s["verdict"], s["other_requests"]) == ("row i only", L.SAFE, 0), name
+        assert s["alone_ok"] and s["alone_differ"] == [] and s["alone_max_diff"] <= s["alone_bound"], name
     att = L.module_reach_state("attention with cu_seqlens (block.attn.core)", lens)
     np.testing.assert_array_equal(att["dep"], _block_diag_causal(lens))
     assert att["own_request"] == 3 + 10 + 1 and att["verdict"] == L.SAFE and att["reads"] == "rows of its own request"
@@ -175,6 +176,20 @@ def test_module_reach_catches_modules_that_mix_requests():
     assert back["other_requests"] == 4 * 6
     assert L.module_reach_state("yours: mean over the tokens", [4, 6])["pairs"] == 100
     assert "mixes requests" in L.module_reach_text(cs) and "across requests 24" in L.module_reach_text(cs)
+
+
+def test_module_reach_needs_both_tests_reach_alone_is_not_enough():
+    """t + arange(T) and t / T read row i only, yet a request alone gets other numbers than in the batch."""
+    for name, differ in (("yours: positions from the flat index, t + arange(T)", ["B"]),
+                         ("yours: divide by the batch size, t / T", ["A", "B"])):
+        s = L.module_reach_state(name, [10, 30])
+        assert s["reach_ok"] and s["other_requests"] == 0 and s["reads"] == "row i only", name
+        assert s["alone_differ"] == differ and s["alone_max_diff"] > 1e3 * s["alone_bound"], name
+        assert s["verdict"] == L.MIXES and "differ: " + ", ".join(differ) in L.module_reach_text(s), name
+    pos = L.module_reach_state("yours: positions from the flat index, t + arange(T)", [10, 30])
+    assert pos["alone_max_diff"] == pytest.approx(10.0)   # B's rows are shifted by A's 10 rows
+    bn = L.module_reach_state("BatchNorm1d, training mode", [10, 30])
+    assert not bn["reach_ok"] and bn["alone_differ"] == ["A", "B"]
 
 
 def test_add_reach_module_and_bad_inputs():
@@ -227,7 +242,7 @@ def test_module_reach_explorer_contract_and_callbacks():
 
 def test_module_reach_figure_text_is_readable():
     fig = L.module_reach_figure(L.module_reach_state("yours: cumsum over the tokens", [10, 30]))
-    assert "mixes requests: 300 pairs across requests" in fig._suptitle.get_text()
+    assert "mixes requests: 300 pairs across requests, alone != batched: B" in fig._suptitle.get_text()
     assert min_font(fig) >= MIN_FONT
 
 

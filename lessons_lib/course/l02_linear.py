@@ -444,7 +444,6 @@ def _reach_block():
 def _engine_modules() -> dict[str, ReachModule]:
     b, cfg = _reach_block(), REACH_CFG
     d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
-    skip = torch.randn(MAX_REACH_TOKENS, d, generator=torch.Generator().manual_seed(11))
 
     def attention(cu_of):
         def run(t, cu):
@@ -466,7 +465,7 @@ def _engine_modules() -> dict[str, ReachModule]:
         "out proj (block.attn.out_proj)": ReachModule(lambda t, cu: b.attn.out_proj(t), "linear", k),
         "GeLU (block.mlp.act)": ReachModule(lambda t, cu: b.mlp.act(t), "per token", f),
         "FFN: up, GeLU, down (block.mlp)": ReachModule(lambda t, cu: b.mlp(t), "linear", d),
-        "residual add (x + skip)": ReachModule(lambda t, cu: t + skip[:t.shape[0]], "per token", d),
+        "residual add (t + block.mlp(t))": ReachModule(lambda t, cu: t + b.mlp(t), "linear", d),
         "BatchNorm1d, training mode": ReachModule(lambda t, cu: train_bn(t), "per token", d),
         "BatchNorm1d, eval mode (running stats)": ReachModule(lambda t, cu: eval_bn(t), "per token", d),
     }
@@ -477,6 +476,8 @@ _OWN_MODULES: dict[str, Callable] = {
     "yours: softmax over each row": lambda t: torch.softmax(t, dim=-1),
     "yours: mean over the tokens": lambda t: t.mean(dim=0, keepdim=True).expand_as(t),
     "yours: cumsum over the tokens": lambda t: t.cumsum(dim=0),
+    "yours: positions from the flat index, t + arange(T)": lambda t: t + torch.arange(t.shape[0])[:, None],
+    "yours: divide by the batch size, t / T": lambda t: t / t.shape[0],
 }
 
 
@@ -496,13 +497,46 @@ def reach_modules() -> dict[str, ReachModule]:
     return {**_engine_modules(), **own}
 
 
+ALONE_RTOL = 1e-5  # alone vs in the batch: rounding allowed, relative to the largest output number
+
+
+def alone_vs_batched(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_lens: Sequence[int]) -> dict:
+    """Run each request's rows of ``x`` ALONE through ``fn(t, cu_seqlens)`` and compare with its rows
+    of the flat run. Returns ``{"max_diff", "bound", "differ" (names of the requests whose rows differ
+    by more than the bound), "flat"}``; the bound allows float rounding only: ``ALONE_RTOL`` times the
+    largest |number| of the flat output (at least 1)."""
+    lens = check_lengths(seq_lens)
+    cu = cumulative(lens)
+    flat = fn(x, cu)
+    if not isinstance(flat, Tensor) or flat.dim() < 1 or flat.shape[0] != cu[-1]:
+        got = list(flat.shape) if isinstance(flat, Tensor) else type(flat).__name__
+        raise ValueError(f"the module must return one row per input row: {cu[-1]} rows in, got {got}")
+    bound = ALONE_RTOL * max(1.0, float(flat.abs().max()))
+    worst, differ = 0.0, []
+    for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        alone = fn(x[s:e], [0, e - s])
+        if not isinstance(alone, Tensor) or alone.shape != flat[s:e].shape:
+            got = list(alone.shape) if isinstance(alone, Tensor) else type(alone).__name__
+            raise ValueError(f"request {request_name(i)} alone ({e - s} rows) gave {got}, not {list(flat[s:e].shape)}")
+        d = float((alone.double() - flat[s:e].double()).abs().max())
+        worst = max(worst, d)
+        if not d <= bound:  # a NaN differs too
+            differ.append(request_name(i))
+    return {"max_diff": worst, "bound": bound, "differ": differ, "flat": flat}
+
+
 def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> dict:
-    """Run ``probe.row_dependency`` on ``module`` for the flat batch of ``seq_lens`` (random input
-    rows, fixed seed) and sort the pairs it finds.
+    """The two tests a module must pass to be batched flat, for the flat batch of ``seq_lens``
+    (random input rows, fixed seed):
+
+    1. reach: ``probe.row_dependency`` on the flat rows; no pair (i, j) across a request boundary;
+    2. alone vs batched (``alone_vs_batched``): each request run alone gives its rows of the flat
+       result, up to rounding. A module can pass 1 and fail 2: ``t / T`` or positions taken from the
+       flat row index read no other row, yet change with the batch around them.
 
     Returns ``{"module", "kind", "seq_lens", "cu_seqlens", "dep" (bool [T, T]), "pairs", "diagonal",
-    "own_request", "other_requests", "reads", "verdict"}``: ``own_request`` counts pairs (i, j != i) of
-    one request, ``other_requests`` pairs across requests; the verdict is ``SAFE`` when that is 0.
+    "own_request", "other_requests", "reads", "reach_ok", "alone_max_diff", "alone_bound",
+    "alone_differ", "alone_ok", "verdict"}``: the verdict is ``SAFE`` only when both tests pass.
     """
     modules = reach_modules()
     check_choice("module", module, tuple(modules))
@@ -513,7 +547,9 @@ def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> d
     m, cu = modules[module], cumulative(lens)
     x = torch.randn(cu[-1], m.width, generator=torch.Generator().manual_seed(5))
     try:
-        dep = row_dependency(lambda t: m.fn(t, cu), x)
+        with torch.no_grad():
+            dep = row_dependency(lambda t: m.fn(t, cu), x)
+            alone = alone_vs_batched(m.fn, x, lens)
     except Exception as exc:  # a learner's module, or BatchNorm on one token: say so, never a wrong map
         raise ValueError(f"{module} failed on {cu[-1]} rows: {type(exc).__name__}: {exc}") from None
     if dep.shape != (cu[-1], cu[-1]):
@@ -525,17 +561,23 @@ def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> d
     own = int((dep & same).sum()) - diag
     other = int((dep & ~same).sum())
     reads = "other requests too" if other else "rows of its own request" if own else "row i only"
+    alone_ok = not alone["differ"]
     return {"module": module, "kind": m.kind, "seq_lens": lens, "cu_seqlens": cu, "dep": dep, "pairs": int(dep.sum()),
-            "diagonal": diag, "own_request": own, "other_requests": other, "reads": reads,
-            "verdict": MIXES if other else SAFE}
+            "diagonal": diag, "own_request": own, "other_requests": other, "reads": reads, "reach_ok": other == 0,
+            "alone_max_diff": alone["max_diff"], "alone_bound": alone["bound"], "alone_differ": alone["differ"],
+            "alone_ok": alone_ok, "verdict": SAFE if other == 0 and alone_ok else MIXES}
 
 
 def module_reach_text(state: dict) -> str:
-    """``<module> on cu_seqlens [...]: 40 of 1600 pairs change | diagonal 40 | ... | verdict``."""
+    """``<module> on cu_seqlens [...]: 40 of 1600 pairs change | diagonal 40 | same request 0 | across requests 0
+    | row i reads row i only | alone vs batched: max |diff| 0.0e+00 (bound 1.2e-05), differ: none | verdict``."""
     t = state["cu_seqlens"][-1]
+    differ = ", ".join(state["alone_differ"]) or "none"
     return (f"{state['module']} on cu_seqlens {state['cu_seqlens']}: {state['pairs']} of {t * t} pairs change | "
             f"diagonal {state['diagonal']} | same request {state['own_request']} | "
-            f"across requests {state['other_requests']} | row i reads {state['reads']} | {state['verdict']}")
+            f"across requests {state['other_requests']} | row i reads {state['reads']} | "
+            f"alone vs batched: max |diff| {state['alone_max_diff']:.1e} (bound {state['alone_bound']:.1e}), "
+            f"differ: {differ} | {state['verdict']}")
 
 
 def module_reach_figure(state: dict) -> Figure:
@@ -544,8 +586,9 @@ def module_reach_figure(state: dict) -> Figure:
     fig = dependency_maps({title: state["dep"]}, state["seq_lens"], colors={title: KIND_COLORS[state["kind"]]})
     fig.set_size_inches(4.8, 4.6)
     fig.subplots_adjust(left=0.15, right=0.96, bottom=0.11, top=0.78 if "\n" in title else 0.8)
-    fig.suptitle(f"{state['verdict']}: {state['other_requests']} pairs across requests", fontsize=MIN_FONT + 2,
-                 color=TEXT, fontweight="bold", y=0.97)
+    alone = "alone = batched" if state["alone_ok"] else "alone != batched: " + ", ".join(state["alone_differ"])
+    fig.suptitle(f"{state['verdict']}: {state['other_requests']} pairs across requests, {alone}",
+                 fontsize=MIN_FONT + 1, color=TEXT, fontweight="bold", y=0.97)
     return fig
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import torch
 from widget_driver import ARM_PROBE_JS, UPDATE_TIMEOUT_MS, finish, inner_text, open_explorer, wait_text
 
 from lessons_lib.core.batch import cumulative
@@ -13,14 +14,16 @@ from lessons_lib.course import l02_linear
 from lessons_lib.course.explore import parse_lengths
 
 LINE_RE = re.compile(r"(.+) on cu_seqlens (\[[\d, ]+\]): (\d+) of (\d+) pairs change \| diagonal (\d+) \| "
-                     r"same request (\d+) \| across requests (\d+) \| row i reads (.+) \| (safe to batch flat|mixes requests)")
+                     r"same request (\d+) \| across requests (\d+) \| row i reads (.+) \| alone vs batched: max \|diff\| (\S+) "
+                     r"\(bound (\S+)\), differ: (.+) \| (safe to batch flat|mixes requests)")
 
 
 def _parse(text: str) -> dict:
     m = LINE_RE.fullmatch(text.strip())
     assert m, f"module-reach readout not in the documented format: {text!r}"
     return {"module": m[1], "cu": m[2], "pairs": int(m[3]), "all": int(m[4]), "diagonal": int(m[5]),
-            "own": int(m[6]), "other": int(m[7]), "reads": m[8], "verdict": m[9]}
+            "own": int(m[6]), "other": int(m[7]), "reads": m[8], "alone_diff": float(m[9]), "alone_bound": float(m[10]),
+            "differ": m[11], "verdict": m[12]}
 
 
 def _expected(module: str, lengths: str) -> dict:
@@ -33,7 +36,12 @@ def _expected(module: str, lengths: str) -> dict:
     assert across == state["other_requests"] and dep.shape == (sum(lens), sum(lens))
     want = _parse(l02_linear.module_reach_text(state))
     assert want["cu"] == str(cumulative(lens)) and want["other"] == across
-    assert want["verdict"] == ("mixes requests" if across else "safe to batch flat")
+    m = l02_linear.reach_modules()[module]   # each request alone, run here on the explorer's input rows
+    x = torch.randn(sum(lens), m.width, generator=torch.Generator().manual_seed(5))
+    alone = l02_linear.alone_vs_batched(m.fn, x, lens)
+    differ = alone["differ"]
+    assert want["differ"] == (", ".join(differ) or "none") and want["alone_diff"] == float(f"{alone['max_diff']:.1e}")
+    assert want["verdict"] == ("mixes requests" if across or differ else "safe to batch flat")
     return want
 
 
