@@ -116,6 +116,7 @@ class BatchRecord:
     linear_rows: tuple
     cells: float
     score_shapes: tuple
+    wall_s: float = 0.0  # the forward's wall-clock, the recorder's overhead included (shown, never asserted)
 
     @property
     def rows(self) -> int:
@@ -142,7 +143,8 @@ def run_recorded(cfg: ModelConfig, weights: dict, method: str, batches: Sequence
         cells = rec.cells
         records.append(BatchRecord(method, tuple(r.request_id for r in reqs),
                                    tuple(m.m for m in rec.matmuls if m.kind == "linear"),
-                                   cells // per if cells % per == 0 else cells / per, tuple(rec.scores)))
+                                   cells // per if cells % per == 0 else cells / per, tuple(rec.scores),
+                                   engine.stats[0].wall_s))
     return outputs, records
 
 
