@@ -118,16 +118,19 @@ def wrong(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causa
     return out
 ''', "one per request"),
     "ex03_2_grade": ('''
-def wrong(num_requests):  # lengths that double: far apart
-    return [2 ** i for i in range(num_requests)]
-''', "Masked loses when"),
+def wrong(seq_lens):  # the right comparison, but ">=": a tie counted as masking wasting more
+    return sum(seq_lens) ** 2 >= len(seq_lens) * max(seq_lens) ** 2
+''', "a tie"),
     "ex03_3_grade": ('''
-def wrong(cu_seqlens):  # the same request, but not causal
+def wrong(cu_seqlens_q, cu_seqlens_k):  # same request, causal from the top-left: wrong with a cached prefix
     import torch
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    request = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    return lambda q_idx, kv_idx: request[q_idx] == request[kv_idx]
-''', "no causal part"),
+    def rows(cu):
+        lens = (cu[1:] - cu[:-1]).long()
+        request = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        return request, torch.arange(int(cu[-1])) - cu[:-1].long()[request]
+    (req_q, pos_q), (req_k, pos_k) = rows(cu_seqlens_q), rows(cu_seqlens_k)
+    return lambda q_idx, kv_idx: (req_q[q_idx] == req_k[kv_idx]) & (pos_k[kv_idx] <= pos_q[q_idx])
+''', "top-left"),
     # lesson 04
     "ex04_1_grade": ('''
 def wrong(cfg, seq_lens, tp):  # the LM head's logits summed over the ranks instead of gathered

@@ -18,7 +18,7 @@ from lessons_lib.course.grading import score
 from lessons_lib.measure.flops import attention_cells
 from lessons_lib.measure.profile import random_qkv
 from lessons_lib.measure.recorder import OpRecorder
-from lessons_lib.style import MIN_FONT, SKIPPED, USEFUL, WASTED
+from lessons_lib.style import MIN_FONT, SKIPPED, TEXT, USEFUL, WASTED
 
 BATCHES = [[10, 30], [3, 1, 5], [7], [1, 1], [4, 9, 2, 9]]
 LINE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted (\d+)")
@@ -106,9 +106,13 @@ def test_c9_masked_growth_lines_are_the_formulas():
 
 def test_measured_sweep_draws_time_and_memory():
     fig = L.measured_sweep([1, 2], [1.0, 4.0], [1.0, 2.0], 64, "sdpa", "cpu")
-    assert isinstance(fig, Figure) and [list(line.get_ydata()) for line in fig.axes[0].lines] == [[1.0, 4.0], [1.0, 2.0]]
+    lines = fig.axes[0].lines
+    assert isinstance(fig, Figure) and [list(line.get_ydata()) for line in lines[:2]] == [[1.0, 4.0], [1.0, 2.0]]
+    # dashed reference slopes 2 and 1 through the last point; every line in ink, the backends told apart by style
+    assert [list(line.get_ydata()) for line in lines[2:]] == [[1.0, 4.0], [1.0, 2.0]]
+    assert all(line.get_color() == TEXT for line in lines) and [line.get_linestyle() for line in lines] == ["-", "-.", "--", "--"]
     both = L.measured_sweep([1, 2], [1.0, 4.0], [1.0, 2.0], 64, "sdpa", "cpu", [0.5, 2.0], [0.5, 1.0])
-    assert len(both.axes) == 2 and [list(line.get_ydata()) for line in both.axes[1].lines] == [[0.5, 2.0], [0.5, 1.0]]
+    assert len(both.axes) == 2 and [list(line.get_ydata()) for line in both.axes[1].lines[:2]] == [[0.5, 2.0], [0.5, 1.0]]
     assert "noisy" in both.axes[0].get_title() and "memory" in both.axes[1].get_title()
 
 
@@ -331,13 +335,25 @@ def test_where_wrong_names_the_request_and_the_pad_slot_behind_a_row():
 
 
 def test_masking_loses_checker():
-    assert L.check_masking_loses(lambda r: [100 + i for i in range(r)])
-    assert "must all differ" in attempt(L.check_masking_loses, lambda r: [50] * r)
-    assert "expected 3 lengths" in attempt(L.check_masking_loses, lambda r: [10, 12])
-    why = attempt(L.check_masking_loses, lambda r: [1] * 0 + [10 ** (i + 1) for i in range(r)])
-    assert "padding wastes more" in why and "Lmax / √R" in why
-    # lengths that spread as R grows: right for small R only -> partial marks
-    assert 0 < score(L.check_masking_loses, lambda r: [10 * (i + 1) ** 2 for i in range(r)], points=2) < 2
+    assert L.check_masking_loses(lambda lens: sum(lens) ** 2 > len(lens) * max(lens) ** 2)
+    # ">=" counts a tie as a loss: wrong on the ties and on one request alone, partial marks, the tie named
+    ge = lambda lens: sum(lens) ** 2 >= len(lens) * max(lens) ** 2
+    assert "a tie" in attempt(L.check_masking_loses, ge)
+    assert 0 < score(L.check_masking_loses, ge, points=2) < 2
+    # calling the cell counter is refused while the reader's function runs, and restored after
+    from lessons_lib.measure import flops
+    why = attempt(L.check_masking_loses, lambda lens: flops.attention_cells(lens, "masked").wasted
+                  > flops.attention_cells(lens, "padded").wasted)
+    assert "attention_cells is switched off" in why and flops.attention_cells([2], "masked").computed == 4
+    assert "expected True or False" in attempt(L.check_masking_loses, lambda lens: "yes")
+    # the first message states no rule
+    assert "Lmax" not in attempt(L.check_masking_loses, lambda lens: False)
+
+
+def test_masking_cases_hold_both_answers_and_the_ties():
+    wastes = [(attention_cells(c, "masked").wasted, attention_cells(c, "padded").wasted) for c in L.MASKING_CASES]
+    assert sum(m > p for m, p in wastes) >= 4 and sum(m < p for m, p in wastes) >= 3
+    assert sum(m == p for m, p in wastes) >= 3                      # [7] and two real ties
 
 
 def test_c8_masking_loses_rule_is_the_waste_comparison():
@@ -346,28 +362,56 @@ def test_c8_masking_loses_rule_is_the_waste_comparison():
         assert (m.wasted > p.wasted) == (sum(lens) ** 2 > len(lens) * max(lens) ** 2)
 
 
+def _rows(cu):
+    lens = (cu[1:] - cu[:-1]).long()
+    req = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    return req, torch.arange(int(cu[-1])) - cu[:-1].long()[req], lens
+
+
+def _document(bottom_right=True):
+    def make(cu_q, cu_k):
+        (rq, pq, lq), (rk, pk, lk) = _rows(cu_q), _rows(cu_k)
+        shift = (lk - lq)[rq] if bottom_right else torch.zeros_like(rq)
+        return lambda qi, ki: (rq[qi] == rk[ki]) & (pk[ki] <= pq[qi] + shift[qi])
+    return make
+
+
 def test_document_mask_checker():
-    def right(cu):
-        lens = (cu[1:] - cu[:-1]).long()
-        req = torch.repeat_interleave(torch.arange(len(lens)), lens)
-        return lambda qi, ki: (req[qi] == req[ki]) & (ki <= qi)
-
-    def no_diagonal(cu):
-        f = right(cu)
-        return lambda qi, ki: f(qi, ki) & (ki != qi)
-
+    right = _document()
     assert L.check_document_mask(right)
-    assert "plain causal" in attempt(L.check_document_mask, lambda cu: (lambda qi, ki: ki <= qi))
-    assert "no causal part" in attempt(L.check_document_mask, lambda cu: (lambda qi, ki: right(cu)(qi, ki) | right(cu)(ki, qi)))
-    assert "inverted" in attempt(L.check_document_mask, lambda cu: (lambda qi, ki: ~right(cu)(qi, ki)))
-    assert "diagonal is missing" in attempt(L.check_document_mask, no_diagonal)
-    assert "expected a function" in attempt(L.check_document_mask, lambda cu: block_diag_mask(cu, causal=True))
-    assert "bool [T, T]" in attempt(L.check_document_mask, lambda cu: (lambda qi, ki: (ki <= qi).int()))
-    # a mask outside the known patterns: named cells, no crash
-    odd = attempt(L.check_document_mask, lambda cu: (lambda qi, ki: (ki <= qi) & (qi % 2 == 0)))
+    top_left = attempt(L.check_document_mask, _document(bottom_right=False))
+    assert "top-left" in top_left and "bottom-right" in top_left and "masked path" in top_left
+    assert 0 < score(L.check_document_mask, _document(bottom_right=False), points=2) < 2
+    assert "plain causal" in attempt(L.check_document_mask, lambda cq, ck: (lambda qi, ki: ki <= qi))
+    assert "no causal part" in attempt(L.check_document_mask,
+                                       lambda cq, ck: (lambda qi, ki: _rows(cq)[0][qi] == _rows(ck)[0][ki]))
+    assert "inverted" in attempt(L.check_document_mask, lambda cq, ck: (lambda qi, ki: ~right(cq, ck)(qi, ki)))
+    assert "expected a function" in attempt(L.check_document_mask, lambda cq, ck: block_diag_mask(cq, causal=True))
+    assert "bool [T_q, T_k]" in attempt(L.check_document_mask, lambda cq, ck: (lambda qi, ki: (ki <= qi).int()))
+    odd = attempt(L.check_document_mask, lambda cq, ck: (lambda qi, ki: (ki <= qi) & (qi % 2 == 0)))
     assert "cells differ, e.g. query row 1, key row 0: got False, expected True" in odd
-    # a one-request batch hides the missing document test: partial marks
-    assert 0 < score(L.check_document_mask, lambda cu: (lambda qi, ki: ki <= qi), points=2) < 2
+
+
+def test_causal_varlen_checker_rejects_the_masked_way():
+    def masked_way(q, k, v, cu, m):  # one launch, right values: the whole T x T scores and block_diag_mask
+        s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(~block_diag_mask(cu, causal=True), float("-inf"))
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    why = attempt(L.check_causal_varlen, backend(masked_way))
+    assert "this is the masked way: T² cells" in why
+    assert score(L.check_causal_varlen, backend(masked_way), points=3) == 2.4
+
+
+def test_tile_grid_counts_and_hatches():
+    from lessons_lib.style import NEVER, OTHER
+    fig = L.tile_grid()
+    left, right = fig.axes
+    assert "2 tiles computed" in left.get_title() and "32768 cells executed for 520 kept" in left.get_title()
+    assert "36 tiles computed" in right.get_title() and "28 of 64 skipped" in right.get_title()
+    skipped = [p for p in right.patches if p.get_gid() == "tile-skipped"]
+    assert len(skipped) == 28 and all(p.get_hatch() and p.get_facecolor()[:3] == (1.0, 1.0, 1.0) for p in skipped)
+    assert len([p for p in right.patches if p.get_gid() == "tile-computed"]) == 36
+    assert NEVER == "#FFFFFF" and all(line.get_color() != OTHER for ax in fig.axes for line in ax.get_lines())
 
 
 def test_the_lesson_s_tile_numbers_are_what_predict_work_counts():

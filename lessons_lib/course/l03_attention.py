@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import Patch, Polygon, Rectangle
 
 from ..core.attention import attention_ref, block_diag_mask, plain_attention, varlen_attention
 from ..core.batch import cumulative, pack, seq_lens_to_cu_seqlens
@@ -31,13 +31,14 @@ from ..measure.flops import METHODS, attention_cells
 from ..measure.profile import peak_bytes, random_qkv, time_call
 from ..measure.recorder import SOFTMAX_OPS, OpRecorder
 from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
-from ..ops.tiling import predict_work
+from ..ops.tiling import key_tiles, predict_work
 from ..style import (
     ATTENTION,
     CELL_CMAP,
     CELL_COLORS,
     CELL_LABELS,
     MIN_FONT,
+    NEVER,
     SKIPPED,
     TEXT,
     USEFUL,
@@ -107,7 +108,7 @@ def _sample(n: int, max_pixels: int | None) -> np.ndarray:
 
 PANEL_TITLES = {("padded", False): "padded", ("masked", False): "masked", ("varlen", False): "varlen"}
 CAUSAL_TITLES = {("padded", False): "padded", ("masked", False): "masked",
-                 ("varlen", True): "varlen: our loop, sdpa\n(whole blocks, upper half masked)",
+                 ("varlen", True): "varlen: our loop\n(whole blocks, upper half masked)",
                  ("varlen", False): "varlen: ideal causal kernel\n(no masked cell computed)"}
 
 
@@ -187,8 +188,9 @@ def masked_growth(length: int = 64, num_requests: Sequence[int] = (1, 2, 4, 8, 1
     useful = [attention_cells([length] * r, "varlen").computed for r in rs]
     fig = Figure(figsize=(6.4, 3.8))
     ax = fig.add_subplot()
-    ax.plot(rs, masked, "o-", color=WASTE, label="masked computes (R·L)²")
-    ax.plot(rs, useful, "s-", color=ATTENTION, label="varlen computes R·L² (all useful)")
+    ax.fill_between(rs, useful, masked, color=WASTE, alpha=0.35, linewidth=0, label="masked's waste (R² − R)·L²")
+    ax.plot(rs, masked, "o-", color=TEXT, label="masked computes (R·L)²")
+    ax.plot(rs, useful, "s--", color=TEXT, label="varlen computes R·L² (all useful)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel(f"number of requests R (each L = {length} tokens)", fontsize=MIN_FONT + 1)
@@ -253,8 +255,12 @@ def measured_sweep(rs: Sequence[int], masked_ms: Sequence[float], varlen_ms: Seq
     if memory:
         series.append((axes[1], masked_mib, varlen_mib, "peak memory of one call (MiB)"))
     for ax, masked, varlen, ylabel in series:
-        ax.plot(list(rs), list(masked), "o-", color=WASTE, label="masked (full T x T scores)")
-        ax.plot(list(rs), list(varlen), "s-", color=ATTENTION, label=f"varlen ({varlen_name})")
+        ax.plot(list(rs), list(masked), "o-", color=TEXT, label="masked (full T x T scores)")
+        ax.plot(list(rs), list(varlen), "s-.", color=TEXT, label=f"varlen ({varlen_name})")
+        for slope, ys, style in ((2, masked, (0, (6, 3))), (1, varlen, (0, (3, 3)))):  # reference slopes from the last point
+            x0, y0 = rs[-1], ys[-1]
+            ax.plot(list(rs), [y0 * (r / x0) ** slope for r in rs], color=TEXT, linewidth=0.8, linestyle=style,
+                    label=f"slope {slope}: grows like R{'²' if slope == 2 else ''}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(list(rs), [str(r) for r in rs])
@@ -331,9 +337,11 @@ def backend_of(name: str) -> str:
 
 
 def predicted_cells(seq_lens: Sequence[int], name: str, causal: bool) -> int:
-    """Score cells per head the backend ``name`` computes, from ``flops.attention_cells``: masked and
-    padded compute their whole matrices; the loop and sdpa compute each request's whole block and
-    mask its upper triangle inside it, so causal or not they compute the non-causal varlen count."""
+    """Score cells per head the backend ``name`` computes (loop, masked, padded) or is handed (sdpa),
+    from ``flops.attention_cells``: masked and padded compute their whole matrices; the loop computes
+    each request's whole block and masks its upper triangle inside it. sdpa is handed the same whole
+    blocks; with ``is_causal`` PyTorch's CPU kernel stops each query block at the diagonal's key block,
+    so what it executes can be less, and is not visible from Python."""
     method = "varlen" if name in ("loop", "varlen") else backend_of(name)
     return attention_cells(seq_lens, method, causal=causal and method != "varlen").computed
 
@@ -398,7 +406,7 @@ def run_label(state: dict, name: str) -> str:
     return {"loop": "loop (one call per request)", "varlen": f"varlen ({backend})"}.get(name, name)
 
 
-RUN_COLUMNS = ("backend", "cells measured", "predicted", "score matrices", "largest stored", "max err vs fp64",
+RUN_COLUMNS = ("backend", "cells computed (sdpa: handed in)", "predicted", "score matrices", "largest stored", "max err vs fp64",
                "ms (this CPU)")
 
 
@@ -421,7 +429,16 @@ def attention_run_summary_html(state: dict) -> str:
     return (f"<div>lengths {lens} | T = {sum(lens)} rows | {RUN_HEADS} heads of {RUN_D_HEAD}, float32 | cells per head | "
             f"{mask}: {state['useful']} | error bound {state['bound']:.2e} | time: this CPU, one thread, fastest of 2 "
             f"calls, noisy</div><div>a tiled kernel (128 x 128 tiles, predicted by tiling.predict_work, not run here): "
-            f"{t.tiles} tiles, {t.executed_cells} cells executed, {t.cells} of them inside the requests</div>")
+            f"{t.tiles} tiles, {t.executed_cells} cells executed, {t.cells} of them inside the requests</div>"
+            + (_causal_html(state) if state["causal"] else ""))
+
+
+def _causal_html(state: dict) -> str:
+    """With the causal mask: the cells the loop computed and masked, against what sdpa was handed."""
+    loop, fused = state["rows"]["loop"], state["rows"]["varlen"]
+    return (f"<div>causal: the loop computed {loop['cells']} cells and masked {loop['cells'] - state['useful']} of "
+            f"them; {fused['backend']} was handed {fused['cells']} cells with is_causal, and its CPU kernel stops each "
+            "query block at the diagonal's key block: what it executes is not visible from Python</div>")
 
 
 def attention_run_predicted_html(state: dict) -> str:
@@ -436,33 +453,55 @@ def attention_run_predicted_html(state: dict) -> str:
     return "".join(rows)
 
 
+def is_fused(state: dict, name: str) -> bool:
+    """True when the row's backend is one fused kernel (sdpa): the recorder reads the cells it is handed."""
+    return state["rows"][name]["largest_bytes"] is None
+
+
 def attention_run_figure(state: dict) -> Figure:
-    """Measured score cells per head of each backend (log scale): the useful part in the useful colour, the
-    rest (computed, thrown away) in the wasted colour; a dotted ink line at what a tiled kernel executes."""
+    """Left: score cells per head of each backend on a linear axis, stacked: useful (useful colour), computed and
+    thrown away (wasted colour); a fused kernel's bar (sdpa) is white with an ink hatch: what it was handed, not what
+    it executed. Right: the largest score tensor each backend stored (KiB), with its measured time."""
     names = list(state["rows"])
-    cells = [state["rows"][n]["cells"] for n in names]
+    rows = [state["rows"][n] for n in names]
     useful = state["useful"]
-    tiled = state["tiled"].executed_cells
-    fig = Figure(figsize=(7.6, 3.2))
-    ax = fig.add_subplot()
-    ax.set_xscale("log")
-    left = max(1, min(cells + [useful]) / 4)
-    ys = range(len(names))
-    ax.barh(ys, [useful - left] * len(names), left=left, color=CELL_COLORS[USEFUL], label=CELL_LABELS[USEFUL])
-    ax.barh(ys, [max(c - useful, 0) for c in cells], left=useful, color=CELL_COLORS[WASTED], label=CELL_LABELS[WASTED])
-    ax.axvline(tiled, color=TEXT, linestyle=":", linewidth=1.2, label=f"a tiled kernel executes {tiled}")
-    for i, c in enumerate(cells):
-        ax.text(c, i, f" {c}", va="center", fontsize=MIN_FONT)
-    ax.set_xlim(left, max(cells + [tiled]) * 8)
-    ax.set_yticks(list(ys), [run_label(state, n) for n in names], fontsize=MIN_FONT)
+    fig = Figure(figsize=(9.6, 3.8))
+    ax, mem = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    ys = list(range(len(names)))
+    for i, (n, r) in enumerate(zip(names, rows)):
+        if is_fused(state, n):
+            ax.barh(i, r["cells"], color=NEVER, edgecolor=TEXT, hatch="///", linewidth=0.8,
+                    label="handed to a fused kernel (what it executes is not visible)")
+        else:
+            ax.barh(i, useful, color=CELL_COLORS[USEFUL], label=CELL_LABELS[USEFUL])
+            ax.barh(i, max(r["cells"] - useful, 0), left=useful, color=CELL_COLORS[WASTED], label=CELL_LABELS[WASTED])
+        ax.text(r["cells"], i, f" {r['cells']}", va="center", fontsize=MIN_FONT)
+    top = max(r["cells"] for r in rows)
+    ax.set_xlim(0, top * 1.3)
+    ax.set_yticks(ys, [run_label(state, n) for n in names], fontsize=MIN_FONT)
     ax.invert_yaxis()
     ax.tick_params(labelsize=MIN_FONT)
-    ax.set_xlabel(f"score cells per head, measured by OpRecorder (log scale); useful: {useful}", fontsize=MIN_FONT)
-    ax.legend(fontsize=MIN_FONT, loc="lower right", framealpha=1.0, edgecolor=TEXT)  # opaque: the dotted line passes behind
+    ax.set_xlabel(f"score cells per head (OpRecorder), linear; useful: {useful}", fontsize=MIN_FONT)
+    handles, labels = ax.get_legend_handles_labels()
+    keep = dict(zip(labels, handles))
+    fig.legend(keep.values(), keep.keys(), fontsize=MIN_FONT, loc="lower center", ncol=3, frameon=False)
     kind = "causal" if state["causal"] else "no causal mask"
-    ax.set_title(f"score cells per head each backend computed\nlengths {short_lens(state['seq_lens'])} ({kind})",
+    tiled = state["tiled"]
+    ax.set_title(f"score cells per head, lengths {short_lens(state['seq_lens'])} ({kind})\n"
+                 f"a 128 x 128 tiled kernel would execute {tiled.executed_cells} in {tiled.tiles} tiles",
                  fontsize=MIN_FONT + 1)
-    fig.subplots_adjust(left=0.3, right=0.97, bottom=0.17, top=0.84)
+    kib = [(r["largest_bytes"] or 0) / 1024 for r in rows]
+    mem.barh(ys, kib, color=NEVER, edgecolor=TEXT, linewidth=0.8)
+    for i, (r, x) in enumerate(zip(rows, kib)):
+        what = "none stored" if r["largest_bytes"] is None else f"{x:.1f} KiB"
+        mem.text(x, i, f" {what}, {r['ms']:.2f} ms", va="center", fontsize=MIN_FONT)
+    mem.set_xlim(0, max(kib + [1.0]) * 2.2)
+    mem.set_yticks(ys, [""] * len(ys))
+    mem.invert_yaxis()
+    mem.tick_params(labelsize=MIN_FONT)
+    mem.set_xlabel("largest score tensor stored (KiB)", fontsize=MIN_FONT)
+    mem.set_title("what each backend stores, and its time\n(measured, noisy)", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.2, right=0.98, bottom=0.27, top=0.85, wspace=0.08)
     return fig
 
 
@@ -555,9 +594,13 @@ def check_causal_varlen(fn: Callable) -> bool:
             return None if err <= bound else (f"plugged into a 2-layer model as its attention, the output is off by "
                                               f"{err:.2e} (allowed {bound:.2e})")
         if case == ("one launch",):
-            if not (isinstance(got, tuple) and len(got) == 2):
+            if not (isinstance(got, tuple) and len(got) == 3):
                 return f"expected a tensor [T, H, D], got {type(got).__name__}"
-            small, big = got
+            small, big, (cells, t) = got
+            if cells >= t * t:
+                return (f"this is the masked way: T² cells. For 12 requests (T = {t}) your function computed {cells} "
+                        f"score cells per head, at least the whole T x T = {t * t}, most of them across requests. "
+                        "Gather each request's own rows into an [R, max_seqlen] batch instead")
             if small == big:
                 return None
             return (f"your function made {small} matmuls for 2 requests and {big} for 12: one per request, like the "
@@ -591,7 +634,10 @@ def check_causal_varlen(fn: Callable) -> bool:
                 if not isinstance(got, Tensor):
                     return got
                 made.append(len(seen.matmuls))
-            return tuple(made)
+            # score cells per head of the 12-request call: the softmaxed scores, or (no softmax op seen) the
+            # largest attention-shaped matmul output, so that a hand-written softmax does not hide T x T scores
+            biggest = max((mm.batch * mm.m * mm.n for mm in seen.matmuls), default=0)
+            return (*made, (max(seen.cells, biggest if not seen.cells else 0) // q.shape[1], q.shape[0]))
         return _as_backend(fn, *case)
 
     run.__name__ = getattr(fn, "__name__", "fn")
@@ -599,63 +645,188 @@ def check_causal_varlen(fn: Callable) -> bool:
                  "causal varlen on 3 batches, inside a 2-layer model, with the same number of matmuls for 2 or 12 requests")
 
 
-def check_masking_loses(fn: Callable[[int], list]) -> bool:
-    """Exercise 03.2: ``fn(num_requests) -> list of lengths``: R DIFFERENT lengths (1..4096) for which
-    masked attention wastes MORE score cells than padding to the longest (per head per layer)."""
-    def judge(got, r):
-        if not isinstance(got, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in got):
-            return f"expected a list of {r} ints, got {got!r}"
-        if len(got) != r:
-            return f"expected {r} lengths, got {len(got)}: {list(got)}"
-        if not all(1 <= n <= 4096 for n in got):
-            return f"every length must be in 1..4096, got {list(got)}"
-        if len(set(got)) != r:
-            return (f"the lengths must all differ, got {list(got)} (with equal lengths padding wastes nothing: "
-                    "that case is too easy)")
-        m, p = attention_cells(got, "masked"), attention_cells(got, "padded")
-        if m.wasted > p.wasted:
+# Exercise 03.2's hidden cases: (lengths, masked wastes MORE than padding?), boundaries included: one request,
+# ties (T² = R·Lmax²: equal wastes), cases a hair either side of a tie, equal lengths, the article's A and B.
+MASKING_CASES = ([10, 30], [100, 101], [64, 64, 64, 64], [7], [4, 1, 1, 2], [6, 3, 2, 1], [9, 3], [5, 4],
+                 [12, 12, 1], [1, 64], [3, 6, 6, 1], [8, 2, 2])
+
+
+class _NoCellCounter:
+    """While the reader's function runs, ``attention_cells`` (the lesson's imports of it included) raises."""
+
+    def __init__(self, fn: Callable):
+        import lessons_lib
+
+        from ..measure import flops
+        self.places = [(flops.__dict__, "attention_cells"), (lessons_lib.__dict__, "attention_cells"),
+                       (globals(), "attention_cells")]
+        names = getattr(fn, "__globals__", {})
+        self.places += [(names, k) for k, v in list(names.items()) if v is attention_cells]
+        self.saved = []
+
+    def __enter__(self):
+        def refuse(*args, **kwargs):
+            raise RuntimeError("work it out from the lengths: attention_cells is switched off in this exercise")
+        for space, key in self.places:
+            if key in space:
+                self.saved.append((space, key, space[key]))
+                space[key] = refuse
+        return self
+
+    def __exit__(self, *exc):
+        for space, key, value in reversed(self.saved):
+            space[key] = value
+
+
+def check_masking_loses(fn: Callable[[list], bool]) -> bool:
+    """Exercise 03.2: ``fn(seq_lens) -> bool``: True exactly when masked attention wastes MORE score cells than
+    padding to the longest (per head per layer, whole blocks), worked out from the lengths alone
+    (``attention_cells`` raises while ``fn`` runs). Graded on ``MASKING_CASES``, boundaries included."""
+    def run(lens):
+        with _NoCellCounter(fn):
+            return fn(list(lens))
+    run.__name__ = getattr(fn, "__name__", "fn")
+
+    def judge(got, lens):
+        if not isinstance(got, (bool, np.bool_)):
+            return f"expected True or False, got {got!r} ({type(got).__name__})"
+        m, p = attention_cells(lens, "masked"), attention_cells(lens, "padded")
+        want = m.wasted > p.wasted
+        if bool(got) == want:
             return None
-        t, lmax = sum(got), max(got)
-        return (f"lengths {list(got)}: masked wastes {m.wasted} (T² - Σ L² = {t}² - {m.useful}), padded wastes "
-                f"{p.wasted} (R·Lmax² - Σ L² = {r}·{lmax}² - {p.useful}): padding wastes more. Masked loses when "
-                f"T² > R·Lmax², i.e. when the mean length {t / r:.1f} exceeds Lmax / √R = {lmax / math.sqrt(r):.1f}: "
-                "make the lengths closer to each other")
-    return grade("masking_loses", fn, [(2,), (3,), (5,), (8,)], judge,
-                 "masked wastes more than padded for R = 2, 3, 5, 8 different lengths")
+        tie = (" - a tie: masked wastes exactly as much as padding, not more" if m.wasted == p.wasted else "")
+        return (f"lengths {list(lens)}: you answered {bool(got)}, but masked wastes {m.wasted} cells and padding "
+                f"{p.wasted}{tie}")
+    return grade("masking_loses", run, [(c,) for c in MASKING_CASES], judge,
+                 f"right on all {len(MASKING_CASES)} hidden batches, ties and one-request batches included")
 
 
-def check_document_mask(fn: Callable[[Tensor], Callable]) -> bool:
-    """Exercise 03.3: ``fn(cu_seqlens) -> mask_mod``, where ``mask_mod(q_idx, kv_idx)`` takes two integer
-    tensors of flat row indices (broadcastable) and returns a bool tensor: True where query row
-    ``q_idx`` may read key row ``kv_idx`` (same request, and not a later token): FlexAttention's
-    document mask."""
-    def judge(got, cu):
-        t = int(cu[-1])
-        want = block_diag_mask(cu, causal=True)
+def _top_left_mask(cu_q: list[int], cu_k: list[int]) -> Tensor:
+    """The document mask with the causal diagonal from the TOP-left (query i sees keys 0..i): the usual slip."""
+    mask = torch.zeros(cu_q[-1], cu_k[-1], dtype=torch.bool)
+    for i in range(len(cu_q) - 1):
+        lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        mask[cu_q[i]:cu_q[i + 1], cu_k[i]:cu_k[i + 1]] = torch.ones(lq, lk, dtype=torch.bool).tril()
+    return mask
+
+
+# Exercise 03.3's batches: (query lengths, key lengths); the last two have more keys than queries (a cached prefix)
+DOCUMENT_CASES = [(c, c) for c in BATCHES] + [([3, 2], [5, 2]), ([1, 4, 2], [6, 4, 9])]
+
+
+def check_document_mask(fn: Callable[[Tensor, Tensor], Callable]) -> bool:
+    """Exercise 03.3: ``fn(cu_seqlens_q, cu_seqlens_k) -> mask_mod``, where ``mask_mod(q_idx, kv_idx)`` takes two
+    integer tensors of flat row indices (broadcastable) and returns a bool tensor: True where query row ``q_idx``
+    may read key row ``kv_idx`` (same request, causal aligned bottom-right as ``flash_attn_varlen_func``:
+    query i of a request with L_q queries and L_k keys sees keys 0..i + L_k - L_q). The checker plugs the mask
+    into the engine's masked path (``attention._dense``: every cell computed, the mask applied) and compares
+    the output with the engine's varlen loop."""
+    from ..core.attention import _dense
+
+    def judge(got, cu_q, cu_k):
+        tq, tk = int(cu_q[-1]), int(cu_k[-1])
+        want = block_diag_mask(cu_q, causal=True, cu_seqlens_k=cu_k)
         if not callable(got):
             return f"expected a function mask_mod(q_idx, kv_idx), got {type(got).__name__}"
         try:
-            grid = got(torch.arange(t)[:, None], torch.arange(t)[None, :])
+            grid = got(torch.arange(tq)[:, None], torch.arange(tk)[None, :])
         except Exception as exc:  # explain any failure of the reader's mask_mod
-            return f"mask_mod(q_idx [T, 1], kv_idx [1, T]) raised {type(exc).__name__}: {exc}"
+            return f"mask_mod(q_idx [T_q, 1], kv_idx [1, T_k]) raised {type(exc).__name__}: {exc}"
         if not isinstance(grid, Tensor) or grid.shape != want.shape or grid.dtype != torch.bool:
-            return (f"mask_mod on a [T, 1] and a [1, T] index tensor must give a bool [T, T] = {list(want.shape)}, got "
+            return (f"mask_mod on a [T_q, 1] and a [1, T_k] index tensor must give a bool [T_q, T_k] = "
+                    f"{list(want.shape)}, got "
                     f"{type(grid).__name__ if not isinstance(grid, Tensor) else f'{grid.dtype} {list(grid.shape)}'}")
-        if torch.equal(grid, want):
+        q = random_qkv(lengths_of(cu_q), 2, 8, seed=tq)[0]
+        _, k, v, _ = random_qkv(lengths_of(cu_k), 2, 8, seed=tk + 1)
+        scale = 8 ** -0.5
+        out = _dense(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), grid, scale).transpose(0, 1)
+        ref = varlen_attention(q, k, v, cu_q, cu_k, causal=True, backend="loop")
+        if matches(out, ref, 1e-5):
             return None
+        err = f"plugged into the engine's masked path, the output is off by {max_abs_diff(out, ref):.2e}: "
         if torch.equal(grid, ~want):
-            return "the mask is inverted: True means 'may attend'"
-        if torch.equal(grid, block_diag_mask(cu, causal=False)):
-            return "no causal part: a query also reads later tokens of its own request (add kv_idx <= q_idx)"
-        if torch.equal(grid, torch.ones(t, t, dtype=torch.bool).tril()):
-            return "plain causal over the flat rows: B's queries read A's keys (add: same request)"
-        if torch.equal(grid, want & ~torch.eye(t, dtype=torch.bool)):
-            return "the diagonal is missing: a query must read itself (kv_idx <= q_idx, not <)"
-        q, kv = (grid != want).nonzero()[0].tolist()
-        return (f"{int((grid != want).sum())} cells differ, e.g. query row {q}, key row {kv}: got {bool(grid[q, kv])}, "
-                f"expected {bool(want[q, kv])}")
-    cases = [(seq_lens_to_cu_seqlens(c),) for c in BATCHES]
-    return grade("document_mask", fn, cases, judge, "the causal document mask on 5 batches")
+            return err + "the mask is inverted: True means 'may attend'"
+        if torch.equal(grid, block_diag_mask(cu_q, causal=False, cu_seqlens_k=cu_k)):
+            return err + "no causal part: a query also reads later tokens of its own request"
+        if tq == tk and torch.equal(grid, torch.ones(tq, tk, dtype=torch.bool).tril()):
+            return err + "plain causal over the flat rows: B's queries read A's keys (add: same request)"
+        if tq != tk and torch.equal(grid, _top_left_mask(cu_q.tolist(), cu_k.tolist())):
+            return (err + "the causal diagonal starts at the top-left. With more keys than queries (a cached prefix of "
+                    "L_k - L_q tokens), query i of a request is token L_k - L_q + i: it sees keys 0..i + L_k - L_q "
+                    "(causal aligned bottom-right)")
+        qi, ki = (grid != want).nonzero()[0].tolist()
+        return err + (f"{int((grid != want).sum())} cells differ, e.g. query row {qi}, key row {ki}: got "
+                      f"{bool(grid[qi, ki])}, expected {bool(want[qi, ki])}")
+    cases = [(seq_lens_to_cu_seqlens(q), seq_lens_to_cu_seqlens(k)) for q, k in DOCUMENT_CASES]
+    return grade("document_mask", fn, cases, judge,
+                 f"your mask in the engine's masked path equals varlen on {len(cases)} batches, cached prefixes included")
+
+
+def lengths_of(cu: Tensor) -> list[int]:
+    return (cu[1:] - cu[:-1]).tolist()
+
+
+# ---- the 128-row tile -------------------------------------------------------------------------------
+
+def _draw_tiles(ax, n: int, tile: int, causal: bool, x0: float = 0.0) -> None:
+    """One request of ``n`` tokens on a ``tile x tile`` grid at ``x0``: computed tiles blue (ink edge), skipped tiles
+    white with an ink hatch, the cells the causal mask keeps solid blue, the request's end a dashed ink line."""
+    side = -(-n // tile) * tile
+    for m in range(0, n, tile):
+        computed, _ = key_tiles(n, n, m, tile, tile, causal)
+        for j in range(side // tile):
+            done = j < computed
+            ax.add_patch(Rectangle((x0 + j * tile, m), tile, tile, facecolor=ATTENTION if done else NEVER,
+                                   alpha=0.3 if done else 1.0, edgecolor=TEXT, linewidth=0.8,
+                                   hatch=None if done else "///", gid="tile-computed" if done else "tile-skipped"))
+    kept = [(x0, 0), (x0, n), (x0 + n, n)] if causal else [(x0, 0), (x0, n), (x0 + n, n), (x0 + n, 0)]
+    ax.add_patch(Polygon(kept, closed=True, facecolor=ATTENTION, edgecolor="none", gid="cells-kept"))
+    for t in range(0, side + 1, tile):  # the tile grid, in ink
+        ax.plot([x0 + t, x0 + t], [0, side], color=TEXT, linewidth=0.8)
+        ax.plot([x0, x0 + side], [t, t], color=TEXT, linewidth=0.8)
+    if n < side:
+        ax.plot([x0 + n, x0 + n], [0, side], color=TEXT, linewidth=1.0, linestyle="--")
+        ax.plot([x0, x0 + side], [n, n], color=TEXT, linewidth=1.0, linestyle="--")
+
+
+def tile_grid(tile: int = 128, short: Sequence[int] = ARTICLE_LENS, long: int = 1000, causal: bool = True) -> Figure:
+    """The 128-row tile of a FlashAttention-style kernel: A's and B's blocks each inside one whole tile, and a
+    ``long``-token causal request on its tile grid with the tiles wholly above the diagonal skipped. Counts in the
+    titles from ``tiling.predict_work`` (one head)."""
+    lens = check_lengths(short)
+    n_long = check_int("long", long, 1)
+    ws, wl = (predict_work(x, n_heads=1, block_m=tile, block_n=tile, causal=causal) for x in (lens, [n_long]))
+    fig = Figure(figsize=(9.6, 4.6))
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [len(lens), 2.2]})
+    for i, n in enumerate(lens):
+        _draw_tiles(left, n, tile, causal, x0=i * (tile + tile // 4))
+    left.set_xlim(-4, len(lens) * (tile + tile // 4) - tile // 4 + 4)
+    left.set_ylim(tile + 4, -4)
+    left.set_xticks([i * (tile + tile // 4) + tile / 2 for i in range(len(lens))],
+                    [f"request of {n}" for n in lens], fontsize=MIN_FONT)
+    left.set_yticks([0, tile])
+    left.set_title(f"lengths {short_lens(lens)}: {ws.tiles} tiles computed,\n{ws.executed_cells} cells executed "
+                   f"for {attention_cells(lens, 'varlen', causal).useful} kept", fontsize=MIN_FONT + 1)
+    _draw_tiles(right, n_long, tile, causal)
+    side = -(-n_long // tile) * tile
+    right.set_xlim(-8, side + 8)
+    right.set_ylim(side + 8, -8)
+    right.set_xticks(range(0, side + 1, 2 * tile))
+    right.set_yticks(range(0, side + 1, 2 * tile))
+    right.set_title(f"one request of {n_long}: {wl.tiles} tiles computed,\n{wl.tiles_skipped} of "
+                    f"{wl.tiles + wl.tiles_skipped} skipped (wholly above the diagonal)", fontsize=MIN_FONT + 1)
+    for ax in (left, right):
+        ax.set_aspect("equal")
+        ax.tick_params(labelsize=MIN_FONT, length=2)
+        ax.set_xlabel("key position", fontsize=MIN_FONT)
+    left.set_ylabel("query position", fontsize=MIN_FONT)
+    fig.legend(handles=[Patch(facecolor=ATTENTION, alpha=0.3, edgecolor=TEXT, label=f"computed tile ({tile} x {tile})"),
+                        Patch(facecolor=NEVER, edgecolor=TEXT, hatch="///", label="skipped tile"),
+                        Patch(facecolor=ATTENTION, label="cells the causal mask keeps")],
+               loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
+    fig.suptitle(f"a tiled kernel ({tile} x {tile} tiles, one head, causal) computes whole tiles", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.16, top=0.8, wspace=0.25)
+    return fig
 
 
 # ---- figures ------------------------------------------------------------------------------------------
@@ -673,6 +844,14 @@ def _attention_patterns() -> Figure:
                   "(a tiled kernel computes whole 128 x 128 tiles: lesson 07) (C8, C10)")
 def _causal_patterns() -> Figure:
     return attention_patterns(ARTICLE_LENS, causal=True)
+
+
+@register("03_tile_grid", lesson="03",
+          caption="128 x 128 tiles: A's and B's blocks each inside one whole tile (2 tiles, 32,768 cells executed), "
+                  "and a 1000-token causal request whose 28 tiles wholly above the diagonal are skipped "
+                  "(tiling.predict_work)")
+def _tile_grid() -> Figure:
+    return tile_grid()
 
 
 @register("03_masked_growth", lesson="03", caption="masked computes (R L)^2 cells, varlen R L^2, per head per layer (C9)")
