@@ -87,9 +87,9 @@ def wrong(ids, mask):  # assumes the pads are at the end of every request
 ''', "its mask has the pads on the LEFT"),
     # lesson 02
     "ex02_1_grade": ('''
-def wrong(x, eps):  # the unbiased variance (torch's default); warns for a one-token batch
-    return (x - x.mean(dim=0, keepdim=True)) / (x.var(dim=0, keepdim=True) + eps) ** 0.5
-''', "biased variance"),
+def wrong(x, cu_seqlens, eps):  # plain BatchNorm: statistics over every token of the flat batch
+    return (x - x.mean(dim=0, keepdim=True)) / (x.var(dim=0, unbiased=False, keepdim=True) + eps) ** 0.5
+''', "statistics over ALL the tokens"),
     "ex02_2_grade": ('''
 def wrong(suspect):  # reads the payload shape, never asks whether the ranks agree
     _, sent = suspect.run(torch.randn(3, suspect.in_features))
@@ -101,10 +101,10 @@ def wrong(suspect):  # reads the payload shape, never asks whether the ranks agr
     return "correct" if torch.allclose(at_zero[0][0], suspect.bias, atol=1e-5) else "bias on every rank"
 ''', "the sum came too early"),
     "ex02_3_grade": ('''
-def wrong(x):  # no guard for a row of zeros
-    s = x.abs().amax(dim=-1, keepdim=True) / 127
-    return (x / s).round() * s
-''', "0 / 0 = NaN"),
+def wrong(scheme):  # right quantisers, but calls every per-tensor scale unsafe
+    import lessons_lib.course.l02_linear as L
+    return (lambda x: L.fake_int8(x, scheme)), scheme == "per-token dynamic"
+''', "a static scale is a constant"),
     # lesson 03
     "ex03_1_grade": ('''
 def wrong(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None):

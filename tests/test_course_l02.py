@@ -248,38 +248,39 @@ def test_module_reach_figure_text_is_readable():
 
 # --- exercises -------------------------------------------------------------------------------------------
 
-def _batch_norm(x, eps):
-    return (x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=False) + eps)
+def _request_norm(x, cu, eps):
+    out = torch.empty_like(x)
+    for s, e in zip(cu[:-1], cu[1:]):
+        rows = x[s:e]  # written out here (PyTorch's batch_norm refuses a one-token batch in training mode)
+        out[s:e] = (rows - rows.mean(0)) / torch.sqrt(rows.var(0, unbiased=False) + eps)
+    return out
 
 
-def test_batch_norm_reference_matches_pytorch_and_the_checker(capsys):
+def test_request_norm_reference_matches_pytorch_and_the_checker(capsys):
     x = torch.randn(9, 5)
     torch.testing.assert_close(L.batch_norm_rows(x, 1e-5), F.batch_norm(x, None, None, training=True, eps=1e-5))
-    assert L.check_batch_norm(_batch_norm)
-    assert "all 10 of A's rows" in capsys.readouterr().out
-    assert L.check_batch_norm(stub) is False
+    torch.testing.assert_close(L.request_norm(x, [0, 4, 9], 1e-5),
+                               torch.cat([F.batch_norm(x[:4], None, None, training=True, eps=1e-5),
+                                          F.batch_norm(x[4:], None, None, training=True, eps=1e-5)]))
+    assert L.check_request_norm(_request_norm)
+    assert "no pair across requests" in capsys.readouterr().out
+    assert L.check_request_norm(stub) is False
     assert "not attempted" in capsys.readouterr().out
 
 
-def test_batch_norm_checker_explains_typical_mistakes():
-    assert "LayerNorm, dim=-1" in attempt(L.check_batch_norm, lambda x, eps: F.layer_norm(x, (x.shape[1],), eps=eps))
-    assert "biased variance" in attempt(L.check_batch_norm,
-                                        lambda x, eps: (x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=True) + eps))
-    no_eps = attempt(L.check_batch_norm, lambda x, eps: (x - x.mean(0)) / x.std(0, unbiased=False))
-    assert "eps is missing" in no_eps
+def test_request_norm_checker_explains_typical_mistakes():
+    plain = attempt(L.check_request_norm, lambda x, cu, eps: L.batch_norm_rows(x, eps))
+    assert "statistics over ALL the tokens" in plain
+    assert score(L.check_request_norm, lambda x, cu, eps: L.batch_norm_rows(x, eps), points=2) == 0.5  # 1 of 4
+    assert "LayerNorm" in attempt(L.check_request_norm, lambda x, cu, eps: F.layer_norm(x, (x.shape[1],), eps=eps))
 
-    def nan_on_one_token(x, eps):  # right with eps, but divides by zero for a single row
-        return _batch_norm(x, eps) if x.shape[0] > 1 else (x - x.mean(0)) / x.std(0, unbiased=False)
-    assert "add eps inside the square root" in attempt(L.check_batch_norm, nan_on_one_token)
+    def no_eps(x, cu, eps):
+        return torch.cat([(x[s:e] - x[s:e].mean(0)) / x[s:e].std(0, unbiased=False) for s, e in zip(cu[:-1], cu[1:])])
+    assert "eps inside the square root" in attempt(L.check_request_norm, no_eps)
 
-
-def test_batch_norm_checker_explains_a_wrong_dependency_set(capsys):
-    def per_request_mean(x, eps):  # right values on the value cases, but mixes only within 10-row chunks
-        if x.shape[0] != 40:
-            return _batch_norm(x, eps)
-        return torch.cat([_batch_norm(x[:10], eps), _batch_norm(x[10:], eps)])
-    assert "reaches 0 of A's 10 rows" in attempt(L.check_batch_norm, per_request_mean)
-    assert score(L.check_batch_norm, per_request_mean, points=2) == 1.5  # 3 of 4 cases
+    def sneaky(x, cu, eps):  # right values, but divides by the number of rows of the batch it is given
+        return _request_norm(x, cu, eps) * (40 / x.shape[0] if x.shape[0] in (10, 30) else 1.0)
+    assert "no row-to-row map shows" in attempt(L.check_request_norm, sneaky)
 
 
 def _diagnose(suspect):
@@ -341,33 +342,41 @@ def test_row_parallel_diagnosis_checker_explains_wrong_rules(capsys):
     assert L.check_row_parallel_diagnosis(stub) is False
 
 
-def test_quantize_rows_checker():
-    assert L.check_quantize_rows(L.quantize_rows)
-    x = torch.randn(6, 10)
-    err = (L.quantize_rows(x) - x).abs()
-    assert (err <= x.abs().amax(-1, keepdim=True) / 127 / 2 + 1e-7).all()
+def test_fake_int8_schemes_and_which_keep_batching_free():
+    x = torch.randn(6, 10) * 2
+    for scheme in L.QUANT_SCHEMES:
+        err = (L.fake_int8(x, scheme) - x).abs()
+        assert err.max() <= 1.0, scheme
+    tok = L.fake_int8(x, "per-token dynamic")
+    assert ((tok - x).abs() <= x.abs().amax(-1, keepdim=True) / 127 / 2 + 1e-6).all()
+    assert torch.equal(L.fake_int8(torch.zeros(2, 3), "per-tensor dynamic"), torch.zeros(2, 3))
+    free = {s: L.batching_free(lambda t, s=s: L.fake_int8(t, s))["free"] for s in L.QUANT_SCHEMES}
+    assert free == {"per-tensor static": True, "per-tensor dynamic": False, "per-feature dynamic": False,
+                    "per-token dynamic": True}
+    with pytest.raises(ValueError, match="scheme"):
+        L.fake_int8(x, "per-row")
 
-    def per_tensor(x):
-        s = x.abs().max() / 127
-        return torch.round(x / s) * s
 
-    def per_feature(x):
-        s = x.abs().amax(0, keepdim=True) / 127
-        return torch.round(x / s) * s
+def _choices(scheme, safe=("per-tensor static", "per-token dynamic")):
+    return (lambda x: L.fake_int8(x, scheme)), scheme in safe
 
-    def codes(x):
-        s = x.abs().amax(-1, keepdim=True) / 127
-        return torch.round(x / torch.where(s > 0, s, torch.ones_like(s)))
 
-    def unguarded(x):
-        s = x.abs().amax(-1, keepdim=True) / 127
-        return torch.round(x / s) * s
+def test_scale_choices_checker_explains_wrong_answers(capsys):
+    assert L.check_scale_choices(_choices)
+    assert L.check_scale_choices(stub) is False
+    every_tensor_unsafe = attempt(L.check_scale_choices, lambda s: _choices(s, ("per-token dynamic",)))
+    assert "a static scale is a constant" in every_tensor_unsafe
+    assert score(L.check_scale_choices, lambda s: _choices(s, ("per-token dynamic",)), points=2) == 1.5
+    swapped = attempt(L.check_scale_choices, lambda s: ((lambda x: L.fake_int8(x, "per-feature dynamic")), False))
+    assert "that is the per-feature dynamic scale" in swapped
 
-    assert "one scale for the whole batch" in attempt(L.check_quantize_rows, per_tensor)
-    assert "per FEATURE" in attempt(L.check_quantize_rows, per_feature)
-    assert "int8 codes" in attempt(L.check_quantize_rows, codes)
-    assert "0 / 0 = NaN" in attempt(L.check_quantize_rows, unguarded)
-    assert 0 < score(L.check_quantize_rows, unguarded, points=2) < 2
+    def unguarded(scheme):
+        def q(x):
+            s = x.abs().amax(dim=-1, keepdim=True) / 127
+            return torch.clamp(torch.round(x / s), -127, 127) * s
+        return (q if scheme == "per-token dynamic" else (lambda x: L.fake_int8(x, scheme))), _choices(scheme)[1]
+    assert "0 / 0 = NaN" in attempt(L.check_scale_choices, unguarded)
+    assert "return a pair" in attempt(L.check_scale_choices, lambda s: True)
 
 
 def test_c6_all_reduce_counts_do_not_depend_on_the_packing(tiny_cfg):

@@ -8,6 +8,7 @@
 - the module-reach explorer (``module_reach_state`` + ``module_reach_explorer``): ``probe.row_dependency``
   live on a module of the engine, a BatchNorm1d or one of the learner's, for the lengths typed, and its verdict;
 - exercise 02.2's ``RowParallelSuspect`` layers (the engine's ``RowParallelLinear`` and three bugs on top of it);
+- exercise 02.1's per-request norm and 02.3's int8 scale choices (``fake_int8``, ``batching_free``);
 - the checkers of exercises 02.1-02.3.
 
 Taught in notebooks/02_linear_is_per_token.ipynb.
@@ -638,43 +639,59 @@ def batch_norm_rows(x: Tensor, eps: float) -> Tensor:
     return (x - mean) / torch.sqrt(x.var(dim=0, unbiased=False, keepdim=True) + eps)
 
 
-def check_batch_norm(fn: Callable[[Tensor, float], Tensor]) -> bool:
-    """Exercise 02.1: ``fn(x [T, d], eps) -> [T, d]``, BatchNorm over the flat rows; then which
-    rows of request A change when request B's rows change (``row_dependency``)."""
-    lens = list(ARTICLE_LENS)
-    dep_x = _flat(lens, 16, 7)
-    cases = [(_flat([24], 16, 1), 1e-5), (_flat([7], 32, 2), 1e-3), (_flat([1], 8, 3), 1e-5), (dep_x, 1e-5)]
+def request_norm(x: Tensor, cu_seqlens: Sequence[int], eps: float) -> Tensor:
+    """BatchNorm's statistics taken per REQUEST: each feature of request r is normalised with its mean and
+    biased variance over the rows ``cu_seqlens[r]:cu_seqlens[r+1]`` only. ``[T, d] -> [T, d]``."""
+    cu = list(cu_seqlens)
+    return torch.cat([batch_norm_rows(x[s:e], eps) for s, e in zip(cu[:-1], cu[1:])])
 
-    def judge(got, x, eps):
-        if x is dep_x:  # the dependency case: which rows can a change of B's rows reach?
-            dep = row_dependency(lambda t: fn(t, eps), x)
-            a, t = lens[0], sum(lens)
-            changed_a = int(dep[:a, a:].any(dim=1).sum())
-            if changed_a == a and bool(dep.all()):
-                return None
-            if torch.equal(dep, torch.eye(t, dtype=torch.bool)):
-                return ("row_dependency: every row reads only itself - that is a per-row norm (LayerNorm); BatchNorm "
-                        "takes each feature's statistics over the tokens (dim 0), so every row reads every row")
-            return (f"row_dependency: a change in B's rows reaches {changed_a} of A's {a} rows; with statistics over "
-                    f"all {t} tokens it reaches all of them (and every row reads every other row)")
-        want = batch_norm_rows(x, eps)
+
+def check_request_norm(fn: Callable[[Tensor, list, float], Tensor]) -> bool:
+    """Exercise 02.1: ``fn(x [T, d], cu_seqlens, eps) -> [T, d]``, a BatchNorm-like layer whose statistics
+    come from each request's own rows. Checked on values, then with the explorer's two tests on the flat
+    A, B batch: ``row_dependency`` (no pair across requests) and each request alone vs its rows of the flat run."""
+    lens = list(ARTICLE_LENS)
+    dep_x, cu_ab = _flat(lens, 16, 7), cumulative(lens)
+    cases = [(_flat([24], 16, 1), [0, 24], 1e-5), (_flat(lens, 16, 2), cu_ab, 1e-5),
+             (_flat([7, 1, 12], 8, 3), [0, 7, 8, 20], 1e-3), (dep_x, cu_ab, 1e-5)]
+
+    def judge(got, x, cu, eps):
+        if x is dep_x:  # the explorer's two tests, on the learner's layer
+            dep = row_dependency(lambda t: fn(t, cu, eps), x).numpy()
+            owner = np.repeat(np.arange(len(lens)), lens)
+            across = int((dep & (owner[:, None] != owner[None, :])).sum())
+            if across:
+                return (f"row_dependency: {across} pairs across requests - a change in B's rows reaches A's: the "
+                        "statistics still run over the whole batch, not over each request's rows cu[r]:cu[r+1]")
+            alone = alone_vs_batched(lambda t, c: fn(t, c, eps), x, lens)
+            if alone["differ"]:
+                return (f"row_dependency finds no pair across requests, but request(s) {', '.join(alone['differ'])} run "
+                        f"alone get other numbers than in the batch (max |diff| {alone['max_diff']:.2g}): the layer "
+                        "depends on the batch in a way no row-to-row map shows (e.g. on T or on the flat row index)")
+            return None
+        want = request_norm(x, cu, eps)
         problem = tensor_problem(got, want, atol=1e-4)
         if problem is None:
             return None
-        if x.shape[0] > 1 and matches(got, F.layer_norm(x, (x.shape[1],), eps=eps), 1e-4):
-            return problem + " - you normalised each ROW over its features (LayerNorm, dim=-1); BatchNorm uses dim 0"
-        if x.shape[0] > 1 and matches(got, (x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=True) + eps), 1e-4):
-            return problem + " - BatchNorm divides by the biased variance (by T, not T - 1)"
-        if x.shape[0] > 1 and matches(got, (x - x.mean(0)) / x.std(0, unbiased=False), 1e-4):
-            return problem + " - eps is missing: divide by sqrt(variance + eps)"
+        if len(cu) > 2 and matches(got, batch_norm_rows(x, eps), 1e-4):
+            return problem + (" - statistics over ALL the tokens of the batch: that is plain BatchNorm, and A's numbers "
+                              "depend on B. Take each request's rows x[cu[r]:cu[r+1]] on their own")
+        if matches(got, F.layer_norm(x, (x.shape[1],), eps=eps), 1e-4):
+            return problem + " - you normalised each ROW over its features (LayerNorm); here each FEATURE is " \
+                             "normalised over the tokens of its request"
         if isinstance(got, Tensor) and got.is_floating_point() and not torch.isfinite(got).all():
-            return (problem + " - a batch of one token has variance 0: add eps inside the square root "
-                    "(and notice what a request served alone in a one-token batch would get: all zeros)")
+            return (problem + " - a one-token request has variance 0: use the biased variance (divide by n, not "
+                    "n - 1) and add eps inside the square root")
+        unbiased = torch.cat([(x[s:e] - x[s:e].mean(0)) / torch.sqrt(x[s:e].var(0, unbiased=True) + eps)
+                              for s, e in zip(cu[:-1], cu[1:]) if e - s > 1]) if all(e - s > 1 for s, e in
+                                                                                      zip(cu[:-1], cu[1:])) else None
+        if unbiased is not None and matches(got, unbiased, 1e-4):
+            return problem + " - BatchNorm divides by the biased variance (by n, not n - 1)"
         return problem
 
-    return grade("batch_norm", fn, cases, judge,
-                 "BatchNorm over the flat rows - and a change in B's rows changes all 10 of A's rows: "
-                 "A's answer would depend on who it is batched with")
+    return grade("request_norm", fn, cases, judge,
+                 "each request normalised over its own tokens - no pair across requests, and each request alone "
+                 "gets its rows of the flat batch: BatchNorm's idea made safe to batch flat")
 
 
 @torch.no_grad()
@@ -799,52 +816,88 @@ def check_row_parallel_diagnosis(fn: Callable[[RowParallelSuspect], str]) -> boo
                  "each suspect named from its outputs and its trace, for TP = 2, 3 and 4")
 
 
-def quantize_rows(x: Tensor) -> Tensor:
-    """Per-token symmetric int8 fake quantisation: row i is rounded on the grid ``s_i = max|x_i| / 127``
-    and returned dequantised (``round(x / s_i) · s_i``); a row of zeros stays zero."""
-    s = x.abs().amax(dim=-1, keepdim=True) / 127                       # [T, 1]: one scale per token
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.round(x / s) * s
+QUANT_SCHEMES = ("per-tensor static", "per-tensor dynamic", "per-feature dynamic", "per-token dynamic")
+CALIBRATED_SCALE = 0.04  # a per-tensor scale fixed once, offline, from sample activations (max |x| ~ 5)
 
 
-def check_quantize_rows(fn: Callable[[Tensor], Tensor]) -> bool:
-    """Exercise 02.3: ``fn(x [T, d]) -> [T, d]``, int8 fake quantisation with one scale per TOKEN,
-    so that batching stays free (every output row depends on its own input row only)."""
+def fake_int8(x: Tensor, scheme: str) -> Tensor:
+    """Symmetric int8 fake quantisation of the activations ``x [T, d]`` (rounded to ``round(x / s) · s``,
+    clamped to ±127 levels) with the scale ``s`` of ``scheme`` (one of ``QUANT_SCHEMES``): ``CALIBRATED_SCALE``
+    (static), or ``max |x| / 127`` over the whole tensor, over each feature's tokens, or over each token's
+    features (dynamic). A max of 0 keeps the values (zeros stay zeros)."""
+    check_choice("scheme", scheme, QUANT_SCHEMES)
+    if scheme == "per-tensor static":
+        s = torch.tensor(CALIBRATED_SCALE, dtype=x.dtype)
+    else:
+        dims = {"per-tensor dynamic": (0, 1), "per-feature dynamic": (0,), "per-token dynamic": (1,)}[scheme]
+        s = x.abs().amax(dim=dims, keepdim=True) / 127
+        s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.clamp(torch.round(x / s), -127, 127) * s
+
+
+def batching_free(quantize: Callable[[Tensor], Tensor], seq_lens: Sequence[int] = ARTICLE_LENS) -> dict:
+    """The engine's QKV linear (``REACH_CFG``'s block) with its input quantised by ``quantize``, run through
+    the explorer's two tests on a flat batch whose requests differ in size (B's numbers 30 times A's):
+    ``{"across" (row_dependency pairs across requests), "differ" (requests whose rows alone differ), "free"}``."""
+    lens = check_lengths(seq_lens)
+    qkv = _reach_block().attn.qkv
+    x = torch.randn(sum(lens), REACH_CFG.d_model, generator=torch.Generator().manual_seed(13))
+    x[lens[0]:] *= 30
+    with torch.no_grad():
+        dep = row_dependency(lambda t: qkv(quantize(t)), x).numpy()
+        alone = alone_vs_batched(lambda t, cu: qkv(quantize(t)), x, lens)
+    owner = np.repeat(np.arange(len(lens)), lens)
+    across = int((dep & (owner[:, None] != owner[None, :])).sum())
+    return {"across": across, "differ": alone["differ"], "max_diff": alone["max_diff"],
+            "free": across == 0 and not alone["differ"]}
+
+
+_WHY = {"per-tensor static": "the scale is a constant fixed before serving: no request's numbers set it",
+        "per-tensor dynamic": "the max over the whole tensor is the largest number of ANY request: B's max sets A's grid",
+        "per-feature dynamic": "each feature's max runs over all the tokens of the batch: other requests' tokens set it",
+        "per-token dynamic": "each token's max runs over its own features only: no other row sets it"}
+
+
+def check_scale_choices(fn: Callable[[str], tuple]) -> bool:
+    """Exercise 02.3: ``fn(scheme) -> (quantize, keeps_batching_free)`` for each of ``QUANT_SCHEMES``:
+    ``quantize(x [T, d]) -> [T, d]`` rounds on that scheme's int8 grid (dequantised), and the bool says
+    whether the engine's QKV linear fed by it still gives each request what it gets alone. Both are
+    checked: the quantiser against the scheme, the bool against ``batching_free`` (measured)."""
     g = torch.Generator().manual_seed(5)
-    mixed = torch.cat([torch.randn(1, 16, generator=g) * 1e-3, torch.randn(1, 16, generator=g) * 1e3,
-                       torch.randn(2, 16, generator=g)])              # rows of very different sizes
-    zero_row = torch.randn(5, 16, generator=g)
-    zero_row[2] = 0
-    dep_x = _flat(ARTICLE_LENS, 16, 8)
-    cases = [(torch.randn(12, 32, generator=g),), (mixed,), (zero_row,), (dep_x,)]
+    xs = [torch.randn(12, 32, generator=g) * 2, torch.cat([torch.randn(3, 16, generator=g) * 1e-2,
+                                                           torch.randn(5, 16, generator=g) * 3])]
+    xs[0][4] = 0                                                      # a row of zeros
 
-    def judge(got, x):
-        if x is dep_x:
-            dep = row_dependency(fn, x)
-            if torch.equal(dep, torch.eye(x.shape[0], dtype=torch.bool)):
-                return None
-            return (f"row_dependency: {int(dep.sum() - dep.diagonal().sum())} pairs where changing one row changes "
-                    "ANOTHER row's output - request A's numbers would depend on request B")
-        want = quantize_rows(x)
-        problem = tensor_problem(got, want, atol=1e-6, rtol=1e-5)
-        if problem is None:
+    def judge(got, scheme):
+        if not (isinstance(got, tuple) and len(got) == 2 and callable(got[0]) and isinstance(got[1], bool)):
+            return f"return a pair (quantize function, True or False), got {type(got).__name__}"
+        quantize, free = got
+        for x in xs:
+            want = fake_int8(x, scheme)
+            try:
+                have = quantize(x.clone())
+            except Exception as exc:
+                return f"your {scheme} quantiser raised {type(exc).__name__}: {exc}"
+            problem = tensor_problem(have, want, atol=1e-6, rtol=1e-5)
+            if problem:
+                for other in QUANT_SCHEMES:
+                    if other != scheme and matches(have, fake_int8(x, other), 1e-6):
+                        return f"{problem} - that is the {other} scale, not {scheme}"
+                if isinstance(have, Tensor) and have.is_floating_point() and not torch.isfinite(have).all():
+                    return problem + " - a max of 0 gives s = 0 and 0 / 0 = NaN: give it any non-zero scale"
+                return problem
+        measured = batching_free(quantize)
+        if free == measured["free"]:
             return None
-        whole = x.abs().max() / 127
-        if whole > 0 and matches(got, torch.round(x / whole) * whole, 1e-6):
-            return problem + (" - one scale for the whole batch (per tensor): a small request's rows round to 0 next to a "
-                              "big one, and A's numbers depend on B's largest value. Use one scale per row (dim=-1)")
-        col = x.abs().amax(dim=0, keepdim=True) / 127
-        if bool((col > 0).all()) and matches(got, torch.round(x / col) * col, 1e-6):
-            return problem + " - one scale per FEATURE is a max over the tokens: rows mix. Take the max over dim=-1"
-        s = x.abs().amax(dim=-1, keepdim=True) / 127
-        if matches(got, torch.round(x / torch.where(s > 0, s, torch.ones_like(s))), 1e-6):
-            return problem + " - those are the int8 codes: return them times the scale (dequantised)"
-        if isinstance(got, Tensor) and got.is_floating_point() and not torch.isfinite(got).all():
-            return problem + " - a row of zeros has scale 0 and 0 / 0 = NaN: give it any non-zero scale (it stays 0)"
-        return problem
+        seen = (f"measured on the engine's QKV linear: {measured['across']} row pairs across requests, requests that "
+                f"differ alone vs batched: {', '.join(measured['differ']) or 'none'}")
+        if scheme == "per-tensor static":
+            return f"{scheme} keeps batching free: {_WHY[scheme]} (a static scale is a constant) - {seen}"
+        return f"{scheme} {'keeps batching free' if measured['free'] else 'breaks batching'}: {_WHY[scheme]} - {seen}"
 
-    return grade("quantize_rows", fn, cases, judge,
-                 "one scale per token: every row rounds on its own grid, and reads only itself")
+    return grade("scale_choices", fn, [(s,) for s in QUANT_SCHEMES], judge,
+                 "the static per-tensor and the dynamic per-token scales keep batching free; a dynamic scale taken "
+                 "over the tokens (per tensor, per feature) lets one request set another's grid")
 
 
 # ---- figures ----------------------------------------------------------------------------------------
