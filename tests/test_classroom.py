@@ -157,10 +157,16 @@ def wrong(cfg, seq_lens, n_kv_heads):  # caches every query head's K and V: grou
             "kv_cache_bytes": cfg.n_layers * t * 2 * q * 2}
 ''', "the cache holds the K/V heads"),
     "ex05_2_grade": ('''
-def wrong(cfg, causal):  # the whole-block answer, also for causal
-    d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
-    return -(-2 * (3 * d * k + k * d + 2 * d * f) // (4 * k))
-''', "a causal kernel computes about half the cells"),
+def wrong(total, n_kv_heads):  # equal requests, as many as stay compute-bound: no long request to carry it
+    from lessons_lib.course import l05_flops as L
+    best = None
+    for n in range(1, total // 16 + 1):
+        lens = [total // n + (i < total % n) for i in range(n)]
+        if L.attention_intensity(lens, n_kv_heads) < 989e12 / 4.8e12:
+            break
+        best = lens
+    return best
+''', "the long request carries the intensity"),
     "ex05_3_grade": ('''
 def wrong(cfg, ridge, nbytes):  # never None: assumes a big enough batch always reaches the ridge
     import math
@@ -197,14 +203,19 @@ def wrong(len_q, len_k, tile_start, block_m, block_n, window):  # ignores L_k - 
     return (0, 0) if last_row < tile_start or hi <= lo else (lo // block_n, -(-hi // block_n))
 ''', "bottom-right aligned"),
     "ex07_2_grade": ('''
-def wrong(seq_lens, n_heads, block_m):  # forgets that every head has its own programs
-    grid_m = -(-max(seq_lens) // block_m)
-    return grid_m * len(seq_lens), sum(1 for n in seq_lens for m in range(grid_m) if m * block_m >= n)
-''', "every head"),
+def wrong(seq_lens, block_m):  # request r starts at floor(cu_r / BLOCK_M): no slot for a ragged last tile
+    cu = [sum(seq_lens[:r]) for r in range(len(seq_lens))]
+    first = [c // block_m for c in cu]
+    out = []
+    for i in range(sum(seq_lens) // block_m + len(seq_lens)):
+        r = max(j for j in range(len(seq_lens)) if first[j] <= i)
+        out.append((r, i - first[r]))
+    return out
+''', "floor(cu_r / BLOCK_M)"),
     "ex07_3_grade": ('''
-def wrong(seq_lens, max_programs):  # the smallest tiles, whatever the program bound
-    return 16, 16
-''', "more than the"),
+def wrong(seq_lens, n_heads, n_sms):  # the smallest tiles: the least waste, whatever they re-read
+    return 16
+''', "re-reads"),
     # lesson 08
     "ex08_1_grade": ('''
 def wrong(seq_lens, max_num_batched_tokens, max_num_seqs, long_prefill_token_threshold):  # a capped chunk ends the forward
@@ -226,9 +237,9 @@ def wrong(seq_lens, max_num_batched_tokens, max_num_seqs, long_prefill_token_thr
     return forwards
 ''', "a capped chunk does not end the forward"),
     "ex08_2_grade": ('''
-def wrong(max_forward, max_wait, max_cache_rows):  # always the largest step allowed, never None
-    return max_forward // 16 * 16
-''', "return None"),
+def wrong(seq_lens, draft, max_num_batched_tokens):  # the draft's chunks start at forward boundaries
+    return sum(range(0, seq_lens[draft], max_num_batched_tokens))
+''', "the room left"),
     "ex08_3_grade": ('''
 def wrong(num_computed_tokens, seq_lens):  # positions restart in every chunk, as for a whole prompt
     import torch

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from helpers import attempt, by_class, min_font, png_of, stub, texts
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.text import Text
 
 from lessons_lib.core.attention import varlen_attention
 from lessons_lib.core.batch import pack, seq_lens_to_cu_seqlens
@@ -188,7 +189,8 @@ def test_measure_here_times_this_cpu_once():
 
 def test_roofline_explorer_callbacks():
     fw = {"cfg": L.HERE_CFG, "seq_lens": list(L.HERE_LENS), "seconds": 0.05}
-    box = L.roofline_explorer({"machine": FAKE_CPU, "forward": fw})
+    fake_timer = lambda lens: {"cfg": L.HERE_CFG, "seq_lens": list(lens), "seconds": 0.05}
+    box = L.roofline_explorer({"machine": FAKE_CPU, "forward": fw}, timer=fake_timer)
     k = by_class(box)
     assert "frx" in box._dom_classes
     table, out, err = k["frx-table"], k["frx-figure"], k["frx-error"]
@@ -197,13 +199,49 @@ def test_roofline_explorer_callbacks():
     before = png_of(out)
     k["frx-machine"].value = FAKE_CPU[0]
     assert "ridge 10.0" in k["frx-machine-line"].value and png_of(out) != before
+    assert k["frx-bytes"].value == 4                      # the measured CPU's peak is fp32: the bytes follow
+    k["frx-bytes"].value = 2
+    assert "mixes dtypes" in k["frx-machine-line"].value
+    k["frx-machine"].value = L.H200[0]
+    assert k["frx-bytes"].value == 2 and "mixes" not in k["frx-machine-line"].value
     k["frx-heads"].value = 4
     assert list(k["frx-kvheads"].options) == [1, 2, 4] and k["frx-kvheads"].value == 4
     k["frx-lengths"].value = "10, x"
     assert "not a whole number" in err.value
     k["frx-lengths"].value = "40"
     assert err.value == "" and "typed 40:" in table.value
-    assert "50.000 ms measured" in k["frx-measured"].value
+    assert "50.000 ms measured" in k["frx-measured"].value and "lengths 40 " in k["frx-measured"].value
+    k["frx-lengths"].value = "1000, 1000"                 # past the timed forward's bound: said, not timed
+    assert "not timed" in k["frx-measured"].value and "typed 1000, 1000:" in table.value
+
+
+def test_forward_here_times_the_engine_on_the_lengths_given_and_refuses_too_many():
+    point = L.forward_here([30, 10], repeats=1)
+    assert point["seq_lens"] == [30, 10] and point["seconds"] > 0 and point["cfg"] is L.HERE_CFG
+    with pytest.raises(ValueError, match="at most 1024 tokens"):
+        L.forward_here([600, 600])
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] must be >= 1"):
+        L.forward_here([3, 0])
+
+
+def test_wall_scaled_keeps_proportions_and_sums_to_wall():
+    t = L.wall_scaled({"linear": 0.6, "attention": 0.3, "other": 0.3, "wall": 0.9})
+    assert math.isclose(sum(t.values()), 0.9) and math.isclose(t["linear"] / t["attention"], 2.0)
+    with pytest.raises(ValueError, match="positive"):
+        L.wall_scaled({"linear": 0.0, "attention": 0.0, "other": 0.0, "wall": 1.0})
+
+
+def test_time_split_figure_bars_are_wall_ms_and_gflop():
+    splits = {"a": {"linear": 0.6, "attention": 0.3, "other": 0.3, "wall": 0.9},
+              "b": {"linear": 0.5, "attention": 0.1, "other": 0.4, "wall": 1.2}}
+    fl = {"a": forward_flops(ModelConfig(n_layers=2), [1000], causal=True),
+          "b": forward_flops(ModelConfig(n_layers=2), [100] * 10, causal=True)}
+    fig = L.time_split_figure(splits, fl, "cpu")
+    ax_t, ax_f = fig.axes
+    ends = lambda ax: sorted({round(p.get_x() + p.get_width(), 6) for p in ax.patches})
+    assert ends(ax_t)[-2:] == [900.0, 1200.0] or set(ends(ax_t)) >= {900.0, 1200.0}
+    assert round(fl["a"].total / 1e9, 6) in ends(ax_f) and round(fl["b"].total / 1e9, 6) in ends(ax_f)
+    assert "FLOPs (causal)" in fig._suptitle.get_text()
 
 
 # --- figures --------------------------------------------------------------------------------------------------
@@ -244,7 +282,7 @@ def test_intensity_figure_decode_labels_sit_off_the_fp32_line():
     for text in ax.texts:
         if "decode step" not in text.get_text():
             continue
-        box = text.get_window_extent(renderer)
+        box = Text.get_window_extent(text, renderer)      # the label itself, not its leader line
         inside = [(x, y) for x, y in pts if box.x0 <= x <= box.x1 and box.y0 <= y <= box.y1]
         assert not inside, f"{text.get_text()!r} overlaps the fp32 curve"
 
@@ -405,3 +443,38 @@ def test_roofline_figure_keeps_text_on_the_canvas_ink_lines_and_points_on_the_ro
     points = {(line.get_marker(), line.get_color()): line.get_xdata()[0] for line in ax.get_lines()[2:8]}
     assert points[("o", LINEAR)] == s["rows"][0]["linear"]["intensity"]
     assert points[("s", ATTENTION)] == s["rows"][1]["attention"]["intensity"]
+
+
+def _packing_by_hand(total, kv):
+    """One long request and the rest at 16 tokens, grown until attention drops below the H200's ridge;
+    causal attention per layer: 2 k L (L + 1) FLOPs for 2 T (2 k + 2 kv d_head) bytes (k = 512, bf16)."""
+    best = None
+    for n in range(1, total // 16 + 1):
+        lens = [total - 16 * (n - 1)] + [16] * (n - 1)
+        if sum(2 * 512 * x * (x + 1) for x in lens) / (2 * total * (1024 + 128 * kv)) < 989e12 / 4.8e12:
+            break
+        best = lens
+    return best
+
+
+def test_c14_packing_checker_takes_a_design_and_explains_wrong_ones(capsys):
+    assert L.check_packing(_packing_by_hand)
+    assert [len(_packing_by_hand(t, kv) or []) for t, kv in L._PACK_CASES] == [
+        L._most_compute_bound_requests(t, kv) or 0 for t, kv in L._PACK_CASES]
+    assert _packing_by_hand(512, 8) is None and len(_packing_by_hand(4096, 8)) == 142
+    check = L.check_packing
+    assert "token-weighted mean" in attempt(check, lambda t, kv: [64] * (t // 64))       # equal short requests
+    assert "only 1 requests" in attempt(check, lambda t, kv: [t] if t > 512 else None)  # compute-bound, one request
+    assert "expected None" in attempt(check, lambda t, kv: _packing_by_hand(t, kv) or [t])  # 512 tokens cannot
+    assert "exactly 4096 tokens" in attempt(check, lambda t, kv: [t - 1])
+    assert 0 < score(check, lambda t, kv: [t] if t > 512 else None, points=2) < 2
+    assert L.check_packing(stub) is False
+    assert "not attempted" in capsys.readouterr().out
+
+
+def test_c14_attention_intensity_of_one_long_request_passes_the_h200_ridge():
+    # causal per layer: 2 k L (L + 1) FLOPs; Q, K, V, O: 4 k L numbers of 2 bytes  ->  (L + 1) / 4 FLOP/byte
+    assert L.attention_intensity([1000]) == pytest.approx(1001 / 4)
+    assert L.attention_intensity([1000]) > L.H200_PEAK_FLOPS / L.H200_BYTES_PER_S > L.attention_intensity([100] * 10)
+    # one K/V head: K and V shrink to 64 numbers per token -> 1024 L (L + 1) / (2 L (1024 + 128))
+    assert L.attention_intensity([1000], n_kv_heads=1) == pytest.approx(1024 * 1001 / 2304)

@@ -214,7 +214,7 @@ def attention_share_curve(cfg: ModelConfig | None = None, lengths: Sequence[int]
     ax = fig.add_subplot()
     for causal, style in ((False, "-"), (True, "--")):
         share = [100 * forward_flops(cfg, [n], "varlen", causal).attention_fraction for n in lengths]
-        ax.plot(lengths, share, style, color=ATTENTION, label="causal (what the model runs)" if causal
+        ax.plot(lengths, share, style, color=ATTENTION, label="causal (useful cells: what a causal kernel computes)" if causal
                 else "whole blocks (the article's count)")
         cross = crossover_length(cfg, causal)
         ax.axvline(cross, color=TEXT, linestyle=style, linewidth=1)
@@ -275,8 +275,9 @@ def intensity_figure(cfg: ModelConfig | None = None, decode_r: Sequence[int] = (
                         arrowprops={"arrowstyle": "-", "color": TEXT, "linewidth": 0.8})
         else:
             below = r >= 128
-            ax.annotate(label, (r, y), textcoords="offset points", xytext=(12, -30) if below else (-8, 10),
-                        ha="left" if below else "right", va="top" if below else "bottom", fontsize=MIN_FONT, color=TEXT)
+            ax.annotate(label, (r, y), textcoords="offset points", xytext=(18, -58) if below else (-8, 10),
+                        ha="left" if below else "right", va="top" if below else "bottom", fontsize=MIN_FONT, color=TEXT,
+                        arrowprops={"arrowstyle": "-", "color": TEXT, "linewidth": 0.8} if below else None)
     att = intensity(decode_attention_shapes(kv_len, cfg.d_head, cfg.n_heads))
     ax.axhline(att, color=ATTENTION, linewidth=2,
                label=f"decode attention of each request, {kv_len:,} cached tokens (bf16): {att:.2f}, any R")
@@ -290,7 +291,7 @@ def intensity_figure(cfg: ModelConfig | None = None, decode_r: Sequence[int] = (
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(0.5, tokens[-1] * 1.3)
-    ax.set_ylim(0.3, 20000)
+    ax.set_ylim(0.3, 3000)
     ax.set_xlabel("rows that share one read of the weights (prefill: flat tokens T; decode: requests R)",
                   fontsize=MIN_FONT + 1)
     ax.set_ylabel("FLOP per byte moved", fontsize=MIN_FONT + 1)
@@ -502,8 +503,8 @@ def _part(flops: int, nbytes: int, peak: float, bw: float) -> dict:
 def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads: int = 8, n_layers: int = 8,
                    nbytes: int = BF16, machine=H200, total: int = 1000, requests: int = 10,
                    lengths: Sequence[int] | str = "700, 200, 100", here: dict | None = None) -> dict:
-    """Each packing's linear and attention FLOPs (``measure.flops.forward_flops``, causal: what the
-    model runs), bytes (``forward_bytes``), intensity and roofline time (``roofline_seconds``) on
+    """Each packing's linear and attention FLOPs (``measure.flops.forward_flops``, causal: the useful cells,
+    what a causal kernel computes), bytes (``forward_bytes``), intensity and roofline time (``roofline_seconds``) on
     ``machine`` = (name, FLOP/s, bytes/s); d_head = d_model / n_heads. Packings: ``1 x T``,
     ``R x T/R`` (as equal as whole tokens allow) and the ``lengths`` typed. ``here``
     (``measure_here``'s): its measured forward beside the roofline's time for it on ``here``'s machine.
@@ -571,14 +572,18 @@ def machine_line(state: dict) -> str:
 
 
 def measured_line(state: dict) -> str:
+    """The timed engine forward beside its roofline time; the roofline is a lower bound on time."""
     m = state["measured"]
     if m is None:
         return "measured here: not taken (call measure_here() first)"
     c = m["cfg"]
-    return (f"measured here: one forward of the engine ({c.n_layers} layers, d_model {c.d_model}, "
-            f"{len(m['seq_lens'])} x {m['seq_lens'][0]} tokens, fp32) on {m['machine'][0]}: "
-            f"{m['seconds'] * 1e3:.3f} ms measured, {m['predicted'] * 1e3:.3f} ms predicted by its roofline "
-            f"(measured / predicted = {m['seconds'] / m['predicted']:.1f})")
+    lens = ", ".join(map(str, m["seq_lens"]))
+    return (f"measured here: one engine forward of lengths {lens} ({c.n_layers} layers, d_model {c.d_model}, fp32) on "
+            f"{m['machine'][0]}: {m['seconds'] * 1e3:.3f} ms measured, {m['predicted'] * 1e3:.3f} ms predicted by its "
+            f"roofline, a lower bound: measured = {m['seconds'] / m['predicted']:.1f} x the bound (the roofline "
+            "assumes peak FLOP/s and full bandwidth at once, each operand moved once; the engine also runs "
+            "LayerNorm, GeLU and residual passes, Python and per-request overhead, and on the CPU writes every "
+            "score to memory)")
 
 
 def roofline_figure(state: dict) -> Figure:
@@ -640,13 +645,18 @@ def roofline_figure(state: dict) -> Figure:
 D_MODELS, BYTES = (128, 256, 512, 768, 1024, 2048, 4096, 8192), ((("bf16 (2 B)"), 2), (("fp32 (4 B)"), 4))
 
 
-def roofline_explorer(here: dict | None = None):
+def roofline_explorer(here: dict | None = None, timer: Callable[[Sequence[int]], dict] | None = None):
     """VBox class ``frx``. Model: Dropdown ``frx-dmodel``, IntText ``frx-dffn``, Dropdown ``frx-heads``,
     Dropdown ``frx-kvheads`` (the divisors of the heads), IntSlider ``frx-layers``, Dropdown ``frx-bytes``;
     machine: Dropdown ``frx-machine`` (``here``'s measured CPU when given, the H200's datasheet);
     packing: IntSlider ``frx-tokens`` (T), IntSlider ``frx-requests`` (R), Text ``frx-lengths``.
     Readouts: HTML ``frx-machine-line``, ``frx-table`` (``roofline_lines``), ``frx-measured``
-    (``measured_line``), ``frx-error`` (a bad input, named), Output ``frx-figure``."""
+    (``measured_line``: with ``here``, ``timer`` (default ``forward_here``) times the engine on the typed
+    lengths, once per new lengths, "running…" meanwhile), ``frx-error`` (a bad input, named), Output
+    ``frx-figure``. Choosing the measured CPU switches the dtype to fp32 (its peak is fp32), the H200 to
+    bf16; a dtype that differs from the machine's is flagged in ``frx-machine-line``."""
+    timer = timer or forward_here
+    timed: dict = {}
     w = ipywidgets_module()
     machines = {H200[0]: H200}
     if here is not None:
@@ -664,7 +674,28 @@ def roofline_explorer(here: dict | None = None):
     mline, table = tagged(w.HTML(), "frx-machine-line"), tagged(w.HTML(), "frx-table")
     meas, err, out = tagged(w.HTML(), "frx-measured"), tagged(w.HTML(), "frx-error"), tagged(w.Output(), "frx-figure")
 
+    def measured_for(typed: str):
+        """``here`` with its forward replaced by the engine timed on the typed lengths (cached)."""
+        if here is None:
+            return None
+        try:
+            lens = parse_lengths(typed, max_requests=256, max_length=1 << 16)
+        except ValueError:
+            return here
+        if tuple(lens) not in timed:
+            if sum(lens) > HERE_MAX_TOKENS or max(lens) > HERE_CFG.max_position:
+                timed[tuple(lens)] = None
+            else:
+                meas.value = "<div>measured here: running…</div>"
+                timed[tuple(lens)] = timer(lens)
+        point = timed[tuple(lens)]
+        return None if point is None else {"machine": here["machine"], "forward": point}
+
     def update(change=None):
+        if change is not None and change.get("owner") is mach:   # the dtype the machine's peak is for
+            nb.unobserve(update, names="value")
+            nb.value = BF16 if machines[mach.value] == H200 else 4
+            nb.observe(update, names="value")
         if change is not None and change.get("owner") is heads:  # KV heads: the divisors of the heads
             opts = [k for k in range(1, heads.value + 1) if heads.value % k == 0]
             keep = kvh.value if kvh.value in opts else heads.value
@@ -673,14 +704,23 @@ def roofline_explorer(here: dict | None = None):
             kvh.observe(update, names="value")
         try:
             state = roofline_state(dm.value, ffn.value, heads.value, kvh.value, layers.value, nb.value,
-                                   machines[mach.value], tokens.value, reqs.value, lens.value, here)
+                                   machines[mach.value], tokens.value, reqs.value, lens.value,
+                                   measured_for(lens.value))
         except ValueError as exc:
             err.value = f"<div style='color:{WASTE}'>{exc}</div>"
             return
         err.value = ""
-        mline.value = f"<div>{machine_line(state)}</div>"
+        want = BF16 if machines[mach.value] == H200 else 4
+        warn = "" if nb.value == want else (f"<div style='color:{WASTE}'>this machine's peak is for "
+                                            f"{'bf16' if want == BF16 else 'fp32'}: the bytes use {nb.value} "
+                                            f"B per number, so the ridge comparison mixes dtypes</div>")
+        mline.value = f"<div>{machine_line(state)}</div>" + warn
         table.value = "".join(f"<div>{line}</div>" for line in roofline_lines(state))
-        meas.value = f"<div>{measured_line(state)}</div>"
+        if state["measured"] is None and here is not None:
+            meas.value = (f"<div>measured here: not timed (the timed forward takes at most {HERE_MAX_TOKENS} "
+                          f"tokens and {HERE_CFG.max_position} per request; type fewer)</div>")
+        else:
+            meas.value = f"<div>{measured_line(state)}</div>"
         show_figure(out, roofline_figure(state))
 
     box = explorer("frx", [dm, ffn, heads, kvh, layers, nb], [w.HBox([mach, tokens, reqs, lens]), mline, table, meas,
@@ -843,3 +883,153 @@ def check_decode_batch(fn: Callable[[ModelConfig, float, int], int | None]) -> b
             return f"got {got}, expected {want} - off by one: the smallest R whose intensity is >= the ridge"
         return f"got {got}, expected {want} (the intensity at R = {want} is {block_linear_intensity(cfg, want, nbytes):.1f})"
     return grade("decode_batch", fn, cases, judge, "H200 and CPU ridges, an unreachable ridge, two other models")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 05.2: design a packing whose attention is compute-bound on an H200
+
+PACK_MIN_LEN = 16                               # a chat turn: every request of the packing has at least this
+_PACK_CASES = ((4096, 8), (4096, 1), (2048, 2), (8192, 8), (512, 8))
+
+
+def attention_intensity(seq_lens: Sequence[int], n_kv_heads: int = 8, cfg: ModelConfig | None = None,
+                        nbytes: int = BF16) -> float:
+    """Causal attention's FLOPs over its bytes (Q, K, V, O once: ``forward_bytes``) for one forward of
+    ``seq_lens``: a token-weighted mean over the requests, so long requests carry it."""
+    cfg = cfg or ModelConfig()
+    f = forward_flops(cfg, seq_lens, "varlen", causal=True, n_kv_heads=n_kv_heads)
+    return f.attention / forward_bytes(cfg, seq_lens, n_kv_heads=n_kv_heads, bytes_per_element=nbytes).attention
+
+
+def _most_compute_bound_requests(total: int, n_kv_heads: int = 8, ridge: float = H200_PEAK_FLOPS / H200_BYTES_PER_S,
+                                min_len: int = PACK_MIN_LEN, cfg: ModelConfig | None = None) -> int | None:
+    """The most requests (each >= ``min_len`` tokens, ``total`` in all) whose causal attention still
+    reaches ``ridge`` FLOP/byte, or None when even one request of ``total`` tokens does not. For a fixed
+    count the sum of L² is largest with one long request and the rest at ``min_len``, so that shape is
+    searched (``attention_intensity`` falls as the count grows)."""
+    t = check_int("total", total, min_len)
+    best = None
+    for n in range(1, t // min_len + 1):
+        lens = [t - (n - 1) * min_len] + [min_len] * (n - 1)
+        if attention_intensity(lens, n_kv_heads, cfg) < ridge:
+            break
+        best = n
+    return best
+
+
+def check_packing(fn: Callable[[int, int], Sequence[int] | None]) -> bool:
+    """Exercise 05.2: ``fn(total, n_kv_heads) -> list of lengths or None``: a packing of exactly ``total``
+    tokens, every request >= ``PACK_MIN_LEN``, whose causal attention is compute-bound on an H200 (bf16,
+    the article's model with ``n_kv_heads`` K/V heads), with at least 90 % as many requests as the
+    most any such packing has (``_most_compute_bound_requests``); None when no packing is compute-bound."""
+    ridge = H200_PEAK_FLOPS / H200_BYTES_PER_S
+
+    def judge(got, total, kv):
+        most = _most_compute_bound_requests(total, kv, ridge)
+        one = attention_intensity([total], kv)
+        if most is None:
+            if got is None:
+                return None
+            return (f"got {got!r}, expected None - even one request of all {total} tokens reaches only {one:.0f} "
+                    f"FLOP/byte, below the H200's ridge {ridge:.0f}: no packing of {total} tokens is compute-bound")
+        if got is None:
+            return (f"got None, expected a packing - one request of {total} tokens reaches {one:.0f} FLOP/byte, "
+                    f"above the ridge {ridge:.0f}")
+        if isinstance(got, (str, bytes)) or not isinstance(got, Sequence) or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in got):
+            return f"expected a list of int lengths (or None), got {got!r}"
+        if sum(got) != total or not got or min(got) < PACK_MIN_LEN:
+            return (f"got {len(got)} requests summing to {sum(got)}, shortest {min(got) if got else None} - the packing "
+                    f"must hold exactly {total} tokens, every request at least {PACK_MIN_LEN}")
+        x = attention_intensity(got, kv)
+        if x < ridge:
+            return (f"got {len(got)} requests, attention {x:.0f} FLOP/byte < ridge {ridge:.0f}: memory-bound - "
+                    f"attention's intensity is the token-weighted mean of each request's (about L/4 with 8 K/V heads): "
+                    f"equal or short requests keep it low; one long request carries it")
+        if len(got) < 0.9 * most:
+            return (f"compute-bound ({x:.0f} FLOP/byte), but only {len(got)} requests; {most} fit - "
+                    f"the long request carries the intensity: give it just enough tokens and make every other "
+                    f"request as short as allowed")
+        return None
+    return grade("packing", fn, list(_PACK_CASES), judge,
+                 "5 cases: 512 to 8,192 tokens, 1 to 8 K/V heads, one where no packing works")
+
+
+# ---------------------------------------------------------------------------------------------
+# The explorer's timed forward: the engine on the learner's lengths, at a reduced width
+
+HERE_MAX_TOKENS = 1024
+
+
+def forward_here(seq_lens: Sequence[int], repeats: int = 2, cfg: ModelConfig | None = None) -> dict:
+    """Time one real engine forward of ``cfg`` (default ``HERE_CFG``: 2 layers, d_model 256, fp32, on
+    the CPU) on ``seq_lens`` (at most ``HERE_MAX_TOKENS`` tokens, so it stays under a second):
+    ``{"cfg", "seq_lens", "seconds"}`` (fastest of ``repeats``; the first call on new lengths builds the model and batch)."""
+    from ..core.batch import pack
+    from ..core.model import Transformer
+    from ..measure.profile import time_call
+    cfg = cfg or HERE_CFG
+    lens = check_lengths(seq_lens)
+    if sum(lens) > HERE_MAX_TOKENS:
+        raise ValueError(f"the timed forward takes at most {HERE_MAX_TOKENS} tokens, got {sum(lens)}")
+    if max(lens) > cfg.max_position:
+        raise ValueError(f"the timed forward takes requests of at most {cfg.max_position} tokens, got {max(lens)}")
+    key = (repr(cfg), tuple(lens))
+    if key not in _HERE_MODELS:
+        _HERE_MODELS.clear()
+        g = torch.Generator().manual_seed(0)
+        _HERE_MODELS[key] = (Transformer(cfg, seed=0),
+                             pack([torch.randint(0, cfg.vocab_size, (m,), generator=g) for m in lens]))
+    model, batch = _HERE_MODELS[key]
+    with torch.no_grad():
+        seconds = time_call(lambda: model(batch), repeats=check_int("repeats", repeats, 1, 20), warmup=0)
+    return {"cfg": cfg, "seq_lens": list(lens), "seconds": seconds}
+
+
+_HERE_MODELS: dict = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured time split, drawn in milliseconds of wall time beside the FLOPs
+
+def wall_scaled(split: Mapping[str, float]) -> dict[str, float]:
+    """``forward_time_split``'s parts rescaled so they add up to its ``wall`` time (the profiler's own
+    overhead inflates the parts on the CPU; their proportions are kept)."""
+    parts = {p: float(split[p]) for p in ("linear", "attention", "other")}
+    total = sum(parts.values())
+    if not total > 0 or not split.get("wall", 0) > 0:
+        raise ValueError(f"a time split needs positive parts and wall, got {dict(split)!r}")
+    return {p: v * split["wall"] / total for p, v in parts.items()}
+
+
+def time_split_figure(splits: Mapping[str, Mapping[str, float]], flops: Mapping[str, ForwardFlops],
+                      where: str) -> Figure:
+    """Two panels, one bar per packing: left, the measured time in ms (``wall_scaled``: the profiled
+    parts scaled to the wall time), linear / attention / other; right, the causal FLOPs in GFLOP."""
+    names = list(splits)
+    fig = Figure(figsize=(9.2, 1.9 + 0.45 * len(names)))
+    ax_t, ax_f = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for y, name in enumerate(names):
+        t, left = wall_scaled(splits[name]), 0.0
+        for p, color in (("linear", LINEAR), ("attention", ATTENTION), ("other", OTHER)):
+            ax_t.barh(y, 1e3 * t[p], left=left, color=color, label=p if y == 0 else None)
+            left += 1e3 * t[p]
+        ax_t.text(left, y, f" {left:.0f} ms", va="center", fontsize=MIN_FONT, color=TEXT)
+        f, left = flops[name], 0.0
+        for p, color in (("linear", LINEAR), ("attention", ATTENTION)):
+            ax_f.barh(y, getattr(f, p) / 1e9, left=left, color=color)
+            left += getattr(f, p) / 1e9
+        ax_f.text(left, y, f" {left:.1f}", va="center", fontsize=MIN_FONT, color=TEXT)
+    for ax, xlabel in ((ax_t, f"time per forward (ms), profiled parts scaled to wall time, {where}"),
+                       (ax_f, "FLOPs per forward (GFLOP), causal")):
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(names if ax is ax_t else [""] * len(names), fontsize=MIN_FONT)
+        ax.invert_yaxis()
+        ax.set_xlim(0, ax.get_xlim()[1] * 1.25)
+        ax.set_xlabel(xlabel, fontsize=MIN_FONT)
+        ax.tick_params(labelsize=MIN_FONT)
+    ax_t.legend(fontsize=MIN_FONT, ncol=3, frameon=False, loc="lower left", bbox_to_anchor=(0.0, 1.0))
+    fig.suptitle("Time (profiled, this machine) vs FLOPs (causal), same 1,000 tokens", fontsize=MIN_FONT + 1,
+                 y=0.98)
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.5 / (1.9 + 0.45 * len(names)) + 0.12, top=0.72, wspace=0.12)
+    return fig
