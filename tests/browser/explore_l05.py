@@ -83,6 +83,7 @@ def test_lesson05_roofline_explorer(lab_server, browser_context, capsys):
     page.locator(".frx-lengths input").press("Enter")
     wait_text(page, ".frx-table", "t => t.includes('typed 3000, 40:')")
     assert _lines(page) == _expected(_knobs(page))[0]
+    wait_text(page, ".frx-measured", "t => t.includes('not timed')")   # 3,040 tokens: past the timed forward's bound
 
     # This CPU, measured: FLOPs and bytes do not depend on the machine; its ridge is what its line says.
     page.locator(".frx-machine select").select_option(index=0)
@@ -96,5 +97,17 @@ def test_lesson05_roofline_explorer(lab_server, browser_context, capsys):
     for g, w in zip(got, (LINE_RE.fullmatch(x) for x in want)):
         machine_free = (1, 2, 3, 4, 7, 8, 9)         # label, FLOPs, bytes, intensity of both parts
         assert [g[i] for i in machine_free] == [w[i] for i in machine_free], (g[0], w[0])
+
+    assert _knobs(page)["nbytes"] == 4, "the measured CPU's peak is fp32: the dtype follows the machine"
+
+    # The engine timed on the typed lengths: its roofline time is the library's for those lengths on this CPU.
+    page.locator(".frx-lengths input").fill("300, 40")
+    page.locator(".frx-lengths input").press("Enter")
+    wait_text(page, ".frx-measured", "t => t.includes('lengths 300, 40 (')", timeout=20_000)
+    mm = re.search(r"([\d.]+) ms measured, ([\d.]+) ms predicted", inner_text(page, ".frx-measured"))
+    assert mm and float(mm[1]) > 0, inner_text(page, ".frx-measured")
+    fw = {"cfg": l05_flops.HERE_CFG, "seq_lens": [300, 40], "seconds": float(mm[1]) / 1e3}
+    direct = l05_flops.roofline_state(machine=cpu, here={"machine": cpu, "forward": fw})["measured"]["predicted"]
+    assert abs(float(mm[2]) - direct * 1e3) <= 1e-3 + 0.01 * direct * 1e3, (mm[2], direct)
 
     finish(page, widget, "05", latencies, text_ms, console_errors, t_start, capsys)
