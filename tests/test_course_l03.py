@@ -248,7 +248,13 @@ def test_attention_run_figure_text_inside_and_ink_guides():
     fig = L.attention_run_figure(L.attention_run_state("10, 30", causal=True))
     ax = fig.axes[0]
     assert all(line.get_color() != OTHER for line in ax.get_lines())
-    assert [t.get_text().strip() for t in ax.texts] == ["1000", "1600", "1800", "1000"]
+    state = L.attention_run_state("10, 30", causal=True)
+    fig = L.attention_run_figure(state)
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "linear"   # stacked bars on a log axis misstate the proportions
+    texts = [t.get_text().strip() for t in ax.texts]
+    assert texts[::2] == ["1000", "1600", "1800", "1000"]
+    assert texts[1::2][1].startswith(f"stores {L._kib(4 * L.RUN_HEADS * 40 * 40)}") and "no scores stored" in texts[7]
 
 
 # --- exercises -------------------------------------------------------------------------------------------

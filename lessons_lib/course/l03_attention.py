@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Polygon, Rectangle
+from matplotlib.ticker import MaxNLocator
 
 from ..core.attention import attention_ref, block_diag_mask, plain_attention, varlen_attention
 from ..core.batch import cumulative, pack, seq_lens_to_cu_seqlens
@@ -459,15 +460,14 @@ def is_fused(state: dict, name: str) -> bool:
 
 
 def attention_run_figure(state: dict) -> Figure:
-    """Left: score cells per head of each backend on a linear axis, stacked: useful (useful colour), computed and
-    thrown away (wasted colour); a fused kernel's bar (sdpa) is white with an ink hatch: what it was handed, not what
-    it executed. Right: the largest score tensor each backend stored (KiB), with its measured time."""
+    """Score cells per head of each backend on a linear axis, stacked: useful (useful colour), computed and thrown
+    away (wasted colour); a fused kernel's bar (sdpa) is white with an ink hatch: what it was handed, not what it
+    executed. Beside each bar: the cells, the largest score tensor the backend stored and its measured time."""
     names = list(state["rows"])
     rows = [state["rows"][n] for n in names]
     useful = state["useful"]
-    fig = Figure(figsize=(9.6, 3.8))
-    ax, mem = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
-    ys = list(range(len(names)))
+    fig = Figure(figsize=(8.4, 3.6))
+    ax = fig.add_subplot()
     for i, (n, r) in enumerate(zip(names, rows)):
         if is_fused(state, n):
             ax.barh(i, r["cells"], color=NEVER, edgecolor=TEXT, hatch="///", linewidth=0.8,
@@ -476,9 +476,12 @@ def attention_run_figure(state: dict) -> Figure:
             ax.barh(i, useful, color=CELL_COLORS[USEFUL], label=CELL_LABELS[USEFUL])
             ax.barh(i, max(r["cells"] - useful, 0), left=useful, color=CELL_COLORS[WASTED], label=CELL_LABELS[WASTED])
         ax.text(r["cells"], i, f" {r['cells']}", va="center", fontsize=MIN_FONT)
-    top = max(r["cells"] for r in rows)
-    ax.set_xlim(0, top * 1.3)
-    ax.set_yticks(ys, [run_label(state, n) for n in names], fontsize=MIN_FONT)
+        stored = "no scores stored" if r["largest_bytes"] is None else f"stores {_kib(r['largest_bytes'])}"
+        ax.text(1.02, i, f"{stored}, {r['ms']:.2f} ms", va="center", fontsize=MIN_FONT,
+                transform=ax.get_yaxis_transform())
+    ax.set_xlim(0, max(r["cells"] for r in rows) * 1.2)
+    ax.xaxis.set_major_locator(MaxNLocator(5))
+    ax.set_yticks(range(len(names)), [run_label(state, n) for n in names], fontsize=MIN_FONT)
     ax.invert_yaxis()
     ax.tick_params(labelsize=MIN_FONT)
     ax.set_xlabel(f"score cells per head (OpRecorder), linear; useful: {useful}", fontsize=MIN_FONT)
@@ -487,21 +490,10 @@ def attention_run_figure(state: dict) -> Figure:
     fig.legend(keep.values(), keep.keys(), fontsize=MIN_FONT, loc="lower center", ncol=3, frameon=False)
     kind = "causal" if state["causal"] else "no causal mask"
     tiled = state["tiled"]
-    ax.set_title(f"score cells per head, lengths {short_lens(state['seq_lens'])} ({kind})\n"
-                 f"a 128 x 128 tiled kernel would execute {tiled.executed_cells} in {tiled.tiles} tiles",
-                 fontsize=MIN_FONT + 1)
-    kib = [(r["largest_bytes"] or 0) / 1024 for r in rows]
-    mem.barh(ys, kib, color=NEVER, edgecolor=TEXT, linewidth=0.8)
-    for i, (r, x) in enumerate(zip(rows, kib)):
-        what = "none stored" if r["largest_bytes"] is None else f"{x:.1f} KiB"
-        mem.text(x, i, f" {what}, {r['ms']:.2f} ms", va="center", fontsize=MIN_FONT)
-    mem.set_xlim(0, max(kib + [1.0]) * 2.2)
-    mem.set_yticks(ys, [""] * len(ys))
-    mem.invert_yaxis()
-    mem.tick_params(labelsize=MIN_FONT)
-    mem.set_xlabel("largest score tensor stored (KiB)", fontsize=MIN_FONT)
-    mem.set_title("what each backend stores, and its time\n(measured, noisy)", fontsize=MIN_FONT + 1)
-    fig.subplots_adjust(left=0.2, right=0.98, bottom=0.27, top=0.85, wspace=0.08)
+    ax.set_title(f"score cells per head, lengths {short_lens(state['seq_lens'])} ({kind}); right: largest score "
+                 f"tensor stored, time on this CPU\na 128 x 128 tiled kernel would execute {tiled.executed_cells} "
+                 f"cells in {tiled.tiles} tiles", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.22, right=0.74, bottom=0.25, top=0.84)
     return fig
 
 
