@@ -77,7 +77,11 @@ def test_c4_c5_measure_steps_finds_the_identity_except_in_attention(block_run):
             assert r.reads == "rows of its own request"
         else:
             assert r.off_diagonal == 0 and r.reads == "row i only"
-    assert "row i only" in L.format_reports(reports) and "bits differ" in L.rounding_lines(reports)
+    assert "row i only" in L.format_reports(reports) and "A: numbers differ" in L.rounding_lines(reports, lens)
+    for r in reports:
+        assert sum(r.differ_per_request) == r.bits_differ and len(r.differ_per_request) == len(lens)
+        if r.kind != "linear":   # the same arithmetic on each row whatever the batch: bit-identical
+            assert r.differ_per_request == (0, 0) and r.padded_differ == 0, r
 
 
 def test_c5_measure_steps_catches_a_layer_that_mixes_rows(block_run):

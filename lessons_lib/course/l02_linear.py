@@ -244,7 +244,10 @@ class StepReport:
     err: float               # max |flat - fp64 alone| over every request's rows
     bound: float             # the tolerance rule's bound for it (2·|alone - fp64| + 2 eps · scale)
     flat_vs_alone: float     # max |flat - alone| (both float32)
-    bits_differ: int         # how many of the output numbers differ in any bit, flat vs alone
+    bits_differ: int         # how many of the output numbers differ (in any bit), flat vs alone, all requests
+    differ_per_request: tuple = ()   # the same count for each request's rows
+    padded_differ: int = 0   # the first request alone but padded with zero rows to T rows: its numbers that differ
+    scale: float = 0.0       # max |output| of the flat run: the scale the rounding is measured at
 
     @property
     def reads(self) -> str:
@@ -267,9 +270,14 @@ def measure_steps(steps: Sequence[BlockStep], seq_lens: Sequence[int]) -> list[S
         off = dep & ~torch.eye(dep.shape[0], dtype=torch.bool)
         alone = torch.cat([st.fn(st.inp[s:e], slice(s, e)) for s, e in zip(cu[:-1], cu[1:])])
         alone64 = torch.cat([st.fn64(st.inp[s:e].double(), slice(s, e)) for s, e in zip(cu[:-1], cu[1:])])
+        padded = torch.zeros_like(st.inp)  # request 0's rows, then zero rows: the flat batch's shape, no B in it
+        padded[:lens[0]] = st.inp[:lens[0]]
+        padded_out = st.fn(padded)
+        per_request = tuple(int((st.out[s:e] != alone[s:e]).sum()) for s, e in zip(cu[:-1], cu[1:]))
         out.append(StepReport(st.name, st.kind, tuple(st.inp.shape), tuple(st.out.shape), int(off.sum()),
                               int((off & ~same).sum()), max_abs_diff(st.out, alone64), tolerance(alone, alone64),
-                              max_abs_diff(st.out, alone), int((st.out != alone).sum())))
+                              max_abs_diff(st.out, alone), int((st.out != alone).sum()), per_request,
+                              int((padded_out[:lens[0]] != st.out[:lens[0]]).sum()), float(st.out.abs().max())))
     return out
 
 
@@ -282,12 +290,24 @@ def format_reports(reports: Sequence[StepReport]) -> str:
     return "\n".join(lines)
 
 
-def rounding_lines(reports: Sequence[StepReport]) -> str:
-    """Per step: flat vs alone, and both against float64 (machine-dependent: shown, not asserted)."""
-    lines = [f"{'step':15s} {'bits differ':>16s} {'max|flat-alone|':>16s} {'max|flat-fp64|':>15s} {'bound':>9s}"]
+def rounding_lines(reports: Sequence[StepReport], seq_lens: Sequence[int] = ARTICLE_LENS) -> str:
+    """Per step: how many of each request's output numbers differ (in any bit) flat vs alone, the same
+    for request 0 alone padded with zero rows to the flat batch's row count, max |flat - alone| (also in
+    units of the last place of the step's largest output, eps · max|y|) and both against float64
+    (machine-dependent: shown, not asserted)."""
+    lens = check_lengths(seq_lens)
+    t = sum(lens)
+    names = [request_name(i) for i in range(len(lens))]
+    heads = [f"{n}: numbers differ" for n in names] + [f"{names[0]} padded to {t}"]
+    lines = [f"{'step':15s} " + " ".join(f"{h:>18s}" for h in heads)
+             + f" {'max|flat-alone|':>16s} {'= ulp of max|y|':>16s} {'max|flat-fp64|':>15s} {'bound':>9s}"]
     for r in reports:
-        n = int(np.prod(r.shape_out))
-        lines.append(f"{r.name:15s} {f'{r.bits_differ} of {n}':>16s} {r.flat_vs_alone:16.1e} {r.err:15.1e} {r.bound:9.1e}")
+        per_row = int(np.prod(r.shape_out)) // t
+        cells = [f"{d} of {n * per_row}" for d, n in zip(r.differ_per_request, lens)]
+        cells.append(f"{r.padded_differ} of {lens[0] * per_row}")
+        ulp = r.flat_vs_alone / (torch.finfo(torch.float32).eps * r.scale) if r.scale else 0.0
+        lines.append(f"{r.name:15s} " + " ".join(f"{c:>18s}" for c in cells)
+                     + f" {r.flat_vs_alone:16.1e} {ulp:16.1f} {r.err:15.1e} {r.bound:9.1e}")
     return "\n".join(lines)
 
 
