@@ -224,12 +224,30 @@ def test_kernel_state_with_a_bug_runs_the_broken_kernel():
     assert L.kernel_module()._varlen_fwd_kernel is not None and L.kernel_state("70, 5")["error"] <= late["bound"]
 
 
+@needs_kernel
+def test_the_explorer_picture_is_drawn_from_the_kernels_per_program_counts():
+    # the real kernel: its per-program tiles are the prediction's, program by program
+    real = L.kernel_state("100, 5, 20", 32, 32, True)
+    predicted = [p.tiles if p.status != "returned" else -1 for p in
+                 L.program_table([100, 5, 20], block_m=32, block_n=32, causal=True)]
+    assert list(real["program_tiles"]) == predicted and real["measured"].tiles == sum(t for t in predicted if t > 0)
+    # the bug: the 6 programs past an end compute a tile each; the picture draws 18 tiles, the prediction 12
+    late = L.kernel_state("100, 5, 20", 32, 32, True, bug="no early return")
+    assert -1 not in late["program_tiles"] and L.table_totals(late["table"], 1, 32, 32).tiles == 18
+    assert late["predicted"].tiles == 12 and "tiles: measured 18 | predicted 12 | picture 18" in L.kernel_counts_html(late)
+    fig = L.launch_picture([100, 5, 20], block_m=32, block_n=32, causal=True, measured=late["measured"],
+                           program_tiles=late["program_tiles"])
+    text = " ".join(t.get_text() for t in fig.texts)
+    assert "drawn from the kernel's own" in text and "DIFFER: 12 tiles" in text
+    assert not [p for ax in fig.axes for p in ax.patches if (p.get_gid() or "").startswith("returned")]
+
+
 def test_without_triton_the_state_and_the_checkers_fall_back_to_the_prediction(monkeypatch):
     monkeypatch.setattr(L, "_load", lambda: (None, "ModuleNotFoundError: No module named 'triton'"))
     state = L.kernel_state("10, 30")
     assert not state["ran"] and "Linux wheels only" in state["why"] and state["predicted"].programs == 4
     assert "No module named 'triton'" in L.kernel_missing()
-    assert L.check_launch(_reference_launch) and L.check_window_tiles(_reference_window)
+    assert L.check_flat_grid(_flat_grid) and L.check_window_tiles(_reference_window)
     with pytest.raises(RuntimeError, match="does not run here"):
         L.run_kernel(*random_qkv([3], 1, 16))
 
@@ -256,24 +274,34 @@ def _reference_window(len_q, len_k, tile_start, block_m, block_n, window):
     return (0, 0) if last_row < tile_start or hi <= lo else (lo // block_n, -(-hi // block_n))
 
 
-def _reference_allowed(seq_lens, max_programs):
-    block_ms = tuple(bm for bm in L.TILE_SIZES if -(-max(seq_lens) // bm) * len(seq_lens) <= max_programs)
-    return block_ms, (L.TILE_SIZES if block_ms else ())
+def _reference_allowed(seq_lens, n_heads, n_sms):
+    return tuple(bm for bm in L.TILE_SIZES if -(-max(seq_lens) // bm) * n_heads * len(seq_lens) >= n_sms)
 
 
-def _reference_launch(seq_lens, n_heads, block_m):
-    grid_m = -(-max(seq_lens) // block_m)
-    return grid_m * n_heads * len(seq_lens), n_heads * sum(1 for n in seq_lens for m in range(grid_m) if m * block_m >= n)
+def _flat_grid(seq_lens, block_m, extra=1):
+    """vLLM's map: request r starts at floor(cu_r / BLOCK_M) + extra * r (extra=0 is the typical mistake)."""
+    cu = [0]
+    for n in seq_lens:
+        cu.append(cu[-1] + n)
+    first = [cu[r] // block_m + extra * r for r in range(len(seq_lens))]
+    pairs = []
+    for i in range(sum(seq_lens) // block_m + len(seq_lens)):
+        r = max(j for j in range(len(seq_lens)) if first[j] <= i)
+        pairs.append((r, i - first[r]))
+    return pairs
 
 
-def _reference_tiles(seq_lens, max_programs):
-    best = min((w.executed_cells, bm, bn) for bm, bn, w in L.tile_choices(seq_lens, max_programs))
-    return best[1], best[2]
+def _reference_tiles(seq_lens, n_heads, n_sms):
+    costs = {bm: L.tile_costs(seq_lens, n_heads, bm) for bm in L.TILE_SIZES}
+    full = [bm for bm in L.TILE_SIZES if costs[bm][0] >= n_sms]
+    if full:
+        return min(full, key=lambda bm: (costs[bm][1], costs[bm][2]))
+    return min(L.TILE_SIZES, key=lambda bm: (-costs[bm][0], costs[bm][2]))
 
 
 def test_the_checkers_accept_the_references(capsys):
     assert L.check_window_tiles(_reference_window)
-    assert L.check_launch(_reference_launch)
+    assert L.check_flat_grid(_flat_grid)
     assert L.check_tiles(_reference_tiles)
     assert L.check_tile_bound(_reference_allowed)
     assert capsys.readouterr().out.count("✓") == 4
@@ -322,36 +350,57 @@ def test_window_checker_compares_with_the_kernels_count_on_a_chunk():
 
 
 @pytest.mark.parametrize("wrong, phrase", [
-    (lambda lens, p: (_reference_allowed(lens, p)[0], _reference_allowed(lens, p)[0]), "has no BLOCK_N"),
-    (lambda lens, p: (tuple(bm for bm in L.TILE_SIZES if sum(-(-n // bm) for n in lens) <= p), L.TILE_SIZES),
+    (lambda lens, h, s: tuple(bm for bm in L.TILE_SIZES if -(-max(lens) // bm) * len(lens) >= s), "every head"),
+    (lambda lens, h, s: tuple(bm for bm in L.TILE_SIZES if h * sum(-(-n // bm) for n in lens) >= s),
      "sized by the longest one"),
+    (lambda lens, h, s: tuple(bm for bm in L.TILE_SIZES if -(-max(lens) // bm) * h * len(lens) <= s), "against"),
 ])
 def test_tile_bound_checker_explains_a_wrong_defence(wrong, phrase):
     with pytest.raises(WrongAnswer, match=phrase):
         L.check_tile_bound(wrong)
 
 
-@pytest.mark.parametrize("wrong, phrase", [
-    (lambda lens, h, bm: (h * sum(-(-n // bm) for n in lens), 0), "sized by the LONGEST request"),
-    (lambda lens, h, bm: (_reference_launch(lens, 1, bm)[0], _reference_launch(lens, 1, bm)[1]), "every head"),
-    (lambda lens, h, bm: (_reference_launch(lens, h, bm)[0],
-                          h * sum(1 for n in lens for m in range(-(-max(lens) // bm)) if m * bm > n)), "the test is >="),
-])
-def test_launch_checker_explains_a_wrong_count(wrong, phrase):
-    with pytest.raises(WrongAnswer, match=phrase):
-        L.check_launch(wrong)
+def test_flat_grid_never_loses_a_tile_and_the_checker_explains_one_that_does():
+    for lens, bm in L.FLAT_CASES:
+        pairs = _flat_grid(lens, bm)
+        real = {(r, m) for r, n in enumerate(lens) for m in range(-(-n // bm))}
+        assert real <= set(pairs) and len(pairs) == sum(lens) // bm + len(lens)
+    with pytest.raises(WrongAnswer, match="the same first program|never computed"):
+        L.check_flat_grid(lambda lens, bm: _flat_grid(lens, bm, extra=0))   # right only where every cu_r is a multiple
+    with pytest.raises(WrongAnswer, match=r"floor\(T / BLOCK_M\) \+ R"):
+        L.check_flat_grid(lambda lens, bm: [(r, m) for r, n in enumerate(lens) for m in range(-(-n // bm))])
+    with pytest.raises(WrongAnswer, match="tiles 0, 1, 2"):
+        L.check_flat_grid(lambda lens, bm: [(0, 0)] + [(r, 5) for r, _ in _flat_grid(lens, bm)[1:]])
 
 
-def test_tiles_checker_explains_a_choice_over_the_bound_or_not_optimal():
-    with pytest.raises(WrongAnswer, match="76 programs, more than the 12 allowed"):
-        L.check_tiles(lambda lens, p: (16, 16))  # right until the 300-token draft: 19 query tiles x 4 requests
-    with pytest.raises(WrongAnswer, match="executes"):
-        L.check_tiles(lambda lens, p: (128, 128))
-    with pytest.raises(WrongAnswer, match="must each be one of"):
-        L.check_tiles(lambda lens, p: (48, 16))
+def test_flat_grid_checker_prints_the_kernels_rectangular_early_exits(capsys):
+    assert L.check_flat_grid(_flat_grid)
+    out = capsys.readouterr().out
+    # [300, 20, 20, 20] at 64: the rectangle (5, 1, 4) leaves 12 programs empty, the flat grid of 9 programs one
+    assert "flat grid 9 programs, 1 return at once; the rectangular grid 20, 12 return at once" in out
+    assert L.rect_early_exits([100, 5, 20], 32) == (12, 6)
+
+
+def test_kv_bytes_read_grow_as_block_m_shrinks():
+    w64, w16 = (tiling.predict_work([1024], block_m=b, block_n=64) for b in (64, 16))
+    assert w16.kv_bytes_read(64) > 3 * w64.kv_bytes_read(64)        # about 4x: L^2 d / BLOCK_M
+    assert w64.kv_bytes_read(64, 2) == w64.tiles * 64 * 64 * 2 * 2
+    with pytest.raises(ValueError, match="d_head"):
+        w64.kv_bytes_read(0)
+
+
+def test_tiles_checker_explains_occupancy_and_kv_traffic():
+    with pytest.raises(WrongAnswer, match="re-reads"):
+        L.check_tiles(lambda lens, h, s: 16)       # fills the GPU but re-reads K/V four times
+    with pytest.raises(WrongAnswer, match="SMs sit idle"):
+        L.check_tiles(lambda lens, h, s: 128)      # 96 programs for the draft mix: under 132 SMs
+    with pytest.raises(WrongAnswer, match="must be one of"):
+        L.check_tiles(lambda lens, h, s: 48)
+    with pytest.raises(WrongAnswer, match="no choice fills"):
+        L.check_tiles(lambda lens, h, s: _reference_tiles(lens, h, s) if len(lens) > 1 else 128)
 
 
 def test_a_grade_gives_partial_credit_with_the_explanation(capsys):
-    points = score(L.check_launch, lambda lens, h, bm: _reference_launch(lens, 1, bm), points=2)
+    points = score(L.check_tiles, lambda lens, h, s: 16, points=2)
     out = capsys.readouterr().out
-    assert 0 < points < 2 and "every head" in out
+    assert 0 < points < 2 and "re-reads" in out

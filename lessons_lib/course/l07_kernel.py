@@ -105,13 +105,17 @@ CODE_LABELS = {USEFUL: "computed, useful", WASTED: "computed, thrown away (maske
                SKIPPED: "key tile skipped (above the diagonal)", RETURNED: "program returned at once"}
 
 
-def program_cells(len_q: int, len_k: int, grid_m: int, block_m: int, block_n: int, causal: bool) -> np.ndarray:
+def program_cells(len_q: int, len_k: int, grid_m: int, block_m: int, block_n: int, causal: bool,
+                  measured: Sequence[int] | None = None) -> np.ndarray:
     """One request's programs as a ``[grid_m · block_m, key_tiles · block_n]`` picture of codes.
 
     Row band m is program (m, h, r) of every head h: RETURNED where its tile starts at or past the
     request's end; else each key tile it computes (``tiling.key_tiles``) is USEFUL where the cell
     is a real (query, key) pair the causal mask keeps and WASTED elsewhere in the tile, and the key
     tiles it skips are SKIPPED. Counting codes gives the kernel's counters: see ``table_totals``.
+
+    ``measured``: the kernel's own key tiles per program of this request (``WorkCounts.program_tiles``, -1 for
+    a program that returned): the bands are then drawn from what the kernel did, not from ``key_tiles``.
     """
     nq, nk = check_int("len_q", len_q, 0), check_int("len_k", len_k, 0)
     width = max(1, cdiv(nk, block_n)) * block_n
@@ -120,10 +124,10 @@ def program_cells(len_q: int, len_k: int, grid_m: int, block_m: int, block_n: in
     for m in range(grid_m):
         band = pic[m * block_m:(m + 1) * block_m]
         start = m * block_m
-        if start >= nq:
+        if (measured is None and start >= nq) or (measured is not None and measured[m] < 0):
             band[:] = RETURNED
             continue
-        computed, _ = key_tiles(nq, nk, start, block_m, block_n, causal)
+        computed = key_tiles(nq, nk, start, block_m, block_n, causal)[0] if measured is None else int(measured[m])
         r = start + rows
         keep = (r < nq) & (cols < nk)
         if causal:
@@ -146,43 +150,50 @@ class Program:
 
 
 def program_table(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = None, *, block_m: int, block_n: int,
-                  causal: bool) -> list[Program]:
-    """Every program of one head, request by request, query tile by query tile."""
+                  causal: bool, program_tiles: Sequence[int] | None = None, n_heads: int = 1) -> list[Program]:
+    """Every program of one head, request by request, query tile by query tile: predicted by ``key_tiles``, or,
+    with ``program_tiles`` (a launch's ``WorkCounts.program_tiles``), what head 0's programs measured."""
     lq = check_lengths(seqlens_q, minimum=0, name="seqlens_q")
     lk = lq if seqlens_k is None else check_lengths(seqlens_k, minimum=0, name="seqlens_k")
     grid_m = cdiv(max(lq, default=0), block_m)
     table = []
     for r, (nq, nk) in enumerate(zip(lq, lk)):
-        pic = program_cells(nq, nk, grid_m, block_m, block_n, causal)
+        mine = None if program_tiles is None else program_tiles[grid_m * n_heads * r:grid_m * (n_heads * r + 1)]
+        pic = program_cells(nq, nk, grid_m, block_m, block_n, causal, mine)
         for m in range(grid_m):
             band = pic[m * block_m:(m + 1) * block_m]
             if band[0, 0] == RETURNED:
                 table.append(Program(r, m, "returned", 0, 0, 0))
                 continue
             tiles, skipped = key_tiles(nq, nk, m * block_m, block_m, block_n, causal)
-            rows = min(block_m, nq - m * block_m)
+            if mine is not None:
+                tiles, skipped = int(mine[m]), cdiv(nk, block_n) - int(mine[m])
+            rows = max(0, min(block_m, nq - m * block_m))
             inside = band[:rows, :nk]
             cells = int(((inside == USEFUL) | (inside == WASTED)).sum())
-            status = "partly masked" if (band == WASTED).any() else "computed"
+            status = ("past the end" if m * block_m >= nq else "partly masked" if (band == WASTED).any()
+                      else "computed")
             table.append(Program(r, m, status, tiles, skipped, cells))
     return table
 
 
 def table_totals(table: Sequence[Program], n_heads: int, block_m: int, block_n: int) -> WorkCounts:
     """The kernel's counters summed from a program table (every head does the same)."""
-    return WorkCounts(programs=n_heads * len(table), early_exits=n_heads * sum(p.status == "returned" for p in table),
+    exits = sum(p.status in ("returned", "past the end") for p in table)   # the kernel's test counts both
+    return WorkCounts(programs=n_heads * len(table), early_exits=n_heads * exits,
                       tiles=n_heads * sum(p.tiles for p in table), tiles_skipped=n_heads * sum(p.skipped for p in table),
                       cells=n_heads * sum(p.cells for p in table), block_m=block_m, block_n=block_n)
 
 
 def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = None, *, block_m: int, block_n: int,
                    causal: bool, n_heads: int = 1, title: str | None = None, measured: WorkCounts | None = None,
-                   figsize=None) -> Figure:
+                   figsize=None, program_tiles: Sequence[int] | None = None) -> Figure:
     """The launch grid of one head: a panel per request (its programs stacked as row bands), cells
     coloured by ``program_cells``; the request's own ``[L_q x L_k]`` block framed in black.
 
     The footer gives the grid and the totals of the picture; with ``measured`` (the kernel's own
-    counters) it says whether they agree.
+    counters) it says whether they agree. With ``program_tiles`` (``measured.program_tiles[0]``) the bands are
+    drawn from the kernel's own per-program tile counts, head 0, and the footer compares them with the prediction.
     """
     lq = check_lengths(seqlens_q, minimum=0, name="seqlens_q")
     lk = lq if seqlens_k is None else check_lengths(seqlens_k, minimum=0, name="seqlens_k")
@@ -191,9 +202,13 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
     fig = Figure(figsize=figsize or (min(2.0 + 1.6 * sum(widths) ** 0.8 + 0.9 * len(lq), 11.0), 4.3))
     axes = np.atleast_1d(fig.subplots(1, len(lq), gridspec_kw={"width_ratios": widths}))
     cmap = ListedColormap([CODE_COLORS[c] for c in (SKIPPED, USEFUL, WASTED, RETURNED)])
-    table = program_table(lq, lk, block_m=block_m, block_n=block_n, causal=causal)
+    table = program_table(lq, lk, block_m=block_m, block_n=block_n, causal=causal, program_tiles=program_tiles,
+                          n_heads=n_heads)
+    pics = [program_cells(nq, nk, grid_m, block_m, block_n, causal, None if program_tiles is None else
+                          program_tiles[grid_m * n_heads * r:grid_m * (n_heads * r + 1)])
+            for r, (nq, nk) in enumerate(zip(lq, lk))]
     for r, (ax, nq, nk) in enumerate(zip(axes, lq, lk)):
-        pic = program_cells(nq, nk, grid_m, block_m, block_n, causal)
+        pic = pics[r]
         h, w = pic.shape
         ax.imshow(pic, cmap=cmap, vmin=0, vmax=3, interpolation="nearest", extent=(0, w, h, 0), aspect="auto")
         for y in range(0, h + 1, block_m):
@@ -201,7 +216,7 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
         for x in range(0, w + 1, block_n):
             ax.axvline(x, color=TEXT, linewidth=0.6, linestyle=":")
         for m in range(grid_m):  # a program that returned at once: white, hatched in ink
-            if m * block_m >= nq:
+            if pic[m * block_m, 0] == RETURNED:
                 ax.add_patch(Rectangle((0, m * block_m), w, block_m, facecolor=NEVER, edgecolor=TEXT, linewidth=0,
                                        hatch=RETURNED_HATCH, gid=f"returned-{r}-{m}"))
         ax.add_patch(Rectangle((0, 0), nk, nq, fill=False, edgecolor=TEXT, linewidth=1.6, gid=f"request-{r}"))
@@ -211,17 +226,22 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
         mine = [p for p in table if p.request == r]
         busy = sum(p.status != "returned" for p in mine)
         ax.set_title(f"{request_name(r)}: {nq} tokens\n{busy} work, {len(mine) - busy} return", fontsize=MIN_FONT)
-        ax.set_xlabel(f"{nk} keys", fontsize=MIN_FONT)
+        ax.set_xlabel(f"{nk} keys: {w // block_n} key tile{'s' if w > block_n else ''} of {block_n}",
+                      fontsize=MIN_FONT)
         ax.tick_params(labelsize=MIN_FONT, length=0)
     axes[0].set_ylabel(f"query tile m ({block_m} rows each)", fontsize=MIN_FONT)
     total = table_totals(table, n_heads, block_m, block_n)
-    useful = n_heads * sum(int((program_cells(nq, nk, grid_m, block_m, block_n, causal) == USEFUL).sum())
-                           for nq, nk in zip(lq, lk))
+    useful = n_heads * sum(int((pic == USEFUL).sum()) for pic in pics)
     foot = (f"grid ({grid_m}, {n_heads}, {len(lq)}) = {total.programs} programs: {total.early_exits} return at once | "
             f"{total.tiles} tiles computed, {total.tiles_skipped} skipped\n"
             f"{total.executed_cells} executed cells: {useful} useful (blue); the kernel's cells counter, "
             f"in-bounds (masked ones included): {total.cells}")
-    if measured is not None:
+    if program_tiles is not None:
+        pred = tiling.predict_work(lq, lk, n_heads=n_heads, block_m=block_m, block_n=block_n, causal=causal)
+        foot = ("drawn from the kernel's own per-program key tiles (head 0) | " + foot + "\nprediction: "
+                + ("the same" if pred == total else f"DIFFER: {pred.tiles} tiles, {pred.cells} cells predicted"))
+    elif measured is not None:
+        foot = "predicted (tiling.key_tiles) | " + foot
         foot += " | kernel's counters: " + ("the same" if measured == total else f"DIFFER {measured.as_dict()}")
     fig.legend(handles=[Patch(facecolor=CODE_COLORS[c], edgecolor=TEXT, linewidth=0.6, label=CODE_LABELS[c],
                               hatch=RETURNED_HATCH if c == RETURNED else None)
@@ -229,8 +249,9 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
                frameon=False)
     fig.text(0.5, 0.14, foot, ha="center", fontsize=MIN_FONT, color=TEXT)
     kind = "causal" if causal else "non-causal"
-    fig.suptitle(title or f"one launch, {kind}, BLOCK_M = {block_m}, BLOCK_N = {block_n}: each band is one program "
-                 f"(query tile m, head, request)", fontsize=MIN_FONT + 1)
+    what = "measured by the kernel" if program_tiles is not None else "predicted"
+    fig.suptitle(title or f"one launch ({what}), {kind}, BLOCK_M = {block_m}, BLOCK_N = {block_n}: each band is one "
+                 f"program (query tile m, head, request)", fontsize=MIN_FONT + 1)
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.3, top=0.8, wspace=0.15)
     return fig
 
@@ -331,9 +352,10 @@ def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block
     left.set_title("the kernel sees the keys one tile at a time", fontsize=MIN_FONT + 1)
     floor = 1e-17
     tiles = [st.tile for st in good]
-    right.plot(tiles, [max(st.error, floor) for st in good], "o-", color=ATTENTION, label="with the rescale (the kernel)")
-    # the bug in ink dashes: vermillion means "computed, then thrown away" in every figure of the course
-    right.plot(tiles, [max(st.error, floor) for st in bad], "s--", color=TEXT, label="sum l not rescaled (the bug)")
+    # errors are not work: both curves in ink, told apart by marker and line style (the colours keep their meanings)
+    right.plot(tiles, [max(st.error, floor) for st in good], "o-", color=TEXT, label="with the rescale (the kernel)")
+    right.plot(tiles, [max(st.error, floor) for st in bad], "s--", color=TEXT, markerfacecolor="white",
+               label="sum l not rescaled (the bug)")
     right.set_yscale("log")
     right.set_ylim(floor / 3, 1e8)
     right.set_xticks(tiles, [f"after\ntile {t}" for t in tiles])
@@ -396,6 +418,21 @@ KERNEL_BUGS: dict[str, tuple[str, str]] = {
 }
 
 
+# What each bug does on K2's mix: (the counters that move, whether the output leaves the tolerance).
+BUG_EFFECTS = {"no early return": ("tiles", "no"), "causal bound one tile late": ("tiles, tiles_skipped, cells", "no"),
+               "sum not rescaled": ("none", "yes"), "columns past the end kept": ("none", "yes")}
+
+
+def guess_report(guess: dict, seen: dict) -> str:
+    """Your prediction per bug beside what the kernel did: ``seen[bug] = (counters moved, outside)``."""
+    lines = []
+    for bug, (moved, outside) in seen.items():
+        g = guess.get(bug, ("?", "?"))
+        mark = "no guess yet" if "?" in tuple(g) else "right" if tuple(g) == (moved, outside) else "differs"
+        lines.append(f"{bug}: you said {g}, the kernel did {(moved, outside)}: {mark}")
+    return "\n".join(lines)
+
+
 def changed_source(old: str, new: str) -> str:
     """The kernel's source with the one line whose code is ``old`` replaced by ``new`` (its indentation kept)."""
     _, code = kernel_source()
@@ -456,7 +493,7 @@ def kernel_with(bug) -> Iterator[None]:
 
 # ---- the kernel explorer ----------------------------------------------------------------------------------
 
-MAX_PROGRAMS = 48     # ~10-25 ms each under the interpreter: an update stays well under a second
+MAX_PROGRAMS = 48     # ~12-30 ms each under the interpreter: an update stays well under a second
 EXPLORER_HEADS, EXPLORER_D = 1, 16
 
 
@@ -471,7 +508,8 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
     (``kernel_with``), so its counters can differ from the prediction and its error jump.
 
     ``measured`` is the kernel's own counters (``count_work``), ``predicted`` ``tiling.predict_work``,
-    ``table`` the program-by-program picture whose totals must be both. Without Triton, or for a grid
+    ``program_tiles`` the key tiles each program measured (-1: returned at once), ``table`` the program-by-program
+    picture drawn from them (from ``key_tiles``, the prediction, where the kernel did not run). Without Triton, or for a grid
     of more than ``MAX_PROGRAMS`` programs under the interpreter, the kernel does not run (``ran`` False,
     ``why`` says why) and the picture is the prediction alone.
     """
@@ -483,14 +521,15 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
     table = program_table(lens, block_m=bm, block_n=bn, causal=causal)
     state = {"seq_lens": lens, "grid": tiling.launch_grid(max(lens), EXPLORER_HEADS, len(lens), bm), "block_m": bm,
              "block_n": bn, "causal": bool(causal), "bug": bug, "predicted": predicted,
-             "table": table, "measured": None, "error": None, "bound": None, "ran": False, "why": None, "ms": None}
+             "table": table, "program_tiles": None,
+             "measured": None, "error": None, "bound": None, "ran": False, "why": None, "ms": None}
     tv = kernel_module()
     if tv is None:
         state["why"] = kernel_missing()
         return state
     if tv.INTERPRETED and predicted.programs > MAX_PROGRAMS:
         state["why"] = (f"{predicted.programs} programs: more than {MAX_PROGRAMS} under the CPU interpreter "
-                        "(~10-25 ms each); shorter lengths or bigger tiles")
+                        "(~12-30 ms each); shorter lengths or bigger tiles")
         return state
     q, k, v, cu = random_qkv(lens, EXPLORER_HEADS, EXPLORER_D, seed=sum(lens))
     t0 = time.perf_counter()
@@ -501,7 +540,10 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
             out, measured = run_kernel(q, k, v, cu, causal=causal, block_m=bm, block_n=bn)
     state["ms"] = (time.perf_counter() - t0) * 1e3
     ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
-    state.update(measured=measured, error=max_abs_diff(out, ref64), bound=tolerance(ref, ref64), ran=True)
+    state.update(measured=measured, error=max_abs_diff(out, ref64), bound=tolerance(ref, ref64), ran=True,
+                 program_tiles=measured.program_tiles[0],
+                 table=program_table(lens, block_m=bm, block_n=bn, causal=causal,
+                                     program_tiles=measured.program_tiles[0]))
     return state
 
 
@@ -509,7 +551,8 @@ _FIELDS = ("programs", "early_exits", "tiles", "tiles_skipped", "cells")
 
 
 def kernel_counts_html(state: dict) -> str:
-    """One ``<div>`` per counter: ``programs: measured 4 | predicted 4 | picture 4``, then executed cells."""
+    """One ``<div>`` per counter: ``programs: measured 4 | predicted 4 | picture 4`` (the picture's totals: from
+    the kernel's per-program counts where it ran, else the prediction), then executed cells."""
     pic = table_totals(state["table"], EXPLORER_HEADS, state["block_m"], state["block_n"])
     rows = []
     for f in _FIELDS:
@@ -557,7 +600,8 @@ def kernel_explorer(lengths: str = "10, 30", block_m: int = 16, block_n: int = 1
         counts.value = kernel_counts_html(state)
         lens = state["seq_lens"]
         show_figure(out, launch_picture(lens, block_m=state["block_m"], block_n=state["block_n"], causal=state["causal"],
-                                        measured=state["measured"], figsize=(8.6, 4.2)))
+                                        measured=state["measured"], program_tiles=state["program_tiles"],
+                                        figsize=(8.6, 4.4)))
 
     return explorer("k7x", [text, bm, bn, causal_box, bug_box], [status, counts, out], update)
 
@@ -668,120 +712,159 @@ def _chunk_kernel_tiles(lens_q, lens_k, block_m, block_n) -> int:
     return run_kernel(q, k, v, cu_q, cu_k, causal=True, block_m=block_m, block_n=block_n)[1].tiles
 
 
-LAUNCH_CASES = [([10, 30], 1, 16), ([100, 5, 20], 2, 32), ([64, 64], 1, 64), ([65, 3], 4, 64), ([16, 48, 33], 1, 16),
-                ([7], 8, 16)]
+# ---- exercise 07.2: vLLM's flat grid -------------------------------------------------------------------
+
+FLAT_CASES = [([10, 30], 16), ([100, 5, 20], 32), ([64, 64], 64), ([65, 3], 64), ([16, 48, 33], 16),
+              ([300, 20, 20, 20], 64), ([7], 16), ([32, 32, 32], 16)]
 
 
-def _measured_launch(lens, heads, block_m):
-    """(programs, early exits) the kernel counts for this launch where it runs (small sizes), else predicted."""
+def flat_grid_size(seq_lens, block_m) -> int:
+    """``⌊T / BLOCK_M⌋ + R``: programs of a flat grid, from the token count T and the request count R alone."""
+    return sum(seq_lens) // block_m + len(seq_lens)
+
+
+def rect_early_exits(lens, block_m) -> tuple[int, int]:
+    """(programs, early exits) of the kernel's rectangular grid, one head: the kernel's own counters where it runs
+    (small launches), else ``tiling.predict_work``."""
     tv = kernel_module()
-    predicted = tiling.predict_work(lens, n_heads=heads, block_m=block_m, block_n=64, causal=True)
+    predicted = tiling.predict_work(lens, n_heads=1, block_m=block_m, block_n=64, causal=True)
     if tv is None or predicted.programs > 24:
         return predicted.programs, predicted.early_exits
-    q, k, v, cu = random_qkv(lens, heads, 16, seed=1)
+    q, k, v, cu = random_qkv(lens, 1, 16, seed=1)
     counts = run_kernel(q, k, v, cu, block_m=block_m, block_n=64)[1]
     return counts.programs, counts.early_exits
 
 
-def check_launch(fn: Callable[[list, int, int], tuple]) -> bool:
-    """Exercise 07.2: ``fn(seq_lens, n_heads, block_m) -> (programs, early_exits)`` for one launch of the
-    kernel: how many programs it starts, and how many of them return at once."""
-    def judge(got, lens, heads, block_m):
-        ans, problem = int_tuple(got, "programs, early_exits")
-        if problem:
-            return problem
-        programs, exits = _measured_launch(lens, heads, block_m)
-        if ans == (programs, exits):
-            return None
-        if ans == (programs // heads, exits // heads) and heads > 1:
-            return f"got {ans}, the kernel counts ({programs}, {exits}): every head has its own programs (x {heads})"
-        own = heads * sum(cdiv(n, block_m) for n in lens)
-        if ans[0] == own and own != programs:
-            return (f"got {ans}, the kernel counts ({programs}, {exits}): the grid is sized by the LONGEST request, "
-                    f"(ceil(max_seqlen / BLOCK_M), H, R) = ({cdiv(max(lens), block_m)}, {heads}, {len(lens)}), not by "
-                    "each request's own tiles")
-        if ans[0] == programs and ans[1] != exits:
-            strict = heads * sum(1 for n in lens for m in range(cdiv(max(lens), block_m)) if m * block_m > n)
-            hint = (" - a tile that starts exactly AT the request's end (m * BLOCK_M == L) has no row either: "
-                    "the test is >=, not >") if ans[1] == strict else ""
-            return f"got {ans}: the programs are right, the kernel counts {exits} that return at once{hint}"
-        return f"got {ans}, the kernel counts ({programs}, {exits})"
-    return grade("launch", fn, LAUNCH_CASES, judge, f"programs and early exits of {len(LAUNCH_CASES)} launches")
-
-
-TILE_CASES = [([10] * 12, 40), ([10, 30], 8), ([300, 20, 20, 20], 12), ([130, 7, 64], 30), ([500, 3], 10)]
-
-
-def tile_choices(lens, max_programs) -> list[tuple[int, int, WorkCounts]]:
-    """Every ``(block_m, block_n)`` of ``TILE_SIZES`` with its predicted work (causal, one head) that
-    launches at most ``max_programs`` programs."""
-    out = []
-    for bm in TILE_SIZES:
-        for bn in TILE_SIZES:
-            w = tiling.predict_work(lens, block_m=bm, block_n=bn, causal=True)
-            if w.programs <= max_programs:
-                out.append((bm, bn, w))
-    return out
-
-
-def check_tiles(fn: Callable[[list, int], tuple]) -> bool:
-    """Exercise 07.3: ``fn(seq_lens, max_programs) -> (block_m, block_n)`` from ``TILE_SIZES`` executing the
-    fewest cells (tiles x BLOCK_M x BLOCK_N, causal, one head) among the choices that launch at most
-    ``max_programs`` programs."""
-    def judge(got, lens, max_programs):
-        ans, problem = int_tuple(got, "block_m, block_n")
-        if problem:
-            return problem
-        if ans[0] not in TILE_SIZES or ans[1] not in TILE_SIZES:
-            return f"got {ans}: BLOCK_M and BLOCK_N must each be one of {TILE_SIZES}"
-        choices = tile_choices(lens, max_programs)
-        best = min(w.executed_cells for *_, w in choices)
-        winners = [(bm, bn) for bm, bn, w in choices if w.executed_cells == best]
-        mine = tiling.predict_work(lens, block_m=ans[0], block_n=ans[1], causal=True)
-        if mine.programs > max_programs:
-            return (f"got {ans}: it launches {mine.programs} programs, more than the {max_programs} allowed "
-                    f"(small BLOCK_M means many query tiles for the longest request, times every request)")
-        if mine.executed_cells == best:
-            return None
-        bm, bn = winners[0]
-        return (f"got {ans}: {mine.executed_cells} executed cells in {mine.tiles} tiles of {ans[0]} x {ans[1]}; "
-                f"{(bm, bn)} executes {best} within {tiling.predict_work(lens, block_m=bm, block_n=bn).programs} programs. "
-                "Count with tiling.predict_work for every choice")
-    return grade("tiles", fn, TILE_CASES, judge, f"the tile sizes of least executed work for {len(TILE_CASES)} mixes")
-
-
-def allowed_tiles(lens, max_programs) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The BLOCK_M and the BLOCK_N values of ``TILE_SIZES`` that appear in some choice within ``max_programs``."""
-    choices = tile_choices(lens, max_programs)
-    return tuple(sorted({bm for bm, _, _ in choices})), tuple(sorted({bn for _, bn, _ in choices}))
-
-
-DEFENCE_CASES = [([300, 20, 20, 20], 12), ([10, 30], 8), ([500, 3], 10), ([130, 7, 64], 30)]
-
-
-def check_tile_bound(fn: Callable[[list, int], tuple]) -> bool:
-    """Exercise 07.3, the defence: ``fn(seq_lens, max_programs) -> (allowed BLOCK_M values, allowed BLOCK_N
-    values)``, each a sorted tuple from ``TILE_SIZES``: what the program bound forces, and what it leaves free."""
-    def judge(got, lens, max_programs):
-        if not (isinstance(got, tuple) and len(got) == 2):
-            return f"expected (block_m values, block_n values), two tuples; got {got!r}"
+def check_flat_grid(fn: Callable[[list, int], list]) -> bool:
+    """Exercise 07.2: ``fn(seq_lens, block_m) -> [(request, m_block), ...]``, one pair per program of a flat grid
+    of ``⌊T / BLOCK_M⌋ + R`` programs: each request's programs contiguous, in request order, its tiles
+    m = 0, 1, 2, ... in order, every real query tile exactly once (the rest return at once)."""
+    def judge(got, lens, block_m):
+        size = flat_grid_size(lens, block_m)
         try:
-            ans = tuple(tuple(sorted(int(x) for x in part)) for part in got)
+            pairs = [tuple(int(x) for x in p) for p in got]
         except (TypeError, ValueError):
-            return f"expected two tuples of tile sizes; got {got!r}"
-        want = allowed_tiles(lens, max_programs)
+            return f"expected a list of (request, m_block) pairs, got {got!r}"
+        if any(len(p) != 2 for p in pairs):
+            return "expected a list of (request, m_block) pairs, one per program"
+        if len(pairs) != size:
+            return (f"got {len(pairs)} programs; the host knows only T = {sum(lens)} tokens and R = {len(lens)} "
+                    f"requests: the flat grid has floor(T / BLOCK_M) + R = {size} programs")
+        if any(not 0 <= r < len(lens) or m < 0 for r, m in pairs):
+            return f"every pair needs a request in 0..{len(lens) - 1} and a tile m >= 0; got {pairs}"
+        if [r for r, _ in pairs] != sorted(r for r, _ in pairs) or pairs[0] != (0, 0):
+            return (f"got {pairs}: the requests' programs must come in request order, starting at (0, 0), so that a "
+                    "program finds its request by a binary search over where each request starts (two requests "
+                    "with the same first program? floor(cu_r / BLOCK_M) alone can give them that)")
+        for r in range(len(lens)):
+            ms = [m for rr, m in pairs if rr == r]
+            need = cdiv(lens[r], block_m)
+            if ms != list(range(len(ms))):
+                return f"got {pairs}: request {r}'s programs must be its tiles 0, 1, 2, ... in order; got {ms}"
+            if len(ms) < need:
+                return (f"got {pairs}: request {r} ({lens[r]} tokens) has {need} query tiles but only {len(ms)} "
+                        f"programs: tile {len(ms)} is never computed. floor(cu_r / BLOCK_M) rounds down: a request "
+                        "whose start is not a multiple of BLOCK_M needs one extra slot for its ragged tile (the + r)")
+        flat_exits = size - sum(cdiv(n, block_m) for n in lens)
+        programs, exits = rect_early_exits(lens, block_m)
+        print(f"  {lens} at BLOCK_M = {block_m}: flat grid {size} programs, {flat_exits} return at once; the "
+              f"rectangular grid {programs}, {exits} return at once (the kernel's counters)")
+        return None
+    return grade("flat_grid", fn, FLAT_CASES, judge,
+                 f"a flat grid for {len(FLAT_CASES)} mixes, every real query tile once, in request order")
+
+
+# ---- exercise 07.3: tile size, K/V traffic and occupancy -------------------------------------------------
+
+H200_SMS = 132            # streaming multiprocessors of an H200: a launch of fewer programs leaves some idle
+TILE_D, TILE_BYTES, TILE_BN = 64, 2, 64   # d_head, bf16, BLOCK_N held fixed in exercise 07.3
+TILE_CASES = [([300, 20, 20, 20], 8, H200_SMS), ([4096], 8, H200_SMS), ([10] * 12, 8, H200_SMS),
+              ([2000], 1, H200_SMS), ([500, 3], 16, H200_SMS), ([1000, 50], 32, H200_SMS)]
+
+
+def tile_costs(lens, n_heads, block_m) -> tuple[int, int, int]:
+    """(programs, K/V bytes read, executed cells) of a causal launch at ``block_m`` x ``TILE_BN``, d = 64, bf16."""
+    w = tiling.predict_work(lens, n_heads=n_heads, block_m=block_m, block_n=TILE_BN, causal=True)
+    return w.programs, w.kv_bytes_read(TILE_D, TILE_BYTES), w.executed_cells
+
+
+def best_block_m(lens, n_heads, n_sms) -> int:
+    """The BLOCK_M of ``TILE_SIZES`` reading the fewest K/V bytes among those whose launch fills the SMs
+    (programs >= n_sms); if none does, the one with the most programs; ties: fewest executed cells."""
+    costs = {bm: tile_costs(lens, n_heads, bm) for bm in TILE_SIZES}
+    full = [bm for bm in TILE_SIZES if costs[bm][0] >= n_sms]
+    if full:
+        return min(full, key=lambda bm: (costs[bm][1], costs[bm][2]))
+    return min(TILE_SIZES, key=lambda bm: (-costs[bm][0], costs[bm][2]))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:.2f} MiB"
+
+
+def check_tiles(fn: Callable[[list, int, int], int]) -> bool:
+    """Exercise 07.3: ``fn(seq_lens, n_heads, n_sms) -> block_m`` from ``TILE_SIZES`` (BLOCK_N = 64, causal,
+    d = 64, bf16): the fewest K/V bytes read among the choices that start at least ``n_sms`` programs; if none
+    does, the most programs; ties broken by fewest executed cells."""
+    def judge(got, lens, heads, n_sms):
+        try:
+            ans = int(got)
+        except (TypeError, ValueError):
+            return f"expected one BLOCK_M, got {got!r}"
+        if ans not in TILE_SIZES:
+            return f"got {ans}: BLOCK_M must be one of {TILE_SIZES}"
+        want = best_block_m(lens, heads, n_sms)
         if ans == want:
             return None
-        if ans[1] != want[1]:
-            return (f"got BLOCK_N {ans[1]}, expected {want[1]}: the grid (ceil(max_seqlen / BLOCK_M), H, R) has no "
-                    "BLOCK_N in it; the key tile size changes the work of a program, never how many there are")
-        own = tuple(bm for bm in TILE_SIZES if sum(cdiv(n, bm) for n in lens) <= max_programs)
-        if ans[0] == own and own != want[0]:
-            return (f"got BLOCK_M {ans[0]}, expected {want[0]}: every request gets ceil(max_seqlen / BLOCK_M) = "
-                    f"ceil({max(lens)} / BLOCK_M) query tiles, sized by the longest one, not its own")
-        return f"got BLOCK_M {ans[0]}, expected {want[0]}: count ceil({max(lens)} / BLOCK_M) x {len(lens)} requests"
+        (p, kv, cells), (wp, wkv, wcells) = tile_costs(lens, heads, ans), tile_costs(lens, heads, want)
+        mine = f"BLOCK_M = {ans}: {p} programs, {_mib(kv)} of K/V read, {cells} executed cells"
+        best = f"BLOCK_M = {want}: {wp} programs, {_mib(wkv)}, {wcells} cells"
+        if p < n_sms <= wp:
+            return (f"{mine}; fewer programs than the {n_sms} SMs, so {n_sms - p} SMs sit idle for the whole launch. "
+                    f"{best} fills the machine")
+        if p < wp:
+            return (f"{mine}; no choice fills the {n_sms} SMs here, so take the most programs: {best}. A bigger tile "
+                    "only adds wasted cells when the machine is not full anyway")
+        if kv > wkv:
+            return (f"{mine}; {best} also fills the SMs and reads {kv / wkv:.1f}x less: each query tile re-reads its "
+                    "request's keys and values, so K/V traffic grows as L^2 d / BLOCK_M")
+        return f"{mine}; {best} (the same K/V bytes and programs, fewer executed cells)"
+    return grade("tiles", fn, TILE_CASES, judge, f"the BLOCK_M of least K/V traffic that fills the GPU, {len(TILE_CASES)} mixes")
+
+
+def allowed_tiles(lens, n_heads, n_sms) -> tuple[int, ...]:
+    """The BLOCK_M values of ``TILE_SIZES`` whose launch starts at least ``n_sms`` programs."""
+    return tuple(bm for bm in TILE_SIZES if tile_costs(lens, n_heads, bm)[0] >= n_sms)
+
+
+DEFENCE_CASES = [([300, 20, 20, 20], 8, H200_SMS), ([10, 30], 8, 16), ([500, 3], 16, H200_SMS), ([130, 7, 64], 4, 40)]
+
+
+def check_tile_bound(fn: Callable[[list, int, int], tuple]) -> bool:
+    """Exercise 07.3, the defence: ``fn(seq_lens, n_heads, n_sms) -> the sorted BLOCK_M values of TILE_SIZES``
+    whose launch starts at least ``n_sms`` programs (fills the GPU)."""
+    def judge(got, lens, heads, n_sms):
+        try:
+            ans = tuple(sorted(int(x) for x in got))
+        except (TypeError, ValueError):
+            return f"expected a tuple of BLOCK_M values; got {got!r}"
+        want = allowed_tiles(lens, heads, n_sms)
+        if ans == want:
+            return None
+        grid = lambda bm: cdiv(max(lens), bm) * heads * len(lens)
+        no_heads = tuple(bm for bm in TILE_SIZES if cdiv(max(lens), bm) * len(lens) >= n_sms)
+        own = tuple(bm for bm in TILE_SIZES if heads * sum(cdiv(n, bm) for n in lens) >= n_sms)
+        if ans == no_heads and no_heads != want:
+            return (f"got {ans}, expected {want}: every head has its own programs: ceil({max(lens)} / BLOCK_M) x "
+                    f"{heads} heads x {len(lens)} requests")
+        if ans == own and own != want:
+            return (f"got {ans}, expected {want}: the grid gives every request ceil(max_seqlen / BLOCK_M) programs, "
+                    "sized by the longest one, not its own (the empty ones count as programs too, though they fill "
+                    "an SM only for an instant)")
+        return (f"got {ans}, expected {want}: programs = ceil({max(lens)} / BLOCK_M) x {heads} x {len(lens)}: "
+                + ", ".join(f"{bm}: {grid(bm)}" for bm in TILE_SIZES) + f", against {n_sms} SMs")
     return grade("tile_bound", fn, DEFENCE_CASES, judge,
-                 f"what the program bound forces and leaves free, for {len(DEFENCE_CASES)} mixes")
+                 f"the tile sizes that fill the SMs, for {len(DEFENCE_CASES)} mixes")
 
 
 # ---- figures --------------------------------------------------------------------------------------------------
@@ -829,14 +912,21 @@ def launches_picture(n_requests: int = 50) -> Figure:
         ax.add_patch(Rectangle((x, 1.55), cost, 0.5, facecolor=OTHER, edgecolor="white", linewidth=0.4))
         ax.add_patch(Rectangle((x + cost, 1.55), work, 0.5, facecolor=ATTENTION, edgecolor="white", linewidth=0.4))
     ax.add_patch(Rectangle((0, 0.1), cost, 0.5, facecolor=OTHER, edgecolor="white", linewidth=0.4))
+    ax.add_patch(Rectangle((cost, 0.1), work, 0.5, facecolor=ATTENTION, edgecolor="white", linewidth=0.4))
+    # the kernel's programs, zoomed: one small square each, in rows, all running during the same short interval
+    cols, x0, side = 25, 6.0, 0.9
+    rows_n = cdiv(grid[2], cols)
+    h = 0.5 / rows_n
     for r in range(grid[2]):
-        ax.add_patch(Rectangle((cost, 0.1 + r * 0.5 / grid[2]), work, 0.5 / grid[2], facecolor=ATTENTION,
-                               edgecolor="white", linewidth=0.2))
+        ax.add_patch(Rectangle((x0 + (r % cols) * side, 0.1 + (r // cols) * h), side * 0.85, h * 0.8,
+                               facecolor=ATTENTION, edgecolor=TEXT, linewidth=0.3))
+    for y in (0.1, 0.6):  # guide lines from the kernel's work bar to its zoom
+        ax.plot([cost + work, x0 - 0.2], [y, y], color=TEXT, linewidth=0.6, linestyle=":")
     end = n_requests * (cost + work)
-    ax.text(0, 2.2, f"lesson 03's loop: {n_requests} launches of grid (1, 1, 1), one after the other",
-            fontsize=MIN_FONT, color=TEXT, va="bottom")
-    ax.text(cost + work + 1.0, 0.35, f"the kernel: 1 launch of grid {grid}, its {grid[2]} programs side by side",
-            fontsize=MIN_FONT, color=TEXT, va="center")
+    ax.text(0, 2.2, f"lesson 03's loop as one launch per request: {n_requests} launches, one after the other "
+            "(the real loop launches about three kernels each)", fontsize=MIN_FONT, color=TEXT, va="bottom")
+    ax.text(x0 + cols * side + 0.8, 0.35, f"the kernel: 1 launch of grid {grid},\nits {grid[2]} programs side by "
+            "side (zoomed)", fontsize=MIN_FONT, color=TEXT, va="center")
     ax.set_xlim(-0.5, end + 0.5)
     ax.set_ylim(-0.35, 2.75)
     ax.set_yticks([])

@@ -43,14 +43,24 @@ class WorkCounts:
     cells: int = 0
     block_m: int = field(default=0, compare=False)  # a launch-free call (no tokens) records no tile size
     block_n: int = field(default=0, compare=False)
+    # per launch, per program (index m + grid_m · (h + H · r)): its key tiles, -1 if it returned at once;
+    # filled only by the kernel's count_work, never predicted
+    program_tiles: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def executed_cells(self) -> int:
         """Score cells the hardware computed: every cell of every computed tile."""
         return self.tiles * self.block_m * self.block_n
 
+    def kv_bytes_read(self, d_head: int, nbytes: int = 2) -> int:
+        """Bytes of K and V the computed tiles load: each key tile reads ``BLOCK_N`` keys and as many
+        values of ``d_head`` elements, ``nbytes`` each (``tiles`` already sums over heads). A query tile
+        re-reads its request's K/V, so for a long causal request this grows as ``L² · d / BLOCK_M``."""
+        d, b = check_int("d_head", d_head, 1), check_int("nbytes", nbytes, 1)
+        return self.tiles * self.block_n * d * 2 * b
+
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "program_tiles"}
 
 
 def cdiv(a: int, b: int) -> int:

@@ -65,6 +65,7 @@ def _varlen_fwd_kernel(Q, K, V, Out, CU_Q, CU_K, COUNTS, scale,
     if m_block * BLOCK_M >= len_q:                         # the grid is sized by the longest request
         if COUNT:
             tl.atomic_add(COUNTS + 1, 1)                   # returned at once
+            tl.store(COUNTS + 5 + m_block + tl.num_programs(0) * (head + tl.num_programs(1) * req), -1)
         return
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)     # query rows of this tile, within the request
@@ -127,6 +128,7 @@ def _varlen_fwd_kernel(Q, K, V, Out, CU_Q, CU_K, COUNTS, scale,
         tl.atomic_add(COUNTS + 2, tiles)
         tl.atomic_add(COUNTS + 3, tl.cdiv(len_k, BLOCK_N) - tiles)       # key tiles skipped above the diagonal
         tl.atomic_add(COUNTS + 4, cells)
+        tl.store(COUNTS + 5 + m_block + tl.num_programs(0) * (head + tl.num_programs(1) * req), tiles)  # its own
 
 
 class _Counter:
@@ -142,7 +144,8 @@ _ACTIVE: list[_Counter] = []
 
 @contextmanager
 def count_work() -> Iterator[WorkCounts]:
-    """Count the work of every launch inside the block (opt-in: atomics into a 5-slot int64 buffer).
+    """Count the work of every launch inside the block (opt-in: atomics into a 5-slot int64 buffer,
+    and each program's own key tiles, or -1 if it returned at once, into ``program_tiles``).
 
     Yields a ``WorkCounts`` filled in when the block ends (one device read then). All launches
     inside must use the same tile sizes.
@@ -155,9 +158,11 @@ def count_work() -> Iterator[WorkCounts]:
         _ACTIVE.remove(counter)
     if len(counter.blocks) > 1:
         raise ValueError(f"count_work saw launches with different tile sizes {sorted(counter.blocks)}")
-    totals = torch.stack([b.cpu() for b in counter.buffers]).sum(0).tolist() if counter.buffers else [0] * len(FIELDS)
+    host = [b.cpu() for b in counter.buffers]
+    totals = torch.stack([b[:len(FIELDS)] for b in host]).sum(0).tolist() if host else [0] * len(FIELDS)
     for name, value in zip(FIELDS, totals):
         setattr(result, name, int(value))
+    result.program_tiles = tuple(tuple(int(x) for x in b[len(FIELDS):]) for b in host)
     result.block_m, result.block_n = next(iter(counter.blocks), (0, 0))
 
 
@@ -211,7 +216,9 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     r = cu_seqlens_q.shape[0] - 1
     grid = (triton.cdiv(max_seqlen_q, block_m), h, r)
     counting = bool(_ACTIVE)
-    counts = torch.zeros(len(FIELDS), dtype=torch.int64, device=q.device) if counting else cu_seqlens_q
+    # counting: the 5 totals, then one slot per program (its key tiles, -1 if it returned at once)
+    counts = torch.zeros(len(FIELDS) + grid[0] * grid[1] * grid[2], dtype=torch.int64, device=q.device) \
+        if counting else cu_seqlens_q
     _varlen_fwd_kernel[grid](q, k, v, out, cu_seqlens_q, cu_seqlens_k, counts, scale,
                              *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                              HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
