@@ -52,7 +52,10 @@ def row_dependency(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 
 
 def who_reads_whom(seq_lens: Sequence[int], d_model: int = 64, n_heads: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
-    """Three measured dependency maps (bool ``[T, T]``) for one flat batch, for the lesson figure:
+    """Three measured dependency maps (bool ``[T, T]``) for one flat batch, built from plain torch ops
+    and the attention functions with small random weights, not from the engine's ``Block`` (the
+    lesson's figure and explorer use ``l02_linear.module_reach_state`` on the engine's modules;
+    ``tests/test_probe.py`` uses this one to test the probe on its own):
 
     - "LN + FFN + residual (per token)": LayerNorm → FFN-up → GeLU → FFN-down → residual add;
     - "plain causal attention on flat rows": attention over all T rows as one sequence (C7);
