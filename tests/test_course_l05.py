@@ -397,15 +397,26 @@ def test_crossover_checker_stub_and_partial_marks(capsys):
 
 
 def test_c15_decode_batch_checker():
-    assert L.check_decode_batch(L.min_decode_batch)
+    ref = lambda c, ridge, nb, kv: L.min_decode_step_batch(c, ridge, nb, kv)
+    assert L.check_decode_batch(ref)
     check = L.check_decode_batch
-    assert "only the weight bytes" in attempt(check, lambda c, ridge, nb: math.ceil(ridge * nb / 2))
-    assert "never passes" in attempt(check, lambda c, ridge, nb: L.min_decode_batch(c, ridge, nb) or 10**6)
-    assert "off by one" in attempt(check, lambda c, ridge, nb: (L.min_decode_batch(c, ridge, nb) or 0) + 1 or None)
-    weights_only = lambda c, ridge, nb: math.ceil(ridge * nb / 2)
-    assert 0 <= score(check, weights_only, points=2) < 2
+    assert "linear layers alone" in attempt(check, lambda c, ridge, nb, kv: L.min_decode_batch(c, ridge, nb))
+    assert "expected None" in attempt(check, lambda c, ridge, nb, kv: ref(c, ridge, nb, kv) or 10**6)
+    assert "off by one" in attempt(check, lambda c, ridge, nb, kv: (ref(c, ridge, nb, kv) or -1) + 1 or None)
+    never_none = lambda c, ridge, nb, kv: ref(c, ridge, nb, kv) or 10**6
+    assert 0 < score(check, never_none, points=2) < 2       # right wherever some R works
     assert L.check_decode_batch(stub) is False
 
+
+def test_c15_decode_step_terms_count_the_recorded_flops_and_the_cache_by_hand():
+    cfg, r, kv = ModelConfig(), 4, 128
+    w, f, m = L.decode_step_terms(cfg, kv)
+    rec = sum(x.flops for x in L.decode_attention_matmuls(r, kv_len=kv))       # the decode kernel as run
+    assert r * (f - 2 * w) == rec                                               # 4 k kv_len per request
+    assert (w, m) == (3 * 512 * 512 + 512 * 512 + 2 * 512 * 2048, 8192 + 2 * 512 + 2 * 512 * kv)
+    # CPU, fp32: R >= 36 W / (f - 36 m); an H200 in bf16: f / (2 m) is about 23 FLOP/byte, never 206
+    assert L.min_decode_step_batch(cfg, 9.0, 4, 128) == math.ceil(36 * w / (f - 36 * m))
+    assert f / (2 * m) < 206 and L.min_decode_step_batch(cfg, 206.0, 2, 128) is None
 
 def test_time_splits_warm_up_every_batch_then_split_each():
     model = Transformer(SMALL, seed=0)

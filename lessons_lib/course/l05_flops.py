@@ -856,33 +856,54 @@ def min_decode_batch(cfg: ModelConfig, ridge: float, nbytes: int = BF16) -> int 
     return max(1, math.ceil(rho * w / (2 * w - rho * a)))
 
 
-def check_decode_batch(fn: Callable[[ModelConfig, float, int], int | None]) -> bool:
-    """Exercise 05.3: ``fn(cfg, ridge, nbytes) -> int or None``: the fewest requests R a decode step
-    must batch so that its linear layers reach a machine's ridge point (weights, R input rows and
-    R output rows each moved once, ``nbytes`` per number), or None when no R is enough."""
-    cases = [(ModelConfig(), 206.0, 2), (ModelConfig(), 9.0, 4), (ModelConfig(), 400.0, 2), (_CFGS[1], 100.0, 2),
-             (_CFGS[3], 206.0, 2)]
+def decode_step_terms(cfg: ModelConfig, kv_len: int) -> tuple[int, int, int]:
+    """Per layer, for a decode step of R requests each with ``kv_len`` cached tokens (no GQA):
+    ``(W, flops_per_request, numbers_per_request)``: FLOPs = 2 R W + R (4 k kv_len) (the linear layers'
+    2 W per row, then ``QKᵀ`` and ``PV`` over the cache); numbers moved = W + R (A + 2 k + 2 k kv_len)
+    (the weights once; per request its A activation numbers, its query and output, its K and V cache)."""
+    w, a = _linear_terms(cfg)
+    k, n = cfg.qkv_dim, check_int("kv_len", kv_len, 1)
+    return w, 2 * w + 4 * k * n, a + 2 * k + 2 * k * n
 
-    def judge(got, cfg, ridge, nbytes):
-        want = min_decode_batch(cfg, ridge, nbytes)
+
+def min_decode_step_batch(cfg: ModelConfig, ridge: float, nbytes: int, kv_len: int) -> int | None:
+    """The smallest R whose whole decode step (``decode_step_terms``: linear layers and every request's
+    attention over its KV cache) reaches ``ridge`` FLOP/byte, or None: the intensity only approaches
+    ``flops_per_request / (nbytes · numbers_per_request)`` as R grows."""
+    w, f, m = decode_step_terms(cfg, kv_len)
+    rho = Fraction(ridge).limit_denominator(10**6) * nbytes
+    if f <= rho * m:
+        return None
+    return max(1, math.ceil(rho * w / (f - rho * m)))
+
+
+def check_decode_batch(fn: Callable[[ModelConfig, float, int, int], int | None]) -> bool:
+    """Exercise 05.3: ``fn(cfg, ridge, nbytes, kv_len) -> int or None``: the fewest requests R a decode
+    step must batch so that the whole step, linear layers and each request's attention over its
+    ``kv_len`` cached keys and values, reaches ``ridge`` FLOP/byte, or None when no R is enough."""
+    cases = [(ModelConfig(), 9.0, 4, 128), (ModelConfig(), 206.0, 2, 128), (ModelConfig(), 20.0, 2, 16),
+             (_CFGS[1], 9.0, 4, 64), (ModelConfig(), 9.0, 4, 1024)]
+
+    def judge(got, cfg, ridge, nbytes, kv_len):
+        want = min_decode_step_batch(cfg, ridge, nbytes, kv_len)
         if got == want:
             return None
-        w, a = _linear_terms(cfg)
-        limit = 2 * w / (nbytes * a)
+        w, f, m = decode_step_terms(cfg, kv_len)
+        limit = f / (nbytes * m)
+        if got is not None and got == min_decode_batch(cfg, ridge, nbytes):
+            return (f"got {got}, expected {want} - that is the linear layers alone; each request also reads its own K "
+                    f"and V cache (2 k kv_len numbers per layer), bytes that grow with R as fast as its attention FLOPs")
         if want is None:
-            return (f"got {got!r}, expected None - as R grows the activations grow too: the intensity never passes "
-                    f"2W / (bytes x A) = {limit:.0f} FLOP/byte, so no batch reaches {ridge:g}")
-        if not isinstance(got, (int, float)):
+            return (f"got {got!r}, expected None - every request brings its own KV cache: the step's intensity only "
+                    f"approaches {limit:.1f} FLOP/byte as R grows, below the ridge {ridge:g}")
+        if got is None:
+            return f"got None, expected {want} - the step's intensity approaches {limit:.1f} FLOP/byte, above {ridge:g}"
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
             return f"expected an int (or None), got {got!r}"
-        if got == math.ceil(ridge * nbytes / 2):
-            return (f"got {got}, expected {want} - that counts only the weight bytes; the R input and output rows "
-                    f"move too and grow with R")
-        if got == min_decode_batch(cfg, ridge, 2 if nbytes == 4 else 4):
-            return f"got {got}, expected {want} - use nbytes = {nbytes} bytes per number"
         if abs(got - want) == 1:
             return f"got {got}, expected {want} - off by one: the smallest R whose intensity is >= the ridge"
-        return f"got {got}, expected {want} (the intensity at R = {want} is {block_linear_intensity(cfg, want, nbytes):.1f})"
-    return grade("decode_batch", fn, cases, judge, "H200 and CPU ridges, an unreachable ridge, two other models")
+        return f"got {got}, expected {want} (the step's intensity at R = {want}: {want * f / (nbytes * (w + want * m)):.2f})"
+    return grade("decode_batch", fn, cases, judge, "CPU and H200 ridges, short and long caches, another model")
 
 
 # ---------------------------------------------------------------------------------------------
