@@ -35,8 +35,8 @@ def _positions_do_not_restart():
 
     real = batch.pack
 
-    def pack(requests, device=None):
-        out = real(requests, device)
+    def pack(requests, device=None, **kw):
+        out = real(requests, device, **kw)
         out.positions = torch.arange(out.num_tokens, device=out.positions.device)
         return out
 

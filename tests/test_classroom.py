@@ -71,10 +71,10 @@ def wrong(seq_lens, bug, k):  # both neighbours of a moved boundary always go wr
     return {k - 1, k}
 ''', "causal attention lets each row see only the rows before it"),
     "ex01_2_grade": ('''
-def wrong(total, num_requests):  # the best case drops the remainder of total / num_requests
-    worst = [total - (num_requests - 1)] + [1] * (num_requests - 1)
-    return worst, [total // num_requests] * num_requests
-''', "give the remainder to some requests"),
+def wrong(seq_lens, max_num_seqs):  # longest first, full groups: the remainder group gets the shortest
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    return [order[i:i + max_num_seqs] for i in range(0, len(order), max_num_seqs)]
+''', "where you cut matters"),
     "ex01_3_grade": ('''
 def wrong(ids, mask):  # assumes the pads are at the end of every request
     import torch

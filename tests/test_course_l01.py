@@ -186,25 +186,42 @@ def test_c3_wrong_requests_checker(capsys):
     assert "has one token" in capsys.readouterr().out
 
 
-def _extremes(total, r):
-    q, extra = divmod(total, r)
-    return [total - r + 1] + [1] * (r - 1), [q + 1] * extra + [q] * (r - extra)
+def _grouping(lens, cap):
+    """A test-side answer: longest first, every way to cut that order into ceil(R / cap) runs of <= cap."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    need = math.ceil(len(lens) / cap)
+
+    def cuts(rest, left):
+        if not rest:
+            return [[]] if left == 0 else []
+        return [[rest[:k]] + more for k in range(1, min(cap, len(rest)) + 1) for more in cuts(rest[k:], left - 1)]
+    return min(cuts(order, need), key=lambda part: sum(L.pad_rows([lens[i] for i in g]) for g in part))
 
 
-def test_c2_padding_extremes_checker(capsys):
-    assert L.check_padding_extremes(_extremes)
-    assert L.check_padding_extremes(stub) is False
-    assert "at least one token" in attempt(L.check_padding_extremes, lambda t, r: ([t] + [0] * (r - 1), _extremes(t, r)[1]))
-    assert "remainder" in attempt(L.check_padding_extremes, lambda t, r: (_extremes(t, r)[0], [t // r] * r))
-    assert "as long as the others allow" in attempt(L.check_padding_extremes,
-                                                    lambda t, r: (_extremes(t, r)[1], _extremes(t, r)[1]))
-    assert "as evenly as possible" in attempt(L.check_padding_extremes,
-                                              lambda t, r: (_extremes(t, r)[0], _extremes(t, r)[0]))
+def _by_arrival(lens, cap):
+    return [list(range(i, min(i + cap, len(lens)))) for i in range(0, len(lens), cap)]
+
+
+def _longest_first_full(lens, cap):
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    return [order[i:i + cap] for i in range(0, len(order), cap)]
+
+
+def test_c2_grouping_checker(capsys):
+    # hand-counted: 100 alone and the three 1s together pad nothing; 30/29/31 and 5/6/7 pad 2 + 2 rows
+    assert L.fewest_pad_rows((100, 1, 1, 1), 3)[0] == 0
+    assert L.fewest_pad_rows((5, 30, 7, 29, 6, 31), 3)[0] == (31 * 3 - 90) + (7 * 3 - 18)
+    assert L.check_grouping(_grouping)
+    assert L.check_grouping(stub) is False
+    assert "where you cut matters" in attempt(L.check_grouping, _longest_first_full)
+    assert "pays for that length" in attempt(L.check_grouping, lambda lens, cap: _by_arrival(lens, cap) if lens == [9, 2, 8, 3, 7]
+                                             else _grouping(lens, cap))
+    assert "exactly once" in attempt(L.check_grouping, lambda lens, cap: [[n] for n in lens])
+    assert "need only" in attempt(L.check_grouping, lambda lens, cap: [[i] for i in range(len(lens))])
+    assert "1..3 requests" in attempt(L.check_grouping, lambda lens, cap: [list(range(len(lens))), []])
     capsys.readouterr()
-    # An equal split is right where num_requests divides total: 4 of the 6 cases.
-    earned = score(L.check_padding_extremes, lambda t, r: (_extremes(t, r)[0], [t // r] * r), points=6)
-    assert earned == 4 and "remainder" in capsys.readouterr().out
-    assert sum(math.ceil(t / r) * r > t for t, r in L.EXTREME_CASES) == 2
+    earned = score(L.check_grouping, _by_arrival, points=len(L.GROUPING_CASES))
+    assert 0 < earned < len(L.GROUPING_CASES) and "is possible" in capsys.readouterr().out
     assert L.pad_rows([10, 30]) == 20
 
 

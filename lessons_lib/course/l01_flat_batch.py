@@ -91,7 +91,9 @@ def padded_vs_flat(seq_lens: Sequence[int]) -> Figure:
     cells.set_xticklabels([request_name(i) for i in range(shown)], fontsize=MIN_FONT)
     cells.set_ylim(0, lmax * lmax * 1.3)
     cells.tick_params(axis="y", labelsize=MIN_FONT)
-    cells.set_title("score cells per head per layer once\npadded: own L² + what padding adds", fontsize=MIN_FONT + 1)
+    cells.set_ylabel("score cells per head per layer", fontsize=MIN_FONT)
+    cells.set_xlabel("no causal saving counted", fontsize=MIN_FONT)
+    cells.set_title("padded: own L² + padding's cells\n(whole blocks, as the article counts)", fontsize=MIN_FONT + 1)
     fig.legend(handles=[Patch(facecolor=request_color(0), label="real token (requests alternate two shades)"),
                         Patch(facecolor=WASTE, hatch="///", edgecolor="white", label="pad row / padding's cells"),
                         Patch(facecolor=ATTENTION, label="useful score cells: L_i²")],
@@ -350,7 +352,8 @@ def flat_run_text(state: dict) -> dict[str, str]:
         f"inputs: padded {_kib(state['input_bytes']['padded'])} | flat {_kib(state['input_bytes']['flat'])}; "
         f"hidden states: padded {_kib(state['hidden_bytes']['padded'])} | flat {_kib(state['hidden_bytes']['flat'])}",
         f"largest score matrix (recorded): padded {list(big['padded'])} = {_kib(4 * math.prod(big['padded']))} | "
-        f"flat {list(big['flat'])} = {_kib(4 * math.prod(big['flat']))} (float32)"])
+        f"flat {list(big['flat'])} = {_kib(4 * math.prod(big['flat']))} (float32; the leading number is heads x "
+        "requests: attention runs requests of equal length as one batched matmul)"])
     lines = []
     for i, n in enumerate(state["seq_lens"][:_SHOWN]):
         lines.append(f"{request_name(i)} ({n}): flat {state['diff']['flat'][i]:.1e} "
@@ -376,7 +379,7 @@ def flat_batch_explorer(lengths: str = "3, 17, 5", pad_to: str = "longest", side
     """VBox class ``fbx``: Text ``fbx-lengths``, Dropdowns ``fbx-pad-to`` and ``fbx-side``; HTML
     ``fbx-flat`` (what pack built), ``fbx-counts`` (what the recorder saw, padded vs flat, and
     memory), ``fbx-alone`` (each request's max |diff| from itself alone, under the tolerance rule);
-    Output ``fbx-figure`` (``padded_vs_flat``).
+    Output ``fbx-figure`` (``flat_run_figure``).
 
     Every change packs and pads the typed requests and runs the explorer's model (``EXPLORER_CONFIG``)
     both ways. Bad input shows the error in ``fbx-counts`` (class ``fbx-error``) instead of raising.
@@ -504,7 +507,8 @@ def _as_list(x):
     return x.tolist() if isinstance(x, Tensor) else list(x) if isinstance(x, (list, tuple)) else x
 
 
-EXTREME_CASES = [(40, 2), (100, 4), (10, 3), (7, 7), (50, 3), (1000, 10)]
+GROUPING_CASES = [([100, 1, 1, 1], 3), ([1, 10, 10], 2), ([5, 30, 7, 29, 6, 31], 3), ([9, 2, 8, 3, 7], 2),
+                  ([12, 12, 12, 12], 4), ([40, 3, 38, 5, 36, 4, 2], 3), ([6], 1), ([4, 50, 4, 49, 4], 4)]
 
 
 def pad_rows(lens: Sequence[int]) -> int:
@@ -512,33 +516,70 @@ def pad_rows(lens: Sequence[int]) -> int:
     return len(lens) * max(lens) - sum(lens)
 
 
-def check_padding_extremes(fn: Callable[[int, int], tuple]) -> bool:
-    """Exercise 01.2: ``fn(total, num_requests) -> (worst, best)``: two lists of ``num_requests``
-    positive lengths adding up to ``total``; ``worst`` makes padding add the most pad rows, ``best``
-    the fewest."""
-    def judge(got, total, r):
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            return f"expected a pair (worst, best) of length lists, got {got!r}"
-        most, least = (r - 1) * (total - r), r * math.ceil(total / r) - total
-        for name, lens, want in (("worst", got[0], most), ("best", got[1], least)):
-            lens = _as_list(lens)
-            if not isinstance(lens, list) or len(lens) != r or not all(isinstance(n, int) for n in lens):
-                return f"{name}: expected a list of {r} ints, got {lens!r}"
-            if min(lens) < 1:
-                return f"{name} {lens}: every request needs at least one token (pack rejects an empty prompt)"
-            if sum(lens) != total:
-                hint = (f" - when {r} does not divide {total}, give the remainder to some requests, one token each"
-                        if name == "best" and len(set(lens)) == 1 else "")
-                return f"{name} {lens} holds {sum(lens)} tokens, not {total}{hint}"
-            if pad_rows(lens) != want:
-                hint = (" - the pad rows are R x Lmax - T: make one request as long as the others allow (all the others "
-                        "1 token)" if name == "worst" else
-                        " - the longest request sets Lmax for everyone: spread the tokens as evenly as possible")
-                return f"{name} {lens} gives {pad_rows(lens)} pad rows, but {want} is possible{hint}"
+def _partitions(items: list, cap: int, groups: int):
+    """Every split of ``items`` into exactly ``groups`` non-empty groups of at most ``cap`` (brute force)."""
+    if not items:
+        if groups == 0:
+            yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest, cap, groups):          # first joins an existing group ...
+        for j in range(len(part)):
+            if len(part[j]) < cap:
+                yield part[:j] + [[first] + part[j]] + part[j + 1:]
+    for part in _partitions(rest, cap, groups - 1):      # ... or opens a new one
+        yield [[first]] + part
+
+
+@functools.cache
+def fewest_pad_rows(seq_lens: tuple[int, ...], max_num_seqs: int) -> tuple[int, tuple]:
+    """Brute force: the fewest pad rows over every split of the requests into the fewest forwards,
+    ``ceil(R / max_num_seqs)`` padded batches of at most ``max_num_seqs`` requests; and one best split
+    (request indices)."""
+    lens = check_lengths(seq_lens)
+    n = math.ceil(len(lens) / max_num_seqs)
+    return min((sum(pad_rows([lens[i] for i in g]) for g in part), tuple(tuple(sorted(g)) for g in part))
+               for part in _partitions(list(range(len(lens))), max_num_seqs, n))
+
+
+def check_grouping(fn: Callable[[list, int], object]) -> bool:
+    """Exercise 01.2: ``fn(seq_lens, max_num_seqs) -> groups``: a list of lists of request indices, each
+    request in exactly one group, at most ``max_num_seqs`` per group, ``ceil(R / max_num_seqs)`` groups
+    (a padding server runs as few forwards as it can); each group is padded to its own longest request.
+    The checker compares the pad rows with the fewest possible, found by trying every split."""
+    def judge(got, lens, cap):
+        need = math.ceil(len(lens) / cap)
+        got = _as_list(got)
+        if not isinstance(got, list) or not all(isinstance(_as_list(g), list) for g in got):
+            return f"expected a list of groups (lists of request indices), got {got!r}"
+        groups = [[int(i) if isinstance(i, int) else i for i in _as_list(g)] for g in got]
+        flat = [i for g in groups for i in g]
+        if not all(isinstance(i, int) for i in flat) or sorted(flat) != list(range(len(lens))):
+            return (f"the groups {groups} must hold each request index 0..{len(lens) - 1} exactly once "
+                    "(indices, not lengths)")
+        if any(not g or len(g) > cap for g in groups):
+            return f"the groups {groups}: every group needs 1..{cap} requests (max_num_seqs = {cap})"
+        if len(groups) != need:
+            return (f"{len(groups)} groups, but {len(lens)} requests at most {cap} per forward need only {need}: "
+                    "the server runs as few forwards as it can (more groups would trade forwards for padding)")
+        mine = sum(pad_rows([lens[i] for i in g]) for g in groups)
+        best, split = fewest_pad_rows(tuple(lens), cap)
+        if mine > best:
+            spans = sorted((min(lens[i] for i in g), max(lens[i] for i in g)) for g in groups)
+            sorted_runs = all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))
+            longest = max(range(len(lens)), key=lens.__getitem__)
+            home = next(len(g) for g in groups if longest in g)
+            hint = (f" - your groups are runs of similar lengths, but where you cut matters: the longest request "
+                    f"({lens[longest]} tokens) sets Lmax for the {home} requests of its group"
+                    if sorted_runs else
+                    " - the longest request of a group sets Lmax for all of it: a short request in a long one's group "
+                    "pays for that length")
+            return (f"lengths {lens}, max_num_seqs {cap}: your groups {groups} pad {mine} rows, but {best} is possible, "
+                    f"e.g. {[list(g) for g in split]}{hint}")
         return None
-    return grade("padding_extremes", fn, EXTREME_CASES, judge,
-                 "worst: one long request among 1-token ones, (R-1)(T-R) pad rows; best: lengths within one token "
-                 "of each other, R*ceil(T/R) - T pad rows")
+    return grade("grouping", fn, GROUPING_CASES, judge,
+                 "sort by length, keep neighbours together, and choose where to cut: which group gets the remainder "
+                 "when max_num_seqs does not divide R changes the padding")
 
 
 def _unpad_id_cases(seed: int = 5) -> list[tuple[Tensor, Tensor]]:
