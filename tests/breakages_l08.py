@@ -13,7 +13,7 @@ def _install(bug: str):
 
 # One bug per claim (l08_chunked's break-it table names them).
 breaks_each(NOTEBOOK, _install, (
-        ("P1", "positions restart", "positions restart at 0 in every chunk where the model looks up its position embeddings"),
+        ("P1", "bug report", "positions restart at 0 in every chunk where the model looks up its position embeddings"),
         ("P2", "chunk takes a whole budget",
          "the chunked scheduler gives the head request a whole budget, not the room left in the forward"),
         ("P3", "causal top-left",

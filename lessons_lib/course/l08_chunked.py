@@ -12,7 +12,7 @@
   break it          ``BUGS``, ``install``, ``broken``, ``chunk_error_table`` (also tests/breakages_l08.py)
   explorer          ``chunked_plan_state`` / ``chunked_plan_html`` / ``chunked_plan_explorer`` (runs the engine)
   exercises         ``check_capped_scheduler`` (08.1; ``check_chunk_scheduler`` for the plain rule),
-                    ``check_budget_chooser`` with ``budget_measures`` (08.2),
+                    ``check_draft_cache_rows`` (08.2; ``budget_measures`` / ``budget_table`` to compare budgets),
                     ``check_bug_report_fix`` (08.3)
 
 Taught in notebooks/08_chunked_prefill.ipynb.
@@ -122,15 +122,16 @@ def chunk_staircase(chunks: Sequence[int], title_prefix: str = "") -> Figure:
     """
     spans = chunk_spans(chunks)
     total = spans[-1][0] + spans[-1][1]
-    cells = staircase_cells(chunks)
     fig = Figure(figsize=(10, 5.2))
     left, right = fig.subplots(1, 2, width_ratios=[1.15, 1])
     bar = 0.6
     for c, (s, n) in enumerate(spans):
         if s:
             left.add_patch(Rectangle((0, c - bar / 2), s, bar, facecolor=OTHER, edgecolor="white", gid=f"cache-{c}"))
-        left.add_patch(Rectangle((s, c - bar / 2), n, bar, facecolor=REQUEST[0], edgecolor="white", gid=f"chunk-{c}"))
-        left.text(s + n / 2, c, f"{n}", ha="center", va="center", fontsize=MIN_FONT, color=TEXT)
+        left.add_patch(Rectangle((s, c - bar / 2), n, bar, facecolor=REQUEST[0], edgecolor=TEXT, hatch="//",
+                                 linewidth=0.8, gid=f"chunk-{c}"))
+        left.text(s + n / 2, c, f"{n}", ha="center", va="center", fontsize=MIN_FONT, color=TEXT,
+                  bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.8})
         if s:
             left.text(s / 2, c, f"{s} cached", ha="center", va="center", fontsize=MIN_FONT, color="white")
     left.set_xlim(0, total * 1.02)
@@ -162,14 +163,14 @@ def chunk_staircase(chunks: Sequence[int], title_prefix: str = "") -> Figure:
     right.set_xlabel("key (every token so far)", fontsize=MIN_FONT)
     right.set_ylabel("query (this chunk's tokens)", fontsize=MIN_FONT)
     right.tick_params(labelsize=MIN_FONT)
-    fig.legend(handles=[Patch(facecolor=REQUEST[0], label="chunk: computed now"),
+    fig.legend(handles=[Patch(facecolor=REQUEST[0], edgecolor=TEXT, hatch="//", label="chunk: computed now (hatched)"),
                         Patch(facecolor=OTHER, label="K, V read from the KV cache"),
                         Patch(facecolor=ATTENTION, label="score cell: useful (causal)"),
                         Patch(facecolor=WASTE, label="computed, then masked"),
                         Patch(facecolor=NEVER, edgecolor=TEXT, linewidth=0.8, label="never computed (outlined)")],
                loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
-    right.set_title(f"score cells per head per layer:\n{cells['computed']:,} computed "
-                    f"(unchunked: {total * total:,}),\n{cells['allowed']:,} useful either way", fontsize=10)
+    right.set_title("score cells per head per layer:\neach chunk's rows x every key so far\n(counted in claim P4)",
+                    fontsize=10)
     fig.subplots_adjust(left=0.1, right=0.97, bottom=0.22, top=0.84, wspace=0.25)
     return fig
 
@@ -294,7 +295,7 @@ def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequ
     """
     labels = list(runs)
     total = sum(seq_lens)
-    fig = Figure(figsize=(10, 1.35 * len(labels) + 1.4))
+    fig = Figure(figsize=(10, 1.7 * len(labels) + 1.4))
     ax = fig.add_subplot()
     bar = 0.42
     for lane, label in enumerate(labels):
@@ -309,6 +310,10 @@ def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequ
                             bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6} if i == draft else None)
                 x += t
             ax.vlines(x, lane - bar / 2 - 0.06, lane + bar / 2 + 0.06, colors=TEXT, linewidth=1.6, gid=f"fwd-{lane}-{f}")
+            start = ends[-1] if ends else 0
+            if x - start >= total / 40:  # the forward's number (from 0, as the engine's stats count), below its boxes
+                ax.text((start + x) / 2, lane + bar / 2 + 0.32, f"f{f}", ha="center", va="center",
+                        fontsize=MIN_FONT, color=TEXT, gid=f"fnum-{lane}-{f}")
             ends.append(x)
         done = request_waits(runs[label])
         for i in behind:
@@ -330,7 +335,8 @@ def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequ
     ax.set_xlim(0, total * 1.04)
     ax.set_ylim(len(labels) - 0.35, -0.75)
     ax.set_yticks([])
-    ax.set_xlabel("prompt tokens run so far (forwards one after another; a black tick ends a forward)", fontsize=MIN_FONT)
+    ax.set_xlabel("prompt tokens run so far (forwards one after another, numbered f0, f1, ...; a black tick ends "
+                  "a forward)", fontsize=MIN_FONT)
     ax.tick_params(axis="x", labelsize=MIN_FONT)
     fig.legend(handles=[Patch(facecolor=REQUEST[0], label="a request's chunk (two shades tell neighbours apart)"),
                         Patch(facecolor=REQUEST[0], hatch="///", edgecolor="white", label=f"the draft (request {draft})"),
@@ -340,7 +346,7 @@ def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequ
                loc="lower center", ncol=2, fontsize=MIN_FONT, frameon=False)
     ax.set_title("The stream's forwards, prompt tokens on the x axis: the work done when each request finishes",
                  fontsize=10)
-    height = 1.35 * len(labels) + 1.4
+    height = 1.7 * len(labels) + 1.4
     fig.subplots_adjust(left=0.02, right=0.98, bottom=1.05 / height, top=1 - 0.35 / height)
     return fig
 
@@ -476,13 +482,25 @@ def cache_peak_rows(stats: Sequence, seq_lens: Sequence[int]) -> dict:
     """Token rows (per layer, K and V together) the prefill KV cache must hold at its peak, summed from the
     forwards' chunks ``(request, cached, new)``. ``copy``: this engine's (``torch.cat``): while a forward runs,
     the cached rows read (``cached``) beside the new copies of the requests that continue (``cached + new``).
-    ``in_place``: a cache written in place (preallocated blocks): only the rows held after a forward."""
-    copy = in_place = 0
+    ``in_place``: a cache written in place (preallocated blocks): the rows held between forwards.
+    ``in_forward``: that cache during a forward, where (as in vLLM) every scheduled token's K and V is written
+    into its blocks before attention runs: each chunk's cached rows plus its new ones, summed over the forward."""
+    copy = in_place = in_forward = 0
     for st in stats:
         kept = sum(s + n for i, s, n in st.chunks if s + n < seq_lens[i])
         copy = max(copy, sum(s for _, s, _ in st.chunks) + kept)
         in_place = max(in_place, kept)
-    return {"copy": copy, "in_place": in_place}
+        in_forward = max(in_forward, sum(s + n for _, s, n in st.chunks))
+    return {"copy": copy, "in_place": in_place, "in_forward": in_forward}
+
+
+def seq_limited_forwards(max_num_seqs: int = 4) -> list:
+    """Lesson 06's stream served chunked under ``BUDGET`` by ``Engine`` with ``max_num_seqs`` requests at most per
+    forward, on the explorer's small model (the forwards do not depend on the model's size): its ``BatchStats``."""
+    cfg = EXPLORER_CFG
+    ids = [[t % cfg.vocab_size for t in p] for p in stream()[1]]
+    return serve(ids, BUDGET, True, cfg, _EXPLORER_WEIGHTS.setdefault("w", init_weights(cfg, 0)),
+                 max_num_seqs=check_int("max_num_seqs", max_num_seqs, 1), compute_logits=False)["stats"]
 
 
 def wait_seconds(stats: Sequence) -> dict:
@@ -622,9 +640,8 @@ def _patch(module, name: str, value) -> Callable[[], None]:
     return lambda: setattr(module, name, old)
 
 
-def _positions_restart() -> list:
-    """Positions restart at 0 in every chunk, where the model looks up its position embeddings (the batch's
-    ``positions`` are right, so the engine's check at the boundary passes)."""
+def _bug_report() -> list:
+    """Exercise 08.3's bug report (its diagnosis is the exercise; tests/breakages_l08.py says what it is)."""
     from ..core import model
 
     def embed(self, batch):
@@ -632,7 +649,7 @@ def _positions_restart() -> list:
             return batch.hidden
         cu = batch.cu_seqlens.tolist()
         restart = torch.cat([torch.arange(e - s) for s, e in zip(cu[:-1], cu[1:])]).to(batch.positions.device)
-        return self.wte[batch.input_ids] + self.wpe[restart]  # the bug: the chunk's own index, not its position
+        return self.wte[batch.input_ids] + self.wpe[restart]
     return [_patch(model.Transformer, "embed", embed)]
 
 
@@ -698,7 +715,7 @@ def _chunked_to_the_back() -> list:
     return [_patch(sched_mod.Scheduler, "schedule_chunks", schedule_chunks)]
 
 
-BUGS = {"positions restart": _positions_restart, "cache not appended": _cache_not_appended,
+BUGS = {"bug report": _bug_report, "cache not appended": _cache_not_appended,
         "causal top-left": _causal_top_left, "chunk takes a whole budget": _chunk_takes_whole_budget,
         "chunked request to the back": _chunked_to_the_back}
 
@@ -711,8 +728,8 @@ def install(bug: str) -> Callable[[], None]:
     return lambda: [undo() for undo in reversed(undos)]
 
 
-# Exercise 08.3's bug report: one of ``BUGS``, run without its name so that the learner diagnoses it.
-REPORTED_BUG = "positions restart"
+# Exercise 08.3's bug report: one of ``BUGS``, under a neutral name so that the learner diagnoses it.
+REPORTED_BUG = "bug report"
 
 
 @contextlib.contextmanager
@@ -725,7 +742,7 @@ def reported_bug():
 
 @contextlib.contextmanager
 def broken(bug: str):
-    """``with broken("positions restart"): ...``: the engine runs with that bug inside the block only."""
+    """``with broken("causal top-left"): ...``: the engine runs with that bug inside the block only."""
     undo = install(bug)
     try:
         yield
@@ -747,49 +764,92 @@ def explorer_cfg_text() -> str:
     return f"{c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads of {c.d_head}"
 
 
-def chunked_plan_state(workload: str = "long-tail", num_requests: int = 24, max_num_batched_tokens: int = 512,
-                       seed: int = 3, max_num_seqs: int = MAX_NUM_SEQS) -> dict:
-    """A seeded stream of ``workload`` (lesson 06's presets; ``long-tail``, 24, seed 3 is lesson 06's stream)
-    served by ``Engine`` twice on ``EXPLORER_CFG``: chunked prefill under ``max_num_batched_tokens``, and whole
-    prompts under the smallest power of two that admits the longest one.
+# The explorer runs the engine's chunked prefill on every move, on a smaller model still (1 layer, d_model 32),
+# and the unchunked run (float32 and the float64 truth) once per stream: it does not depend on the chunk budget or
+# on a chunking bug. Forwards, chunks, waits and score cells do not depend on the model's size; the cache bytes,
+# the errors and the times do (they are this small model's).
+EXPLORE_RUN_CFG = ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=16, d_ffn=64, vocab_size=512, max_position=8192)
+_EXPLORE_RUN_WEIGHTS: dict = {}
+# the break-it bugs the explorer can switch on; exercise 08.3's is there under its neutral name
+EXPLORER_BUGS = ("none", "cache not appended", "causal top-left", "chunk takes a whole budget",
+                 "chunked request to the back", REPORTED_BUG)
+_WHOLE_RUNS: dict = {}
 
-    Keys: ``seq_lens``, ``longest`` (request index), ``behind`` (the requests after it), ``whole_budget``, and per
-    run (``"chunked"``, ``"whole"``): ``timeline`` (the engine's forwards, ``(request, num_tokens)`` each),
-    ``waits`` (``request_waits``), ``mean_behind`` (forwards, tokens), ``max_forward`` (tokens), ``cells_whole``
-    and ``cells_causal`` (score cells per head per layer, the engine's ``BatchStats``), ``cached_tokens``
-    (K, V rows read back from the cache, per layer per head) and ``kv_cache_peak_bytes`` (the engine's).
+
+def _explore_weights() -> dict:
+    if "w" not in _EXPLORE_RUN_WEIGHTS:
+        _EXPLORE_RUN_WEIGHTS["w"] = init_weights(EXPLORE_RUN_CFG, 0)
+    return _EXPLORE_RUN_WEIGHTS["w"]
+
+
+def _whole_runs(workload: str, n: int, seed: int) -> tuple:
+    """``(lengths, prompts, whole budget, {"whole": run, "truth": float64 run})`` of one stream, computed once."""
+    key = (workload, n, seed)
+    if key not in _WHOLE_RUNS:
+        if len(_WHOLE_RUNS) > 32:
+            _WHOLE_RUNS.clear()
+        lens = l06_engine.workload_lengths(workload, n, seed, **l06_engine.WORKLOAD_PRESETS[workload])
+        prompts = make_requests(lens, EXPLORE_RUN_CFG.vocab_size, seed=l06_engine.PROMPT_SEED)
+        whole_budget = 1 << (max(lens) - 1).bit_length()
+        runs = {name: serve(prompts, whole_budget, False, EXPLORE_RUN_CFG, _explore_weights(), dtype=dt,
+                            compute_logits=False) for name, dt in (("whole", torch.float32), ("truth", torch.float64))}
+        _WHOLE_RUNS[key] = (lens, prompts, whole_budget, runs)
+    return _WHOLE_RUNS[key]
+
+
+def _run_summary(run: dict, budget: int, after: list) -> dict:
+    steps = timeline(run["stats"])
+    waits = request_waits(steps)
+    return {"timeline": steps, "waits": waits, "budget": budget,
+            "mean_behind": mean_wait(waits, after) if after else (0.0, 0.0),
+            "max_forward": max(s.num_tokens for s in run["stats"]),
+            "cells_whole": sum(s.cells_whole_computed for s in run["stats"]),
+            "cells_causal": sum(s.cells_causal_useful for s in run["stats"]),
+            "cached_tokens": sum(s.num_cached_tokens for s in run["stats"]),
+            "kv_cache_peak_bytes": run["kv_cache_peak_bytes"],
+            "forward_ms": [1e3 * s.wall_s for s in run["stats"]]}
+
+
+def chunked_plan_state(workload: str = "long-tail", num_requests: int = 16, max_num_batched_tokens: int = 512,
+                       seed: int = 3, max_num_seqs: int = MAX_NUM_SEQS, bug: str = "none") -> dict:
+    """A seeded stream of ``workload`` (lesson 06's presets) served by ``Engine`` on ``EXPLORE_RUN_CFG``: chunked
+    prefill under ``max_num_batched_tokens`` (with ``bug``, one of ``EXPLORER_BUGS``, switched on), and whole
+    prompts under the smallest power of two that admits the longest one (float32 and float64, once per stream).
+
+    Keys: ``seq_lens``, ``longest`` (request index), ``behind`` (the requests after it), ``whole_budget``, ``bug``,
+    ``errors`` (``{request: (max |chunked last hidden - float64 unchunked|, the tolerance rule's bound)}`` for
+    every request the chunked run cut into more than one chunk), and per run (``"chunked"``, ``"whole"``):
+    ``timeline`` (the engine's forwards, ``(request, num_tokens)`` each), ``waits`` (``request_waits``),
+    ``mean_behind`` (forwards, tokens), ``max_forward`` (tokens), ``cells_whole`` and ``cells_causal`` (score cells
+    per head per layer, the engine's ``BatchStats``), ``cached_tokens`` (K, V rows read back from the cache, per
+    layer per head), ``kv_cache_peak_bytes`` (the engine's) and ``forward_ms`` (each forward's measured wall time).
     """
     if workload not in l06_engine.WORKLOAD_PRESETS:
         raise ValueError(f"workload must be one of {tuple(l06_engine.WORKLOAD_PRESETS)}, got {workload!r}")
+    if bug not in EXPLORER_BUGS:
+        raise ValueError(f"bug must be one of {EXPLORER_BUGS}, got {bug!r}")
     n = check_int("num_requests", num_requests, 1, 256)
     budget = check_int("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 16)
-    lens = l06_engine.workload_lengths(workload, n, seed, **l06_engine.WORKLOAD_PRESETS[workload])
-    cfg = EXPLORER_CFG
-    if "w" not in _EXPLORER_WEIGHTS:
-        _EXPLORER_WEIGHTS["w"] = init_weights(cfg, 0)
-    prompts = make_requests(lens, cfg.vocab_size, seed=l06_engine.PROMPT_SEED)
+    lens, prompts, whole_budget, whole = _whole_runs(workload, n, seed)
     longest = max(range(n), key=lambda i: (lens[i], -i))
     after = list(range(longest + 1, n))
-    whole_budget = 1 << (max(lens) - 1).bit_length()
-    state = {"workload": workload, "seq_lens": lens, "longest": longest, "behind": after,
-             "max_num_batched_tokens": budget, "whole_budget": whole_budget}
-    for name, b, chunked in (("chunked", budget, True), ("whole", whole_budget, False)):
-        run = serve(prompts, b, chunked, cfg, _EXPLORER_WEIGHTS["w"], max_num_seqs=max_num_seqs, compute_logits=False)
-        steps = timeline(run["stats"])
-        waits = request_waits(steps)
-        state[name] = {"timeline": steps, "waits": waits, "budget": b,
-                       "mean_behind": mean_wait(waits, after) if after else (0.0, 0.0),
-                       "max_forward": max(s.num_tokens for s in run["stats"]),
-                       "cells_whole": sum(s.cells_whole_computed for s in run["stats"]),
-                       "cells_causal": sum(s.cells_causal_useful for s in run["stats"]),
-                       "cached_tokens": sum(s.num_cached_tokens for s in run["stats"]),
-                       "kv_cache_peak_bytes": run["kv_cache_peak_bytes"]}
+    with contextlib.nullcontext() if bug == "none" else broken(bug):
+        run = serve(prompts, budget, True, EXPLORE_RUN_CFG, _explore_weights(), max_num_seqs=max_num_seqs,
+                    compute_logits=False)
+    state = {"workload": workload, "seq_lens": lens, "longest": longest, "behind": after, "bug": bug,
+             "max_num_batched_tokens": budget, "whole_budget": whole_budget,
+             "chunked": _run_summary(run, budget, after), "whole": _run_summary(whole["whole"], whole_budget, after)}
+    cut = sorted(i for i in range(n) if sum(i == j for fwd in state["chunked"]["timeline"] for j, _ in fwd) > 1)
+    state["chunks"] = {i: sum(i == j for fwd in state["chunked"]["timeline"] for j, _ in fwd) for i in cut}
+    state["errors"] = {i: error_and_bound(*(r["outputs"][i].last_hidden for r in (run, whole["whole"], whole["truth"])))
+                       for i in cut}
     return state
 
 
 def chunked_plan_html(state: dict) -> str:
     """The explorer's readout: one ``<div>`` per run (forwards, largest, the wait of the requests behind the
-    longest, cells, cache), then one for the longest request itself."""
+    longest, cells, cache), one for the longest request, one with each chunked request's error against the
+    unchunked prefill (from the engine's runs), then the measured times (noisy)."""
     lens, i = state["seq_lens"], state["longest"]
     lines = []
     for name in ("chunked", "whole"):
@@ -803,24 +863,41 @@ def chunked_plan_html(state: dict) -> str:
     ch = [f for f, fwd in enumerate(state["chunked"]["timeline"]) if i in dict(fwd)]
     lines.append(f"<div>the longest, request {i} ({lens[i]:,} tokens): chunked, in forwards {ch[0]}..{ch[-1]} "
                  f"({len(ch)} chunks); whole, in forward {state['whole']['waits'][i][0] - 1}</div>")
+    errs = state["errors"]
+    bad = sum(e > b for e, b in errs.values())
+    shown = ", ".join(f"{j} ({state['chunks'][j]} chunks) {e:.1e} {'≤' if e <= b else '>'} {b:.1e} "
+                      f"{'✓' if e <= b else '✗'}" for j, (e, b) in list(errs.items())[:8])
+    more = f", {len(errs) - 8} more" if len(errs) > 8 else ""
+    lines.append(f"<div>bug: {state['bug']} | max |chunked last hidden - fp64 unchunked| of each request cut into "
+                 f"chunks, against the tolerance rule's bound: {shown or 'no request was cut'}{more} | "
+                 f"{bad} of {len(errs)} wrong</div>")
+    ms = sorted(state["chunked"]["forward_ms"])
+    wms = sorted(state["whole"]["forward_ms"])
+    lines.append(f"<div>measured wall time per forward (this CPU, small model, noisy): chunked median "
+                 f"{ms[len(ms) // 2]:.1f} ms, longest {ms[-1]:.1f} ms over {len(ms)}; whole (run once per stream) "
+                 f"median {wms[len(wms) // 2]:.1f} ms, longest {wms[-1]:.1f} ms over {len(wms)}</div>")
     return "".join(lines)
 
 
-def chunked_plan_explorer(workload: str = "long-tail", num_requests: int = 24, max_num_batched_tokens: int = 512):
-    """VBox class ``cpx``: Dropdown ``cpx-workload``, IntSliders ``cpx-num-requests`` (1..64) and ``cpx-budget``
-    (16..2048), HTML ``cpx-counts`` (``chunked_plan_html``), Output ``cpx-figure`` (``chunk_timeline`` of both
-    runs)."""
+def chunked_plan_explorer(workload: str = "long-tail", num_requests: int = 16, max_num_batched_tokens: int = 512):
+    """VBox class ``cpx``: Dropdowns ``cpx-workload`` and ``cpx-bug`` (``EXPLORER_BUGS``), IntSliders
+    ``cpx-num-requests`` (1..64) and ``cpx-budget`` (128..2048), HTML ``cpx-counts`` (``chunked_plan_html``;
+    "running..." while the engine runs), Output ``cpx-figure`` (``chunk_timeline`` of both runs)."""
     kind, reqs, budget, text, out = l06_engine.workload_controls("cpx", workload, num_requests, 64, max_num_batched_tokens,
                                                                 2048, "chunk budget")
+    from .explore import ipywidgets_module, tagged
+    bug = tagged(ipywidgets_module().Dropdown(options=list(EXPLORER_BUGS), value="none", description="bug"), "cpx-bug")
+    budget.min = 128  # below it a move runs hundreds of forwards: over 2 s on a busy CPU
 
     def update(change=None):
-        state = chunked_plan_state(kind.value, reqs.value, budget.value)
+        text.value = "<div>running...</div>" + text.value
+        state = chunked_plan_state(kind.value, reqs.value, budget.value, bug=bug.value)
         text.value = chunked_plan_html(state)
         show_figure(out, chunk_timeline({f"chunked, {state['max_num_batched_tokens']:,}": state["chunked"]["timeline"],
                                          f"whole, {state['whole_budget']:,}": state["whole"]["timeline"]},
                                         state["seq_lens"], state["longest"], state["behind"]))
 
-    return explorer("cpx", [kind, reqs, budget], [text, out], update)
+    return explorer("cpx", [kind, reqs, budget, bug], [text, out], update)
 
 
 # ---- exercise 08.1: a chunk cap (vLLM's long_prefill_token_threshold) --------------------------------------
@@ -857,52 +934,76 @@ def _capped_cases() -> list[tuple]:
 
 
 def capped_schedule_problem(got, seq_lens, max_num_batched_tokens, max_num_seqs, cap) -> str | None:
-    """Why ``got`` is not ``_capped_reference``'s forwards, in words (the first rule it breaks), or None."""
-    want = _capped_reference(seq_lens, max_num_batched_tokens, max_num_seqs, cap)
+    """The first rule of a capped chunked prefill that ``got`` breaks, in words, or None. Any schedule that keeps
+    the rules passes (``_capped_reference`` is one of them, not the only one): every request's tokens exactly once,
+    in order, never past its prompt; every forward non-empty, within ``max_num_batched_tokens`` and
+    ``max_num_seqs``, no chunk over the cap (``cap`` 0: no cap); a forward holds the first unfinished requests in
+    arrival order; and it fills its room: it closes with room left and fewer than ``max_num_seqs`` requests only
+    when every unfinished request is in it, each with ``min(its rest, the cap)`` tokens."""
     if not isinstance(got, (list, tuple)) or not all(isinstance(f, (list, tuple)) for f in got):
         return f"expected a list of forwards, each a list of (request, num_tokens) pairs, got {got!r}"[:300]
     pairs = [c for f in got for c in f]
-    if not all(isinstance(c, (list, tuple)) and len(c) == 2 for c in pairs):
+    if not all(isinstance(c, (list, tuple)) and len(c) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                     for x in c) for c in pairs):
         return "each chunk is a pair (request index, num_tokens): a chunked forward says how many tokens each request runs"
-    got = [[tuple(c) for c in f] for f in got]
-    if got == want:
-        return None
-    limit = cap if cap else max_num_batched_tokens
+    n, limit = len(seq_lens), cap if cap else max_num_batched_tokens
+    left = list(seq_lens)
     for f, fwd in enumerate(got):
-        if f >= len(want):
-            return f"{len(got)} forwards where {len(want)} suffice: forward {f} should not exist"
+        fwd = [tuple(c) for c in fwd]
+        if not any(left):
+            return f"{len(got)} forwards, but every prompt is finished after forward {f - 1}: forward {f} should not exist"
+        if not fwd:
+            return f"forward {f} is empty while requests wait: every forward makes progress"
+        ids = [i for i, _ in fwd]
+        if len(set(ids)) != len(ids):
+            return f"forward {f} holds a request twice: one chunk per request per forward"
+        for i, t in fwd:
+            if not 0 <= i < n:
+                return f"forward {f}: unknown request {i} (requests are 0 .. {n - 1})"
+            if t < 1:
+                return f"forward {f}: request {i} gets {t} tokens: a chunk holds at least one token"
+            if t > left[i]:
+                return f"forward {f}: request {i} gets {t} tokens but only {left[i]} are left: never past the prompt"
+            if t > limit:
+                return (f"forward {f}: request {i} runs {t} tokens > long_prefill_token_threshold={cap}: no chunk may "
+                        "exceed the cap" if cap else f"forward {f}: request {i} runs {t} tokens > the budget")
         tokens = sum(t for _, t in fwd)
-        big = [(i, t) for i, t in fwd if t > limit]
-        if big:
-            i, t = big[0]
-            return (f"forward {f}: request {i} runs {t} tokens > long_prefill_token_threshold={cap}: no chunk may "
-                    "exceed the cap" if cap else f"forward {f}: request {i} runs {t} tokens > the budget")
         if tokens > max_num_batched_tokens:
             return f"forward {f} holds {tokens} tokens > max_num_batched_tokens={max_num_batched_tokens}"
         if len(fwd) > max_num_seqs:
             return f"forward {f} holds {len(fwd)} requests > max_num_seqs={max_num_seqs}: the budget counts requests too"
-        if fwd != want[f]:
-            w = want[f]
-            if cap >= max_num_batched_tokens:
-                hint = "a cap at or above the budget changes nothing: the forwards are plain FCFS chunking"
-            elif len(fwd) < len(w) and tokens < max_num_batched_tokens:
-                hint = ("a capped chunk does not end the forward: the room left goes to the requests behind it "
-                        "(that is the point of the cap)")
-            elif cap == 0:
-                hint = "long_prefill_token_threshold=0 means no cap (vLLM's default)"
-            else:
-                hint = "each request, in arrival order, runs min(its rest, the cap, the room left)"
-            more_got, more_want = " ..." if len(fwd) > 6 else "", " ..." if len(w) > 6 else ""
-            return f"forward {f}: got {fwd[:6]}{more_got}, expected {w[:6]}{more_want}: {hint}"
-    return f"{len(got)} forwards, but {len(want)} are needed: some tokens are never scheduled"
+        waiting = [i for i in range(n) if left[i]]
+        if sorted(ids) != waiting[:len(ids)]:
+            skipped = next(i for i in waiting if i not in ids)
+            return (f"forward {f} runs request {max(ids)} while request {skipped}, which arrived earlier, is unfinished "
+                    "and not in it: a forward takes the unfinished requests in arrival order")
+        if tokens < max_num_batched_tokens:
+            short = [(i, t) for i, t in fwd if t < min(left[i], limit)]
+            if short:
+                i, t = short[0]
+                why = (" - long_prefill_token_threshold=0 means no cap (vLLM's default)" if cap == 0 else
+                       "")
+                return (f"forward {f} has {max_num_batched_tokens - tokens} tokens of room, yet request {i} gets only "
+                        f"{t} of the {min(left[i], limit)} it may run{why}")
+            if len(fwd) < max_num_seqs and len(fwd) < len(waiting):
+                return (f"forward {f} closes with {max_num_batched_tokens - tokens} tokens of room while request "
+                        f"{waiting[len(fwd)]} waits: a capped chunk does not end the forward, the room left goes to "
+                        "the requests behind it (that is the point of the cap)")
+        for i, t in fwd:
+            left[i] -= t
+    if any(left):
+        missing = [i for i in range(n) if left[i]]
+        return f"requests {missing[:8]} are not finished: {[left[i] for i in missing[:8]]} tokens never scheduled"
+    return None
 
 
 def check_capped_scheduler(fn) -> bool:
     """Exercise 08.1: ``fn(seq_lens, max_num_batched_tokens, max_num_seqs, long_prefill_token_threshold)`` →
-    the forwards of FCFS chunked prefill with a per-request chunk cap, on 7 cases (the stream, budget 1, a cap
-    equal to and above the budget, ``max_num_seqs``, two capped prompts, cap 0)."""
+    forwards of chunked prefill with a per-request chunk cap, on 7 cases (the stream, budget 1, a cap equal to and
+    above the budget, ``max_num_seqs``, two capped prompts, cap 0); any schedule keeping the rules of
+    ``capped_schedule_problem`` passes."""
     return grade("capped_scheduler", fn, _capped_cases(), capped_schedule_problem,
-                 "FCFS chunked prefill with a chunk cap on 7 cases: the cap, both budgets, cap >= budget and cap 0")
+                 "chunked prefill with a chunk cap on 7 cases: the cap, both budgets, arrival order, the room filled, cap 0")
 
 
 def capped_finish(fn, cap: int, max_num_batched_tokens: int = BUDGET) -> dict:
@@ -946,51 +1047,85 @@ def budget_table(budgets: Sequence[int]) -> str:
                                f"{m['wait_tokens']:10,.0f} {m['draft_cache_rows']:16,d}" for m in rows])
 
 
-def _violations(m: dict, max_forward: int, max_wait: float, max_cache_rows: int) -> list[str]:
-    out = []
-    if m["max_forward"] > max_forward:
-        out.append(f"a forward of {m['max_forward']} tokens > {max_forward}")
-    if m["wait_forwards"] > max_wait:
-        out.append(f"the questions wait {m['wait_forwards']:.2f} forwards on average > {max_wait}")
-    if m["draft_cache_rows"] > max_cache_rows:
-        out.append(f"the draft reads {m['draft_cache_rows']:,} cached rows > {max_cache_rows:,}")
-    return out
+# ---- exercise 08.2: where the draft's chunks start ------------------------------------------------------------
+
+_CACHE_ROWS_CASES = [("stream", 512), ("stream", 576), ("stream", 640), ([100, 412, 1000], 2, 256), ([300, 50], 1, 512),
+                     ([1000], 0, 300), ([5, 7, 20], 2, 1), ([450, 100, 30], 1, 512)]
 
 
-def feasible_budgets(max_forward: int, max_wait: float, max_cache_rows: int) -> list[int]:
-    """Every budget, a multiple of ``BUDGET_STEP`` up to ``max_forward``, that meets the three limits."""
-    return [b for b in range(BUDGET_STEP, max_forward + 1, BUDGET_STEP)
-            if not _violations(budget_measures(b), max_forward, max_wait, max_cache_rows)]
+def draft_cache_rows_truth(seq_lens: Sequence[int], draft: int, max_num_batched_tokens: int) -> int:
+    """Rows per layer request ``draft`` reads back from the KV cache when ``seq_lens`` are served chunked under
+    ``max_num_batched_tokens`` by the engine's scheduler (``plan_batches``): the sum of its chunks' starts."""
+    plan = plan_batches(list(seq_lens), check_int("max_num_batched_tokens", max_num_batched_tokens, 1),
+                        enable_chunked_prefill=True)
+    return sum(s for fwd in plan for i, s, _ in fwd if i == draft)
 
 
-_BUDGET_CASES = [(768, 6.0, 3000), (1024, 4.0, 2000), (512, 7.0, 4000), (384, 8.0, 5000)]
+@contextlib.contextmanager
+def _no_scheduler():
+    """Inside: the engine's scheduler and this module's measures raise (exercise 08.2 is arithmetic, not a run)."""
+    from ..serve import scheduler as sched_mod
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("exercise 08.2 computes the rows from where the chunks start: without plan_batches, "
+                           "the Scheduler or L.budget_measures")
+    undos = [_patch(sched_mod, "plan_batches", refuse), _patch(sched_mod.Scheduler, "schedule_chunks", refuse),
+             _patch(sched_mod.Scheduler, "schedule", refuse)]
+    g = globals()
+    old = {k: g[k] for k in ("plan_batches", "budget_measures", "budget_table", "planned_timeline")}
+    g.update({k: refuse for k in old})
+    try:
+        yield
+    finally:
+        g.update(old)
+        for undo in reversed(undos):
+            undo()
 
 
-def check_budget_chooser(fn) -> bool:
-    """Exercise 08.2: ``fn(max_forward, max_wait, max_cache_rows) -> budget or None``: a chunk budget for lesson
-    06's stream under which no forward exceeds ``max_forward`` tokens, the questions behind the draft wait at most
-    ``max_wait`` forwards on average and the draft reads back at most ``max_cache_rows`` cached rows per layer,
-    or None when no budget can. Judged with ``budget_measures`` on four sets of limits (one has no answer)."""
-    def judge(got, max_forward, max_wait, max_cache_rows):
-        ok = feasible_budgets(max_forward, max_wait, max_cache_rows)
-        if got is None:
-            return None if not ok else (f"None, but budget {ok[0]} meets all three limits (and {len(ok)} budgets do): "
-                                        "try every multiple of 16 up to max_forward with L.budget_measures")
-        if isinstance(got, bool) or not isinstance(got, int) or got < 1 or got % BUDGET_STEP:
-            return f"expected a budget (a positive multiple of {BUDGET_STEP}) or None, got {got!r}"
-        problems = _violations(budget_measures(got), max_forward, max_wait, max_cache_rows)
-        if not problems:
+def check_draft_cache_rows(fn) -> bool:
+    """Exercise 08.2: ``fn(seq_lens, draft, max_num_batched_tokens) -> int``, the rows per layer request ``draft``
+    reads back from the cache under first-come-first-served chunked prefill (``max_num_seqs`` never binds here),
+    computed without running the scheduler. Eight cases, lesson 06's stream under 512, 576 and 640 among them,
+    against ``draft_cache_rows_truth``."""
+    lens0 = stream_lengths()
+
+    def expand(case):
+        return (lens0, draft_index(), case[1]) if case[0] == "stream" else case
+
+    def run(*case):
+        seq_lens, d, b = expand(case)
+        with _no_scheduler():
+            return fn(list(seq_lens), d, b)
+
+    def judge(got, *case):
+        seq_lens, d, b = expand(case)
+        want = draft_cache_rows_truth(seq_lens, d, b)
+        if isinstance(got, bool) or not isinstance(got, int):
+            return f"expected an int (rows per layer), got {got!r}"[:200]
+        if got == want:
             return None
-        hint = ("no budget meets all three here: return None" if not ok else
-                f"{len(ok)} budgets do, e.g. {ok[0]}" + (" - the measures are not monotonic in the budget (a chunk "
-                                                         "boundary moves), so check each budget, do not bisect"
-                                                         if any(b < got for b in ok) and any(b > got for b in ok) else ""))
-        return f"budget {got}: " + "; ".join(problems) + f" ({hint})"
-    return grade("budget_chooser", fn, _BUDGET_CASES, judge,
-                 "a budget within all three limits on 4 sets of limits, None where there is none")
+        n = seq_lens[d]
+        aligned = sum(range(0, n, b))
+        chunks, s = [], 0
+        ahead = sum(seq_lens[:d])
+        first = b - ahead % b
+        while s < n:
+            chunks.append((s, min(n - s, first if s == 0 else b)))
+            s += chunks[-1][1]
+        ctx = f"request {d} ({n} tokens) after {ahead} tokens, budget {b}: "
+        if got == aligned and got != want:
+            return (ctx + f"{got} is what it reads if its chunks start at 0, {b}, {2 * b}, ...; but its first chunk is "
+                    f"the room left after the {ahead} tokens ahead of it ({first} tokens), so they start at "
+                    f"{[c for c, _ in chunks][:6]}")
+        if got == sum(c + m for c, m in chunks):
+            return ctx + "that counts each chunk's end: the rows read back are the ones cached BEFORE a chunk, its start"
+        return ctx + f"got {got}, the scheduler's chunks read {want}"
+
+    return grade("draft_cache_rows", run, _CACHE_ROWS_CASES, judge,
+                 "the rows a request reads back from the cache, from where its chunks start, on 8 streams and budgets")
 
 
-# ---- exercise 08.3: the positions of a chunk ----------------------------------------------------------------
+# ---- exercise 08.3: a bug report ----------------------------------------------------------------
 
 _POSITION_CASES = [([14, 0, 0], [83, 36, 41]), ([0], [5]), ([512], [512]), ([1750, 0, 0], [26, 80, 45]),
                    ([7, 3], [1, 2])]
@@ -1062,10 +1197,10 @@ def chunk_error_table(prompt: Sequence[int] | None = None, cfg: ModelConfig | No
 def check_bug_report_fix(fn) -> bool:
     """Exercise 08.3: ``fn(num_computed_tokens, seq_lens)``: the quantity of a flat chunked batch (request i brings
     ``seq_lens[i]`` tokens after ``num_computed_tokens[i]`` cached ones) that the bug report's engine
-    (``reported_bug``) gets wrong, as the intact engine computes it: the ``[T]`` int64 positions. Five batches
-    against the engine's ``pack``; then the draft served chunked on the explorer's small model with YOUR positions
-    in every forward, against its unchunked prefill (the tolerance rule, float64 truth). An answer that is another
-    input of the forward (``cu_seqlens_q``/``_k``, a mask) is told what the instruments say about that input."""
+    (``reported_bug``) gets wrong, as the intact engine computes it. Five batches against the engine's own; then
+    the draft served chunked on the explorer's small model with YOUR tensor in every forward, against its
+    unchunked prefill (the tolerance rule, float64 truth). An answer that is another input of the forward
+    (``cu_seqlens_q``/``_k``, a mask) is told what the instruments say about that input."""
     def run(done, lens=None):
         if done == ENGINE_POSITIONS_CASE:
             return _draft_with_positions(fn)
