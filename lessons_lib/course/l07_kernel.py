@@ -500,6 +500,15 @@ EXPLORER_HEADS, EXPLORER_D = 1, 16
 NO_BUG = "none (the real kernel)"
 
 
+@functools.lru_cache(maxsize=16)
+def _explorer_inputs(lens: tuple, causal: bool):
+    """q, k, v, cu_seqlens for the typed lengths and the fp32 / fp64 references: they do not depend on the tile
+    sizes or the bug, so a slider move reuses them and only the kernel runs again."""
+    q, k, v, cu = random_qkv(list(lens), EXPLORER_HEADS, EXPLORER_D, seed=sum(lens))
+    ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
+    return q, k, v, cu, ref, ref64
+
+
 def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: bool = True, bug: str = NO_BUG) -> dict:
     """Run the engine's kernel once on random q, k, v for the typed lengths (one head of 16) and return
     ``{"seq_lens", "grid", "bug", "measured", "predicted", "table", "error", "bound", "ran", "why", "ms"}``.
@@ -531,7 +540,7 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
         state["why"] = (f"{predicted.programs} programs: more than {MAX_PROGRAMS} under the CPU interpreter "
                         "(~12-30 ms each); shorter lengths or bigger tiles")
         return state
-    q, k, v, cu = random_qkv(lens, EXPLORER_HEADS, EXPLORER_D, seed=sum(lens))
+    q, k, v, cu, ref, ref64 = _explorer_inputs(tuple(lens), bool(causal))
     t0 = time.perf_counter()
     if bug == NO_BUG:
         out, measured = run_kernel(q, k, v, cu, causal=causal, block_m=bm, block_n=bn)
@@ -539,7 +548,6 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
         with kernel_with(bug):
             out, measured = run_kernel(q, k, v, cu, causal=causal, block_m=bm, block_n=bn)
     state["ms"] = (time.perf_counter() - t0) * 1e3
-    ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
     state.update(measured=measured, error=max_abs_diff(out, ref64), bound=tolerance(ref, ref64), ran=True,
                  program_tiles=measured.program_tiles[0],
                  table=program_table(lens, block_m=bm, block_n=bn, causal=causal,
