@@ -52,19 +52,20 @@ def wrong(n):  # transposed: the future instead of the past
 ''', "the mask is transposed"),
     # lesson 00
     "ex00_1_grade": ('''
-def wrong(cfg, tp_size):  # every tensor cut tp_size ways
+def wrong(cfg, budget, vocab_parallel):  # every tensor cut tp_size ways
     d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
     per_layer = (3 * k * d + 3 * k) + (k * d + d) + (f * d + f) + (d * f + d) + 4 * d
-    return (cfg.vocab_size * d + cfg.max_position * d + cfg.n_layers * per_layer + 2 * d) / tp_size
+    total = cfg.vocab_size * d + cfg.max_position * d + cfg.n_layers * per_layer + 2 * d
+    sizes = [t for t in range(1, cfg.n_heads + 1) if cfg.n_heads % t == 0 and cfg.d_ffn % t == 0]
+    return next((t for t in sizes if total / t <= budget), None)
 ''', "not everything is split"),
     "ex00_2_grade": ('''
-def wrong(fit, cfg, num_tokens, world_size):  # every step sends the whole payload: right at TP=2 only
-    import torch
-    row = cfg.d_model * torch.empty((), dtype=cfg.dtype).element_size()
-    steps = 2 * (world_size - 1)
-    one = steps * fit.alpha_s + num_tokens * row / fit.beta
-    return 2 * cfg.n_layers * one, steps * fit.alpha_s * fit.beta / row
-''', "the bandwidth term has the ring factor too"),
+def wrong(fit, num_tokens, requests, target, world_size):  # p = 2 plugged in: right at TP=2 only
+    if world_size == 1:
+        return None
+    u = num_tokens * 512 * 4 / (2 * fit.alpha_s * fit.beta)
+    return u * requests * (target - 1) / (requests - target)
+''', "do not plug in p = 2"),
     # lesson 01
     "ex01_1_grade": ('''
 def wrong(seq_lens, bug, k):  # both neighbours of a moved boundary always go wrong

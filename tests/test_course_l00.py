@@ -166,15 +166,18 @@ def test_comm_cost_explorer_callbacks_follow_every_control():
     measured = {"tokens": [1, 16], "bytes": [2048, 32768], "seconds": [2e-4, 3e-4], "backend": "gloo", "world_size": 2}
     box = L.comm_cost_explorer(measured, L.AlphaBeta(80e-6, 2e9, "fitted"), num_tokens=64)
     w = by_class(box)
-    assert {"abx-tokens", "abx-requests", "abx-d-model", "abx-dtype", "abx-layers", "abx-network", "abx-text",
-            "abx-figure"} <= set(w)
+    assert {"abx-tokens", "abx-requests", "abx-d-model", "abx-dtype", "abx-layers", "abx-tp", "abx-network",
+            "abx-measure", "abx-measured", "abx-text", "abx-figure"} <= set(w)
     assert "alpha = 80 us per step, beta = 2 GB/s" in w["abx-text"].value
     for name, value in (("abx-tokens", 5000), ("abx-requests", 8), ("abx-d-model", 4096), ("abx-dtype", "bfloat16"),
-                        ("abx-layers", 80), ("abx-network", "nvlink")):
+                        ("abx-layers", 80), ("abx-tp", 4), ("abx-network", "nvlink")):
         before, png = w["abx-text"].value, png_of(w["abx-figure"])
         w[name].value = value
         assert w["abx-text"].value != before and png_of(w["abx-figure"]) != png, name
     assert "450 GB/s" in w["abx-text"].value and "160 all-reduces" in w["abx-text"].value
+    assert "ring, TP=4" in w["abx-text"].value
+    w["abx-measure"].click()  # no bench given: it says so instead of failing
+    assert "no ranks to measure on" in w["abx-measured"].value
     w["abx-tokens"].value = 3
     assert "requests must be at most num_tokens" in w["abx-text"].value
 
@@ -223,87 +226,81 @@ def test_machine_report_names_device_dtype_every_backend_and_the_tp_backend():
 
 # ---- exercise checkers --------------------------------------------------------------------------------
 
-def _params(cfg, tied=True, wpe=True, biases=True, ln=True, ln_f=True):
+def _rank_params(cfg, tp, vp=False, split_row_bias=False, whole_col_bias=False, wpe_cut=False, all_cut=False):
+    """Rank 0's parameters written out by hand (the tests' own count, independent of the checker's)."""
     d, k, f, n = cfg.d_model, cfg.qkv_dim, cfg.d_ffn, cfg.n_layers
-    total = cfg.vocab_size * d * (1 if tied else 2) + (cfg.max_position * d if wpe else 0)
-    per_layer = 3 * k * d + k * d + f * d + d * f + ((3 * k + d + f + d) if biases else 0) + (4 * d if ln else 0)
-    return total + n * per_layer + (2 * d if ln and ln_f else 0)
-
-
-def _rank_params(cfg, tp, split_row_bias=False, whole_col_bias=False):
-    d, k, f, n = cfg.d_model, cfg.qkv_dim, cfg.d_ffn, cfg.n_layers
-    whole = cfg.vocab_size * d + cfg.max_position * d + n * 4 * d + 2 * d + (0 if split_row_bias else n * 2 * d)
-    whole += n * (3 * k + f) if whole_col_bias else 0
-    cut = n * (3 * k * d + k * d + f * d + d * f) + (n * 2 * d if split_row_bias else 0)
-    cut += 0 if whole_col_bias else n * (3 * k + f)
+    wte = (-(-cfg.vocab_size // tp) if vp else cfg.vocab_size) * d
+    wpe = cfg.max_position * d // (tp if wpe_cut and vp else 1)
+    whole = wte + wpe + n * 4 * d + 2 * d + (0 if split_row_bias else n * 2 * d) + (n * (3 * k + f) if whole_col_bias else 0)
+    cut = n * (3 * k * d + k * d + f * d + d * f) + (n * 2 * d if split_row_bias else 0) + (0 if whole_col_bias else n * (3 * k + f))
+    if all_cut:
+        return (cfg.vocab_size * d + cfg.max_position * d + n * (4 * d + 2 * d) + 2 * d + cut) / tp
     return whole + cut // tp
 
 
-def _only_tp1(fn):
-    """A whole-model count that ignores tp_size: right at TP=1 only."""
-    return lambda c, tp: fn(c)
+def _smallest(count):
+    def fn(cfg, budget, vp):
+        sizes = [t for t in range(1, cfg.n_heads + 1) if cfg.n_heads % t == 0 and cfg.d_ffn % t == 0]
+        return next((t for t in sizes if count(cfg, t, vp) <= budget), None)
+    return fn
 
 
-def test_s1_rank_params_checker_at_tp_1_counts_the_whole_model(capsys):
-    assert L.check_rank_params(_rank_params)
-    assert L.check_rank_params(stub) is False and "not attempted yet" in capsys.readouterr().out
-    assert "tied" in attempt(L.check_rank_params, _only_tp1(lambda c: _params(c, tied=False)))
-    assert "position embedding" in attempt(L.check_rank_params, _only_tp1(lambda c: _params(c, wpe=False)))
-    assert "biases of the four" in attempt(L.check_rank_params, _only_tp1(lambda c: _params(c, biases=False)))
-    assert "ln_1, ln_2 per block, and ln_f" in attempt(L.check_rank_params, _only_tp1(lambda c: _params(c, ln=False)))
-    assert "final LayerNorm ln_f" in attempt(L.check_rank_params, _only_tp1(lambda c: _params(c, ln_f=False)))
-    no_block_ln = attempt(L.check_rank_params, _only_tp1(lambda c: _params(c) - 4 * c.d_model * c.n_layers))
-    assert "two LayerNorms (ln_1, ln_2)" in no_block_ln
-    assert "the article's model" in attempt(L.check_rank_params, lambda c, tp: 59_340_288 if tp == 1 else 46_743_040)
+def test_s1_rank_params_is_the_real_shard_and_the_hand_count(tiny_cfg):
+    for cfg in L._SMALL_CFGS:
+        for tp in L.tp_sizes(cfg):
+            real = sum(p.numel() for p in Transformer(cfg, seed=0, group=LocalGroup(0, tp)).parameters())
+            assert L.rank_params(cfg, tp) == real == _rank_params(cfg, tp)
+            assert L.rank_params(cfg, tp, True) == _rank_params(cfg, tp, vp=True)
+    assert L.tp_sizes(L._SMALL_CFGS[1]) == [1, 2, 3, 6]
+    with pytest.raises(ValueError, match="budget"):
+        L.smallest_tp(tiny_cfg, 0)
 
 
-def test_s1_rank_params_checker_explains_the_split(capsys):
-    assert "not everything is split" in attempt(L.check_rank_params, lambda c, tp: _params(c) // tp)
-    assert "are not split" in attempt(L.check_rank_params, lambda c, tp: _rank_params(c, tp, split_row_bias=True))
-    assert "ARE split" in attempt(L.check_rank_params, lambda c, tp: _rank_params(c, tp, whole_col_bias=True))
-    assert "that is the whole model" in attempt(L.check_rank_params, lambda c, tp: _params(c))
+def test_s1_smallest_tp_checker_explains_wrong_answers(capsys):
+    assert L.check_smallest_tp(_smallest(_rank_params))
+    assert L.check_smallest_tp(stub) is False and "not attempted" in capsys.readouterr().out
+    everything = attempt(L.check_smallest_tp, _smallest(lambda c, t, v: _rank_params(c, t, all_cut=True)))
+    assert "not everything is split" in everything and "rank 0 holds" in everything
+    assert "no TP size fits" in everything
+    ignores_vp = attempt(L.check_smallest_tp, _smallest(lambda c, t, v: _rank_params(c, t)))
+    assert "vocab_parallel=True cuts wte" in ignores_vp
+    assert "the position table wpe stays whole" in attempt(
+        L.check_smallest_tp, _smallest(lambda c, t, v: _rank_params(c, t, vp=v, wpe_cut=True)))
+    assert "must divide n_heads" in attempt(L.check_smallest_tp, lambda c, b, v: 5)
+    assert "return an int TP size or None" in attempt(L.check_smallest_tp, lambda c, b, v: "2")
     capsys.readouterr()
-    # Splitting every bias is right at TP=1 and wrong at TP=2, 3: partial credit.
-    earned = score(L.check_rank_params, lambda c, tp: _rank_params(c, tp, split_row_bias=True), points=7)
-    assert 0 < earned < 7 and "are not split" in capsys.readouterr().out
-    # Cutting everything tp ways is right at the three TP=1 layouts of seven.
-    assert score(L.check_rank_params, lambda c, tp: _params(c) / tp, points=7) == 3
-    assert "not everything is split" in capsys.readouterr().out
+    earned = score(L.check_smallest_tp, _smallest(lambda c, t, v: _rank_params(c, t, all_cut=True)), points=8)
+    assert 0 < earned < 8
 
 
-def test_s1_the_article_counts_are_the_real_models():
-    cfg = ModelConfig()
-    counts = {sum(p.numel() for p in Transformer(cfg, seed=0, group=LocalGroup(0, tp)).parameters()) for tp in (1, 2)}
-    assert L._article_counts() == counts
+def _factor(fit, n, k, t, p, p_used=None):
+    if p == 1:
+        return None
+    q = p if p_used is None else p_used
+    u = n * 512 * 4 / (q * fit.alpha_s * fit.beta)
+    return u * k * (t - 1) / (k - t)
 
 
-def _forward_comm(fit, cfg, n, p, ring=True, count=None, items=True, crossover=None):
-    s = cfg.dtype.itemsize if items else 1
-    payload = n * cfg.d_model * s
-    one = _ring(fit.alpha_s, fit.beta, payload, p) if ring else fit.alpha_s + payload / fit.beta
-    cross = p * fit.alpha_s * fit.beta / (cfg.d_model * cfg.dtype.itemsize)
-    return (count if count is not None else 2 * cfg.n_layers) * one, cross if crossover is None else crossover(cross, cfg, p)
+def test_c1_packing_saving_is_the_ring_models_ratio():
+    fit = L.AlphaBeta(80e-6, 2e9)
+    one = _ring(80e-6, 2e9, 64 * 512 * 4, 2)
+    packed = _ring(80e-6, 2e9, 8 * 64 * 512 * 4, 2)
+    assert L.packing_saving(fit, 64, 8) == pytest.approx(8 * one / packed)
+    assert L.packing_saving(fit, 64, 1) == pytest.approx(1.0)
 
 
-def test_c1_forward_comm_checker(capsys):
-    assert L.check_forward_comm(_forward_comm)
-    assert L.check_forward_comm(stub) is False and "not attempted" in capsys.readouterr().out
-    assert "no ring factor" in attempt(L.check_forward_comm, lambda f, c, n, p: _forward_comm(f, c, n, p, ring=False))
-    assert "bytes, not elements" in attempt(L.check_forward_comm, lambda f, c, n, p: _forward_comm(f, c, n, p, items=False))
-    assert "two all-reduces per layer" in attempt(L.check_forward_comm,
-                                                  lambda f, c, n, p: _forward_comm(f, c, n, p, count=c.n_layers))
-    assert "that is ONE all-reduce" in attempt(L.check_forward_comm, lambda f, c, n, p: _forward_comm(f, c, n, p, count=1))
-    assert "in BYTES" in attempt(L.check_forward_comm, lambda f, c, n, p: _forward_comm(
-        f, c, n, p, crossover=lambda x, c, p: x * c.d_model * c.dtype.itemsize))
-    assert "carries 1/p" in attempt(L.check_forward_comm, lambda f, c, n, p: _forward_comm(
-        f, c, n, p, crossover=lambda x, c, p: x / p))
-    assert "cancels out" in attempt(L.check_forward_comm, lambda f, c, n, p: _forward_comm(
-        f, c, n, p, crossover=lambda x, c, p: x * 2 * c.n_layers))
-    assert "a pair" in attempt(L.check_forward_comm, lambda f, c, n, p: 1.0)
+def test_c1_packing_factor_checker(capsys):
+    assert L.check_packing_factor(_factor)
+    assert L.check_packing_factor(stub) is False and "not attempted" in capsys.readouterr().out
+    fixed_p = attempt(L.check_packing_factor, lambda f, n, k, t, p: _factor(f, n, k, t, p, p_used=2))
+    assert "do not plug in p = 2" in fixed_p and "packing saves" in fixed_p
+    upside = attempt(L.check_packing_factor, lambda f, n, k, t, p: None if p == 1 else 1 / _factor(f, n, k, t, p))
+    assert "upside down" in upside
+    assert "no all-reduce" in attempt(L.check_packing_factor, lambda f, n, k, t, p: _factor(f, n, k, t, max(p, 2)))
+    assert "must be a positive number" in attempt(L.check_packing_factor, lambda f, n, k, t, p: -1.0)
     capsys.readouterr()
-    # Hard-coding TP=2's factor 2(p-1)/p = 1 is right at p = 2 only: partial credit.
-    earned = score(L.check_forward_comm, lambda f, c, n, p: _forward_comm(f, c, n, 2), points=6)
-    assert 0 < earned < 6
+    earned = score(L.check_packing_factor, lambda f, n, k, t, p: _factor(f, n, k, t, p, p_used=2), points=7)
+    assert 0 < earned < 7
 
 
 def test_time_forward_is_a_positive_time(tiny_cfg):
@@ -311,3 +308,30 @@ def test_time_forward_is_a_positive_time(tiny_cfg):
     assert L.time_forward(model, pack([torch.arange(5)]), repeats=2) > 0
     with pytest.raises(ValueError):
         L.time_forward(model, pack([torch.arange(5)]), repeats=0)
+
+
+class _FakeBench:
+    """Stands in for AllReduceBench's ranks: a fixed time per payload, no processes."""
+    world_size = 2
+
+    def measure(self, tokens, d_model, repeats=5, warmup=2, first_warmup=2):
+        return {"tokens": list(tokens), "bytes": [n * d_model * 4 for n in tokens], "seconds": [1e-3] * len(tokens),
+                "backend": "fake", "world_size": 2}
+
+
+def test_c1_measure_point_puts_the_model_beside_the_measurement_and_the_figure_draws_it():
+    fit = L.AlphaBeta(80e-6, 2e9)
+    point = L.measure_point(_FakeBench(), 100, 512, fit)
+    assert point["bytes"] == 100 * 512 * 4 and point["model_s"] == pytest.approx(_ring(80e-6, 2e9, 204_800, 2))
+    assert "took 1,000.0 us" in L.measure_text(point) and "[100, 512] float32" in L.measure_text(point)
+    assert "probe" in gids(L.comm_cost_figure(L.comm_cost_state(100, fit), probe=point))
+    assert "probe" not in gids(L.comm_cost_figure(L.comm_cost_state(100, fit, world_size=4), probe=point))
+
+
+def test_all_reduce_bench_refuses_bad_sizes_before_spawning():
+    bench = L.AllReduceBench()
+    with pytest.raises(ValueError, match="too large to time"):
+        bench.measure([16384], 8192)
+    with pytest.raises(ValueError, match="distinct"):
+        bench.measure([4, 4])
+    assert bench.pool is None  # nothing was spawned

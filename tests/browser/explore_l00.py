@@ -2,7 +2,9 @@
 
 The widget shows the alpha and beta it runs on (the kernel's fit of this machine's all-reduces, three
 significant digits, or the NVLink preset); the test reads them off the page and recomputes every other
-number with a direct call of ``lessons_lib``, before and after moving the tokens, the requests and the network.
+number with a direct call of ``lessons_lib``, before and after moving the tokens, the requests, the TP size and
+the network. "measure" times real all-reduces on the notebook's two ranks: the time itself cannot be recomputed,
+but the model's time printed beside it must equal ``all_reduce_seconds`` for the payload and network shown.
 """
 from __future__ import annotations
 
@@ -13,17 +15,24 @@ from widget_driver import MOVES, finish, inner_text, move, open_explorer, readou
 from lessons_lib.course import l00_setup
 
 HEAD_RE = re.compile(r"alpha = ([\d.e+-]+) us per step, beta = ([\d.e+-]+) GB/s \((.+)\)")
+PROBE_RE = re.compile(r"measured now over (\w+) \(TP=2\): one all-reduce of \[(\d+), (\d+)\] float32 = ([\d,]+) B "
+                      r"took ([\d,.]+) us \| the model says ([\d,.]+) us")
+
+
+def _fit(page) -> l00_setup.AlphaBeta:
+    text = inner_text(page, ".abx-text")
+    head = HEAD_RE.match(text.splitlines()[0])
+    assert head, f"the first readout line is not in the documented format: {text!r}"
+    return l00_setup.AlphaBeta(float(f"{head[1]}e-6"), float(f"{head[2]}e9"), head[3])
 
 
 def _expected(page) -> str:
     """What the readout must say, from the alpha and beta it shows and the controls' values."""
-    text = inner_text(page, ".abx-text")
-    head = HEAD_RE.match(text.splitlines()[0])
-    assert head, f"the first readout line is not in the documented format: {text!r}"
-    fit = l00_setup.AlphaBeta(float(f"{head[1]}e-6"), float(f"{head[2]}e9"), head[3])
-    state = l00_setup.comm_cost_state(readout(page, "abx-tokens"), fit, int(page.locator(".abx-d-model select").input_value()),
+    state = l00_setup.comm_cost_state(readout(page, "abx-tokens"), _fit(page),
+                                      int(page.locator(".abx-d-model select").input_value()),
                                       page.locator(".abx-dtype select").input_value(),
-                                      int(page.locator(".abx-layers select").input_value()), readout(page, "abx-requests"))
+                                      int(page.locator(".abx-layers select").input_value()), readout(page, "abx-requests"),
+                                      int(page.locator(".abx-tp select").input_value()))
     return l00_setup.comm_cost_text(state)
 
 
@@ -58,6 +67,20 @@ def test_lesson00_comm_cost_explorer(lab_server, browser_context, capsys):
     latencies.append(ms)
     text = _check(page)
     assert "as 2 requests" in text and "one forward each 32 all-reduces" in text
+    # Measure at this N on the two real ranks: "running..." then a line whose model time is the library's.
+    page.locator(".abx-measure button, button.abx-measure").first.click()
+    wait_text(page, ".abx-measured", "t => t.startsWith('measured now')", timeout=10_000)
+    probe = PROBE_RE.search(inner_text(page, ".abx-measured"))
+    assert probe, inner_text(page, ".abx-measured")
+    assert int(probe[2]) == readout(page, "abx-tokens") and int(probe[4].replace(",", "")) == int(probe[2]) * 512 * 4
+    model_us = l00_setup.all_reduce_seconds(_fit(page), int(probe[4].replace(",", ""))) * 1e6
+    assert probe[6] == f"{model_us:,.1f}", (probe[6], model_us)
+    assert float(probe[5].replace(",", "")) > 0
+    # TP = 4: the ring has more steps, every number follows.
+    before = inner_text(page, ".abx-text")
+    page.locator(".abx-tp select").select_option("4")
+    wait_text(page, ".abx-text", "t => t.includes('ring, TP=4')")
+    assert _check(page) != before
     # The datasheet-like link: alpha and beta change, every number follows.
     page.locator(".abx-network select").select_option(label="NVLink 4 (datasheet-like)")
     wait_text(page, ".abx-text", "t => t.includes('beta = 450 GB/s')")
