@@ -188,6 +188,39 @@ def test_prefill_plan_explorer_output_changes_with_every_control():
     assert "0 requests served" in text.value and out.outputs == ()
 
 
+def test_prefill_plan_scheduler_trades_pad_rows_for_masked_cells_and_delay():
+    fcfs_s = L.prefill_plan_state("long-tail", 48, 768, batch=None)
+    srt = L.prefill_plan_state("long-tail", 48, 768, batch=None, scheduler="shortest first")
+    lens = srt["seq_lens"]
+    assert fcfs_s["batches"] == fcfs(lens, 768)
+    assert sorted(i for b in srt["batches"] for i in b) == list(range(48))
+    assert all(sum(lens[i] for i in b) <= 768 for b in srt["batches"])
+    # the readout's per-batch counts are the batches' own lengths, counted here by hand
+    for s in (fcfs_s, srt):
+        per = [(len(b) * max(lens[i] for i in b) - sum(lens[i] for i in b),
+                sum(lens[i] for i in b) ** 2 - sum(lens[i] ** 2 for i in b)) for b in s["batches"]]
+        html = L.prefill_plan_html(s)
+        assert "pad rows / masked cells wasted: " + ", ".join(f"{k}: {p:,}/{m:,}" for k, (p, m) in enumerate(per)) in html
+    assert sum(len(b) * max(lens[i] for i in b) for b in srt["batches"]) < fcfs_s["totals"]["padded"]["rows"]
+    assert srt["totals"]["masked"]["cells_computed"] > fcfs_s["totals"]["masked"]["cells_computed"]
+    # delay against FCFS, by hand: batch index under shortest first minus under FCFS
+    at = {i: b for b, ids in enumerate(srt["batches"]) for i in ids}
+    at0 = {i: b for b, ids in enumerate(fcfs_s["batches"]) for i in ids}
+    later = [at[i] - at0[i] for i in range(48) if at[i] > at0[i]]
+    overtakes = sum(at[j] < at[i] for i in range(48) for j in range(i + 1, 48))
+    assert later and overtakes > 0
+    assert (f"{len(later)} served later, at most {max(later)} batch" in L.prefill_plan_html(srt)
+            and f"overtakes (a later arrival served in an earlier batch): {overtakes:,}" in L.prefill_plan_html(srt))
+    assert "nobody served later" in L.prefill_plan_html(fcfs_s) and fcfs_s["measures"]["overtakes"] == 0
+    with pytest.raises(ValueError, match="scheduler"):
+        L.prefill_plan_state(scheduler="random")
+
+
+def test_prefill_plan_default_batch_is_recorded_for_every_method():
+    s = L.prefill_plan_state()
+    assert all(rec is not None for rec in s["recorded"].values())
+
+
 # ---- schedules ------------------------------------------------------------------------------------------
 
 def test_s3_schedule_problem_names_what_makes_a_schedule_invalid():
@@ -386,3 +419,23 @@ def test_run_methods_and_throughput_text(tiny_cfg):
     lines = L.throughput_text(stats, tiny_cfg).splitlines()
     assert [ln.split()[0] for ln in lines] == ["padded", "masked", "varlen"]
     assert "1.00x varlen's throughput" in lines[2]
+
+
+def test_c11_tp_batch_record_each_rank_runs_its_own_heads_without_a_collective_in_attention():
+    from lessons_lib.core.model import init_weights
+    from lessons_lib.serve.engine import Engine
+    from lessons_lib.serve.scheduler import Request
+    from lessons_lib.tp.dryrun import trace_signature
+    cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=97, max_position=256)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 7]
+    with pytest.raises(ValueError, match="tp_size=2"):
+        L.tp_batch_record(Engine(cfg, device="cpu"), prompts)
+    with Engine(cfg, tp_size=2, weights=init_weights(cfg, 0), device="cpu", dtype=torch.float32) as eng:
+        eng.prefill([Request(0, [1, 2])])
+        res = L.tp_batch_record(eng, prompts)
+    assert sorted({sh for r in res.qkv_shapes for sh in r}) == [(15, 3 * 2 * 16)]   # 2 of the 4 heads per rank
+    assert sorted({c for r in res.attn_collectives for c in r}) == [0]
+    assert res.all_reduce_counts == [4, 4]
+    assert [trace_signature(t) for t in res.traces] == [trace_signature(t) for t in L.tp_dry_traces(cfg, [3, 5, 7])]
+    fig = L.tp_trace_figure(res.traces, [3, 5, 7], cfg)
+    assert any("on both ranks" in t.get_text() for t in fig.axes[0].texts)

@@ -304,9 +304,19 @@ def batch_waste(stats: Mapping[str, Sequence], max_num_batched_tokens: int | Non
             bottom.bar(x, s.cells_whole_useful, width * 0.92, color=ATTENTION, gid=f"cells-{m}-useful-{b}")
             bottom.bar(x, s.cells_whole_wasted, width * 0.92, bottom=s.cells_whole_useful, color=WASTE,
                        hatch=_HATCH.get(m, ""), edgecolor="white", gid=f"cells-{m}-wasted-{b}")
-            if n <= 12:
-                bottom.text(x, s.cells_whole_computed, m[0].upper(), ha="center", va="bottom", fontsize=MIN_FONT)
     tallest = max(s.cells_whole_computed for m in methods for s in runs[m])
+    for j, m in enumerate(methods):
+        for b, s in enumerate(runs[m]):
+            if n <= 12:
+                bottom.text(b - 0.4 + (j + 0.5) * width, s.cells_whole_computed, m[0].upper(), ha="center",
+                            va="bottom", fontsize=MIN_FONT)
+    for b in range(n if n <= 12 else 0):  # a batch whose bars are too short to see gets its counts written
+        counts = [runs[m][b].cells_whole_computed for m in methods]
+        if max(counts) < 0.04 * tallest:
+            text = (f"{counts[0]:,} cells each" if len(set(counts)) == 1
+                    else "\n".join(f"{m[0].upper()} {c:,}" for m, c in zip(methods, counts)))
+            bottom.annotate(text, (b, max(counts)), xytext=(0, 14), textcoords="offset points", ha="center",
+                            va="bottom", fontsize=MIN_FONT, gid=f"cells-small-{b}")
     bottom.set_ylim(0, tallest * 1.3)
     bottom.set_ylabel("score cells\nper head per layer", fontsize=MIN_FONT)
     bottom.yaxis.set_major_formatter(EngFormatter(sep=""))
@@ -346,22 +356,46 @@ def record_one_batch(seq_lens: Sequence[int], ids: Sequence[int], max_num_batche
     return out
 
 
-def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 1024,
-                       seed: int = 0, batch: int | None = 0) -> dict:
-    """A seeded stream of ``workload`` requests (``WORKLOAD_PRESETS``), scheduled FCFS, costed per method.
+EXPLORER_SCHEDULERS = ("FCFS", "shortest first")  # plan_batches, sorted_batches (06.1's bucketing is the exercise)
+
+
+def _schedule(scheduler: str, lens: Sequence[int], budget: int) -> tuple[list[list[int]], dict]:
+    """``(batches of request ids, schedule_measures)`` for the requests of ``lens`` that fit ``budget``
+    (the others are refused, S3), under ``scheduler`` (one of ``EXPLORER_SCHEDULERS``); the delays are
+    counted against FCFS on the same requests."""
+    kept = [i for i, n in enumerate(lens) if n <= budget]
+    sub = [lens[i] for i in kept]
+    if not sub:
+        return [], {"batches": 0, "pad_rows": 0, "masked_wasted": 0, "max_delay": 0, "overtakes": 0, "delays": []}
+    local = plan_batches(sub, budget) if scheduler == "FCFS" else sorted_batches(sub, budget)
+    measures = schedule_measures(sub, local, budget)
+    at = {i: b for b, ids in enumerate(local) for i in ids}
+    at_fcfs = {i: b for b, ids in enumerate(plan_batches(sub, budget)) for i in ids}
+    measures["delays"] = [(kept[i], at[i] - at_fcfs[i]) for i in range(len(sub))]  # (request id, batches later)
+    return [[kept[i] for i in ids] for ids in local], measures
+
+
+def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 768,
+                       seed: int = 0, batch: int | None = 0, scheduler: str = "FCFS") -> dict:
+    """A seeded stream of ``workload`` requests (``WORKLOAD_PRESETS``), scheduled by ``scheduler``
+    (``EXPLORER_SCHEDULERS``: FCFS = ``plan_batches``, shortest first = ``sorted_batches``), costed per method.
 
     Keys: ``workload``, ``seq_lens``, ``batches`` (lists of request ids), ``rejected`` (ids),
     ``max_num_batched_tokens``, ``stats`` ({method: [engine.BatchStats]}, analytic:
     ``engine.batch_stats``) and ``totals`` (``method_totals``: rows, pad rows, cells and FLOPs, all
     counted by whole blocks); ``batch`` (the index recorded, clipped to the last batch; None: none) and
-    ``recorded`` (``record_one_batch`` of that batch: what the engine EXECUTED, or ``{}``).
+    ``recorded`` (``record_one_batch`` of that batch: what the engine EXECUTED, or ``{}``); ``scheduler``
+    and ``measures`` (``schedule_measures`` of the served requests, with ``delays``: ``(request id, batches
+    served later than under FCFS)``).
     """
+    if scheduler not in EXPLORER_SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {EXPLORER_SCHEDULERS}, got {scheduler!r}")
     if workload not in WORKLOAD_PRESETS:
         raise ValueError(f"workload must be one of {tuple(WORKLOAD_PRESETS)}, got {workload!r}")
     n = check_int("num_requests", num_requests, 1, 4096)
     budget = check_int("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 20)
     lens = workload_lengths(workload, n, seed, **WORKLOAD_PRESETS[workload])
-    batches = plan_batches(lens, budget, skip_oversize=True)
+    batches, measures = _schedule(scheduler, lens, budget)
     rejected = [i for i, n in enumerate(lens) if n > budget]  # S3: a request runs whole or not at all
     cfg = ModelConfig()
     stats = {m: [batch_stats(cfg, [lens[i] for i in ids], m, b, request_ids=ids) for b, ids in enumerate(batches)]
@@ -370,7 +404,8 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     pick = None if batch is None or not batches else min(check_int("batch", batch, 0), len(batches) - 1)
     recorded = {} if pick is None else record_one_batch(lens, batches[pick], budget)
     return {"workload": workload, "seq_lens": lens, "batches": batches, "rejected": rejected, "stats": stats,
-            "totals": totals, "max_num_batched_tokens": budget, "batch": pick, "recorded": recorded}
+            "totals": totals, "max_num_batched_tokens": budget, "batch": pick, "recorded": recorded,
+            "scheduler": scheduler, "measures": measures}
 
 
 def prefill_plan_html(state: dict) -> str:
@@ -378,13 +413,26 @@ def prefill_plan_html(state: dict) -> str:
     lens, budget = state["seq_lens"], state["max_num_batched_tokens"]
     served = sum(len(b) for b in state["batches"])
     nb = len(state["batches"])
-    lines = [f"<div>{state['workload']}, {len(lens)} requests, max_num_batched_tokens = {budget}: "
-             f"{nb} batch{'es' if nb != 1 else ''}, {served} request{'s' if served != 1 else ''} served</div>"]
+    lines = [f"<div>{state['workload']}, {len(lens)} requests, max_num_batched_tokens = {budget}, "
+             f"{state['scheduler']}: {nb} batch{'es' if nb != 1 else ''}, "
+             f"{served} request{'s' if served != 1 else ''} served</div>"]
     for m, t in state["totals"].items():
         ratio = t["flops_executed"] / t["flops_useful"] if t["flops_useful"] else 0.0
         lines.append(f"<div>{m}: rows {t['rows']:,} (pad {t['pad_rows']:,}) | attention cells {t['cells_computed']:,} "
                      f"(wasted {t['cells_computed'] - t['cells_useful']:,}) | FLOPs executed / useful {ratio:.2f}x "
                      "(whole blocks)</div>")
+    pad, masked = state["stats"]["padded"], state["stats"]["masked"]
+    per = [f"{k}: {p.padding_rows:,}/{m.cells_whole_wasted:,}" for k, (p, m) in enumerate(zip(pad, masked))]
+    if per:
+        lines.append("<div class='ppx-per-batch'>per batch, pad rows / masked cells wasted: " + ", ".join(per[:10])
+                     + (f", ... ({len(per) - 10} more)" if len(per) > 10 else "") + "</div>")
+        ms = state["measures"]
+        later = [(d, i) for i, d in ms["delays"] if d > 0]
+        worst = max(later) if later else None
+        lines.append("<div class='ppx-delay'>per request, against FCFS: "
+                     + (f"{len(later)} served later, at most {worst[0]} batch{'es' if worst[0] != 1 else ''} later "
+                        f"(request {worst[1]}, {lens[worst[1]]} tokens)" if worst else "nobody served later")
+                     + f"; overtakes (a later arrival served in an earlier batch): {ms['overtakes']:,}</div>")
     b = state.get("batch")
     if b is not None:
         lines.append(f"<div class='ppx-recorded'>batch {b} ({len(state['batches'][b])} requests, "
@@ -420,24 +468,27 @@ def workload_controls(prefix: str, workload: str, num_requests: int, max_request
     return kind, reqs, slider, tagged(w.HTML(), f"{prefix}-counts"), tagged(w.Output(), f"{prefix}-figure")
 
 
-def prefill_plan_explorer(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 1024):
-    """VBox class ``ppx``: Dropdown ``ppx-workload``, IntSliders ``ppx-num-requests`` (1..256),
+def prefill_plan_explorer(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 768,
+                          scheduler: str = "FCFS"):
+    """VBox class ``ppx``: Dropdowns ``ppx-workload`` and ``ppx-scheduler``, IntSliders ``ppx-num-requests`` (1..256),
     ``ppx-budget`` (max_num_batched_tokens, 16..8192) and ``ppx-batch`` (the batch run under the recorder,
     clipped to the last one), HTML ``ppx-counts`` (``prefill_plan_html``),
     Output ``ppx-figure`` (``batch_waste``; empty when every request was refused)."""
     kind, reqs, budget, text, out = workload_controls("ppx", workload, num_requests, 256, max_num_batched_tokens, 8192)
     pick = tagged(ipywidgets_module().IntSlider(value=0, min=0, max=64, description="record batch"), "ppx-batch")
+    sched = tagged(ipywidgets_module().Dropdown(options=list(EXPLORER_SCHEDULERS), value=scheduler,
+                                                description="scheduler"), "ppx-scheduler")
 
     def update(change=None):
         text.value = "<div>running...</div>" + text.value
-        state = prefill_plan_state(kind.value, reqs.value, budget.value, batch=pick.value)
+        state = prefill_plan_state(kind.value, reqs.value, budget.value, batch=pick.value, scheduler=sched.value)
         text.value = prefill_plan_html(state)
         if state["batches"]:
             show_figure(out, batch_waste(state["stats"], budget.value))
         else:
             out.outputs = ()
 
-    return explorer("ppx", [kind, reqs, budget, pick], [text, out], update)
+    return explorer("ppx", [kind, sched, reqs, budget, pick], [text, out], update)
 
 
 # ---- schedules: validity (S3) and the three measures ------------------------------------------------
@@ -541,6 +592,46 @@ def throughput_text(stats: Mapping[str, Sequence], cfg: ModelConfig | None = Non
         rel = f" | {tps / ref:4.2f}x varlen's throughput" if ref else ""
         lines.append(f"{m:7s} {secs[m]:7.3f} s | {tps:9,.0f} tokens/s | {gflops:7.1f} GFLOP/s executed{rel}")
     return "\n".join(lines)
+
+
+# ---- TP=2: one batch as each rank ran it -------------------------------------------------------------
+
+TP_BATCH = 1  # the stream's batch drawn under TP=2: ten requests
+
+
+def tp_batch_record(engine: Engine, prompts: Sequence[Sequence[int]]):
+    """One more TP forward of a batch (token-id lists) on the workers an ``Engine(tp_size=2)`` has already
+    started (its ``tp.runtime.TPRuntime``, after a ``prefill``): the ``TPResult``, with every rank's
+    collective trace (``traces``), QKV output shapes (``qkv_shapes``), collectives counted inside attention
+    (``attn_collectives``) and the attention backend the workers ran (``attn_backend``)."""
+    from ..core.batch import pack
+    runtime = getattr(engine, "_runtime", None)
+    if engine.tp_size < 2 or runtime is None:
+        raise ValueError("give an Engine(tp_size=2) that has already served a prefill (its workers are running)")
+    if not prompts:
+        raise ValueError("prompts is empty: give the batch's requests as token-id lists")
+    return runtime.forward(pack([list(p) for p in prompts]))
+
+
+def tp_trace_figure(traces: Sequence[Sequence], seq_lens: Sequence[int], cfg: ModelConfig | None = None,
+                    source: str = "TPRuntime") -> Figure:
+    """Lesson 04's rank timeline (``l04_tp.tp_trace_timeline``) for one batch: ``traces[r]`` is rank r's
+    ``CollectiveRecord`` list for the batch of ``seq_lens``; ``source`` says where the traces came from."""
+    from .l04_tp import tp_trace_timeline
+    fig = tp_trace_timeline([[list(t) for t in traces]], [list(seq_lens)], cfg or ModelConfig(), source=source)
+    ax = fig.axes[0]
+    for text in ax.texts:  # lesson 04's note compares several packings; here there is one batch
+        if text.get_text().startswith("These "):
+            text.set_text(f"The same trace, record for record,\non both ranks\n({source}).")
+            text.set_x(text.get_position()[0] + 1.2)
+    return fig
+
+
+def tp_dry_traces(cfg: ModelConfig, seq_lens: Sequence[int]) -> list[list]:
+    """Each rank's collective trace for a batch of ``seq_lens`` at TP=2 by ``tp.dryrun.record_trace``
+    (the same forward on local stand-in groups: no workers)."""
+    from ..tp.dryrun import record_trace
+    return [record_trace(cfg, list(seq_lens), rank, 2) for rank in range(2)]
 
 
 # ---- registered figures ----------------------------------------------------------------------------
@@ -820,8 +911,9 @@ def check_masked_counterexample(fn: Callable[[], tuple]) -> bool:
         if b["masked_cells"] > a["masked_cells"]:
             return None
         return (f"the masked engine computed {b['masked_cells']:,} cells for the sorted batches against FCFS's "
-                f"{a['masked_cells']:,}: not more. Masked pays T^2 per batch - when does sorting make the batches' "
-                "token counts T more uneven, or fuller?")
+                f"{a['masked_cells']:,}: not more. Masked pays T^2 per batch, so for the same tokens it pays most when "
+                "they sit in few, full batches: find lengths where FCFS leaves batches half empty and sorting packs "
+                "the short requests together")
 
     ok = grade("masked_counterexample", lambda what: fn(), _CE_CASES, judge,
                "a stream on which sorting by length pads fewer rows but makes masked compute more cells (recorded)")
@@ -834,3 +926,14 @@ def check_masked_counterexample(fn: Callable[[], tuple]) -> bool:
 
 
 _CE: dict = {}
+
+
+@register("06_tp_trace", lesson="06",
+          caption="Batch 1 of lesson 06's stream (ten requests) under TP=2, each rank's collective trace: "
+                  "16 all-reduces, attention on each rank's own 4 heads with no collective (C11, C12)")
+def _tp_trace() -> Figure:
+    cfg = ModelConfig()
+    lens, _ = stream_prompts(cfg)
+    ids = plan_batches(lens, ENGINE_STREAM["max_num_batched_tokens"], skip_oversize=True)[TP_BATCH]
+    sizes = [lens[i] for i in ids]
+    return tp_trace_figure(tp_dry_traces(cfg, sizes), sizes, cfg, source="dry run; TPRuntime's checked equal")

@@ -1,6 +1,8 @@
 """Lesson 06's prefill-plan explorer in the browser: its readout equals ``course.l06_engine.prefill_plan_state``
 for the knobs on screen, the recorded batch included (what ``OpRecorder`` saw ``Engine(L.TINY)`` execute),
-and the recorded rows and cells equal ``serve.engine.batch_stats``' prediction for that batch.
+and the recorded rows and cells equal ``serve.engine.batch_stats``' prediction for that batch. Switching the
+scheduler from FCFS to shortest first changes the per-batch pad rows / masked cells and the delay line, again
+equal to a direct call.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ REC_RE = re.compile(r"(padded|masked|varlen): recorded rows ([\d,]+), cells ([\d
 def _knobs(page) -> dict:
     return {"workload": page.locator(".ppx-workload select option:checked").inner_text().strip(),
             "num_requests": readout(page, "ppx-num-requests"),
-            "max_num_batched_tokens": readout(page, "ppx-budget"), "batch": readout(page, "ppx-batch")}
+            "max_num_batched_tokens": readout(page, "ppx-budget"), "batch": readout(page, "ppx-batch"),
+            "scheduler": page.locator(".ppx-scheduler select option:checked").inner_text().strip()}
 
 
 def _expected(knobs: dict) -> tuple[list[str], dict]:
@@ -75,5 +78,15 @@ def test_lesson06_prefill_plan_explorer(lab_server, browser_context, capsys):
     wait_text(page, ".ppx-batch .widget-readout", "t => t === '2'")
     state = _check(page)
     assert state["batch"] == 2 and _lines(page) != old
+
+    # Another scheduler: shortest first pads fewer rows, and the delay line now names requests served later.
+    old = _lines(page)
+    page.locator(".ppx-scheduler select").select_option("shortest first")
+    wait_text(page, ".ppx-counts", "t => t.includes('shortest first:') && !t.includes('running')")
+    state = _check(page)
+    assert state["scheduler"] == "shortest first" and _lines(page) != old
+    assert any("served later, at most" in x for x in _lines(page)), _lines(page)
+    per = [x for x in _lines(page) if x.startswith("per batch")]
+    assert per and per != [x for x in old if x.startswith("per batch")]
 
     finish(page, widget, "06", latencies, text_ms, console_errors, t_start, capsys)
