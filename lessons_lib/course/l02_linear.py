@@ -521,6 +521,7 @@ def reach_modules() -> dict[str, ReachModule]:
 ALONE_RTOL = 1e-5  # alone vs in the batch: rounding allowed, relative to the largest output number
 
 
+@torch.no_grad()
 def alone_vs_batched(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_lens: Sequence[int]) -> dict:
     """Run each request's rows of ``x`` ALONE through ``fn(t, cu_seqlens)`` and compare with its rows
     of the flat run. Returns ``{"max_diff", "bound", "differ" (names of the requests whose rows differ
