@@ -496,7 +496,7 @@ def cache_peak_rows(stats: Sequence, seq_lens: Sequence[int]) -> dict:
 
 def seq_limited_forwards(max_num_seqs: int = 4) -> list:
     """Lesson 06's stream served chunked under ``BUDGET`` by ``Engine`` with ``max_num_seqs`` requests at most per
-    forward, on the explorer's small model (the forwards do not depend on the model's size): its ``BatchStats``."""
+    forward, on the small model (EXPLORER_CFG) (the forwards do not depend on the model's size): its ``BatchStats``."""
     cfg = EXPLORER_CFG
     ids = [[t % cfg.vocab_size for t in p] for p in stream()[1]]
     return serve(ids, BUDGET, True, cfg, _EXPLORER_WEIGHTS.setdefault("w", init_weights(cfg, 0)),
@@ -570,7 +570,7 @@ def chunk_rows_error(start: int = 4, length: int = 4, heads: int = 2, d_head: in
 
 
 def recorded_draft_blocks(cfg: ModelConfig | None = None) -> list[tuple[int, int]]:
-    """The draft served alone, chunked under ``BUDGET``, on ``cfg`` (default: the explorer's small model) under the
+    """The draft served alone, chunked under ``BUDGET``, on ``cfg`` (default: the small model, EXPLORER_CFG) under the
     op recorder: the ``(L_q, L_k)`` of its score matrix in each forward, layer 0's (the recorder's own blocks; run
     it inside ``broken(...)`` to see what a bug does to them)."""
     cfg = cfg or EXPLORER_CFG
@@ -752,9 +752,8 @@ def broken(bug: str):
 
 # ---- the explorer: the engine's chunked run of a workload, against whole prompts ---------------------------
 
-# The explorer runs the engine twice per move: on a small model (2 layers, d_model 64) so that it answers in
-# well under a second on a laptop CPU. Forwards, chunks, waits and score cells per head per layer do not depend
-# on the model's size; the cache bytes do (they are this small model's, and scale with layers x d_model).
+# A small model (2 layers, d_model 64) for the break-it cells, exercise 08.3 and the max_num_seqs rerun: the
+# forwards, chunks and score cells per head per layer do not depend on the model's size.
 EXPLORER_CFG = ModelConfig(n_layers=2, d_model=64, n_heads=2, d_head=32, d_ffn=256, vocab_size=512, max_position=8192)
 _EXPLORER_WEIGHTS: dict = {}
 
@@ -1136,7 +1135,7 @@ def _engine_positions(num_computed_tokens, seq_lens) -> Tensor:
     return pack([[0] * n for n in seq_lens], num_computed_tokens=list(num_computed_tokens)).positions
 
 
-ENGINE_POSITIONS_CASE = "the draft, chunked under 512 on the explorer's small model, with your answer in every forward"
+ENGINE_POSITIONS_CASE = "the draft, chunked under 512 on the small model, with your answer in every forward"
 
 
 def _draft_with_positions(fn) -> dict:
@@ -1171,7 +1170,7 @@ _UNCHUNKED: dict = {}
 
 def chunk_error_table(prompt: Sequence[int] | None = None, cfg: ModelConfig | None = None) -> str:
     """One prompt (default: the draft) served chunked under ``BUDGET`` and whole, on ``cfg`` (default: the
-    explorer's small model; the prompt's ids are taken modulo its vocabulary): for each chunk, the max error of its
+    small model, EXPLORER_CFG; the prompt's ids are taken modulo its vocabulary): for each chunk, the max error of its
     final hidden rows against the float64 unchunked prefill, and the bound of the tolerance rule. With the engine
     whole every line ends in ✓; a broken engine (``broken``) shows which chunks go wrong."""
     cfg = cfg or EXPLORER_CFG
@@ -1198,7 +1197,7 @@ def check_bug_report_fix(fn) -> bool:
     """Exercise 08.3: ``fn(num_computed_tokens, seq_lens)``: the quantity of a flat chunked batch (request i brings
     ``seq_lens[i]`` tokens after ``num_computed_tokens[i]`` cached ones) that the bug report's engine
     (``reported_bug``) gets wrong, as the intact engine computes it. Five batches against the engine's own; then
-    the draft served chunked on the explorer's small model with YOUR tensor in every forward, against its
+    the draft served chunked on the small model (EXPLORER_CFG) with YOUR tensor in every forward, against its
     unchunked prefill (the tolerance rule, float64 truth). An answer that is another input of the forward
     (``cu_seqlens_q``/``_k``, a mask) is told what the instruments say about that input."""
     def run(done, lens=None):
