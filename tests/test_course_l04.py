@@ -177,7 +177,7 @@ def test_packing_html_formats():
     assert "token 39 = request C, position 12" in ranks
     assert re.search(r"rank 1: heads 4-7 \| sum L_i\^2 = 534 cells per head per layer, 17088 per forward \| "
                      r"out proj partial, token 39: norm \d\.\d{4} \[([+-]\d\.\d{4}, ){6}\.\.\.\]", ranks)
-    assert "rank 0 + rank 1 = TP=1 out proj (before its bias), all 40 tokens" in ranks and ranks.endswith(": yes</div>")
+    assert "rank 0 + rank 1, bias once = TP=1 out proj, all 40 tokens" in ranks and ranks.endswith(": yes</div>")
     fig = L.tp_packing_figure(s)
     assert isinstance(fig, Figure) and min_font(fig) >= MIN_FONT
     with pytest.raises(ValueError, match="at most 160 tokens"):
@@ -201,6 +201,41 @@ def test_c12_packing_explorer_callbacks():
     tokens.value = 4  # fewer tokens than requests: R is clamped to T
     assert reqs.max == 4 and reqs.value == 4
     assert "16 × all_reduce [4, 512] float32, 8,192 B each" in trace.value
+
+
+def test_c11_c12_explorer_tp_and_cut_change_the_ranks_and_can_turn_the_sum_red():
+    good = {tp: L.tp_packing_state(40, 3, tp_size=tp) for tp in L.TP_SIZES}
+    for tp, s in good.items():
+        assert s["heads"] == [(r * 8 // tp, (r + 1) * 8 // tp - 1) for r in range(tp)]
+        assert len(s["partials"]) == tp and s["sum_err"] <= s["sum_allowed"] and all(s["same_as_one_request"])
+    assert good[1]["trace_text"] == ["no collectives"] and good[4]["partials"] != good[2]["partials"]
+    for cut in (L.NAIVE_CUT, L.BIAS_CUT):
+        bad = L.tp_packing_state(40, 3, tp_size=2, cut=cut)
+        assert bad["sum_err"] > 100 * bad["sum_allowed"], cut  # the line turns red...
+        assert bad["trace_text"] == good[2]["trace_text"]       # ...while the trace does not move
+        assert L.tp_ranks_html(bad).endswith(": NO</div>") and "color:" in L.tp_ranks_html(bad)
+    at_tp1 = L.tp_packing_state(40, 3, tp_size=1, cut=L.BIAS_CUT)  # one rank: its bias IS added once
+    assert at_tp1["sum_err"] <= at_tp1["sum_allowed"]
+    with pytest.raises(ValueError, match="cut must be one of"):
+        L.tp_packing_state(40, 3, cut="rows")
+    box = L.tp_packing_explorer()
+    k = by_class(box)
+    before = k["tpx-ranks"].value
+    k["tpx-tp"].value = 4
+    assert len(re.findall(r"<div>rank \d: heads", k["tpx-ranks"].value)) == 4 and k["tpx-ranks"].value != before
+    k["tpx-cut"].value = L.NAIVE_CUT
+    assert k["tpx-ranks"].value.endswith(": NO</div>")
+
+
+def test_c11_c12_control_variants_fail_the_tolerance_rule():
+    w = init_weights(SMALL, seed=3)
+    batch = pack([torch.arange(n) % SMALL.vocab_size for n in (4, 6)])
+    tp1, exact = Transformer(SMALL, w)(batch), Transformer(SMALL, w, dtype=torch.float64)(batch)
+    bound = tolerance(tp1, exact)
+    assert max_abs_diff(L.threaded_forward(SMALL, w, batch, 2), exact) <= bound
+    for cut in (L.NAIVE_CUT, L.BIAS_CUT):
+        assert max_abs_diff(L.threaded_forward(SMALL, w, batch, 2, cut), exact) > 100 * bound, cut
+    assert L.CAUGHT.holds(2.0) and not L.CAUGHT.holds(0.5)
 
 
 # --- the model on ranks as threads (tp.threads) ----------------------------------------------------------

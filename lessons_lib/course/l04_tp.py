@@ -19,6 +19,7 @@ Taught in notebooks/04_tp2_invariance.ipynb.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from matplotlib.patches import Rectangle
 from ..core.batch import PackedBatch, cumulative, pack
 from ..core.config import ModelConfig
 from ..core.groups import CollectiveRecord, LocalGroup
+from ..core.linear import ColumnParallelLinear
 from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
 from ..measure.recorder import module_io
@@ -39,6 +41,7 @@ from ..tp.threads import tp_ranks_in_threads
 from ..tp.trace import summarize_trace
 from ..tp.vocab import ParallelLMHead, VocabParallelEmbedding
 from ..validate import check_choice, check_int, check_lengths
+from .check import Bound
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade
@@ -169,7 +172,9 @@ def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | N
         ax.add_patch(Rectangle((-0.9, y), 0.7, n, facecolor=request_color(i), edgecolor="white"))
     for r in range(tp):
         x = r * 3.4
-        _box(ax, x, 0, 2.6, t, LINEAR, f"rank {r}:\npartial sum\nof every row\n[T, d_model]", fontsize=MIN_FONT + 1)
+        _box(ax, x, 0, 2.6, t, LINEAR, f"rank {r}: input\n[T, {hl * cfg.d_head}], its\n"
+             f"heads {r * hl}-{(r + 1) * hl - 1}\n→ partial sum\n"
+             f"of every row\n[T, {cfg.d_model}]", fontsize=MIN_FONT + 1)
     xa = tp * 3.4 - 0.4
     ax.add_patch(Rectangle((xa, 0), 0.8, t, facecolor=COMM, edgecolor="white", gid="allreduce"))
     ax.text(xa + 0.4, t + 1.2, "all-reduce", ha="center", va="bottom", fontsize=MIN_FONT + 1, color=TEXT)
@@ -262,7 +267,8 @@ def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings:
                 if shapes:
                     ax.text(x + w / 2, top + 0.05, shapes, ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
             x += w + 0.04
-        ax.text((x0 + x) / 2, -0.08, f"layer {layer}", ha="center", va="top", fontsize=MIN_FONT, color=TEXT)
+        ax.text((x0 + x) / 2, -0.08, f"layer {layer}" if layer in (0, 1) else str(layer), ha="center", va="top",
+                fontsize=MIN_FONT, color=TEXT)
         x += 0.1
     x = replicated(x, "LN")
     for r in range(n_ranks):  # the LM head is a linear layer (replicated here)
@@ -273,7 +279,8 @@ def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings:
     shape = f"[{', '.join(map(str, first.shape))}]"
     ax.text(-1.3, top + 0.95,
             f"One forward at TP={n_ranks}: {len(sig)} all-reduces (purple, numbered), each of {shape} {first.dtype}, "
-            f"{first.bytes:,} B per rank.\nGreen: linear layers (shapes per rank above); blue: attention on the rank's own "
+            f"{first.bytes:,} B per rank. Layers 1-{len(sig) // 2 - 1} repeat layer 0, drawn compact."
+            f"\nGreen: linear layers (shapes per rank above); blue: attention on the rank's own "
             f"heads, no collective; grey: embedding and final LayerNorm; the LM head (green) is replicated.",
             fontsize=MIN_FONT + 1, color=TEXT, va="bottom")
     # The packings that all produced exactly this trace, as token strips.
@@ -322,6 +329,52 @@ def _trace_timeline() -> Figure:
 # The explorer: the same tokens packed differently
 
 PATTERNS = ("equal", "ramp", "one long")
+ENGINE_CUT, NAIVE_CUT, BIAS_CUT = "head-wise (the engine's)", "naive column cut of QKV", "bias on every rank"
+CUTS = (ENGINE_CUT, NAIVE_CUT, BIAS_CUT)  # the explorer's "cut" dropdown; the last two are the breakages of C11, C12
+TP_SIZES = (1, 2, 4, 8)                   # the explorer's tp dropdown: 8 heads, so 8, 4, 2 or 1 heads per rank
+CAUGHT = Bound("> 1: fails the bound (✗ expected)", lambda v: v > 1)  # a control row: a broken variant is caught
+
+
+def _bias_before_sum(self, x: Tensor) -> Tensor:
+    """A row-parallel forward that adds the bias on every rank, BEFORE the all-reduce: tp biases in the sum."""
+    return self.group.all_reduce(torch.nn.functional.linear(x, self.weight, self.bias), layer=self.name)
+
+
+@torch.no_grad()
+def apply_cut(model: Transformer, weights: dict, cut: str) -> Transformer:
+    """Turn one rank's ``model`` (built with the engine's cut from the full ``weights``) into ``cut``, in place.
+
+    ``ENGINE_CUT`` leaves it as it is. ``NAIVE_CUT`` re-loads every layer's QKV with the plain
+    column-parallel cut (rank r: rows ``[r·3HD/tp, (r+1)·3HD/tp)`` of the fused ``[Q | K | V]``
+    weight): the same shapes and trace, the wrong heads. ``BIAS_CUT`` makes every row-parallel
+    layer add its bias on every rank before the all-reduce. Used by the lesson's control rows and
+    the explorer, to show that the checks can fail."""
+    check_choice("cut", cut, CUTS)
+    for i, layer in enumerate(model.layers):
+        if cut == NAIVE_CUT:
+            qkv = layer.attn.qkv
+            qkv.weight.copy_(ColumnParallelLinear.shard_rows(qkv, weights[f"layers.{i}.attn.qkv.weight"]))
+            qkv.bias.copy_(ColumnParallelLinear.shard_rows(qkv, weights[f"layers.{i}.attn.qkv.bias"]))
+        elif cut == BIAS_CUT:
+            for lin in (layer.attn.out_proj, layer.mlp.fc_down):
+                lin.forward = types.MethodType(_bias_before_sum, lin)
+    return model
+
+
+def threaded_forward(cfg: ModelConfig, weights: dict, batch: PackedBatch, tp: int, cut: str = ENGINE_CUT,
+                     device="cpu", dtype=torch.float32) -> Tensor:
+    """The whole forward of ``batch`` on ``tp`` thread ranks (``tp.threads``, which really add) whose
+    models are cut by ``cut`` (``apply_cut``); rank 0's output ``[T, d_model]`` on the CPU."""
+    ranks = [apply_cut(Transformer(cfg, weights, group=LocalGroup(r, tp), device=device, dtype=dtype), weights, cut)
+             for r in range(tp)]
+
+    def run(group):
+        model = ranks[group.rank]
+        for m in model.modules():
+            if hasattr(m, "group"):
+                m.group = group
+        return model(batch.to(device)).cpu()
+    return tp_ranks_in_threads(tp, run)[0][0]
 MAX_TOKENS = 160  # the explorer's T slider
 TAPPED = "layers.0.attn.out_proj"  # the all-reduce whose inputs (each rank's partial sums) the explorer shows
 SHOWN = 6  # numbers of one token's partial sums printed per rank (of d_model)
@@ -362,6 +415,8 @@ class _TapGroup:
     def all_reduce(self, tensor: Tensor, *, layer: str = "") -> Tensor:
         if layer == TAPPED:
             self.sent = tensor.clone()
+        if self.world_size == 1:  # TP = 1: nothing to add, no collective (as the engine's LocalGroup)
+            return tensor
         return self.inner.all_reduce(tensor, layer=layer)
 
     def all_gather(self, tensor: Tensor, *, layer: str = "") -> Tensor:
@@ -371,15 +426,22 @@ class _TapGroup:
 _EXPLORER_MODELS: dict = {}
 
 
-def _explorer_models(cfg: ModelConfig, tp: int) -> dict:
-    """Built once per (cfg, tp): the weights (``init_weights(cfg, seed=0)``), one model per rank on a
-    ``_TapGroup``, layer 0 alone at TP=1 in float32 and float64 (the reference of the sum)."""
-    key = (repr(cfg), tp)
+_WEIGHTS: dict = {}
+
+
+def _explorer_models(cfg: ModelConfig, tp: int, cut: str = ENGINE_CUT) -> dict:
+    """Built once per (cfg, tp, cut): the weights (``init_weights(cfg, seed=0)``, kept), one model per
+    rank on a ``_TapGroup`` cut by ``apply_cut``, layer 0 alone at TP=1 in float32 and float64 (the
+    reference of the sum)."""
+    key = (repr(cfg), tp, cut)
     if key not in _EXPLORER_MODELS:
-        if len(_EXPLORER_MODELS) >= 2:
+        if len(_EXPLORER_MODELS) >= 4:
             _EXPLORER_MODELS.clear()
-        weights = init_weights(cfg, seed=0)
-        ranks = [Transformer(cfg, weights, group=_TapGroup(r, tp)) for r in range(tp)]
+        if repr(cfg) not in _WEIGHTS:
+            _WEIGHTS.clear()
+            _WEIGHTS[repr(cfg)] = init_weights(cfg, seed=0)
+        weights = _WEIGHTS[repr(cfg)]
+        ranks = [apply_cut(Transformer(cfg, weights, group=_TapGroup(r, tp)), weights, cut) for r in range(tp)]
         one = dataclasses.replace(cfg, n_layers=1)
         w1 = {k: v for k, v in weights.items() if not k.startswith("layers.") or k.startswith("layers.0.")}
         _EXPLORER_MODELS[key] = {"ranks": ranks, "tp1": Transformer(one, w1),
@@ -406,8 +468,9 @@ def out_proj_partials(model: Transformer, batch: PackedBatch) -> Tensor:
 
 
 def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal",
-                     cfg: ModelConfig | None = None, tp_size: int = 2) -> dict:
-    """The same T tokens packed as R requests, run through the model on ``tp_size`` real ranks.
+                     cfg: ModelConfig | None = None, tp_size: int = 2, cut: str = ENGINE_CUT) -> dict:
+    """The same T tokens packed as R requests, run through the model on ``tp_size`` real ranks whose
+    weights are cut by ``cut`` (``CUTS``: the engine's head-wise cut, or one of two broken ones).
 
     The ranks are threads of this process (``tp.threads.tp_ranks_in_threads``): each runs the whole
     forward on its shard and really adds its partial sums to the others'. Keys: ``seq_lens``,
@@ -419,15 +482,17 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     flat row shown: T - 1, the last token) with ``token_request`` and ``token_position``;
     ``partials`` (per rank, the first ``SHOWN`` numbers that rank handed to layer 0's out-proj
     all-reduce for that token) and ``partial_norms`` (their whole row's norm, d_model numbers);
-    ``sum_err`` (max over all T rows of |sum of the ranks' partials - TP=1's out proj before its
-    bias, in float64|) and ``sum_allowed`` (the tolerance rule's bound for TP=1's float32 result);
+    ``sum_err`` (max over all T rows of |sum of the ranks' partials, plus the bias once unless the
+    cut added it on every rank - TP=1's out proj in float64|) and ``sum_allowed`` (the tolerance
+    rule's bound for TP=1's float32 result); ``cut``, ``tp``;
     ``outputs_equal`` (every rank ended the forward with the same hidden states).
     """
     cfg = cfg or ModelConfig(vocab_size=1000, max_position=2048)
     lens = packing_lens(total_tokens, num_requests, pattern)
     tp = check_int("tp_size", tp_size, 1, 16)
+    check_choice("cut", cut, CUTS)
     hl = cfg.heads_per_rank(tp)
-    models = _explorer_models(cfg, tp)
+    models = _explorer_models(cfg, tp, cut)
     batch = explorer_batch(cfg, lens)
 
     def rank_forward(group):
@@ -441,9 +506,10 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     traces = [trace for _, trace in runs]
     partials = [sent for (_, sent), _ in runs]
     with torch.no_grad():
-        ref = out_proj_partials(models["tp1"], batch)
-        ref64 = out_proj_partials(models["fp64"], batch)
-    total = torch.stack([p.double() for p in partials]).sum(0)
+        bias = models["tp1"].layers[0].attn.out_proj.bias
+        ref = out_proj_partials(models["tp1"], batch) + bias
+        ref64 = out_proj_partials(models["fp64"], batch) + models["fp64"].layers[0].attn.out_proj.bias
+    total = torch.stack([p.double() for p in partials]).sum(0) + (0 if cut == BIAS_CUT else bias.double())
     ones = [_one_request_signature(cfg, sum(lens), r, tp) for r in range(tp)]
     cells = attention_cells(lens, "varlen").computed
     token = sum(lens) - 1
@@ -455,7 +521,7 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
             "token_position": lens[-1] - 1, "partials": [p[token, :SHOWN].tolist() for p in partials],
             "partial_norms": [float(p[token].norm()) for p in partials],
             "sum_err": float((total - ref64).abs().max()), "sum_allowed": tolerance(ref, ref64),
-            "outputs_equal": all(torch.equal(runs[0][0][0], out) for (out, _), _ in runs)}
+            "cut": cut, "tp": tp, "outputs_equal": all(torch.equal(runs[0][0][0], out) for (out, _), _ in runs)}
 
 
 def trace_shapes(records: Sequence[CollectiveRecord]) -> list[tuple]:
@@ -503,18 +569,21 @@ def tp_attention_html(state: dict) -> str:
 def tp_ranks_html(state: dict) -> str:
     """What each rank holds and sends, one line per rank: ``rank 0: heads 0-3 | sum L_i^2 = 800
     cells per head per layer | out proj partial, token 39: norm 1.2345 [+0.1234, ...]``, then the
-    measured sum: ``rank 0 + rank 1 = TP=1 out proj (before its bias), all 40 tokens: max |sum -
-    float64| = 1.2e-07, allowed 2.4e-07: yes``."""
+    measured sum: ``rank 0 + rank 1, + bias once = TP=1 out proj, all 40 tokens: max |sum -
+    float64| = 1.2e-07, allowed 2.4e-07: yes`` (red ``NO`` when the cut is broken; with the bias
+    on every rank the line says ``bias on every rank`` instead of ``bias once``)."""
     t, name = state["token"], request_name(state["token_request"])
     lines = [f"<div>rank {r}: heads {a}-{b} | sum L_i^2 = {state['cells']} cells per head per layer, "
              f"{state['cells_per_rank']} per forward | out proj partial, token {t}: norm "
              f"{state['partial_norms'][r]:.4f} {_numbers(state['partials'][r])}</div>"
              for r, (a, b) in enumerate(state["heads"])]
     ranks = " + ".join(f"rank {r}" for r in range(len(state["heads"])))
-    ok = "yes" if state["sum_err"] <= state["sum_allowed"] else "NO"
+    ok = state["sum_err"] <= state["sum_allowed"]
+    bias = "bias on every rank" if state.get("cut") == BIAS_CUT else "bias once"
+    style = "" if ok else ' style="color:#c0392b;font-weight:bold"'
     return (f"<div>token {t} = request {name}, position {state['token_position']}</div>" + "".join(lines)
-            + f"<div>{ranks} = TP=1 out proj (before its bias), all {t + 1} tokens: max |sum - float64| = "
-              f"{state['sum_err']:.1e}, allowed {state['sum_allowed']:.1e}: {ok}</div>")
+            + f"<div{style}>{ranks}, {bias} = TP=1 out proj, all {t + 1} tokens: max |sum - float64| = "
+              f"{state['sum_err']:.1e}, allowed {state['sum_allowed']:.1e}: {'yes' if ok else 'NO'}</div>")
 
 
 def tp_packing_figure(state: dict) -> Figure:
@@ -566,9 +635,9 @@ def tp_packing_figure(state: dict) -> Figure:
                                    facecolor=LINEAR if r < tp else COMM, edgecolor="none"))
         if r < tp:
             a, b = state["heads"][r]
-            label = f"rank {r} (heads {a}-{b}) sends\nits partial sums"
+            label = f"rank {r} (heads {a}-{b}) sends\nits partial sums" if tp <= 2 else f"rank {r}\nheads {a}-{b}"
         else:
-            label = "after the all-reduce: their\nsum, the same on every rank"
+            label = "after the all-reduce: their\nsum, the same on every rank" if tp <= 2 else "all-reduce:\nthe sum"
         ax.text(g0 + (n * slot) / 2, base + half + 1.0, label, ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
         if r:
             ax.text(g0 - 1.1 * slot, base, "+" if r < tp else "=", ha="center", va="center", fontsize=MIN_FONT + 3,
@@ -581,9 +650,11 @@ def tp_packing_figure(state: dict) -> Figure:
     return fig
 
 
-def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal"):
+def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal", tp_size: int = 2,
+                        cut: str = ENGINE_CUT):
     """VBox class ``tpx``: IntSliders ``tpx-tokens`` (T, 1..MAX_TOKENS) and ``tpx-num-requests`` (R, 1..T),
-    Dropdown ``tpx-pattern``; HTML ``tpx-trace`` (``tp_trace_html``: stays while R and the pattern
+    Dropdowns ``tpx-pattern``, ``tpx-tp`` (``TP_SIZES``) and ``tpx-cut`` (``CUTS``);
+    HTML ``tpx-trace`` (``tp_trace_html``: stays while R and the pattern
     move), HTML ``tpx-attention`` (``tp_attention_html``) and ``tpx-ranks`` (``tp_ranks_html``: each
     rank's own heads and partial sums, and their measured sum), Output ``tpx-figure``."""
     w = ipywidgets_module()
@@ -591,16 +662,20 @@ def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: 
     reqs = tagged(w.IntSlider(value=min(num_requests, total_tokens), min=1, max=total_tokens, description="requests R"),
                   "tpx-num-requests")
     pat = tagged(w.Dropdown(options=list(PATTERNS), value=pattern, description="lengths"), "tpx-pattern")
+    check_choice("tp_size", tp_size, TP_SIZES)
+    check_choice("cut", cut, CUTS)
+    tps = tagged(w.Dropdown(options=list(TP_SIZES), value=tp_size, description="tp"), "tpx-tp")
+    cuts = tagged(w.Dropdown(options=list(CUTS), value=cut, description="cut"), "tpx-cut")
     trace, attn = tagged(w.HTML(), "tpx-trace"), tagged(w.HTML(), "tpx-attention")
     ranks, out = tagged(w.HTML(), "tpx-ranks"), tagged(w.Output(), "tpx-figure")
 
     def update(change=None):
         reqs.max = total.value  # R <= T: every request needs a token (clamps reqs.value too)
-        state = tp_packing_state(total.value, reqs.value, pat.value)
+        state = tp_packing_state(total.value, reqs.value, pat.value, tp_size=tps.value, cut=cuts.value)
         trace.value, attn.value, ranks.value = tp_trace_html(state), tp_attention_html(state), tp_ranks_html(state)
         show_figure(out, tp_packing_figure(state))
 
-    return explorer("tpx", [total, reqs, pat], [trace, attn, ranks, out], update)
+    return explorer("tpx", [total, reqs, pat, tps, cuts], [trace, attn, ranks, out], update)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -868,4 +943,5 @@ __all__ = ["RankLayer", "rank_layers", "layer0_attention", "two_axes_figure", "t
            "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_packing_figure", "tp_packing_explorer",
            "trace_shapes", "vocab_parallel_forward",
            "vocab_parallel_trace", "check_vocab_trace", "kv_plan", "engine_kv_plan", "check_kv_plan",
-           "explorer_batch", "out_proj_partials", "tp_ranks_html"]
+           "explorer_batch", "out_proj_partials", "tp_ranks_html", "apply_cut", "threaded_forward", "CUTS",
+           "ENGINE_CUT", "NAIVE_CUT", "BIAS_CUT", "TP_SIZES", "CAUGHT"]

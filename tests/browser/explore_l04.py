@@ -1,5 +1,6 @@
 """Lesson 04's TP packing explorer in the browser: each rank's partial sums follow the packing and differ
-between the ranks, the recorded all-reduce trace does not move.
+between the ranks, the recorded all-reduce trace does not move; tp = 4 shows four ranks of two heads, and
+a broken cut (the plain column cut of QKV) turns the sum line to NO while the trace stays.
 """
 from __future__ import annotations
 
@@ -21,31 +22,37 @@ CFG = ModelConfig(vocab_size=1000, max_position=2048)  # the explorer's model: t
 ATTN_RE = re.compile(r"R = (\d+) \| cu_seqlens (\[[^\]]*\](?: \(\d+ requests\))?) \| positions (.+) \| max_seqlen (\d+)")
 RANK_RE = re.compile(r"rank (\d): heads (\d+)-(\d+) \| sum L_i\^2 = (\d+) cells per head per layer, (\d+) per forward \| "
                      r"out proj partial, token (\d+): norm ([\d.]+) \[([^\]]*), \.\.\.\]")
-SUM_RE = re.compile(r"rank 0 \+ rank 1 = TP=1 out proj \(before its bias\), all (\d+) tokens: max \|sum - float64\| = "
-                    r"(\S+), allowed (\S+): (yes|NO)")
+SUM_RE = re.compile(r"rank 0(?: \+ rank \d)*, (?:bias once|bias on every rank) = TP=1 out proj, all (\d+) tokens: "
+                    r"max \|sum - float64\| = (\S+), allowed (\S+): (yes|NO)")
 _STAND_INS: dict = {}
 
 
-def _partials(lens: list[int], rank: int) -> torch.Tensor:
+def _partials(lens: list[int], rank: int, tp: int = 2, cut: str = l04_tp.ENGINE_CUT) -> torch.Tensor:
     """Rank ``rank``'s layer-0 out-proj partial sums for the explorer's batch, on a LocalGroup stand-in
     (not the explorer's threads): layer 0's input is replicated, so a stand-in sends what a real rank sends."""
-    if rank not in _STAND_INS:
-        _STAND_INS[rank] = Transformer(CFG, init_weights(CFG, seed=0), group=LocalGroup(rank, 2))
-    return l04_tp.out_proj_partials(_STAND_INS[rank], l04_tp.explorer_batch(CFG, lens))
+    key = (rank, tp, cut)
+    if key not in _STAND_INS:
+        w = _STAND_INS.setdefault("weights", init_weights(CFG, seed=0))
+        _STAND_INS[key] = l04_tp.apply_cut(Transformer(CFG, w, group=LocalGroup(rank, tp)), w, cut)
+    model = _STAND_INS[key]
+    sent = l04_tp.out_proj_partials(model, l04_tp.explorer_batch(CFG, lens))
+    return sent + model.layers[0].attn.out_proj.bias if cut == l04_tp.BIAS_CUT else sent
 
 
-def _expected(total: int, num_requests: int, pattern: str) -> tuple[str, dict]:
+def _expected(total: int, num_requests: int, pattern: str, tp: int = 2, cut: str = l04_tp.ENGINE_CUT
+              ) -> tuple[str, dict]:
     """What the explorer must show, recomputed from the dry run, ``attention_cells`` and stand-in ranks."""
     lens = l04_tp.packing_lens(total, num_requests, pattern)
     assert sum(lens) == total and len(lens) == num_requests
-    traces = [record_trace(CFG, lens, rank, 2) for rank in (0, 1)]
-    assert all(trace_signature(t) == trace_signature(expected_trace(CFG, total, rank, 2)) for rank, t in enumerate(traces))
+    traces = [record_trace(CFG, lens, rank, tp) for rank in range(tp)]
+    assert all(trace_signature(t) == trace_signature(expected_trace(CFG, total, rank, tp)) for rank, t in enumerate(traces))
     trace_text = "\n".join(f"rank {rank}: {summarize_trace(t)}" for rank, t in enumerate(traces))
     trace_text += f"\nsame as 1 request of {total} tokens: yes"
     cells = flops.attention_cells(lens, "varlen").computed
-    partials = [_partials(lens, rank)[total - 1] for rank in (0, 1)]
-    return trace_text, {"R": num_requests, "cu": cumulative(lens), "max_seqlen": max(lens), "cells": cells,
-                        "per_forward": cells * CFG.heads_per_rank(2) * CFG.n_layers, "token": total - 1,
+    partials = [_partials(lens, rank, tp, cut)[total - 1] for rank in range(tp)]
+    return trace_text, {"R": num_requests, "cu": cumulative(lens), "max_seqlen": max(lens), "cells": cells, "tp": tp,
+                        "ok": "yes" if cut == l04_tp.ENGINE_CUT else "NO",
+                        "per_forward": cells * CFG.heads_per_rank(tp) * CFG.n_layers, "token": total - 1,
                         "partials": [p[:l04_tp.SHOWN] for p in partials], "norms": [float(p.norm()) for p in partials]}
 
 
@@ -56,18 +63,20 @@ def _check(page, want: dict) -> list[list[float]]:
     assert int(head[1]) == want["R"] and head[2] == l04_tp.short_cu(want["cu"]) and int(head[4]) == want["max_seqlen"]
     text = inner_text(page, ".tpx-ranks")
     ranks = RANK_RE.findall(text)
-    assert len(ranks) == 2, f"per-rank readout not in the documented format: {text!r}"
+    tp, hl = want["tp"], 8 // want["tp"]
+    assert len(ranks) == tp, f"per-rank readout not in the documented format: {text!r}"
     shown = []
     for rank, (r, a, b, cells, per_forward, token, norm, numbers) in enumerate(ranks):
-        assert (int(r), int(a), int(b)) == (rank, 4 * rank, 4 * rank + 3)
+        assert (int(r), int(a), int(b)) == (rank, hl * rank, hl * rank + hl - 1)
         assert (int(cells), int(per_forward), int(token)) == (want["cells"], want["per_forward"], want["token"])
         values = [float(v) for v in numbers.split(", ")]
         assert torch.allclose(torch.tensor(values), want["partials"][rank], atol=6e-5), (values, want["partials"][rank])
         assert abs(float(norm) - want["norms"][rank]) < 6e-5
         shown.append(values)
-    assert shown[0] != shown[1], "both ranks show the same partial sums"
+    assert tp == 1 or shown[0] != shown[1], "both ranks show the same partial sums"
     total = SUM_RE.search(text)
-    assert total and int(total[1]) == want["token"] + 1 and total[4] == "yes" and float(total[2]) <= float(total[3])
+    assert total and int(total[1]) == want["token"] + 1 and total[4] == want["ok"], text
+    assert (float(total[2]) <= float(total[3])) == (want["ok"] == "yes"), text
     return shown
 
 
@@ -114,5 +123,21 @@ def test_lesson04_tp_packing_explorer(lab_server, browser_context, capsys):
     wait_text(page, ".tpx-attention", "t => t.includes('R = 1 |')")
     _check(page, want)
     assert inner_text(page, ".tpx-trace") == trace, "the TP trace moved although only the packing changed"
+    # tp = 4: four ranks of two heads each, their own partial sums, still the same sum
+    r = 3
+    move(page, "tpx-num-requests", ".tpx-figure", ".tpx-ranks", "ArrowRight", text_ms)
+    move(page, "tpx-num-requests", ".tpx-figure", ".tpx-ranks", "ArrowRight", text_ms)
+    wait_text(page, ".tpx-attention", f"t => t.includes('R = {r} |')")
+    page.locator(".tpx-tp select").select_option("4")
+    wait_text(page, ".tpx-ranks", "t => t.includes('rank 3: heads 6-7')")
+    want_trace, want = _expected(total, r, pattern, tp=4)
+    wait_text(page, ".tpx-trace", f"t => t === {want_trace!r}")
+    four = _check(page, want)
+    # a broken cut: the plain column cut of QKV; the trace stays, the sum line says NO
+    page.locator(".tpx-cut select").select_option(label=l04_tp.NAIVE_CUT)
+    wait_text(page, ".tpx-ranks", "t => t.endsWith('NO') || t.includes(': NO')")
+    _, want = _expected(total, r, pattern, tp=4, cut=l04_tp.NAIVE_CUT)
+    assert inner_text(page, ".tpx-trace") == want_trace, "the trace moved although only the cut changed"
+    assert _check(page, want) != four, "the naive cut shows the same partial sums"
 
     finish(page, widget, "04", latencies, text_ms, console_errors, t_start, capsys)
