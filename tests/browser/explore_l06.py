@@ -21,7 +21,7 @@ def _knobs(page) -> dict:
     return {"workload": page.locator(".ppx-workload select option:checked").inner_text().strip(),
             "num_requests": readout(page, "ppx-num-requests"),
             "max_num_batched_tokens": readout(page, "ppx-budget"), "batch": readout(page, "ppx-batch"),
-            "scheduler": page.locator(".ppx-scheduler select option:checked").inner_text().strip()}
+            "scheduler": page.locator(".ppx-scheduler select option:checked").inner_text().replace("\xa0", " ").strip()}
 
 
 def _expected(knobs: dict) -> tuple[list[str], dict]:
