@@ -75,3 +75,12 @@ def test_every_lesson_exploration_has_a_browser_test(path):
     collected = (ROOT / "tests" / "browser" / "test_widgets_browser.py").read_text()
     missing = [t for t in tests if not re.search(rf"^from explore_l{nn} import .*\b{t}\b", collected, re.M)]
     assert not missing, f"test_widgets_browser.py does not import {missing} from explore_l{nn}"
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name[:2])
+def test_every_lesson_is_a_valid_notebook_without_outputs(path):
+    """Valid against its own nbformat version (e.g. no cell ids in a 4.4 file), committed without outputs."""
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    with_outputs = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+    assert not with_outputs, f"{path.name}: cells {with_outputs} are committed with outputs"
