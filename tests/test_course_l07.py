@@ -235,6 +235,10 @@ def test_the_explorer_picture_is_drawn_from_the_kernels_per_program_counts():
     late = L.kernel_state("100, 5, 20", 32, 32, True, bug="no early return")
     assert -1 not in late["program_tiles"] and L.table_totals(late["table"], 1, 32, 32).tiles == 18
     assert late["predicted"].tiles == 12 and "tiles: measured 18 | predicted 12 | picture 18" in L.kernel_counts_html(late)
+    # the executed-cells footer shows the kernel's 18 tiles x 32 x 32, the prediction's 12 x 32 x 32 beside it
+    cells = late["predicted"].cells
+    assert (f"measured {18 * 32 * 32} for {cells} inside the requests" in L.kernel_counts_html(late)
+            and f"predicted {12 * 32 * 32} for {cells}" in L.kernel_counts_html(late))
     fig = L.launch_picture([100, 5, 20], block_m=32, block_n=32, causal=True, measured=late["measured"],
                            program_tiles=late["program_tiles"])
     text = " ".join(t.get_text() for t in fig.texts)

@@ -11,7 +11,7 @@ never exists. With ``causal`` the walk stops at the diagonal (bottom-right align
 
 Where it runs: natively on an NVIDIA GPU; on the CPU through Triton's interpreter
 (``TRITON_INTERPRET=1``, set here before Triton is imported when no GPU is present). The
-interpreter executes the same source program by program with NumPy — ~10 ms per program — so on
+interpreter executes the same source program by program with NumPy — about 10–30 ms per program — so on
 the CPU it is for small sizes (a lesson, the tests), never chosen by ``auto``.
 
 Half precision: on a GPU ``tl.dot`` multiplies fp16/bf16 tiles and accumulates in fp32. The
