@@ -36,7 +36,7 @@ from ..core.linear import QKVParallelLinear, RowParallelLinear
 from ..core.model import AttentionContext, Transformer, init_weights
 from ..measure.recorder import module_io
 from ..measure.tolerance import max_abs_diff, tolerance
-from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, request_name
+from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_name
 from ..tp.threads import tp_ranks_in_threads
 from ..validate import check_choice, check_int, check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
@@ -46,7 +46,10 @@ from .l00_setup import consecutive_runs
 from .probe import row_dependency
 
 Tensor = torch.Tensor
-KIND_COLORS = {"per token": OTHER, "linear": LINEAR, "attention": ATTENTION}
+MIXES_ROWS = "mixes rows"  # a module that reads other tokens with no cu_seqlens (BatchNorm training, mean, cumsum)
+KIND_COLORS = {"per token": OTHER, "linear": LINEAR, "attention": ATTENTION, MIXES_ROWS: WASTE}
+KIND_LABELS = {"per token": "other work, row by row", "linear": "linear layer, row by row",
+               "attention": "attention (reads rows by cu_seqlens)", MIXES_ROWS: "mixes rows (no cu_seqlens)"}
 LINEAR_LIGHT = "#99D8C7"  # LINEAR green mixed with white: rank 1's half of the same work
 
 
@@ -60,7 +63,7 @@ class WalkStep:
     kind: str          # "per token", "linear" or "attention" (the colour of the figure)
     flat: str          # shape on the flat batch at TP=1, e.g. "[40 x 512] -> [40 x 1536]"
     per_rank: str      # the same on one rank at TP=tp_size
-    reads: str         # "row i only" or "rows of its own request"
+    reads: str         # "row i only" or "rows ≤ i of its own request"
 
 
 def forward_walk(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int = 2) -> list[WalkStep]:
@@ -79,7 +82,7 @@ def forward_walk(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int = 2) ->
         return "[" + " x ".join(str(x) for x in dims) + "]"
 
     same = f"{s(t, d)} -> {s(t, d)}"
-    own, itself = "rows of its own request", "row i only"
+    own, itself = "rows ≤ i of its own request", "row i only"
     return [
         WalkStep("embed (token + position)", "per token", f"{s(t)} ids -> {s(t, d)}", f"{s(t)} ids -> {s(t, d)}", itself),
         WalkStep("LayerNorm", "per token", same, same, itself),
@@ -248,12 +251,15 @@ class StepReport:
     differ_per_request: tuple = ()   # the same count for each request's rows
     padded_differ: int = 0   # the first request alone but padded with zero rows to T rows: its numbers that differ
     scale: float = 0.0       # max |output| of the flat run: the scale the rounding is measured at
+    later_rows: int = 0      # pairs where output row i changed with a later row j > i (0: causal)
 
     @property
     def reads(self) -> str:
         if self.off_diagonal == 0:
             return "row i only"
-        return "other requests too" if self.cross_request else "rows of its own request"
+        if self.cross_request:
+            return "other requests too"
+        return "rows of its own request" if self.later_rows else "rows ≤ i of its own request"
 
 
 @torch.no_grad()
@@ -277,7 +283,8 @@ def measure_steps(steps: Sequence[BlockStep], seq_lens: Sequence[int]) -> list[S
         out.append(StepReport(st.name, st.kind, tuple(st.inp.shape), tuple(st.out.shape), int(off.sum()),
                               int((off & ~same).sum()), max_abs_diff(st.out, alone64), tolerance(alone, alone64),
                               max_abs_diff(st.out, alone), int((st.out != alone).sum()), per_request,
-                              int((padded_out[:lens[0]] != st.out[:lens[0]]).sum()), float(st.out.abs().max())))
+                              int((padded_out[:lens[0]] != st.out[:lens[0]]).sum()), float(st.out.abs().max()),
+                              int(torch.triu(off, diagonal=1).sum())))
     return out
 
 
@@ -449,7 +456,8 @@ SAFE, MIXES = "safe to batch flat", "mixes requests"
 @dataclass(frozen=True)
 class ReachModule:
     """A module for the explorer: ``fn(t [T, width], cu_seqlens) -> [T, ...]``, its palette kind
-    ("per token", "linear", "attention") and its input width."""
+    ("per token", "linear", "attention", ``MIXES_ROWS``; None for a learner's module: the measured map
+    decides) and its input width."""
 
     fn: Callable
     kind: str
@@ -486,8 +494,8 @@ def _engine_modules() -> dict[str, ReachModule]:
         "out proj (block.attn.out_proj)": ReachModule(lambda t, cu: b.attn.out_proj(t), "linear", k),
         "GeLU (block.mlp.act)": ReachModule(lambda t, cu: b.mlp.act(t), "per token", f),
         "FFN: up, GeLU, down (block.mlp)": ReachModule(lambda t, cu: b.mlp(t), "linear", d),
-        "residual add (t + block.mlp(t))": ReachModule(lambda t, cu: t + b.mlp(t), "linear", d),
-        "BatchNorm1d, training mode": ReachModule(lambda t, cu: train_bn(t), "per token", d),
+        "residual add (t + block.mlp(t))": ReachModule(lambda t, cu: t + b.mlp(t), "per token", d),
+        "BatchNorm1d, training mode": ReachModule(lambda t, cu: train_bn(t), MIXES_ROWS, d),
         "BatchNorm1d, eval mode (running stats)": ReachModule(lambda t, cu: eval_bn(t), "per token", d),
     }
 
@@ -513,7 +521,7 @@ def add_reach_module(name: str, fn: Callable[[Tensor], Tensor]) -> None:
 
 def reach_modules() -> dict[str, ReachModule]:
     """Every module the explorer offers: the engine's own, two BatchNorm1d, and the learner's."""
-    own = {name: ReachModule(lambda t, cu, fn=fn: fn(t), "per token", REACH_CFG.d_model)
+    own = {name: ReachModule(lambda t, cu, fn=fn: fn(t), None, REACH_CFG.d_model)  # kind: from the measured map
            for name, fn in _OWN_MODULES.items()}
     return {**_engine_modules(), **own}
 
@@ -573,6 +581,9 @@ def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> d
             dep = row_dependency(lambda t: m.fn(t, cu), x)
             alone = alone_vs_batched(m.fn, x, lens)
     except Exception as exc:  # a learner's module, or BatchNorm on one token: say so, never a wrong map
+        if "Expected more than 1 value per channel" in str(exc):
+            raise ValueError(f"{module} on lengths {lens}: a request of one token is run alone as a one-token "
+                             "batch, and a one-token batch has no variance: BatchNorm cannot even run on it") from None
         raise ValueError(f"{module} failed on {cu[-1]} rows: {type(exc).__name__}: {exc}") from None
     if dep.shape != (cu[-1], cu[-1]):
         raise ValueError(f"{module} must return one row per input row: {cu[-1]} rows in, {dep.shape[0]} out")
@@ -582,9 +593,12 @@ def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> d
     diag = int(np.trace(dep))
     own = int((dep & same).sum()) - diag
     other = int((dep & ~same).sum())
-    reads = "other requests too" if other else "rows of its own request" if own else "row i only"
+    later = int(np.triu(dep & same, k=1).sum())  # pairs (i, j > i) in one request: not causal
+    reads = ("other requests too" if other else "row i only" if not own
+             else "rows of its own request" if later else "rows ≤ i of its own request")
+    kind = m.kind or (MIXES_ROWS if own or other else "per token")
     alone_ok = not alone["differ"]
-    return {"module": module, "kind": m.kind, "seq_lens": lens, "cu_seqlens": cu, "dep": dep, "pairs": int(dep.sum()),
+    return {"module": module, "kind": kind, "seq_lens": lens, "cu_seqlens": cu, "dep": dep, "pairs": int(dep.sum()),
             "diagonal": diag, "own_request": own, "other_requests": other, "reads": reads, "reach_ok": other == 0,
             "alone_max_diff": alone["max_diff"], "alone_bound": alone["bound"], "alone_differ": alone["differ"],
             "alone_ok": alone_ok, "verdict": SAFE if other == 0 and alone_ok else MIXES}
@@ -603,14 +617,18 @@ def module_reach_text(state: dict) -> str:
 
 
 def module_reach_figure(state: dict) -> Figure:
-    """The measured who-reads-whom map of ``state``, request boundaries dashed, verdict in the title."""
+    """The measured who-reads-whom map of ``state``, request boundaries dashed, coloured by kind (legend);
+    the verdict is wrapped to the figure's width."""
     title = "\n".join(textwrap.wrap(state["module"], 44))  # a long name of the learner's own stays inside
     fig = dependency_maps({title: state["dep"]}, state["seq_lens"], colors={title: KIND_COLORS[state["kind"]]})
-    fig.set_size_inches(4.8, 4.6)
-    fig.subplots_adjust(left=0.15, right=0.96, bottom=0.11, top=0.78 if "\n" in title else 0.8)
+    fig.set_size_inches(4.8, 5.0)
+    fig.subplots_adjust(left=0.15, right=0.96, bottom=0.17, top=0.72 if "\n" in title else 0.75)
     alone = "alone = batched" if state["alone_ok"] else "alone != batched: " + ", ".join(state["alone_differ"])
-    fig.suptitle(f"{state['verdict']}: {state['other_requests']} pairs across requests, {alone}",
-                 fontsize=MIN_FONT + 1, color=TEXT, fontweight="bold", y=0.97)
+    verdict = f"{state['verdict']}: {state['other_requests']} pairs across requests, {alone}"
+    fig.suptitle("\n".join(textwrap.wrap(verdict, 46)), fontsize=MIN_FONT + 1, color=TEXT, fontweight="bold", y=0.98)
+    fig.legend(handles=[Patch(facecolor=KIND_COLORS[state["kind"]], edgecolor=TEXT, linewidth=0.6,
+                              label=f"pair changes; kind: {KIND_LABELS[state['kind']]}")],
+               loc="lower center", fontsize=MIN_FONT, frameon=False)
     return fig
 
 
