@@ -208,7 +208,8 @@ def test_s1_heads_held_sees_a_contiguous_qkv_cut(tiny_cfg, monkeypatch):
 def test_s1_follow_request_records_the_pre_ln_order_and_removes_its_hooks(tiny_cfg):
     model = Transformer(tiny_cfg, seed=0)
     calls, blocks, out = L.follow_request(model, lambda: model(pack([torch.arange(7)])))
-    assert [p for p, _ in calls] == ["ln_1", "attn.qkv", "attn.out_proj", "ln_2", "mlp.fc_up", "mlp.fc_down"]
+    assert [p for p, _ in calls] == ["ln_1", "attn.qkv", "attn.core", "attn.out_proj", "ln_2", "mlp.fc_up",
+                                   "mlp.act", "mlp.fc_down"]
     assert dict(calls)["attn.qkv"] == [7, 3 * 64] and blocks == [[7, 64]] * tiny_cfg.n_layers
     assert list(out.shape) == [7, 64]
     assert all(not m._forward_hooks for m in model.modules())

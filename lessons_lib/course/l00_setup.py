@@ -598,11 +598,12 @@ def comm_cost_figure(state: dict, measured: Mapping | None = None, probe: Mappin
     left.plot([s["num_tokens"]], [1e3 * s["forward_s"]], "s", color=COMM, markeredgecolor=TEXT, markersize=8, gid="mark")
     if probe and probe["world_size"] == p and probe["d_model"] == s["d_model"]:
         left.plot([probe["bytes"] / row], [1e3 * count * probe["seconds"]], "*", color=TEXT, markersize=13, gid="probe",
-                  label=f"measured now: N = {probe['tokens']}, float32, x {count}")
+                  label=f"measured now: N = {probe['tokens']}, float32, x {count} (placed by bytes)")
     if measured and measured["world_size"] == p:
         xs = [b / row for b in measured["bytes"]]
         left.plot(xs, [1e3 * count * t for t in measured["seconds"]], "o", color=TEXT, markersize=5, gid="measured",
-                  label=f"measured here ({measured['backend']}, TP={measured['world_size']}): one all-reduce x {count}")
+                  label=f"measured here ({measured['backend']}, TP={measured['world_size']}): one all-reduce x {count}, "
+                        "placed by bytes")
     left.set_xscale("log")
     left.set_yscale("log")
     for axis in (left.xaxis, left.yaxis):  # no minor ticks, plain labels: mathtext ticks are most of the drawing time
@@ -768,7 +769,7 @@ def follow_request(model: Transformer, run: Callable[[], object]) -> tuple[list,
     shape of every block, and ``result`` what ``run()`` returned."""
     calls, block_out = [], []
     blk0 = model.layers[0]
-    parts = ("ln_1", "attn.qkv", "attn.out_proj", "ln_2", "mlp.fc_up", "mlp.fc_down")
+    parts = ("ln_1", "attn.qkv", "attn.core", "attn.out_proj", "ln_2", "mlp.fc_up", "mlp.act", "mlp.fc_down")
     hooks = [blk0.get_submodule(p).register_forward_hook(lambda m, i, o, p=p: calls.append((p, list(o.shape))))
              for p in parts]
     hooks += [b.register_forward_hook(lambda m, i, o: block_out.append(list(o.shape))) for b in model.layers]
