@@ -247,6 +247,12 @@ def test_c3_unpad_ids_checker(capsys):
     assert "still holds the pad tokens" in attempt(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, keep=True))
     assert "int32" in attempt(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, cu_dtype=torch.int64))
     assert "three tensors" in attempt(L.check_unpad_ids, lambda i, m: (i, m))
+
+    def with_pack(ids, mask):  # the exercise forbids pack: the checker refuses it, then gives it back
+        b = pack([ids[r][mask[r]] for r in range(ids.shape[0])])
+        return b.input_ids, b.positions, b.cu_seqlens
+    assert "without pack" in attempt(L.check_unpad_ids, with_pack)
+    assert pack is L.pack and len(pack([torch.tensor([1, 2])]).input_ids) == 2
     capsys.readouterr()
     # Taking the first L columns is right on the two right-padded batches only (the mixed one has a left row)
     assert score(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, first_l=True), points=6) == 2

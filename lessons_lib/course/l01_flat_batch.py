@@ -598,6 +598,31 @@ def _unpad_id_cases(seed: int = 5) -> list[tuple[Tensor, Tensor]]:
     return cases
 
 
+def _without_pack(fn: Callable) -> Callable:
+    """``fn``, run with the engine's ``pack`` refused (in ``lessons_lib.core.batch``, ``lessons_lib.core``, this
+    module and ``fn``'s own globals): exercise 01.3 builds the flat stream from the mask itself."""
+    from .. import core
+    from ..core import batch as batch_mod
+    real = batch_mod.pack
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("exercise 01.3 builds input_ids, positions and cu_seqlens from the mask itself: "
+                           "without pack")
+
+    @functools.wraps(fn)
+    def guarded(*args):
+        spaces = [batch_mod.__dict__, core.__dict__, globals(), getattr(fn, "__globals__", {})]
+        saved = [(space, name) for space in spaces for name, value in list(space.items()) if value is real]
+        for space, name in saved:
+            space[name] = refuse
+        try:
+            return fn(*args)
+        finally:
+            for space, name in saved:
+                space[name] = real
+    return guarded
+
+
 def check_unpad_ids(fn: Callable[[Tensor, Tensor], tuple]) -> bool:
     """Exercise 01.3: ``fn(ids [B, S], mask [B, S] bool) -> (input_ids [T], positions [T], cu_seqlens [B+1])``:
     a flat batch the engine runs; graded by running it through the explorer's model and comparing each
@@ -638,7 +663,7 @@ def check_unpad_ids(fn: Callable[[Tensor, Tensor], tuple]) -> bool:
                         if right else " - request b's real tokens, in their order, go between cu_seqlens[b] and cu_seqlens[b+1]")
                 return f"request {b}'s output differs from it alone (max |diff| {err:.1e} > bound {bound:.1e}){hint}"
         return None
-    return grade("unpad_ids", fn, _unpad_id_cases(), judge,
+    return grade("unpad_ids", _without_pack(fn) if callable(fn) else fn, _unpad_id_cases(), judge,
                  "the engine runs your flat batch and each request equals itself alone, on right-, left- and "
                  "mixed-padded batches")
 
