@@ -212,14 +212,14 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
         h, w = pic.shape
         ax.imshow(pic, cmap=cmap, vmin=0, vmax=3, interpolation="nearest", extent=(0, w, h, 0), aspect="auto")
         for y in range(0, h + 1, block_m):
-            ax.axhline(y, color=TEXT, linewidth=1.0)
+            ax.axhline(y, color=TEXT, linewidth=0.8)
         for x in range(0, w + 1, block_n):
             ax.axvline(x, color=TEXT, linewidth=0.6, linestyle=":")
         for m in range(grid_m):  # a program that returned at once: white, hatched in ink
             if pic[m * block_m, 0] == RETURNED:
                 ax.add_patch(Rectangle((0, m * block_m), w, block_m, facecolor=NEVER, edgecolor=TEXT, linewidth=0,
                                        hatch=RETURNED_HATCH, gid=f"returned-{r}-{m}"))
-        ax.add_patch(Rectangle((0, 0), nk, nq, fill=False, edgecolor=TEXT, linewidth=1.6, gid=f"request-{r}"))
+        ax.add_patch(Rectangle((0, 0), nk, nq, fill=False, edgecolor=TEXT, linewidth=1.0, gid=f"request-{r}"))
         ax.set_yticks([(m + 0.5) * block_m for m in range(grid_m)], [f"m={m}" for m in range(grid_m)] if r == 0 else
                       [""] * grid_m)
         ax.set_xticks([])
@@ -889,7 +889,7 @@ GRID_LENS = [100, 20, 60]
           caption="one causal launch over requests of 100, 20 and 60 tokens at 32 x 32 tiles: 12 programs, each a band "
                   "of key tiles computed, partly thrown away, skipped above the diagonal, or returned at once")
 def _launch_grid() -> Figure:
-    fig = launch_picture(GRID_LENS, block_m=32, block_n=32, causal=True, figsize=(9.0, 4.4))
+    fig = launch_picture(GRID_LENS, block_m=32, block_n=32, causal=True, figsize=(9.0, 5.0))
     a = fig.axes[0]  # A's last program: rows 96-127 of its tile, of which only 96-99 exist
     a.annotate("rows 96-99: A's only\n4 real rows here", xy=(64, 98), xytext=(64, 116), ha="center", va="center",
                fontsize=MIN_FONT, color=TEXT, arrowprops={"arrowstyle": "->", "color": TEXT},
