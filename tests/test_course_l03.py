@@ -291,6 +291,15 @@ def test_causal_varlen_checker_gives_a_per_request_loop_partial_marks(capsys):
     assert "not grow with R" in capsys.readouterr().out
 
 
+def test_causal_varlen_checker_fails_the_engines_sdpa_path_that_groups_equal_lengths(capsys):
+    # sdpa batches requests of equal length into one call: with few distinct lengths its matmul count looks
+    # constant, so the checker's 12-request probe uses 12 distinct lengths
+    def sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None):
+        return varlen_attention(q, k, v, cu_seqlens_q, causal=causal, softmax_scale=softmax_scale, backend="sdpa")
+    assert "per distinct length" in attempt(L.check_causal_varlen, sdpa)
+    assert score(L.check_causal_varlen, sdpa, points=3) == 2.4  # right on every batch, but not one launch
+
+
 def test_causal_varlen_checker_explains_typical_mistakes():
     def meta_call(causal=True, scale=None):
         def fn(q, k, v, cu, m):

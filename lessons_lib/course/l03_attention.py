@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Polygon, Rectangle
 from matplotlib.ticker import MaxNLocator
 
@@ -595,8 +596,9 @@ def check_causal_varlen(fn: Callable) -> bool:
                         "Gather each request's own rows into an [R, max_seqlen] batch instead")
             if small == big:
                 return None
-            return (f"your function made {small} matmuls for 2 requests and {big} for 12: one per request, like the "
-                    "engine's loop. Gather every request into one [R, max_seqlen] batch (see the hint) so that the "
+            return (f"your function made {small} matmuls for 2 requests and {big} for 12 of distinct lengths: one per "
+                    "request (like the engine's loop) or per distinct length (like its sdpa path). "
+                    "Gather every request into one [R, max_seqlen] batch (see the hint) so that the "
                     "number of matmuls does not grow with R")
         q, k, v, cu, m = case
         want = attention_ref(q, k, v, cu, causal=True)
@@ -619,7 +621,9 @@ def check_causal_varlen(fn: Callable) -> bool:
             return _engine_case(fn)
         if case == ("one launch",):
             made = []
-            for lens in ([5, 3], [5, 3] * 6):
+            # 12 distinct lengths: a solution that groups equal lengths (the engine's sdpa path) makes one
+            # call per distinct length, so its matmul count grows too
+            for lens in ([5, 3], [5, 3, 8, 1, 12, 2, 7, 4, 10, 6, 11, 9]):
                 q, k, v, cu, m = _qkv(lens, 2, 8, 7)
                 with OpRecorder() as seen:
                     got = _as_backend(fn, q, k, v, cu, m)
@@ -761,15 +765,16 @@ def lengths_of(cu: Tensor) -> list[int]:
 # ---- the 128-row tile -------------------------------------------------------------------------------
 
 def _draw_tiles(ax, n: int, tile: int, causal: bool, x0: float = 0.0) -> None:
-    """One request of ``n`` tokens on a ``tile x tile`` grid at ``x0``: computed tiles blue (ink edge), skipped tiles
-    white with an ink hatch, the cells the causal mask keeps solid blue, the request's end a dashed ink line."""
+    """One request of ``n`` tokens on a ``tile x tile`` grid at ``x0``: computed tiles vermillion (computed, then
+    masked and thrown away, as in the causal picture) with an ink edge, skipped tiles white with an ink hatch, the
+    cells the causal mask keeps blue on top, the request's end a dashed ink line."""
     side = -(-n // tile) * tile
     for m in range(0, n, tile):
         computed, _ = key_tiles(n, n, m, tile, tile, causal)
         for j in range(side // tile):
             done = j < computed
-            ax.add_patch(Rectangle((x0 + j * tile, m), tile, tile, facecolor=ATTENTION if done else NEVER,
-                                   alpha=0.3 if done else 1.0, edgecolor=TEXT, linewidth=0.8,
+            ax.add_patch(Rectangle((x0 + j * tile, m), tile, tile, facecolor=WASTE if done else NEVER,
+                                   edgecolor=TEXT, linewidth=0.8,
                                    hatch=None if done else "///", gid="tile-computed" if done else "tile-skipped"))
     kept = [(x0, 0), (x0, n), (x0 + n, n)] if causal else [(x0, 0), (x0, n), (x0 + n, n), (x0 + n, 0)]
     ax.add_patch(Polygon(kept, closed=True, facecolor=ATTENTION, edgecolor="none", gid="cells-kept"))
@@ -812,12 +817,13 @@ def tile_grid(tile: int = 128, short: Sequence[int] = ARTICLE_LENS, long: int = 
         ax.tick_params(labelsize=MIN_FONT, length=2)
         ax.set_xlabel("key position", fontsize=MIN_FONT)
     left.set_ylabel("query position", fontsize=MIN_FONT)
-    fig.legend(handles=[Patch(facecolor=ATTENTION, alpha=0.3, edgecolor=TEXT, label=f"computed tile ({tile} x {tile})"),
+    fig.legend(handles=[Patch(facecolor=ATTENTION, edgecolor=TEXT, label="computed tile: cells the causal mask keeps"),
+                        Patch(facecolor=WASTE, edgecolor=TEXT, label="computed tile: cells masked, thrown away"),
                         Patch(facecolor=NEVER, edgecolor=TEXT, hatch="///", label="skipped tile"),
-                        Patch(facecolor=ATTENTION, label="cells the causal mask keeps")],
-               loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
+                        Line2D([], [], color=TEXT, linewidth=1.0, linestyle="--", label="request's end")],
+               loc="lower center", ncol=2, fontsize=MIN_FONT, frameon=False)
     fig.suptitle(f"a tiled kernel ({tile} x {tile} tiles, one head, causal) computes whole tiles", fontsize=MIN_FONT + 1)
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.16, top=0.8, wspace=0.25)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.21, top=0.8, wspace=0.25)
     return fig
 
 
@@ -833,13 +839,14 @@ def _attention_patterns() -> Figure:
 @register("03_causal_patterns", lesson="03",
           caption="the same with the model's causal mask: 520 of the 1000 whole-block cells are useful; the engine's "
                   "loop computes the 1000 and masks 480; an ideal cell-by-cell causal kernel would compute the 520 "
-                  "(a tiled kernel computes whole 128 x 128 tiles: lesson 07) (C8, C10)")
+                  "(a tiled kernel computes whole tiles: 128 x 128 drawn in this lesson, 64 x 64 in lesson 07) (C8, C10)")
 def _causal_patterns() -> Figure:
     return attention_patterns(ARTICLE_LENS, causal=True)
 
 
 @register("03_tile_grid", lesson="03",
           caption="128 x 128 tiles: A's and B's blocks each inside one whole tile (2 tiles, 32,768 cells executed), "
+                  "the masked cells of computed tiles in vermillion, "
                   "and a 1000-token causal request whose 28 tiles wholly above the diagonal are skipped "
                   "(tiling.predict_work)")
 def _tile_grid() -> Figure:
