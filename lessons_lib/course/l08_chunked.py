@@ -858,7 +858,7 @@ def chunked_plan_html(state: dict) -> str:
                      f"tokens | the {len(state['behind'])} requests behind the longest wait {f:.1f} forwards, "
                      f"{t:,.0f} tokens on average | score cells {r['cells_whole']:,} (whole blocks), "
                      f"{r['cells_causal']:,} causal | cache read {r['cached_tokens']:,} rows, peak "
-                     f"{r['kv_cache_peak_bytes']:,} B</div>")
+                     f"{r['kv_cache_peak_bytes']:,} B | scheduled (BatchStats): forwards, cells, cache rows</div>")
     ch = [f for f, fwd in enumerate(state["chunked"]["timeline"]) if i in dict(fwd)]
     lines.append(f"<div>the longest, request {i} ({lens[i]:,} tokens): chunked, in forwards {ch[0]}..{ch[-1]} "
                  f"({len(ch)} chunks); whole, in forward {state['whole']['waits'][i][0] - 1}</div>")
@@ -867,7 +867,7 @@ def chunked_plan_html(state: dict) -> str:
     shown = ", ".join(f"{j} ({state['chunks'][j]} chunks) {e:.1e} {'≤' if e <= b else '>'} {b:.1e} "
                       f"{'✓' if e <= b else '✗'}" for j, (e, b) in list(errs.items())[:8])
     more = f", {len(errs) - 8} more" if len(errs) > 8 else ""
-    lines.append(f"<div>bug: {state['bug']} | max |chunked last hidden - fp64 unchunked| of each request cut into "
+    lines.append(f"<div>bug: {state['bug']} | measured: max |chunked last hidden - fp64 unchunked| of each request cut into "
                  f"chunks, against the tolerance rule's bound: {shown or 'no request was cut'}{more} | "
                  f"{bad} of {len(errs)} wrong</div>")
     ms = sorted(state["chunked"]["forward_ms"])
