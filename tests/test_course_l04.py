@@ -175,13 +175,30 @@ def test_packing_html_formats():
     assert "R = 3 | cu_seqlens [0, 14, 27, 40] | positions 0..13, 0..12, 0..12 | max_seqlen 14" in attn
     ranks = L.tp_ranks_html(s)
     assert "token 39 = request C, position 12" in ranks
-    assert re.search(r"rank 1: heads 4-7 \| sum L_i\^2 = 534 cells per head per layer, 17088 per forward \| "
+    assert re.search(r"rank 1: heads 4-7 \| sum L_i\^2 = 534 cells per head per layer \(whole blocks; causal computes "
+                     r"about half\), 17088 per forward \| "
                      r"out proj partial, token 39: norm \d\.\d{4} \[([+-]\d\.\d{4}, ){6}\.\.\.\]", ranks)
     assert "rank 0 + rank 1, bias once = TP=1 out proj, all 40 tokens" in ranks and ranks.endswith(": yes</div>")
     fig = L.tp_packing_figure(s)
     assert isinstance(fig, Figure) and min_font(fig) >= MIN_FONT
     with pytest.raises(ValueError, match="at most 160 tokens"):
         L.explorer_batch(ModelConfig(), [100, 100])
+
+
+@pytest.mark.parametrize("cut", L.CUTS)
+def test_packing_figure_at_tp1_draws_no_collectives_for_every_cut(cut):
+    s = L.tp_packing_state(40, 3, tp_size=1, cut=cut)
+    assert s["traces"] == [[]]  # one rank: nothing to all-reduce, and the figure must still draw
+    fig = L.tp_packing_figure(s)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "no collectives" in texts and not any("all-reduces of" in t for t in texts)
+    assert not any("after the all-reduce" in t or "all-reduce:" in t for t in texts)  # no sum group either
+    assert min_font(fig) >= MIN_FONT
+    box = L.tp_packing_explorer(tp_size=1, cut=cut)  # the explorer shows it without an error
+    k = by_class(box)
+    assert "no collectives" in k["tpx-trace"].value and png_of(k["tpx-figure"])
+    k["tpx-num-requests"].value = 5
+    assert "R = 5 |" in k["tpx-attention"].value and png_of(k["tpx-figure"])
 
 
 def test_c12_packing_explorer_callbacks():

@@ -35,7 +35,7 @@ from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
 from ..measure.recorder import module_io
 from ..measure.tolerance import tolerance
-from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, OTHER, TEXT, request_color, request_name
+from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, request_color, request_name
 from ..tp.dryrun import record_trace, trace_signature
 from ..tp.threads import tp_ranks_in_threads
 from ..tp.trace import summarize_trace
@@ -484,7 +484,7 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     all-reduce for that token) and ``partial_norms`` (their whole row's norm, d_model numbers);
     ``sum_err`` (max over all T rows of |sum of the ranks' partials, plus the bias once unless the
     cut added it on every rank - TP=1's out proj in float64|) and ``sum_allowed`` (the tolerance
-    rule's bound for TP=1's float32 result); ``cut``, ``tp``;
+    rule's bound for TP=1's float32 result); ``cut``, ``tp``, ``d_model``;
     ``outputs_equal`` (every rank ended the forward with the same hidden states).
     """
     cfg = cfg or ModelConfig(vocab_size=1000, max_position=2048)
@@ -521,7 +521,8 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
             "token_position": lens[-1] - 1, "partials": [p[token, :SHOWN].tolist() for p in partials],
             "partial_norms": [float(p[token].norm()) for p in partials],
             "sum_err": float((total - ref64).abs().max()), "sum_allowed": tolerance(ref, ref64),
-            "cut": cut, "tp": tp, "outputs_equal": all(torch.equal(runs[0][0][0], out) for (out, _), _ in runs)}
+            "cut": cut, "tp": tp, "d_model": cfg.d_model,
+            "outputs_equal": all(torch.equal(runs[0][0][0], out) for (out, _), _ in runs)}
 
 
 def trace_shapes(records: Sequence[CollectiveRecord]) -> list[tuple]:
@@ -568,13 +569,14 @@ def tp_attention_html(state: dict) -> str:
 
 def tp_ranks_html(state: dict) -> str:
     """What each rank holds and sends, one line per rank: ``rank 0: heads 0-3 | sum L_i^2 = 800
-    cells per head per layer | out proj partial, token 39: norm 1.2345 [+0.1234, ...]``, then the
+    cells per head per layer (whole blocks; causal computes about half), 25600 per forward | out
+    proj partial, token 39: norm 1.2345 [+0.1234, ...]``, then the
     measured sum: ``rank 0 + rank 1, + bias once = TP=1 out proj, all 40 tokens: max |sum -
     float64| = 1.2e-07, allowed 2.4e-07: yes`` (red ``NO`` when the cut is broken; with the bias
     on every rank the line says ``bias on every rank`` instead of ``bias once``)."""
     t, name = state["token"], request_name(state["token_request"])
-    lines = [f"<div>rank {r}: heads {a}-{b} | sum L_i^2 = {state['cells']} cells per head per layer, "
-             f"{state['cells_per_rank']} per forward | out proj partial, token {t}: norm "
+    lines = [f"<div>rank {r}: heads {a}-{b} | sum L_i^2 = {state['cells']} cells per head per layer (whole blocks; "
+             f"causal computes about half), {state['cells_per_rank']} per forward | out proj partial, token {t}: norm "
              f"{state['partial_norms'][r]:.4f} {_numbers(state['partials'][r])}</div>"
              for r, (a, b) in enumerate(state["heads"])]
     ranks = " + ".join(f"rank {r}" for r in range(len(state["heads"])))
@@ -591,17 +593,28 @@ def tp_packing_figure(state: dict) -> Figure:
     tokens coloured by request, a 0 under each request's first token (positions restart). Bottom:
     per rank, the first ``SHOWN`` numbers of the partial sums it sent to layer 0's out-proj
     all-reduce for the last token (green, a linear layer's output), and their sum after the
-    all-reduce (purple). One axes in figure units (the explorer redraws it on every move)."""
+    all-reduce (purple). At tp = 1 the trace is empty: the top row is one white box "no collectives"
+    and the bottom shows the one rank's out-proj output, with no sum. One axes in figure units (the
+    explorer redraws it on every move)."""
     lens, tp = state["seq_lens"], len(state["traces"])
-    t, n_ar, rec = sum(lens), len(state["traces"][0]), state["traces"][0][0]
+    t, n_ar, d_model = sum(lens), len(state["traces"][0]), state["d_model"]
     fig = Figure(figsize=(8.4, 5.0))
     ax = fig.add_axes((0, 0, 1, 1))
     ax.axis("off")
     ax.set_xlim(0, 100)
     ax.set_ylim(0, 60)
     x0, width = 8.0, 90.0
-    ax.text(x0 + width / 2, 58.5, f"what TP sees: {n_ar} all-reduces of [{rec.shape[0]}, {rec.shape[1]}] on each rank "
-            f"(1 request of {t} tokens: the same)", ha="center", va="top", fontsize=MIN_FONT + 1, color=TEXT)
+    if n_ar:
+        rec = state["traces"][0][0]
+        top = f"what TP sees: {n_ar} all-reduces of [{rec.shape[0]}, {rec.shape[1]}] on each rank"
+    else:
+        top = "what TP sees: nothing (tp = 1: one rank holds every head)"
+    ax.text(x0 + width / 2, 58.5, f"{top} (1 request of {t} tokens: the same)", ha="center", va="top",
+            fontsize=MIN_FONT + 1, color=TEXT)
+    if not n_ar:
+        ax.add_patch(Rectangle((x0, 49), width, 5, facecolor=NEVER, edgecolor=TEXT, linewidth=0.8, hatch="//"))
+        ax.text(x0 + width / 2, 51.5, "no collectives", ha="center", va="center", fontsize=MIN_FONT + 1, color=TEXT,
+                bbox={"facecolor": NEVER, "edgecolor": "none", "pad": 1.5})
     step = width / max(n_ar, 1)
     for k in range(n_ar):
         ax.add_patch(Rectangle((x0 + k * step, 49), 0.85 * step, 5, facecolor=COMM, edgecolor="white"))
@@ -620,13 +633,13 @@ def tp_packing_figure(state: dict) -> Figure:
     if t <= 80:
         ax.vlines([x0 + j * scale for j in range(1, t)], 36, 41, colors="white", linewidth=0.3)
     parts = state["partials"]
-    groups = parts + [[sum(c) for c in zip(*parts)]]      # each rank's partial sums, then their sum
+    groups = parts + [[sum(c) for c in zip(*parts)]] if tp > 1 else parts  # each rank's partials, then their sum
     n = len(parts[0])
     lim = max(abs(v) for g in groups for v in g) or 1.0
     base, half = 12.0, 9.0                                # the bars' zero line and the height of +-lim
+    sends = "each rank sends to all-reduce 1" if tp > 1 else "rank 0 computes (no all-reduce)"
     ax.text(x0 + width / 2, 30.5, f"layer 0, out proj, token {state['token']} (the last): the first {n} of "
-            f"{rec.shape[1]} numbers each rank sends to all-reduce 1", ha="center", va="top", fontsize=MIN_FONT + 1,
-            color=TEXT)
+            f"{d_model} numbers {sends}", ha="center", va="top", fontsize=MIN_FONT + 1, color=TEXT)
     slot = width / (len(groups) * (n + 2) - 2)
     for r, values in enumerate(groups):
         g0 = x0 + r * (n + 2) * slot
@@ -635,7 +648,10 @@ def tp_packing_figure(state: dict) -> Figure:
                                    facecolor=LINEAR if r < tp else COMM, edgecolor="none"))
         if r < tp:
             a, b = state["heads"][r]
-            label = f"rank {r} (heads {a}-{b}) sends\nits partial sums" if tp <= 2 else f"rank {r}\nheads {a}-{b}"
+            if tp == 1:
+                label = f"rank 0 (heads {a}-{b}) holds every\nhead: nothing to add"
+            else:
+                label = f"rank {r} (heads {a}-{b}) sends\nits partial sums" if tp <= 2 else f"rank {r}\nheads {a}-{b}"
         else:
             label = "after the all-reduce: their\nsum, the same on every rank" if tp <= 2 else "all-reduce:\nthe sum"
         ax.text(g0 + (n * slot) / 2, base + half + 1.0, label, ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)

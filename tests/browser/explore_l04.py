@@ -20,7 +20,8 @@ from lessons_lib.tp.trace import summarize_trace
 
 CFG = ModelConfig(vocab_size=1000, max_position=2048)  # the explorer's model: the article's, a small vocabulary
 ATTN_RE = re.compile(r"R = (\d+) \| cu_seqlens (\[[^\]]*\](?: \(\d+ requests\))?) \| positions (.+) \| max_seqlen (\d+)")
-RANK_RE = re.compile(r"rank (\d): heads (\d+)-(\d+) \| sum L_i\^2 = (\d+) cells per head per layer, (\d+) per forward \| "
+RANK_RE = re.compile(r"rank (\d): heads (\d+)-(\d+) \| sum L_i\^2 = (\d+) cells per head per layer \(whole blocks; "
+                     r"causal computes about half\), (\d+) per forward \| "
                      r"out proj partial, token (\d+): norm ([\d.]+) \[([^\]]*), \.\.\.\]")
 SUM_RE = re.compile(r"rank 0(?: \+ rank \d)*, (?:bias once|bias on every rank) = TP=1 out proj, all (\d+) tokens: "
                     r"max \|sum - float64\| = (\S+), allowed (\S+): (yes|NO)")
