@@ -29,6 +29,13 @@ def pytest_configure(config):
                                 f"built for CUDA {torch.version.cuda})")
 
 
+@pytest.fixture(autouse=True)
+def _seeded_torch_rng():
+    """Every test starts from the same torch RNG state: a test that draws its own inputs draws the same ones
+    in every run, so that a failure reproduces (a test that needs other draws seeds them itself)."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def device(request) -> str:
     """The device of ``--device``: "cpu" or "cuda"."""

@@ -116,8 +116,14 @@ def inner_text(page, selector: str) -> str:
 
 
 def wait_text(page, selector: str, predicate_js: str, timeout=UPDATE_TIMEOUT_MS):
-    page.wait_for_function(f"""() => {{ const e = document.querySelector({selector!r});
-        if (!e) return false; const t = e.innerText.trim(); return ({predicate_js})(t); }}""", timeout=timeout)
+    """Wait until ``predicate_js(innerText of selector)``; on a timeout, fail with the text the page shows."""
+    try:
+        page.wait_for_function(f"""() => {{ const e = document.querySelector({selector!r});
+            if (!e) return false; const t = e.innerText.trim(); return ({predicate_js})(t); }}""", timeout=timeout)
+    except Exception as exc:  # playwright's TimeoutError: say what was on the page instead
+        shown = page.evaluate(f"() => (document.querySelector({selector!r}) || {{}}).innerText || '(no such element)'")
+        raise AssertionError(f"{selector} never satisfied {predicate_js} within {timeout / 1000:.0f} s; "
+                             f"it shows:\n{shown}") from exc
 
 
 def readout(page, slider_cls: str) -> int:
@@ -139,7 +145,11 @@ def move(page, slider_cls: str, figure_sel: str, text_sel: str, key: str, text_m
     """Press ``key`` on the slider's handle; return (ms to the new figure on screen, its src).
 
     The ms to the readout text change is appended to ``text_ms`` (the figure's share of the
-    latency is the difference)."""
+    latency is the difference).
+
+    It first waits for the kernel to go idle: an update started by the step before (a dropdown, typed
+    lengths) may still be drawing its figure, and that figure must not be taken for this key's."""
+    page.wait_for_function(KERNEL_IDLE_JS, timeout=UPDATE_TIMEOUT_MS)
     page.evaluate(ARM_PROBE_JS, [figure_sel, text_sel])
     page.locator(f".{slider_cls} .noUi-handle").first.focus()
     page.keyboard.press(key)
