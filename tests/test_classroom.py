@@ -119,9 +119,9 @@ def wrong(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causa
     return out
 ''', "one per request"),
     "ex03_2_grade": ('''
-def wrong(seq_lens):  # the right comparison, but ">=": a tie counted as masking wasting more
-    return sum(seq_lens) ** 2 >= len(seq_lens) * max(seq_lens) ** 2
-''', "a tie"),
+def wrong(rule, k):  # "unequal" refuted with two requests of ratio k: padding still wastes more
+    return [1, k] if rule == "unequal" else [k] + [1] * (k - 1)
+''', "padding still wastes more"),
     "ex03_3_grade": ('''
 def wrong(cu_seqlens_q, cu_seqlens_k):  # same request, causal from the top-left: wrong with a cached prefix
     import torch

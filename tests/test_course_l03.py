@@ -349,32 +349,50 @@ def test_where_wrong_names_the_request_and_the_pad_slot_behind_a_row():
     assert "pad" not in L._where_wrong(got, want, cu, 6) and L._where_wrong(want, want, cu, 6) == ""
 
 
-def test_masking_loses_checker():
-    assert L.check_masking_loses(lambda lens: sum(lens) ** 2 > len(lens) * max(lens) ** 2)
-    # ">=" counts a tie as a loss: wrong on the ties and on one request alone, partial marks, the tie named
-    ge = lambda lens: sum(lens) ** 2 >= len(lens) * max(lens) ** 2
-    assert "a tie" in attempt(L.check_masking_loses, ge)
-    assert 0 < score(L.check_masking_loses, ge, points=2) < 2
-    # calling the cell counter is refused while the reader's function runs, and restored after
-    from lessons_lib.measure import flops
-    why = attempt(L.check_masking_loses, lambda lens: flops.attention_cells(lens, "masked").wasted
-                  > flops.attention_cells(lens, "padded").wasted)
-    assert "attention_cells is switched off" in why and flops.attention_cells([2], "masked").computed == 4
-    assert "expected True or False" in attempt(L.check_masking_loses, lambda lens: "yes")
-    # the first message states no rule
-    assert "Lmax" not in attempt(L.check_masking_loses, lambda lens: False)
+def _counter(rule, k):
+    return [1, k, k] if rule == "unequal" else [k] + [1] * (k - 1)
 
 
-def test_masking_cases_hold_both_answers_and_the_ties():
-    wastes = [(attention_cells(c, "masked").wasted, attention_cells(c, "padded").wasted) for c in L.MASKING_CASES]
-    assert sum(m > p for m, p in wastes) >= 4 and sum(m < p for m, p in wastes) >= 3
-    assert sum(m == p for m, p in wastes) >= 3                      # [7] and two real ties
+def test_counter_example_checker():
+    assert L.check_counter_example(_counter)
+    # the naive counter-example to "unequal": two requests, ratio k: padding still wastes more; half the cases
+    naive = lambda rule, k: [1, k] if rule == "unequal" else _counter(rule, k)
+    why = attempt(L.check_counter_example, naive)
+    assert "padding still wastes more" in why and "masking wastes 20 cells per head and padding 99" in why
+    assert score(L.check_counter_example, naive, points=2) == 1
+    # equal lengths for "crowded": masking wastes more
+    crowd = lambda rule, k: _counter(rule, k) if rule == "unequal" else [8] * k
+    assert "masking still wastes more" in attempt(L.check_counter_example, crowd)
+    # a tie breaks nothing: [4, 1 x 8] has T² = 144 = R · Lmax², equal wastes
+    tie = lambda rule, k: _counter(rule, k) if rule == "unequal" else [4] + [1] * 8
+    assert "a tie: masking wastes exactly as much as padding, not less" in attempt(L.check_counter_example, tie)
+    # the rule's own condition is checked before the wastes: ratio, count, the limits, the type
+    assert "only 5 times the shortest" in attempt(L.check_counter_example, lambda rule, k: [2, 10, 10])
+    few = lambda rule, k: _counter(rule, k) if rule == "unequal" else [100, 1]
+    assert "2 requests; the rule speaks of batches of at least 8" in attempt(L.check_counter_example, few)
+    assert "at most 64 requests and 2048 tokens" in attempt(
+        L.check_counter_example, lambda rule, k: [1, 2000, 2000] if rule == "unequal" else _counter(rule, k))
+    assert "expected a non-empty list" in attempt(L.check_counter_example, lambda rule, k: "yes")
+    assert "expected a non-empty list" in attempt(L.check_counter_example, lambda rule, k: [1.0, 10.0, 10.0])
 
 
-def test_c8_masking_loses_rule_is_the_waste_comparison():
-    for lens in ([10, 30], [10, 12], [5, 9, 2], [100, 101, 102], [1, 64]):
-        m, p = attention_cells(lens, "masked"), attention_cells(lens, "padded")
-        assert (m.wasted > p.wasted) == (sum(lens) ** 2 > len(lens) * max(lens) ** 2)
+def test_measured_wastes_are_the_engine_counts():
+    # counted on the running backends; they agree with flops.attention_cells, an independent prediction
+    for lens in ([10, 30], [1, 64], [5, 9, 2], [7], [4] + [1] * 8):
+        w = L.measured_wastes(lens)
+        assert w["masked"] == attention_cells(lens, "masked").wasted
+        assert w["padded"] == attention_cells(lens, "padded").wasted
+        assert w["useful"] == sum(n * n for n in lens)
+    assert L.measured_wastes([10, 30]) == {"useful": 1000, "masked": 600, "padded": 800}
+
+
+def test_counter_cases_refute_plausible_rules():
+    # each rule holds on the naive batch (two requests of ratio k; k equal requests), so it needs a real counter-example
+    for rule, k in L.COUNTER_CASES:
+        naive = [1, k] if rule == "unequal" else [8] * k
+        w = L.measured_wastes(naive)
+        assert (w["padded"] > w["masked"]) if rule == "unequal" else (w["masked"] > w["padded"])
+        assert L._counter_problem(_counter(rule, k), rule, k) is None
 
 
 def _rows(cu):

@@ -641,60 +641,82 @@ def check_causal_varlen(fn: Callable) -> bool:
                  "causal varlen on 3 batches, inside a 2-layer model, with the same number of matmuls for 2 or 12 requests")
 
 
-# Exercise 03.2's hidden cases: (lengths, masked wastes MORE than padding?), boundaries included: one request,
-# ties (T² = R·Lmax²: equal wastes), cases a hair either side of a tie, equal lengths, the article's A and B.
-MASKING_CASES = ([10, 30], [100, 101], [64, 64, 64, 64], [7], [4, 1, 1, 2], [6, 3, 2, 1], [9, 3], [5, 4],
-                 [12, 12, 1], [1, 64], [3, 6, 6, 1], [8, 2, 2])
+# Exercise 03.2: counter-examples to two plausible rules of thumb. Each case is (rule, k); the batch the reader
+# returns is RUN on the engine's masked, padded and loop backends under OpRecorder, and the wastes are measured.
+COUNTER_RULES = {
+    "unequal": "when the longest request is at least k times the shortest, padding wastes more than masking",
+    "crowded": "when a batch holds at least k requests, masking wastes more than padding",
+}
+COUNTER_CASES = (("unequal", 10), ("unequal", 100), ("unequal", 500), ("crowded", 8), ("crowded", 16),
+                 ("crowded", 48))
+COUNTER_MAX_TOKENS, COUNTER_MAX_REQUESTS = 2048, 64
 
 
-class _NoCellCounter:
-    """While the reader's function runs, ``attention_cells`` (the lesson's imports of it included) raises."""
-
-    def __init__(self, fn: Callable):
-        import lessons_lib
-
-        from ..measure import flops
-        self.places = [(flops.__dict__, "attention_cells"), (lessons_lib.__dict__, "attention_cells"),
-                       (globals(), "attention_cells")]
-        names = getattr(fn, "__globals__", {})
-        self.places += [(names, k) for k, v in list(names.items()) if v is attention_cells]
-        self.saved = []
-
-    def __enter__(self):
-        def refuse(*args, **kwargs):
-            raise RuntimeError("work it out from the lengths: attention_cells is switched off in this exercise")
-        for space, key in self.places:
-            if key in space:
-                self.saved.append((space, key, space[key]))
-                space[key] = refuse
-        return self
-
-    def __exit__(self, *exc):
-        for space, key, value in reversed(self.saved):
-            space[key] = value
+def measured_wastes(seq_lens: Sequence[int]) -> dict:
+    """Score cells per head (one head, whole blocks, no causal mask) that the engine's ``masked`` and
+    ``padded`` backends compute, and the ``loop`` backend's (each request's own block: the useful ones),
+    all counted by ``OpRecorder`` while the backends run; ``wasted = computed - useful``."""
+    q, k, v, cu = random_qkv(list(seq_lens), 1, 4, seed=0)
+    cells = {}
+    for backend in ("loop", "masked", "padded"):
+        with OpRecorder() as rec:
+            varlen_attention(q, k, v, cu, causal=False, backend=backend)
+        cells[backend] = rec.cells
+    useful = cells["loop"]
+    return {"useful": useful, "masked": cells["masked"] - useful, "padded": cells["padded"] - useful}
 
 
-def check_masking_loses(fn: Callable[[list], bool]) -> bool:
-    """Exercise 03.2: ``fn(seq_lens) -> bool``: True exactly when masked attention wastes MORE score cells than
-    padding to the longest (per head per layer, whole blocks), worked out from the lengths alone
-    (``attention_cells`` raises while ``fn`` runs). Graded on ``MASKING_CASES``, boundaries included."""
-    def run(lens):
-        with _NoCellCounter(fn):
-            return fn(list(lens))
-    run.__name__ = getattr(fn, "__name__", "fn")
+def _counter_problem(got, rule: str, k: int) -> str | None:
+    """What makes ``got`` no batch for this case (its type, its limits, the rule's condition), or None."""
+    if not isinstance(got, (list, tuple)) or not got or not all(isinstance(n, (int, np.integer)) and not
+                                                                 isinstance(n, bool) for n in got):
+        return f"expected a non-empty list of request lengths (ints), got {got!r}"
+    lens = [int(n) for n in got]
+    if min(lens) < 1 or sum(lens) > COUNTER_MAX_TOKENS or len(lens) > COUNTER_MAX_REQUESTS:
+        return (f"lengths {lens}: every request needs at least 1 token, at most {COUNTER_MAX_REQUESTS} requests "
+                f"and {COUNTER_MAX_TOKENS} tokens in all (this batch: {len(lens)} requests, {sum(lens)} tokens)")
+    if rule == "unequal" and max(lens) < k * min(lens):
+        return (f"lengths {lens}: the longest is only {max(lens) / min(lens):.3g} times the shortest; the rule "
+                f"speaks of batches where it is at least {k} times")
+    if rule == "crowded" and len(lens) < k:
+        return f"lengths {lens}: {len(lens)} requests; the rule speaks of batches of at least {k}"
+    return None
 
-    def judge(got, lens):
-        if not isinstance(got, (bool, np.bool_)):
-            return f"expected True or False, got {got!r} ({type(got).__name__})"
-        m, p = attention_cells(lens, "masked"), attention_cells(lens, "padded")
-        want = m.wasted > p.wasted
-        if bool(got) == want:
+
+def check_counter_example(fn: Callable[[str, int], list]) -> bool:
+    """Exercise 03.2: ``fn(rule, k) -> list of lengths``, a batch that breaks the rule of thumb
+    ``COUNTER_RULES[rule]`` for this ``k`` (whole blocks, no causal mask, per head per layer):
+
+    - ``"unequal"``: longest >= k x shortest, and masking wastes MORE score cells than padding;
+    - ``"crowded"``: at least k requests, and masking wastes FEWER score cells than padding.
+
+    The checker runs the batch on the engine's backends (``measured_wastes``) and, for a wrong batch,
+    shows both measured wastes and where each comes from. Graded on ``COUNTER_CASES``."""
+    def judge(got, rule, k):
+        problem = _counter_problem(got, rule, k)
+        if problem:
+            return problem
+        lens = [int(n) for n in got]
+        w = measured_wastes(lens)
+        m, p = w["masked"], w["padded"]
+        if (m > p) if rule == "unequal" else (m < p):
             return None
-        tie = (" - a tie: masked wastes exactly as much as padding, not more" if m.wasted == p.wasted else "")
-        return (f"lengths {list(lens)}: you answered {bool(got)}, but masked wastes {m.wasted} cells and padding "
-                f"{p.wasted}{tie}")
-    return grade("masking_loses", run, [(c,) for c in MASKING_CASES], judge,
-                 f"right on all {len(MASKING_CASES)} hidden batches, ties and one-request batches included")
+        verdict = ("a tie: masking wastes exactly as much as padding, not " + ("more" if rule == "unequal" else "less")
+                   if m == p else ("padding still wastes more" if rule == "unequal" else "masking still wastes more"))
+        longest = max(lens)
+        pads = ", ".join(f"{longest}² − {n}²" for n in sorted(set(lens)) if n < longest) or "nothing"
+        why = (f"Padding's waste is the pad cells of every request shorter than the longest ({pads}, once per such "
+               "request); masking's is the cells between every pair of different requests (2 · L_i · L_j a pair). ")
+        why += ("A rule about the shortest request cannot see how many requests are near the longest: what do "
+                "several long requests do to masking's pairs, and to padding's pad cells?" if rule == "unequal" else
+                "Many requests do not make pairs costly if most of them are small: what does one long request "
+                "among them do to padding, and what to masking?")
+        return (f"lengths {lens}: the rule {COUNTER_RULES[rule]!r} (k = {k}) still holds: measured on the engine's "
+                f"backends, masking wastes {m} cells per head and padding {p}: {verdict}. {why}")
+
+    return grade("counter_example", fn, list(COUNTER_CASES), judge,
+                 f"all {len(COUNTER_CASES)} batches break their rule, measured on the engine's masked, padded and "
+                 "loop backends")
 
 
 def _top_left_mask(cu_q: list[int], cu_k: list[int]) -> Tensor:
