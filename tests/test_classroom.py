@@ -150,13 +150,12 @@ def wrong(n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number):  # n_kv_
 ''', "must be REPLICATED"),
     # lesson 05
     "ex05_1_grade": ('''
-def wrong(cfg, seq_lens, n_kv_heads):  # caches every query head's K and V: grouping saves nothing
-    d, q, f = cfg.d_model, cfg.n_heads * cfg.d_head, cfg.d_ffn
-    kv, t = n_kv_heads * cfg.d_head, sum(seq_lens)
-    return {"attention_flops": cfg.n_layers * cfg.n_heads * sum(n * n for n in seq_lens) * 4 * cfg.d_head,
-            "linear_flops": cfg.n_layers * t * 2 * (d * (q + 2 * kv) + q * d + 2 * d * f),
-            "kv_cache_bytes": cfg.n_layers * t * 2 * q * 2}
-''', "the cache holds the K/V heads"),
+def wrong(cfg, seq_lens, ridge):  # grouping taken to multiply prefill attention's intensity by the group, as in decode
+    from lessons_lib.course import l05_flops as L
+    plain = L.attention_intensity(seq_lens, cfg.n_heads, cfg)
+    fits = [kv for kv in range(1, cfg.n_heads + 1) if cfg.n_heads % kv == 0 and plain * cfg.n_heads / kv >= ridge]
+    return max(fits, default=None)
+''', "not by the group factor"),
     "ex05_2_grade": ('''
 def wrong(total, n_kv_heads):  # equal requests, as many as stay compute-bound: no long request to carry it
     from lessons_lib.course import l05_flops as L

@@ -324,41 +324,53 @@ def test_time_split_bars_fill_100_percent():
 
 # --- exercises ----------------------------------------------------------------------------------------------
 
-def _gqa(cfg, lens, kv):
-    d, q, w, f = cfg.d_model, cfg.n_heads * cfg.d_head, kv * cfg.d_head, cfg.d_ffn
-    t = sum(lens)
-    return {"attention_flops": cfg.n_layers * cfg.n_heads * sum(n * n for n in lens) * 4 * cfg.d_head,
-            "linear_flops": cfg.n_layers * t * 2 * (d * (q + 2 * w) + q * d + 2 * d * f),
-            "kv_cache_bytes": cfg.n_layers * t * 2 * w * 2}
+def _gqa_heads(cfg, lens, ridge):          # closed form, without attention_intensity
+    k, t, s = cfg.qkv_dim, sum(lens), sum(n * (n + 1) for n in lens)
+    fits = [kv for kv in range(1, cfg.n_heads + 1)
+            if cfg.n_heads % kv == 0 and kv * cfg.d_head * 2 * t * ridge <= k * s - 2 * t * ridge * k]
+    return max(fits, default=None)
 
 
-def _with(key, value_fn):
-    return lambda c, s, kv: _gqa(c, s, kv) | {key: value_fn(c, s, kv)}
+def _gqa_by_group(cfg, lens, ridge):       # the decode factor applied to prefill: intensity x group
+    plain = L.attention_intensity(lens, cfg.n_heads, cfg)
+    fits = [kv for kv in range(1, cfg.n_heads + 1) if cfg.n_heads % kv == 0 and plain * cfg.n_heads / kv >= ridge]
+    return max(fits, default=None)
+
+
+def test_gqa_answers_cover_every_verdict():
+    verdicts = [L.gqa_heads_for_ridge(*case) for case in L._GQA_CASES]
+    assert verdicts == [_gqa_heads(*case) for case in L._GQA_CASES]
+    assert None in verdicts and 8 in verdicts and 1 in verdicts and 2 in verdicts   # none, no grouping, all, 6-head
+    assert math.isclose(L.gqa_intensity_ceiling(ModelConfig()), 2 * 512 / (512 + 64))
+    cfg = ModelConfig()
+    assert math.isclose(L.attention_intensity([1000], 1, cfg) / L.attention_intensity([1000], 8, cfg),
+                        L.gqa_intensity_ceiling(cfg))
 
 
 def test_gqa_checker_explains_wrong_answers():
-    assert L.check_gqa(_gqa)
-    shrunk = _with("attention_flops", lambda c, s, kv: _gqa(c, s, kv)["attention_flops"] * kv // c.n_heads)
-    assert "does not share the scores" in attempt(L.check_gqa, shrunk)
-    mha_lin = _with("linear_flops", lambda c, s, kv: _gqa(c, s, c.n_heads)["linear_flops"])
-    assert "ungrouped QKV" in attempt(L.check_gqa, mha_lin)
-    q_too = _with("linear_flops", lambda c, s, kv: c.n_layers * sum(s) * 2 * (
-        c.d_model * 3 * kv * c.d_head + c.n_heads * c.d_head * c.d_model + 2 * c.d_model * c.d_ffn))
-    assert "Q keeps all" in attempt(L.check_gqa, q_too)
-    mha_kv = _with("kv_cache_bytes", lambda c, s, kv: _gqa(c, s, c.n_heads)["kv_cache_bytes"])
-    assert "not the" in attempt(L.check_gqa, mha_kv)
-    k_only = _with("kv_cache_bytes", lambda c, s, kv: _gqa(c, s, kv)["kv_cache_bytes"] // 2)
-    assert "factor 2" in attempt(L.check_gqa, k_only)
-    per_layer = _with("kv_cache_bytes", lambda c, s, kv: _gqa(c, s, kv)["kv_cache_bytes"] // c.n_layers)
-    assert "n_layers" in attempt(L.check_gqa, per_layer)
-    assert "keys" in attempt(L.check_gqa, lambda c, s, kv: 5)
+    assert L.check_gqa(_gqa_heads)
+    assert "not by the group factor" in attempt(L.check_gqa, _gqa_by_group)
+    assert "no grouping is enough" in attempt(L.check_gqa, lambda c, s, r: _gqa_heads(c, s, r) or 1)
+    assert "no grouping at all is needed" in attempt(L.check_gqa, lambda c, s, r: _gqa_heads(c, s, r) and 1)
+    assert "got None" in attempt(L.check_gqa, lambda c, s, r: None)
+    assert "divisor of n_heads" in attempt(L.check_gqa, lambda c, s, r: 5)
+    assert "< ridge" in attempt(L.check_gqa, lambda c, s, r: c.n_heads if _gqa_heads(c, s, r) else None)
 
 
 def test_gqa_checker_partial_marks(capsys):
     assert L.check_gqa(stub) is False
     assert "not attempted" in capsys.readouterr().out
-    mha_kv = _with("kv_cache_bytes", lambda c, s, kv: _gqa(c, s, c.n_heads)["kv_cache_bytes"])
-    assert 0 < score(L.check_gqa, mha_kv, points=2) < 2   # right where n_kv_heads = n_heads
+    assert 0 < score(L.check_gqa, _gqa_by_group, points=2) < 2   # right where the factor does not decide
+
+
+def test_c15_whole_decode_step_memory_bound_from_6_cached_tokens_on_the_h200():
+    cfg, ridge = ModelConfig(), L.H200_PEAK_FLOPS / L.H200_BYTES_PER_S
+    assert L.decode_memory_bound_from(cfg, ridge) == 6
+    assert L.min_decode_step_batch(cfg, ridge, 2, 5) is not None and L.min_decode_step_batch(cfg, ridge, 2, 6) is None
+    assert L.decode_step_ceiling(cfg, 5) >= ridge > L.decode_step_ceiling(cfg, 6)
+    r = L.min_decode_step_batch(cfg, ridge, 2, 1)
+    assert L.decode_step_intensity(cfg, r, 1) >= ridge > L.decode_step_intensity(cfg, r - 1, 1)
+    assert L.decode_step_intensity(cfg, 10**6, 1000) < L.decode_step_ceiling(cfg, 1000) < 4.1
 
 
 def _crossover(cfg, causal):

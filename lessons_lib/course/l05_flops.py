@@ -11,7 +11,7 @@ points), ``05_flops_1x1000_vs_10x100`` (the same tokens, three packings) and
 ``05_attention_share`` (attention's share against request length). Explorer ``roofline_explorer``
 wraps ``roofline_state`` (a model, a machine, packings -> FLOPs, bytes, intensity, the roofline's
 time) and ``measure_here`` (this CPU's peak and bandwidth and one engine forward, timed once).
-Exercise checkers: ``check_gqa`` (05.1), ``check_crossover`` (05.2), ``check_decode_batch`` (05.3).
+Exercise checkers: ``check_gqa`` (05.1), ``check_packing`` (05.2), ``check_decode_batch`` (05.3).
 
 Taught in notebooks/05_flop_regimes.ipynb.
 """
@@ -34,7 +34,6 @@ from ..measure.flops import (
     ForwardFlops,
     forward_bytes,
     forward_flops,
-    kv_cache_bytes,
     kv_heads,
     linear_flops_per_token,
     roofline_seconds,
@@ -741,65 +740,66 @@ _CFGS = (ModelConfig(), ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=3
 _CFG_ODD = ModelConfig(n_layers=2, d_model=64, n_heads=3, d_head=16, d_ffn=100)  # k = 48: nothing divides
 
 
-def gqa_costs(cfg: ModelConfig, seq_lens: Sequence[int], n_kv_heads: int) -> dict[str, int]:
-    """Exercise 05.1's answer from ``measure.flops``: a varlen forward of ``seq_lens`` (whole blocks)
-    with ``n_kv_heads`` K/V heads: ``attention_flops``, ``linear_flops`` and ``kv_cache_bytes`` (bf16)."""
-    f = forward_flops(cfg, seq_lens, "varlen", n_kv_heads=n_kv_heads)
-    return {"attention_flops": f.attention, "linear_flops": f.linear,
-            "kv_cache_bytes": kv_cache_bytes(cfg, seq_lens, n_kv_heads, bytes_per_element=BF16)}
+_CFG_6 = ModelConfig(n_layers=3, d_model=384, n_heads=6, d_head=64, d_ffn=1536)   # 6 heads: K/V groups of 1, 2, 3, 6
+_H200_RIDGE = H200_PEAK_FLOPS / H200_BYTES_PER_S
+_GQA_CASES = ((ModelConfig(), [1000], _H200_RIDGE), (ModelConfig(), [700], _H200_RIDGE),
+              (ModelConfig(), [500], _H200_RIDGE), (ModelConfig(), [300], _H200_RIDGE),
+              (ModelConfig(), [100] * 10, _H200_RIDGE), (_CFG_6, [600, 16, 16], _H200_RIDGE),
+              (ModelConfig(), [100] * 10, 30.0))
 
 
-_GQA_CASES = ((ModelConfig(), [1000], 8), (ModelConfig(), [1000], 2), (ModelConfig(), [100] * 10, 1),
-              (ModelConfig(), [10, 30], 4), (_CFGS[1], [7, 1, 12], 2),
-              (ModelConfig(n_layers=3, d_model=384, n_heads=6, d_head=48, d_ffn=1000), [50, 20], 3))
+def gqa_heads_for_ridge(cfg: ModelConfig, seq_lens: Sequence[int], ridge: float) -> int | None:
+    """Exercise 05.1's answer: the largest ``n_kv_heads`` (a divisor of ``cfg.n_heads``) whose prefill
+    attention (causal FLOPs over the fused-kernel bytes, bf16: ``attention_intensity``) reaches ``ridge``,
+    or None when even one K/V head leaves it below."""
+    fits = [kv for kv in range(1, cfg.n_heads + 1)
+            if cfg.n_heads % kv == 0 and attention_intensity(seq_lens, kv, cfg) >= ridge]
+    return max(fits, default=None)
 
 
-def check_gqa(fn: Callable[[ModelConfig, list, int], Mapping]) -> bool:
-    """Exercise 05.1: ``fn(cfg, seq_lens, n_kv_heads) -> {"attention_flops", "linear_flops",
-    "kv_cache_bytes"}`` of one whole varlen forward (all layers, whole blocks, bf16 cache) of a
-    grouped-query model: the queries keep ``cfg.n_heads`` heads, K and V have ``n_kv_heads``."""
-    keys = ("attention_flops", "linear_flops", "kv_cache_bytes")
+def gqa_intensity_ceiling(cfg: ModelConfig) -> float:
+    """How much grouping can raise prefill attention's intensity at most (one K/V head against
+    ``n_heads``): the bytes per token per layer fall from ``2k + 2k`` (Q, O, K, V) to ``2k + 2 d_head``,
+    the FLOPs stay: ``2k / (k + d_head)``, under 2 whatever the group."""
+    k = cfg.qkv_dim
+    return 2 * k / (k + cfg.d_head)
 
-    def judge(got, cfg, lens, kv):
-        want = gqa_costs(cfg, lens, kv)
-        if not isinstance(got, Mapping) or set(got) != set(keys):
-            return f"expected a dict with the keys {list(keys)}, got {got!r}"
-        if all(got[k] == want[k] for k in keys):
+
+def check_gqa(fn: Callable[[ModelConfig, list, float], int | None]) -> bool:
+    """Exercise 05.1: ``fn(cfg, seq_lens, ridge) -> n_kv_heads or None``: the largest K/V head count
+    (a divisor of ``cfg.n_heads``: the fewest heads shared, the least quality given away) whose causal
+    prefill attention, Q, K, V and O moved once in bf16 (``attention_intensity``), reaches ``ridge``;
+    None when no grouping is enough. The cases include one already compute-bound without grouping, two
+    where no grouping is enough, and a model of 6 heads."""
+    def judge(got, cfg, lens, ridge):
+        want = gqa_heads_for_ridge(cfg, lens, ridge)
+        if got == want and (got is None or isinstance(got, int)):
             return None
-        group, h, dh = cfg.n_heads // kv, cfg.n_heads, cfg.d_head
-        mha = gqa_costs(cfg, lens, h)
-        g_att, g_lin, g_kv = (got[k] for k in keys)
-        if g_att != want["attention_flops"]:
-            if group > 1 and math.isclose(g_att, want["attention_flops"] / group):
-                return (f"attention_flops: got {g_att}, expected {want['attention_flops']} - sharing K and V does not share "
-                        f"the scores: each of the {h} query heads still computes its own L x L cells against its group's "
-                        f"keys, 4 x d_head FLOPs per cell; grouping cuts bytes, not attention FLOPs")
-            return (f"attention_flops: got {g_att}, expected {want['attention_flops']} (n_layers x n_heads x sum L_i^2 x "
-                    f"4 x d_head: the count of a model without grouping)")
-        if g_lin != want["linear_flops"]:
-            if group > 1 and g_lin == mha["linear_flops"]:
-                return (f"linear_flops: got {g_lin}, expected {want['linear_flops']} - that is the ungrouped QKV: the "
-                        f"K and V projections output only n_kv_heads x d_head = {kv * dh} numbers each, not {h * dh}")
-            q_too = cfg.n_layers * sum(lens) * 2 * (cfg.d_model * 3 * kv * dh + h * dh * cfg.d_model
-                                                     + 2 * cfg.d_model * cfg.d_ffn)
-            if group > 1 and g_lin == q_too:
-                return (f"linear_flops: got {g_lin}, expected {want['linear_flops']} - Q keeps all {h} heads "
-                        f"({h * dh} wide); only K and V shrink to {kv * dh}")
-            return (f"linear_flops: got {g_lin}, expected {want['linear_flops']} (the four layers, 2 FLOPs per weight "
-                    f"per token: QKV is d_model x (n_heads + 2 n_kv_heads) x d_head)")
-        if group > 1 and g_kv == mha["kv_cache_bytes"]:
-            return (f"kv_cache_bytes: got {g_kv}, expected {want['kv_cache_bytes']} - the cache holds the K/V heads, "
-                    f"{kv} per layer, not the {h} query heads: that is the saving grouping buys")
-        ratio = want["kv_cache_bytes"] / g_kv if g_kv else 0
-        for value, hint in ((2, "a factor 2: both K and V are cached (or: 2 bytes per bf16 number)"),
-                            (4, "a factor 4: K and V, 2 bytes each"),
-                            (cfg.n_layers, f"a factor n_layers = {cfg.n_layers}: every layer keeps its own K and V"),
-                            (0.5, "a factor 2 too many: bf16 is 2 bytes per number, K and V make 2 tensors")):
-            if math.isclose(ratio, value):
-                return f"kv_cache_bytes: got {g_kv}, expected {want['kv_cache_bytes']} - off by {hint}"
-        return f"kv_cache_bytes: got {g_kv}, expected {want['kv_cache_bytes']}"
+        h = cfg.n_heads
+        plain = attention_intensity(lens, h, cfg)
+        by_group = max((kv for kv in range(1, h + 1) if h % kv == 0 and plain * h / kv >= ridge), default=None)
+        trap = (f" - grouping divides only the K and V bytes, not by the group factor: Q and O keep all {h} heads, "
+                f"so one K/V head raises the intensity at most {gqa_intensity_ceiling(cfg):.2f}x ({plain:.0f} -> "
+                f"{attention_intensity(lens, 1, cfg):.0f} FLOP/byte here); x group is decode's factor, where the "
+                f"cache is read for one query") if got == by_group and by_group != want else ""
+        if got is not None and (isinstance(got, bool) or not isinstance(got, int) or not 1 <= got <= h or h % got):
+            return f"expected None or a divisor of n_heads = {h} (each K/V head serves a whole group), got {got!r}"
+        if got is None:
+            return (f"got None, expected {want} - with {want} K/V heads attention reaches "
+                    f"{attention_intensity(lens, want, cfg):.0f} FLOP/byte, at or above the ridge {ridge:g}")
+        x = attention_intensity(lens, got, cfg)
+        if want is None:
+            return (f"got {got}, expected None - with {got} K/V heads attention reaches {x:.0f} FLOP/byte, below the "
+                    f"ridge {ridge:g}, and even one K/V head only {attention_intensity(lens, 1, cfg):.0f}: no grouping "
+                    f"is enough; only longer requests can get there{trap}")
+        if x < ridge:
+            return (f"got {got}, expected {want} - with {got} K/V heads attention reaches {x:.0f} FLOP/byte "
+                    f"< ridge {ridge:g}{trap}")
+        return (f"got {got}, expected {want} - compute-bound ({x:.0f} FLOP/byte), but {want} K/V heads already reach "
+                f"the ridge ({attention_intensity(lens, want, cfg):.0f}): every extra head shared gives away quality "
+                f"for nothing" + (" - here no grouping at all is needed" if want == h else ""))
     return grade("gqa", fn, list(_GQA_CASES), judge,
-                 "attention FLOPs unchanged, K/V projections and KV cache shrunk by the group, on 6 cases")
+                 "7 cases: one already compute-bound, some carried over by grouping, two that no grouping can rescue")
 
 
 def check_crossover(fn: Callable[[ModelConfig, bool], int]) -> bool:
@@ -875,6 +875,33 @@ def min_decode_step_batch(cfg: ModelConfig, ridge: float, nbytes: int, kv_len: i
     if f <= rho * m:
         return None
     return max(1, math.ceil(rho * w / (f - rho * m)))
+
+
+def decode_step_intensity(cfg: ModelConfig, requests: int, kv_len: int, nbytes: int = BF16) -> float:
+    """FLOP per byte of a whole decode step (``decode_step_terms``): R requests, each with ``kv_len``
+    cached tokens; the weights move once, each request its activations, query, output and K/V cache."""
+    r = check_int("requests", requests, 1)
+    w, f, m = decode_step_terms(cfg, kv_len)
+    return r * f / (nbytes * (w + r * m))
+
+
+def decode_step_ceiling(cfg: ModelConfig, kv_len: int, nbytes: int = BF16) -> float:
+    """What ``decode_step_intensity`` approaches as R grows: one request's FLOPs over its own bytes (the
+    weights' share vanishes). Below a ridge, no batch makes the step compute-bound."""
+    _, f, m = decode_step_terms(cfg, kv_len)
+    return f / (nbytes * m)
+
+
+def decode_memory_bound_from(cfg: ModelConfig, ridge: float, nbytes: int = BF16) -> int | None:
+    """The shortest KV cache (tokens per request) from which a decode step stays below ``ridge`` for
+    every R (``min_decode_step_batch`` is None), or None when even one cached token allows none: the
+    ceiling falls with ``kv_len`` towards ``4k / (nbytes · 2k)`` = 1 in bf16."""
+    for n in range(1, 1 << 20):
+        if min_decode_step_batch(cfg, ridge, nbytes, n) is None:
+            return n
+        if decode_step_ceiling(cfg, n, nbytes) < 1:
+            break
+    return None
 
 
 def check_decode_batch(fn: Callable[[ModelConfig, float, int, int], int | None]) -> bool:
