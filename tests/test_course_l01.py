@@ -74,6 +74,7 @@ def test_c2_c3_flat_run_state_runs_the_model_both_ways():
     assert s["input_bytes"] == {"padded": 51 * 8 + 51, "flat": 25 * 8 * 2 + 4 * 4}
     assert all(s["equal"]["flat"]) and all(s["equal"]["padded"])
     assert max(s["diff"]["flat"]) < 1e-5
+    assert s["differs"] == {"flat": [], "padded": []}
 
 
 def test_flat_run_state_pads_to_a_length_and_on_the_left():
@@ -86,6 +87,13 @@ def test_flat_run_state_pads_to_a_length_and_on_the_left():
     assert min(left["diff"]["padded"][i] for i in (0, 2)) > 1e-2
     text = L.flat_run_text(left)["alone"]
     assert "padded NO" in text and "left padding" in text
+    # differs: the requests with a pad slot in front (shorter than S), judged by running them, not by their length
+    assert left["differs"] == {"padded": [i for i, n in enumerate([3, 17, 5]) if n < 17], "flat": []}
+    assert "differ from themselves alone (outlined in the figure): padded A, C | flat none" in text
+    wide_left = L.flat_run_state([3, 17, 5], pad_to=32, side="left")  # now B has pad slots in front too
+    assert wide_left["differs"]["padded"] == [0, 1, 2] and wide_left["differs"]["flat"] == []
+    assert "padded A, B, C | flat none" in L.flat_run_text(wide_left)["alone"]
+    assert "padded none | flat none" in L.flat_run_text(wide)["alone"]
     for bad, match in ((dict(pad_to=10), "pad_to must be an int >= the longest request"),
                        (dict(side="middle"), "side must be one of"), (dict(pad_to=600), "at most 512 tokens")):
         with pytest.raises(ValueError, match=match):
@@ -125,11 +133,21 @@ def test_flat_batch_explorer_follows_the_inputs_and_reports_bad_input():
 def test_flat_run_figure_draws_the_pad_spans_on_the_chosen_side():
     left = L.flat_run_figure(L.flat_run_state([3, 17, 5], side="left"))
     top = left.axes[0]
-    pads = {p.get_gid(): (p.get_x(), p.get_width()) for p in top.patches}
+    pads = {p.get_gid(): (p.get_x(), p.get_width()) for p in top.patches if p.get_gid().startswith("pad")}
     assert pads == {"pad-0": (0, 14), "pad-2": (0, 12)}
     right = L.flat_run_figure(L.flat_run_state([3, 17, 5]))
     assert {p.get_gid(): p.get_x() for p in right.axes[0].patches} == {"pad-0": 3, "pad-2": 5}
     assert "51 rows computed (recorded), 26 of them pad" in top.get_title()
+    # the requests that differ from themselves alone are outlined and labelled; nothing on the right or the flat strip
+    outlined = {p.get_gid(): (p.get_x(), p.get_y()) for p in top.patches if p.get_gid().startswith("differs")}
+    assert set(outlined) == {"differs-padded-0", "differs-padded-2"} and outlined["differs-padded-2"][1] > 2
+    assert [t.get_text() for t in top.get_yticklabels()] == ["A (3) ≠ alone", "B (17)", "C (5) ≠ alone"]
+    assert "outlined, 2 of 3: output differs from the request run alone" in top.get_title()
+    assert not [p for ax in right.axes + [left.axes[1]] for p in ax.patches if p.get_gid().startswith("differs")]
+    assert "every request's output = the request run alone" in left.axes[1].get_title()
+    broken = dict(L.flat_run_state([3, 17, 5]), differs={"padded": [], "flat": [1]})  # what a broken engine would show
+    flat_marks = [p for p in L.flat_run_figure(broken).axes[1].patches if p.get_gid() == "differs-flat-1"]
+    assert len(flat_marks) == 1 and (flat_marks[0].get_x(), flat_marks[0].get_width()) == (3, 17)
     many = L.flat_run_figure(L.flat_run_state([5] * 32, pad_to=128, side="left"))
     assert "(16 of 32 drawn)" in many.axes[0].get_title() and len(many.axes[0].get_yticklabels()) == 16
     assert list(right.axes[1].get_xticks()) == [0, 3, 20, 25]

@@ -4,9 +4,10 @@ Figures: ``01_padded_vs_flat`` (the padded grid above the flat strip, and what p
 attention score cells) and ``01_token_strip`` (the flat batch's positions, restarting at every
 ``cu_seqlens`` boundary). The explorer ``flat_batch_explorer`` wraps ``flat_run_state``: it packs and
 pads the learner's requests, runs the real model both ways under ``OpRecorder`` and compares every
-request with the request run alone. Exercise checkers: ``check_wrong_requests`` (a packer with a
-boundary off by one: which requests go wrong), ``check_padding_extremes``, ``check_unpad_ids`` (a
-padded batch, left or right, turned into a flat batch the engine runs).
+request with the request run alone (the figure outlines those that differ). Exercise checkers:
+``check_wrong_requests`` (a packer with a boundary off by one: which requests go wrong),
+``check_grouping`` (group requests to pad least), ``check_unpad_ids`` (a padded batch, left or right,
+turned into a flat batch the engine runs).
 
 Taught in notebooks/01_flat_batch.ipynb.
 """
@@ -236,7 +237,8 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
     ``input_bytes`` / ``hidden_bytes``: {"padded", "flat"} bytes of the model's inputs (ids + mask;
     ids + positions + cu_seqlens) and of its output hidden states; ``diff`` / ``bound``: {"padded",
     "flat"} per request, ``max |out − out64 alone|`` and the tolerance rule's bound; ``equal``:
-    {"padded", "flat"} per request, diff ≤ bound.
+    {"padded", "flat"} per request, diff ≤ bound; ``differs``: {"padded", "flat"} the indices of the
+    requests whose output is NOT within the bound of the request run alone (what the figure outlines).
     """
     lens = check_lengths(seq_lens)
     if not lens:
@@ -275,7 +277,8 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
             "input_bytes": {"padded": nbytes(ids, mask), "flat": nbytes(batch.input_ids, batch.positions, batch.cu_seqlens)},
             "hidden_bytes": {"padded": nbytes(out_pad), "flat": nbytes(out_flat)},
             "diff": diff, "bound": bound,
-            "equal": {k: [d <= b for d, b in zip(v, bound)] for k, v in diff.items()}}
+            "equal": {k: [d <= b for d, b in zip(v, bound)] for k, v in diff.items()},
+            "differs": {k: [i for i, d in enumerate(v) if d > bound[i]] for k, v in diff.items()}}
 
 
 def _rgb(color: str) -> tuple[float, float, float]:
@@ -285,7 +288,9 @@ def _rgb(color: str) -> tuple[float, float, float]:
 def flat_run_figure(state: dict) -> Figure:
     """The explorer's picture of ``flat_run_state``: the padded ``[R, S]`` ids as the model received
     them (real tokens orange by request, pad cells vermillion, on the side chosen), above the flat
-    stream of ``T`` ids with its ``cu_seqlens`` ticks. Two images: quick to redraw."""
+    stream of ``T`` ids with its ``cu_seqlens`` ticks. Two images: quick to redraw. A request whose
+    output differs from itself alone (``state["differs"]``) gets a thick dark outline (gid
+    ``differs-padded-i`` / ``differs-flat-i``) and "≠ alone" after its name."""
     lens, (r, s) = state["seq_lens"], state["padded_shape"]
     shown = min(r, _SHOWN)
     cu = state["flat"]["cu_seqlens"]
@@ -296,8 +301,8 @@ def flat_run_figure(state: dict) -> Figure:
     strip = torch.zeros(1, cu[-1], 3)
     for i in range(len(lens)):
         strip[0, cu[i]:cu[i + 1]] = torch.tensor(_rgb(request_color(i)))
-    fig = Figure(figsize=(9, 1.6 + 0.18 * shown))
-    gs = fig.add_gridspec(2, 1, height_ratios=[max(1.0, 0.3 * shown), 0.45], hspace=0.9)
+    fig = Figure(figsize=(9, 2.1 + 0.18 * shown))
+    gs = fig.add_gridspec(2, 1, height_ratios=[max(1.0, 0.3 * shown), 0.45], hspace=max(0.6, 1.4 - 0.05 * shown))
     top, bottom = fig.add_subplot(gs[0]), fig.add_subplot(gs[1])
     top.imshow(grid.numpy(), aspect="auto", interpolation="nearest", extent=(0, s, shown, 0))
     for i, n in enumerate(lens[:shown]):  # hatch the pad span of each row, white lines between rows
@@ -305,15 +310,26 @@ def flat_run_figure(state: dict) -> Figure:
             top.add_patch(Rectangle((0 if state["side"] == "left" else n, i), s - n, 1, facecolor="none",
                                     edgecolor="white", hatch="///", linewidth=0, gid=f"pad-{i}"))
     top.hlines(range(1, shown), 0, s, colors="white", linewidth=1)
+    wrong = {k: set(v) for k, v in state["differs"].items()}
+    for i in sorted(wrong["padded"]):  # the whole row of a request that differs from itself alone
+        if i < shown:
+            top.add_patch(Rectangle((0.15, i + 0.08), s - 0.3, 0.84, facecolor="none", edgecolor=TEXT,
+                                    linewidth=2.5 if shown <= 8 else 1.5, gid=f"differs-padded-{i}"))
     top.set_yticks([i + 0.5 for i in range(shown)])
-    top.set_yticklabels([f"{request_name(i)} ({n})" for i, n in enumerate(lens[:shown])], fontsize=MIN_FONT)
+    top.set_yticklabels([f"{request_name(i)} ({n})" + (" ≠ alone" if i in wrong["padded"] else "")
+                         for i, n in enumerate(lens[:shown])], fontsize=MIN_FONT)
     top.tick_params(axis="x", labelsize=MIN_FONT)
     more = f" ({shown} of {r} drawn)" if r > shown else ""
+    verdict = {k: (f"outlined, {len(v)} of {r}: output differs from the request run alone" if v else
+                   "every request's output = the request run alone") for k, v in wrong.items()}
     top.set_title(f"padded [{r} x {s}], {state['side']} padding{more}: {state['rows']['padded']} rows computed "
-                  f"(recorded), {state['pad_rows']} of them pad (hatched)", fontsize=MIN_FONT + 1)
+                  f"(recorded), {state['pad_rows']} of them pad (hatched)\n{verdict['padded']}", fontsize=MIN_FONT + 1)
     bottom.imshow(strip.numpy(), aspect="auto", interpolation="nearest", extent=(0, cu[-1], 1, 0))
     bottom.set_yticks([])
     bottom.vlines(cu[1:-1], 0, 1, colors="white", linewidth=1)
+    for i in sorted(wrong["flat"]):  # never, unless the engine is broken: the flat batch keeps every request apart
+        bottom.add_patch(Rectangle((cu[i], 0.06), cu[i + 1] - cu[i], 0.88, facecolor="none", edgecolor=TEXT,
+                                   linewidth=2.5, gid=f"differs-flat-{i}"))
     bottom.set_xticks(cu)
     labelled, last = [], -cu[-1]
     for c in cu:  # a label closer than 1/30 of the strip to the previous one would overlap it
@@ -324,8 +340,8 @@ def flat_run_figure(state: dict) -> Figure:
         labelled[-2] = ""
     bottom.set_xticklabels(labelled, fontsize=MIN_FONT)
     bottom.set_title(f"flat [{cu[-1]}]: {state['rows']['flat']} rows computed (recorded), none of them pad; "
-                     "ticks = cu_seqlens", fontsize=MIN_FONT + 1)
-    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.12, top=0.86)
+                     f"ticks = cu_seqlens\n{verdict['flat']}", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.14, right=0.98, bottom=0.1, top=0.84)
     return fig
 
 
@@ -364,6 +380,8 @@ def flat_run_text(state: dict) -> dict[str, str]:
     ok = {k: all(v) for k, v in state["equal"].items()}
     lines.append(f"every request equals itself alone: flat {'yes' if ok['flat'] else 'NO'} | "
                  f"padded {'yes' if ok['padded'] else 'NO'}")
+    names = {k: ", ".join(request_name(i) for i in v) or "none" for k, v in state["differs"].items()}
+    lines.append(f"differ from themselves alone (outlined in the figure): padded {names['padded']} | flat {names['flat']}")
     if not ok["padded"] and state["side"] == "left":
         lines.append("left padding: forward_padded numbers the columns 0..S-1, so a request with p pad rows "
                      "in front gets positions p.. instead of 0..")

@@ -13,6 +13,7 @@ from lessons_lib.measure import flops
 
 ROWS_RE = re.compile(r"rows through every linear layer \(recorded\): padded (\d+) \| flat (\d+) \| pad rows computed (\d+)")
 VERDICT_RE = re.compile(r"every request equals itself alone: flat (yes|NO) \| padded (yes|NO)")
+DIFFERS_RE = re.compile(r"differ from themselves alone \(outlined in the figure\): padded (.+) \| flat (.+)")
 
 
 def _expected(lengths: str, pad_to: str, side: str) -> dict:
@@ -26,6 +27,7 @@ def _expected(lengths: str, pad_to: str, side: str) -> dict:
     assert state["rows"] == {"padded": len(lens) * s, "flat": flops.executed_tokens(lens, "varlen")}
     text = l01_flat_batch.flat_run_text(state)
     return {"flat": text["flat"], "counts": text["padded"], "verdict": VERDICT_RE.search(text["alone"]).group(0),
+            "differs": DIFFERS_RE.search(text["alone"]).group(0), "differs_idx": state["differs"], "s": s,
             "marks": re.findall(r"(=|DIFFERS) \|", text["alone"]), "rows": state["rows"], "pad_rows": state["pad_rows"]}
 
 
@@ -35,6 +37,7 @@ def _check(page, want: dict) -> None:
     alone = inner_text(page, ".fbx-alone")
     assert VERDICT_RE.search(alone).group(0) == want["verdict"]
     assert re.findall(r"(=|DIFFERS) \|", alone) == want["marks"]  # per request: flat, padded (the diffs' last bits vary)
+    assert DIFFERS_RE.search(alone).group(0) == want["differs"]  # the requests the figure outlines
     got = ROWS_RE.search(inner_text(page, ".fbx-counts"))
     assert got and [int(x) for x in got.groups()] == [want["rows"]["padded"], want["rows"]["flat"], want["pad_rows"]]
 
@@ -97,6 +100,10 @@ def test_lesson01_flat_batch_explorer(lab_server, browser_context, capsys):
     left = _expected(lengths, "32", "left")
     _check(page, left)
     assert left["verdict"] == "every request equals itself alone: flat yes | padded NO"
+    # the outlined requests are those with a pad slot in front (shorter than the padded length): both of 10, 30 at 32
+    lens = [int(x) for x in lengths.replace(",", " ").split()]
+    assert left["differs_idx"] == {"padded": [i for i, n in enumerate(lens) if n < left["s"]], "flat": []}
+    assert left["differs"].endswith("padded A, B | flat none")
 
     # Bad input: the error is shown, not stale numbers
     box.fill("10, 0")
