@@ -286,19 +286,57 @@ def test_request_norm_reference_matches_pytorch_and_the_checker(capsys):
     assert "not attempted" in capsys.readouterr().out
 
 
+def _stats_over(x, cu, eps, rows_of):  # each request normalised with the statistics of rows_of(s, e)
+    out = torch.empty_like(x)
+    for s, e in zip(cu[:-1], cu[1:]):
+        a, b = rows_of(s, e)
+        rows = x[max(a, 0):b]
+        out[s:e] = (x[s:e] - rows.mean(0)) / torch.sqrt(rows.var(0, unbiased=False) + eps)
+    return out
+
+
 def test_request_norm_checker_explains_typical_mistakes():
     plain = attempt(L.check_request_norm, lambda x, cu, eps: L.batch_norm_rows(x, eps))
     assert "statistics over ALL the tokens" in plain
-    assert score(L.check_request_norm, lambda x, cu, eps: L.batch_norm_rows(x, eps), points=2) == 0.5  # 1 of 4
+    assert score(L.check_request_norm, lambda x, cu, eps: L.batch_norm_rows(x, eps), points=2) == 0.4  # 1 of 5
     assert "LayerNorm" in attempt(L.check_request_norm, lambda x, cu, eps: F.layer_norm(x, (x.shape[1],), eps=eps))
 
     def no_eps(x, cu, eps):
         return torch.cat([(x[s:e] - x[s:e].mean(0)) / x[s:e].std(0, unbiased=False) for s, e in zip(cu[:-1], cu[1:])])
-    assert "eps inside the square root" in attempt(L.check_request_norm, no_eps)
+    assert "no eps" in attempt(L.check_request_norm, no_eps)
+
+    def unbiased(x, cu, eps):
+        return torch.cat([(x[s:e] - x[s:e].mean(0)) / torch.sqrt(x[s:e].var(0) + eps) for s, e in zip(cu[:-1], cu[1:])])
+    assert "unbiased variance" in attempt(L.check_request_norm, unbiased)
+
+    def padded(x, cu, eps):  # the lesson-01 layout: every request padded with zeros to the longest
+        longest, out = max(e - s for s, e in zip(cu[:-1], cu[1:])), torch.empty_like(x)
+        for s, e in zip(cu[:-1], cu[1:]):
+            p = torch.cat([x[s:e], x.new_zeros(longest - (e - s), x.shape[1])])
+            out[s:e] = (x[s:e] - p.mean(0)) / torch.sqrt(p.var(0, unbiased=False) + eps)
+        return out
+    assert "the padded layout" in attempt(L.check_request_norm, padded)
+    for rows_of in (lambda s, e: (s, e + 1), lambda s, e: (s - 1, e), lambda s, e: (s + 1, e), lambda s, e: (s, e - 1)):
+        assert "off by one at a request boundary" in attempt(L.check_request_norm,
+                                                             lambda x, cu, eps, r=rows_of: _stats_over(x, cu, eps, r))
+
+    def one_token_left_alone(x, cu, eps):  # a special case where the formula already gives the answer
+        out = _request_norm(x, cu, eps)
+        for s, e in zip(cu[:-1], cu[1:]):
+            if e - s == 1:
+                out[s] = x[s]
+        return out
+    assert "the one-token request(s) at row(s) [7] are not" in attempt(L.check_request_norm, one_token_left_alone)
+    assert score(L.check_request_norm, one_token_left_alone, points=2) == 1.2  # 3 of 5: two batches hold one
 
     def sneaky(x, cu, eps):  # right values, but divides by the number of rows of the batch it is given
         return _request_norm(x, cu, eps) * (40 / x.shape[0] if x.shape[0] in (10, 30) else 1.0)
     assert "no row-to-row map shows" in attempt(L.check_request_norm, sneaky)
+
+    def only_the_dep_batch_wrong(x, cu, eps):  # right values, but peeks one row past A in the A, B batch
+        return _stats_over(x, cu, eps, lambda s, e: (s, e + 1)) if x.shape[1] == 16 and len(x) == 40 and \
+            float(x[10:].abs().mean()) < 5 else _request_norm(x, cu, eps)
+    assert "off by one at the boundary" in attempt(L.check_request_norm, only_the_dep_batch_wrong)
 
 
 def _diagnose(suspect):
@@ -377,26 +415,43 @@ def test_fake_int8_schemes_and_which_keep_batching_free():
         L.fake_int8(x, "per-row")
 
 
-def _choices(scheme, safe=("per-tensor static", "per-token dynamic")):
-    return (lambda x: L.fake_int8(x, scheme)), scheme in safe
+def _quantizer(scale):
+    def quantize(x):
+        s = scale(x)
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        return torch.clamp(torch.round(x / s), -127, 127) * s
+    return quantize
 
 
-def test_scale_choices_checker_explains_wrong_answers(capsys):
-    assert L.check_scale_choices(_choices)
-    assert L.check_scale_choices(stub) is False
-    every_tensor_unsafe = attempt(L.check_scale_choices, lambda s: _choices(s, ("per-token dynamic",)))
-    assert "a static scale is a constant" in every_tensor_unsafe
-    assert score(L.check_scale_choices, lambda s: _choices(s, ("per-token dynamic",)), points=2) == 1.5
-    swapped = attempt(L.check_scale_choices, lambda s: ((lambda x: L.fake_int8(x, "per-feature dynamic")), False))
-    assert "that is the per-feature dynamic scale" in swapped
+def test_int8_quantizer_checker_explains_wrong_answers(capsys):
+    assert L.check_int8_quantizer(lambda x: L.fake_int8(x, "per-token dynamic"))
+    assert "a scale per token" in capsys.readouterr().out
+    assert L.check_int8_quantizer(stub) is False
+    for scheme in L.QUANT_SCHEMES[:3]:
+        assert f"that is the {scheme} scale" in attempt(L.check_int8_quantizer, lambda x, s=scheme: L.fake_int8(x, s))
+    # the scale servers use, but its batching measured: a static scale passes the engine test, fails the clamp
+    assert score(L.check_int8_quantizer, lambda x: L.fake_int8(x, "per-tensor static"), points=2) == 0.4  # 1 of 5
+    # one scale for the whole tensor: right on one token only (a decode step), where it is the token's own max
+    assert score(L.check_int8_quantizer, lambda x: L.fake_int8(x, "per-tensor dynamic"), points=2) == 0.4
+    per_token_of_the_batch_max = _quantizer(lambda x: x.abs().amax(-1, keepdim=True).max().expand(len(x), 1) / 127)
+    assert "per-tensor dynamic" in attempt(L.check_int8_quantizer, per_token_of_the_batch_max)
+    assert "clamped" in attempt(L.check_int8_quantizer, _quantizer(lambda x: torch.tensor(0.02)))
+    assert "clamped" in attempt(L.check_int8_quantizer, _quantizer(lambda x: x.abs().mean(-1, keepdim=True) / 60))
+    assert "coarser grid than needed" in attempt(L.check_int8_quantizer,
+                                                 _quantizer(lambda x: x.abs().amax(-1, keepdim=True) / 63))
+    # no rounding at all: on one token that is each number its own scale, i.e. a scale that changes along k
+    assert "changes along the summed axis" in attempt(L.check_int8_quantizer, lambda x: x.clone())
+    unrounded = torch.tensor([[1.0, 0.3, 0.011], [0.5, 0.2, 0.7]])
+    assert "not on one grid" in L._int8_problem(unrounded, unrounded)
 
-    def unguarded(scheme):
-        def q(x):
-            s = x.abs().amax(dim=-1, keepdim=True) / 127
-            return torch.clamp(torch.round(x / s), -127, 127) * s
-        return (q if scheme == "per-token dynamic" else (lambda x: L.fake_int8(x, scheme))), _choices(scheme)[1]
-    assert "0 / 0 = NaN" in attempt(L.check_scale_choices, unguarded)
-    assert "return a pair" in attempt(L.check_scale_choices, lambda s: True)
+    def unguarded(x):
+        s = x.abs().amax(dim=-1, keepdim=True) / 127
+        return torch.clamp(torch.round(x / s), -127, 127) * s
+    assert "0 / 0 = NaN" in attempt(L.check_int8_quantizer, unguarded)
+
+    def right_values_batch_dependent(x):  # per token on the value inputs, per tensor on the engine's A, B batch
+        return L.fake_int8(x, "per-tensor dynamic" if x.shape[1] == L.REACH_CFG.d_model else "per-token dynamic")
+    assert "not safe to batch flat, measured" in attempt(L.check_int8_quantizer, right_values_batch_dependent)
 
 
 def test_c6_all_reduce_counts_do_not_depend_on_the_packing(tiny_cfg):

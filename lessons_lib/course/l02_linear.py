@@ -8,7 +8,7 @@
 - the module-reach explorer (``module_reach_state`` + ``module_reach_explorer``): ``probe.row_dependency``
   live on a module of the engine, a BatchNorm1d or one of the learner's, for the lengths typed, and its verdict;
 - exercise 02.2's ``RowParallelSuspect`` layers (the engine's ``RowParallelLinear`` and three bugs on top of it);
-- exercise 02.1's per-request norm and 02.3's int8 scale choices (``fake_int8``, ``batching_free``);
+- exercise 02.1's per-request norm and its typical slips, 02.3's int8 scales (``fake_int8``, ``batching_free``);
 - the checkers of exercises 02.1-02.3.
 
 Taught in notebooks/02_linear_is_per_token.ipynb.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 import textwrap
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -685,47 +686,117 @@ def request_norm(x: Tensor, cu_seqlens: Sequence[int], eps: float) -> Tensor:
     return torch.cat([batch_norm_rows(x[s:e], eps) for s, e in zip(cu[:-1], cu[1:])])
 
 
+def _same(got, want: Tensor, atol: float = 1e-4) -> bool:
+    """``matches`` where NaN in the same places counts as equal (a typical mistake may give NaN)."""
+    return isinstance(got, Tensor) and tuple(got.shape) == tuple(want.shape) and got.is_floating_point() and bool(
+        torch.allclose(got.double(), want.double(), atol=atol, equal_nan=True))
+
+
+def _stats_norm(x: Tensor, spans, eps: float, var=lambda r: r.var(0, unbiased=False), outside: bool = False) -> Tensor:
+    """Rows ``s:e`` of every request normalised with the statistics of the rows ``a:b`` (``spans``:
+    ``(s, e, a, b)``): the reference and the typical slips of exercise 02.1 (NaN where a slip gives NaN)."""
+    out = torch.empty_like(x)
+    for s, e, a, b in spans:
+        rows = x[max(a, 0):min(b, len(x))]
+        mean, v = rows.mean(0), var(rows)
+        out[s:e] = (x[s:e] - mean) / ((v.sqrt() + eps) if outside else torch.sqrt(v + eps))
+    return out
+
+
+def _request_norm_slips(x: Tensor, cu: list[int], eps: float) -> list[tuple[Tensor, str]]:
+    """What the typical wrong answers of exercise 02.1 give on ``(x, cu, eps)``, each with its explanation."""
+    with warnings.catch_warnings():  # a slip's variance of one row (or none) warns: the slip, not the learner's
+        warnings.simplefilter("ignore")
+        return _slips(x, cu, eps)
+
+
+def _slips(x: Tensor, cu: list[int], eps: float) -> list[tuple[Tensor, str]]:
+    own = [(s, e, s, e) for s, e in zip(cu[:-1], cu[1:])]
+    longest = max(e - s for s, e in zip(cu[:-1], cu[1:]))
+
+    def padded(s, e):  # the request padded with zero rows to the longest: [longest, d], pads included
+        return torch.cat([x[s:e], x.new_zeros(longest - (e - s), x.shape[1])])
+
+    pad = torch.cat([(x[s:e] - padded(s, e).mean(0)) / torch.sqrt(padded(s, e).var(0, unbiased=False) + eps)
+                     for s, e in zip(cu[:-1], cu[1:])])
+    slips = [
+        (batch_norm_rows(x, eps), "statistics over ALL the tokens of the flat batch: that is plain BatchNorm, and A's "
+         "numbers depend on B's. Which rows are request r's, and only its?"),
+        (pad, f"statistics over the padded layout: a shorter request's pad rows of zeros enter its mean and variance "
+         f"(both divide by the longest length, {longest}, not by the request's own), so its numbers depend on the "
+         "longest request beside it"),
+        (F.layer_norm(x, (x.shape[1],), eps=eps), "you normalised each ROW over its features (LayerNorm): that was safe "
+         "already; BatchNorm normalises each FEATURE over tokens, and that is what the model was trained with"),
+        (_stats_norm(x, own, eps, var=lambda r: r.var(0, unbiased=True)), "the unbiased variance (divide by n - 1): "
+         "F.batch_norm normalises with the biased one (divide by n), and n - 1 = 0 for a one-token request"),
+        (_stats_norm(x, own, eps, outside=True), "eps added outside the square root: F.batch_norm computes "
+         "(x - mean) / sqrt(var + eps)"),
+        (_stats_norm(x, own, 0.0), "no eps: a one-token request has variance 0, and 0 / 0 is NaN"),
+    ]
+    for name, shift in (("one row too many: rows cu[r]:cu[r+1] + 1 take the next request's first row",
+                         lambda s, e: (s, e + 1)),
+                        ("one row too early: rows cu[r] - 1:cu[r+1] take the previous request's last row",
+                         lambda s, e: (s - 1, e)),
+                        ("one row too few: rows cu[r] + 1:cu[r+1] drop the request's first row",
+                         lambda s, e: (s + 1, e)),
+                        ("one row too few: rows cu[r]:cu[r+1] - 1 drop the request's last row",
+                         lambda s, e: (s, e - 1))):
+        slips.append((_stats_norm(x, [(s, e, *shift(s, e)) for s, e in zip(cu[:-1], cu[1:])], eps),
+                      f"off by one at a request boundary ({name}); request r is exactly the rows cu[r] to cu[r+1] - 1"))
+    return slips
+
+
 def check_request_norm(fn: Callable[[Tensor, list, float], Tensor]) -> bool:
-    """Exercise 02.1: ``fn(x [T, d], cu_seqlens, eps) -> [T, d]``, a BatchNorm-like layer whose statistics
-    come from each request's own rows. Checked on values, then with the explorer's two tests on the flat
-    A, B batch: ``row_dependency`` (no pair across requests) and each request alone vs its rows of the flat run."""
+    """Exercise 02.1: ``fn(x [T, d], cu_seqlens, eps) -> [T, d]``: on a batch of one request exactly
+    ``F.batch_norm(x, None, None, training=True, eps=eps)``, and safe to batch flat. Checked on values
+    (one request; A, B with B far from A; three requests with a one-token one in the middle; one-token
+    requests at both ends), each wrong value matched against the typical slips (``_request_norm_slips``),
+    then with the explorer's two tests on the flat A, B batch: ``row_dependency`` (no pair across requests)
+    and each request alone vs its rows of the flat run."""
     lens = list(ARTICLE_LENS)
     dep_x, cu_ab = _flat(lens, 16, 7), cumulative(lens)
-    cases = [(_flat([24], 16, 1), [0, 24], 1e-5), (_flat(lens, 16, 2), cu_ab, 1e-5),
-             (_flat([7, 1, 12], 8, 3), [0, 7, 8, 20], 1e-3), (dep_x, cu_ab, 1e-5)]
+    ab = _flat(lens, 16, 2)
+    ab[lens[0]:] = ab[lens[0]:] * 5 + 20                               # B far from A: whole-batch statistics show
+    cases = [(_flat([24], 16, 1), [0, 24], 1e-5), (ab, cu_ab, 1e-5),
+             (_flat([7, 1, 12], 8, 3), [0, 7, 8, 20], 1e-3), (_flat([1, 5, 1], 8, 4), [0, 1, 6, 7], 1e-3),
+             (dep_x, cu_ab, 1e-5)]
 
     def judge(got, x, cu, eps):
         if x is dep_x:  # the explorer's two tests, on the learner's layer
             dep = row_dependency(lambda t: fn(t, cu, eps), x).numpy()
             owner = np.repeat(np.arange(len(lens)), lens)
-            across = int((dep & (owner[:, None] != owner[None, :])).sum())
-            if across:
-                return (f"row_dependency: {across} pairs across requests - a change in B's rows reaches A's: the "
-                        "statistics still run over the whole batch, not over each request's rows cu[r]:cu[r+1]")
+            cross = dep & (owner[:, None] != owner[None, :])
+            if cross.any():
+                readers = sorted({int(j) for j in np.nonzero(cross)[1]})  # input rows that reach the other request
+                where = (f"only row {readers[0]} reaches across, one of the two rows at the boundary (cu[1] - 1 = "
+                         f"{lens[0] - 1}, cu[1] = {lens[0]}): off by one at the boundary" if len(readers) == 1 and
+                         readers[0] in (lens[0] - 1, lens[0]) else
+                         f"{len(readers)} input rows reach the other request: the statistics read across the boundary")
+                return f"row_dependency: {int(cross.sum())} pairs across requests - {where}"
             alone = alone_vs_batched(lambda t, c: fn(t, c, eps), x, lens)
             if alone["differ"]:
                 return (f"row_dependency finds no pair across requests, but request(s) {', '.join(alone['differ'])} run "
                         f"alone get other numbers than in the batch (max |diff| {alone['max_diff']:.2g}): the layer "
-                        "depends on the batch in a way no row-to-row map shows (e.g. on T or on the flat row index)")
+                        "depends on the batch in a way no row-to-row map shows (on T, on the longest request, or on "
+                        "the flat row index)")
             return None
         want = request_norm(x, cu, eps)
         problem = tensor_problem(got, want, atol=1e-4)
         if problem is None:
             return None
-        if len(cu) > 2 and matches(got, batch_norm_rows(x, eps), 1e-4):
-            return problem + (" - statistics over ALL the tokens of the batch: that is plain BatchNorm, and A's numbers "
-                              "depend on B. Take each request's rows x[cu[r]:cu[r+1]] on their own")
-        if matches(got, F.layer_norm(x, (x.shape[1],), eps=eps), 1e-4):
-            return problem + " - you normalised each ROW over its features (LayerNorm); here each FEATURE is " \
-                             "normalised over the tokens of its request"
-        if isinstance(got, Tensor) and got.is_floating_point() and not torch.isfinite(got).all():
-            return (problem + " - a one-token request has variance 0: use the biased variance (divide by n, not "
-                    "n - 1) and add eps inside the square root")
-        unbiased = torch.cat([(x[s:e] - x[s:e].mean(0)) / torch.sqrt(x[s:e].var(0, unbiased=True) + eps)
-                              for s, e in zip(cu[:-1], cu[1:]) if e - s > 1]) if all(e - s > 1 for s, e in
-                                                                                      zip(cu[:-1], cu[1:])) else None
-        if unbiased is not None and matches(got, unbiased, 1e-4):
-            return problem + " - BatchNorm divides by the biased variance (by n, not n - 1)"
+        if isinstance(got, Tensor) and tuple(got.shape) == tuple(want.shape):
+            for slip, why in _request_norm_slips(x, cu, eps):
+                if not _same(slip, want) and _same(got, slip):
+                    return f"{problem} - {why}"
+            singles = [s for s, e in zip(cu[:-1], cu[1:]) if e - s == 1]
+            others = torch.ones(len(x), dtype=torch.bool)
+            others[singles] = False
+            if singles and got.is_floating_point() and _same(got[others], want[others]):
+                return (f"{problem} - every request of two or more tokens is right; the one-token request(s) at row(s) "
+                        f"{singles} are not. Its mean is the token itself and its biased variance 0: what does "
+                        "(x - mean) / sqrt(var + eps) give, with no special case?")
+            if got.is_floating_point() and not torch.isfinite(got).all():
+                return problem + " - NaN or inf: a one-token request has variance 0 (and an empty slice a NaN mean)"
         return problem
 
     return grade("request_norm", fn, cases, judge,
@@ -891,52 +962,75 @@ def batching_free(quantize: Callable[[Tensor], Tensor], seq_lens: Sequence[int] 
             "free": across == 0 and not alone["differ"]}
 
 
-_WHY = {"per-tensor static": "the scale is a constant fixed before serving: no request's numbers set it",
-        "per-tensor dynamic": "the max over the whole tensor is the largest number of ANY request: B's max sets A's grid",
-        "per-feature dynamic": "each feature's max runs over all the tokens of the batch: other requests' tokens set it",
-        "per-token dynamic": "each token's max runs over its own features only: no other row sets it"}
+_WHY = {"per-tensor static": "a constant scale, fixed offline: batching stays free, but it cannot know the next request's "
+                             "size, and a number beyond 127 levels of it is clamped",
+        "per-tensor dynamic": "one scale for the whole [T, d]: the largest number of ANY request sets every request's "
+                              "grid (a scale per row that all take the batch max is the same thing)",
+        "per-feature dynamic": "one scale per feature k: it changes along the summed axis, so it cannot leave the int32 "
+                               "sum, and each feature's max runs over every request's tokens",
+        "per-token dynamic": "each token's max over its own features: no other row sets it"}
 
 
-def check_scale_choices(fn: Callable[[str], tuple]) -> bool:
-    """Exercise 02.3: ``fn(scheme) -> (quantize, keeps_batching_free)`` for each of ``QUANT_SCHEMES``:
-    ``quantize(x [T, d]) -> [T, d]`` rounds on that scheme's int8 grid (dequantised), and the bool says
-    whether the engine's QKV linear fed by it still gives each request what it gets alone. Both are
-    checked: the quantiser against the scheme, the bool against ``batching_free`` (measured)."""
+def _int8_problem(have: Tensor, x: Tensor) -> str | None:
+    """Which constraint of exercise 02.3 a wrong quantiser output ``have`` of ``x [T, d]`` breaks, or None."""
+    for other in QUANT_SCHEMES[:3]:
+        if matches(have, fake_int8(x, other), 1e-6):
+            return f"that is the {other} scale: {_WHY[other]}"
+    if not have.is_floating_point() or not torch.isfinite(have).all():
+        return "NaN or inf: a row of zeros has max 0, so s = 0 and 0 / 0 = NaN: give it any non-zero scale"
+    row_max, got_max = x.abs().amax(-1), have.abs().amax(-1)
+    step = row_max / 127                                                 # the finest grid that clamps nothing
+    clamped = (got_max < row_max - step / 2 - 1e-6).nonzero().flatten().tolist()
+    if clamped:
+        return (f"row(s) {clamped[:4]} clamped: their largest |x| is {float(row_max[clamped[0]]):.3g}, your largest "
+                f"level there {float(got_max[clamped[0]]):.3g} (constraint 2: no number may be clamped)")
+    err = (have - x).abs().amax(-1)
+    coarse = (err > step / 2 * (1 + 1e-4) + 1e-7).nonzero().flatten().tolist()
+    if coarse:
+        r = coarse[0]
+        return (f"row(s) {coarse[:4]} on a coarser grid than needed: row {r} rounds to within {float(err[r]):.3g}, but "
+                f"a grid that clamps nothing can round it to within max|x| / 254 = {float(step[r] / 2):.3g} "
+                "(constraint 3: the finest grid)")
+    levels = have / step.clamp_min(1e-30)[:, None]
+    if not torch.allclose(levels, levels.round(), atol=1e-3):
+        return ("the values are not on one grid of ±127 levels per row: each number rounded on its own scale (or not at "
+                "all) is not int8 with one scale the int32 sum can take out")
+    return None
+
+
+def check_int8_quantizer(fn: Callable[[Tensor], Tensor]) -> bool:
+    """Exercise 02.3: ``fn(x [T, d]) -> [T, d]``, symmetric int8 fake quantisation (dequantised) whose scale
+    can be taken out of the matmul's int32 sum, keeps batching free, clamps nothing and is as fine as
+    these allow. Checked on values (one token; a row of zeros; rows 300 times apart; numbers far beyond the
+    calibrated range), each wrong value named by the constraint it breaks, then fed to the engine's QKV linear on a flat
+    A, B batch with B 30 times A (``batching_free``, measured)."""
     g = torch.Generator().manual_seed(5)
-    xs = [torch.randn(12, 32, generator=g) * 2, torch.cat([torch.randn(3, 16, generator=g) * 1e-2,
-                                                           torch.randn(5, 16, generator=g) * 3])]
-    xs[0][4] = 0                                                      # a row of zeros
+    zeros = torch.randn(12, 32, generator=g) * 2
+    zeros[4] = 0                                                         # a row of zeros
+    apart = torch.cat([torch.randn(3, 16, generator=g) * 1e-2, torch.randn(5, 16, generator=g) * 3])
+    batched = torch.randn(40, REACH_CFG.d_model, generator=g)          # stands for batching_free's flat A, B
+    one_token = torch.randn(1, 32, generator=g) * 3                     # a decode step: per tensor = per token here
+    cases = [(one_token,), (zeros,), (apart,), (torch.randn(6, 16, generator=g) * 40,), (batched,)]
 
-    def judge(got, scheme):
-        if not (isinstance(got, tuple) and len(got) == 2 and callable(got[0]) and isinstance(got[1], bool)):
-            return f"return a pair (quantize function, True or False), got {type(got).__name__}"
-        quantize, free = got
-        for x in xs:
-            want = fake_int8(x, scheme)
-            try:
-                have = quantize(x.clone())
-            except Exception as exc:
-                return f"your {scheme} quantiser raised {type(exc).__name__}: {exc}"
-            problem = tensor_problem(have, want, atol=1e-6, rtol=1e-5)
-            if problem:
-                for other in QUANT_SCHEMES:
-                    if other != scheme and matches(have, fake_int8(x, other), 1e-6):
-                        return f"{problem} - that is the {other} scale, not {scheme}"
-                if isinstance(have, Tensor) and have.is_floating_point() and not torch.isfinite(have).all():
-                    return problem + " - a max of 0 gives s = 0 and 0 / 0 = NaN: give it any non-zero scale"
-                return problem
-        measured = batching_free(quantize)
-        if free == measured["free"]:
+    def judge(got, x):
+        if x is batched:  # the explorer's two tests on the engine's QKV linear fed by the learner's quantiser
+            measured = batching_free(fn)
+            if measured["free"]:
+                return None
+            return (f"not safe to batch flat, measured on the engine's QKV linear: {measured['across']} row pairs across "
+                    f"requests, request(s) that differ alone vs batched: {', '.join(measured['differ']) or 'none'} "
+                    f"(max |diff| {measured['max_diff']:.3g}): the scale of A's rows reads B's numbers (constraint 1)")
+        problem = tensor_problem(got, fake_int8(x, "per-token dynamic"), atol=1e-6, rtol=1e-5)
+        if problem is None:
             return None
-        seen = (f"measured on the engine's QKV linear: {measured['across']} row pairs across requests, requests that "
-                f"differ alone vs batched: {', '.join(measured['differ']) or 'none'}")
-        if scheme == "per-tensor static":
-            return f"{scheme} keeps batching free: {_WHY[scheme]} (a static scale is a constant) - {seen}"
-        return f"{scheme} {'keeps batching free' if measured['free'] else 'breaks batching'}: {_WHY[scheme]} - {seen}"
+        if isinstance(got, Tensor) and tuple(got.shape) == tuple(x.shape):
+            why = _int8_problem(got.detach(), x)
+            if why:
+                return f"{problem} - {why}"
+        return problem
 
-    return grade("scale_choices", fn, [(s,) for s in QUANT_SCHEMES], judge,
-                 "the static per-tensor and the dynamic per-token scales keep batching free; a dynamic scale taken "
-                 "over the tokens (per tensor, per feature) lets one request set another's grid")
+    return grade("int8_quantizer", fn, cases, judge, "a scale per token, from its own features: the int32 sum can take it "
+                 "out, no request sets another's grid, nothing is clamped, and the grid is the finest that allows")
 
 
 # ---- figures ----------------------------------------------------------------------------------------
