@@ -65,6 +65,25 @@ def test_c1_allreduce_growth_draws_the_payload_the_ring_traffic_the_measured_poi
         L.allreduce_growth(tiny_cfg, world_size=3)
 
 
+def test_c1_alpha_beta_model_figure_draws_both_terms_and_each_dtypes_crossover():
+    """The static picture before the measurement: the ring terms by hand, N* where they meet, twice as far in bf16."""
+    alpha, beta = 5e-6, 450e9
+    fig = L.alpha_beta_model()
+    assert {"total-float32", "latency", "bandwidth-float32", "bandwidth-bfloat16", "crossover-float32",
+            "crossover-bfloat16"} <= set(gids(fig))
+    lines = {ln.get_gid(): ln for ln in fig.axes[0].get_lines()}
+    ns = lines["latency"].get_xdata()
+    assert list(lines["latency"].get_ydata()) == pytest.approx([2 * alpha * 1e6] * len(ns))  # 2(p-1) alpha, p = 2
+    for dt, item in (("float32", 4), ("bfloat16", 2)):
+        assert list(lines[f"bandwidth-{dt}"].get_ydata()) == pytest.approx([n * 512 * item / beta * 1e6 for n in ns])
+    star32 = lines["crossover-float32"].get_xdata()[0]
+    star16 = lines["crossover-bfloat16"].get_xdata()[0]
+    assert star32 == pytest.approx(2 * alpha * beta / (512 * 4)) and star16 == pytest.approx(2 * star32)
+    assert "A model, not a measurement" in fig._suptitle.get_text() and "beta = 450 GB/s" in fig._suptitle.get_text()
+    texts = " ".join(t.get_text() for t in fig.axes[0].texts)
+    assert "N* = 2,197 tokens" in texts and "N* = 4,395 tokens" in texts
+
+
 def test_course_map_minutes_are_the_lessons_own():
     """The map in lesson 00 states each lesson's time as the lesson itself states it."""
     stated = {}
@@ -239,10 +258,10 @@ def _rank_params(cfg, tp, vp=False, split_row_bias=False, whole_col_bias=False, 
     return whole + cut // tp
 
 
-def _smallest(count):
-    def fn(cfg, budget, vp):
+def _plan(count):
+    def fn(cfg, budget):
         sizes = [t for t in range(1, cfg.n_heads + 1) if cfg.n_heads % t == 0 and cfg.d_ffn % t == 0]
-        return next((t for t in sizes if count(cfg, t, vp) <= budget), None)
+        return next(((t, vp) for t in sizes for vp in (False, True) if count(cfg, t, vp) <= budget), None)
     return fn
 
 
@@ -257,21 +276,24 @@ def test_s1_rank_params_is_the_real_shard_and_the_hand_count(tiny_cfg):
         L.smallest_tp(tiny_cfg, 0)
 
 
-def test_s1_smallest_tp_checker_explains_wrong_answers(capsys):
-    assert L.check_smallest_tp(_smallest(_rank_params))
-    assert L.check_smallest_tp(stub) is False and "not attempted" in capsys.readouterr().out
-    everything = attempt(L.check_smallest_tp, _smallest(lambda c, t, v: _rank_params(c, t, all_cut=True)))
+def test_s1_tp_plan_checker_explains_wrong_answers(capsys):
+    assert L.check_tp_plan(_plan(_rank_params))
+    assert L.check_tp_plan(stub) is False and "not attempted" in capsys.readouterr().out
+    everything = attempt(L.check_tp_plan, _plan(lambda c, t, v: _rank_params(c, t, all_cut=True)))
     assert "not everything is split" in everything and "rank 0 holds" in everything
-    assert "no TP size fits" in everything
-    ignores_vp = attempt(L.check_smallest_tp, _smallest(lambda c, t, v: _rank_params(c, t)))
-    assert "vocab_parallel=True cuts wte" in ignores_vp
+    assert "no plan fits" in attempt(L.check_tp_plan, lambda c, b: L.tp_plan(c, b) or (4, True))
+    never_cut = attempt(L.check_tp_plan, _plan(lambda c, t, v: _rank_params(c, t) if not v else float("inf")))
+    assert "the vocab-parallel embedding is yours to choose" in never_cut and "already fits" in never_cut
+    always_cut = attempt(L.check_tp_plan, _plan(lambda c, t, v: _rank_params(c, t, vp=True) if v else float("inf")))
+    assert "buys nothing and adds collectives" in always_cut
     assert "the position table wpe stays whole" in attempt(
-        L.check_smallest_tp, _smallest(lambda c, t, v: _rank_params(c, t, vp=v, wpe_cut=True)))
-    assert "must divide n_heads" in attempt(L.check_smallest_tp, lambda c, b, v: 5)
-    assert "return an int TP size or None" in attempt(L.check_smallest_tp, lambda c, b, v: "2")
+        L.check_tp_plan, _plan(lambda c, t, v: _rank_params(c, t, vp=v, wpe_cut=True)))
+    assert "must divide n_heads" in attempt(L.check_tp_plan, lambda c, b: (5, False))
+    assert "return a pair" in attempt(L.check_tp_plan, lambda c, b: 2)
     capsys.readouterr()
-    earned = score(L.check_smallest_tp, _smallest(lambda c, t, v: _rank_params(c, t, all_cut=True)), points=8)
+    earned = score(L.check_tp_plan, _plan(lambda c, t, v: _rank_params(c, t, all_cut=True)), points=8)
     assert 0 < earned < 8
+    assert L.tp_plan(ModelConfig(), 40_000_000) == (2, True) and L.smallest_tp(ModelConfig(), 40_000_000) == 8
 
 
 def _factor(fit, n, k, t, p, p_used=None):

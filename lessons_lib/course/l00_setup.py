@@ -2,11 +2,12 @@
 
 Figures: the course map (``00_course_map``), how tensor parallelism cuts a block's four linear
 layers (``00_tp_split``), and the all-reduces of one request against its length and the TP size
-(``00_allreduce_growth``).
+(``00_allreduce_growth``), and the alpha-beta model of one all-reduce before any measurement
+(``00_alpha_beta_model``).
 Helpers the notebook calls: ``shard_table``, ``heads_held``, ``follow_request``,
 ``time_forward``, ``machine_report``. What the all-reduces cost: ``measure_all_reduces`` (real ones on
 two spawned ranks), ``fit_alpha_beta`` (the alpha-beta ring model fitted to them), ``comm_cost_state``
-and its explorer ``comm_cost_explorer``. Exercise checkers: ``check_smallest_tp`` (00.1, on
+and its explorer ``comm_cost_explorer``. Exercise checkers: ``check_tp_plan`` (00.1, on
 ``rank_params``: what rank 0's real shard holds) and ``check_packing_factor`` (00.2, on ``packing_saving``).
 
 Taught in notebooks/00_setup_one_request.ipynb.
@@ -357,6 +358,56 @@ def crossover_tokens(fit: AlphaBeta, d_model: int, itemsize: int, world_size: in
     p = _ring_size(world_size)
     d, s = check_int("d_model", d_model, 1), check_int("itemsize", itemsize, 1, 16)
     return p * fit.alpha_s * fit.beta / (d * s)
+
+
+@register("00_alpha_beta_model", lesson="00",
+          caption="the alpha-beta model (not a measurement) of ONE ring all-reduce of [N x 512] at TP=2 on an assumed "
+                  "NVLink-like link: the latency term is flat, the bandwidth term grows with N; they cross at N*, twice "
+                  "as far out in bfloat16 as in float32 (C1)")
+def alpha_beta_model(fit: AlphaBeta | None = None, d_model: int = 512, world_size: int = 2) -> Figure:
+    """The picture of the alpha-beta model before any measurement: ``ring_time_terms`` of one all-reduce of
+    ``[N, d_model]`` against N, under ``fit`` (default: the lesson's stated NVLink-like pair, ``NVLINK``).
+
+    The latency term ``2(p-1)·alpha`` (dashed, gid ``latency``), the bandwidth term ``2(p-1)/p · S/beta`` in
+    float32 (dotted, gid ``bandwidth-float32``) and bfloat16 (dash-dot, gid ``bandwidth-bfloat16``), the
+    float32 total (purple, gid ``total-float32``), and each dtype's crossover N* (``crossover_tokens``,
+    vertical lines, gids ``crossover-float32`` / ``crossover-bfloat16``).
+    """
+    fit = fit or AlphaBeta(NVLINK["alpha_s"], NVLINK["beta"], NETWORK_NAMES["nvlink"])
+    p = _ring_size(world_size)
+    ns = np.unique(np.logspace(0, np.log10(65536), 120).astype(int))
+    fig = Figure(figsize=(9.6, 4.6))
+    ax = fig.subplots()
+    terms = {dt: [ring_time_terms(fit, int(n) * d_model * getattr(torch, dt).itemsize, p) for n in ns]
+             for dt in ("float32", "bfloat16")}
+    lat = [1e6 * t[0] for t in terms["float32"]]
+    ax.plot(ns, [1e6 * sum(t) for t in terms["float32"]], color=COMM, linewidth=2.8, gid="total-float32",
+            label="model total, float32: latency + bandwidth")
+    ax.plot(ns, lat, "--", color=TEXT, linewidth=1.4, gid="latency",
+            label=f"latency term 2(p-1) alpha = {lat[0]:.3g} us (any N, any dtype)")
+    for dt, style, width in (("float32", ":", 1.8), ("bfloat16", "-.", 1.4)):
+        ax.plot(ns, [1e6 * t[1] for t in terms[dt]], style, color=TEXT, linewidth=width, gid=f"bandwidth-{dt}",
+                label=f"bandwidth term 2(p-1)/p S/beta, {dt} (S = N x {d_model} x {getattr(torch, dt).itemsize} B)")
+    for dt, y in (("float32", 0.06), ("bfloat16", 0.012)):
+        star = crossover_tokens(fit, d_model, getattr(torch, dt).itemsize, p)
+        ax.axvline(star, color=COMM, linestyle="-" if dt == "float32" else "--", linewidth=1, gid=f"crossover-{dt}")
+        ax.text(star * 1.1, lat[0] * y, f"N* = {star:,.0f} tokens\n({dt})", fontsize=MIN_FONT, color=TEXT, va="center",
+                bbox={"facecolor": NEVER, "edgecolor": "none", "pad": 1})
+    ax.text(1.3, lat[0] * 1.35, "left of N*: latency-dominated; right of it: bandwidth-dominated", fontsize=MIN_FONT,
+            color=TEXT)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_ylim(1e-3 * lat[0], 50 * lat[0])
+    ax.set_xlabel(f"tokens N in the forward (payload [N x {d_model}] on each rank)")
+    ax.set_ylabel("us for ONE all-reduce (model)")
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
+    fig.suptitle(f"A model, not a measurement: one ring all-reduce, TP = {p}, alpha = {fit.alpha_s * 1e6:.3g} us per "
+                 f"step, beta = {fit.beta / 1e9:.3g} GB/s", fontsize=MIN_FONT + 2)
+    ax.set_title("assumed: each of the 2(p-1) steps costs alpha + (S/p)/beta; fixed alpha and beta; no overlap "
+                 "with compute", fontsize=MIN_FONT)
+    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.12, top=0.86)
+    return fig
 
 
 def _sig(x: float, digits: int) -> float:
@@ -880,69 +931,92 @@ def smallest_tp(cfg: ModelConfig, budget: int, vocab_parallel: bool = False, cou
     return next((p for p in tp_sizes(cfg) if count(cfg, p, vocab_parallel) <= budget), None)
 
 
-def _smallest_tp_hint(got, cfg: ModelConfig, budget: int, vp: bool) -> str:
-    """Why ``got`` is not the smallest fitting TP size: what rank 0 really holds there, and the usual slip."""
-    sizes, want = tp_sizes(cfg), smallest_tp(cfg, budget, vp)
-    if got is not None and got not in sizes:
-        return (f"tp_size={got} cannot split this model: the engine needs whole heads and whole FFN units per rank, "
-                f"so tp_size must divide n_heads={cfg.n_heads} and d_ffn={cfg.d_ffn}: {sizes}")
+def tp_plan(cfg: ModelConfig, budget: int, count=None) -> tuple[int, bool] | None:
+    """Exercise 00.1's answer: the plan ``(tp_size, vocab_parallel)`` with the fewest ranks at which one rank holds
+    at most ``budget`` parameters, and among those the one WITHOUT a vocab-parallel embedding (it only adds
+    collectives outside the blocks); None when no plan fits. ``count`` as in ``smallest_tp``."""
+    check_int("budget", budget, 1)
+    count = count or rank_params
+    return next(((p, vp) for p in tp_sizes(cfg) for vp in (False, True) if count(cfg, p, vp) <= budget), None)
+
+
+def _all_split(cfg: ModelConfig, tp_size: int, vocab_parallel: bool) -> float:
+    """The usual slip: every parameter cut ``tp_size`` ways."""
+    return sum(_parts_cached(cfg, 1).values()) / tp_size
+
+
+def _wpe_cut_too(cfg: ModelConfig, tp_size: int, vocab_parallel: bool) -> int:
+    """The other slip: a vocab-parallel embedding that cuts the position table as well."""
+    return rank_params(cfg, tp_size, vocab_parallel) - (_parts_cached(cfg, 1)["wpe"] * (tp_size - 1) // tp_size
+                                                        if vocab_parallel else 0)
+
+
+def _plan_hint(got, cfg: ModelConfig, budget: int) -> str:
+    """Why the plan ``got`` is not the one wanted: what rank 0 really holds there, and the usual slip."""
+    sizes, want = tp_sizes(cfg), tp_plan(cfg, budget)
     if got is None:
-        facts = [f"tp_size={want} fits: rank 0 holds {rank_params(cfg, want, vp):,} <= {budget:,}"]
-    elif rank_params(cfg, got, vp) > budget:
-        facts = [f"at tp_size={got} rank 0 holds {rank_params(cfg, got, vp):,} parameters, over the budget of "
+        facts = [f"tp_size={want[0]}, vocab_parallel={want[1]} fits: rank 0 holds {rank_params(cfg, *want):,} <= "
                  f"{budget:,}"]
     else:
-        facts = [f"tp_size={want} already fits (rank 0 holds {rank_params(cfg, want, vp):,} <= {budget:,}): the "
-                 "smallest fitting size is wanted"]
+        tp, vp = got
+        if tp not in sizes:
+            return (f"tp_size={tp} cannot split this model: the engine needs whole heads and whole FFN units per "
+                    f"rank, so tp_size must divide n_heads={cfg.n_heads} and d_ffn={cfg.d_ffn}: {sizes}")
+        held = rank_params(cfg, tp, vp)
+        if held > budget:
+            facts = [f"at tp_size={tp}, vocab_parallel={vp} rank 0 holds {held:,} parameters, over the budget of "
+                     f"{budget:,}"]
+        elif want is not None and want[0] < tp:
+            facts = [f"tp_size={want[0]} already fits with vocab_parallel={want[1]} (rank 0 holds "
+                     f"{rank_params(cfg, *want):,} <= {budget:,}): fewer GPUs for one copy of the model"]
+        else:  # the same TP size, vocab-parallel where it is not needed
+            facts = [f"tp_size={tp} fits with the token table whole (rank 0 holds {rank_params(cfg, tp, False):,} <= "
+                     f"{budget:,}): a vocab-parallel embedding there buys nothing and adds collectives outside the "
+                     "blocks"]
     if want is None:
-        facts.append(f"no TP size fits: even at tp_size={sizes[-1]} rank 0 holds {rank_params(cfg, sizes[-1], vp):,}, "
-                     "because the replicated part does not shrink with the TP size (return None)")
-
-    def all_split(c, t, v):
-        return sum(_parts_cached(c, 1).values()) / t
-
-    def wpe_cut_too(c, t, v):
-        return rank_params(c, t, v) - (_parts_cached(c, 1)["wpe"] * (t - 1) // t if v else 0)
-
-    slips = [(smallest_tp(cfg, budget, vp, all_split),
-              "not everything is split: the embeddings, the LayerNorms and the row-parallel biases are whole on every "
-              "rank, so a rank's share never falls below that replicated part"),
-             (smallest_tp(cfg, budget, not vp),
-              "vocab_parallel=True cuts wte (the tied LM head too) into ceil(vocab_size / tp_size) rows per rank"
-              if vp else "with vocab_parallel=False the token table wte is whole on every rank")]
-    if vp:  # the more specific slip first
-        slips.insert(0, (smallest_tp(cfg, budget, vp, wpe_cut_too),
-                         "a vocab-parallel embedding cuts the token table only: the position table wpe stays whole"))
+        facts.append(f"no plan fits: even at tp_size={sizes[-1]} with a vocab-parallel embedding rank 0 holds "
+                     f"{rank_params(cfg, sizes[-1], True):,}, because the rest of the replicated part does not shrink "
+                     "with the TP size (return None)")
+    slips = [(tp_plan(cfg, budget, _wpe_cut_too), "a vocab-parallel embedding cuts the token table only: the "
+                                                  "position table wpe stays whole"),
+             (tp_plan(cfg, budget, _all_split), "not everything is split: the embeddings, the LayerNorms and the "
+                                                "row-parallel biases are whole on every rank, so a rank's share never "
+                                                "falls below that replicated part"),
+             ((smallest_tp(cfg, budget, False), False) if smallest_tp(cfg, budget, False) else None,
+              "the vocab-parallel embedding is yours to choose: cutting wte (and the tied LM head) into "
+              "ceil(vocab_size / tp_size) rows lets a smaller TP size fit")]
     facts += [hint for value, hint in slips if got == value][:1]
     return "; ".join(facts)
 
 
-def check_smallest_tp(fn: Callable[[ModelConfig, int, bool], int | None]) -> bool:
-    """Exercise 00.1: ``fn(cfg, budget, vocab_parallel) -> int | None``: the smallest TP size the engine can
-    split ``cfg`` over (it divides ``n_heads`` and ``d_ffn``) at which ONE rank holds at most ``budget``
-    parameters, None if none does. Checked against the parameters of rank 0's real shard (``rank_params``)
-    on three configurations, with budgets set between the real per-rank counts."""
+def check_tp_plan(fn: Callable[[ModelConfig, int], tuple[int, bool] | None]) -> bool:
+    """Exercise 00.1: ``fn(cfg, budget) -> (tp_size, vocab_parallel) | None``: the plan with the fewest ranks
+    (a TP size that divides ``n_heads`` and ``d_ffn``) at which ONE rank holds at most ``budget`` parameters,
+    without a vocab-parallel embedding unless only it makes that TP size fit; None if no plan fits
+    (``tp_plan``). Checked against the parameters of rank 0's real shard (``rank_params``) on three
+    configurations, with budgets set between the real per-rank counts."""
     a, b, c = _SMALL_CFGS
-    cases = [(a, rank_params(a, 1), False),               # the whole model fits: 1
-             (a, rank_params(a, 2), False),               # exactly the TP=2 share: 2 (at most, not less than)
-             (a, rank_params(a, 4) - 1, False),           # below the smallest share without vocab-parallel: None
-             (a, rank_params(a, 4) - 1, True),            # ... which a vocab-parallel embedding makes fit
-             (a, rank_params(a, 2, True) - 1, True),      # one short of TP=2's vocab-parallel share: 4
-             (b, rank_params(b, 2) - 1, False),           # heads 6: TP=3, not 4
-             (b, rank_params(b, 3, True), True),
-             (c, rank_params(c, 2, True), True),
-             (c, rank_params(c, 2, True), False)]
+    cases = [(a, rank_params(a, 1)),              # the whole model fits: (1, False)
+             (a, rank_params(a, 2)),              # exactly the TP=2 share, wte whole: (2, False)
+             (a, rank_params(a, 2) - 1),          # one short: vocab-parallel keeps TP=2
+             (a, rank_params(a, 2, True) - 1),    # one short of that: TP=4
+             (a, rank_params(a, 4, True) - 1),    # below every share: None
+             (b, rank_params(b, 2, True) - 1),    # heads 6: TP=3, not 4
+             (b, rank_params(b, 3, True)),
+             (c, rank_params(c, 2, True)),
+             (c, rank_params(c, 1) - 1)]
 
-    def judge(got, cfg, budget, vp):
-        want = smallest_tp(cfg, budget, vp)
-        if isinstance(got, bool) or not (got is None or isinstance(got, int)):
-            return f"return an int TP size or None, got {got!r}"
+    def judge(got, cfg, budget):
+        want = tp_plan(cfg, budget)
+        ok = got is None or (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], int)
+                             and not isinstance(got[0], bool) and isinstance(got[1], bool))
+        if not ok:
+            return f"return a pair (tp_size: int, vocab_parallel: bool) or None, got {got!r}"
         if got == want:
             return None
-        hint = _smallest_tp_hint(got, cfg, budget, vp)
-        return f"got {got!r}, expected {want!r}" + (f" - {hint}" if hint else "")
-    return grade("smallest_tp", fn, cases, judge,
-                 f"the smallest fitting TP size matches rank 0's real shard on {len(cases)} cases")
+        return f"got {got!r}, expected {want!r} - {_plan_hint(got, cfg, budget)}"
+    return grade("tp_plan", fn, cases, judge,
+                 f"the plan matches rank 0's real shard on {len(cases)} cases")
 
 
 def packing_saving(fit: AlphaBeta, num_tokens: int, requests: int, world_size: int = 2) -> float:
