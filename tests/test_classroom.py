@@ -102,10 +102,12 @@ def wrong(suspect):  # reads the payload shape, never asks whether the ranks agr
     return "correct" if torch.allclose(at_zero[0][0], suspect.bias, atol=1e-5) else "bias on every rank"
 ''', "the sum came too early"),
     "ex02_3_grade": ('''
-def wrong(scheme):  # right quantisers, but calls every per-tensor scale unsafe
-    import lessons_lib.course.l02_linear as L
-    return (lambda x: L.fake_int8(x, scheme)), scheme == "per-token dynamic"
-''', "a static scale is a constant"),
+def wrong(x):  # one scale for the whole flat batch, recomputed at every forward (per-tensor dynamic)
+    import torch
+    s = x.abs().max() / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.clamp(torch.round(x / s), -127, 127) * s
+''', "sets every request's grid"),
     # lesson 03
     "ex03_1_grade": ('''
 def wrong(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None):
@@ -119,9 +121,9 @@ def wrong(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causa
     return out
 ''', "one per request"),
     "ex03_2_grade": ('''
-def wrong(seq_lens):  # the right comparison, but ">=": a tie counted as masking wasting more
-    return sum(seq_lens) ** 2 >= len(seq_lens) * max(seq_lens) ** 2
-''', "a tie"),
+def wrong(rule, k):  # "unequal" refuted with two requests of ratio k: padding still wastes more
+    return [1, k] if rule == "unequal" else [k] + [1] * (k - 1)
+''', "padding still wastes more"),
     "ex03_3_grade": ('''
 def wrong(cu_seqlens_q, cu_seqlens_k):  # same request, causal from the top-left: wrong with a cached prefix
     import torch
@@ -150,13 +152,12 @@ def wrong(n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number):  # n_kv_
 ''', "must be REPLICATED"),
     # lesson 05
     "ex05_1_grade": ('''
-def wrong(cfg, seq_lens, n_kv_heads):  # caches every query head's K and V: grouping saves nothing
-    d, q, f = cfg.d_model, cfg.n_heads * cfg.d_head, cfg.d_ffn
-    kv, t = n_kv_heads * cfg.d_head, sum(seq_lens)
-    return {"attention_flops": cfg.n_layers * cfg.n_heads * sum(n * n for n in seq_lens) * 4 * cfg.d_head,
-            "linear_flops": cfg.n_layers * t * 2 * (d * (q + 2 * kv) + q * d + 2 * d * f),
-            "kv_cache_bytes": cfg.n_layers * t * 2 * q * 2}
-''', "the cache holds the K/V heads"),
+def wrong(cfg, seq_lens, ridge):  # grouping taken to multiply prefill attention's intensity by the group, as in decode
+    from lessons_lib.course import l05_flops as L
+    plain = L.attention_intensity(seq_lens, cfg.n_heads, cfg)
+    fits = [kv for kv in range(1, cfg.n_heads + 1) if cfg.n_heads % kv == 0 and plain * cfg.n_heads / kv >= ridge]
+    return max(fits, default=None)
+''', "not by the group factor"),
     "ex05_2_grade": ('''
 def wrong(total, n_kv_heads):  # equal requests, as many as stay compute-bound: no long request to carry it
     from lessons_lib.course import l05_flops as L
