@@ -150,6 +150,11 @@ def wrong(n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number):  # n_kv_
     return ([list(range(r * per_rank, (r + 1) * per_rank)) for r in range(tp)],
             2 * per_rank * d_head * n_layers * bytes_per_number)
 ''', "must be REPLICATED"),
+    "ex04_3_grade": ('''
+def wrong(error, bias, allowed, tp):  # every error beyond the bound blamed on the heads: the bias row missed
+    from lessons_lib.course import l04_tp as L
+    return L.ENGINE_CUT if float(error.abs().max()) <= allowed else L.NAIVE_CUT
+''', "the same row for every token"),
     # lesson 05
     "ex05_1_grade": ('''
 def wrong(cfg, seq_lens, ridge):  # grouping taken to multiply prefill attention's intensity by the group, as in decode

@@ -16,6 +16,7 @@ from lessons_lib.core.model import Transformer, init_weights
 from lessons_lib.course import l04_tp as L
 from lessons_lib.course.grading import score
 from lessons_lib.measure.flops import attention_cells
+from lessons_lib.measure.recorder import module_io
 from lessons_lib.measure.tolerance import max_abs_diff, tolerance
 from lessons_lib.style import COMM, MIN_FONT
 from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
@@ -149,6 +150,40 @@ def test_c12_packing_state_partials_are_each_rank_s_own_and_add_up(t, r, pattern
         assert s["partial_norms"][rank] == pytest.approx(float(direct[rank][t - 1].norm()), rel=1e-5)
     assert max_abs_diff(torch.tensor(s["partials"][0]), torch.tensor(s["partials"][1])) > 1e-3  # the ranks differ
     assert (s["token"], s["token_request"], s["token_position"]) == (t - 1, r - 1, lens[-1] - 1)
+
+
+def test_c12_rank_partials_are_what_thread_ranks_send_and_add_up_to_tp1():
+    cfg = ModelConfig(vocab_size=1000, max_position=2048)
+    weights = init_weights(cfg, seed=0)
+    lens = [10, 30]
+    batch = L.explorer_batch(cfg, lens)
+    sent = L.rank_partials(cfg, weights, batch, 2)
+    assert [tuple(p.shape) for p in sent] == [(40, 512), (40, 512)]
+    thread = L.tp_packing_state(40, 2, "equal")  # [20, 20]: the threads' last-token partial sums, real adds
+    direct = L.rank_partials(cfg, weights, L.explorer_batch(cfg, [20, 20]), 2)
+    for rank in (0, 1):
+        assert max_abs_diff(direct[rank][39, :L.SHOWN], torch.tensor(thread["partials"][rank])) < 1e-5
+    tp1 = Transformer(cfg, weights)
+    io = module_io(tp1, ["layers.0.attn.out_proj"], lambda: tp1(batch))
+    assert max_abs_diff(sent[0] + sent[1] + tp1.layers[0].attn.out_proj.bias, io["layers.0.attn.out_proj"][1]) < 1e-5
+    assert max_abs_diff(sent[0], sent[1]) > 1e-2
+    four = L.rank_partials(cfg, weights, batch, 4)
+    assert len(four) == 4 and max_abs_diff(sum(four), sent[0] + sent[1]) < 1e-5
+    assert L.rank_partials(cfg, weights, batch, 2, dtype=torch.float64)[0].dtype == torch.float64
+
+
+def test_c12_rank_partials_of_a_request_ignore_a_request_before_it_but_not_a_cut_inside_it():
+    weights = init_weights(SMALL, seed=0)
+    ids = torch.randint(0, SMALL.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
+    alone = L.rank_partials(SMALL, weights, pack([ids[6:]]), 2)
+    after = L.rank_partials(SMALL, weights, pack([ids[:6], ids[6:]]), 2)
+    cut = L.rank_partials(SMALL, weights, pack(list(ids[6:].split(7))), 2)
+    for rank in (0, 1):
+        assert max_abs_diff(after[rank][6:], alone[rank]) < 1e-6
+        assert max_abs_diff(cut[rank][:7], alone[rank][:7]) < 1e-6       # causal: the first piece sees the same
+        assert max_abs_diff(cut[rank][7:], alone[rank][7:]) > 1e-2       # the second piece lost the first 7
+    with pytest.raises(ValueError):
+        L.rank_partials(SMALL, weights, pack([ids]), 3)                  # 4 heads do not split over 3 ranks
 
 
 def test_packing_state_sum_check_can_fail():
@@ -416,3 +451,42 @@ def test_kv_plan_checker_stub_and_partial_marks(capsys):
     got = score(L.check_kv_plan, lambda *a: _kv(*a, floor=True), points=2)
     assert 0 < got < 2  # wrong only where tp > n_kv_heads
     assert re.search(r"[\d.]+ of 2 points \(4 of 6 cases right\)", capsys.readouterr().out)
+
+
+# --- Exercise 04.3: which cut is broken ----------------------------------------------------------
+
+def _diagnose(error, bias, allowed, tp):
+    if float(error.abs().max()) <= allowed:
+        return L.ENGINE_CUT
+    if float((error - (tp - 1) * bias.double()).abs().max()) <= allowed:
+        return L.BIAS_CUT
+    return L.NAIVE_CUT
+
+
+def test_c11_c12_cut_evidence_is_rounding_a_bias_row_or_a_per_token_error():
+    error, bias, allowed, tp = L.cut_evidence(L.ENGINE_CUT, 2, [10, 30])
+    assert tuple(error.shape) == (40, 64) and error.dtype == torch.float64 and float(error.abs().max()) <= allowed
+    error, bias, allowed, _ = L.cut_evidence(L.BIAS_CUT, 4, [3, 9])
+    assert max_abs_diff(error, (3 * bias.double()).expand_as(error)) <= allowed < 1e-5  # tp - 1 = 3 extra biases
+    error, bias, allowed, _ = L.cut_evidence(L.NAIVE_CUT, 2, [10, 30])
+    assert float((error - error[0]).abs().max()) > 1e-2                                   # each token its own error
+    for cut in L.CUTS:                                                                    # tp = 1: nothing to break
+        error, _, allowed, _ = L.cut_evidence(cut, 1, [4, 8])
+        assert float(error.abs().max()) <= allowed
+
+
+def test_cut_diagnosis_checker_accepts_the_reference_and_names_typical_mistakes(capsys):
+    assert L.check_cut_diagnosis(_diagnose)
+    assert L.check_cut_diagnosis(stub) is False and "not attempted" in capsys.readouterr().out
+    big_is_naive = attempt(L.check_cut_diagnosis, lambda e, b, a, tp: L.ENGINE_CUT if float(e.abs().max()) <= a
+                           else L.NAIVE_CUT)
+    assert "the same row for every token" in big_is_naive
+    big_is_bias = attempt(L.check_cut_diagnosis, lambda e, b, a, tp: L.ENGINE_CUT if float(e.abs().max()) <= a
+                          else L.BIAS_CUT)
+    assert "differs from token to token" in big_is_bias
+    tp1_broken = attempt(L.check_cut_diagnosis, lambda e, b, a, tp: L.NAIVE_CUT if tp == 1 else _diagnose(e, b, a, tp))
+    assert "at tp = 1 there is nothing to cut" in tp1_broken
+    assert "one of L.CUTS" in attempt(L.check_cut_diagnosis, lambda *a: "broken")
+    assert "something is broken" in attempt(L.check_cut_diagnosis, lambda *a: L.ENGINE_CUT)
+    assert score(L.check_cut_diagnosis, lambda e, b, a, tp: L.ENGINE_CUT if float(e.abs().max()) <= a
+                 else L.NAIVE_CUT, points=2) == pytest.approx(1.5)

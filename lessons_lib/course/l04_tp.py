@@ -8,11 +8,13 @@ Explorer ``tp_packing_explorer`` wraps ``tp_packing_state``: pack T tokens as R 
 them on two real ranks (threads that really add), and watch the trace stay while attention's
 inputs and each rank's own partial sums change.
 Helpers the notebook calls: ``rank_layers`` (what each rank's four linear layers compute),
-``layer0_attention`` (one layer's attention output on a rank). ``vocab_parallel_forward``: the
+``layer0_attention`` (one layer's attention output on a rank), ``rank_partials`` (what each rank
+hands to layer 0's out-proj all-reduce). ``vocab_parallel_forward``: the
 model with ``tp.vocab``'s vocab-parallel embedding and tied LM head around its blocks, as a real
 deployment runs it (on ``tp.threads`` ranks, or dry-run on a ``LocalGroup`` stand-in). Exercise checkers: ``check_vocab_trace``
 (04.1, the trace of that forward), ``check_kv_plan`` (04.2, a grouped-query model under TP: which
-K/V heads each rank holds, ``kv_plan``, and what a token costs in its cache).
+K/V heads each rank holds, ``kv_plan``, and what a token costs in its cache), ``check_cut_diagnosis``
+(04.3, name a broken cut from one layer's error, ``cut_evidence``).
 
 Taught in notebooks/04_tp2_invariance.ipynb.
 """
@@ -465,6 +467,21 @@ def out_proj_partials(model: Transformer, batch: PackedBatch) -> Tensor:
     io = module_io(model, ["layers.0.attn.out_proj"], lambda: model(batch))
     out = io["layers.0.attn.out_proj"][1]
     return out - model.layers[0].attn.out_proj.bias
+
+
+def rank_partials(cfg: ModelConfig, weights: dict, batch: PackedBatch, tp: int = 2, device="cpu",
+                  dtype=torch.float32) -> list[Tensor]:
+    """What each of ``tp`` ranks hands to layer 0's out-proj all-reduce for ``batch``: one
+    ``[T, d_model]`` tensor per rank, on the CPU (``out_proj_partials`` of a ``LocalGroup(r, tp)``
+    stand-in). Layer 0's input, the embedding, is whole on every rank, so a stand-in sends exactly
+    what a real rank sends. Only layer 0 of ``weights`` is built; float64 runs the loop attention."""
+    tp = check_int("tp", tp, 1, cfg.n_heads)
+    one = dataclasses.replace(cfg, n_layers=1)
+    w1 = {k: v for k, v in weights.items() if not k.startswith("layers.") or k.startswith("layers.0.")}
+    backend = "loop" if dtype == torch.float64 else "auto"
+    with torch.no_grad():
+        return [out_proj_partials(Transformer(one, w1, group=LocalGroup(r, tp), attn_backend=backend, device=device,
+                                              dtype=dtype), batch.to(device)).cpu() for r in range(tp)]
 
 
 def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal",
@@ -955,9 +972,94 @@ def check_kv_plan(fn: Callable[[int, int, int, int, int, int], tuple]) -> bool:
                  done="tp below, equal to and above the K/V heads, multi-query, and the course's model on the engine")
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 04.3: name the broken cut from what the ranks computed
+
+_CFG_CUT = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=64, max_position=64)
+
+
+def cut_evidence(cut: str, tp: int, seq_lens: Sequence[int], cfg: ModelConfig | None = None) -> tuple:
+    """What a doctor of a TP forward sees, for ranks cut by ``cut`` (``apply_cut``) on ``tp`` thread
+    ranks that really add: ``(error, bias, allowed, tp)``. ``error`` ``[T, d_model]``, float64: rank
+    0's layer-0 out proj output (after its all-reduce and bias, as the engine's forward produced it)
+    minus the one-process out proj in float64; ``bias`` the out proj's bias; ``allowed`` the
+    tolerance rule's bound of the one-process float32 result."""
+    cfg = cfg or _CFG_CUT
+    check_choice("cut", cut, CUTS)
+    tp = check_int("tp", tp, 1, cfg.n_heads)
+    weights = init_weights(cfg, seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (sum(check_lengths(seq_lens)),), generator=torch.Generator().manual_seed(0))
+    batch = pack(list(ids.split(list(seq_lens))))
+    ranks = [apply_cut(Transformer(cfg, weights, group=LocalGroup(r, tp)), weights, cut) for r in range(tp)]
+
+    def run(group):
+        model = ranks[group.rank]
+        for m in model.modules():
+            if hasattr(m, "group"):
+                m.group = group
+        return module_io(model, [TAPPED], lambda: model(batch))[TAPPED][1]
+    with torch.no_grad():
+        got = tp_ranks_in_threads(tp, run)[0][0]
+        tp1, fp64 = Transformer(cfg, weights), Transformer(cfg, weights, dtype=torch.float64, attn_backend="loop")
+        ref = module_io(tp1, [TAPPED], lambda: tp1(batch))[TAPPED][1]
+        ref64 = module_io(fp64, [TAPPED], lambda: fp64(batch))[TAPPED][1]
+    return got.double() - ref64, tp1.get_submodule(TAPPED).bias.detach().clone(), tolerance(ref, ref64), tp
+
+
+# (tp, seq_lens, which cut): the checker's cases; the cut is hidden from the reader's function
+_CUT_CASES = ((2, [10, 30], ENGINE_CUT), (2, [10, 30], BIAS_CUT), (2, [10, 30], NAIVE_CUT), (4, [1] * 12, BIAS_CUT),
+              (4, [5, 7], NAIVE_CUT), (4, [3, 9], ENGINE_CUT), (1, [12], NAIVE_CUT), (1, [4, 8], BIAS_CUT))
+
+
+_CUT_EVIDENCE: dict = {}
+
+
+def _cut_problem(got, want: str, error: Tensor, bias: Tensor, allowed: float, tp: int) -> str | None:
+    if got not in CUTS:
+        return f"return one of L.CUTS {CUTS}, got {got!r}"[:300]
+    if got == want or (tp == 1 and got == ENGINE_CUT):
+        return None
+    worst = float(error.abs().max())
+    spread = float((error - error[0]).abs().max())             # how much the error differs between tokens
+    extra = float((error - (tp - 1) * bias.double()).abs().max())
+    if tp == 1:
+        return (f"at tp = 1 there is nothing to cut: one rank holds the whole QKV and adds the bias once; the error "
+                f"{worst:.1e} is within the bound {allowed:.1e}, so the answer is {ENGINE_CUT!r}")
+    if want == ENGINE_CUT:
+        return f"max |error| = {worst:.1e} is within the allowed {allowed:.1e}: the ranks computed the right out proj"
+    if got == ENGINE_CUT:
+        return f"max |error| = {worst:.1e} is {worst / allowed:,.0f} times the allowed {allowed:.1e}: something is broken"
+    if want == BIAS_CUT:
+        return (f"the error is the same row for every token (rows differ by at most {spread:.1e}) and equals "
+                f"(tp - 1) x the bias to within {extra:.1e}: tp - 1 extra biases, not wrong heads (wrong heads give "
+                f"every token its own error)")
+    return (f"the error differs from token to token (rows differ by up to {spread:.1e}) and is not (tp - 1) x the "
+            f"bias (off by {extra:.1e}): an extra bias would add the same row to every token; the heads are wrong")
+
+
+def check_cut_diagnosis(fn: Callable[[Tensor, Tensor, float, int], str]) -> bool:
+    """Exercise 04.3: ``fn(error, bias, allowed, tp) -> cut``, one of ``CUTS``: which cut explains the
+    evidence of ``cut_evidence`` (the engine's when the result is right, also at tp = 1, where both
+    broken cuts compute the right thing). Cases: tp = 2 and 4 with each cut, and tp = 1."""
+    cases = [(tp, list(lens), f"mystery {i + 1}") for i, (tp, lens, _) in enumerate(_CUT_CASES)]
+    if not _CUT_EVIDENCE:                                       # computed once per process, handed out as copies
+        _CUT_EVIDENCE.update({case[2]: cut_evidence(cut, tp, lens) for case, (tp, lens, cut) in zip(cases, _CUT_CASES)})
+    evidence = {name: (e.clone(), b.clone(), a, tp) for name, (e, b, a, tp) in _CUT_EVIDENCE.items()}
+    truth = {case[2]: cut for case, (*_, cut) in zip(cases, _CUT_CASES)}
+
+    def run(tp, lens, name):
+        return fn(*evidence[name])
+
+    def judge(got, tp, lens, name):
+        return _cut_problem(got, truth[name], *evidence[name])
+    return grade("cut_diagnosis", fn=run, cases=cases, judge=judge,
+                 done="the engine's cut, the naive QKV cut and the bias on every rank, at tp = 1, 2 and 4")
+
 __all__ = ["RankLayer", "rank_layers", "layer0_attention", "two_axes_figure", "tp_trace_timeline", "packing_lens",
            "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_packing_figure", "tp_packing_explorer",
            "trace_shapes", "vocab_parallel_forward",
            "vocab_parallel_trace", "check_vocab_trace", "kv_plan", "engine_kv_plan", "check_kv_plan",
            "explorer_batch", "out_proj_partials", "tp_ranks_html", "apply_cut", "threaded_forward", "CUTS",
-           "ENGINE_CUT", "NAIVE_CUT", "BIAS_CUT", "TP_SIZES", "CAUGHT"]
+           "ENGINE_CUT", "NAIVE_CUT", "BIAS_CUT", "TP_SIZES", "CAUGHT", "rank_partials", "cut_evidence",
+           "check_cut_diagnosis"]
