@@ -220,9 +220,14 @@ def wrong(seq_lens, block_m):  # request r starts at floor(cu_r / BLOCK_M): no s
     return out
 ''', "floor(cu_r / BLOCK_M)"),
     "ex07_3_grade": ('''
-def wrong(seq_lens, n_heads, n_sms):  # the smallest tiles: the least waste, whatever they re-read
-    return 16
-''', "re-reads"),
+def wrong(seq_lens, n_heads, n_sms):  # counts every program of the grid as a busy SM, the early exits too
+    from lessons_lib.course import l07_kernel as L
+    work = {bm: L.tile_work(seq_lens, n_heads, bm) for bm in L.TILE_SIZES}
+    full = [bm for bm in work if work[bm].programs >= n_sms]
+    if full:
+        return min(full, key=lambda bm: (work[bm].kv_bytes_read(64, 2), work[bm].executed_cells))
+    return max(work, key=lambda bm: work[bm].programs)
+''', "return at once"),
     # lesson 08
     "ex08_1_grade": ('''
 def wrong(seq_lens, max_num_batched_tokens, max_num_seqs, long_prefill_token_threshold):  # a capped chunk ends the forward
@@ -244,9 +249,9 @@ def wrong(seq_lens, max_num_batched_tokens, max_num_seqs, long_prefill_token_thr
     return forwards
 ''', "a capped chunk does not end the forward"),
     "ex08_2_grade": ('''
-def wrong(seq_lens, draft, max_num_batched_tokens):  # the draft's chunks start at forward boundaries
-    return sum(range(0, seq_lens[draft], max_num_batched_tokens))
-''', "the room left"),
+def wrong(seq_lens, draft, max_budget, measure):  # the biggest budget: the fewest chunks, so (it assumes) the fewest rows
+    return max_budget
+''', "fewest chunks, not the fewest rows"),
     "ex08_3_grade": ('''
 def wrong(num_computed_tokens, seq_lens):  # positions restart in every chunk, as for a whole prompt
     import torch

@@ -9,6 +9,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from helpers import attempt
 
 from lessons_lib.core.attention import attention_ref
 from lessons_lib.course import l07_kernel as L
@@ -278,10 +279,6 @@ def _reference_window(len_q, len_k, tile_start, block_m, block_n, window):
     return (0, 0) if last_row < tile_start or hi <= lo else (lo // block_n, -(-hi // block_n))
 
 
-def _reference_allowed(seq_lens, n_heads, n_sms):
-    return tuple(bm for bm in L.TILE_SIZES if -(-max(seq_lens) // bm) * n_heads * len(seq_lens) >= n_sms)
-
-
 def _flat_grid(seq_lens, block_m, extra=1):
     """vLLM's map: request r starts at floor(cu_r / BLOCK_M) + extra * r (extra=0 is the typical mistake)."""
     cu = [0]
@@ -295,8 +292,14 @@ def _flat_grid(seq_lens, block_m, extra=1):
     return pairs
 
 
-def _reference_tiles(seq_lens, n_heads, n_sms):
-    costs = {bm: L.tile_costs(seq_lens, n_heads, bm) for bm in L.TILE_SIZES}
+def _reference_tiles(seq_lens, n_heads, n_sms, busy=True):
+    """Written from the lengths, not from the module: working programs = the real query tiles x heads."""
+    costs = {}
+    for bm in L.TILE_SIZES:
+        real = n_heads * sum(-(-n // bm) for n in seq_lens)
+        grid = n_heads * len(seq_lens) * -(-max(seq_lens) // bm)
+        w = tiling.predict_work(seq_lens, n_heads=n_heads, block_m=bm, block_n=64, causal=True)
+        costs[bm] = (real if busy else grid, w.tiles * 64 * 64 * 2 * 2, w.tiles * bm * 64)
     full = [bm for bm in L.TILE_SIZES if costs[bm][0] >= n_sms]
     if full:
         return min(full, key=lambda bm: (costs[bm][1], costs[bm][2]))
@@ -307,8 +310,9 @@ def test_the_checkers_accept_the_references(capsys):
     assert L.check_window_tiles(_reference_window)
     assert L.check_flat_grid(_flat_grid)
     assert L.check_tiles(_reference_tiles)
-    assert L.check_tile_bound(_reference_allowed)
-    assert capsys.readouterr().out.count("✓") == 4
+    assert L.check_grid_trap(lambda: ([1000] + [30] * 7, 4))
+    assert L.check_flat_worse(lambda: ([48] * 4, 16))
+    assert capsys.readouterr().out.count("✓") == 5
 
 
 def test_window_truth_is_the_kernels_causal_bound_without_a_window():
@@ -353,15 +357,22 @@ def test_window_checker_compares_with_the_kernels_count_on_a_chunk():
     assert L._chunk_kernel_tiles(*L.CHUNK_MIX, 16, 16) == tiling.predict_work(*L.CHUNK_MIX, block_m=16, block_n=16).tiles
 
 
-@pytest.mark.parametrize("wrong, phrase", [
-    (lambda lens, h, s: tuple(bm for bm in L.TILE_SIZES if -(-max(lens) // bm) * len(lens) >= s), "every head"),
-    (lambda lens, h, s: tuple(bm for bm in L.TILE_SIZES if h * sum(-(-n // bm) for n in lens) >= s),
-     "sized by the longest one"),
-    (lambda lens, h, s: tuple(bm for bm in L.TILE_SIZES if -(-max(lens) // bm) * h * len(lens) <= s), "against"),
-])
-def test_tile_bound_checker_explains_a_wrong_defence(wrong, phrase):
-    with pytest.raises(WrongAnswer, match=phrase):
-        L.check_tile_bound(wrong)
+def test_tiles_checker_explains_the_grid_count_and_the_re_reads():
+    # counting every program of the grid: the early exits of the short requests look like busy SMs
+    assert "return at once" in attempt(L.check_tiles, lambda lens, h, s: _reference_tiles(lens, h, s, busy=False))
+    assert "re-reads" in attempt(L.check_tiles, lambda lens, h, s: 16 if len(lens) == 1 else _reference_tiles(lens, h, s))
+    assert "one of" in attempt(L.check_tiles, lambda lens, h, s: 48)
+
+
+def test_the_counter_example_checkers_refuse_a_mix_that_proves_nothing(capsys):
+    assert "both counts pick" in attempt(L.check_grid_trap, lambda: ([4000], 8))          # no early exits at all
+    assert "find one of your own" in attempt(L.check_grid_trap, lambda: ([300, 20, 20, 20], 8))
+    assert "not larger than the rectangle" in attempt(L.check_flat_worse, lambda: ([100, 5, 20, 7], 32))
+    assert "find one of your own" in attempt(L.check_flat_worse, lambda: ([64, 64], 64))
+    assert "expected (seq_lens, n_heads)" in attempt(L.check_grid_trap, lambda: 5)
+    # the printed counts are the prediction's: the flat grid 16 against the rectangle's 12 for 4 x 48 at 16
+    L.check_flat_worse(lambda: ([48] * 4, 16))
+    assert "flat grid 16 programs, rectangle 12" in capsys.readouterr().out
 
 
 def test_flat_grid_never_loses_a_tile_and_the_checker_explains_one_that_does():
@@ -397,10 +408,10 @@ def test_tiles_checker_explains_occupancy_and_kv_traffic():
     with pytest.raises(WrongAnswer, match="re-reads"):
         L.check_tiles(lambda lens, h, s: 16)       # fills the GPU but re-reads K/V four times
     with pytest.raises(WrongAnswer, match="SMs sit idle"):
-        L.check_tiles(lambda lens, h, s: 128)      # 96 programs for the draft mix: under 132 SMs
+        L.check_tiles(lambda lens, h, s: 128)      # 96 programs for the draft mix, 48 of them working: under 132 SMs
     with pytest.raises(WrongAnswer, match="must be one of"):
         L.check_tiles(lambda lens, h, s: 48)
-    with pytest.raises(WrongAnswer, match="no choice fills"):
+    with pytest.raises(WrongAnswer, match="no choice keeps"):
         L.check_tiles(lambda lens, h, s: _reference_tiles(lens, h, s) if len(lens) > 1 else 128)
 
 

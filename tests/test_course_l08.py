@@ -268,16 +268,34 @@ def _cache_rows(lens, draft, budget):  # written from the rule, not from the mod
     return rows
 
 
-def test_draft_cache_rows_checker_passes_the_arithmetic_and_explains_mistakes():
-    assert L.check_draft_cache_rows(_cache_rows)
-    lens = L.stream_lengths()
-    assert [L.draft_cache_rows_truth(lens, L.draft_index(), b) for b in (512, 576, 640)] == [3928, 2754, 3330]
-    assert "the room left" in attempt(L.check_draft_cache_rows, lambda s, d, b: sum(range(0, s[d], b)))
-    assert "its start" in attempt(L.check_draft_cache_rows, lambda s, d, b: _cache_rows(s, d, b) + s[d])
-    assert "without plan_batches" in attempt(L.check_draft_cache_rows,
-                                             lambda s, d, b: L.draft_cache_rows_truth(s, d, b))
-    assert "expected an int" in attempt(L.check_draft_cache_rows, lambda s, d, b: "3928")
-    assert L.check_draft_cache_rows(_cache_rows)   # the scheduler is back after a refused call
+def _budget(lens, draft, top, measure):
+    return min(range(16, top + 1, 16), key=lambda b: (_cache_rows(lens, draft, b), -b))
+
+
+def test_draft_cache_rows_are_the_sum_of_the_engine_s_chunk_starts():
+    lens, d = L.stream_lengths(), L.draft_index()
+    assert [L.draft_cache_rows_truth(lens, d, b) for b in (512, 576, 640)] == [3928, 2754, 3330]
+    assert [L.draft_cache_rows_truth(lens, d, b) for b in (512, 576, 640)] == [_cache_rows(lens, d, b)
+                                                                           for b in (512, 576, 640)]
+    assert L.best_budget(lens, d, 768) == 656 and L.best_budget(lens, d, 512) == 432
+    # the Engine itself starts the draft's chunks where the scheduler's plan does
+    assert list(L.engine_draft_chunks(tuple(lens), d, 656)) == L.draft_chunks(lens, d, 656) == [(0, 502), (502, 656),
+                                                                                                (1158, 618)]
+
+
+def test_budget_choice_checker_passes_a_design_and_explains_mistakes():
+    assert L.check_budget_choice(_budget)
+    assert "fewest chunks, not the fewest rows" in attempt(L.check_budget_choice, lambda s, d, top, m: top)
+    assert "at most 3" in attempt(L.check_budget_choice, lambda s, d, top, m: [m(b) for b in (16, 32, 48, 64)][0])
+    assert "without plan_batches" in attempt(L.check_budget_choice, lambda s, d, top, m: L.best_budget(s, d, top))
+    assert "without plan_batches" in attempt(L.check_budget_choice,
+                                             lambda s, d, top, m: L.budget_measures(top)["budget"])
+    assert "expected an int" in attempt(L.check_budget_choice, lambda s, d, top, m: "656")
+    assert "multiple of 16" in attempt(L.check_budget_choice, lambda s, d, top, m: top + 1)
+    # a tie (the draft fits in its first forward under 32, 48 and 64) goes to the bigger budget
+    assert "tie goes to the bigger budget" in attempt(
+        L.check_budget_choice, lambda s, d, top, m: 32 if top == 64 else _budget(s, d, top, m))
+    assert L.check_budget_choice(_budget)   # the scheduler is back after a refused call
     assert L.planned_timeline([5, 3], 4, True) == [[(0, 4)], [(0, 1), (1, 3)]]
 
 

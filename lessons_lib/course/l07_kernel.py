@@ -786,24 +786,59 @@ def check_flat_grid(fn: Callable[[list, int], list]) -> bool:
                  f"a flat grid for {len(FLAT_CASES)} mixes, every real query tile once, in request order")
 
 
+def check_flat_worse(fn: Callable[[], tuple]) -> bool:
+    """Exercise 07.2, the counter-example: ``fn() -> (seq_lens, block_m)``, a mix (not one of ``FLAT_CASES``) whose
+    flat grid of ``⌊T / BLOCK_M⌋ + R`` programs is larger than the rectangular ``⌈max_seqlen / BLOCK_M⌉ · R``
+    (one head; the rectangle counted by ``tiling.predict_work``)."""
+    def judge(got):
+        try:
+            lens, block_m = [int(n) for n in got[0]], int(got[1])
+        except (TypeError, ValueError, IndexError):
+            return f"expected (seq_lens, block_m), got {got!r}"[:200]
+        if not lens or min(lens) < 1 or len(lens) > 64 or sum(lens) > 16384 or block_m not in TILE_SIZES:
+            return f"got {got!r}: 1 to 64 lengths >= 1, at most 16384 tokens, BLOCK_M one of {TILE_SIZES}"[:300]
+        if any(lens == c[0] and block_m == c[1] for c in FLAT_CASES):
+            return "that mix is one of the checker's cases above: find one of your own"
+        flat = flat_grid_size(lens, block_m)
+        rect = tiling.predict_work(lens, n_heads=1, block_m=block_m, block_n=64, causal=True)
+        need = sum(cdiv(n, block_m) for n in lens)
+        print(f"  {lens[:8]}{' ...' if len(lens) > 8 else ''} at BLOCK_M = {block_m}: {need} real query tiles; flat "
+              f"grid {flat} programs, rectangle {rect.programs} ({rect.early_exits} of them return at once)")
+        if flat <= rect.programs:
+            return (f"the flat grid ({flat}) is not larger than the rectangle ({rect.programs}). The rectangle wastes "
+                    "slots when lengths differ; the flat grid's + R slots are wasted when no request has a ragged "
+                    "last tile. Which lengths leave the rectangle nothing to waste?")
+        return None
+    return grade("flat_worse", fn, [()], judge, "a mix where the flat grid starts more programs than the rectangle")
+
+
 # ---- exercise 07.3: tile size, K/V traffic and occupancy -------------------------------------------------
 
-H200_SMS = 132            # streaming multiprocessors of an H200: a launch of fewer programs leaves some idle
+H200_SMS = 132            # streaming multiprocessors of an H200: a launch of fewer working programs leaves some idle
 TILE_D, TILE_BYTES, TILE_BN = 64, 2, 64   # d_head, bf16, BLOCK_N held fixed in exercise 07.3
 TILE_CASES = [([300, 20, 20, 20], 8, H200_SMS), ([4096], 8, H200_SMS), ([10] * 12, 8, H200_SMS),
-              ([2000], 1, H200_SMS), ([500, 3], 16, H200_SMS), ([1000, 50], 32, H200_SMS)]
+              ([2000], 1, H200_SMS), ([500, 3], 16, H200_SMS), ([1000, 50, 50, 50], 4, H200_SMS),
+              ([700] + [20] * 7, 4, H200_SMS), ([1000, 50], 32, H200_SMS)]
 
 
-def tile_costs(lens, n_heads, block_m) -> tuple[int, int, int]:
-    """(programs, K/V bytes read, executed cells) of a causal launch at ``block_m`` x ``TILE_BN``, d = 64, bf16."""
-    w = tiling.predict_work(lens, n_heads=n_heads, block_m=block_m, block_n=TILE_BN, causal=True)
-    return w.programs, w.kv_bytes_read(TILE_D, TILE_BYTES), w.executed_cells
+def tile_work(lens, n_heads, block_m) -> WorkCounts:
+    """``tiling.predict_work`` of a causal launch at ``block_m`` x ``TILE_BN`` (exercise 07.3's counters: programs,
+    early_exits, tiles, ``kv_bytes_read(TILE_D, TILE_BYTES)``, executed_cells)."""
+    return tiling.predict_work(lens, n_heads=n_heads, block_m=block_m, block_n=TILE_BN, causal=True)
 
 
-def best_block_m(lens, n_heads, n_sms) -> int:
-    """The BLOCK_M of ``TILE_SIZES`` reading the fewest K/V bytes among those whose launch fills the SMs
-    (programs >= n_sms); if none does, the one with the most programs; ties: fewest executed cells."""
-    costs = {bm: tile_costs(lens, n_heads, bm) for bm in TILE_SIZES}
+def tile_costs(lens, n_heads, block_m, busy: bool = True) -> tuple[int, int, int]:
+    """(programs that keep an SM busy, K/V bytes read, executed cells) at ``block_m``; ``busy=False`` counts
+    every program of the grid, the early exits too (the naive count)."""
+    w = tile_work(lens, n_heads, block_m)
+    return w.programs - (w.early_exits if busy else 0), w.kv_bytes_read(TILE_D, TILE_BYTES), w.executed_cells
+
+
+def best_block_m(lens, n_heads, n_sms, busy: bool = True) -> int:
+    """The BLOCK_M of ``TILE_SIZES`` reading the fewest K/V bytes among those whose working programs (those that
+    compute a tile; ``busy=False``: all the grid's programs) number at least ``n_sms``; if none, the most working
+    programs; ties: fewest executed cells."""
+    costs = {bm: tile_costs(lens, n_heads, bm, busy) for bm in TILE_SIZES}
     full = [bm for bm in TILE_SIZES if costs[bm][0] >= n_sms]
     if full:
         return min(full, key=lambda bm: (costs[bm][1], costs[bm][2]))
@@ -816,8 +851,9 @@ def _mib(n: int) -> str:
 
 def check_tiles(fn: Callable[[list, int, int], int]) -> bool:
     """Exercise 07.3: ``fn(seq_lens, n_heads, n_sms) -> block_m`` from ``TILE_SIZES`` (BLOCK_N = 64, causal,
-    d = 64, bf16): the fewest K/V bytes read among the choices that start at least ``n_sms`` programs; if none
-    does, the most programs; ties broken by fewest executed cells."""
+    d = 64, bf16): the fewest K/V bytes read among the choices that keep ``n_sms`` SMs busy with programs that
+    compute (early exits free their SM at once); if none does, the most working programs; ties broken by fewest
+    executed cells."""
     def judge(got, lens, heads, n_sms):
         try:
             ans = int(got)
@@ -828,56 +864,56 @@ def check_tiles(fn: Callable[[list, int, int], int]) -> bool:
         want = best_block_m(lens, heads, n_sms)
         if ans == want:
             return None
+        w = tile_work(lens, heads, ans)
         (p, kv, cells), (wp, wkv, wcells) = tile_costs(lens, heads, ans), tile_costs(lens, heads, want)
-        mine = f"BLOCK_M = {ans}: {p} programs, {_mib(kv)} of K/V read, {cells} executed cells"
-        best = f"BLOCK_M = {want}: {wp} programs, {_mib(wkv)}, {wcells} cells"
+        mine = f"BLOCK_M = {ans}: {p} working programs, {_mib(kv)} of K/V read, {cells} executed cells"
+        best = f"BLOCK_M = {want}: {wp} working programs, {_mib(wkv)}, {wcells} cells"
+        if p < n_sms <= wp and w.programs >= n_sms:
+            return (f"{mine}. The grid starts {w.programs} programs, enough for {n_sms} SMs on paper, but "
+                    f"{w.early_exits} of them return at once (tiles past a short request's end): only {p} keep an "
+                    f"SM busy. {best} keeps all {n_sms} busy")
         if p < n_sms <= wp:
-            return (f"{mine}; fewer programs than the {n_sms} SMs, so {n_sms - p} SMs sit idle for the whole launch. "
-                    f"{best} fills the machine")
+            return (f"{mine}; fewer working programs than the {n_sms} SMs, so {n_sms - p} SMs sit idle for the whole "
+                    f"launch. {best} fills the machine")
         if p < wp:
-            return (f"{mine}; no choice fills the {n_sms} SMs here, so take the most programs: {best}. A bigger tile "
-                    "only adds wasted cells when the machine is not full anyway")
+            return (f"{mine}; no choice keeps the {n_sms} SMs busy here, so take the most working programs: {best}. "
+                    "A bigger tile only adds wasted cells when the machine is not full anyway")
         if kv > wkv:
-            return (f"{mine}; {best} also fills the SMs and reads {kv / wkv:.1f}x less: each query tile re-reads its "
+            return (f"{mine}; {best} also keeps the SMs busy and reads {kv / wkv:.1f}x less: each query tile re-reads its "
                     "request's keys and values, so K/V traffic grows as L^2 d / BLOCK_M (bytes the kernel loads; on a GPU "
                     "re-reads of a request that fits in L2 mostly hit the cache, not HBM)")
-        return f"{mine}; {best} (the same K/V bytes and programs, fewer executed cells)"
-    return grade("tiles", fn, TILE_CASES, judge, f"the BLOCK_M of least K/V traffic that fills the GPU, {len(TILE_CASES)} mixes")
+        return f"{mine}; {best} (the same K/V bytes and working programs, fewer executed cells)"
+    return grade("tiles", fn, TILE_CASES, judge,
+                 f"the BLOCK_M of least K/V traffic that keeps the GPU busy, {len(TILE_CASES)} mixes")
 
 
-def allowed_tiles(lens, n_heads, n_sms) -> tuple[int, ...]:
-    """The BLOCK_M values of ``TILE_SIZES`` whose launch starts at least ``n_sms`` programs."""
-    return tuple(bm for bm in TILE_SIZES if tile_costs(lens, n_heads, bm)[0] >= n_sms)
+TRAP_MAX_TOKENS, TRAP_MAX_HEADS = 16384, 64
 
 
-DEFENCE_CASES = [([300, 20, 20, 20], 8, H200_SMS), ([10, 30], 8, 16), ([500, 3], 16, H200_SMS), ([130, 7, 64], 4, 40)]
-
-
-def check_tile_bound(fn: Callable[[list, int, int], tuple]) -> bool:
-    """Exercise 07.3, the defence: ``fn(seq_lens, n_heads, n_sms) -> the sorted BLOCK_M values of TILE_SIZES``
-    whose launch starts at least ``n_sms`` programs (fills the GPU)."""
-    def judge(got, lens, heads, n_sms):
+def check_grid_trap(fn: Callable[[], tuple]) -> bool:
+    """Exercise 07.3, the counter-example: ``fn() -> (seq_lens, n_heads)``, a mix (not one of ``TILE_CASES``) for
+    which counting the grid's programs picks another BLOCK_M than counting the working ones, on ``H200_SMS`` SMs."""
+    def judge(got):
         try:
-            ans = tuple(sorted(int(x) for x in got))
-        except (TypeError, ValueError):
-            return f"expected a tuple of BLOCK_M values; got {got!r}"
-        want = allowed_tiles(lens, heads, n_sms)
-        if ans == want:
-            return None
-        grid = lambda bm: cdiv(max(lens), bm) * heads * len(lens)
-        no_heads = tuple(bm for bm in TILE_SIZES if cdiv(max(lens), bm) * len(lens) >= n_sms)
-        own = tuple(bm for bm in TILE_SIZES if heads * sum(cdiv(n, bm) for n in lens) >= n_sms)
-        if ans == no_heads and no_heads != want:
-            return (f"got {ans}, expected {want}: every head has its own programs: ceil({max(lens)} / BLOCK_M) x "
-                    f"{heads} heads x {len(lens)} requests")
-        if ans == own and own != want:
-            return (f"got {ans}, expected {want}: the grid gives every request ceil(max_seqlen / BLOCK_M) programs, "
-                    "sized by the longest one, not its own (the empty ones count as programs too, though they fill "
-                    "an SM only for an instant)")
-        return (f"got {ans}, expected {want}: programs = ceil({max(lens)} / BLOCK_M) x {heads} x {len(lens)}: "
-                + ", ".join(f"{bm}: {grid(bm)}" for bm in TILE_SIZES) + f", against {n_sms} SMs")
-    return grade("tile_bound", fn, DEFENCE_CASES, judge,
-                 f"the tile sizes that fill the SMs, for {len(DEFENCE_CASES)} mixes")
+            lens, heads = [int(n) for n in got[0]], int(got[1])
+        except (TypeError, ValueError, IndexError):
+            return f"expected (seq_lens, n_heads), got {got!r}"[:200]
+        if not lens or min(lens) < 1 or sum(lens) > TRAP_MAX_TOKENS or not 1 <= heads <= TRAP_MAX_HEADS:
+            return (f"got {got!r}: lengths >= 1, at most {TRAP_MAX_TOKENS} tokens in all, 1 to {TRAP_MAX_HEADS} "
+                    "heads")[:300]
+        if any(sorted(lens) == sorted(c[0]) and heads == c[1] for c in TILE_CASES):
+            return "that mix is one of the checker's cases above: find one of your own"
+        naive, real = best_block_m(lens, heads, H200_SMS, busy=False), best_block_m(lens, heads, H200_SMS)
+        rows = ", ".join(f"{bm}: {tile_work(lens, heads, bm).programs} programs, "
+                         f"{tile_costs(lens, heads, bm)[0]} working" for bm in TILE_SIZES)
+        print(f"  {lens[:8]}{' ...' if len(lens) > 8 else ''} x {heads} heads: {rows}")
+        if naive == real:
+            return (f"both counts pick BLOCK_M = {real}: the early exits never decide here. A trap needs a tile size "
+                    f"whose grid reaches {H200_SMS} programs only thanks to programs that return at once: one long "
+                    "request sizes every request's slots, so put short ones beside it")
+        print(f"  counting the grid picks BLOCK_M = {naive}, counting the working programs {real}")
+        return None
+    return grade("grid_trap", fn, [()], judge, "a mix where the grid's program count misleads the choice of BLOCK_M")
 
 
 # ---- figures --------------------------------------------------------------------------------------------------

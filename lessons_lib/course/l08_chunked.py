@@ -175,6 +175,52 @@ def chunk_staircase(chunks: Sequence[int], title_prefix: str = "") -> Figure:
     return fig
 
 
+# ---- the rules every chunked schedule keeps (exercise 08.1's checker and the FCFS validator below) -------
+
+def schedule_format_problem(forwards) -> str | None:
+    """What makes ``forwards`` not a list of forwards of ``(request index, num_tokens)`` int pairs, or None."""
+    if not isinstance(forwards, (list, tuple)) or not all(isinstance(f, (list, tuple)) for f in forwards):
+        return f"expected a list of forwards, each a list of (request, num_tokens) pairs, got {forwards!r}"[:300]
+    pairs = [c for f in forwards for c in f]
+    if not all(isinstance(c, (list, tuple)) and len(c) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                     for x in c) for c in pairs):
+        return ("each chunk is a pair (request index, num_tokens) of ints: a chunked forward says how many tokens "
+                "each request runs")
+    return None
+
+
+def forward_problem(f: int, fwd, left: Sequence[int], seq_lens: Sequence[int], max_num_batched_tokens: int,
+                    max_num_seqs: int, cap: int = 0) -> str | None:
+    """The first rule forward ``f`` breaks whatever the policy, or None: not empty, one chunk per request, known
+    requests, at least one token a chunk and never past the ``left`` tokens of a prompt, no chunk over ``cap``
+    (0: no cap), within ``max_num_batched_tokens`` and ``max_num_seqs``. ``left`` is not changed."""
+    n = len(seq_lens)
+    if not fwd:
+        return f"forward {f} is empty: every forward carries at least one chunk"
+    ids = [i for i, _ in fwd]
+    if len(set(ids)) != len(ids):
+        twice = next(i for i in ids if ids.count(i) > 1)
+        return f"forward {f} holds request {twice} twice: one chunk per request per forward"
+    for i, t in fwd:
+        if not 0 <= i < n:
+            return f"forward {f}: unknown request {i} (requests are 0 .. {n - 1})"
+        if t < 1:
+            return f"forward {f}: request {i} gets {t} tokens: a chunk holds at least one token"
+        if t > left[i]:
+            return (f"forward {f}: request {i} gets {t} tokens but only {left[i]} of its {seq_lens[i]} are left: "
+                    "a chunk continues where the cache ends, never past the prompt")
+        if cap and t > cap:
+            return (f"forward {f}: request {i} runs {t} tokens > long_prefill_token_threshold={cap}: no chunk may "
+                    "exceed the cap")
+    tokens = sum(t for _, t in fwd)
+    if tokens > max_num_batched_tokens:
+        return (f"forward {f} holds {tokens} tokens > max_num_batched_tokens={max_num_batched_tokens}: the chunk "
+                "of the request that does not fit is the room LEFT in this forward, not a whole budget")
+    if len(fwd) > max_num_seqs:
+        return f"forward {f} holds {len(fwd)} requests > max_num_seqs={max_num_seqs}: the budget counts requests too"
+    return None
+
+
 # ---- exercise 08.1: a chunking scheduler -----------------------------------------------------------------
 
 def chunk_schedule_problem(forwards, seq_lens: Sequence[int], max_num_batched_tokens: int,
@@ -185,33 +231,15 @@ def chunk_schedule_problem(forwards, seq_lens: Sequence[int], max_num_batched_to
     earlier one has started, and runs to its end before a later one may take its place: only the last chunk
     of a forward may be partial); a forward closes only when full, at ``max_num_seqs``, or when no one waits."""
     n = len(seq_lens)
-    if not isinstance(forwards, (list, tuple)) or not all(isinstance(f, (list, tuple)) for f in forwards):
-        return f"expected a list of forwards, each a list of (request, num_tokens) pairs, got {forwards!r}"[:300]
-    pairs = [c for f in forwards for c in f]
-    if not all(isinstance(c, (list, tuple)) and len(c) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                                     for x in c) for c in pairs):
-        return "each chunk is a pair (request index, num_tokens) of ints"
+    problem = schedule_format_problem(forwards)
+    if problem:
+        return problem
     left = list(seq_lens)
     for f, fwd in enumerate(forwards):
-        if not fwd:
-            return f"forward {f} is empty: every forward carries at least one chunk"
-        ids = [i for i, _ in fwd]
-        if len(set(ids)) != len(ids):
-            return f"forward {f} holds request {ids[0]} twice: one chunk per request per forward"
-        for i, t in fwd:
-            if not 0 <= i < n:
-                return f"forward {f}: unknown request {i} (requests are 0 .. {n - 1})"
-            if t < 1:
-                return f"forward {f}: request {i} gets {t} tokens: a chunk holds at least one token"
-            if t > left[i]:
-                return (f"forward {f}: request {i} gets {t} tokens but only {left[i]} of its {seq_lens[i]} are left: "
-                        "a chunk continues where the cache ends, never past the prompt")
-        tokens = sum(t for _, t in fwd)
-        if tokens > max_num_batched_tokens:
-            return (f"forward {f} holds {tokens} tokens > max_num_batched_tokens={max_num_batched_tokens}: the chunk "
-                    "of the request that does not fit is the room LEFT in this forward, not a whole budget")
-        if len(fwd) > max_num_seqs:
-            return f"forward {f} holds {len(fwd)} requests > max_num_seqs={max_num_seqs}: the budget counts requests too"
+        problem = forward_problem(f, fwd, left, seq_lens, max_num_batched_tokens, max_num_seqs)
+        if problem:
+            return problem
+        ids, tokens = [i for i, _ in fwd], sum(t for _, t in fwd)
         waiting = [i for i in range(n) if left[i]]
         if ids != waiting[:len(ids)]:
             k = next(k for k, (a, b) in enumerate(zip(ids, waiting)) if a != b)
@@ -939,38 +967,19 @@ def capped_schedule_problem(got, seq_lens, max_num_batched_tokens, max_num_seqs,
     ``max_num_seqs``, no chunk over the cap (``cap`` 0: no cap); a forward holds the first unfinished requests in
     arrival order; and it fills its room: it closes with room left and fewer than ``max_num_seqs`` requests only
     when every unfinished request is in it, each with ``min(its rest, the cap)`` tokens."""
-    if not isinstance(got, (list, tuple)) or not all(isinstance(f, (list, tuple)) for f in got):
-        return f"expected a list of forwards, each a list of (request, num_tokens) pairs, got {got!r}"[:300]
-    pairs = [c for f in got for c in f]
-    if not all(isinstance(c, (list, tuple)) and len(c) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                                     for x in c) for c in pairs):
-        return "each chunk is a pair (request index, num_tokens): a chunked forward says how many tokens each request runs"
+    problem = schedule_format_problem(got)
+    if problem:
+        return problem
     n, limit = len(seq_lens), cap if cap else max_num_batched_tokens
     left = list(seq_lens)
     for f, fwd in enumerate(got):
         fwd = [tuple(c) for c in fwd]
         if not any(left):
             return f"{len(got)} forwards, but every prompt is finished after forward {f - 1}: forward {f} should not exist"
-        if not fwd:
-            return f"forward {f} is empty while requests wait: every forward makes progress"
-        ids = [i for i, _ in fwd]
-        if len(set(ids)) != len(ids):
-            return f"forward {f} holds a request twice: one chunk per request per forward"
-        for i, t in fwd:
-            if not 0 <= i < n:
-                return f"forward {f}: unknown request {i} (requests are 0 .. {n - 1})"
-            if t < 1:
-                return f"forward {f}: request {i} gets {t} tokens: a chunk holds at least one token"
-            if t > left[i]:
-                return f"forward {f}: request {i} gets {t} tokens but only {left[i]} are left: never past the prompt"
-            if t > limit:
-                return (f"forward {f}: request {i} runs {t} tokens > long_prefill_token_threshold={cap}: no chunk may "
-                        "exceed the cap" if cap else f"forward {f}: request {i} runs {t} tokens > the budget")
-        tokens = sum(t for _, t in fwd)
-        if tokens > max_num_batched_tokens:
-            return f"forward {f} holds {tokens} tokens > max_num_batched_tokens={max_num_batched_tokens}"
-        if len(fwd) > max_num_seqs:
-            return f"forward {f} holds {len(fwd)} requests > max_num_seqs={max_num_seqs}: the budget counts requests too"
+        problem = forward_problem(f, fwd, left, seq_lens, max_num_batched_tokens, max_num_seqs, cap)
+        if problem:
+            return problem
+        ids, tokens = [i for i, _ in fwd], sum(t for _, t in fwd)
         waiting = [i for i in range(n) if left[i]]
         if sorted(ids) != waiting[:len(ids)]:
             skipped = next(i for i in waiting if i not in ids)
@@ -1046,32 +1055,57 @@ def budget_table(budgets: Sequence[int]) -> str:
                                f"{m['wait_tokens']:10,.0f} {m['draft_cache_rows']:16,d}" for m in rows])
 
 
-# ---- exercise 08.2: where the draft's chunks start ------------------------------------------------------------
+# ---- exercise 08.2: a budget chosen for the draft's cache reads ----------------------------------------------
 
-_CACHE_ROWS_CASES = [("stream", 512), ("stream", 576), ("stream", 640), ([100, 412, 1000], 2, 256), ([300, 50], 1, 512),
-                     ([1000], 0, 300), ([5, 7, 20], 2, 1), ([450, 100, 30], 1, 512)]
+_plan = plan_batches        # the engine's scheduler plan, kept for the checker while exercise 08.2 switches it off
+MAX_PROBES = 3              # engine measurements exercise 08.2 allows per case
+_BUDGET_CASES = [("stream", 768), ("stream", 512), ([450, 100, 30, 700], 3, 512), ([100, 412, 1000], 2, 512),
+                 ([60, 2000], 1, 1024), ([5, 7, 20], 2, 64), ([90, 700, 10], 1, 256)]
+
+
+def draft_chunks(seq_lens: Sequence[int], draft: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
+    """``(start, num_tokens)`` of each chunk of request ``draft`` when ``seq_lens`` are served chunked under
+    ``max_num_batched_tokens`` by the engine's scheduler (``plan_batches``), in order."""
+    plan = _plan(list(seq_lens), check_int("max_num_batched_tokens", max_num_batched_tokens, 1),
+                 enable_chunked_prefill=True)
+    return [(s, n) for fwd in plan for i, s, n in fwd if i == draft]
 
 
 def draft_cache_rows_truth(seq_lens: Sequence[int], draft: int, max_num_batched_tokens: int) -> int:
     """Rows per layer request ``draft`` reads back from the KV cache when ``seq_lens`` are served chunked under
     ``max_num_batched_tokens`` by the engine's scheduler (``plan_batches``): the sum of its chunks' starts."""
-    plan = plan_batches(list(seq_lens), check_int("max_num_batched_tokens", max_num_batched_tokens, 1),
-                        enable_chunked_prefill=True)
-    return sum(s for fwd in plan for i, s, _ in fwd if i == draft)
+    return sum(s for s, _ in draft_chunks(seq_lens, draft, max_num_batched_tokens))
+
+
+def best_budget(seq_lens: Sequence[int], draft: int, max_budget: int) -> int:
+    """The multiple of ``BUDGET_STEP`` up to ``max_budget`` under which request ``draft`` reads the fewest cache
+    rows (ties: the bigger budget), by the engine's scheduler plan for every candidate."""
+    rows = {b: draft_cache_rows_truth(seq_lens, draft, b) for b in range(BUDGET_STEP, max_budget + 1, BUDGET_STEP)}
+    return min(rows, key=lambda b: (rows[b], -b))
+
+
+@functools.lru_cache(maxsize=64)
+def engine_draft_chunks(seq_lens: tuple, draft: int, max_num_batched_tokens: int) -> tuple:
+    """``(start, num_tokens)`` of request ``draft``'s chunks as ``Engine`` really ran them (its ``BatchStats``),
+    serving ``seq_lens`` chunked on the explorer's one-layer model (``EXPLORE_RUN_CFG``)."""
+    prompts = make_requests(list(seq_lens), EXPLORE_RUN_CFG.vocab_size, seed=l06_engine.PROMPT_SEED)
+    run = serve(prompts, max_num_batched_tokens, True, EXPLORE_RUN_CFG, _explore_weights(), compute_logits=False)
+    return tuple((s, n) for st in run["stats"] for i, s, n in st.chunks if i == draft)
 
 
 @contextlib.contextmanager
 def _no_scheduler():
-    """Inside: the engine's scheduler and this module's measures raise (exercise 08.2 is arithmetic, not a run)."""
+    """Inside: the engine's scheduler and this module's measures raise (exercise 08.2 measures through its probe)."""
     from ..serve import scheduler as sched_mod
 
     def refuse(*args, **kwargs):
-        raise RuntimeError("exercise 08.2 computes the rows from where the chunks start: without plan_batches, "
-                           "the Scheduler or L.budget_measures")
+        raise RuntimeError(f"exercise 08.2 measures only through measure(budget), at most {MAX_PROBES} times: "
+                           "without plan_batches, the Scheduler or L.budget_measures")
     undos = [_patch(sched_mod, "plan_batches", refuse), _patch(sched_mod.Scheduler, "schedule_chunks", refuse),
              _patch(sched_mod.Scheduler, "schedule", refuse)]
     g = globals()
-    old = {k: g[k] for k in ("plan_batches", "budget_measures", "budget_table", "planned_timeline")}
+    old = {k: g[k] for k in ("plan_batches", "budget_measures", "budget_table", "planned_timeline",
+                             "draft_cache_rows_truth", "draft_chunks", "best_budget", "engine_draft_chunks")}
     g.update({k: refuse for k in old})
     try:
         yield
@@ -1081,47 +1115,70 @@ def _no_scheduler():
             undo()
 
 
-def check_draft_cache_rows(fn) -> bool:
-    """Exercise 08.2: ``fn(seq_lens, draft, max_num_batched_tokens) -> int``, the rows per layer request ``draft``
-    reads back from the cache under first-come-first-served chunked prefill (``max_num_seqs`` never binds here),
-    computed without running the scheduler. Eight cases, lesson 06's stream under 512, 576 and 640 among them,
-    against ``draft_cache_rows_truth``."""
+def _starts(chunks) -> str:
+    return str([s for s, _ in chunks])
+
+
+def check_budget_choice(fn) -> bool:
+    """Exercise 08.2: ``fn(seq_lens, draft, max_budget, measure) -> max_num_batched_tokens``, a multiple of
+    ``BUDGET_STEP`` up to ``max_budget`` under which request ``draft`` reads the fewest rows back from the cache
+    (ties: the bigger budget). ``measure(budget)`` returns those rows from the engine's scheduler plan, at most
+    ``MAX_PROBES`` calls per case; the scheduler itself is switched off while ``fn`` runs. Seven cases (lesson
+    06's stream up to 768 and up to 512 among them); the stream's answer is then served by ``Engine`` itself."""
     lens0 = stream_lengths()
+    probes: list[int] = []
+    table: dict[int, int] = {}      # the case's rows per budget, planned before the scheduler is switched off
 
     def expand(case):
         return (lens0, draft_index(), case[1]) if case[0] == "stream" else case
 
+    def measure(budget):
+        budget = check_int("budget", budget, 1, 1 << 16)
+        probes.append(budget)
+        if len(probes) > MAX_PROBES:
+            raise RuntimeError(f"measure was called {len(probes)} times (budgets {probes}): at most {MAX_PROBES} - "
+                               "decide from where the draft's chunks start which budgets are worth measuring")
+        if budget not in table:
+            raise RuntimeError(f"measure({budget}): the budgets of this case are the multiples of {BUDGET_STEP} "
+                               f"from {BUDGET_STEP} to {max(table)}")
+        return table[budget]
+
     def run(*case):
-        seq_lens, d, b = expand(case)
+        seq_lens, d, top = expand(case)
+        probes.clear()
+        table.clear()
+        table.update({b: draft_cache_rows_truth(seq_lens, d, b) for b in range(BUDGET_STEP, top + 1, BUDGET_STEP)})
         with _no_scheduler():
-            return fn(list(seq_lens), d, b)
+            return fn(list(seq_lens), d, top, measure)
 
     def judge(got, *case):
-        seq_lens, d, b = expand(case)
-        want = draft_cache_rows_truth(seq_lens, d, b)
+        seq_lens, d, top = expand(case)
         if isinstance(got, bool) or not isinstance(got, int):
-            return f"expected an int (rows per layer), got {got!r}"[:200]
+            return f"expected an int (a max_num_batched_tokens), got {got!r}"[:200]
+        if not (BUDGET_STEP <= got <= top and got % BUDGET_STEP == 0):
+            return f"got {got}: the budget is a multiple of {BUDGET_STEP} from {BUDGET_STEP} to {top}"
+        want = best_budget(seq_lens, d, top)
+        if case[0] == "stream":
+            ran = engine_draft_chunks(tuple(seq_lens), d, got)
+            print(f"  Engine at {got} tokens per forward: the draft's chunks start at {_starts(ran)}, "
+                  f"{sum(s for s, _ in ran):,} rows re-read per layer")
         if got == want:
             return None
-        n = seq_lens[d]
-        aligned = sum(range(0, n, b))
-        chunks, s = [], 0
-        ahead = sum(seq_lens[:d])
-        first = b - ahead % b
-        while s < n:
-            chunks.append((s, min(n - s, first if s == 0 else b)))
-            s += chunks[-1][1]
-        ctx = f"request {d} ({n} tokens) after {ahead} tokens, budget {b}: "
-        if got == aligned and got != want:
-            return (ctx + f"{got} is what it reads if its chunks start at 0, {b}, {2 * b}, ...; but its first chunk is "
-                    f"the room left after the {ahead} tokens ahead of it ({first} tokens), so they start at "
-                    f"{[c for c, _ in chunks][:6]}")
-        if got == sum(c + m for c, m in chunks):
-            return ctx + "that counts each chunk's end: the rows read back are the ones cached BEFORE a chunk, its start"
-        return ctx + f"got {got}, the scheduler's chunks read {want}"
-
-    return grade("draft_cache_rows", run, _CACHE_ROWS_CASES, judge,
-                 "the rows a request reads back from the cache, from where its chunks start, on 8 streams and budgets")
+        mine, best = draft_chunks(seq_lens, d, got), draft_chunks(seq_lens, d, want)
+        rows, wrows = sum(s for s, _ in mine), sum(s for s, _ in best)
+        ctx = (f"request {d} ({seq_lens[d]} tokens) after {sum(seq_lens[:d])} tokens: under {got} its chunks start at "
+               f"{_starts(mine)}, {rows:,} rows (the sum of its chunks' starts); under {want}: {_starts(best)}, {wrows:,}")
+        if rows == wrows:
+            return ctx + f" - the same rows; the tie goes to the bigger budget, {want}"
+        if got == top:
+            return (ctx + ". The biggest budget makes the fewest chunks, not the fewest rows: what a chunk re-reads is "
+                    "where it starts, and the first chunk is only the room left after the tokens ahead")
+        last_s, last_n = mine[-1]
+        if len(mine) > 1 and last_n < got // 4:
+            return ctx + f". Under {got} the last chunk runs {last_n} tokens and re-reads {last_s:,} rows for them"
+        return ctx
+    return grade("budget_choice", run, _BUDGET_CASES, judge,
+                 f"the budget of the fewest cache rows re-read, on {len(_BUDGET_CASES)} streams, the stream's run by Engine")
 
 
 # ---- exercise 08.3: a bug report ----------------------------------------------------------------
