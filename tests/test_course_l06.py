@@ -106,8 +106,10 @@ def test_batch_waste_uses_the_course_palette():
 
 # ---- the explorer ---------------------------------------------------------------------------------------
 
-LINE = re.compile(r"<div>(padded|masked|varlen): rows ([\d,]+) \(pad ([\d,]+)\) \| attention cells ([\d,]+) "
-                  r"\(wasted ([\d,]+)\) \| FLOPs executed / useful (\d+\.\d\d)x \(whole blocks\)</div>")
+def table(state, name):
+    """The readout's table ``name``, as {first cell: row} (and its header under "header")."""
+    t = next(t for t in state["readout"]["tables"] if t["name"] == name)
+    return {"header": t["header"], **{r[0]: r for r in t["rows"]}}
 
 
 def _int(s):
@@ -126,15 +128,18 @@ def test_prefill_plan_state_totals_are_the_sums_of_the_batches():
     assert t["masked"]["cells_computed"] == sum(sum(b) ** 2 for b in batches)
     assert t["padded"]["cells_computed"] == sum(len(b) * max(b) ** 2 for b in batches)
     assert t["varlen"]["cells_computed"] == t["varlen"]["cells_useful"] == sum(n * n for n in lens)
-    lines = LINE.findall(L.prefill_plan_html(s))
-    assert [m for m, *_ in lines] == ["padded", "masked", "varlen"]
-    for m, rows, pad, cells, wasted, _ in lines:
-        assert (_int(rows), _int(pad), _int(cells)) == (t[m]["rows"], t[m]["pad_rows"], t[m]["cells_computed"])
-        assert _int(wasted) == t[m]["cells_computed"] - t[m]["cells_useful"]
-    assert lines[2][5] == "1.00"
-    assert f"{len(s['batches'])} batches, 32 requests served" in L.prefill_plan_html(s)
+    backends = table(s, "backends")
+    assert backends["header"][1:6] == ["rows computed", "rows useful", "cells computed", "cells useful", "cells wasted"]
+    useful = sum(n * n for n in lens)
+    for m, rows, cells in (("padded", sum(len(b) * max(b) for b in batches), sum(len(b) * max(b) ** 2 for b in batches)),
+                           ("masked", sum(lens), sum(sum(b) ** 2 for b in batches)), ("varlen", sum(lens), useful)):
+        assert [_int(c) for c in backends[m][1:6]] == [rows, sum(lens), cells, useful, cells - useful], m
+    assert backends["varlen"][6] == "1.00x" and float(backends["padded"][6][:-1]) > 1
+    assert s["readout"]["title"].endswith(f"{len(s['batches'])} batches, 32 requests served, 0 refused")
+    html = L.prefill_plan_html(s)
+    assert all(f">{c}<" in html for c in L.readout_cells(s["readout"]) if c and "'" not in c)
     one = L.prefill_plan_state("uniform", 1, 4096, seed=0)
-    assert "1 batch, 1 request served" in L.prefill_plan_html(one)
+    assert one["readout"]["title"].endswith("1 batch, 1 request served, 0 refused")
 
 
 def test_method_totals_count_rows_cells_and_flops_by_whole_blocks():
@@ -160,6 +165,7 @@ def test_s3_prefill_plan_refuses_requests_over_the_budget():
     assert s["rejected"] and all(s["seq_lens"][i] > 1024 for i in s["rejected"])
     assert sum(len(b) for b in s["batches"]) + len(s["rejected"]) == 48
     assert f"refused (longer than the budget, S3): {len(s['rejected'])}" in L.prefill_plan_html(s)
+    assert s["readout"]["title"].endswith(f"{len(s['rejected'])} refused")
     with pytest.raises(ValueError, match="workload"):
         L.prefill_plan_state("zipf")
     with pytest.raises(ValueError, match="num_requests"):
@@ -171,7 +177,7 @@ def test_prefill_plan_explorer_output_changes_with_every_control():
     k = by_class(box)
     kind, reqs, budget, text, out = (k[c] for c in ("ppx-workload", "ppx-num-requests", "ppx-budget", "ppx-counts",
                                                     "ppx-figure"))
-    assert "ppx" in box._dom_classes and len(LINE.findall(text.value)) == 3
+    assert "ppx" in box._dom_classes and text.value.count("<tr>") == 4 + 2 + 2 + 4  # header + rows, per table
     seen_text, seen_png = {text.value}, {png_of(out)}
     for control, value in ((budget, 4096), (reqs, 20), (kind, "uniform"), (kind, "bimodal")):
         control.value = value
@@ -195,12 +201,6 @@ def test_prefill_plan_scheduler_trades_pad_rows_for_masked_cells_and_delay():
     assert fcfs_s["batches"] == fcfs(lens, 768)
     assert sorted(i for b in srt["batches"] for i in b) == list(range(48))
     assert all(sum(lens[i] for i in b) <= 768 for b in srt["batches"])
-    # the readout's per-batch counts are the batches' own lengths, counted here by hand
-    for s in (fcfs_s, srt):
-        per = [(len(b) * max(lens[i] for i in b) - sum(lens[i] for i in b),
-                sum(lens[i] for i in b) ** 2 - sum(lens[i] ** 2 for i in b)) for b in s["batches"]]
-        html = L.prefill_plan_html(s)
-        assert "pad rows / masked cells wasted: " + ", ".join(f"{k}: {p:,}/{m:,}" for k, (p, m) in enumerate(per)) in html
     assert sum(len(b) * max(lens[i] for i in b) for b in srt["batches"]) < fcfs_s["totals"]["padded"]["rows"]
     assert srt["totals"]["masked"]["cells_computed"] > fcfs_s["totals"]["masked"]["cells_computed"]
     # delay against FCFS, by hand: batch index under shortest first minus under FCFS
@@ -209,9 +209,19 @@ def test_prefill_plan_scheduler_trades_pad_rows_for_masked_cells_and_delay():
     later = [at[i] - at0[i] for i in range(48) if at[i] > at0[i]]
     overtakes = sum(at[j] < at[i] for i in range(48) for j in range(i + 1, 48))
     assert later and overtakes > 0
-    assert (f"{len(later)} served later, at most {max(later)} batch" in L.prefill_plan_html(srt)
-            and f"overtakes (a later arrival served in an earlier batch): {overtakes:,}" in L.prefill_plan_html(srt))
-    assert "nobody served later" in L.prefill_plan_html(fcfs_s) and fcfs_s["measures"]["overtakes"] == 0
+    # the fairness table: FCFS beside shortest first, the waste and the delays counted here by hand
+    fair = table(srt, "fairness")
+    for k, x, n_later, worst, over in (("FCFS", fcfs_s, 0, 0, 0), ("shortest first", srt, len(later), max(later),
+                                                                   overtakes)):
+        pad = sum(len(b) * max(lens[i] for i in b) for b in x["batches"]) - sum(lens)
+        wasted = sum(sum(lens[i] for i in b) ** 2 - sum(lens[i] ** 2 for i in b) for b in x["batches"])
+        assert [_int(c) for c in fair[k][2:]] == [pad, wasted, n_later, worst, over], fair[k]
+    assert list(table(fcfs_s, "fairness")) == ["header", "FCFS"]
+    delays = table(srt, "delays")
+    d_all = [at[i] - at0[i] for i in range(48)]
+    assert {int(h): _int(c) for h, c in zip(delays["header"][1:], delays["requests"][1:])} == \
+        {d: d_all.count(d) for d in set(d_all)}
+    assert table(fcfs_s, "delays")["requests"] == ["requests", "48"]
     with pytest.raises(ValueError, match="scheduler"):
         L.prefill_plan_state(scheduler="random")
 
@@ -219,6 +229,12 @@ def test_prefill_plan_scheduler_trades_pad_rows_for_masked_cells_and_delay():
 def test_prefill_plan_default_batch_is_recorded_for_every_method():
     s = L.prefill_plan_state()
     assert all(rec is not None for rec in s["recorded"].values())
+    lens = [s["seq_lens"][i] for i in s["batches"][0]]
+    rec = table(s, "recorded")
+    for m in ("padded", "masked", "varlen"):  # the recorder's numbers on screen beside batch_stats', computed here
+        p = batch_stats(L.TINY, lens, m)
+        assert [_int(c) for c in rec[m][1:5]] == [s["recorded"][m].rows, p.executed_rows, s["recorded"][m].cells,
+                                                  p.cells_whole_computed] and rec[m][5] == "= \u2713"
 
 
 # ---- schedules ------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from html import escape
 
 import numpy as np
 import torch
@@ -386,7 +387,7 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     counted by whole blocks); ``batch`` (the index recorded, clipped to the last batch; None: none) and
     ``recorded`` (``record_one_batch`` of that batch: what the engine EXECUTED, or ``{}``); ``scheduler``
     and ``measures`` (``schedule_measures`` of the served requests, with ``delays``: ``(request id, batches
-    served later than under FCFS)``).
+    served later than under FCFS)``); ``readout`` (``prefill_plan_readout``: the tables the widget shows).
     """
     if scheduler not in EXPLORER_SCHEDULERS:
         raise ValueError(f"scheduler must be one of {EXPLORER_SCHEDULERS}, got {scheduler!r}")
@@ -403,56 +404,119 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     totals = {m: _totals(cfg, stats[m]) for m in METHODS}
     pick = None if batch is None or not batches else min(check_int("batch", batch, 0), len(batches) - 1)
     recorded = {} if pick is None else record_one_batch(lens, batches[pick], budget)
-    return {"workload": workload, "seq_lens": lens, "batches": batches, "rejected": rejected, "stats": stats,
-            "totals": totals, "max_num_batched_tokens": budget, "batch": pick, "recorded": recorded,
-            "scheduler": scheduler, "measures": measures}
+    state = {"workload": workload, "seq_lens": lens, "batches": batches, "rejected": rejected, "stats": stats,
+             "totals": totals, "max_num_batched_tokens": budget, "batch": pick, "recorded": recorded,
+             "scheduler": scheduler, "measures": measures}
+    state["readout"] = prefill_plan_readout(state)
+    return state
 
 
-def prefill_plan_html(state: dict) -> str:
-    """The explorer's readout: one ``<div>`` for the schedule, one per method, one for the refused."""
-    lens, budget = state["seq_lens"], state["max_num_batched_tokens"]
-    served = sum(len(b) for b in state["batches"])
-    nb = len(state["batches"])
-    lines = [f"<div>{state['workload']}, {len(lens)} requests, max_num_batched_tokens = {budget}, "
-             f"{state['scheduler']}: {nb} batch{'es' if nb != 1 else ''}, "
-             f"{served} request{'s' if served != 1 else ''} served</div>"]
+def _fairness_row(name: str, m: dict) -> list[str]:
+    later = [d for _, d in m["delays"] if d > 0]
+    return [name, f"{m['batches']:,}", f"{m['pad_rows']:,}", f"{m['masked_wasted']:,}", f"{len(later):,}",
+            f"{m['max_delay']:,}", f"{m['overtakes']:,}"]
+
+
+def prefill_plan_readout(state: dict) -> dict:
+    """The explorer's readout as data, so that the widget only renders it (``prefill_plan_html``).
+
+    ``{"title": str, "tables": [{"name", "caption", "header", "rows"}], "notes": [str]}``, every cell a
+    string. Tables: ``backends`` (the whole stream per method: rows and attention cells computed against
+    useful, whole blocks, and executed / useful FLOPs, from ``totals``); ``fairness`` (FCFS, and the chosen
+    scheduler beside it, from ``schedule_measures``); ``delays`` (how many requests are served how many
+    batches later than under FCFS, from ``measures["delays"]``); ``recorded`` (the recorded batch, what
+    ``OpRecorder`` saw each method execute beside ``batch_stats``' prediction). Notes: the refused requests.
+    """
+    lens, budget, sched = state["seq_lens"], state["max_num_batched_tokens"], state["scheduler"]
+    served, nb, rej = sum(len(b) for b in state["batches"]), len(state["batches"]), state["rejected"]
+    title = (f"{state['workload']}, {len(lens)} request{'s' if len(lens) != 1 else ''}, "
+             f"max_num_batched_tokens = {budget}, {sched}: "
+             f"{nb} batch{'es' if nb != 1 else ''}, {served} request{'s' if served != 1 else ''} served, "
+             f"{len(rej)} refused")
+    tables = []
+    rows = []
     for m, t in state["totals"].items():
-        ratio = t["flops_executed"] / t["flops_useful"] if t["flops_useful"] else 0.0
-        lines.append(f"<div>{m}: rows {t['rows']:,} (pad {t['pad_rows']:,}) | attention cells {t['cells_computed']:,} "
-                     f"(wasted {t['cells_computed'] - t['cells_useful']:,}) | FLOPs executed / useful {ratio:.2f}x "
-                     "(whole blocks)</div>")
-    pad, masked = state["stats"]["padded"], state["stats"]["masked"]
-    per = [f"{k}: {p.padding_rows:,}/{m.cells_whole_wasted:,}" for k, (p, m) in enumerate(zip(pad, masked))]
-    if per:
-        lines.append("<div class='ppx-per-batch'>per batch, pad rows / masked cells wasted: " + ", ".join(per[:10])
-                     + (f", ... ({len(per) - 10} more)" if len(per) > 10 else "") + "</div>")
+        ratio = f"{t['flops_executed'] / t['flops_useful']:.2f}x" if t["flops_useful"] else "-"
+        rows.append([m, f"{t['rows']:,}", f"{t['rows'] - t['pad_rows']:,}", f"{t['cells_computed']:,}",
+                     f"{t['cells_useful']:,}", f"{t['cells_computed'] - t['cells_useful']:,}", ratio])
+    tables.append({"name": "backends", "caption": "whole stream, per backend: computed vs useful "
+                   "(cells per head per layer, whole L x L blocks)",
+                   "header": ["backend", "rows computed", "rows useful", "cells computed", "cells useful",
+                              "cells wasted", "FLOPs computed / useful"], "rows": rows})
+    if state["batches"]:
         ms = state["measures"]
-        later = [(d, i) for i, d in ms["delays"] if d > 0]
-        worst = max(later) if later else None
-        lines.append("<div class='ppx-delay'>per request, against FCFS: "
-                     + (f"{len(later)} served later, at most {worst[0]} batch{'es' if worst[0] != 1 else ''} later "
-                        f"(request {worst[1]}, {lens[worst[1]]} tokens)" if worst else "nobody served later")
-                     + f"; overtakes (a later arrival served in an earlier batch): {ms['overtakes']:,}</div>")
+        fair = []
+        if sched != "FCFS":
+            kept = [i for i, n in enumerate(lens) if n <= budget]
+            sub = [lens[i] for i in kept]
+            fcfs = schedule_measures(sub, plan_batches(sub, budget), budget)
+            fair.append(_fairness_row("FCFS", {**fcfs, "delays": []}))
+        fair.append(_fairness_row(sched, ms))
+        tables.append({"name": "fairness", "caption": "the scheduler's trade: waste against fairness (delay: "
+                       "batches later than under FCFS; overtakes: pairs where a later arrival runs first)",
+                       "header": ["scheduler", "batches", "pad rows", "masked cells wasted", "served later",
+                                  "max delay", "overtakes"], "rows": fair})
+        hist = {}
+        for _, d in ms["delays"]:
+            hist[d] = hist.get(d, 0) + 1
+        keys = sorted(hist)
+        worst = max(((d, i) for i, d in ms["delays"]), default=(0, None))
+        tables.append({"name": "delays", "caption": "per request: batches later than under FCFS"
+                       + (f" (most delayed: request {worst[1]}, {lens[worst[1]]} tokens)" if worst[0] > 0 else ""),
+                       "header": ["batches later"] + [f"{d:+d}" if d else "0" for d in keys],
+                       "rows": [["requests"] + [f"{hist[d]:,}" for d in keys]]})
     b = state.get("batch")
     if b is not None:
-        lines.append(f"<div class='ppx-recorded'>batch {b} ({len(state['batches'][b])} requests, "
-                     f"{state['stats']['varlen'][b].num_tokens} tokens) as EXECUTED, one forward per method under "
-                     "OpRecorder (Engine(L.TINY)):</div>")
+        rec_rows = []
         for m, rec in state["recorded"].items():
             pred = state["stats"][m][b]
             if rec is None:
-                lines.append(f"<div>{m}: not run here ({pred.cells_whole_computed:,} cells predicted > "
-                             f"{RECORD_LIMIT:,})</div>")
+                rec_rows.append([m, "not run", f"{pred.executed_rows:,}", "not run", f"{pred.cells_whole_computed:,}",
+                                 f"not run: > {RECORD_LIMIT:,} cells", ""])
                 continue
             sides = sorted({sh[-1] for sh in rec.score_shapes})
-            ok = "=" if (rec.rows, rec.cells) == (pred.executed_rows, pred.cells_whole_computed) else "differs from"
-            lines.append(f"<div>{m}: recorded rows {rec.rows:,}, cells {rec.cells:,}, score matrices of side "
-                         f"{sides[:6]}{'...' if len(sides) > 6 else ''} {ok} predicted rows {pred.executed_rows:,}, "
-                         f"cells {pred.cells_whole_computed:,}</div>")
-    rej = state["rejected"]
-    lines.append(f"<div>refused (longer than the budget, S3): {len(rej)}"
-                 + (f" - lengths {[lens[i] for i in rej][:8]}" if rej else "") + "</div>")
-    return "".join(lines)
+            ok = (rec.rows, rec.cells) == (pred.executed_rows, pred.cells_whole_computed)
+            rec_rows.append([m, f"{rec.rows:,}", f"{pred.executed_rows:,}", f"{rec.cells:,}",
+                             f"{pred.cells_whole_computed:,}", "= \u2713" if ok else "differs \u2717",
+                             ", ".join(map(str, sides[:4])) + (" ..." if len(sides) > 4 else "")])
+        tables.append({"name": "recorded", "caption": f"batch {b} ({len(state['batches'][b])} requests, "
+                       f"{state['stats']['varlen'][b].num_tokens} tokens) as EXECUTED: one forward per backend "
+                       "under OpRecorder (Engine(L.TINY)), beside batch_stats' prediction",
+                       "header": ["backend", "rows recorded", "rows predicted", "cells recorded", "cells predicted",
+                                  "recorded vs predicted", "score matrix sides"], "rows": rec_rows})
+    notes = [f"refused (longer than the budget, S3): {len(rej)}"
+             + (f" - lengths {[lens[i] for i in rej][:8]}" if rej else "")]
+    return {"title": title, "tables": tables, "notes": notes}
+
+
+def readout_cells(readout: dict) -> list[str]:
+    """Every text of ``readout`` in the order ``prefill_plan_html`` lays it out (title, then per table its
+    caption, header and cells, then the notes): what the browser test reads off the page."""
+    out = [readout["title"]]
+    for t in readout["tables"]:
+        out += [t["caption"], *t["header"], *(c for r in t["rows"] for c in r)]
+    return out + list(readout["notes"])
+
+
+_TABLE_CSS = ("border-collapse:collapse;margin:4px 0;font-variant-numeric:tabular-nums;"
+              "font-size:12px")
+
+
+def prefill_plan_html(state: dict) -> str:
+    """The explorer's readout, ``state["readout"]`` rendered: a title line, one small table per part
+    (numbers right-aligned), then the notes. It computes nothing."""
+    r = state["readout"]
+    out = [f"<div class='ppx-line'><b>{escape(r['title'])}</b></div>"]
+    for t in r["tables"]:
+        def cell(tag, k, text):
+            side = "left" if k == 0 else "right"
+            return f"<{tag} style='padding:1px 8px;white-space:nowrap;text-align:{side}'>{escape(text)}</{tag}>"
+        head = "".join(cell("th", k, h) for k, h in enumerate(t["header"]))
+        body = "".join("<tr>" + "".join(cell("td", k, c) for k, c in enumerate(row)) + "</tr>" for row in t["rows"])
+        out.append(f"<table class='ppx-{t['name']}' style='{_TABLE_CSS}'><caption style='text-align:left'>"
+                   f"{escape(t['caption'])}</caption><tr>{head}</tr>{body}</table>")
+    out += [f"<div class='ppx-line'>{escape(n)}</div>" for n in r["notes"]]
+    return "".join(out)
 
 
 def workload_controls(prefix: str, workload: str, num_requests: int, max_requests: int, budget: int, max_budget: int,

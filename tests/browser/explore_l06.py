@@ -1,20 +1,20 @@
 """Lesson 06's prefill-plan explorer in the browser: its readout equals ``course.l06_engine.prefill_plan_state``
 for the knobs on screen, the recorded batch included (what ``OpRecorder`` saw ``Engine(L.TINY)`` execute),
 and the recorded rows and cells equal ``serve.engine.batch_stats``' prediction for that batch. Switching the
-scheduler from FCFS to shortest first changes the per-batch pad rows / masked cells and the delay line, again
-equal to a direct call.
+scheduler from FCFS to shortest first puts it beside FCFS in the fairness table (fewer pad rows, requests served
+later, overtakes) and changes the delay table, again equal to a direct call, cell by cell.
 """
 from __future__ import annotations
 
-import re
+import json
 
-from widget_driver import MOVES, finish, inner_text, move, open_explorer, readout, wait_text
+from widget_driver import MOVES, finish, move, open_explorer, readout, wait_text
 
 from lessons_lib.course import l06_engine as L
 from lessons_lib.serve.engine import batch_stats
 
-REC_RE = re.compile(r"(padded|masked|varlen): recorded rows ([\d,]+), cells ([\d,]+), .* = predicted rows ([\d,]+), "
-                    r"cells ([\d,]+)")
+CELLS_JS = ("Array.from(document.querySelectorAll('.ppx-counts caption, .ppx-counts th, .ppx-counts td, "
+            ".ppx-counts .ppx-line')).map(e => e.innerText.trim())")
 
 
 def _knobs(page) -> dict:
@@ -24,38 +24,45 @@ def _knobs(page) -> dict:
             "scheduler": page.locator(".ppx-scheduler select option:checked").inner_text().replace("\xa0", " ").strip()}
 
 
-def _expected(knobs: dict) -> tuple[list[str], dict]:
-    """A direct call of the library for the knobs read off the page, as the lines the readout shows."""
-    state = L.prefill_plan_state(**knobs)
-    html = L.prefill_plan_html(state)
-    lines = [re.sub(r"<[^>]+>", "", x).strip() for x in re.split(r"</div>", html) if x.strip()]
-    return lines, state
+def _cells(page) -> list[str]:
+    """Every caption, header cell, cell and line of the readout, in page order."""
+    return page.evaluate(f"() => {CELLS_JS}")
 
 
-def _lines(page) -> list[str]:
-    return [x.strip() for x in inner_text(page, ".ppx-counts").splitlines() if x.strip()]
+def _table(page, name: str) -> dict:
+    """The readout's table ``name`` as shown: {first cell: [cells]}."""
+    rows = page.evaluate(f"""() => Array.from(document.querySelectorAll('.ppx-counts table.ppx-{name} tr'))
+        .map(tr => Array.from(tr.querySelectorAll('th, td')).map(c => c.innerText.trim()))""")
+    return {r[0]: r for r in rows}
+
+
+def _int(s: str) -> int:
+    return int(s.replace(",", ""))
 
 
 def _check(page) -> dict:
+    """The readout on the page equals a direct call of the library for the knobs on screen, cell by cell."""
     knobs = _knobs(page)
-    want, state = _expected(knobs)
-    wait_text(page, ".ppx-counts", f"t => t.split('\\n').map(s => s.trim()).filter(s => s).join('|') === {'|'.join(want)!r}")
-    got = _lines(page)
-    assert got == want
+    state = L.prefill_plan_state(**knobs)
+    want = L.readout_cells(state["readout"])
+    wait_text(page, ".ppx-counts", f"t => JSON.stringify({CELLS_JS}) === JSON.stringify({json.dumps(want)})")
+    assert _cells(page) == want
     b = state["batch"]
     lens = [state["seq_lens"][i] for i in state["batches"][b]]
-    recorded = [REC_RE.search(x) for x in got if "recorded rows" in x]
-    assert recorded, f"no recorded method in the readout: {got}"
-    for m in recorded:  # the recorder's numbers on screen against batch_stats' prediction, computed here
-        s = batch_stats(L.TINY, lens, m[1])
-        assert (int(m[2].replace(",", "")), int(m[3].replace(",", ""))) == (s.executed_rows, s.cells_whole_computed)
+    recorded = {m: r for m, r in _table(page, "recorded").items() if m in ("padded", "masked", "varlen")}
+    assert recorded, f"no recorded method in the readout: {_cells(page)}"
+    for m, row in recorded.items():  # the recorder's numbers on screen against batch_stats' prediction, computed here
+        if row[1] == "not run":
+            continue
+        s = batch_stats(L.TINY, lens, m)
+        assert (_int(row[1]), _int(row[3])) == (s.executed_rows, s.cells_whole_computed), (m, row)
     return state
 
 
 def test_lesson06_prefill_plan_explorer(lab_server, browser_context, capsys):
     page, widget, console_errors, t_start = open_explorer(
         browser_context, lab_server, "06_prefill_engine.ipynb", "ppx",
-        r"""() => /recorded rows/.test((document.querySelector('.ppx-counts') || {}).innerText || '')
+        r"""() => !!document.querySelector('.ppx-counts table.ppx-recorded')
                   && !!document.querySelector('.ppx-figure img')""", "the prefill-plan explorer")
     before = _check(page)
     src = page.locator(".ppx-figure img").first.get_attribute("src")
@@ -70,23 +77,25 @@ def test_lesson06_prefill_plan_explorer(lab_server, browser_context, capsys):
     assert state["max_num_batched_tokens"] == before["max_num_batched_tokens"] - 16 * MOVES
     assert state["batches"] != before["batches"]
 
-    # Record another batch: the recorded lines change to that batch's, still equal to the prediction.
-    old = _lines(page)
+    # Record another batch: the recorded table changes to that batch's, still equal to the prediction.
+    old = _cells(page)
     page.locator(".ppx-batch .noUi-handle").first.focus()
     for _ in range(2):
         page.keyboard.press("ArrowRight")
     wait_text(page, ".ppx-batch .widget-readout", "t => t === '2'")
     state = _check(page)
-    assert state["batch"] == 2 and _lines(page) != old
+    assert state["batch"] == 2 and _cells(page) != old
 
-    # Another scheduler: shortest first pads fewer rows, and the delay line now names requests served later.
-    old = _lines(page)
+    # Another scheduler: shortest first pads fewer rows than FCFS, beside it in the fairness table, and the
+    # delay table now counts requests served later.
+    old_delays = _table(page, "delays")
     page.locator(".ppx-scheduler select").select_option("shortest first")
     wait_text(page, ".ppx-counts", "t => t.includes('shortest first:') && !t.includes('running')")
     state = _check(page)
-    assert state["scheduler"] == "shortest first" and _lines(page) != old
-    assert any("served later, at most" in x for x in _lines(page)), _lines(page)
-    per = [x for x in _lines(page) if x.startswith("per batch")]
-    assert per and per != [x for x in old if x.startswith("per batch")]
+    fair = _table(page, "fairness")
+    assert state["scheduler"] == "shortest first" and list(fair) == ["scheduler", "FCFS", "shortest first"], fair
+    assert _int(fair["shortest first"][2]) < _int(fair["FCFS"][2]), fair            # pad rows
+    assert _int(fair["shortest first"][4]) > 0 and _int(fair["shortest first"][6]) > 0, fair  # served later, overtakes
+    assert _table(page, "delays") != old_delays
 
     finish(page, widget, "06", latencies, text_ms, console_errors, t_start, capsys)
