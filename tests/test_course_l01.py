@@ -77,6 +77,36 @@ def test_c2_c3_flat_run_state_runs_the_model_both_ways():
     assert s["differs"] == {"flat": [], "padded": []}
 
 
+def test_c2_flat_run_state_records_what_padding_wastes_in_flops():
+    from lessons_lib.core.config import ModelConfig
+    from lessons_lib.measure.flops import forward_flops
+    cfg = L.EXPLORER_CONFIG
+    for lens, pad_to in (([10, 30], None), ([5, 500], None), ([20, 20, 20], 128)):
+        s = L.flat_run_state(lens, pad_to)
+        width = pad_to or max(lens)
+        # recorded FLOPs against measure.flops' prediction: padded = R requests of the padded length
+        for key, want in (("flat", forward_flops(cfg, lens)), ("padded", forward_flops(cfg, [width] * len(lens)))):
+            assert s["flops"][key] == {"linear": want.linear, "attention": want.attention}, (lens, key)
+        assert s["waste"]["linear"] == s["pad_rows"] * (s["flops"]["flat"]["linear"] // s["rows"]["flat"])
+    assert L.flat_run_state([20, 20, 20])["waste"] == {"linear": 0, "attention": 0}
+    # the notebook's tour: at width 64, A and B's pad rows waste ~9.6x A's attention; 5, 500 turns it around
+    ab, long = L.flat_run_state([10, 30]), L.flat_run_state([5, 500])
+    assert 9.5 < ab["waste"]["linear"] / ab["waste"]["attention"] < 9.7
+    assert long["waste"]["attention"] > long["waste"]["linear"]
+    assert round(long["waste"]["attention"] / 1e6) == 128 and round(long["waste"]["linear"] / 1e6) == 97
+    # the crossover: 6 d whole blocks, ~12 d causal; dominant flips there (measure.flops)
+    for c in (cfg, ModelConfig(n_layers=2, vocab_size=1000, max_position=64)):
+        x = L.crossover_lengths(c)
+        assert x == {"blocks": 6 * c.d_model, "causal": 12 * c.d_model}, x
+        assert forward_flops(c, [x["causal"] - 1], causal=True).dominant == "linear"
+        assert forward_flops(c, [x["causal"]], causal=True).dominant == "attention"
+    text = L.flat_run_text(long)["padded"]
+    assert "in the linear layers and 127.99 MFLOP in attention (linear / attention waste = 0.76x)" in text
+    assert "beyond S = 384 (whole blocks, 6 d) or 768 (causal triangle, about 12 d); your longest: 500" in text
+    gids = {p.get_gid() for ax in L.flat_run_figure(long).axes for p in ax.get_lines()}
+    assert "crossover" in gids and "crossover" not in {p.get_gid() for ax in L.flat_run_figure(ab).axes for p in ax.get_lines()}
+
+
 def test_flat_run_state_pads_to_a_length_and_on_the_left():
     wide = L.flat_run_state([3, 17, 5], pad_to=32)
     assert wide["padded_shape"] == [3, 32] and wide["rows"]["padded"] == 96 and wide["pad_rows"] == 71
@@ -189,11 +219,31 @@ def test_c3_wrong_requests_are_measured_by_running_the_engine():
         assert L.wrong_requests(lens, bug, k)[0] == _wrong(lens, bug, k), (lens, bug, k)
 
 
+def test_c3_sampled_rows_a_server_trusting_a_moved_boundary_reads_both_neighbours_wrong():
+    model = L.explorer_models()[0]
+    for lens, bug, k in L.WRONG_CASES:
+        got = L.sampled_rows(model, L.request_ids(lens), bug, k)
+        cu = L.broken_pack(L.request_ids(lens), bug, k).cu_seqlens.tolist()
+        assert got["cu_seqlens"] == cu
+        assert got["rows"] == [b - 1 if b > a else None for a, b in zip(cu, cu[1:])]
+        # both neighbours of the moved boundary sample a wrong row (the emptied one-token request has none);
+        # every other request samples its own last row, within its bound
+        assert got["wrong"] == {k - 1, k}, (lens, bug, k)
+        for i in set(range(len(lens))) - {k - 1, k}:
+            assert got["diff"][i] <= got["bound"][i]
+    emptied = L.sampled_rows(model, L.request_ids([1, 8, 3]), "early", 1)
+    assert emptied["rows"][0] is None and emptied["diff"][0] is None
+    # the rows of request k-1 at its TRUE boundaries are right when late (01.1), its sampled row is not
+    assert 0 not in L.wrong_requests([10, 30], "late", 1)[0]
+    late = L.sampled_rows(model, L.request_ids([10, 30]), "late", 1)
+    assert late["rows"] == [10, 39] and late["diff"][0] > 1000 * late["bound"][0]
+
+
 def test_c3_wrong_requests_checker(capsys):
     assert L.check_wrong_requests(_wrong)
     assert L.check_wrong_requests(stub) is False and "not attempted yet" in capsys.readouterr().out
     both = attempt(L.check_wrong_requests, lambda lens, bug, k: {k - 1, k})
-    assert "is unchanged" in both and "causal attention" in both
+    assert "are unchanged" in both and "causal attention" in both and "would still sample it" in both
     single = attempt(L.check_wrong_requests, lambda lens, bug, k: {k} if bug == "late" else {k - 1, k})
     assert "has one token" in single
     assert "numbered 0.." in attempt(L.check_wrong_requests, lambda lens, bug, k: {len(lens)})
@@ -284,6 +334,6 @@ def test_lens_cases_stay_for_lesson_03():
 
 def test_c3_figures_say_what_their_ticks_mark():
     flat = L.padded_vs_flat([10, 30]).axes[1]
-    assert "thin white lines separate the tokens" in flat.get_xlabel() and "numbered ticks are cu_seqlens" in flat.get_xlabel()
-    assert "thin white" not in L.padded_vs_flat([50, 40]).axes[1].get_xlabel()  # no token lines drawn beyond 80 rows
+    assert "thin grey lines separate the tokens" in flat.get_xlabel() and "numbered ticks are cu_seqlens" in flat.get_xlabel()
+    assert "thin grey" not in L.padded_vs_flat([50, 40]).axes[1].get_xlabel()  # no token lines drawn beyond 80 rows
     assert "cu_seqlens = [0, 10, 40]" in L.flat_positions([10, 30]).axes[0].get_xlabel()

@@ -25,7 +25,7 @@ from matplotlib.patches import Patch, Rectangle
 from ..core.batch import PackedBatch, cumulative, pack, pad, unpack
 from ..core.config import ModelConfig
 from ..core.model import Transformer
-from ..measure.flops import attention_cells, executed_tokens
+from ..measure.flops import attention_cells, executed_tokens, flops_of, forward_flops, linear_flops_per_token
 from ..measure.recorder import OpRecorder
 from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
 from ..style import ATTENTION, MIN_FONT, TEXT, WASTE, cu_ticks, draw_strip, request_color, request_name
@@ -42,7 +42,7 @@ def padded_vs_flat(seq_lens: Sequence[int]) -> Figure:
 
     Left, top: the padded ``[R, Lmax]`` grid, one orange Rectangle per request (gid
     ``real-i``) and one hatched vermillion per pad span (gid ``pad-i``). Left, bottom: the flat
-    strip of ``Σ L`` rows (thin white lines between tokens) with numbered ticks at
+    strip of ``Σ L`` rows (thin grey lines between tokens) with numbered ticks at
     ``cu_seqlens``. Right: attention score cells per head per layer of each request once
     padded: its own ``L_i²`` (blue, useful) and the ``Lmax² − L_i²`` padding adds
     (vermillion), gids ``useful-i`` / ``wasted-i``.
@@ -73,12 +73,14 @@ def padded_vs_flat(seq_lens: Sequence[int]) -> Figure:
     top.set_title(f"padded [{r} x {lmax} x d]: {r * lmax} rows computed, {total} useful, {r * lmax - total} pad{more}",
                   fontsize=MIN_FONT + 1)
     draw_strip(bottom, lens)
+    if total <= 80:  # token separators that show on both shades of orange (white ones vanish on the light one)
+        bottom.vlines(range(1, total), 0, 1, colors=TEXT, linewidth=0.5, alpha=0.45)
     bottom.set_xlim(0, total)
     bottom.set_ylim(0, 1)
     bottom.set_yticks([])
     cu_ticks(bottom, cumulative(lens))
     bottom.tick_params(axis="x", labelsize=MIN_FONT)
-    bottom.set_xlabel("flat row: thin white lines separate the tokens; the numbered ticks are cu_seqlens"
+    bottom.set_xlabel("flat row: thin grey lines separate the tokens; the numbered ticks are cu_seqlens"
                       if total <= 80 else "flat row; the numbered ticks are cu_seqlens", fontsize=MIN_FONT)
     bottom.set_title(f"flat [{total} x d]: {total} rows, all useful, no batch dimension", fontsize=MIN_FONT + 1)
     for i, n in enumerate(lens[:shown]):
@@ -97,7 +99,7 @@ def padded_vs_flat(seq_lens: Sequence[int]) -> Figure:
     cells.set_title("padded: own L² + padding's cells\n(whole blocks, as the article counts)", fontsize=MIN_FONT + 1)
     fig.legend(handles=[Patch(facecolor=request_color(0), label="real token (requests alternate two shades)"),
                         Patch(facecolor=WASTE, hatch="///", edgecolor="white", label="pad row / padding's cells"),
-                        Patch(facecolor=ATTENTION, label="useful score cells: L_i²")],
+                        Patch(facecolor=ATTENTION, label="useful score cells: $L_i^2$")],
                fontsize=MIN_FONT, frameon=False, loc="lower center", ncol=3)
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.24 - 0.005 * shown, top=0.86)
     return fig
@@ -226,6 +228,19 @@ def _largest_scores(rec: OpRecorder) -> tuple:
     return max(rec.scores, key=math.prod)
 
 
+def crossover_lengths(cfg: ModelConfig) -> dict[str, int]:
+    """The request length past which one request's attention FLOPs exceed its linear FLOPs
+    (``measure.flops``): ``blocks``, counting whole ``S x S`` blocks as the padded forward and the
+    recorder do (``6 d`` for this architecture), and ``causal``, the smallest S whose
+    ``forward_flops(..., causal=True)`` is dominated by attention (about ``12 d``)."""
+    blocks = linear_flops_per_token(cfg) // flops_of(cfg, 0, 1).attention
+    lo, hi = 1, 64 * blocks  # dominant is "linear" at lo and "attention" at hi: bisect
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if forward_flops(cfg, [mid], causal=True).dominant == "attention" else (mid, hi)
+    return {"blocks": blocks, "causal": hi}
+
+
 def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str = "right") -> dict:
     """Run the requests of ``seq_lens`` through the explorer's model flat and padded (claims C2, C3).
 
@@ -234,6 +249,9 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
     what ``pack`` built; ``padded_shape`` ``[R, S]``, ``side``; ``rows`` / ``cells`` / ``largest``:
     {"padded", "flat"} as ``OpRecorder`` saw them (rows of every linear layer, score cells per head
     per layer, the shape of the largest score matrix one op computed); ``pad_rows`` (padded − flat rows);
+    ``flops``: {"padded", "flat"}: {"linear", "attention"} FLOPs of the whole forward, summed over the
+    matmuls ``OpRecorder`` saw (attention: whole blocks); ``waste``: {"linear", "attention"} padded − flat;
+    ``crossover``: ``crossover_lengths`` of the explorer's model;
     ``input_bytes`` / ``hidden_bytes``: {"padded", "flat"} bytes of the model's inputs (ids + mask;
     ids + positions + cu_seqlens) and of its output hidden states; ``diff`` / ``bound``: {"padded",
     "flat"} per request, ``max |out − out64 alone|`` and the tolerance rule's bound; ``equal``:
@@ -267,6 +285,10 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
 
     def nbytes(*ts):
         return sum(t.numel() * t.element_size() for t in ts)
+
+    def recorded_flops(rec):
+        return {kind: sum(m.flops for m in rec.matmuls if m.kind == kind) for kind in ("linear", "attention")}
+    flops = {"padded": recorded_flops(rec_pad), "flat": recorded_flops(rec_flat)}
     return {"seq_lens": lens, "side": side, "padded_shape": list(ids.shape),
             "flat": {"input_ids": batch.input_ids.tolist(), "positions": batch.positions.tolist(),
                      "cu_seqlens": batch.cu_seqlens.tolist(), "cu_dtype": str(batch.cu_seqlens.dtype).removeprefix("torch."),
@@ -276,6 +298,8 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
             "largest": {"padded": _largest_scores(rec_pad), "flat": _largest_scores(rec_flat)},
             "input_bytes": {"padded": nbytes(ids, mask), "flat": nbytes(batch.input_ids, batch.positions, batch.cu_seqlens)},
             "hidden_bytes": {"padded": nbytes(out_pad), "flat": nbytes(out_flat)},
+            "flops": flops, "waste": {k: flops["padded"][k] - flops["flat"][k] for k in ("linear", "attention")},
+            "crossover": crossover_lengths(cfg),
             "diff": diff, "bound": bound,
             "equal": {k: [d <= b for d, b in zip(v, bound)] for k, v in diff.items()},
             "differs": {k: [i for i, d in enumerate(v) if d > bound[i]] for k, v in diff.items()}}
@@ -310,6 +334,12 @@ def flat_run_figure(state: dict) -> Figure:
             top.add_patch(Rectangle((0 if state["side"] == "left" else n, i), s - n, 1, facecolor="none",
                                     edgecolor="white", hatch="///", linewidth=0, gid=f"pad-{i}"))
     top.hlines(range(1, shown), 0, s, colors="white", linewidth=1)
+    cross = state["crossover"]["blocks"]
+    if cross < s:  # past this column a padded row's attention FLOPs (whole blocks) exceed its linear FLOPs
+        top.axvline(cross, color=TEXT, linestyle="--", linewidth=1.2, gid="crossover")
+        top.text(cross, shown - 0.08, f"S = {cross} = 6 d: beyond it, attention FLOPs per row > linear ", ha="right",
+                 va="bottom", fontsize=MIN_FONT, color=TEXT, bbox={"facecolor": "white", "edgecolor": "none",
+                                                                   "alpha": 0.85, "pad": 1})
     wrong = {k: set(v) for k, v in state["differs"].items()}
     for i in sorted(wrong["padded"]):  # the whole row of a request that differs from itself alone
         if i < shown:
@@ -349,6 +379,10 @@ def _short(xs: list, n: int = 24) -> str:
     return str(xs) if len(xs) <= n else f"[{', '.join(map(str, xs[:n]))}, ...] ({len(xs)} in all)"
 
 
+def _mflop(n: int) -> str:
+    return f"{n / 1e6:,.2f} MFLOP"
+
+
 def _kib(n: int) -> str:
     return f"{n:,} B" if n < 10_240 else f"{n / 1024:,.1f} KiB"
 
@@ -360,6 +394,10 @@ def flat_run_text(state: dict) -> dict[str, str]:
     flat = "\n".join([f"input_ids {_short(f['input_ids'])}", f"positions {_short(f['positions'])}",
                       f"cu_seqlens {_short(f['cu_seqlens'])} ({f['cu_dtype']}) | max_seqlen {f['max_seqlen']}"])
     shape = state["padded_shape"]
+    fl, waste, cross = state["flops"], state["waste"], state["crossover"]
+    ratio = ("no waste" if not waste["linear"] and not waste["attention"] else
+             f"linear / attention waste = {waste['linear'] / waste['attention']:.3g}x" if waste["attention"] else
+             "attention wastes nothing")
     padded = "\n".join([
         f"padded ids [{shape[0]} x {shape[1]}] ({state['side']} padding) | flat ids [{len(f['input_ids'])}]",
         f"rows through every linear layer (recorded): padded {r['padded']} | flat {r['flat']} | "
@@ -367,6 +405,13 @@ def flat_run_text(state: dict) -> dict[str, str]:
         f"score cells per head per layer (recorded): padded {c['padded']} | flat {c['flat']}",
         f"inputs: padded {_kib(state['input_bytes']['padded'])} | flat {_kib(state['input_bytes']['flat'])}; "
         f"hidden states: padded {_kib(state['hidden_bytes']['padded'])} | flat {_kib(state['hidden_bytes']['flat'])}",
+        f"FLOPs of the forward (recorded, whole blocks): linear padded {_mflop(fl['padded']['linear'])} | flat "
+        f"{_mflop(fl['flat']['linear'])}; attention padded {_mflop(fl['padded']['attention'])} | flat "
+        f"{_mflop(fl['flat']['attention'])}",
+        f"padding wastes {_mflop(waste['linear'])} in the linear layers and {_mflop(waste['attention'])} in attention"
+        f" ({ratio})",
+        f"one request's attention FLOPs pass its linear FLOPs beyond S = {cross['blocks']} (whole blocks, 6 d) or "
+        f"{cross['causal']} (causal triangle, about 12 d); your longest: {max(state['seq_lens'])}",
         f"largest score matrix (recorded): padded {list(big['padded'])} = {_kib(4 * math.prod(big['padded']))} | "
         f"flat {list(big['flat'])} = {_kib(4 * math.prod(big['flat']))} (float32; the leading number is heads x "
         "requests: attention runs requests of equal length as one batched matmul)"])
@@ -480,12 +525,37 @@ def _wrong_requests(seq_lens: tuple[int, ...], bug: str, k: int) -> tuple[frozen
     return wrong, tuple(diffs)
 
 
+def sampled_rows(model: Transformer, requests: Sequence, bug: str, k: int) -> dict:
+    """What a server samples from when boundary ``k`` is one row ``bug``: it trusts the broken
+    ``cu_seqlens`` and reads request i's next token from row ``cu_seqlens[i+1] - 1`` of the output.
+
+    Runs ``broken_pack(requests, bug, k)`` through ``model`` and compares each sampled row with the
+    LAST row of the request run alone by ``model``'s float64 twin, under the request's tolerance bound.
+    Keys: ``cu_seqlens`` (the broken one, a list), ``rows`` (the sampled row per request, None for a
+    request the bug left empty), ``diff`` / ``bound`` (per request; diff None when empty),
+    ``wrong`` (the indices whose sampled row is beyond the bound, or that have no row to sample).
+    """
+    batch = broken_pack(requests, bug, k)
+    tensors = [torch.as_tensor(r) for r in requests]
+    with one_thread():
+        out = model.forward(batch)
+        alone, alone64 = model.forward_each(tensors), float64_twin(model).forward_each(tensors)
+    cu = batch.cu_seqlens.tolist()
+    rows = [cu[i + 1] - 1 if cu[i + 1] > cu[i] else None for i in range(len(tensors))]
+    diff = [None if r is None else max_abs_diff(out[r], r64[-1]) for r, r64 in zip(rows, alone64)]
+    bound = [tolerance(a, a64, torch.float32) for a, a64 in zip(alone, alone64)]
+    wrong = {i for i, (d, b) in enumerate(zip(diff, bound)) if d is None or d > b}
+    return {"cu_seqlens": cu, "rows": rows, "diff": diff, "bound": bound, "wrong": wrong}
+
+
 def _why(i: int, lens: list[int], bug: str, k: int) -> str:
     """Why request i is (or is not) changed by boundary k moved ``bug``: the causal argument."""
     name = request_name(i)
     if bug == "late" and i == k - 1:
-        return (f"request {i} ({name}) is unchanged: it gains request {k}'s first token AFTER its own rows, and "
-                "causal attention lets each row see only the rows before it")
+        return (f"request {i} ({name})'s own rows, cut at the true boundaries, are unchanged: it gains request "
+                f"{k}'s first token AFTER them, and causal attention lets each row see only the rows before it "
+                "(a server trusting the broken cu_seqlens would still sample it from that extra row: see below the "
+                "exercise)")
     if bug == "late" and i == k:
         return (f"request {i} ({name}) lost its first token: its other rows no longer see it, and their "
                 "positions start one lower")
@@ -518,7 +588,8 @@ def check_wrong_requests(fn: Callable[[list, str, int], object]) -> bool:
                  for i in sorted(said ^ wrong)]
         return f"you said {sorted(said)}, the engine finds {sorted(wrong)} wrong: " + "; ".join(notes)
     return grade("wrong_requests", fn, WRONG_CASES, judge,
-                 "late: only request k goes wrong; early: k-1 and k, unless k-1 has a single token")
+                 "rows cut at the TRUE boundaries: late, only request k's rows go wrong; early, k-1's and k's, "
+                 "unless k-1 has a single token")
 
 
 def _as_list(x):

@@ -25,6 +25,9 @@ def _expected(lengths: str, pad_to: str, side: str) -> dict:
     assert state["flat"]["cu_seqlens"] == batch.cu_seqlens.tolist() and state["flat"]["positions"] == batch.positions.tolist()
     s = max(lens) if pad_to == "longest" else int(pad_to)
     assert state["rows"] == {"padded": len(lens) * s, "flat": flops.executed_tokens(lens, "varlen")}
+    cfg = l01_flat_batch.EXPLORER_CONFIG  # the FLOPs the recorder saw, against measure.flops' prediction
+    for key, want in (("flat", flops.forward_flops(cfg, lens)), ("padded", flops.forward_flops(cfg, [s] * len(lens)))):
+        assert state["flops"][key] == {"linear": want.linear, "attention": want.attention}, key
     text = l01_flat_batch.flat_run_text(state)
     return {"flat": text["flat"], "counts": text["padded"], "verdict": VERDICT_RE.search(text["alone"]).group(0),
             "differs": DIFFERS_RE.search(text["alone"]).group(0), "differs_idx": state["differs"], "s": s,
@@ -38,6 +41,7 @@ def _check(page, want: dict) -> None:
     assert VERDICT_RE.search(alone).group(0) == want["verdict"]
     assert re.findall(r"(=|DIFFERS) \|", alone) == want["marks"]  # per request: flat, padded (the diffs' last bits vary)
     assert DIFFERS_RE.search(alone).group(0) == want["differs"]  # the requests the figure outlines
+    assert f"beyond S = {6 * l01_flat_batch.EXPLORER_CONFIG.d_model} (whole blocks, 6 d)" in inner_text(page, ".fbx-counts")
     got = ROWS_RE.search(inner_text(page, ".fbx-counts"))
     assert got and [int(x) for x in got.groups()] == [want["rows"]["padded"], want["rows"]["flat"], want["pad_rows"]]
 
