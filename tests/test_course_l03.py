@@ -11,7 +11,7 @@ import torch
 from helpers import attempt, by_class, png_of, stub, varlen_loop
 from matplotlib.figure import Figure
 
-from lessons_lib.core.attention import VarlenMetadata, attention_forward, block_diag_mask, varlen_attention
+from lessons_lib.core.attention import VarlenMetadata, attention_forward, block_diag_mask, causal_mask, varlen_attention
 from lessons_lib.core.batch import seq_lens_to_cu_seqlens
 from lessons_lib.course import l03_attention as L
 from lessons_lib.course.grading import score
@@ -108,8 +108,9 @@ def test_measured_sweep_draws_time_and_memory():
     fig = L.measured_sweep([1, 2], [1.0, 4.0], [1.0, 2.0], 64, "sdpa", "cpu")
     lines = fig.axes[0].lines
     assert isinstance(fig, Figure) and [list(line.get_ydata()) for line in lines[:2]] == [[1.0, 4.0], [1.0, 2.0]]
-    # dashed reference slopes 2 and 1 through the last point; every line in ink, the backends told apart by style
-    assert [list(line.get_ydata()) for line in lines[2:]] == [[1.0, 4.0], [1.0, 2.0]]
+    # dashed reference slopes 2 and 1 at half the last point (beside the data, not over it); every line in ink,
+    # the backends told apart by style
+    assert [list(line.get_ydata()) for line in lines[2:]] == [[0.5, 2.0], [0.5, 1.0]]
     assert all(line.get_color() == TEXT for line in lines) and [line.get_linestyle() for line in lines] == ["-", "-.", "--", "--"]
     both = L.measured_sweep([1, 2], [1.0, 4.0], [1.0, 2.0], 64, "sdpa", "cpu", [0.5, 2.0], [0.5, 1.0])
     assert len(both.axes) == 2 and [list(line.get_ydata()) for line in both.axes[1].lines[:2]] == [[0.5, 2.0], [0.5, 1.0]]
@@ -221,6 +222,18 @@ def test_attention_run_html_lines_and_predicted_block():
     assert pred == [("padded", "1800", "520", "1280"), ("masked", "1600", "520", "1080"), ("varlen", "520", "520", "0")]
     summary = L.attention_run_summary_html(s)
     assert "the causal mask keeps: 520" in summary and "32768 cells executed" in summary
+    assert "1000 in-bounds cells of computed tiles" in summary  # predict_work's cells, named as in lesson 07 (K4)
+    assert "measured waste: masked 1080 cells, padded 1280 cells per head: padding wastes more here" in summary
+
+
+@pytest.mark.parametrize("lens, verdict", [([10, 30], "padding wastes more"), ([300, 5, 5, 5], "padding wastes more"), ([1, 50, 50], "masking wastes more"),
+                                           ([100, 100, 100], "masking wastes more"), ([4], "a tie")])
+def test_attention_run_state_says_which_of_masking_and_padding_wastes_more(lens, verdict):
+    s = L.attention_run_state(lens, causal=False)
+    t, r, lmax = sum(lens), len(lens), max(lens)
+    useful = sum(n * n for n in lens)
+    assert s["wasted"] == {"masked": t * t - useful, "padded": r * lmax * lmax - useful}  # by hand, whole blocks
+    assert verdict in L.attention_run_summary_html(s)
 
 
 def test_attention_run_explorer_contract_and_callbacks():
@@ -296,8 +309,42 @@ def test_causal_varlen_checker_fails_the_engines_sdpa_path_that_groups_equal_len
     # constant, so the checker's 12-request probe uses 12 distinct lengths
     def sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None):
         return varlen_attention(q, k, v, cu_seqlens_q, causal=causal, softmax_scale=softmax_scale, backend="sdpa")
-    assert "per distinct length" in attempt(L.check_causal_varlen, sdpa)
+    why = attempt(L.check_causal_varlen, sdpa)
+    assert "hands the attention to the engine (varlen_attention -> attention_forward -> its 'sdpa' backend" in why
     assert score(L.check_causal_varlen, sdpa, points=3) == 2.4  # right on every batch, but not one launch
+
+    def per_length(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None):
+        out, cu, (h, d) = torch.empty_like(q), cu_seqlens_q.tolist(), q.shape[1:]  # sdpa's grouping, by hand
+        lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
+        for n in sorted(set(lens)):
+            rows = torch.cat([torch.arange(s, s + n) for s, m in zip(cu[:-1], lens) if m == n])
+            qg, kg, vg = (x[rows].view(-1, n, h, d).transpose(1, 2) for x in (q, k, v))
+            g = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=softmax_scale)
+            out[rows] = g.transpose(1, 2).reshape(-1, h, d)
+        return out
+    assert "per distinct length" in attempt(L.check_causal_varlen, per_length)
+
+
+def test_causal_varlen_checker_refuses_the_engines_own_backends():
+    # one line that calls the engine's padded backend: one launch, fewer than T x T cells, right values;
+    # the exercise asks for the launch itself, so the checker names the engine code it ran
+    def padded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None):
+        return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                softmax_scale=softmax_scale, backend="padded")
+    why = attempt(L.check_causal_varlen, padded)
+    assert "its 'padded' backend" in why and "the launch is the engine's, not yours" in why
+    assert score(L.check_causal_varlen, padded, points=3) == 2.4
+    def with_causal_mask(q, k, v, cu_seqlens, max_seqlen):  # the engine's mask helpers are allowed
+        starts, lens = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        pos = torch.arange(max_seqlen)
+        real, rows = pos < lens[:, None], (starts[:, None] + pos).clamp(max=q.shape[0] - 1)
+        qp, kp, vp = (x[rows].transpose(1, 2) for x in (q, k, v))
+        scores = (qp @ kp.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(
+            ~causal_mask(max_seqlen, max_seqlen), float("-inf"))
+        out, flat = (scores.softmax(-1) @ vp).transpose(1, 2), torch.empty_like(q)
+        flat[rows[real]] = out[real]
+        return flat
+    assert L.check_causal_varlen(backend(with_causal_mask))
 
 
 def test_causal_varlen_checker_explains_typical_mistakes():

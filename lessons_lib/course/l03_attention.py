@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -24,6 +25,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Polygon, Rectangle
 from matplotlib.ticker import MaxNLocator
 
+from ..core import attention as _engine_attention
 from ..core.attention import attention_ref, block_diag_mask, plain_attention, varlen_attention
 from ..core.batch import cumulative, pack, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
@@ -245,6 +247,9 @@ def _sweep(rs, backends, length, n_heads, d_head, rounds, device, dtype) -> dict
             for b in backends}
 
 
+GUIDE_OFFSET = 2.0  # the slope guides of measured_sweep sit this factor below the last measured point
+
+
 def measured_sweep(rs: Sequence[int], masked_ms: Sequence[float], varlen_ms: Sequence[float], length: int,
                    varlen_name: str, where: str, masked_mib: Sequence[float] | None = None,
                    varlen_mib: Sequence[float] | None = None) -> Figure:
@@ -259,10 +264,11 @@ def measured_sweep(rs: Sequence[int], masked_ms: Sequence[float], varlen_ms: Seq
     for ax, masked, varlen, ylabel in series:
         ax.plot(list(rs), list(masked), "o-", color=TEXT, label="masked (full T x T scores)")
         ax.plot(list(rs), list(varlen), "s-.", color=TEXT, label=f"varlen ({varlen_name})")
-        for slope, ys, style in ((2, masked, (0, (6, 3))), (1, varlen, (0, (3, 3)))):  # reference slopes from the last point
-            x0, y0 = rs[-1], ys[-1]
+        # reference slopes, drawn at half the last point so that they run beside the measured lines, not over them
+        for slope, ys, style in ((2, masked, (0, (6, 3))), (1, varlen, (0, (3, 3)))):
+            x0, y0 = rs[-1], ys[-1] / GUIDE_OFFSET
             ax.plot(list(rs), [y0 * (r / x0) ** slope for r in rs], color=TEXT, linewidth=0.8, linestyle=style,
-                    label=f"slope {slope}: grows like R{'²' if slope == 2 else ''}")
+                    label=f"guide, slope {slope} (grows like R{'²' if slope == 2 else ''}), drawn at half")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(list(rs), [str(r) for r in rs])
@@ -357,7 +363,7 @@ def _largest_score_bytes(rec: OpRecorder, itemsize: int) -> int | None:
 def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0, repeats: int = 2) -> dict:
     """Run each of ``RUN_BACKENDS`` once under ``OpRecorder`` on random q, k, v (``random_qkv``, 8 heads
     of 64, float32, CPU) for the given lengths and return
-    ``{"seq_lens", "causal", "useful", "bound", "tiled", "rows": {name: row}}``, each row
+    ``{"seq_lens", "causal", "useful", "bound", "wasted", "tiled", "rows": {name: row}}``, each row
     ``{"backend", "cells", "predicted", "scores", "largest_bytes", "error", "ms"}``:
 
     - ``cells``: score cells per head the recorder saw (``rec.cells // H``); ``scores``: how many score
@@ -367,6 +373,8 @@ def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0,
       for a fused kernel, which never stores one);
     - ``error``: max |out - fp64 reference|, against ``bound`` (``tolerance``); ``ms``: fastest of
       ``repeats`` calls on this CPU, on one thread (noisy, shown, never asserted);
+    - ``wasted``: ``{"masked", "padded"}``: the cells each computed (measured) minus ``useful``: which of the two
+      wastes more on these lengths;
     - ``tiled``: ``tiling.predict_work`` for a FlashAttention-style kernel with 128 x 128 tiles, one head
       (not run here: its tiles, the cells they execute and the cells inside the requests).
     """
@@ -392,8 +400,9 @@ def _attention_run(lens: list[int], causal: bool, seed: int, repeats: int) -> di
         rows[name] = {"backend": backend, "cells": rec.cells // RUN_HEADS, "predicted": predicted_cells(lens, name, causal),
                       "scores": len(rec.scores), "largest_bytes": _largest_score_bytes(rec, q.element_size()),
                       "error": max_abs_diff(out, ref64), "ms": time_call(call, repeats=repeats, warmup=0) * 1e3}
-    return {"seq_lens": lens, "causal": causal, "useful": attention_cells(lens, "varlen", causal).useful,
-            "bound": tolerance(ref, ref64), "rows": rows,
+    useful = attention_cells(lens, "varlen", causal).useful
+    return {"seq_lens": lens, "causal": causal, "useful": useful, "bound": tolerance(ref, ref64), "rows": rows,
+            "wasted": {name: rows[name]["cells"] - useful for name in ("masked", "padded")},
             "tiled": predict_work(lens, n_heads=1, block_m=RUN_TILE, block_n=RUN_TILE, causal=causal)}
 
 
@@ -431,8 +440,15 @@ def attention_run_summary_html(state: dict) -> str:
     return (f"<div>lengths {lens} | T = {sum(lens)} rows | {RUN_HEADS} heads of {RUN_D_HEAD}, float32 | cells per head | "
             f"{mask}: {state['useful']} | error bound {state['bound']:.2e} | time: this CPU, one thread, fastest of 2 "
             f"calls, noisy</div><div>a tiled kernel (128 x 128 tiles, predicted by tiling.predict_work, not run here): "
-            f"{t.tiles} tiles, {t.executed_cells} cells executed, {t.cells} of them inside the requests</div>"
-            + (_causal_html(state) if state["causal"] else ""))
+            f"{t.tiles} tiles, {t.executed_cells} cells executed, {t.cells} in-bounds cells of computed tiles</div>"
+            + _waste_html(state) + (_causal_html(state) if state["causal"] else ""))
+
+
+def _waste_html(state: dict) -> str:
+    """Masking against padding on these lengths, from the two measured rows."""
+    m, p = state["wasted"]["masked"], state["wasted"]["padded"]
+    verdict = "a tie" if m == p else f"{'masking' if m > p else 'padding'} wastes more here"
+    return f"<div>measured waste: masked {m} cells, padded {p} cells per head: {verdict}</div>"
 
 
 def _causal_html(state: dict) -> str:
@@ -574,6 +590,38 @@ def _as_backend(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_s
     return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, softmax_scale=1.0 / math.sqrt(q.shape[-1]))
 
 
+def _engine_attention_codes() -> dict:
+    """The code of the engine's own attention (every backend, the entry points that reach one, and the Triton
+    kernel's module), by what a learner would call it: exercise 03.1 asks for the launch, not for a call into it."""
+    a = _engine_attention
+    codes = {f.__code__: f"its {name!r} backend" for name, f in a.IMPLS.items()}
+    for f in (a.attention_forward, a.varlen_attention, a.attention_ref, a.plain_attention, a.padded_attention, a._dense):
+        codes[f.__code__] = f.__name__
+    return codes
+
+
+def _engine_calls(call: Callable, *args) -> tuple[object, list[str]]:
+    """``call(*args)`` under a profile hook: its result, and which of the engine's attention functions ran inside it
+    (by name, in the order first entered). The hook only looks at Python calls; it changes no result."""
+    codes, seen = _engine_attention_codes(), []
+    triton_file = "triton_varlen.py"
+
+    def hook(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            name = codes.get(code) or ("its Triton kernel" if code.co_filename.endswith(triton_file) else None)
+            if name and name not in seen:
+                seen.append(name)
+
+    old = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        got = call(*args)
+    finally:
+        sys.setprofile(old)
+    return got, seen
+
+
 def check_causal_varlen(fn: Callable) -> bool:
     """Exercise 03.1: ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
     softmax_scale=None) -> [T, H, D]``, causal varlen attention in ONE batched computation (a fixed number
@@ -587,9 +635,14 @@ def check_causal_varlen(fn: Callable) -> bool:
             return None if err <= bound else (f"plugged into a 2-layer model as its attention, the output is off by "
                                               f"{err:.2e} (allowed {bound:.2e})")
         if case == ("one launch",):
-            if not (isinstance(got, tuple) and len(got) == 3):
+            if not (isinstance(got, tuple) and len(got) == 4):
                 return f"expected a tensor [T, H, D], got {type(got).__name__}"
-            small, big, (cells, t) = got
+            small, big, (cells, t), engine = got
+            if engine:
+                return (f"your function hands the attention to the engine ({' -> '.join(engine)}, in "
+                        "lessons_lib.core.attention): the launch is the engine's, not yours. Write it from matmuls, "
+                        "a causal mask and a softmax over one gathered [R, max_seqlen] batch (see the hint); "
+                        "block_diag_mask and causal_mask are allowed")
             if cells >= t * t:
                 return (f"this is the masked way: T² cells. For 12 requests (T = {t}) your function computed {cells} "
                         f"score cells per head, at least the whole T x T = {t * t}, most of them across requests. "
@@ -620,25 +673,27 @@ def check_causal_varlen(fn: Callable) -> bool:
         if case == ("engine",):
             return _engine_case(fn)
         if case == ("one launch",):
-            made = []
+            made, engine = [], []
             # 12 distinct lengths: a solution that groups equal lengths (the engine's sdpa path) makes one
             # call per distinct length, so its matmul count grows too
             for lens in ([5, 3], [5, 3, 8, 1, 12, 2, 7, 4, 10, 6, 11, 9]):
                 q, k, v, cu, m = _qkv(lens, 2, 8, 7)
                 with OpRecorder() as seen:
-                    got = _as_backend(fn, q, k, v, cu, m)
+                    got, called = _engine_calls(_as_backend, fn, q, k, v, cu, m)
                 if not isinstance(got, Tensor):
                     return got
                 made.append(len(seen.matmuls))
+                engine += [c for c in called if c not in engine]
             # score cells per head of the 12-request call: the softmaxed scores, or (no softmax op seen) the
             # largest attention-shaped matmul output, so that a hand-written softmax does not hide T x T scores
             biggest = max((mm.batch * mm.m * mm.n for mm in seen.matmuls), default=0)
-            return (*made, (max(seen.cells, biggest if not seen.cells else 0) // q.shape[1], q.shape[0]))
+            return (*made, (max(seen.cells, biggest if not seen.cells else 0) // q.shape[1], q.shape[0]), engine)
         return _as_backend(fn, *case)
 
     run.__name__ = getattr(fn, "__name__", "fn")
     return grade("causal_varlen", run, cases, judge,
-                 "causal varlen on 3 batches, inside a 2-layer model, with the same number of matmuls for 2 or 12 requests")
+                 "causal varlen on 3 batches, inside a 2-layer model, with the same number of matmuls for 2 or 12 requests "
+                 "and no call into the engine's attention")
 
 
 # Exercise 03.2: counter-examples to two plausible rules of thumb. Each case is (rule, k); the batch the reader
@@ -840,7 +895,8 @@ def tile_grid(tile: int = 128, short: Sequence[int] = ARTICLE_LENS, long: int = 
         ax.set_xlabel("key position", fontsize=MIN_FONT)
     left.set_ylabel("query position", fontsize=MIN_FONT)
     fig.legend(handles=[Patch(facecolor=ATTENTION, edgecolor=TEXT, label="computed tile: cells the causal mask keeps"),
-                        Patch(facecolor=WASTE, edgecolor=TEXT, label="computed tile: cells masked, thrown away"),
+                        Patch(facecolor=WASTE, edgecolor=TEXT,
+                              label="computed tile: cells thrown away (above the diagonal or past the end)"),
                         Patch(facecolor=NEVER, edgecolor=TEXT, hatch="///", label="skipped tile"),
                         Line2D([], [], color=TEXT, linewidth=1.0, linestyle="--", label="request's end")],
                loc="lower center", ncol=2, fontsize=MIN_FONT, frameon=False)
@@ -868,7 +924,7 @@ def _causal_patterns() -> Figure:
 
 @register("03_tile_grid", lesson="03",
           caption="128 x 128 tiles: A's and B's blocks each inside one whole tile (2 tiles, 32,768 cells executed), "
-                  "the masked cells of computed tiles in vermillion, "
+                  "the thrown-away cells of computed tiles (above the diagonal or past the request's end) in vermillion, "
                   "and a 1000-token causal request whose 28 tiles wholly above the diagonal are skipped "
                   "(tiling.predict_work)")
 def _tile_grid() -> Figure:
