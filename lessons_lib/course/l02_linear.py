@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import textwrap
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -47,10 +48,12 @@ from .l00_setup import consecutive_runs
 from .probe import row_dependency
 
 Tensor = torch.Tensor
-MIXES_ROWS = "mixes rows"  # a module that reads other tokens with no cu_seqlens (BatchNorm training, mean, cumsum)
-KIND_COLORS = {"per token": OTHER, "linear": LINEAR, "attention": ATTENTION, MIXES_ROWS: WASTE}
+MIXES_ROWS = "mixes rows"  # the explorer's verdict "mixes requests" (BatchNorm training, a mean or cumsum over tokens)
+OWN_REQUEST = "own request"  # a learner's module that reads other rows of its own request only, and passes both tests
+KIND_COLORS = {"per token": OTHER, "linear": LINEAR, "attention": ATTENTION, MIXES_ROWS: WASTE, OWN_REQUEST: OTHER}
 KIND_LABELS = {"per token": "other work, row by row", "linear": "linear layer, row by row",
-               "attention": "attention (reads rows by cu_seqlens)", MIXES_ROWS: "mixes rows (no cu_seqlens)"}
+               "attention": "attention (reads rows by cu_seqlens)", MIXES_ROWS: "mixes requests (fails a test)",
+               OWN_REQUEST: "reads rows of its own request only"}
 LINEAR_LIGHT = "#99D8C7"  # LINEAR green mixed with white: rank 1's half of the same work
 
 
@@ -133,7 +136,8 @@ def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int 
         ax.text(9.2, y, st.reads, fontsize=MIN_FONT + 1, va="center", color=ATTENTION if st.kind == "attention" else TEXT,
                 fontweight="bold" if st.kind == "attention" else "normal")
     fig.legend(handles=[Patch(facecolor=c, label=lab) for lab, c in
-                        (("per token: each row on its own (C4)", OTHER), ("linear: Y = X W^T + b, row by row (C5)", LINEAR),
+                        (("per token: each row alone (C4; embed: a lookup)", OTHER),
+                         ("linear: Y = X W^T + b, row by row (C5)", LINEAR),
                          ("attention: mixes rows, needs cu_seqlens (lesson 03)", ATTENTION))],
                loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
     fig.suptitle(f"One block on the flat batch of {_requests_phrase(seq_lens)}: shapes at every step, and the one "
@@ -319,6 +323,28 @@ def rounding_lines(reports: Sequence[StepReport], seq_lens: Sequence[int] = ARTI
     return "\n".join(lines)
 
 
+@torch.no_grad()
+def rows_alone_bits(fn: Callable[[Tensor], Tensor], x: Tensor, counts: Sequence[int]) -> list[tuple[int, int, int]]:
+    """For each ``m`` in ``counts``: run the first ``m`` rows of ``x`` alone through ``fn`` and count the
+    output numbers that differ in any bit from the same rows of ``fn(x)``. Returns ``[(m, differ, of)]``.
+
+    Which shapes share a kernel path is the math library's choice: an observation of this machine, to
+    print, never to assert (both results are within rounding of the exact value)."""
+    full = fn(x)
+    out = []
+    for m in counts:
+        m = check_int("m", m, minimum=1, maximum=x.shape[0])
+        alone = fn(x[:m])
+        out.append((m, int((alone != full[:m]).sum()), alone.numel()))
+    return out
+
+
+def rows_alone_lines(rows: Sequence[tuple[int, int, int]], name: str = "QKV proj") -> str:
+    """``rows_alone_bits`` as one line per row count: ``QKV proj on rows 0..m-1 alone: d of n numbers differ``."""
+    return "\n".join(f"{name} on the first {m:2d} rows alone, [{m} x k]: {d:5d} of {n:5d} numbers differ from the flat run"
+                      for m, d, n in rows)
+
+
 def summation_orders(n: int = 512, seed: int = 0) -> tuple[float, float, float]:
     """The same ``n`` float32 products summed in two orders (forward, backward), and in float64.
 
@@ -458,7 +484,8 @@ SAFE, MIXES = "safe to batch flat", "mixes requests"
 class ReachModule:
     """A module for the explorer: ``fn(t [T, width], cu_seqlens) -> [T, ...]``, its palette kind
     ("per token", "linear", "attention", ``MIXES_ROWS``; None for a learner's module: the measured map
-    decides) and its input width."""
+    decides) and its input width. Whatever the kind, a module whose verdict is ``MIXES`` is drawn as
+    ``MIXES_ROWS``: the colour follows the verdict."""
 
     fn: Callable
     kind: str
@@ -501,33 +528,49 @@ def _engine_modules() -> dict[str, ReachModule]:
     }
 
 
-# Modules a learner defines: name -> fn(t [T, d]) -> [T, ...]. Three to start; add yours with add_reach_module.
+# Modules a learner defines: name -> fn(t [T, d], cu_seqlens) -> [T, ...]. Five to start; add yours with
+# add_reach_module.
 _OWN_MODULES: dict[str, Callable] = {
-    "yours: softmax over each row": lambda t: torch.softmax(t, dim=-1),
-    "yours: mean over the tokens": lambda t: t.mean(dim=0, keepdim=True).expand_as(t),
-    "yours: cumsum over the tokens": lambda t: t.cumsum(dim=0),
-    "yours: positions from the flat index, t + arange(T)": lambda t: t + torch.arange(t.shape[0])[:, None],
-    "yours: divide by the batch size, t / T": lambda t: t / t.shape[0],
+    "yours: softmax over each row": lambda t, cu: torch.softmax(t, dim=-1),
+    "yours: mean over the tokens": lambda t, cu: t.mean(dim=0, keepdim=True).expand_as(t),
+    "yours: cumsum over the tokens": lambda t, cu: t.cumsum(dim=0),
+    "yours: positions from the flat index, t + arange(T)": lambda t, cu: t + torch.arange(t.shape[0])[:, None],
+    "yours: divide by the batch size, t / T": lambda t, cu: t / t.shape[0],
 }
 
 
-def add_reach_module(name: str, fn: Callable[[Tensor], Tensor]) -> None:
-    """Add your own module to the explorer: ``fn(t [T, d_model]) -> [T, ...]`` (one output row per token)."""
+def _takes_cu_seqlens(fn: Callable) -> bool:
+    """Whether ``fn`` takes two positional arguments (``t, cu_seqlens``) rather than one (``t``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin with no signature: called as fn(t)
+        return False
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    return len(required) >= 2
+
+
+def add_reach_module(name: str, fn: Callable) -> None:
+    """Add your own module to the explorer: ``fn(t [T, d_model]) -> [T, ...]``, or
+    ``fn(t, cu_seqlens) -> [T, ...]`` for a module that needs the request boundaries (``cu_seqlens`` a
+    list of ints; a request run alone gets ``[0, its length]``). One output row per token."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     if not callable(fn):
-        raise ValueError(f"fn must be a function t -> tensor, got {type(fn).__name__}")
-    _OWN_MODULES["yours: " + name.strip().removeprefix("yours: ")] = fn
+        raise ValueError(f"fn must be a function t -> tensor or (t, cu_seqlens) -> tensor, got {type(fn).__name__}")
+    run = fn if _takes_cu_seqlens(fn) else (lambda t, cu, fn=fn: fn(t))
+    _OWN_MODULES["yours: " + name.strip().removeprefix("yours: ")] = run
 
 
 def reach_modules() -> dict[str, ReachModule]:
     """Every module the explorer offers: the engine's own, two BatchNorm1d, and the learner's."""
-    own = {name: ReachModule(lambda t, cu, fn=fn: fn(t), None, REACH_CFG.d_model)  # kind: from the measured map
+    own = {name: ReachModule(fn, None, REACH_CFG.d_model)  # kind: from the measured map
            for name, fn in _OWN_MODULES.items()}
     return {**_engine_modules(), **own}
 
 
-ALONE_RTOL = 1e-5  # alone vs in the batch: rounding allowed, relative to the largest output number
+ALONE_RTOL = 1e-5  # alone vs in the batch: rounding allowed, relative to the largest output number (no floor)
 
 
 @torch.no_grad()
@@ -535,14 +578,15 @@ def alone_vs_batched(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_l
     """Run each request's rows of ``x`` ALONE through ``fn(t, cu_seqlens)`` and compare with its rows
     of the flat run. Returns ``{"max_diff", "bound", "differ" (names of the requests whose rows differ
     by more than the bound), "flat"}``; the bound allows float rounding only: ``ALONE_RTOL`` times the
-    largest |number| of the flat output (at least 1)."""
+    largest |number| of the flat output, with no absolute floor (a module whose outputs are all tiny
+    gets a tiny bound; one whose outputs are all 0 must give 0 alone too)."""
     lens = check_lengths(seq_lens)
     cu = cumulative(lens)
     flat = fn(x, cu)
     if not isinstance(flat, Tensor) or flat.dim() < 1 or flat.shape[0] != cu[-1]:
         got = list(flat.shape) if isinstance(flat, Tensor) else type(flat).__name__
         raise ValueError(f"the module must return one row per input row: {cu[-1]} rows in, got {got}")
-    bound = ALONE_RTOL * max(1.0, float(flat.abs().max()))
+    bound = ALONE_RTOL * float(flat.double().abs().max())
     worst, differ = 0.0, []
     for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
         alone = fn(x[s:e], [0, e - s])
@@ -597,12 +641,18 @@ def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> d
     later = int(np.triu(dep & same, k=1).sum())  # pairs (i, j > i) in one request: not causal
     reads = ("other requests too" if other else "row i only" if not own
              else "rows of its own request" if later else "rows ≤ i of its own request")
-    kind = m.kind or (MIXES_ROWS if own or other else "per token")
     alone_ok = not alone["differ"]
+    verdict = SAFE if other == 0 and alone_ok else MIXES
+    if verdict == MIXES:  # the colour follows the verdict, whatever the module's kind
+        kind = MIXES_ROWS
+    elif m.kind in (None, MIXES_ROWS):  # a learner's module, or BatchNorm in training mode on one request
+        kind = OWN_REQUEST if own else "per token"
+    else:
+        kind = m.kind
     return {"module": module, "kind": kind, "seq_lens": lens, "cu_seqlens": cu, "dep": dep, "pairs": int(dep.sum()),
             "diagonal": diag, "own_request": own, "other_requests": other, "reads": reads, "reach_ok": other == 0,
             "alone_max_diff": alone["max_diff"], "alone_bound": alone["bound"], "alone_differ": alone["differ"],
-            "alone_ok": alone_ok, "verdict": SAFE if other == 0 and alone_ok else MIXES}
+            "alone_ok": alone_ok, "verdict": verdict}
 
 
 def module_reach_text(state: dict) -> str:
@@ -658,12 +708,15 @@ def module_reach_explorer(module: str = "yours: cumsum over the tokens", lengths
 
 
 def who_reads_whom_panels(seq_lens: Sequence[int] = ARTICLE_LENS) -> tuple[dict, dict]:
-    """The lesson figure's four measured maps (``module_reach_state``) and the colour of each."""
+    """The lesson figure's four measured maps (``module_reach_state``) and the colour of each: the colour
+    of the module's kind (the kind of work it is), not of the explorer's verdict."""
+    modules = reach_modules()
     picks = {"LayerNorm (per token)": "LayerNorm (block.ln_1)", "QKV linear": "QKV linear (block.attn.qkv)",
              "attention told one sequence": "attention told one sequence, cu = [0, T]",
              "attention with cu_seqlens": "attention with cu_seqlens (block.attn.core)"}
     states = {title: module_reach_state(name, seq_lens) for title, name in picks.items()}
-    return ({t: s["dep"] for t, s in states.items()}, {t: KIND_COLORS[s["kind"]] for t, s in states.items()})
+    return ({t: s["dep"] for t, s in states.items()},
+            {t: KIND_COLORS[modules[picks[t]].kind] for t in states})
 
 
 # ---- exercises -------------------------------------------------------------------------------------
