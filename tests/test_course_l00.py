@@ -181,6 +181,17 @@ def test_comm_cost_figure_draws_the_terms_the_crossover_and_the_measured_points(
     assert "measured" not in gids(L.comm_cost_figure(s))
 
 
+def test_c1_comm_cost_state_says_when_a_fit_is_carried_to_another_tp_size():
+    fit = L.AlphaBeta(80e-6, 2e9, "fitted")
+    same, other = L.comm_cost_state(64, fit, world_size=2, fitted_world_size=2), L.comm_cost_state(64, fit, world_size=4,
+                                                                                                   fitted_world_size=2)
+    assert same["extrapolated"] is None and other["extrapolated"] == 2
+    assert "extrapolated" not in L.comm_cost_text(same)
+    assert "extrapolated: alpha and beta were fitted to a ring of 2 ranks, not measured at TP=4" in L.comm_cost_text(other)
+    assert L.comm_cost_state(64, fit, world_size=4)["extrapolated"] is None  # a preset link: no fit to carry
+    assert other["forward_s"] == L.comm_cost_state(64, fit, world_size=4)["forward_s"]  # a label, not another model
+
+
 def test_comm_cost_explorer_callbacks_follow_every_control():
     measured = {"tokens": [1, 16], "bytes": [2048, 32768], "seconds": [2e-4, 3e-4], "backend": "gloo", "world_size": 2}
     box = L.comm_cost_explorer(measured, L.AlphaBeta(80e-6, 2e9, "fitted"), num_tokens=64)
@@ -194,7 +205,9 @@ def test_comm_cost_explorer_callbacks_follow_every_control():
         w[name].value = value
         assert w["abx-text"].value != before and png_of(w["abx-figure"]) != png, name
     assert "450 GB/s" in w["abx-text"].value and "160 all-reduces" in w["abx-text"].value
-    assert "ring, TP=4" in w["abx-text"].value
+    assert "ring, TP=4" in w["abx-text"].value and "extrapolated" not in w["abx-text"].value  # NVLink: a preset
+    w["abx-network"].value = "measured"
+    assert "fitted to a ring of 2 ranks, not measured at TP=4" in w["abx-text"].value
     w["abx-measure"].click()  # no bench given: it says so instead of failing
     assert "no ranks to measure on" in w["abx-measured"].value
     w["abx-tokens"].value = 3
@@ -317,6 +330,8 @@ def test_c1_packing_factor_checker(capsys):
     assert L.check_packing_factor(stub) is False and "not attempted" in capsys.readouterr().out
     fixed_p = attempt(L.check_packing_factor, lambda f, n, k, t, p: _factor(f, n, k, t, p, p_used=2))
     assert "do not plug in p = 2" in fixed_p and "packing saves" in fixed_p
+    no_p = attempt(L.check_packing_factor, lambda f, n, k, t, p: _factor(f, n, k, t, p, p_used=1))  # S / (alpha beta)
+    assert "p = 2 is missing from the ratio" in no_p and "saves 2.75x, not 2x" in no_p
     upside = attempt(L.check_packing_factor, lambda f, n, k, t, p: None if p == 1 else 1 / _factor(f, n, k, t, p))
     assert "upside down" in upside
     assert "no all-reduce" in attempt(L.check_packing_factor, lambda f, n, k, t, p: _factor(f, n, k, t, max(p, 2)))

@@ -50,7 +50,7 @@ LESSONS = (
     ("03", "Masked vs varlen attention", "which score cells masked and varlen compute, which they waste",
      "C7-C10", 60),
     ("04", "TP never sees the requests", "does the TP trace change with the packing? does TP=2 compute what TP=1 does?",
-     "C11, C12", 40),
+     "C11, C12", 45),
     ("05", "Where the FLOPs go", "linear vs attention work, arithmetic intensity, a decode preview", "C13, C14, C15", 55),
     ("06", "A prefill engine", "a scheduler under a token budget: padded vs masked vs varlen", "S3 (+ C2, C8, C10, C12)", 60),
     ("07", "Inside the kernel", "one Triton launch for all requests: the grid, causal tiles, online softmax",
@@ -109,10 +109,12 @@ def course_map() -> Figure:
         if col:
             ax.add_patch(FancyArrowPatch((x - gap + 0.01, y + h / 2), (x - 0.01, y + h / 2), arrowstyle="-|>",
                                          mutation_scale=9, color=TEXT))
-        elif row:  # from the end of the row above down to the start of this one
-            ax.add_patch(FancyArrowPatch((width - 0.12 - w / 2, y + h + row_gap - 0.01), (x + w / 2, y + h + 0.01),
-                                         arrowstyle="-|>", mutation_scale=9, color=TEXT, linewidth=0.8,
-                                         connectionstyle="arc3,rad=0.03"))
+        elif row:  # from the end of the row above down to the start of this one: down, across the gap, down
+            mid, last = y + h + row_gap / 2, width - 0.12 - w / 2
+            ax.plot([last, last, x + w / 2], [y + h + row_gap - 0.01, mid, mid], color=TEXT, linewidth=0.8,
+                    solid_capstyle="butt")
+            ax.add_patch(FancyArrowPatch((x + w / 2, mid), (x + w / 2, y + h + 0.01), arrowstyle="-|>",
+                                         mutation_scale=9, color=TEXT, linewidth=0.8))
     ax.text(0.12, height - 0.33, f"The course: {len(LESSONS)} lessons, each proving the claims in italics\n"
             "(prefill only; whole requests and no KV cache until lesson 08)", fontsize=MIN_FONT + 2, color=TEXT,
             va="center")
@@ -470,14 +472,9 @@ def time_all_reduces(group, sizes: Sequence[int], repeats: int = AR_REPEATS, war
 
 def _timing_loop(group, channel) -> None:
     """Worker loop of ``AllReduceBench``: one ``time_all_reduces`` per command, until "close" or EOF."""
-    while True:
-        try:
-            cmd = channel.recv()
-        except EOFError:  # the caller is gone
-            return
-        if cmd[0] == "close":
-            return
-        _, sizes, repeats, warmup, first_warmup = cmd
+    from ..tp.workers import commands
+
+    for _, sizes, repeats, warmup, first_warmup in commands(channel):  # until "close" or EOF
         group.trace.clear()
         times = time_all_reduces(group, sizes, repeats, warmup, first_warmup)
         channel.send((times, list(dict.fromkeys(rec.bytes for rec in group.trace))))
@@ -568,7 +565,7 @@ def _split(total: int, parts: int) -> list[int]:
 
 
 def comm_cost_state(num_tokens: int, fit: AlphaBeta, d_model: int = 512, dtype: str = "float32", n_layers: int = 8,
-                    requests: int = 1, world_size: int = 2) -> dict:
+                    requests: int = 1, world_size: int = 2, fitted_world_size: int | None = None) -> dict:
     """What the all-reduces of one TP forward of ``num_tokens`` tokens cost under ``fit``, and what the same
     tokens cost as ``requests`` separate forwards (requests as equal as possible).
 
@@ -576,7 +573,9 @@ def comm_cost_state(num_tokens: int, fit: AlphaBeta, d_model: int = 512, dtype: 
     outputs); the times from ``ring_time_terms``. Keys: ``num_tokens``, ``d_model``, ``dtype``, ``n_layers``,
     ``requests``, ``world_size``, ``alpha_s``, ``beta``, ``count``, ``bytes_each``, ``latency_s``,
     ``bandwidth_s``, ``one_s`` (one all-reduce), ``forward_s`` (count · one), ``dominated`` ("latency" or
-    "bandwidth"), ``crossover`` (N*), ``lens`` (the separate requests), ``separate_count``, ``separate_s``.
+    "bandwidth"), ``crossover`` (N*), ``lens`` (the separate requests), ``separate_count``, ``separate_s``,
+    ``extrapolated`` (the TP size ``fit`` was fitted at when it differs from ``world_size``, else None: the
+    model then carries a fit of a p-rank ring to another ring, which nothing here measured).
     """
     n = check_int("num_tokens", num_tokens, 1, 1 << 20)
     r = check_int("requests", requests, 1, 4096)
@@ -586,6 +585,7 @@ def comm_cost_state(num_tokens: int, fit: AlphaBeta, d_model: int = 512, dtype: 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     p = _ring_size(world_size)
+    fitted = None if fitted_world_size is None else _ring_size(fitted_world_size)
     cfg = ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 256), d_model=check_int("d_model", d_model, 1, 1 << 15),
                       dtype=getattr(torch, dtype))
     trace = expected_trace(cfg, n, 0, p)
@@ -599,7 +599,8 @@ def comm_cost_state(num_tokens: int, fit: AlphaBeta, d_model: int = 512, dtype: 
             "dominated": "latency" if lat >= bw else "bandwidth",
             "crossover": crossover_tokens(fit, cfg.d_model, cfg.dtype.itemsize, p), "lens": lens,
             "separate_count": sum(len(t) for t in separate),
-            "separate_s": sum(all_reduce_seconds(fit, rec.bytes, p) for t in separate for rec in t)}
+            "separate_s": sum(all_reduce_seconds(fit, rec.bytes, p) for t in separate for rec in t),
+            "extrapolated": fitted if fitted not in (None, p) else None}
 
 
 def _us(seconds: float) -> str:
@@ -614,7 +615,9 @@ def comm_cost_text(state: dict) -> str:
              f"N = {s['num_tokens']}: {s['count']} all-reduces per forward (2 x {s['n_layers']} layers), each "
              f"[{s['num_tokens']}, {s['d_model']}] {s['dtype']} = {s['bytes_each']:,} B",
              f"one all-reduce (ring, TP={s['world_size']}): latency {_us(s['latency_s'])} + bandwidth "
-             f"{_us(s['bandwidth_s'])} = {_us(s['one_s'])}, {s['dominated']}-dominated",
+             f"{_us(s['bandwidth_s'])} = {_us(s['one_s'])}, {s['dominated']}-dominated"
+             + (f" (extrapolated: alpha and beta were fitted to a ring of {s['extrapolated']} ranks, not measured "
+                f"at TP={s['world_size']})" if s.get("extrapolated") else ""),
              f"per forward: {s['count']} x {_us(s['one_s'])} = {_us(s['forward_s'])}",
              f"crossover: N* = {s['crossover']:,.1f} tokens (latency dominates below, bandwidth above; the same for "
              "any number of layers)"]
@@ -728,7 +731,8 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
     def update(change=None):
         fit = network_fit(net.value, measured_fit)
         try:
-            state = comm_cost_state(tokens.value, fit, d_model.value, kind.value, layers.value, reqs.value, tp.value)
+            state = comm_cost_state(tokens.value, fit, d_model.value, kind.value, layers.value, reqs.value, tp.value,
+                                    measured.get("world_size", 2) if net.value == "measured" else None)
         except ValueError as exc:  # e.g. more requests than tokens
             text.value = f"<div>{exc}</div>"
             return
@@ -1046,7 +1050,10 @@ def _packing_hint(got: float, fit: AlphaBeta, n: int, k: int, target: float, p: 
     u = n / crossover_tokens(fit, 512, 4, p)
     slips = [(want_u / u, "upside down: a SMALLER alpha x beta makes the bytes weigh more against the latency, and "
                           "the bytes grow with the packed tokens, so the saving falls"),
-             (u / want_u * p / 2, "the TP size enters N* = p x alpha x beta / (d x s): do not plug in p = 2")]
+             (u / want_u * p / 2, "the TP size enters N* = p x alpha x beta / (d x s): do not plug in p = 2"),
+             (u / want_u * p, f"p = {p} is missing from the ratio: each ring step moves only S/p bytes, so one "
+                              "request's bytes term over its latency term is S / (p x alpha x beta) = N / N*, not "
+                              "S / (alpha x beta); your ratio is p times too large")]
     for value, hint in slips:
         if np.isclose(got, value, rtol=1e-6):
             lines.append(hint)

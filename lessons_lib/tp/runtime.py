@@ -27,7 +27,7 @@ from ..core.model import Transformer, init_weights
 from ..serve.kv_cache import PrefillKVCache
 from ..validate import check_batch, check_int, check_seconds, check_weights
 from .trace import Fault, comm_debug_mode, traced_forward
-from .workers import WorkerPool, resolve_dist_backend
+from .workers import WorkerPool, commands, resolve_dist_backend
 
 Tensor = torch.Tensor
 
@@ -224,13 +224,7 @@ def _serve(group, channel, cfg: ModelConfig, weights_path: str | None, seed: int
     if comm_debug:
         comm_debug_mode()  # pay the import during startup, not in the first forward
     channel.send({"attn_backend": resolved})
-    while True:
-        try:
-            cmd = channel.recv()
-        except EOFError:  # the caller is gone
-            return
-        if cmd[0] == "close":
-            return
+    for cmd in commands(channel):  # until "close" or EOF
         if cmd[0] == "free":
             for rid in cmd[1]:
                 cache.free(rid)

@@ -130,6 +130,19 @@ class Channel:
         return pickle.loads(self._cmd.recv_bytes())
 
 
+def commands(channel: Channel):
+    """A worker loop's commands: yield each command the caller sends on ``channel``, in order, and stop
+    (return) at ``("close",)`` or when the caller is gone (EOF). The loop body answers with ``channel.send``."""
+    while True:
+        try:
+            cmd = channel.recv()
+        except EOFError:  # the caller is gone
+            return
+        if cmd[0] == "close":
+            return
+        yield cmd
+
+
 def _rank_device(rank: int, backend: str, device_type: str) -> tuple[torch.device, str]:
     """Where rank ``rank``'s tensors live: its own GPU under NCCL, a shared GPU under gloo, or the CPU."""
     if device_type != "cuda":
