@@ -175,16 +175,13 @@ def wrong(total, n_kv_heads):  # equal requests, as many as stay compute-bound: 
     return best
 ''', "the long request carries the intensity"),
     "ex05_3_grade": ('''
-def wrong(cfg, ridge, nbytes, kv_len):  # the whole step, but never None: assumes some batch always gets there
-    import math
+def wrong(cfg, ridge, nbytes, kv_len):  # both parts timed by their bytes alone: the linear layers never compute-bound
     d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
     shapes = ((d, 3 * k), (k, d), (d, f), (f, d))
     w, a = sum(x * y for x, y in shapes), sum(x + y for x, y in shapes)
-    fl, nums, rho = 2 * w + 4 * k * kv_len, a + 2 * k + 2 * k * kv_len, ridge * nbytes
-    if fl <= rho * nums:
-        return 1_000_000
-    return max(1, math.ceil(rho * w / (fl - rho * nums)))
-''', "only approaches"),
+    per_request = 2 * k * (1 + kv_len)          # query, output, K and V cache
+    return None if per_request <= a else w // (per_request - a) + 1
+''', "compute-bound"),
     # lesson 06
     "ex06_1_grade": ('''
 def wrong(self):  # shortest first, always: valid and pads less, but a long request starves

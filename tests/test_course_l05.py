@@ -2,6 +2,7 @@
 the roofline explorer and the checkers of lesson 05 (claims C13, C14, C15)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -265,7 +266,7 @@ def test_intensity_figure_plots_the_library_formula_and_the_ridges():
     assert all(y == pytest.approx(L.block_linear_intensity(ModelConfig(), int(x))) for x, y in zip(xs, ys))
     labels = " ".join(t.get_text() for t in ax.texts)
     assert "206" in labels and "ridge" in labels and "R = 32: 29.5" in labels
-    assert "measured when this course was built" in labels and "EPYC" in labels
+    assert "measured when this course was built" in labels and "EPYC" not in labels
     assert "bytes moved" in ax.title.get_text() and "input rows" in ax.title.get_text()
     assert "128 cached tokens" in " ".join(t.get_text() for t in ax.get_legend().get_texts())
 
@@ -363,14 +364,43 @@ def test_gqa_checker_partial_marks(capsys):
     assert 0 < score(L.check_gqa, _gqa_by_group, points=2) < 2   # right where the factor does not decide
 
 
-def test_c15_whole_decode_step_memory_bound_from_6_cached_tokens_on_the_h200():
+def test_c15_decode_step_part_by_part_on_the_h200():
     cfg, ridge = ModelConfig(), L.H200_PEAK_FLOPS / L.H200_BYTES_PER_S
-    assert L.decode_memory_bound_from(cfg, ridge) == 6
-    assert L.min_decode_step_batch(cfg, ridge, 2, 5) is not None and L.min_decode_step_batch(cfg, ridge, 2, 6) is None
-    assert L.decode_step_ceiling(cfg, 5) >= ridge > L.decode_step_ceiling(cfg, 6)
-    r = L.min_decode_step_batch(cfg, ridge, 2, 1)
-    assert L.decode_step_intensity(cfg, r, 1) >= ridge > L.decode_step_intensity(cfg, r - 1, 1)
-    assert L.decode_step_intensity(cfg, 10**6, 1000) < L.decode_step_ceiling(cfg, 1000) < 4.1
+    # the KV read is memory-bound for every R and cache; the linear layers turn compute-bound from min_decode_batch
+    r = L.min_decode_batch(cfg, ridge)
+    assert L.decode_step_parts(cfg, r - 1, 8)["linear"]["bound"] == "memory-bound"
+    assert L.decode_step_parts(cfg, r, 8)["linear"]["bound"] == "compute-bound"
+    assert all(L.decode_step_parts(cfg, rr, n)["attention"]["bound"] == "memory-bound"
+               for rr in (1, 256, 4096) for n in (1, 8, 128, 1000))
+    # 8 cached tokens, R = 4096: linear 26.1 us (its FLOPs at peak; its bytes need 15.3), the KV read 15.7 us
+    p = L.decode_step_parts(cfg, 4096, 8)
+    assert p["linear"]["seconds"] == pytest.approx(26.06e-6, rel=1e-3)
+    assert p["attention"]["seconds"] == pytest.approx(15.73e-6, rel=1e-3) and p["longer"] == "linear"
+    assert L.decode_step_parts(cfg, 4096, 128)["longer"] == "attention"
+    assert L.decode_step_parts(cfg, 1, 1000)["longer"] == "linear"          # one request: the weight read
+    # the step's time is the sum of the parts' roofline times, each max(compute, memory)
+    assert p["seconds"] == pytest.approx(max(p["linear"]["flops"] / L.H200_PEAK_FLOPS, p["linear"]["bytes"] / L.H200_BYTES_PER_S)
+                                         + p["attention"]["bytes"] / L.H200_BYTES_PER_S)
+
+
+def test_c15_decode_step_parts_count_the_recorded_matmuls():
+    cfg, r, kv = ModelConfig(), 4, 128
+    layer = Transformer(dataclasses.replace(cfg, n_layers=1, vocab_size=1000, max_position=256), seed=0)
+    lin = L.of_kind(L.forward_matmuls(layer, pack([[7]] * r), "sdpa"), "linear")
+    att = L.decode_attention_matmuls(r, kv_len=kv)
+    p = L.decode_step_parts(cfg, r, kv)
+    assert p["linear"]["flops"] == sum(m.flops for m in lin) and p["linear"]["bytes"] == sum(m.bytes(2) for m in lin)
+    assert p["attention"]["flops"] == sum(m.flops for m in att)
+    assert p["attention"]["bytes"] == sum(m.bytes(2) for m in att) - 2 * 2 * cfg.n_heads * r * kv   # less the scores
+
+
+@pytest.mark.parametrize("case", L._KV_CASES)
+def test_c15_kv_read_overtakes_from_is_the_first_r_by_roofline_search(case):
+    cfg, ridge, nbytes, kv = case
+    machine = ("m", ridge * 1e9, 1e9)
+    first = next((r for r in range(1, 20_000) if L.decode_step_parts(cfg, r, kv, nbytes, machine)["longer"] == "attention"),
+                 None)
+    assert L.kv_read_overtakes_from(cfg, ridge, nbytes, kv) == first
 
 
 def _crossover(cfg, causal):
@@ -408,43 +438,17 @@ def test_crossover_checker_stub_and_partial_marks(capsys):
     assert 0 < got < 2
 
 
-def test_c15_decode_batch_checker():
-    ref = lambda c, ridge, nb, kv: L.min_decode_step_batch(c, ridge, nb, kv)
-    assert L.check_decode_batch(ref)
-    check = L.check_decode_batch
-    assert "linear layers alone" in attempt(check, lambda c, ridge, nb, kv: L.min_decode_batch(c, ridge, nb))
-    assert "expected None" in attempt(check, lambda c, ridge, nb, kv: ref(c, ridge, nb, kv) or 10**6)
+def test_c15_kv_overtakes_checker():
+    assert L.check_kv_overtakes(L.kv_read_overtakes_from)
+    check = L.check_kv_overtakes
+    bytes_only = lambda c, ridge, nb, kv: L._kv_read_bytes_only(c, nb, kv)
+    assert "compute-bound" in attempt(check, bytes_only)
+    assert 0 < score(check, bytes_only, points=2) < 2                      # right where the linear layers stay memory-bound
+    ref = L.kv_read_overtakes_from
     assert "off by one" in attempt(check, lambda c, ridge, nb, kv: (ref(c, ridge, nb, kv) or -1) + 1 or None)
-    never_none = lambda c, ridge, nb, kv: ref(c, ridge, nb, kv) or 10**6
-    assert 0 < score(check, never_none, points=2) < 2       # right wherever some R works
-    assert L.check_decode_batch(stub) is False
-
-
-def test_c15_decode_step_terms_count_the_recorded_flops_and_the_cache_by_hand():
-    cfg, r, kv = ModelConfig(), 4, 128
-    w, f, m = L.decode_step_terms(cfg, kv)
-    rec = sum(x.flops for x in L.decode_attention_matmuls(r, kv_len=kv))       # the decode kernel as run
-    assert r * (f - 2 * w) == rec                                               # 4 k kv_len per request
-    assert (w, m) == (3 * 512 * 512 + 512 * 512 + 2 * 512 * 2048, 8192 + 2 * 512 + 2 * 512 * kv)
-    # CPU, fp32: R >= 36 W / (f - 36 m); an H200 in bf16: f / (2 m) is about 23 FLOP/byte, never 206
-    assert L.min_decode_step_batch(cfg, 9.0, 4, 128) == math.ceil(36 * w / (f - 36 * m))
-    assert f / (2 * m) < 206 and L.min_decode_step_batch(cfg, 206.0, 2, 128) is None
-
-def test_time_splits_warm_up_every_batch_then_split_each():
-    model = Transformer(SMALL, seed=0)
-    batches = {"one": pack([torch.arange(12)]), "three": pack([torch.arange(n) for n in (4, 4, 4)])}
-    calls = []
-    real = model.forward
-
-    def counting(batch, **kw):
-        calls.append(batch.num_seqs)
-        return real(batch, **kw)
-    model.forward = counting
-    got = L.time_splits(model, batches, repeats=1, warmup=2)
-    assert set(got) == {"one", "three"} and all(v["wall"] > 0 and v["linear"] >= 0 for v in got.values())
-    assert calls[:4] == [1, 3, 1, 3]  # the warm-up forwards come first, for every batch
-    with pytest.raises(ValueError, match="warmup"):
-        L.time_splits(model, batches, warmup=-1)
+    assert "expected None" in attempt(check, lambda c, ridge, nb, kv: ref(c, ridge, nb, kv) or 10**6)
+    assert "got None, expected" in attempt(check, lambda c, ridge, nb, kv: None)
+    assert L.check_kv_overtakes(stub) is False
 
 
 def test_roofline_figure_keeps_text_on_the_canvas_ink_lines_and_points_on_the_roof():

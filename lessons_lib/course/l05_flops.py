@@ -11,7 +11,7 @@ points), ``05_flops_1x1000_vs_10x100`` (the same tokens, three packings) and
 ``05_attention_share`` (attention's share against request length). Explorer ``roofline_explorer``
 wraps ``roofline_state`` (a model, a machine, packings -> FLOPs, bytes, intensity, the roofline's
 time) and ``measure_here`` (this CPU's peak and bandwidth and one engine forward, timed once).
-Exercise checkers: ``check_gqa`` (05.1), ``check_packing`` (05.2), ``check_decode_batch`` (05.3).
+Exercise checkers: ``check_gqa`` (05.1), ``check_packing`` (05.2), ``check_kv_overtakes`` (05.3).
 
 Taught in notebooks/05_flop_regimes.ipynb.
 """
@@ -62,7 +62,7 @@ H200_PEAK_FLOPS, H200_BYTES_PER_S = 989e12, 4.8e12
 # (y.copy_(x), read + write counted): 20.3 GB/s  ->  183e9 / 20.3e9 = 9.0 FLOP/byte.
 CPU_PEAK_FLOPS, CPU_BYTES_PER_S = 183e9, 20.3e9
 RIDGES = {"H200, bf16 (published peaks)": H200_PEAK_FLOPS / H200_BYTES_PER_S,
-          "2-core EPYC CPU, fp32 (measured when this course was built)": CPU_PEAK_FLOPS / CPU_BYTES_PER_S}
+          "a 2-core cloud CPU, fp32 (measured when this course was built)": CPU_PEAK_FLOPS / CPU_BYTES_PER_S}
 
 # ---------------------------------------------------------------------------------------------
 # The engine's matmuls, recorded (by measure.recorder)
@@ -579,10 +579,10 @@ def measured_line(state: dict) -> str:
     lens = ", ".join(map(str, m["seq_lens"]))
     return (f"measured here: one engine forward of lengths {lens} ({c.n_layers} layers, d_model {c.d_model}, fp32) on "
             f"{m['machine'][0]}: {m['seconds'] * 1e3:.3f} ms measured, {m['predicted'] * 1e3:.3f} ms predicted by its "
-            f"roofline, a lower bound: measured = {m['seconds'] / m['predicted']:.1f} x the bound (the roofline "
-            "assumes peak FLOP/s and full bandwidth at once, each operand moved once; the engine also runs "
-            "LayerNorm, GeLU and residual passes, Python and per-request overhead, and on the CPU writes every "
-            "score to memory)")
+            f"roofline at this reduced width (not the table's model), a lower bound: measured = "
+            f"{m['seconds'] / m['predicted']:.1f} x the bound (the roofline assumes peak FLOP/s and full bandwidth "
+            "at once, each operand moved once; the engine also runs LayerNorm, GeLU and residual passes and pays "
+            "Python and per-call overhead)")
 
 
 def roofline_figure(state: dict) -> Figure:
@@ -856,81 +856,101 @@ def min_decode_batch(cfg: ModelConfig, ridge: float, nbytes: int = BF16) -> int 
     return max(1, math.ceil(rho * w / (2 * w - rho * a)))
 
 
-def decode_step_terms(cfg: ModelConfig, kv_len: int) -> tuple[int, int, int]:
-    """Per layer, for a decode step of R requests each with ``kv_len`` cached tokens (no GQA):
-    ``(W, flops_per_request, numbers_per_request)``: FLOPs = 2 R W + R (4 k kv_len) (the linear layers'
-    2 W per row, then ``QKᵀ`` and ``PV`` over the cache); numbers moved = W + R (A + 2 k + 2 k kv_len)
-    (the weights once; per request its A activation numbers, its query and output, its K and V cache)."""
+def decode_step_parts(cfg: ModelConfig, requests: int, kv_len: int, nbytes: int = BF16, machine=None) -> dict:
+    """Per layer, a decode step of R = ``requests`` requests, each with ``kv_len`` cached tokens (no GQA),
+    part by part on ``machine`` = (name, FLOP/s, bytes/s) (default the H200's datasheet). Each part is its
+    own kernel, so each meets its own roofline: its time is ``max(FLOPs / peak, bytes / bandwidth)``
+    (``roofline_seconds``), and the step's is the sum. ``"linear"``: ``2 R W`` FLOPs over the weights once
+    and each request's A activation numbers (``block_linear_intensity`` with rows = R); ``"attention"``
+    (fused-kernel byte model, the scores stay on chip): ``4 k kv_len`` FLOPs per request (``QKᵀ`` and
+    ``PV``) over its query and output (2k numbers) and its cached K and V (``2 k kv_len``). Keys: the two
+    parts (``{"flops", "bytes", "intensity", "seconds", "bound"}``), ``"seconds"`` and ``"longer"`` (the
+    part that takes longer)."""
+    r, n = check_int("requests", requests, 1), check_int("kv_len", kv_len, 1)
+    _, peak, bw = _machine(machine or H200)
     w, a = _linear_terms(cfg)
+    k = cfg.qkv_dim
+    lin = _part(2 * r * w, nbytes * (w + r * a), peak, bw)
+    att = _part(r * 4 * k * n, nbytes * r * (2 * k + 2 * k * n), peak, bw)
+    return {"linear": lin, "attention": att, "seconds": lin["seconds"] + att["seconds"],
+            "longer": "attention" if att["seconds"] > lin["seconds"] else "linear"}
+
+
+def decode_parts_table(cfg: ModelConfig, kv_lens: Sequence[int], requests: Sequence[int], machine=None) -> list[str]:
+    """One line per (cache length, R): each part's roofline time in µs and its bound (``decode_step_parts``)."""
+    out = []
+    for n in kv_lens:
+        for r in requests:
+            p = decode_step_parts(cfg, r, n, machine=machine)
+            lin, att = p["linear"], p["attention"]
+            out.append(f"{n:5d} cached, R = {r:5d}: linear {lin['seconds'] * 1e6:8.2f} us ({lin['bound']}, "
+                       f"{lin['intensity']:5.1f} FLOP/B) | attention {att['seconds'] * 1e6:8.2f} us ({att['bound']}, "
+                       f"{att['intensity']:.2f} FLOP/B) | longer: {p['longer']}")
+    return out
+
+
+def kv_read_overtakes_from(cfg: ModelConfig, ridge: float, nbytes: int, kv_len: int) -> int | None:
+    """Exercise 05.3's answer: the smallest R from which a decode step's attention takes longer than its
+    linear layers, each part timed by its own roofline (``decode_step_parts``), on a machine of ridge
+    ``ridge`` (time in units of bytes / bandwidth: a part takes ``max(FLOPs / ridge, bytes)``); None
+    when the linear layers stay the longer part for every R.
+
+    Per request attention takes ``a = max(4k n / ridge, nbytes 2k (n + 1))``, the linear layers
+    ``max(2 R W / ridge, nbytes (W + R A))``: attention is longer iff ``a > 2W / ridge`` (the linear
+    layers' compute time per request, whatever R) and ``R (a - nbytes A) > nbytes W`` (their memory time)."""
+    w, a_rows = _linear_terms(cfg)
     k, n = cfg.qkv_dim, check_int("kv_len", kv_len, 1)
-    return w, 2 * w + 4 * k * n, a + 2 * k + 2 * k * n
-
-
-def min_decode_step_batch(cfg: ModelConfig, ridge: float, nbytes: int, kv_len: int) -> int | None:
-    """The smallest R whose whole decode step (``decode_step_terms``: linear layers and every request's
-    attention over its KV cache) reaches ``ridge`` FLOP/byte, or None: the intensity only approaches
-    ``flops_per_request / (nbytes · numbers_per_request)`` as R grows."""
-    w, f, m = decode_step_terms(cfg, kv_len)
-    rho = Fraction(ridge).limit_denominator(10**6) * nbytes
-    if f <= rho * m:
+    rho = Fraction(ridge).limit_denominator(10**6)
+    a = max(Fraction(4 * k * n) / rho, Fraction(nbytes * 2 * k * (n + 1)))
+    if a <= 2 * w / rho or a <= nbytes * a_rows:
         return None
-    return max(1, math.ceil(rho * w / (f - rho * m)))
+    return math.floor(nbytes * w / (a - nbytes * a_rows)) + 1
 
 
-def decode_step_intensity(cfg: ModelConfig, requests: int, kv_len: int, nbytes: int = BF16) -> float:
-    """FLOP per byte of a whole decode step (``decode_step_terms``): R requests, each with ``kv_len``
-    cached tokens; the weights move once, each request its activations, query, output and K/V cache."""
-    r = check_int("requests", requests, 1)
-    w, f, m = decode_step_terms(cfg, kv_len)
-    return r * f / (nbytes * (w + r * m))
+def _kv_read_bytes_only(cfg: ModelConfig, nbytes: int, kv_len: int) -> int | None:
+    """The tempting answer to Exercise 05.3: both parts timed by their bytes alone (the linear layers
+    taken as memory-bound whatever R)."""
+    w, a_rows = _linear_terms(cfg)
+    c = nbytes * 2 * cfg.qkv_dim * (kv_len + 1)
+    return None if c <= nbytes * a_rows else nbytes * w // (c - nbytes * a_rows) + 1
 
 
-def decode_step_ceiling(cfg: ModelConfig, kv_len: int, nbytes: int = BF16) -> float:
-    """What ``decode_step_intensity`` approaches as R grows: one request's FLOPs over its own bytes (the
-    weights' share vanishes). Below a ridge, no batch makes the step compute-bound."""
-    _, f, m = decode_step_terms(cfg, kv_len)
-    return f / (nbytes * m)
+_KV_CASES = ((ModelConfig(), _H200_RIDGE, 2, 128), (ModelConfig(), _H200_RIDGE, 2, 1000),
+             (ModelConfig(), _H200_RIDGE, 2, 8), (ModelConfig(), _H200_RIDGE, 2, 1),
+             (ModelConfig(), 9.0, 4, 128), (ModelConfig(), 9.0, 4, 1024), (_CFGS[1], _H200_RIDGE, 2, 64))
 
 
-def decode_memory_bound_from(cfg: ModelConfig, ridge: float, nbytes: int = BF16) -> int | None:
-    """The shortest KV cache (tokens per request) from which a decode step stays below ``ridge`` for
-    every R (``min_decode_step_batch`` is None), or None when even one cached token allows none: the
-    ceiling falls with ``kv_len`` towards ``4k / (nbytes · 2k)`` = 1 in bf16."""
-    for n in range(1, 1 << 20):
-        if min_decode_step_batch(cfg, ridge, nbytes, n) is None:
-            return n
-        if decode_step_ceiling(cfg, n, nbytes) < 1:
-            break
-    return None
-
-
-def check_decode_batch(fn: Callable[[ModelConfig, float, int, int], int | None]) -> bool:
-    """Exercise 05.3: ``fn(cfg, ridge, nbytes, kv_len) -> int or None``: the fewest requests R a decode
-    step must batch so that the whole step, linear layers and each request's attention over its
-    ``kv_len`` cached keys and values, reaches ``ridge`` FLOP/byte, or None when no R is enough."""
-    cases = [(ModelConfig(), 9.0, 4, 128), (ModelConfig(), 206.0, 2, 128), (ModelConfig(), 20.0, 2, 16),
-             (_CFGS[1], 9.0, 4, 64), (ModelConfig(), 9.0, 4, 1024)]
-
+def check_kv_overtakes(fn: Callable[[ModelConfig, float, int, int], int | None]) -> bool:
+    """Exercise 05.3: ``fn(cfg, ridge, nbytes, kv_len) -> int or None``: the smallest R from which a
+    decode step's attention (each request's KV read) takes longer than its linear layers, each part
+    timed by its own roofline; None when it never does. Cases: the H200 with short and long caches, a
+    CPU-like ridge of 9 in fp32, another model; two of them are where the linear layers turn
+    compute-bound before the KV read catches up, and a bytes-only comparison gives a number."""
     def judge(got, cfg, ridge, nbytes, kv_len):
-        want = min_decode_step_batch(cfg, ridge, nbytes, kv_len)
-        if got == want:
+        want = kv_read_overtakes_from(cfg, ridge, nbytes, kv_len)
+        if got == want and (got is None or (isinstance(got, int) and not isinstance(got, bool))):
             return None
-        w, f, m = decode_step_terms(cfg, kv_len)
-        limit = f / (nbytes * m)
-        if got is not None and got == min_decode_batch(cfg, ridge, nbytes):
-            return (f"got {got}, expected {want} - that is the linear layers alone; each request also reads its own K "
-                    f"and V cache (2 k kv_len numbers per layer), bytes that grow with R as fast as its attention FLOPs")
-        if want is None:
-            return (f"got {got!r}, expected None - every request brings its own KV cache: the step's intensity only "
-                    f"approaches {limit:.1f} FLOP/byte as R grows, below the ridge {ridge:g}")
+        if got is not None and (isinstance(got, bool) or not isinstance(got, int) or got < 1):
+            return f"expected a positive int (or None), got {got!r}"
+        w, _ = _linear_terms(cfg)
+        lin_batch = min_decode_batch(cfg, ridge, nbytes)
+        if want is None and got is not None:
+            p = decode_step_parts(cfg, got, kv_len, nbytes, ("ridge", ridge, 1.0))
+            why = ""
+            if p["linear"]["bound"] == "compute-bound":
+                why = (f" - at R = {got} the linear layers are compute-bound (from R = {lin_batch}): their time is "
+                       f"their FLOPs at peak, 2 R W, and grows with R exactly as fast as the KV read, which stays "
+                       f"shorter ({p['attention']['seconds']:.4g} against {p['linear']['seconds']:.4g} byte-times)")
+            return f"got {got}, expected None{why}"
         if got is None:
-            return f"got None, expected {want} - the step's intensity approaches {limit:.1f} FLOP/byte, above {ridge:g}"
-        if not isinstance(got, (int, float)) or isinstance(got, bool):
-            return f"expected an int (or None), got {got!r}"
+            p = decode_step_parts(cfg, want, kv_len, nbytes, ("ridge", ridge, 1.0))
+            return (f"got None, expected {want} - at R = {want} attention takes {p['attention']['seconds']:.4g} "
+                    f"byte-times, the linear layers {p['linear']['seconds']:.4g}")
         if abs(got - want) == 1:
-            return f"got {got}, expected {want} - off by one: the smallest R whose intensity is >= the ridge"
-        return f"got {got}, expected {want} (the step's intensity at R = {want}: {want * f / (nbytes * (w + want * m)):.2f})"
-    return grade("decode_batch", fn, cases, judge, "CPU and H200 ridges, short and long caches, another model")
+            return f"got {got}, expected {want} - off by one: the smallest R at which attention takes longer"
+        return f"got {got}, expected {want}"
+    return grade("kv_overtakes", fn, list(_KV_CASES), judge,
+                 "7 cases: the H200 and a CPU-like ridge, short and long caches, another model")
 
 
 # ---------------------------------------------------------------------------------------------
