@@ -279,6 +279,26 @@ def test_c11_c12_explorer_tp_and_cut_change_the_ranks_and_can_turn_the_sum_red()
     assert k["tpx-ranks"].value.endswith(": NO</div>")
 
 
+def test_c11_c12_packing_state_per_token_errors_show_each_broken_cut_s_pattern():
+    """The figure's bottom panel: every token's error after the all-reduce. Within the bound for the
+    engine's cut; far above it for both broken cuts: nearly one value for every token with the bias
+    on every rank (tp - 1 biases, one row), a spread of values with the wrong heads."""
+    states = {cut: L.tp_packing_state(40, 3, tp_size=2, cut=cut) for cut in L.CUTS}
+    for cut, s in states.items():
+        errs = s["token_errors"]
+        assert len(errs) == 40 and max(errs) == pytest.approx(s["sum_err"], rel=1e-12), cut
+    assert max(states[L.ENGINE_CUT]["token_errors"]) <= states[L.ENGINE_CUT]["sum_allowed"]
+    spread = {}
+    for cut in (L.NAIVE_CUT, L.BIAS_CUT):
+        errs, allowed = states[cut]["token_errors"], states[cut]["sum_allowed"]
+        assert min(errs) > 100 * allowed, cut                   # every token is caught, not only the worst
+        spread[cut] = (max(errs) - min(errs)) / max(errs)
+    assert spread[L.BIAS_CUT] < 1e-3 < 0.1 < spread[L.NAIVE_CUT], spread
+    fig = L.tp_packing_figure(states[L.NAIVE_CUT])
+    stems = [c for c in fig.axes[0].collections if len(c.get_segments()) == 40 and c.get_segments()[0][0][1] < 0]
+    assert len(stems) == 1 and any("worst" in t.get_text() for t in texts(fig)) and min_font(fig) >= MIN_FONT
+
+
 def test_c11_c12_control_variants_fail_the_tolerance_rule():
     w = init_weights(SMALL, seed=3)
     batch = pack([torch.arange(n) % SMALL.vocab_size for n in (4, 6)])

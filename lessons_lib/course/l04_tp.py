@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from matplotlib.figure import Figure
-from matplotlib.patches import Rectangle
+from matplotlib.patches import Polygon, Rectangle
 
 from ..core.batch import PackedBatch, cumulative, pack
 from ..core.config import ModelConfig
@@ -121,8 +121,9 @@ def _box(ax, x, y, w, h, color, text="", text_color="white", gid=None, fontsize=
 
 def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | None = None, tp: int = 2) -> Figure:
     """Claims C11, C12, the idea before any count: the flat rows are cut by request (``cu_seqlens``),
-    the heads and features by rank (TP). Left: attention in one layer, one blue block per
-    (request, head), each its own problem (gid ``block-<request>-<head>``). Right: a row-parallel
+    the heads and features by rank (TP). Left: attention in one layer, per head its T x T score
+    matrix (ink outline) with one blue causal block per request (gid ``block-<request>-<head>``):
+    each block's queries read only its own request's keys, the cells between requests stay white. Right: a row-parallel
     layer, each rank's partial sum of every row, one all-reduce (purple, gid ``allreduce``) for
     all the rows. No trace counts (the lesson asks the reader to predict them)."""
     cfg = cfg or ModelConfig()
@@ -147,9 +148,12 @@ def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | N
         ax.add_patch(Rectangle((-1.6, y), 1.1, n, facecolor=request_color(i), edgecolor="white"))
         ax.text(-1.7, y + n / 2, f"request {request_name(i)}\n{n} tokens", ha="right", va="center",
                 fontsize=MIN_FONT, color=TEXT)
-        for j in range(h):
-            ax.add_patch(Rectangle((hx(j), y + 0.3), 0.9, n - 0.6, facecolor=ATTENTION, edgecolor="none",
-                                   gid=f"block-{i}-{j}"))
+        for j in range(h):  # head j's score matrix, keys across: request i's causal block, its own keys only
+            x0, x1 = hx(j) + 0.05 + 0.8 * cu[i] / t, hx(j) + 0.05 + 0.8 * cu[i + 1] / t
+            ax.add_patch(Polygon([(x0, y + n), (x0, y), (x1, y)], closed=True, facecolor=ATTENTION, edgecolor="none",
+                                 gid=f"block-{i}-{j}"))
+    for j in range(h):                         # the whole T x T of a head: white where nothing is computed
+        ax.add_patch(Rectangle((hx(j) + 0.05, 0), 0.8, t, facecolor="none", edgecolor=TEXT, linewidth=0.6))
     for i in range(1, len(lens)):              # the request cut
         ax.plot([-1.6, hx(h - 1) + 0.9], [t - cu[i]] * 2, color=TEXT, linewidth=1.2, linestyle=(0, (4, 2)))
     for r in range(tp):
@@ -162,8 +166,9 @@ def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | N
     ax.text(hx(h - 1) + 1.1, t - cu[1] if len(lens) > 1 else t / 2, "  cu_seqlens\n  cuts here", va="center",
             fontsize=MIN_FONT, color=TEXT)
     ax.text(hx(hl) - gap / 2, -1.0, "TP cuts here", ha="center", va="top", fontsize=MIN_FONT, color=TEXT)
-    ax.set_title("Attention in one layer: every blue block (one request x one head) is its own problem.\n"
-                 "No block reads another, so no cut sends anything across it.", fontsize=MIN_FONT + 1, pad=26)
+    ax.set_title("Attention in one layer, per head the T x T scores (queries down, keys across): one blue\n"
+                 "block per request and head. The white cells between requests are never computed.",
+                 fontsize=MIN_FONT + 1, pad=26)
     ax.set_xlim(-4.6, hx(h - 1) + 3.2)
     ax.set_ylim(-3.2, t + 4)
 
@@ -180,7 +185,8 @@ def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | N
     xa = tp * 3.4 - 0.4
     ax.add_patch(Rectangle((xa, 0), 0.8, t, facecolor=COMM, edgecolor="white", gid="allreduce"))
     ax.text(xa + 0.4, t + 1.2, "all-reduce", ha="center", va="bottom", fontsize=MIN_FONT + 1, color=TEXT)
-    _box(ax, xa + 1.2, 0, 2.6, t, LINEAR, "the sum,\n+ bias once:\nthe same on\nevery rank", fontsize=MIN_FONT + 1)
+    _box(ax, xa + 1.2, 0, 2.6, t, COMM, "the sum,\n+ bias once:\nthe same on\nevery rank", text_color=TEXT,
+         fontsize=MIN_FONT + 1)
     ax.set_title("A row-parallel layer (out proj, FFN-down): one all-reduce\n"
                  "adds the ranks' partial sums of ALL the rows at once.", fontsize=MIN_FONT + 1, pad=26)
     ax.text(-0.9, -1.0, "It never asks which request a row belongs to.", va="top", fontsize=MIN_FONT + 1, color=TEXT)
@@ -209,7 +215,7 @@ def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings:
     would wait forever, or the trace would depend on the packing). Layer 0 is drawn in detail
     (green linear layers with each rank's shapes, blue attention on the rank's own heads), the
     other layers compactly; every all-reduce is one purple bar across all ranks (gid
-    ``allreduce-k``), numbered; the replicated embedding and final LayerNorm are grey, the
+    ``allreduce-k``), numbered; the replicated embedding and LayerNorms (two per block, the final one) are grey, the
     replicated LM head green (a linear layer). The packings are drawn underneath; ``source`` says where the traces came from.
     """
     cfg = cfg or ModelConfig()
@@ -234,21 +240,22 @@ def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings:
     ax = fig.add_axes((0.075, 0.01, 0.92, 0.97))
     ax.axis("off")
     # (label on rank 0, shapes above rank 0, colour, width); "AR" = an all-reduce
-    detail = [("QKV", f"[T,{d}]\n→[T,{3 * hl * dh}]", LINEAR, 1.45),
+    detail = [("LN", "", OTHER, 0.42), ("QKV", f"[T,{d}]\n→[T,{3 * hl * dh}]", LINEAR, 1.45),
               ("attention", f"[T,{hl},{dh}]\nby cu_seqlens", ATTENTION, 1.55),
               ("out proj", f"[T,{hl * dh}]\n→[T,{d}]\npartial", LINEAR, 1.45), ("AR", "", COMM, 0.32),
-              ("FFN-up", f"[T,{d}]\n→[T,{fl}]", LINEAR, 1.45), ("FFN-down", f"[T,{fl}]\n→[T,{d}]\npartial", LINEAR, 1.45),
-              ("AR", "", COMM, 0.32)]
-    compact = [("", "", LINEAR, 0.16), ("", "", ATTENTION, 0.2), ("", "", LINEAR, 0.16), ("AR", "", COMM, 0.2),
-               ("", "", LINEAR, 0.32), ("AR", "", COMM, 0.2)]
+              ("LN", "", OTHER, 0.42), ("FFN-up", f"[T,{d}]\n→[T,{fl}]", LINEAR, 1.45),
+              ("FFN-down", f"[T,{fl}]\n→[T,{d}]\npartial", LINEAR, 1.45), ("AR", "", COMM, 0.32)]
+    compact = [("", "", OTHER, 0.06), ("", "", LINEAR, 0.16), ("", "", ATTENTION, 0.2), ("", "", LINEAR, 0.16),
+               ("AR", "", COMM, 0.2), ("", "", OTHER, 0.06), ("", "", LINEAR, 0.16), ("", "", LINEAR, 0.16),
+               ("AR", "", COMM, 0.2)]
 
     def rank_y(r):
         return (n_ranks - 1 - r) * (row_h + gap) + gap / 2
 
     def replicated(x, text):
         for r in range(n_ranks):
-            _box(ax, x, rank_y(r), 0.55, row_h, OTHER, text, text_color=TEXT)
-        return x + 0.6
+            _box(ax, x, rank_y(r), 0.75, row_h, OTHER, text, text_color=TEXT)
+        return x + 0.8
 
     x = replicated(0.0, "emb")
     k = 0
@@ -262,10 +269,12 @@ def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings:
                 k += 1
             else:
                 for r in range(n_ranks):
-                    text = label if r == 0 else (f"heads {r * hl}-{(r + 1) * hl - 1}" if color == ATTENTION and label else "")
+                    text = label if r == 0 or label == "LN" else (
+                        f"heads {r * hl}-{(r + 1) * hl - 1}" if color == ATTENTION and label else "")
                     if r == 0 and color == ATTENTION and label:
                         text = f"attention\nheads 0-{hl - 1}"
-                    _box(ax, x, rank_y(r), w, row_h, color, text, gid=f"local-{r}-{layer}")
+                    _box(ax, x, rank_y(r), w, row_h, color, text, text_color=TEXT if color == OTHER else "white",
+                         gid=f"local-{r}-{layer}")
                 if shapes:
                     ax.text(x + w / 2, top + 0.05, shapes, ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
             x += w + 0.04
@@ -282,8 +291,8 @@ def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings:
     ax.text(-1.3, top + 0.95,
             f"One forward at TP={n_ranks}: {len(sig)} all-reduces (purple, numbered), each of {shape} {first.dtype}, "
             f"{first.bytes:,} B per rank. Layers 1-{len(sig) // 2 - 1} repeat layer 0, drawn compact."
-            f"\nGreen: linear layers (shapes per rank above); blue: attention on the rank's own "
-            f"heads, no collective; grey: embedding and final LayerNorm; the LM head (green) is replicated.",
+            f"\nGreen: linear layers (shapes per rank above); blue: attention on the rank's own heads, no collective;"
+            f"\ngrey: the embedding and the LayerNorms, whole on every rank; the LM head (green) is replicated too.",
             fontsize=MIN_FONT + 1, color=TEXT, va="bottom")
     # The packings that all produced exactly this trace, as token strips.
     width = 8.0
@@ -300,7 +309,7 @@ def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings:
             f"These {len(packs)} packings of the same {t} tokens\ngave exactly this trace, record for record,\n"
             f"on every rank ({source}).", va="center", fontsize=MIN_FONT + 1, color=TEXT)
     ax.set_xlim(-1.3, x + 0.1)
-    ax.set_ylim(-0.75 - 0.48 * len(packs), top + 1.75)
+    ax.set_ylim(-0.75 - 0.48 * len(packs), top + 2.1)
     return fig
 
 
@@ -437,7 +446,7 @@ def _explorer_models(cfg: ModelConfig, tp: int, cut: str = ENGINE_CUT) -> dict:
     reference of the sum)."""
     key = (repr(cfg), tp, cut)
     if key not in _EXPLORER_MODELS:
-        if len(_EXPLORER_MODELS) >= 4:
+        if len(_EXPLORER_MODELS) >= 6:  # a few (tp, cut) pairs: going back to one costs no rebuild
             _EXPLORER_MODELS.clear()
         if repr(cfg) not in _WEIGHTS:
             _WEIGHTS.clear()
@@ -493,7 +502,8 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     forward on its shard and really adds its partial sums to the others'. Keys: ``seq_lens``,
     ``cu_seqlens``, ``positions`` (restarting per request), ``max_seqlen``; ``traces`` (each rank's
     record of its collectives), ``trace_text`` (``summarize_trace`` per rank), ``same_as_one_request``
-    (per rank: the trace equals a dry run of ONE request of the same T tokens); ``heads`` (per rank:
+    (per rank: the trace equals a dry run of ONE request of the same T tokens, on rank 0: a signature
+    carries no rank); ``heads`` (per rank:
     first, last head), ``cells`` (score cells per head per layer, whole blocks: sum L_i^2; the
     same on every rank and head), ``cells_per_rank`` (x heads per rank x layers); ``token`` (the
     flat row shown: T - 1, the last token) with ``token_request`` and ``token_position``;
@@ -501,7 +511,8 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     all-reduce for that token) and ``partial_norms`` (their whole row's norm, d_model numbers);
     ``sum_err`` (max over all T rows of |sum of the ranks' partials, plus the bias once unless the
     cut added it on every rank - TP=1's out proj in float64|) and ``sum_allowed`` (the tolerance
-    rule's bound for TP=1's float32 result); ``cut``, ``tp``, ``d_model``;
+    rule's bound for TP=1's float32 result); ``token_errors`` (per flat token, max over its d_model numbers of
+    that same difference: ``sum_err`` is their maximum); ``cut``, ``tp``, ``d_model``;
     ``outputs_equal`` (every rank ended the forward with the same hidden states).
     """
     cfg = cfg or ModelConfig(vocab_size=1000, max_position=2048)
@@ -527,17 +538,18 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
         ref = out_proj_partials(models["tp1"], batch) + bias
         ref64 = out_proj_partials(models["fp64"], batch) + models["fp64"].layers[0].attn.out_proj.bias
     total = torch.stack([p.double() for p in partials]).sum(0) + (0 if cut == BIAS_CUT else bias.double())
-    ones = [_one_request_signature(cfg, sum(lens), r, tp) for r in range(tp)]
+    one = _one_request_signature(cfg, sum(lens), tp)  # a signature carries no rank: rank 0's dry run for all
     cells = attention_cells(lens, "varlen").computed
     token = sum(lens) - 1
     return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "positions": batch.positions.tolist(),
             "max_seqlen": max(lens), "traces": traces, "trace_text": [summarize_trace(t) for t in traces],
-            "same_as_one_request": [trace_signature(t) == s for t, s in zip(traces, ones)],
+            "same_as_one_request": [trace_signature(t) == one for t in traces],
             "heads": [(r * hl, (r + 1) * hl - 1) for r in range(tp)], "cells": cells,
             "cells_per_rank": cells * hl * cfg.n_layers, "token": token, "token_request": len(lens) - 1,
             "token_position": lens[-1] - 1, "partials": [p[token, :SHOWN].tolist() for p in partials],
             "partial_norms": [float(p[token].norm()) for p in partials],
             "sum_err": float((total - ref64).abs().max()), "sum_allowed": tolerance(ref, ref64),
+            "token_errors": (total - ref64).abs().amax(dim=1).tolist(),
             "cut": cut, "tp": tp, "d_model": cfg.d_model,
             "outputs_equal": all(torch.equal(runs[0][0][0], out) for (out, _), _ in runs)}
 
@@ -550,10 +562,13 @@ def trace_shapes(records: Sequence[CollectiveRecord]) -> list[tuple]:
 _ONE_REQUEST: dict = {}
 
 
-def _one_request_signature(cfg: ModelConfig, total: int, rank: int, tp_size: int) -> list:
-    key = (repr(cfg), total, rank, tp_size)
+def _one_request_signature(cfg: ModelConfig, total: int, tp_size: int) -> list:
+    """The trace signature of a dry run of ONE request of ``total`` tokens on rank 0 of ``tp_size``.
+    A signature has no rank in it (``trace_signature``), so rank 0's stands for every rank's: one dry
+    model per tp instead of tp of them (the dry run's cache holds four)."""
+    key = (repr(cfg), total, tp_size)
     if key not in _ONE_REQUEST:  # the reference does not change while the requests slider moves
-        _ONE_REQUEST[key] = trace_signature(record_trace(cfg, [total], rank, tp_size))
+        _ONE_REQUEST[key] = trace_signature(record_trace(cfg, [total], 0, tp_size))
     return _ONE_REQUEST[key]
 
 
@@ -612,14 +627,18 @@ def tp_packing_figure(state: dict) -> Figure:
     all-reduce for the last token (green, a linear layer's output), and their sum after the
     all-reduce (purple). At tp = 1 the trace is empty: the top row is one white box "no collectives"
     and the bottom shows the one rank's out-proj output, with no sum. One axes in figure units (the
-    explorer redraws it on every move)."""
+    explorer redraws it on every move). Underneath: every token's error after the all-reduce,
+    ``token_errors`` / ``sum_allowed`` on a log scale (ink stems, the bound dashed): rounding stays
+    under the line; a bias on every rank lifts every token alike; the wrong heads give each token
+    its own error."""
     lens, tp = state["seq_lens"], len(state["traces"])
     t, n_ar, d_model = sum(lens), len(state["traces"][0]), state["d_model"]
-    fig = Figure(figsize=(8.4, 5.0))
+    fig = Figure(figsize=(8.4, 6.4))
     ax = fig.add_axes((0, 0, 1, 1))
     ax.axis("off")
     ax.set_xlim(0, 100)
-    ax.set_ylim(0, 60)
+    ax.set_ylim(-17, 60)
+    _error_panel(ax, state, 8.0, 90.0)
     x0, width = 8.0, 90.0
     if n_ar:
         rec = state["traces"][0][0]
@@ -681,6 +700,33 @@ def tp_packing_figure(state: dict) -> Figure:
         ax.text(x0 - 1.2, base + sign * half, f"{sign * lim:+.3f}", ha="right", va="center", fontsize=MIN_FONT,
                 color=TEXT)
     return fig
+
+
+_LOG_LO, _LOG_HI = -2, 6  # the error panel's range: 10^-2 to 10^6 times the allowed error
+
+
+def _error_panel(ax, state: dict, x0: float, width: float) -> None:
+    """Every flat token's max |sum - float64| / allowed after layer 0's out proj, log scale, at y -16..-3."""
+    import math
+    errs, allowed = state["token_errors"], state["sum_allowed"]
+    t, y0, h = len(errs), -15.5, 10.0
+    worst = max(errs) / allowed if allowed else math.inf
+    what = "every token after the all-reduce: max |sum" if state["tp"] > 1 else "every token (tp = 1): max |out proj"
+    ax.text(x0 + width / 2, -1.2, f"{what} - float64| / allowed (log scale); worst {worst:.1e}", ha="center",
+            va="top", fontsize=MIN_FONT + 1, color=TEXT)
+
+    def y_of(ratio):
+        v = math.log10(ratio) if ratio > 0 else _LOG_LO
+        return y0 + h * (min(max(v, _LOG_LO), _LOG_HI) - _LOG_LO) / (_LOG_HI - _LOG_LO)
+    scale = width / t
+    xs = [x0 + (j + 0.5) * scale for j in range(t)]
+    ax.vlines(xs, y0, [y_of(e / allowed) for e in errs], colors=TEXT, linewidth=max(0.4, min(2.0, 0.5 * scale)))
+    ax.plot([x0, x0 + width], [y_of(1.0)] * 2, color=TEXT, linewidth=0.8, linestyle=(0, (4, 2)))
+    ax.plot([x0, x0 + width], [y0] * 2, color=TEXT, linewidth=0.6)
+    for v, label in ((_LOG_LO, f"1e{_LOG_LO}"), (0, "1"), (_LOG_HI, f"1e+{_LOG_HI}")):
+        ax.text(x0 - 0.8, y_of(10.0 ** v), label, ha="right", va="center", fontsize=MIN_FONT, color=TEXT)
+    ax.text(x0 + width, y_of(1.0) + 0.3, "allowed", ha="right", va="bottom", fontsize=MIN_FONT, color=TEXT,
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
 
 
 def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal", tp_size: int = 2,
