@@ -293,17 +293,28 @@ def _flat_grid(seq_lens, block_m, extra=1):
 
 
 def _reference_tiles(seq_lens, n_heads, n_sms, busy=True):
-    """Written from the lengths, not from the module: working programs = the real query tiles x heads."""
+    """Written from the lengths, not from the module: a causal launch lasts at least as long as its longest
+    program, the last query tile of the longest request, which walks ceil(L_max / 64) key tiles; the SMs it keeps
+    busy on average are its key tiles over that (busy=False: the grid's programs, the naive count)."""
     costs = {}
     for bm in L.TILE_SIZES:
-        real = n_heads * sum(-(-n // bm) for n in seq_lens)
         grid = n_heads * len(seq_lens) * -(-max(seq_lens) // bm)
         w = tiling.predict_work(seq_lens, n_heads=n_heads, block_m=bm, block_n=64, causal=True)
-        costs[bm] = (real if busy else grid, w.tiles * 64 * 64 * 2 * 2, w.tiles * bm * 64)
+        costs[bm] = (w.tiles / -(-max(seq_lens) // 64) if busy else grid, w.tiles * 64 * 64 * 2 * 2, w.tiles * bm * 64)
     full = [bm for bm in L.TILE_SIZES if costs[bm][0] >= n_sms]
     if full:
         return min(full, key=lambda bm: (costs[bm][1], costs[bm][2]))
     return min(L.TILE_SIZES, key=lambda bm: (-costs[bm][0], costs[bm][2]))
+
+
+def _working_programs(seq_lens, n_heads, n_sms):
+    """The previous model: every program that computes a tile counts as a busy SM, however few tiles it walks."""
+    work = {bm: L.tile_work(seq_lens, n_heads, bm) for bm in L.TILE_SIZES}
+    busy = {bm: w.programs - w.early_exits for bm, w in work.items()}
+    full = [bm for bm in busy if busy[bm] >= n_sms]
+    if full:
+        return min(full, key=lambda bm: (work[bm].kv_bytes_read(64, 2), work[bm].executed_cells))
+    return min(L.TILE_SIZES, key=lambda bm: (-busy[bm], work[bm].executed_cells))
 
 
 def test_the_checkers_accept_the_references(capsys):
@@ -360,6 +371,7 @@ def test_window_checker_compares_with_the_kernels_count_on_a_chunk():
 def test_tiles_checker_explains_the_grid_count_and_the_re_reads():
     # counting every program of the grid: the early exits of the short requests look like busy SMs
     assert "return at once" in attempt(L.check_tiles, lambda lens, h, s: _reference_tiles(lens, h, s, busy=False))
+    assert "do not finish together" in attempt(L.check_tiles, _working_programs)
     assert "re-reads" in attempt(L.check_tiles, lambda lens, h, s: 16 if len(lens) == 1 else _reference_tiles(lens, h, s))
     assert "one of" in attempt(L.check_tiles, lambda lens, h, s: 48)
 
@@ -408,7 +420,7 @@ def test_tiles_checker_explains_occupancy_and_kv_traffic():
     with pytest.raises(WrongAnswer, match="re-reads"):
         L.check_tiles(lambda lens, h, s: 16)       # fills the GPU but re-reads K/V four times
     with pytest.raises(WrongAnswer, match="SMs sit idle"):
-        L.check_tiles(lambda lens, h, s: 128)      # 96 programs for the draft mix, 48 of them working: under 132 SMs
+        L.check_tiles(lambda lens, h, s: 128 if lens == [500, 3] else _reference_tiles(lens, h, s))  # 42 SMs busy
     with pytest.raises(WrongAnswer, match="must be one of"):
         L.check_tiles(lambda lens, h, s: 48)
     with pytest.raises(WrongAnswer, match="no choice keeps"):

@@ -114,6 +114,8 @@ def test_serve_chunked_equals_whole_and_records_the_staircase():
     assert torch.allclose(L.stacked(ch, "last_hidden"), L.stacked(wh, "last_hidden"), atol=1e-5)
     assert L.same_argmax(ch, wh)
     assert L.recorded_cells(ch, SMALL) == sum(s.cells_whole_computed for s in ch["stats"])
+    assert L.timeline_cells(L.timeline(ch["stats"])) == [s.cells_whole_computed for s in ch["stats"]]
+    assert L.timeline_cells(L.timeline(wh["stats"])) == [s.cells_whole_computed for s in wh["stats"]]
     assert L.recorded_cells(wh, SMALL) == 12 * 12 + 7 * 7
     assert L.recorded_cached_rows(ch, SMALL) == sum(s.num_cached_tokens for s in ch["stats"]) > 0
     assert L.recorded_cached_rows(wh, SMALL) == 0
@@ -404,3 +406,31 @@ def test_capped_scheduler_checker_passes_and_the_cap_lets_the_questions_pass():
 ])
 def test_capped_scheduler_checker_explains_typical_mistakes(answer, hint):
     assert hint in attempt(L.check_capped_scheduler, answer)
+
+
+
+def test_linear_intensities_on_tp2_shapes_and_their_ridge_tokens():
+    from lessons_lib.measure.flops import linear_intensity
+
+    cfg = ModelConfig()
+    tp2 = L.linear_intensities(cfg, 512, tp_size=2)
+    # one rank of TP=2: the out projection is [T x 256] @ [256 x 512], the FFN-down [T x 1024] @ [1024 x 512]
+    assert tp2["out proj"] == linear_intensity(512, 256, 512, 2)
+    assert tp2["FFN-down"] == linear_intensity(512, 1024, 512, 2)
+    assert all(v < L.H200_RIDGE for v in tp2.values())          # a 512-token forward: all memory-bound
+    for tp in (1, 2):
+        for name, n in L.ridge_tokens(cfg, tp).items():
+            shape = L.linear_shapes(cfg, tp)[name]
+            if n is None:                                       # saturates below the ridge
+                assert linear_intensity(1 << 20, *shape, 2) < L.H200_RIDGE
+            else:                                               # the first token count at the ridge
+                assert linear_intensity(n, *shape, 2) >= L.H200_RIDGE > linear_intensity(n - 1, *shape, 2)
+    assert L.ridge_tokens(cfg, 2)["out proj"] is None
+    assert L.ridge_tokens(cfg, 1)["out proj"] > 1000 > 512 > L.ridge_tokens(cfg, 1)["FFN-up"]
+
+
+def test_causal_cells_of_chunks_drop_under_a_top_left_mask():
+    chunks = [512, 512, 512, 240]
+    assert L.causal_cells_of_chunks(chunks) == 1776 * 1777 // 2
+    with L.broken("causal top-left"):
+        assert L.causal_cells_of_chunks(chunks) < 1776 * 1777 // 2

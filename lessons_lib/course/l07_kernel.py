@@ -187,7 +187,8 @@ def table_totals(table: Sequence[Program], n_heads: int, block_m: int, block_n: 
 
 def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = None, *, block_m: int, block_n: int,
                    causal: bool, n_heads: int = 1, title: str | None = None, measured: WorkCounts | None = None,
-                   figsize=None, program_tiles: Sequence[int] | None = None) -> Figure:
+                   figsize=None, program_tiles: Sequence[int] | None = None,
+                   names: Sequence[str] | None = None) -> Figure:
     """The launch grid of one head: a panel per request (its programs stacked as row bands), cells
     coloured by ``program_cells``; the request's own ``[L_q x L_k]`` block framed in black.
 
@@ -225,7 +226,8 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
         ax.set_xticks([])
         mine = [p for p in table if p.request == r]
         busy = sum(p.status != "returned" for p in mine)
-        ax.set_title(f"{request_name(r)}: {nq} tokens\n{busy} work, {len(mine) - busy} return", fontsize=MIN_FONT)
+        name = request_name(r) if names is None else names[r]
+        ax.set_title(f"{name}: {nq} tokens\n{busy} work, {len(mine) - busy} return", fontsize=MIN_FONT)
         ax.set_xlabel(f"{nk} keys: {w // block_n} key tile{'s' if w > block_n else ''} of {block_n}",
                       fontsize=MIN_FONT)
         ax.tick_params(labelsize=MIN_FONT, length=0)
@@ -316,10 +318,24 @@ def growing_max_row(scores: torch.Tensor, block_n: int) -> int:
 
 def softmax_example(n_keys: int = 64, d_head: int = 16, seed: int = 3):
     """The lesson's example: one request of ``n_keys`` tokens, one head (``random_qkv``), its scores
-    ``q k^T / sqrt(d)`` and the row whose max grows most often. Returns ``q, k, v, cu, row, scores``."""
+    ``q k^T / sqrt(d)`` and the row whose max grows most often (the picture's row; the claim's rule is checked on
+    every row, ``online_softmax_rows``). Returns ``q, k, v, cu, row, scores``."""
     q, k, v, cu = random_qkv([n_keys], n_heads=1, d_head=d_head, seed=seed)
     scores = (q[:, 0] @ k[:, 0].T) / d_head ** 0.5
     return q, k, v, cu, growing_max_row(scores, 16), scores
+
+
+def online_softmax_rows(scores: torch.Tensor, values: torch.Tensor, block_n: int) -> list[tuple[int, float, float]]:
+    """Every query row of ``scores [n_q, n_k]`` replayed by ``online_softmax`` in float64, with and without the
+    rescale: ``(key tiles after the first where its running max grew, |error| with, |error| without)``, the errors
+    after the last tile against the softmax over all the row's keys."""
+    vals, out = values.double(), []
+    for row in scores.double():
+        exact = torch.softmax(row, 0) @ vals
+        good, steps = online_softmax(row, vals, block_n, rescale=True)
+        bad, _ = online_softmax(row, vals, block_n, rescale=False)
+        out.append((sum(st.max_grew for st in steps), max_abs_diff(good, exact), max_abs_diff(bad, exact)))
+    return out
 
 
 def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block_n: int) -> Figure:
@@ -357,12 +373,13 @@ def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block
     right.plot(tiles, [max(st.error, floor) for st in bad], "s--", color=TEXT, markerfacecolor="white",
                label="sum l not rescaled (the bug)")
     right.set_yscale("log")
-    right.set_ylim(floor / 3, 1e8)
+    right.set_ylim(floor / 3, 10.0)
     right.set_xticks(tiles, [f"after\ntile {t}" for t in tiles])
     right.set_xlim(-0.4, tiles[-1] + 0.4)
-    right.set_ylabel("max |acc / l - exact|", fontsize=MIN_FONT)
+    right.set_ylabel("max |acc / l - softmax so far|", fontsize=MIN_FONT)
     right.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")   # above both lines
-    right.set_title("error of acc / l after each key tile\nvs the exact softmax (float64)", fontsize=MIN_FONT + 1)
+    right.set_title("error of acc / l after each key tile vs the\nsoftmax over the keys seen so far (float64)",
+                    fontsize=MIN_FONT + 1)
     for ax in (left, right):
         ax.tick_params(labelsize=MIN_FONT)
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.2, top=0.88, wspace=0.28)
@@ -814,7 +831,7 @@ def check_flat_worse(fn: Callable[[], tuple]) -> bool:
 
 # ---- exercise 07.3: tile size, K/V traffic and occupancy -------------------------------------------------
 
-H200_SMS = 132            # streaming multiprocessors of an H200: a launch of fewer working programs leaves some idle
+H200_SMS = 132            # streaming multiprocessors of an H200
 TILE_D, TILE_BYTES, TILE_BN = 64, 2, 64   # d_head, bf16, BLOCK_N held fixed in exercise 07.3
 TILE_CASES = [([300, 20, 20, 20], 8, H200_SMS), ([4096], 8, H200_SMS), ([10] * 12, 8, H200_SMS),
               ([2000], 1, H200_SMS), ([500, 3], 16, H200_SMS), ([1000, 50, 50, 50], 4, H200_SMS),
@@ -827,17 +844,32 @@ def tile_work(lens, n_heads, block_m) -> WorkCounts:
     return tiling.predict_work(lens, n_heads=n_heads, block_m=block_m, block_n=TILE_BN, causal=True)
 
 
-def tile_costs(lens, n_heads, block_m, busy: bool = True) -> tuple[int, int, int]:
-    """(programs that keep an SM busy, K/V bytes read, executed cells) at ``block_m``; ``busy=False`` counts
-    every program of the grid, the early exits too (the naive count)."""
+def longest_program(lens, block_m) -> int:
+    """Key tiles the busiest program of a causal launch at ``block_m`` x ``TILE_BN`` walks, one after the other
+    (``tiling.key_tiles`` of every query tile): no launch ends before that program does."""
+    return max(tiling.key_tiles(n, n, m * block_m, block_m, TILE_BN, True)[0]
+               for n in lens for m in range(cdiv(n, block_m)))
+
+
+def busy_sms(lens, n_heads, block_m) -> float:
+    """Exercise 07.3's occupancy model: the SMs a launch keeps busy on average while it runs, its key tiles over
+    those of its longest program (work over span; all tiles of a launch cost the same). A program that returns at
+    once adds nothing; a short request's program that walks one key tile keeps its SM busy for one tile-time only."""
+    return tile_work(lens, n_heads, block_m).tiles / longest_program(lens, block_m)
+
+
+def tile_costs(lens, n_heads, block_m, busy: bool = True) -> tuple[float, int, int]:
+    """(SMs the launch keeps busy, ``busy_sms``, K/V bytes read, executed cells) at ``block_m``; ``busy=False``
+    counts every program of the grid as a busy SM, the early exits too (the naive count)."""
     w = tile_work(lens, n_heads, block_m)
-    return w.programs - (w.early_exits if busy else 0), w.kv_bytes_read(TILE_D, TILE_BYTES), w.executed_cells
+    return (busy_sms(lens, n_heads, block_m) if busy else w.programs), w.kv_bytes_read(TILE_D, TILE_BYTES), \
+        w.executed_cells
 
 
 def best_block_m(lens, n_heads, n_sms, busy: bool = True) -> int:
-    """The BLOCK_M of ``TILE_SIZES`` reading the fewest K/V bytes among those whose working programs (those that
-    compute a tile; ``busy=False``: all the grid's programs) number at least ``n_sms``; if none, the most working
-    programs; ties: fewest executed cells."""
+    """The BLOCK_M of ``TILE_SIZES`` reading the fewest K/V bytes among those that keep at least ``n_sms`` SMs busy
+    (``busy_sms``; ``busy=False``: all the grid's programs counted); if none, the most busy SMs; ties: fewest
+    executed cells."""
     costs = {bm: tile_costs(lens, n_heads, bm, busy) for bm in TILE_SIZES}
     full = [bm for bm in TILE_SIZES if costs[bm][0] >= n_sms]
     if full:
@@ -851,9 +883,9 @@ def _mib(n: int) -> str:
 
 def check_tiles(fn: Callable[[list, int, int], int]) -> bool:
     """Exercise 07.3: ``fn(seq_lens, n_heads, n_sms) -> block_m`` from ``TILE_SIZES`` (BLOCK_N = 64, causal,
-    d = 64, bf16): the fewest K/V bytes read among the choices that keep ``n_sms`` SMs busy with programs that
-    compute (early exits free their SM at once); if none does, the most working programs; ties broken by fewest
-    executed cells."""
+    d = 64, bf16): the fewest K/V bytes read among the choices that keep ``n_sms`` SMs busy on average while the
+    launch runs (``busy_sms``: its key tiles over its longest program's); if none does, the most busy SMs; ties
+    broken by fewest executed cells."""
     def judge(got, lens, heads, n_sms):
         try:
             ans = int(got)
@@ -866,23 +898,28 @@ def check_tiles(fn: Callable[[list, int, int], int]) -> bool:
             return None
         w = tile_work(lens, heads, ans)
         (p, kv, cells), (wp, wkv, wcells) = tile_costs(lens, heads, ans), tile_costs(lens, heads, want)
-        mine = f"BLOCK_M = {ans}: {p} working programs, {_mib(kv)} of K/V read, {cells} executed cells"
-        best = f"BLOCK_M = {want}: {wp} working programs, {_mib(wkv)}, {wcells} cells"
-        if p < n_sms <= wp and w.programs >= n_sms:
-            return (f"{mine}. The grid starts {w.programs} programs, enough for {n_sms} SMs on paper, but "
-                    f"{w.early_exits} of them return at once (tiles past a short request's end): only {p} keep an "
-                    f"SM busy. {best} keeps all {n_sms} busy")
+        working = w.programs - w.early_exits
+        mine = (f"BLOCK_M = {ans}: {w.tiles} key tiles, the longest program {longest_program(lens, ans)} of them, "
+                f"{p:.1f} SMs busy on average, {_mib(kv)} of K/V read, {cells} executed cells")
+        best = f"BLOCK_M = {want}: {wp:.1f} SMs busy, {_mib(wkv)}, {wcells} cells"
+        why = ""
+        if p < n_sms and w.programs >= n_sms > working:
+            why = (f" The grid starts {w.programs} programs, enough for {n_sms} SMs on paper, but {w.early_exits} of "
+                   f"them return at once (tiles past a short request's end) and keep no SM busy.")
+        elif p < n_sms <= working:
+            why = (f" {working} programs compute, enough for {n_sms} SMs on paper, but they do not finish together: "
+                   f"while the longest walks its {longest_program(lens, ans)} key tiles, the short requests' programs "
+                   "are long done and their SMs idle.")
         if p < n_sms <= wp:
-            return (f"{mine}; fewer working programs than the {n_sms} SMs, so {n_sms - p} SMs sit idle for the whole "
-                    f"launch. {best} fills the machine")
+            return f"{mine}.{why or f' {n_sms - p:.0f} of the {n_sms} SMs sit idle on average.'} {best} keeps all {n_sms} busy"
         if p < wp:
-            return (f"{mine}; no choice keeps the {n_sms} SMs busy here, so take the most working programs: {best}. "
+            return (f"{mine}.{why} Here no choice keeps the {n_sms} SMs busy, so take the most busy: {best}. "
                     "A bigger tile only adds wasted cells when the machine is not full anyway")
         if kv > wkv:
             return (f"{mine}; {best} also keeps the SMs busy and reads {kv / wkv:.1f}x less: each query tile re-reads its "
                     "request's keys and values, so K/V traffic grows as L^2 d / BLOCK_M (bytes the kernel loads; on a GPU "
                     "re-reads of a request that fits in L2 mostly hit the cache, not HBM)")
-        return f"{mine}; {best} (the same K/V bytes and working programs, fewer executed cells)"
+        return f"{mine}; {best} (the same K/V bytes and busy SMs, fewer executed cells)"
     return grade("tiles", fn, TILE_CASES, judge,
                  f"the BLOCK_M of least K/V traffic that keeps the GPU busy, {len(TILE_CASES)} mixes")
 
@@ -892,7 +929,8 @@ TRAP_MAX_TOKENS, TRAP_MAX_HEADS = 16384, 64
 
 def check_grid_trap(fn: Callable[[], tuple]) -> bool:
     """Exercise 07.3, the counter-example: ``fn() -> (seq_lens, n_heads)``, a mix (not one of ``TILE_CASES``) for
-    which counting the grid's programs picks another BLOCK_M than counting the working ones, on ``H200_SMS`` SMs."""
+    which counting the grid's programs picks another BLOCK_M than counting the SMs kept busy (``busy_sms``), on
+    ``H200_SMS`` SMs."""
     def judge(got):
         try:
             lens, heads = [int(n) for n in got[0]], int(got[1])
@@ -905,13 +943,14 @@ def check_grid_trap(fn: Callable[[], tuple]) -> bool:
             return "that mix is one of the checker's cases above: find one of your own"
         naive, real = best_block_m(lens, heads, H200_SMS, busy=False), best_block_m(lens, heads, H200_SMS)
         rows = ", ".join(f"{bm}: {tile_work(lens, heads, bm).programs} programs, "
-                         f"{tile_costs(lens, heads, bm)[0]} working" for bm in TILE_SIZES)
+                         f"{tile_costs(lens, heads, bm)[0]:.1f} SMs busy" for bm in TILE_SIZES)
         print(f"  {lens[:8]}{' ...' if len(lens) > 8 else ''} x {heads} heads: {rows}")
         if naive == real:
-            return (f"both counts pick BLOCK_M = {real}: the early exits never decide here. A trap needs a tile size "
-                    f"whose grid reaches {H200_SMS} programs only thanks to programs that return at once: one long "
-                    "request sizes every request's slots, so put short ones beside it")
-        print(f"  counting the grid picks BLOCK_M = {naive}, counting the working programs {real}")
+            return (f"both counts pick BLOCK_M = {real} here. A trap needs a tile size whose grid reaches {H200_SMS} "
+                    "programs while its work keeps far fewer SMs busy (programs that return at once, or walk one key "
+                    "tile while the longest walks many): one long request sizes every request's slots, so put short "
+                    "ones beside it")
+        print(f"  counting the grid picks BLOCK_M = {naive}, counting the SMs kept busy {real}")
         return None
     return grade("grid_trap", fn, [()], judge, "a mix where the grid's program count misleads the choice of BLOCK_M")
 
@@ -919,15 +958,16 @@ def check_grid_trap(fn: Callable[[], tuple]) -> bool:
 # ---- figures --------------------------------------------------------------------------------------------------
 
 GRID_LENS = [100, 20, 60]
+GRID_NAMES = ("C", "D", "E")   # not the course's A (10 tokens) and B (30)
 
 
 @register("07_launch_grid", lesson="07",
           caption="one causal launch over requests of 100, 20 and 60 tokens at 32 x 32 tiles: 12 programs, each a band "
                   "of key tiles computed, partly thrown away, skipped above the diagonal, or returned at once")
 def _launch_grid() -> Figure:
-    fig = launch_picture(GRID_LENS, block_m=32, block_n=32, causal=True, figsize=(9.0, 5.0))
-    a = fig.axes[0]  # A's last program: rows 96-127 of its tile, of which only 96-99 exist
-    a.annotate("rows 96-99: A's only\n4 real rows here", xy=(64, 98), xytext=(64, 116), ha="center", va="center",
+    fig = launch_picture(GRID_LENS, block_m=32, block_n=32, causal=True, figsize=(9.0, 5.0), names=GRID_NAMES)
+    a = fig.axes[0]  # C's last program: rows 96-127 of its tile, of which only 96-99 exist
+    a.annotate("rows 96-99: C's only\n4 real rows here", xy=(64, 98), xytext=(64, 116), ha="center", va="center",
                fontsize=MIN_FONT, color=TEXT, arrowprops={"arrowstyle": "->", "color": TEXT},
                bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": TEXT})
     return fig
@@ -944,7 +984,7 @@ def _online_softmax() -> Figure:
 @register("07_short_request_tile", lesson="07",
           caption="A's 10 tokens in one 64 x 64 tile beside a 250-token request: whole tiles either way")
 def _short_tile() -> Figure:
-    return launch_picture([ARTICLE_LENS[0], 250], block_m=64, block_n=64, causal=False, figsize=(9.0, 4.4),
+    return launch_picture([ARTICLE_LENS[0], 250], block_m=64, block_n=64, causal=False, figsize=(9.0, 4.4), names=("A", "F"),
                           title="non-causal, 64 x 64 tiles: a 10-token request still executes a whole tile")
 
 

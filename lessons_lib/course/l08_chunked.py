@@ -32,6 +32,7 @@ from matplotlib.patches import Patch, Polygon, Rectangle
 from ..core.attention import block_diag_mask, varlen_attention
 from ..core.config import ModelConfig
 from ..core.model import init_weights
+from ..measure.flops import linear_intensity
 from ..measure.recorder import OpRecorder
 from ..measure.tolerance import assert_close, max_abs_diff, tolerance
 from ..serve.engine import Engine
@@ -43,6 +44,7 @@ from . import l06_engine
 from .explore import explorer, show_figure
 from .figures import register
 from .grading import grade
+from .l05_flops import H200_BYTES_PER_S, H200_PEAK_FLOPS
 
 Tensor = torch.Tensor
 
@@ -312,6 +314,21 @@ def mean_wait(waits: dict, requests: Sequence) -> tuple[float, float]:
     return (sum(waits[i][0] for i in rs) / len(rs), sum(waits[i][1] for i in rs) / len(rs))
 
 
+def timeline_cells(forwards: Sequence[Sequence[tuple]]) -> list[int]:
+    """Each forward's score cells per head per layer, whole blocks: a chunk of ``t`` tokens of a request that has
+    already run ``s`` computes ``t × (s + t)`` (``BatchStats.cells_whole_computed`` of the engine's run)."""
+    done: dict = {}
+    out = []
+    for fwd in forwards:
+        cells = 0
+        for i, t in fwd:
+            s = done.get(i, 0)
+            cells += t * (s + t)
+            done[i] = s + t
+        out.append(cells)
+    return out
+
+
 def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequence[int]) -> Figure:
     """Lesson 08 (P2, P5): each run's forwards one after another on one axis, the prompt tokens run so far.
 
@@ -319,15 +336,17 @@ def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequ
     chunk a box as wide as its tokens (orange, two shades for neighbours; the draft's chunks hatched,
     gid ``chunk-<lane>-<forward>-<request>``), a black tick between forwards (``fwd-<lane>-<forward>``). Below
     each lane a mark where each request of ``behind`` finishes (its forward's end, ``done-<lane>-<request>``)
-    and their mean (``mean-<lane>``).
+    and their mean (``mean-<lane>``). Under each wide enough forward its number and its score cells per head per
+    layer (``timeline_cells``): the x axis counts tokens, not attention.
     """
     labels = list(runs)
     total = sum(seq_lens)
-    fig = Figure(figsize=(10, 1.7 * len(labels) + 1.4))
+    fig = Figure(figsize=(10, 2.0 * len(labels) + 1.7))
     ax = fig.add_subplot()
     bar = 0.42
     for lane, label in enumerate(labels):
         x, ends = 0, []
+        cells = timeline_cells(runs[label])
         for f, fwd in enumerate(runs[label]):
             for i, t in fwd:
                 ax.add_patch(Rectangle((x, lane - bar / 2), t, bar, facecolor=request_color(i),
@@ -340,7 +359,8 @@ def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequ
             ax.vlines(x, lane - bar / 2 - 0.06, lane + bar / 2 + 0.06, colors=TEXT, linewidth=1.6, gid=f"fwd-{lane}-{f}")
             start = ends[-1] if ends else 0
             if x - start >= total / 40:  # the forward's number (from 0, as the engine's stats count), below its boxes
-                ax.text((start + x) / 2, lane + bar / 2 + 0.32, f"f{f}", ha="center", va="center",
+                name = f"f{f}: {cells[f] / 1000:,.0f}k cells" if x - start >= total / 9 else f"f{f}"
+                ax.text((start + x) / 2, lane + bar / 2 + 0.32, name, ha="center", va="center",
                         fontsize=MIN_FONT, color=TEXT, gid=f"fnum-{lane}-{f}")
             ends.append(x)
         done = request_waits(runs[label])
@@ -372,10 +392,11 @@ def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequ
                         Line2D([], [], marker="|", color=TEXT, linestyle="", markersize=12, markeredgewidth=2.5,
                                label="their mean")],
                loc="lower center", ncol=2, fontsize=MIN_FONT, frameon=False)
-    ax.set_title("The stream's forwards, prompt tokens on the x axis: the work done when each request finishes",
+    ax.set_title("The stream's forwards, prompt tokens on the x axis: the work done when each request finishes\n"
+                 "(under each forward: its score cells per head per layer, whole blocks; they grow with the cache)",
                  fontsize=10)
-    height = 1.7 * len(labels) + 1.4
-    fig.subplots_adjust(left=0.02, right=0.98, bottom=1.05 / height, top=1 - 0.35 / height)
+    height = 2.0 * len(labels) + 1.7
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=1.05 / height, top=1 - 0.6 / height)
     return fig
 
 
@@ -504,6 +525,64 @@ def causal_cells_from_masks(stats: Sequence) -> int:
     of every forward's ``BatchStats.chunks`` gets its own ``chunk_mask`` and its allowed cells are summed
     (not ``BatchStats.cells_causal_useful``)."""
     return sum(int(chunk_mask(s, n).sum()) for st in stats for _, s, n in st.chunks)
+
+
+def causal_cells_of_chunks(chunks: Sequence[int]) -> int:
+    """Causal cells per head per layer of one prompt run in ``chunks`` (chunk c starts where chunk c-1 ended),
+    summed from each chunk's ``chunk_mask`` (whatever ``causal_mask`` is installed)."""
+    return sum(int(chunk_mask(s, n).sum()) for s, n in chunk_spans(chunks))
+
+
+H200_RIDGE = H200_PEAK_FLOPS / H200_BYTES_PER_S    # lesson 05's ridge: 989 TFLOP/s bf16 over 4.8 TB/s, ~206
+LINEAR_LAYERS = ("QKV", "out proj", "FFN-up", "FFN-down")
+
+
+def linear_shapes(cfg: ModelConfig, tp_size: int = 1) -> dict:
+    """``(d_in, d_out)`` of each linear layer of a block on ONE rank under TP=``tp_size`` (lesson 04's cut): QKV and
+    FFN-up split their outputs (column-parallel), out proj and FFN-down their inputs (row-parallel)."""
+    d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
+    if k % tp_size or f % tp_size:
+        raise ValueError(f"tp_size {tp_size} does not divide qkv_dim {k} and d_ffn {f}")
+    return dict(zip(LINEAR_LAYERS, ((d, 3 * k // tp_size), (k // tp_size, d), (d, f // tp_size), (f // tp_size, d))))
+
+
+def linear_intensities(cfg: ModelConfig, num_tokens: int, tp_size: int = 1, nbytes: int = 2) -> dict:
+    """FLOP per byte of each linear layer of one rank for a forward of ``num_tokens`` tokens, in ``nbytes``-byte
+    elements (``measure.flops.linear_intensity``: the weight read once for all the tokens)."""
+    return {name: linear_intensity(num_tokens, a, b, nbytes) for name, (a, b) in linear_shapes(cfg, tp_size).items()}
+
+
+def ridge_tokens(cfg: ModelConfig, tp_size: int = 1, ridge: float = H200_RIDGE, nbytes: int = 2,
+                 limit: int = 1 << 16) -> dict:
+    """The fewest tokens a forward needs for each linear layer of one rank to reach ``ridge`` FLOP/byte (to be
+    compute-bound), or None if it never does up to ``limit`` tokens (its intensity saturates below the ridge)."""
+    out = {}
+    for name, (a, b) in linear_shapes(cfg, tp_size).items():
+        if linear_intensity(limit, a, b, nbytes) < ridge:
+            out[name] = None
+            continue
+        lo, hi = 1, limit                       # intensity grows with the tokens: bisect for the first at the ridge
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if linear_intensity(mid, a, b, nbytes) >= ridge else (mid + 1, hi)
+        out[name] = lo
+    return out
+
+
+def intensity_table(cfg: ModelConfig, token_counts: Sequence[int], tp_sizes: Sequence[int] = (2, 1),
+                    ridge: float = H200_RIDGE) -> str:
+    """Each linear layer's FLOP/byte (bf16, one rank) for forwards of ``token_counts`` tokens under each TP size,
+    marked ``*`` where it reaches ``ridge`` (compute-bound), and the tokens from which it does."""
+    lines = [f"bf16, one rank, against an H200's ridge of {ridge:.0f} FLOP/byte (* = at or above it: compute-bound)",
+             f"{'':18s}" + "".join(f"{n:>11s}" for n in LINEAR_LAYERS)]
+    for tp in tp_sizes:
+        for t in token_counts:
+            vals = linear_intensities(cfg, t, tp)
+            lines.append(f"TP={tp}, {t:4d} tokens " + "".join(
+                f"{v:10.0f}{'*' if v >= ridge else ' '}" for v in vals.values()))
+        lines.append(f"TP={tp}, ridge from " + "".join(
+            f"{('never' if n is None else f'{n:,}'):>10s} " for n in ridge_tokens(cfg, tp, ridge).values()))
+    return "\n".join(lines)
 
 
 def cache_peak_rows(stats: Sequence, seq_lens: Sequence[int]) -> dict:
