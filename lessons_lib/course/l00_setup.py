@@ -50,7 +50,7 @@ LESSONS = (
     ("03", "Masked vs varlen attention", "which score cells masked and varlen compute, which they waste",
      "C7-C10", 60),
     ("04", "TP never sees the requests", "does the TP trace change with the packing? does TP=2 compute what TP=1 does?",
-     "C11, C12", 45),
+     "C11, C12", 60),
     ("05", "Where the FLOPs go", "linear vs attention work, arithmetic intensity, a decode preview", "C13, C14, C15", 55),
     ("06", "A prefill engine", "a scheduler under a token budget: padded vs masked vs varlen", "S3 (+ C2, C8, C10, C12)", 60),
     ("07", "Inside the kernel", "one Triton launch for all requests: the grid, causal tiles, online softmax",
