@@ -228,13 +228,30 @@ def test_prefill_plan_scheduler_trades_pad_rows_for_masked_cells_and_delay():
 
 def test_prefill_plan_default_batch_is_recorded_for_every_method():
     s = L.prefill_plan_state()
-    assert all(rec is not None for rec in s["recorded"].values())
+    assert all(k == 1 for _, k in s["recorded"].values())   # the default batch runs as scheduled
     lens = [s["seq_lens"][i] for i in s["batches"][0]]
     rec = table(s, "recorded")
     for m in ("padded", "masked", "varlen"):  # the recorder's numbers on screen beside batch_stats', computed here
-        p = batch_stats(L.TINY, lens, m)
-        assert [_int(c) for c in rec[m][1:5]] == [s["recorded"][m].rows, p.executed_rows, s["recorded"][m].cells,
-                                                  p.cells_whole_computed] and rec[m][5] == "= \u2713"
+        p, (r, _) = batch_stats(L.TINY, lens, m), s["recorded"][m]
+        assert rec[m][1] == "as scheduled"
+        assert [_int(c) for c in rec[m][2:6]] == [r.rows, p.executed_rows, r.cells, p.cells_whole_computed]
+        assert rec[m][6] == "= \u2713"
+
+
+def test_prefill_plan_records_a_scaled_down_copy_of_a_batch_too_big_to_run_here():
+    s = L.prefill_plan_state("bimodal", 48, 8192, batch=0)          # a draft's batch: 25,000,000 cells and more
+    lens = [s["seq_lens"][i] for i in s["batches"][0]]
+    rec = table(s, "recorded")
+    for m in ("padded", "masked", "varlen"):
+        r, k = s["recorded"][m]
+        assert k > 1 and batch_stats(L.TINY, lens, m).cells_whole_computed > L.RECORD_LIMIT
+        scaled = [-(-n // k) for n in lens]                           # each length / k, rounded up
+        p = batch_stats(L.TINY, scaled, m)
+        assert p.cells_whole_computed <= L.RECORD_LIMIT < batch_stats(L.TINY, [-(-n // (k - 1)) for n in lens],
+                                                                       m).cells_whole_computed
+        assert (r.rows, r.cells) == (p.executed_rows, p.cells_whole_computed)
+        assert rec[m][1] == f"each / {k}, rounded up" and rec[m][6] == "= \u2713"
+    assert L.record_scale([10, 20], "padded") == 1
 
 
 # ---- schedules ------------------------------------------------------------------------------------------

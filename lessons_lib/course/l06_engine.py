@@ -10,7 +10,8 @@
   schedules         ``schedule_measures``, ``schedule_table``: pad rows, masked cells, fairness
   exercises         ``check_bucket_scheduler`` (06.1, a bucketing scheduler inside ``Engine``, probed by
                     ``drive_scheduler``), ``check_masked_counterexample`` (06.2, measured by ``measure_schedule``)
-  measured          ``run_methods``, ``throughput_text``
+  measured          ``run_methods``, ``throughput_text``, ``causal_vs_full_seconds`` (shown, never asserted)
+  C9 swept          ``masked_waste_sweep``: recorded masked waste per useful cell for R equal lengths
 
 Taught in notebooks/06_prefill_engine.ipynb.
 """
@@ -340,20 +341,30 @@ def batch_waste(stats: Mapping[str, Sequence], max_num_batched_tokens: int | Non
 
 # ---- the explorer ----------------------------------------------------------------------------------
 
-RECORD_LIMIT = 1_000_000  # score cells per head per layer above which the explorer does not run a batch (too slow here)
+RECORD_LIMIT = 1_000_000  # score cells per head per layer above which the explorer records a scaled-down copy
+
+
+def record_scale(lens: Sequence[int], method: str) -> int:
+    """The smallest integer ``k >= 1`` such that the batch ``[ceil(L / k) for L in lens]`` computes at most
+    ``RECORD_LIMIT`` score cells per head per layer under ``method`` (``batch_stats``): 1 when ``lens`` fits."""
+    k = 1
+    while batch_stats(TINY, [-(-n // k) for n in lens], method).cells_whole_computed > RECORD_LIMIT:
+        k += 1
+    return k
 
 
 def record_one_batch(seq_lens: Sequence[int], ids: Sequence[int], max_num_batched_tokens: int) -> dict:
     """Batch ``ids`` of a stream of ``seq_lens`` run as one forward of ``Engine(TINY, method=m)`` for each method,
-    under ``OpRecorder``: ``{method: BatchRecord, or None when its predicted cells exceed RECORD_LIMIT}``."""
-    prompts = make_requests([seq_lens[i] for i in ids], TINY.vocab_size, seed=PROMPT_SEED)
-    reqs = [Request(i, p) for i, p in zip(ids, prompts)]
+    under ``OpRecorder``: ``{method: (BatchRecord, k)}``. ``k = record_scale(lengths, m)``: when the batch would
+    compute more than ``RECORD_LIMIT`` cells (too slow here), what runs is its copy with every length divided by
+    ``k``, rounded up (the same mix of lengths, the same layout; compare it with that copy's prediction)."""
+    lens = [seq_lens[i] for i in ids]
     out = {}
     for m in METHODS:
-        if batch_stats(TINY, [seq_lens[i] for i in ids], m).cells_whole_computed > RECORD_LIMIT:
-            out[m] = None
-        else:
-            out[m] = run_recorded(TINY, _tiny_weights(), m, [reqs], max_num_batched_tokens)[1][0]
+        k = record_scale(lens, m)
+        scaled = [-(-n // k) for n in lens]
+        reqs = [Request(i, p) for i, p in zip(ids, make_requests(scaled, TINY.vocab_size, seed=PROMPT_SEED))]
+        out[m] = (run_recorded(TINY, _tiny_weights(), m, [reqs], max(max_num_batched_tokens, sum(scaled)))[1][0], k)
     return out
 
 
@@ -385,7 +396,8 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     ``max_num_batched_tokens``, ``stats`` ({method: [engine.BatchStats]}, analytic:
     ``engine.batch_stats``) and ``totals`` (``method_totals``: rows, pad rows, cells and FLOPs, all
     counted by whole blocks); ``batch`` (the index recorded, clipped to the last batch; None: none) and
-    ``recorded`` (``record_one_batch`` of that batch: what the engine EXECUTED, or ``{}``); ``scheduler``
+    ``recorded`` (``record_one_batch`` of that batch: ``{method: (BatchRecord, k)}``, what the engine EXECUTED on
+    the batch, or on its lengths divided by ``k``; ``{}`` when none); ``scheduler``
     and ``measures`` (``schedule_measures`` of the served requests, with ``delays``: ``(request id, batches
     served later than under FCFS)``); ``readout`` (``prefill_plan_readout``: the tables the widget shows).
     """
@@ -468,22 +480,21 @@ def prefill_plan_readout(state: dict) -> dict:
     b = state.get("batch")
     if b is not None:
         rec_rows = []
-        for m, rec in state["recorded"].items():
-            pred = state["stats"][m][b]
-            if rec is None:
-                rec_rows.append([m, "not run", f"{pred.executed_rows:,}", "not run", f"{pred.cells_whole_computed:,}",
-                                 f"not run: > {RECORD_LIMIT:,} cells", ""])
-                continue
+        for m, (rec, k) in state["recorded"].items():
+            pred = state["stats"][m][b] if k == 1 else batch_stats(
+                TINY, [-(-state["seq_lens"][i] // k) for i in state["batches"][b]], m)
             sides = sorted({sh[-1] for sh in rec.score_shapes})
             ok = (rec.rows, rec.cells) == (pred.executed_rows, pred.cells_whole_computed)
-            rec_rows.append([m, f"{rec.rows:,}", f"{pred.executed_rows:,}", f"{rec.cells:,}",
-                             f"{pred.cells_whole_computed:,}", "= \u2713" if ok else "differs \u2717",
+            rec_rows.append([m, "as scheduled" if k == 1 else f"each / {k}, rounded up", f"{rec.rows:,}",
+                             f"{pred.executed_rows:,}", f"{rec.cells:,}", f"{pred.cells_whole_computed:,}",
+                             "= \u2713" if ok else "differs \u2717",
                              ", ".join(map(str, sides[:4])) + (" ..." if len(sides) > 4 else "")])
         tables.append({"name": "recorded", "caption": f"batch {b} ({len(state['batches'][b])} requests, "
                        f"{state['stats']['varlen'][b].num_tokens} tokens) as EXECUTED: one forward per backend "
-                       "under OpRecorder (Engine(L.TINY)), beside batch_stats' prediction",
-                       "header": ["backend", "rows recorded", "rows predicted", "cells recorded", "cells predicted",
-                                  "recorded vs predicted", "score matrix sides"], "rows": rec_rows})
+                       "under OpRecorder (Engine(L.TINY)), beside batch_stats' prediction for the lengths run "
+                       f"(a batch over {RECORD_LIMIT:,} cells runs scaled down)",
+                       "header": ["backend", "lengths run", "rows recorded", "rows predicted", "cells recorded",
+                                  "cells predicted", "recorded vs predicted", "score matrix sides"], "rows": rec_rows})
     notes = [f"refused (longer than the budget, S3): {len(rej)}"
              + (f" - lengths {[lens[i] for i in rej][:8]}" if rej else "")]
     return {"title": title, "tables": tables, "notes": notes}
@@ -641,10 +652,49 @@ def run_methods(cfg: ModelConfig, weights: dict, requests: Sequence[Request], ma
     return out
 
 
+def causal_vs_full_seconds(length: int = 2048, heads: int = 8, d_head: int = 64, repeats: int = 3,
+                           device=None, dtype: torch.dtype = torch.float32) -> dict:
+    """One request's attention, ``[1, heads, length, d_head]``, through ``F.scaled_dot_product_attention`` (the
+    call the CPU ``sdpa`` varlen backend makes per length group) with ``is_causal=True`` and with
+    ``is_causal=False``, timed side by side in this one run, interleaved, best of ``repeats`` each (after one
+    warm-up call each): ``{"causal": s, "full": s}``. Both calls have the same ``L x L`` shape, so the op
+    recorder counts the same cells for both; a fused kernel that skips the key tiles lying wholly above the
+    diagonal shows it only here, in time. Shown, never asserted."""
+    import time
+
+    import torch.nn.functional as F
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, length, d_head, generator=gen).to(device or "cpu", dtype) for _ in range(3))
+    best = {"causal": math.inf, "full": math.inf}
+    for round_ in range(repeats + 1):
+        for name, causal in (("causal", True), ("full", False)):
+            synchronize(q.device)
+            t0 = time.perf_counter()
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            synchronize(q.device)
+            if round_:  # round 0 is the warm-up
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def masked_waste_sweep(length: int = 32, requests: Sequence[int] = (1, 2, 4, 8)) -> dict[int, float]:
+    """C9 measured: for each ``R`` in ``requests``, ``R`` requests of ``length`` tokens each run as ONE forward of
+    ``Engine(TINY, method="masked")`` and of ``Engine(TINY, method="varlen")`` under the op recorder;
+    ``{R: (masked cells - varlen cells) / varlen cells}``, both counts recorded (score-matrix shapes the calls
+    computed), the waste per useful cell of masking R equal lengths."""
+    out = {}
+    for r in requests:
+        reqs = [Request(i, p) for i, p in enumerate(make_requests([length] * r, TINY.vocab_size, seed=PROMPT_SEED))]
+        cells = {m: run_recorded(TINY, _tiny_weights(), m, [reqs], r * length)[1][0].cells for m in ("masked", "varlen")}
+        out[r] = (cells["masked"] - cells["varlen"]) / cells["varlen"]
+    return out
+
+
 def throughput_text(stats: Mapping[str, Sequence], cfg: ModelConfig | None = None) -> str:
     """One line per method from measured ``BatchStats``: seconds, prompt tokens per second (pad rows
-    not counted), executed GFLOP/s (whole blocks, ``whole_block_flops``: what the engine's backends
-    compute), and throughput relative to varlen."""
+    not counted), GFLOP/s counted by whole blocks (``whole_block_flops``, the course's convention: a causal
+    fused kernel may skip the tiles above the diagonal, so it is a count, not what every backend executes),
+    and throughput relative to varlen."""
     cfg = cfg or ModelConfig()
     secs = {m: sum(s.wall_s for s in st) for m, st in stats.items()}
     tokens = {m: sum(s.num_tokens for s in st) for m, st in stats.items()}
@@ -654,7 +704,7 @@ def throughput_text(stats: Mapping[str, Sequence], cfg: ModelConfig | None = Non
         tps = tokens[m] / secs[m] if secs[m] else float("nan")
         gflops = sum(whole_block_flops(cfg, s) for s in st) / secs[m] / 1e9 if secs[m] else float("nan")
         rel = f" | {tps / ref:4.2f}x varlen's throughput" if ref else ""
-        lines.append(f"{m:7s} {secs[m]:7.3f} s | {tps:9,.0f} tokens/s | {gflops:7.1f} GFLOP/s executed{rel}")
+        lines.append(f"{m:7s} {secs[m]:7.3f} s | {tps:9,.0f} tokens/s | {gflops:7.1f} GFLOP/s (whole blocks){rel}")
     return "\n".join(lines)
 
 
