@@ -42,9 +42,9 @@ def _one_request_at_a_time():
 
     real = model.Transformer.forward
 
-    def forward(self, batch, *, attn_backend=None):
-        if batch.num_seqs == 1:
-            return real(self, batch, attn_backend=attn_backend)
+    def forward(self, batch, *, attn_backend=None, kv_cache=None):
+        if batch.num_seqs == 1 or kv_cache is not None:   # a cached step is left whole: the cache is per batch
+            return real(self, batch, attn_backend=attn_backend, kv_cache=kv_cache)
         rows = batch.input_ids if batch.input_ids is not None else batch.hidden
         cu = batch.cu_seqlens.tolist()
         parts = [batch_module.pack([rows[s:e]], device=rows.device) for s, e in zip(cu[:-1], cu[1:])]

@@ -394,6 +394,14 @@ def test_c15_decode_step_parts_count_the_recorded_matmuls():
     assert p["attention"]["bytes"] == sum(m.bytes(2) for m in att) - 2 * 2 * cfg.n_heads * r * kv   # less the scores
 
 
+def test_c15_engine_decode_step_runs_the_recorded_decode_shapes():
+    cfg = ModelConfig()
+    layer = Transformer(dataclasses.replace(cfg, n_layers=1, vocab_size=1000, max_position=256), seed=0)
+    mm = L.engine_decode_matmuls(layer, 3, 40)
+    assert L.of_kind(mm, "attention") == L.decode_attention_matmuls(3, kv_len=40)
+    assert [m.m for m in L.of_kind(mm, "linear")] == [3] * 4
+
+
 @pytest.mark.parametrize("case", L._KV_CASES)
 def test_c15_kv_read_overtakes_from_is_the_first_r_by_roofline_search(case):
     cfg, ridge, nbytes, kv = case

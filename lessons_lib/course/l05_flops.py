@@ -87,6 +87,26 @@ def decode_attention_matmuls(num_requests: int, kv_len: int, n_heads: int = 8, d
     return record_matmuls(lambda: varlen_attention(q, k, v, cu_q, cu_k, causal=True, backend=backend))
 
 
+def engine_decode_matmuls(model, num_requests: int, kv_len: int, attn_backend: str = "loop") -> list[Matmul]:
+    """The matmuls of one real decode step of the engine: R requests of ``kv_len - 1`` prompt tokens are
+    prefilled into a ``serve.kv_cache.PrefillKVCache``, then ``Transformer.forward(kv_cache=...)`` runs
+    one new token per request (``num_computed_tokens = kv_len - 1``), recorded; each new query attends
+    ``kv_len`` keys (its cached ones and its own)."""
+    from ..core.batch import pack
+    from ..serve.kv_cache import PrefillKVCache
+    r, n = check_int("num_requests", num_requests, 1, 4096), check_int("kv_len", kv_len, 2, 1 << 20)
+    cache, ids = PrefillKVCache.for_model(model), list(range(r))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n - 1,), generator=g) for _ in ids]
+    with torch.no_grad():
+        step = cache.step(ids, [0] * r, [n - 1] * r, [True] * r)
+        model(pack(prompts), kv_cache=step, attn_backend=attn_backend)
+        step.finish()
+        step = cache.step(ids, [n - 1] * r, [1] * r, [False] * r)
+        new = pack([[7]] * r, num_computed_tokens=[n - 1] * r)
+        return record_matmuls(lambda: model(new, kv_cache=step, attn_backend=attn_backend))
+
+
 def of_kind(matmuls: Sequence[Matmul], kind: str) -> list[Matmul]:
     return [mm for mm in matmuls if mm.kind == kind]
 
