@@ -305,22 +305,29 @@ def format_reports(reports: Sequence[StepReport]) -> str:
 def rounding_lines(reports: Sequence[StepReport], seq_lens: Sequence[int] = ARTICLE_LENS) -> str:
     """Per step: how many of each request's output numbers differ (in any bit) flat vs alone, the same
     for request 0 alone padded with zero rows to the flat batch's row count, max |flat - alone| (also in
-    units of the last place of the step's largest output, eps · max|y|) and both against float64
+    float32 ULPs of the step's largest output number, ``ulp32(max|y|)``) and both against float64
     (machine-dependent: shown, not asserted)."""
     lens = check_lengths(seq_lens)
     t = sum(lens)
     names = [request_name(i) for i in range(len(lens))]
     heads = [f"{n}: numbers differ" for n in names] + [f"{names[0]} padded to {t}"]
     lines = [f"{'step':15s} " + " ".join(f"{h:>18s}" for h in heads)
-             + f" {'max|flat-alone|':>16s} {'= ulp of max|y|':>16s} {'max|flat-fp64|':>15s} {'bound':>9s}"]
+             + f" {'max|flat-alone|':>16s} {'ULPs of max|y|':>16s} {'max|flat-fp64|':>15s} {'bound':>9s}"]
     for r in reports:
         per_row = int(np.prod(r.shape_out)) // t
         cells = [f"{d} of {n * per_row}" for d, n in zip(r.differ_per_request, lens)]
         cells.append(f"{r.padded_differ} of {lens[0] * per_row}")
-        ulp = r.flat_vs_alone / (torch.finfo(torch.float32).eps * r.scale) if r.scale else 0.0
+        ulp = r.flat_vs_alone / ulp32(r.scale) if r.scale else 0.0
         lines.append(f"{r.name:15s} " + " ".join(f"{c:>18s}" for c in cells)
                      + f" {r.flat_vs_alone:16.1e} {ulp:16.1f} {r.err:15.1e} {r.bound:9.1e}")
     return "\n".join(lines)
+
+
+def ulp32(v: float) -> float:
+    """One unit in the last place of the float32 number nearest ``v``: the gap from ``|v|`` to the next
+    larger float32 (between half of ``eps · |v|`` and all of it, eps = 2**-23: ``eps · |v|`` is not one ULP)."""
+    a = torch.tensor(abs(v), dtype=torch.float32)
+    return float(torch.nextafter(a, torch.tensor(float("inf"))) - a)
 
 
 @torch.no_grad()
