@@ -100,6 +100,19 @@ def test_c2_flat_run_state_records_what_padding_wastes_in_flops():
         assert x == {"blocks": 6 * c.d_model, "causal": 12 * c.d_model}, x
         assert forward_flops(c, [x["causal"] - 1], causal=True).dominant == "linear"
         assert forward_flops(c, [x["causal"]], causal=True).dominant == "attention"
+    # padding waste: attention wins when S + L > 6 d, not when S > 6 d (recorded at d = 64)
+    for n, wins in ((84, False), (85, True)):
+        w = L.flat_run_state([300, n])["waste"]
+        assert (w["attention"] > w["linear"]) is wins, (n, w)
+    assert L.flat_run_state([300, 84])["waste"]["attention"] == L.flat_run_state([300, 84])["waste"]["linear"]
+    assert [L.waste_crossover(cfg, s) for s in (30, 192, 193, 300, 384, 500)] == [None, None, 192, 85, 1, 1]
+    assert L.waste_crossover(ModelConfig(n_layers=2, vocab_size=1000, max_position=64), 4000, causal=True) == 12 * 512 - 4000
+    tour = L.flat_run_state([300, 300, 300, 120])
+    assert tour["crossover"]["waste_from"] == 85 and tour["waste"]["attention"] > tour["waste"]["linear"]
+    assert (round(tour["waste"]["attention"] / 1e5), round(tour["waste"]["linear"] / 1e5)) == (387, 354)
+    assert "crossover" in {p.get_gid() for ax in L.flat_run_figure(tour).axes for p in ax.get_lines()}
+    assert "S + L > 6 d = 384: here from L = 85 on" in L.flat_run_text(tour)["padded"]
+    assert "here no request does" in L.flat_run_text(ab)["padded"]
     text = L.flat_run_text(long)["padded"]
     assert "in the linear layers and 127.99 MFLOP in attention (linear / attention waste = 0.76x)" in text
     assert "beyond S = 384 (whole blocks, 6 d) or 768 (causal triangle, about 12 d); your longest: 500" in text
@@ -312,6 +325,12 @@ def test_c3_unpad_ids_checker(capsys):
     assert "engine refuses" in cols and "not the column" in cols
     assert "LEFT" in attempt(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, first_l=True))
     assert "a real token can have id 0" in attempt(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, by_id=True))
+
+    def ids_by_id(ids, mask):  # ids kept where ids != 0, boundaries from the mask: the engine refuses the counts
+        flat, pos, cu = _unpad_ids(ids, mask)
+        return ids[ids != 0], pos, cu
+    refused = attempt(L.check_unpad_ids, ids_by_id)
+    assert "engine refuses" in refused and "a real token can have id 0" in refused, refused
     assert "still holds the pad tokens" in attempt(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, keep=True))
     assert "int32" in attempt(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, cu_dtype=torch.int64))
     assert "three tensors" in attempt(L.check_unpad_ids, lambda i, m: (i, m))

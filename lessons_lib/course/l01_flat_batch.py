@@ -241,6 +241,32 @@ def crossover_lengths(cfg: ModelConfig) -> dict[str, int]:
     return {"blocks": blocks, "causal": hi}
 
 
+def padding_waste(cfg: ModelConfig, pad_to: int, n: int, causal: bool = False) -> dict[str, int]:
+    """What padding one request of ``n`` tokens to ``pad_to`` wastes in one forward of ``cfg``, in FLOPs:
+    {"linear", "attention"}, ``forward_flops([pad_to]) - forward_flops([n])`` (attention: whole blocks,
+    as the padded forward computes them; ``causal``: the lower triangles only)."""
+    big, small = forward_flops(cfg, [pad_to], causal=causal), forward_flops(cfg, [n], causal=causal)
+    return {"linear": big.linear - small.linear, "attention": big.attention - small.attention}
+
+
+def waste_crossover(cfg: ModelConfig, pad_to: int, causal: bool = False) -> int | None:
+    """The shortest request (1 <= n < pad_to) whose padding to ``pad_to`` wastes more FLOPs in attention
+    than in its pad rows through the linear layers (``padding_waste``), or None if no request does.
+    Attention wastes ``4 d (S^2 - n^2)``, the pad rows ``24 d^2 (S - n)``: attention wins when
+    ``S + n > 6 d`` (not when ``S > 6 d``), so the answer is ``max(1, 6 d - S + 1)``; counting causal
+    triangles (``causal``), when ``S + n + 1 > 12 d``."""
+    def attention_wins(n: int) -> bool:
+        w = padding_waste(cfg, pad_to, n, causal)
+        return w["attention"] > w["linear"]
+    if pad_to < 2 or not attention_wins(pad_to - 1):
+        return None
+    lo, hi = 0, pad_to - 1  # attention_wins(hi); lo = 0 stands for "not yet": bisect (the ratio grows with n)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if attention_wins(mid) else (mid, hi)
+    return hi
+
+
 def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str = "right") -> dict:
     """Run the requests of ``seq_lens`` through the explorer's model flat and padded (claims C2, C3).
 
@@ -251,7 +277,8 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
     per layer, the shape of the largest score matrix one op computed); ``pad_rows`` (padded − flat rows);
     ``flops``: {"padded", "flat"}: {"linear", "attention"} FLOPs of the whole forward, summed over the
     matmuls ``OpRecorder`` saw (attention: whole blocks); ``waste``: {"linear", "attention"} padded − flat;
-    ``crossover``: ``crossover_lengths`` of the explorer's model;
+    ``crossover``: ``crossover_lengths`` of the explorer's model, plus ``waste_from``: ``waste_crossover``
+    at the padded length (the shortest request whose padding wastes more in attention than in its pad rows);
     ``input_bytes`` / ``hidden_bytes``: {"padded", "flat"} bytes of the model's inputs (ids + mask;
     ids + positions + cu_seqlens) and of its output hidden states; ``diff`` / ``bound``: {"padded",
     "flat"} per request, ``max |out − out64 alone|`` and the tolerance rule's bound; ``equal``:
@@ -299,7 +326,7 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
             "input_bytes": {"padded": nbytes(ids, mask), "flat": nbytes(batch.input_ids, batch.positions, batch.cu_seqlens)},
             "hidden_bytes": {"padded": nbytes(out_pad), "flat": nbytes(out_flat)},
             "flops": flops, "waste": {k: flops["padded"][k] - flops["flat"][k] for k in ("linear", "attention")},
-            "crossover": crossover_lengths(cfg),
+            "crossover": {**crossover_lengths(cfg), "waste_from": waste_crossover(cfg, int(ids.shape[1]))},
             "diff": diff, "bound": bound,
             "equal": {k: [d <= b for d, b in zip(v, bound)] for k, v in diff.items()},
             "differs": {k: [i for i, d in enumerate(v) if d > bound[i]] for k, v in diff.items()}}
@@ -334,12 +361,11 @@ def flat_run_figure(state: dict) -> Figure:
             top.add_patch(Rectangle((0 if state["side"] == "left" else n, i), s - n, 1, facecolor="none",
                                     edgecolor="white", hatch="///", linewidth=0, gid=f"pad-{i}"))
     top.hlines(range(1, shown), 0, s, colors="white", linewidth=1)
-    cross = state["crossover"]["blocks"]
-    if cross < s:  # past this column a padded row's attention FLOPs (whole blocks) exceed its linear FLOPs
+    cross = state["crossover"]["waste_from"]
+    if cross is not None:  # a request whose tokens reach this column wastes more in attention than in its pad rows
         top.axvline(cross, color=TEXT, linestyle="--", linewidth=1.2, gid="crossover")
-        top.text(cross, shown - 0.08, f"S = {cross} = 6 d: beyond it, attention FLOPs per row > linear ", ha="right",
-                 va="bottom", fontsize=MIN_FONT, color=TEXT, bbox={"facecolor": "white", "edgecolor": "none",
-                                                                   "alpha": 0.85, "pad": 1})
+        top.text(cross, shown - 0.08, f" L ≥ {cross}: attention wastes more than the pad rows (S + L > 6 d) ", ha="left" if cross < s / 2 else "right", va="bottom", fontsize=MIN_FONT,
+                 color=TEXT, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1})
     wrong = {k: set(v) for k, v in state["differs"].items()}
     for i in sorted(wrong["padded"]):  # the whole row of a request that differs from itself alone
         if i < shown:
@@ -410,8 +436,11 @@ def flat_run_text(state: dict) -> dict[str, str]:
         f"{_mflop(fl['flat']['attention'])}",
         f"padding wastes {_mflop(waste['linear'])} in the linear layers and {_mflop(waste['attention'])} in attention"
         f" ({ratio})",
-        f"one request's attention FLOPs pass its linear FLOPs beyond S = {cross['blocks']} (whole blocks, 6 d) or "
-        f"{cross['causal']} (causal triangle, about 12 d); your longest: {max(state['seq_lens'])}",
+        f"one request's own attention FLOPs pass its own linear FLOPs beyond S = {cross['blocks']} (whole blocks, 6 d) "
+        f"or {cross['causal']} (causal triangle, about 12 d); your longest: {max(state['seq_lens'])}",
+        f"padding a request of L tokens to S = {shape[1]} wastes more in attention than in its pad rows when "
+        f"S + L > 6 d = {cross['blocks']}: " + (f"here from L = {cross['waste_from']} on (dashed line)"
+                                                if cross["waste_from"] is not None else "here no request does"),
         f"largest score matrix (recorded): padded {list(big['padded'])} = {_kib(4 * math.prod(big['padded']))} | "
         f"flat {list(big['flat'])} = {_kib(4 * math.prod(big['flat']))} (float32; the leading number is heads x "
         "requests: attention runs requests of equal length as one batched matmul)"])
@@ -734,8 +763,13 @@ def check_unpad_ids(fn: Callable[[Tensor, Tensor], tuple]) -> bool:
             with one_thread():
                 out = explorer_models()[0].forward(batch)
         except ValueError as exc:  # the engine's own batch check: say what it refused
+            by_id = int((ids != 0).sum())
             hint = (" - positions count inside each request, not the column of the padded batch (left padding "
-                    "puts a request's first token in a later column)" if "positions" in str(exc) else "")
+                    "puts a request's first token in a later column)" if "positions" in str(exc) else
+                    f" - input_ids has {g_ids.numel()} tokens and cu_seqlens counts {int(g_cu[-1])}, the mask marks "
+                    f"{sum(lens)}: one of them was counted with ids != 0, which drops a real token whose id is the pad "
+                    "id 0 (a real token can have id 0); take the cells mask marks for both"
+                    if by_id != sum(lens) and by_id in (g_ids.numel(), int(g_cu[-1])) else "")
             return f"the engine refuses this batch: {exc}{hint}"
         if got_lens != lens:
             hint = (" - count the cells mask marks (ids == 0 is no test: a real token can have id 0)"
