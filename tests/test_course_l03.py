@@ -267,7 +267,7 @@ def test_attention_run_figure_text_inside_and_ink_guides():
     assert ax.get_xscale() == "linear"   # stacked bars on a log axis misstate the proportions
     texts = [t.get_text().strip() for t in ax.texts]
     assert texts[::2] == ["1000", "1600", "1800", "1000"]
-    assert texts[1::2][1].startswith(f"stores {L._kib(4 * L.RUN_HEADS * 40 * 40)}") and "no scores stored" in texts[7]
+    assert texts[1::2][1].startswith(f"stores {L._kib(4 * L.RUN_HEADS * 40 * 40)}") and "no full score matrix" in texts[7]
 
 
 # --- exercises -------------------------------------------------------------------------------------------
@@ -366,6 +366,18 @@ def test_causal_varlen_checker_explains_typical_mistakes():
     assert "other requests' keys" in attempt(L.check_causal_varlen,
                                              backend(lambda q, k, v, cu, m: varlen_loop(q, k, v, cu, cross=True)))
     assert "must see ITSELF" in attempt(L.check_causal_varlen, backend(diagonal_hidden))
+
+    def gathered_no_causal(q, k, v, cu, m):       # the one-launch gather with the causal mask forgotten
+        starts, lens = cu[:-1].long(), (cu[1:] - cu[:-1]).long()
+        pos = torch.arange(m)
+        real, rows = pos < lens[:, None], (starts[:, None] + pos).clamp(max=q.shape[0] - 1)
+        qp, kp, vp = (x[rows].transpose(1, 2) for x in (q, k, v))
+        out, flat = ((qp @ kp.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1) @ vp).transpose(1, 2), torch.empty_like(q)
+        flat[rows[real]] = out[real]
+        return flat
+
+    assert "causal mask missing: query 0 of request 0 reads later keys" in attempt(L.check_causal_varlen,
+                                                                                    backend(gathered_no_causal))
 
 
 def test_causal_varlen_checker_names_pad_slots_written_back(capsys):

@@ -256,7 +256,7 @@ def measured_sweep(rs: Sequence[int], masked_ms: Sequence[float], varlen_ms: Seq
     """Measured time (and peak memory, when given) of masked vs varlen attention as R grows
     (shown in the lesson, never asserted)."""
     memory = masked_mib is not None and varlen_mib is not None
-    fig = Figure(figsize=(9.6 if memory else 6.4, 3.8))
+    fig = Figure(figsize=(9.6 if memory else 6.4, 4.4))
     axes = fig.subplots(1, 2) if memory else [fig.add_subplot()]
     series = [(axes[0], masked_ms, varlen_ms, "ms per call (fastest of several)")]
     if memory:
@@ -275,12 +275,13 @@ def measured_sweep(rs: Sequence[int], masked_ms: Sequence[float], varlen_ms: Seq
         ax.set_xlabel(f"number of requests R (each L = {length} tokens)", fontsize=MIN_FONT + 1)
         ax.set_ylabel(ylabel, fontsize=MIN_FONT + 1)
         ax.tick_params(labelsize=MIN_FONT)
-        ax.legend(fontsize=MIN_FONT, frameon=False)
+    # one legend for both panels, below them, so that no line runs through its text
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=MIN_FONT, frameon=False)
     axes[0].set_title("time: noisy on a shared machine", fontsize=MIN_FONT + 1)
     if memory:
         axes[1].set_title("memory: the same on every run", fontsize=MIN_FONT + 1)
     fig.suptitle(f"one attention call, 8 heads of 64, measured on {where}", fontsize=MIN_FONT + 1)
-    fig.subplots_adjust(left=0.09 if memory else 0.15, right=0.98, bottom=0.15, top=0.83, wspace=0.3)
+    fig.subplots_adjust(left=0.09 if memory else 0.15, right=0.98, bottom=0.29, top=0.86, wspace=0.3)
     return fig
 
 
@@ -408,7 +409,7 @@ def _attention_run(lens: list[int], causal: bool, seed: int, repeats: int) -> di
 
 def _kib(nbytes: int | None) -> str:
     if nbytes is None:
-        return "none stored (fused kernel)"
+        return "no full score matrix (fused kernel)"
     return f"{nbytes} B" if nbytes < 1024 else f"{nbytes / 1024:.1f} KiB"
 
 
@@ -493,7 +494,7 @@ def attention_run_figure(state: dict) -> Figure:
             ax.barh(i, useful, color=CELL_COLORS[USEFUL], label=CELL_LABELS[USEFUL])
             ax.barh(i, max(r["cells"] - useful, 0), left=useful, color=CELL_COLORS[WASTED], label=CELL_LABELS[WASTED])
         ax.text(r["cells"], i, f" {r['cells']}", va="center", fontsize=MIN_FONT)
-        stored = "no scores stored" if r["largest_bytes"] is None else f"stores {_kib(r['largest_bytes'])}"
+        stored = "no full score matrix" if r["largest_bytes"] is None else f"stores {_kib(r['largest_bytes'])}"
         ax.text(1.02, i, f"{stored}, {r['ms']:.2f} ms", va="center", fontsize=MIN_FONT,
                 transform=ax.get_yaxis_transform())
     ax.set_xlim(0, max(r["cells"] for r in rows) * 1.2)
@@ -584,6 +585,26 @@ def _engine_case(fn) -> tuple[float, float] | str:
     return max_abs_diff(got, ref64), tolerance(ref, ref64)
 
 
+def _reads_later_keys(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> int | None:
+    """The first request whose query 0 changes when the keys and values at positions 1.. of that same
+    request are replaced (a causal query 0 reads key 0 only), or None. Measured by running ``fn`` again."""
+    try:
+        base = _as_backend(fn, q, k, v, cu, max_seqlen)
+        bounds = cu.tolist()
+        for j, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if e - s < 2:
+                continue
+            k2, v2 = k.clone(), v.clone()
+            k2[s + 1:e], v2[s + 1:e] = k2[s + 1:e] + 1.0, v2[s + 1:e] + 1.0
+            got = _as_backend(fn, q, k2, v2, cu, max_seqlen)
+            if isinstance(got, Tensor) and isinstance(base, Tensor) and got.shape == base.shape and \
+                    not torch.allclose(got[s].double(), base[s].double(), atol=1e-5, rtol=0, equal_nan=True):
+                return j
+    except Exception:  # the answer is already wrong; this only refines the message
+        return None
+    return None
+
+
 def _as_backend(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> Tensor:
     """``fn`` called as the engine calls an attention backend (``flash_attn_varlen_func``'s contract),
     for causal self-attention: ``cu_seqlens_k = cu_seqlens_q``, scale ``1 / sqrt(D)``."""
@@ -660,6 +681,10 @@ def check_causal_varlen(fn: Callable) -> bool:
             return None
         if matches(got, attention_ref(q, k, v, cu, causal=False), 1e-5):
             return problem + " - no causal mask: query i of a request may only see keys 0..i of that request"
+        later = _reads_later_keys(fn, q, k, v, cu, m)
+        if later is not None:
+            return problem + (f" - causal mask missing: query 0 of request {later} reads later keys of its request "
+                              "(changing its keys 1.. changes its output). Mask keys j > i in every request")
         if matches(got, plain_attention(q, k, v, causal=True), 1e-5):
             return problem + " - queries read other requests' keys: each request needs its own rows only"
         if matches(got, attention_ref(q, k, v, cu, causal=True, softmax_scale=1.0), 1e-5):
