@@ -364,8 +364,9 @@ def flat_run_figure(state: dict) -> Figure:
     cross = state["crossover"]["waste_from"]
     if cross is not None:  # a request whose tokens reach this column wastes more in attention than in its pad rows
         top.axvline(cross, color=TEXT, linestyle="--", linewidth=1.2, gid="crossover")
-        top.text(cross, shown - 0.08, f" L ≥ {cross}: attention wastes more than the pad rows (S + L > 6 d) ", ha="left" if cross < s / 2 else "right", va="bottom", fontsize=MIN_FONT,
-                 color=TEXT, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1})
+        top.text(cross, shown - 0.08, f" L ≥ {cross}: attention wastes more than the pad rows (S + L > 6 d) ",
+                 ha="left" if cross < s / 2 else "right", va="bottom", fontsize=MIN_FONT, color=TEXT,
+                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1})
     wrong = {k: set(v) for k, v in state["differs"].items()}
     for i in sorted(wrong["padded"]):  # the whole row of a request that differs from itself alone
         if i < shown:
