@@ -538,3 +538,16 @@ def test_c5_rows_alone_bits_counts_and_its_lines():
     assert "first 10 rows alone, [10 x k]" in L.rows_alone_lines(rows)
     with pytest.raises(ValueError, match="m must be"):
         L.rows_alone_bits(lambda t: t, x, (41,))
+
+
+def test_module_reach_draws_test_2_row_by_row():
+    """The explorer's side panel: each row's max |alone - flat|, in units of the bound, from the state."""
+    s = L.module_reach_state("yours: divide by the batch size, t / T", [10, 30])
+    gap = s["alone_row_diff"]
+    assert gap.shape == (40,) and gap.max() == s["alone_max_diff"] and (gap > s["alone_bound"]).all()
+    bars = [p.get_width() for p in L.module_reach_figure(s).axes[1].patches]
+    assert len(bars) == 40 and np.allclose(bars, gap / s["alone_bound"])
+    s = L.module_reach_state("yours: cumsum over the tokens", [10, 30])   # A is the prefix: A alone = A flat
+    assert (s["alone_row_diff"][:10] == 0).all() and (s["alone_row_diff"][10:] > s["alone_bound"]).all()
+    s = L.module_reach_state("QKV linear (block.attn.qkv)", [10, 30])
+    assert (s["alone_row_diff"] <= s["alone_bound"]).all() and s["verdict"] == L.SAFE

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from ..core.attention import VarlenMetadata
 from ..core.batch import cumulative, pack
@@ -584,7 +585,8 @@ ALONE_RTOL = 1e-5  # alone vs in the batch: rounding allowed, relative to the la
 def alone_vs_batched(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_lens: Sequence[int]) -> dict:
     """Run each request's rows of ``x`` ALONE through ``fn(t, cu_seqlens)`` and compare with its rows
     of the flat run. Returns ``{"max_diff", "bound", "differ" (names of the requests whose rows differ
-    by more than the bound), "flat"}``; the bound allows float rounding only: ``ALONE_RTOL`` times the
+    by more than the bound), "flat", "row_diff" (float64 [T]: each row's max |alone - flat|)}``;
+    the bound allows float rounding only: ``ALONE_RTOL`` times the
     largest |number| of the flat output, with no absolute floor (a module whose outputs are all tiny
     gets a tiny bound; one whose outputs are all 0 must give 0 alone too)."""
     lens = check_lengths(seq_lens)
@@ -594,17 +596,19 @@ def alone_vs_batched(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_l
         got = list(flat.shape) if isinstance(flat, Tensor) else type(flat).__name__
         raise ValueError(f"the module must return one row per input row: {cu[-1]} rows in, got {got}")
     bound = ALONE_RTOL * float(flat.double().abs().max())
-    worst, differ = 0.0, []
+    worst, differ, row_diff = 0.0, [], np.zeros(cu[-1])
     for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
         alone = fn(x[s:e], [0, e - s])
         if not isinstance(alone, Tensor) or alone.shape != flat[s:e].shape:
             got = list(alone.shape) if isinstance(alone, Tensor) else type(alone).__name__
             raise ValueError(f"request {request_name(i)} alone ({e - s} rows) gave {got}, not {list(flat[s:e].shape)}")
-        d = float((alone.double() - flat[s:e].double()).abs().max())
+        gap = (alone.double() - flat[s:e].double()).abs().reshape(e - s, -1)
+        row_diff[s:e] = gap.amax(dim=1).numpy() if gap.shape[1] else 0.0
+        d = float(gap.max()) if gap.numel() else 0.0
         worst = max(worst, d)
         if not d <= bound:  # a NaN differs too
             differ.append(request_name(i))
-    return {"max_diff": worst, "bound": bound, "differ": differ, "flat": flat}
+    return {"max_diff": worst, "bound": bound, "differ": differ, "flat": flat, "row_diff": row_diff}
 
 
 def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> dict:
@@ -618,7 +622,8 @@ def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> d
 
     Returns ``{"module", "kind", "seq_lens", "cu_seqlens", "dep" (bool [T, T]), "pairs", "diagonal",
     "own_request", "other_requests", "reads", "reach_ok", "alone_max_diff", "alone_bound",
-    "alone_differ", "alone_ok", "verdict"}``: the verdict is ``SAFE`` only when both tests pass.
+    "alone_differ", "alone_row_diff" (each row's max |alone - flat|), "alone_ok",
+    "verdict"}``: the verdict is ``SAFE`` only when both tests pass.
     """
     modules = reach_modules()
     check_choice("module", module, tuple(modules))
@@ -659,7 +664,7 @@ def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> d
     return {"module": module, "kind": kind, "seq_lens": lens, "cu_seqlens": cu, "dep": dep, "pairs": int(dep.sum()),
             "diagonal": diag, "own_request": own, "other_requests": other, "reads": reads, "reach_ok": other == 0,
             "alone_max_diff": alone["max_diff"], "alone_bound": alone["bound"], "alone_differ": alone["differ"],
-            "alone_ok": alone_ok, "verdict": verdict}
+            "alone_row_diff": alone["row_diff"], "alone_ok": alone_ok, "verdict": verdict}
 
 
 def module_reach_text(state: dict) -> str:
@@ -675,12 +680,34 @@ def module_reach_text(state: dict) -> str:
 
 
 def module_reach_figure(state: dict) -> Figure:
-    """The measured who-reads-whom map of ``state``, request boundaries dashed, coloured by kind (legend);
-    the verdict is wrapped to the figure's width."""
+    """The measured who-reads-whom map of ``state``, request boundaries dashed, coloured by kind (legend),
+    and beside it, row by row, test 2: each row's max |alone - flat| against the bound (dashed); the verdict
+    is wrapped to the figure's width."""
     title = "\n".join(textwrap.wrap(state["module"], 44))  # a long name of the learner's own stays inside
     fig = dependency_maps({title: state["dep"]}, state["seq_lens"], colors={title: KIND_COLORS[state["kind"]]})
-    fig.set_size_inches(4.8, 5.0)
-    fig.subplots_adjust(left=0.15, right=0.96, bottom=0.17, top=0.72 if "\n" in title else 0.75)
+    fig.set_size_inches(6.6, 5.0)
+    top = 0.72 if "\n" in title else 0.75
+    fig.subplots_adjust(left=0.11, right=0.64, bottom=0.17, top=top)
+    ax_map = fig.axes[0]
+    ax = fig.add_axes((0.72, 0.17, 0.25, top - 0.17))
+    t, gap, bound = state["cu_seqlens"][-1], np.asarray(state["alone_row_diff"], dtype=float), state["alone_bound"]
+    # in units of the bound (a bound of 0, all outputs 0: any gap is infinitely many bounds, drawn at 2)
+    ratio = np.where(gap == 0, 0.0, gap / bound if bound > 0 else np.inf)
+    ratio = np.nan_to_num(ratio, nan=2.0, posinf=2.0)  # a NaN fails the test too: drawn past the bound
+    ax.barh(np.arange(t) + 0.5, ratio, height=1.0, color=KIND_COLORS[state["kind"]], edgecolor=TEXT, linewidth=0.3)
+    ax.axvline(1.0, color=TEXT, linewidth=0.9, linestyle="--")
+    for e in state["cu_seqlens"][1:-1]:
+        ax.axhline(e, color=TEXT, linewidth=0.8, linestyle="--")
+    ax.set_xlim(0, max(2.0, float(ratio.max()) * 1.1))
+    ax.set_ylim(t, 0)
+    ax.set_yticks(state["cu_seqlens"])
+    ax.set_yticklabels([])
+    ax.xaxis.set_major_locator(MaxNLocator(2))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.set_title("test 2, row by row:\n|alone - flat| / bound", fontsize=MIN_FONT + 1)
+    ax.set_xlabel("- - the bound (1)", fontsize=MIN_FONT)
+    ax_map.set_position(ax_map.get_position())
     alone = "alone = batched" if state["alone_ok"] else "alone != batched: " + ", ".join(state["alone_differ"])
     verdict = f"{state['verdict']}: {state['other_requests']} pairs across requests, {alone}"
     fig.suptitle("\n".join(textwrap.wrap(verdict, 46)), fontsize=MIN_FONT + 1, color=TEXT, fontweight="bold", y=0.98)
