@@ -242,15 +242,19 @@ def test_prefill_plan_records_a_scaled_down_copy_of_a_batch_too_big_to_run_here(
     s = L.prefill_plan_state("bimodal", 48, 8192, batch=0)          # a draft's batch: 25,000,000 cells and more
     lens = [s["seq_lens"][i] for i in s["batches"][0]]
     rec = table(s, "recorded")
-    for m in ("padded", "masked", "varlen"):
-        r, k = s["recorded"][m]
-        assert k > 1 and batch_stats(L.TINY, lens, m).cells_whole_computed > L.RECORD_LIMIT
-        scaled = [-(-n // k) for n in lens]                           # each length / k, rounded up
-        p = batch_stats(L.TINY, scaled, m)
-        assert p.cells_whole_computed <= L.RECORD_LIMIT < batch_stats(L.TINY, [-(-n // (k - 1)) for n in lens],
-                                                                       m).cells_whole_computed
+    ks = {m: s["recorded"][m][1] for m in ("padded", "masked", "varlen")}
+    k = ks["padded"]
+    assert set(ks.values()) == {k} and k > 1                        # one copy for all three: the rows compare
+    assert k == max(L.record_scale(lens, m) for m in ks)             # the method that needs the most shrinking
+    assert any(L.record_scale(lens, m) < k for m in ks)             # ...which one method alone would not need
+    scaled = [-(-n // k) for n in lens]                               # each length / k, rounded up
+    assert max(batch_stats(L.TINY, scaled, m).cells_whole_computed for m in ks) <= L.RECORD_LIMIT < max(
+        batch_stats(L.TINY, [-(-n // (k - 1)) for n in lens], m).cells_whole_computed for m in ks)
+    for m in ks:
+        r, p = s["recorded"][m][0], batch_stats(L.TINY, scaled, m)
         assert (r.rows, r.cells) == (p.executed_rows, p.cells_whole_computed)
         assert rec[m][1] == f"each / {k}, rounded up" and rec[m][6] == "= \u2713"
+    assert s["recorded"]["varlen"][0].rows == s["recorded"]["masked"][0].rows == sum(scaled)
     assert L.record_scale([10, 20], "padded") == 1
 
 

@@ -355,14 +355,15 @@ def record_scale(lens: Sequence[int], method: str) -> int:
 
 def record_one_batch(seq_lens: Sequence[int], ids: Sequence[int], max_num_batched_tokens: int) -> dict:
     """Batch ``ids`` of a stream of ``seq_lens`` run as one forward of ``Engine(TINY, method=m)`` for each method,
-    under ``OpRecorder``: ``{method: (BatchRecord, k)}``. ``k = record_scale(lengths, m)``: when the batch would
-    compute more than ``RECORD_LIMIT`` cells (too slow here), what runs is its copy with every length divided by
-    ``k``, rounded up (the same mix of lengths, the same layout; compare it with that copy's prediction)."""
+    under ``OpRecorder``: ``{method: (BatchRecord, k)}``. ``k`` is the largest ``record_scale(lengths, m)`` over
+    the methods, the same for all three: when the batch would compute more than ``RECORD_LIMIT`` cells under some
+    method (too slow here), every method runs the same copy, every length divided by ``k``, rounded up (the same
+    mix of lengths, the same layout; compare the rows with each other and with that copy's prediction)."""
     lens = [seq_lens[i] for i in ids]
+    k = max(record_scale(lens, m) for m in METHODS)
+    scaled = [-(-n // k) for n in lens]
     out = {}
     for m in METHODS:
-        k = record_scale(lens, m)
-        scaled = [-(-n // k) for n in lens]
         reqs = [Request(i, p) for i, p in zip(ids, make_requests(scaled, TINY.vocab_size, seed=PROMPT_SEED))]
         out[m] = (run_recorded(TINY, _tiny_weights(), m, [reqs], max(max_num_batched_tokens, sum(scaled)))[1][0], k)
     return out
@@ -492,7 +493,8 @@ def prefill_plan_readout(state: dict) -> dict:
         tables.append({"name": "recorded", "caption": f"batch {b} ({len(state['batches'][b])} requests, "
                        f"{state['stats']['varlen'][b].num_tokens} tokens) as EXECUTED: one forward per backend "
                        "under OpRecorder (Engine(L.TINY)), beside batch_stats' prediction for the lengths run "
-                       f"(a batch over {RECORD_LIMIT:,} cells runs scaled down)",
+                       f"(a batch over {RECORD_LIMIT:,} cells under any backend runs as one scaled-down copy, "
+                       "the same for all three)",
                        "header": ["backend", "lengths run", "rows recorded", "rows predicted", "cells recorded",
                                   "cells predicted", "recorded vs predicted", "score matrix sides"], "rows": rec_rows})
     notes = [f"refused (longer than the budget, S3): {len(rej)}"
@@ -858,16 +860,18 @@ def _bucket_problem(batches, arrivals, budget, max_seqs) -> str | None:
     worst = max(over, key=over.get)
     if over[worst] > MAX_PASSED_OVER:
         return (f"request {worst} ({lens[worst]} tokens) waited while {over[worst]} batches served requests that arrived "
-                f"after it (the bound is MAX_PASSED_OVER = {MAX_PASSED_OVER}): grouping by length starves it - count how "
-                "often each waiting request is passed over, and once a request reaches the bound put it in the next batch")
+                f"after it (the bound is MAX_PASSED_OVER = {MAX_PASSED_OVER}): grouping by length starves it - what would "
+                "your scheduler have to remember about each waiting request to see that it has been passed over too often, "
+                "and what must it then do with that request?")
     if len(arrivals) == 1:
         fcfs = plan_batches(lens, budget, max_seqs)
         mine, base = (schedule_measures(lens, b, budget, max_seqs)["pad_rows"] for b in (batches, fcfs))
         if mine >= base:
             if [list(b) for b in batches] == fcfs:
-                return "these are FCFS's batches: group waiting requests of similar length (look past the head of the queue)"
-            return (f"valid and fair, but {mine:,} pad rows where FCFS pads {base:,}: a batch should hold requests of "
-                    "similar length - sort the waiting requests by length before you fill the batch")
+                return ("these are FCFS's batches: which waiting requests, not only those at the head, could share "
+                        "a batch without padding each other?")
+            return (f"valid and fair, but {mine:,} pad rows where FCFS pads {base:,}: which waiting "
+                    "requests pad each other least when they share a batch?")
     return None
 
 
