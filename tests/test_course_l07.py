@@ -431,3 +431,14 @@ def test_a_grade_gives_partial_credit_with_the_explanation(capsys):
     points = score(L.check_tiles, lambda lens, h, s: 16, points=2)
     out = capsys.readouterr().out
     assert 0 < points < 2 and "re-reads" in out
+
+
+def test_the_loop_dispatches_nine_ops_per_causal_request_five_without_the_mask():
+    # lesson 03's loop, views left out: what K1 and the figure count as its launches, one request at a time
+    assert L.loop_ops_per_request() == ["bmm", "mul", "ones", "tril", "bitwise_not", "masked_fill_", "_softmax", "bmm",
+                                        "copy_"]
+    assert L.loop_ops_per_request(causal=False) == ["bmm", "mul", "_softmax", "bmm", "copy_"]
+    lens = [1 + (7 * i + 5) % 13 for i in range(50)]
+    assert len(L.loop_ops(lens)) == len(L.loop_ops(lens[:1])) + 49 * 9
+    assert L.is_view_op("transpose") and L.is_view_op("slice") and L.is_view_op("_unsafe_view")
+    assert not any(L.is_view_op(n) for n in ("bmm", "masked_fill_", "copy_", "_softmax"))
