@@ -356,3 +356,15 @@ def test_c3_figures_say_what_their_ticks_mark():
     assert "thin grey lines separate the tokens" in flat.get_xlabel() and "numbered ticks are cu_seqlens" in flat.get_xlabel()
     assert "thin grey" not in L.padded_vs_flat([50, 40]).axes[1].get_xlabel()  # no token lines drawn beyond 80 rows
     assert "cu_seqlens = [0, 10, 40]" in L.flat_positions([10, 30]).axes[0].get_xlabel()
+
+
+def test_c2_waste_crossover_figure_marks_s_plus_l_past_6d():
+    c = ModelConfig(n_layers=2, vocab_size=1000, max_position=64)
+    for n in (10, 1100):
+        w = L.waste_vs_padded_length(c, n, 4000)
+        i = w["S"].index(w["from_S"])
+        assert w["attention"][i] > w["linear"][i] and w["attention"][i - 1] <= w["linear"][i - 1]
+        assert w["from_S"] + n == 6 * c.d_model + 1, (n, w["from_S"])
+    assert L.waste_vs_padded_length(c, 10, 2000)["from_S"] is None
+    fig = L.waste_crossover_figure(c)
+    assert {p.get_gid() for ax in fig.axes for p in ax.get_lines()} >= {"from-S-10", "from-S-1100"}

@@ -1,10 +1,12 @@
 """What lesson 01 (padding vs one flat batch) draws, explores and checks.
 
 Figures: ``01_padded_vs_flat`` (the padded grid above the flat strip, and what padding costs in
-attention score cells) and ``01_token_strip`` (the flat batch's positions, restarting at every
-``cu_seqlens`` boundary). The explorer ``flat_batch_explorer`` wraps ``flat_run_state``: it packs and
-pads the learner's requests, runs the real model both ways under ``OpRecorder`` and compares every
-request with the request run alone (the figure outlines those that differ). Exercise checkers:
+attention score cells), ``01_token_strip`` (the flat batch's positions, restarting at every
+``cu_seqlens`` boundary) and ``01_waste_crossover`` (what padding one request wastes per layer, pad
+rows against attention, as the padded length grows: attention wins once S + L > 6 d). The explorer
+``flat_batch_explorer`` wraps ``flat_run_state``: it packs and pads the learner's requests, runs the
+real model both ways under ``OpRecorder`` and compares every request with the request run alone (the
+figure outlines those that differ). Exercise checkers:
 ``check_wrong_requests`` (a packer with a boundary off by one: which requests go wrong),
 ``check_grouping`` (group requests to pad least), ``check_unpad_ids`` (a padded batch, left or right,
 turned into a flat batch the engine runs).
@@ -28,7 +30,7 @@ from ..core.model import Transformer
 from ..measure.flops import attention_cells, executed_tokens, flops_of, forward_flops, linear_flops_per_token
 from ..measure.recorder import OpRecorder
 from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
-from ..style import ATTENTION, MIN_FONT, TEXT, WASTE, cu_ticks, draw_strip, request_color, request_name
+from ..style import ATTENTION, LINEAR, MIN_FONT, TEXT, WASTE, cu_ticks, draw_strip, request_color, request_name
 from ..validate import check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
@@ -265,6 +267,45 @@ def waste_crossover(cfg: ModelConfig, pad_to: int, causal: bool = False) -> int 
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if attention_wins(mid) else (mid, hi)
     return hi
+
+
+def waste_vs_padded_length(cfg: ModelConfig, n: int, longest: int) -> dict:
+    """What padding one request of ``n`` tokens wastes per layer, for every padded length S = n+1 ..
+    ``longest`` (``padding_waste``): ``S``, ``linear`` and ``attention`` (lists, FLOPs per layer), and
+    ``from_S``: the shortest S at which attention wastes more than the pad rows (None if none does)."""
+    sizes = list(range(n + 1, longest + 1))
+    waste = [padding_waste(cfg, s, n) for s in sizes]
+    lin = [w["linear"] // cfg.n_layers for w in waste]
+    att = [w["attention"] // cfg.n_layers for w in waste]
+    from_s = next((s for s, a, b in zip(sizes, att, lin) if a > b), None)
+    return {"S": sizes, "linear": lin, "attention": att, "from_S": from_s}
+
+
+def waste_crossover_figure(cfg: ModelConfig, lens: Sequence[int] = (10, 1100), longest: int = 4000) -> Figure:
+    """Per layer, what padding a request of L tokens to S wastes in its pad rows (linear layers) and in
+    attention (whole blocks), against S, one panel per L; a dashed line where attention starts to win
+    (``waste_vs_padded_length``: at S + L = 6 d + 1)."""
+    fig = Figure(figsize=(9, 3.4))
+    axes = fig.subplots(1, len(lens), sharey=True)
+    for ax, n in zip(axes, lens):
+        w = waste_vs_padded_length(cfg, n, longest)
+        ax.plot(w["S"], [x / 1e9 for x in w["linear"]], color=LINEAR, linewidth=2, label="pad rows through the linear layers")
+        ax.plot(w["S"], [x / 1e9 for x in w["attention"]], color=ATTENTION, linewidth=2, label="attention (whole blocks)")
+        if w["from_S"] is not None:
+            ax.axvline(w["from_S"], color=TEXT, linestyle="--", linewidth=1.2, gid=f"from-S-{n}")
+            right = w["from_S"] > longest * 0.6
+            label = f"S = {w['from_S']:,}\nS + L = {w['from_S'] + n:,}"
+            ax.text(w["from_S"] + (-0.01 if right else 0.01) * longest, ax.get_ylim()[1] * 0.92, label,
+                    ha="right" if right else "left", va="top", fontsize=MIN_FONT, color=TEXT)
+        ax.set_title(f"a request of L = {n:,} tokens padded to S", fontsize=MIN_FONT + 1)
+        ax.set_xlabel("padded length S (tokens)", fontsize=MIN_FONT)
+        ax.tick_params(labelsize=MIN_FONT)
+    axes[0].set_ylabel("wasted GFLOP per layer", fontsize=MIN_FONT)
+    axes[0].legend(fontsize=MIN_FONT, loc="center left", bbox_to_anchor=(0.0, 0.6), frameon=False)
+    fig.suptitle(f"d_model = {cfg.d_model}: attention's waste passes the pad rows' where S + L > 6 d = "
+                 f"{6 * cfg.d_model:,} (dashed)", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.16, top=0.8, wspace=0.08)
+    return fig
 
 
 def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str = "right") -> dict:
@@ -805,3 +846,10 @@ def _padded_vs_flat() -> Figure:
           caption="the flat batch's positions restart at every cu_seqlens boundary [0, 10, 40]; max_seqlen = 30 (C3)")
 def _token_strip() -> Figure:
     return flat_positions(ARTICLE_LENS)
+
+
+@register("01_waste_crossover", lesson="01",
+          caption="d = 512, per layer: padding L = 10 or 1,100 tokens to S wastes more in attention than in the pad "
+                  "rows once S + L > 6 d = 3,072 (C2)")
+def _waste_crossover() -> Figure:
+    return waste_crossover_figure(ModelConfig(n_layers=2, vocab_size=1000, max_position=64))
