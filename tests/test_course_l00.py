@@ -76,6 +76,10 @@ def test_c1_alpha_beta_model_figure_draws_both_terms_and_each_dtypes_crossover()
     assert list(lines["latency"].get_ydata()) == pytest.approx([2 * alpha * 1e6] * len(ns))  # 2(p-1) alpha, p = 2
     for dt, item in (("float32", 4), ("bfloat16", 2)):
         assert list(lines[f"bandwidth-{dt}"].get_ydata()) == pytest.approx([n * 512 * item / beta * 1e6 for n in ns])
+    for dt in ("float32", "bfloat16"):  # each dtype's total: the same latency plus its own bandwidth term
+        total = [a + b for a, b in zip(lines["latency"].get_ydata(), lines[f"bandwidth-{dt}"].get_ydata())]
+        assert list(lines[f"total-{dt}"].get_ydata()) == pytest.approx(total)
+        assert lines[f"total-{dt}"].get_color() == L.COMM and lines[f"crossover-{dt}"].get_color() == L.TEXT
     star32 = lines["crossover-float32"].get_xdata()[0]
     star16 = lines["crossover-bfloat16"].get_xdata()[0]
     assert star32 == pytest.approx(2 * alpha * beta / (512 * 4)) and star16 == pytest.approx(2 * star32)
@@ -92,6 +96,14 @@ def test_course_map_minutes_are_the_lessons_own():
         minutes = [int(m) for m in re.findall(r"[Aa]bout (\d+) minutes", head)]
         stated[path.name[:2]] = minutes[-1] if minutes else None
     assert {num: minutes for num, *_, minutes in L.LESSONS} == stated
+
+
+def test_course_total_time_in_lesson_00_is_the_maps_sum():
+    """Lesson 00 says 'the whole course about 7½ hours': the map's minutes add up to that, to a quarter hour."""
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "00_setup_one_request.ipynb"
+    head = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells[:3])
+    assert "the whole course about 7½ hours" in head
+    assert abs(sum(minutes for *_, minutes in L.LESSONS) / 60 - 7.5) <= 0.25
 
 
 # ---- the alpha-beta model of the all-reduces and its explorer ---------------------------------------
@@ -336,6 +348,8 @@ def test_c1_packing_factor_checker(capsys):
     assert "upside down" in upside
     assert "no all-reduce" in attempt(L.check_packing_factor, lambda f, n, k, t, p: _factor(f, n, k, t, max(p, 2)))
     assert "must be a positive number" in attempt(L.check_packing_factor, lambda f, n, k, t, p: -1.0)
+    naive = attempt(L.check_packing_factor, lambda f, n, k, t, p: None if p == 1 else t / L.packing_saving(f, n, k, p))
+    assert "depends only on u" in naive and "not like the saving itself" in naive  # a diagnosis, not only a number
     capsys.readouterr()
     earned = score(L.check_packing_factor, lambda f, n, k, t, p: _factor(f, n, k, t, p, p_used=2), points=7)
     assert 0 < earned < 7
@@ -346,6 +360,14 @@ def test_time_forward_is_a_positive_time(tiny_cfg):
     assert L.time_forward(model, pack([torch.arange(5)]), repeats=2) > 0
     with pytest.raises(ValueError):
         L.time_forward(model, pack([torch.arange(5)]), repeats=0)
+
+
+def test_time_forward_runs_on_the_threads_asked_and_restores_them(tiny_cfg, monkeypatch):
+    model, seen, before = Transformer(tiny_cfg, seed=0), [], torch.get_num_threads()
+    monkeypatch.setattr(L, "time_call", lambda fn, **kw: (seen.append(torch.get_num_threads()), 1.0)[1])
+    assert L.time_forward(model, pack([torch.arange(5)]), threads=1) == 1.0
+    assert seen == [1] and torch.get_num_threads() == before
+    assert L.rank_threads(1) >= L.rank_threads(2) >= 1
 
 
 class _FakeBench:
@@ -373,3 +395,15 @@ def test_all_reduce_bench_refuses_bad_sizes_before_spawning():
     with pytest.raises(ValueError, match="distinct"):
         bench.measure([4, 4])
     assert bench.pool is None  # nothing was spawned
+
+
+def test_every_engine_source_lesson_00_promises_is_displayed():
+    """show_source returns a Markdown object: only a cell's last expression is shown, so any other is display()ed."""
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "00_setup_one_request.ipynb"
+    for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        if cell.cell_type != "code":
+            continue
+        lines = cell.source.strip().splitlines()
+        for j, line in enumerate(lines):
+            if line.startswith("show_source(") and j != len(lines) - 1:
+                pytest.fail(f"cell {i}: {line!r} is not the cell's last expression: wrap it in display()")

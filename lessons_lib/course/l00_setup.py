@@ -372,8 +372,9 @@ def alpha_beta_model(fit: AlphaBeta | None = None, d_model: int = 512, world_siz
 
     The latency term ``2(p-1)·alpha`` (dashed, gid ``latency``), the bandwidth term ``2(p-1)/p · S/beta`` in
     float32 (dotted, gid ``bandwidth-float32``) and bfloat16 (dash-dot, gid ``bandwidth-bfloat16``), the
-    float32 total (purple, gid ``total-float32``), and each dtype's crossover N* (``crossover_tokens``,
-    vertical lines, gids ``crossover-float32`` / ``crossover-bfloat16``).
+    float32 total (purple, gid ``total-float32``), the bfloat16 total (purple dash-dot, gid ``total-bfloat16``),
+    and each dtype's crossover N* (``crossover_tokens``, vertical ink lines, gids ``crossover-float32`` /
+    ``crossover-bfloat16``).
     """
     fit = fit or AlphaBeta(NVLINK["alpha_s"], NVLINK["beta"], NETWORK_NAMES["nvlink"])
     p = _ring_size(world_size)
@@ -390,16 +391,19 @@ def alpha_beta_model(fit: AlphaBeta | None = None, d_model: int = 512, world_siz
     for dt, style, width in (("float32", ":", 1.8), ("bfloat16", "-.", 1.4)):
         ax.plot(ns, [1e6 * t[1] for t in terms[dt]], style, color=TEXT, linewidth=width, gid=f"bandwidth-{dt}",
                 label=f"bandwidth term 2(p-1)/p S/beta, {dt} (S = N x {d_model} x {getattr(torch, dt).itemsize} B)")
+    ax.plot(ns, [1e6 * sum(t) for t in terms["bfloat16"]], "-.", color=COMM, linewidth=1.8, gid="total-bfloat16",
+            label="model total, bfloat16: the same latency, half the bandwidth term")
     for dt, y in (("float32", 0.06), ("bfloat16", 0.012)):
         star = crossover_tokens(fit, d_model, getattr(torch, dt).itemsize, p)
-        ax.axvline(star, color=COMM, linestyle="-" if dt == "float32" else "--", linewidth=1, gid=f"crossover-{dt}")
+        ax.axvline(star, color=TEXT, linestyle=(0, (1, 3)) if dt == "float32" else (0, (4, 2, 1, 2)), linewidth=1,
+                   gid=f"crossover-{dt}")
         ax.text(star * 1.1, lat[0] * y, f"N* = {star:,.0f} tokens\n({dt})", fontsize=MIN_FONT, color=TEXT, va="center",
                 bbox={"facecolor": NEVER, "edgecolor": "none", "pad": 1})
     ax.text(1.3, lat[0] * 1.35, "left of N*: latency-dominated; right of it: bandwidth-dominated", fontsize=MIN_FONT,
             color=TEXT)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_ylim(1e-3 * lat[0], 50 * lat[0])
+    ax.set_ylim(1e-3 * lat[0], 400 * lat[0])  # room for the legend above the curves
     ax.set_xlabel(f"tokens N in the forward (payload [N x {d_model}] on each rank)")
     ax.set_ylabel("us for ONE all-reduce (model)")
     ax.tick_params(labelsize=MIN_FONT)
@@ -836,12 +840,26 @@ def follow_request(model: Transformer, run: Callable[[], object]) -> tuple[list,
     return calls, block_out, result
 
 
-def time_forward(model: Transformer, batch, repeats: int = 3, warmup: int = 1) -> float:
+def time_forward(model: Transformer, batch, repeats: int = 3, warmup: int = 1, threads: int | None = None) -> float:
     """Seconds of the fastest of ``repeats`` forwards of ``model`` on ``batch`` after ``warmup`` untimed ones
-    (no gradients): a wall-clock time to show, never to assert."""
+    (no gradients): a wall-clock time to show, never to assert. ``threads``: run on that many torch threads
+    (``torch.set_num_threads``), restored afterwards; None keeps this process's setting."""
     repeats, warmup = check_int("repeats", repeats, 1), check_int("warmup", warmup, 0)
-    with torch.no_grad():
-        return time_call(lambda: model(batch), repeats=repeats, warmup=warmup, device=model.device)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(check_int("threads", threads, 1))
+    try:
+        with torch.no_grad():
+            return time_call(lambda: model(batch), repeats=repeats, warmup=warmup, device=model.device)
+    finally:
+        torch.set_num_threads(before)
+
+
+def rank_threads(world_size: int = 2) -> int:
+    """The torch threads each CPU rank of a ``TPRuntime`` of ``world_size`` ranks runs on: this machine's
+    cores divided among the ranks (at least one), the number ``WorkerPool`` gives every worker."""
+    from ..tp.workers import _threads_per_worker
+    return _threads_per_worker(check_int("world_size", world_size, 1))
 
 
 def backend_rows(device, dtype: torch.dtype, head_dim: int | None = None) -> list[tuple[str, str, str]]:
@@ -1058,6 +1076,10 @@ def _packing_hint(got: float, fit: AlphaBeta, n: int, k: int, target: float, p: 
         if np.isclose(got, value, rtol=1e-6):
             lines.append(hint)
             break
+    else:  # no known slip: say what the factor did to the one number the saving depends on
+        lines.append(f"the saving k (1 + u) / (1 + k u) depends only on u, one request's bytes term over its latency "
+                     f"term (here k = {k}); your factor moves u from {u:.4g} to {u / got:.4g}, and {target:g}x needs "
+                     f"u = {want_u:.4g}; u scales like 1 / alpha and like 1 / beta, not like the saving itself")
     return "; ".join(lines)
 
 
