@@ -18,7 +18,7 @@ from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.model import Transformer
 from lessons_lib.course import l05_flops as L
 from lessons_lib.course.grading import score
-from lessons_lib.measure.flops import attention_cells, forward_flops
+from lessons_lib.measure.flops import attention_cells, forward_flops, linear_intensity
 from lessons_lib.style import ATTENTION, LINEAR, MIN_FONT, OTHER, TEXT
 
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128)
@@ -306,6 +306,24 @@ def test_throughput_sweep_restores_threads_and_figure_labels_each_t():
     assert [t.get_text() for t in ax.texts] == ["5", "20", "40"] and min_font(fig) >= MIN_FONT
     with pytest.raises(ValueError, match="one throughput per T"):
         L.throughput_figure([1, 2], [1.0], "x", "y")
+
+
+def test_throughput_roof_is_the_roofline_and_the_verdict_follows_the_numbers():
+    peak, bw = 100e9, 10e9
+    roof = L.throughput_roof([1, 24, 4096], 512, 2048, peak, bw)
+    assert roof[0] == pytest.approx(linear_intensity(1, 512, 2048, 4) * bw / 1e9) and roof[0] < 5  # memory roof
+    assert roof[-1] == 100.0                                                                       # the flat peak
+    # a sweep that beats the peak and sits above the memory roof at T = 1: both said, with the numbers
+    said = L.sweep_verdict([1, 24, 4096], [14.0, 90.0, 190.0], roof, peak, 4)
+    assert "beats the measured peak (100) by 1.9x" in said[0] and "T = 1:" in said[1] and "4 MiB" in said[1]
+    # a sweep under its roof everywhere: neither is claimed
+    said = L.sweep_verdict([1, 24, 4096], [r * 0.9 for r in roof], roof, peak, 4)
+    assert said == ["no point beats the measured peak (100 GFLOP/s; best 90)", "no point lies above the memory roof"]
+    fig = L.throughput_figure([1, 24, 4096], [14.0, 90.0, 190.0], "FFN-up", "cpu", ([1, 24, 4096], roof))
+    assert len(fig.axes[0].lines) == 2 and "roofline" in fig.axes[0].get_legend().get_texts()[0].get_text()
+    assert fig.axes[0].get_ylim()[1] >= 190 and min_font(fig) >= MIN_FONT
+    with pytest.raises(ValueError, match="one roof value per T"):
+        L.sweep_verdict([1, 2], [1.0, 2.0], [1.0], peak, 4)
 
 
 def test_attention_share_curve_crosses_half_at_the_crossover():

@@ -233,7 +233,7 @@ def attention_share_curve(cfg: ModelConfig | None = None, lengths: Sequence[int]
     ax = fig.add_subplot()
     for causal, style in ((False, "-"), (True, "--")):
         share = [100 * forward_flops(cfg, [n], "varlen", causal).attention_fraction for n in lengths]
-        ax.plot(lengths, share, style, color=ATTENTION, label="causal (useful cells: what a causal kernel computes)" if causal
+        ax.plot(lengths, share, style, color=ATTENTION, label="causal (useful cells only)" if causal
                 else "whole blocks (the article's count)")
         cross = crossover_length(cfg, causal)
         ax.axvline(cross, color=TEXT, linestyle=style, linewidth=1)
@@ -425,13 +425,54 @@ def throughput_sweep(tokens: Sequence[int], d_in: int = 512, d_out: int = 2048, 
         torch.set_num_threads(before)
 
 
-def throughput_figure(tokens: Sequence[int], gflops: Sequence[float], label: str, where: str) -> Figure:
+def throughput_roof(tokens: Sequence[int], d_in: int, d_out: int, peak: float, bytes_per_s: float,
+                    nbytes: int = 4) -> list[float]:
+    """The roofline's GFLOP/s for ``[T, d_in] @ [d_in, d_out]`` at each T: ``min(peak, intensity x
+    bandwidth)``, the intensity from ``measure.flops.linear_intensity`` (the weight and the T rows
+    moved once from memory, no reuse across calls)."""
+    from ..measure.flops import linear_intensity
+    return [min(peak, linear_intensity(check_int("tokens", t, 1), d_in, d_out, nbytes) * bytes_per_s) / 1e9
+            for t in tokens]
+
+
+def sweep_verdict(tokens: Sequence[int], gflops: Sequence[float], roof: Sequence[float], peak: float,
+                  weight_mib: float) -> list[str]:
+    """Sentences on how a measured sweep (GFLOP/s) sits against its roofline (``throughput_roof``),
+    computed from the numbers: whether its best point beats the measured peak (then that peak, and
+    the ridge from it, are lower bounds), and which points lie above the memory roof (a weight the
+    repeated calls keep in the caches)."""
+    if not (len(tokens) == len(gflops) == len(roof)) or not tokens:
+        raise ValueError("need one throughput and one roof value per T")
+    out = []
+    best, top = max(gflops), peak / 1e9
+    if best > 1.05 * top:
+        out.append(f"the sweep's best ({best:.0f} GFLOP/s) beats the measured peak ({top:.0f}) by {best / top:.1f}x: "
+                   "that peak is a lower bound on this run, and so are the ridge and the T printed above")
+    else:
+        out.append(f"no point beats the measured peak ({top:.0f} GFLOP/s; best {best:.0f})")
+    above = [t for t, g, r in zip(tokens, gflops, roof) if r < top and g > 1.05 * r]
+    if above:
+        out.append(f"above the memory roof at T = {', '.join(map(str, above))}: the roof reads the {weight_mib:g} MiB "
+                   "weight from memory on every call, but the repeated calls find it in the CPU's caches")
+    else:
+        out.append("no point lies above the memory roof")
+    return out
+
+
+def throughput_figure(tokens: Sequence[int], gflops: Sequence[float], label: str, where: str,
+                      roof: tuple[Sequence[int], Sequence[float]] | None = None) -> Figure:
     """Measured GFLOP/s against the rows T (log x with a tick at each measured T, linear y), one
-    line in the linear layers' green, each point labelled with its value."""
+    line in the linear layers' green, each point labelled with its value; with ``roof`` = (T values,
+    GFLOP/s at each: ``throughput_roof`` over a fine grid of T) the roofline, dashed in the text colour."""
     if len(tokens) != len(gflops) or not tokens:
         raise ValueError(f"need one throughput per T: {len(tokens)} T, {len(gflops)} values")
+    if roof is not None and len(roof[0]) != len(roof[1]):
+        raise ValueError(f"roof: need one value per T: {len(roof[0])} T, {len(roof[1])} values")
     fig = Figure(figsize=(7, 3.4))
     ax = fig.add_subplot()
+    if roof is not None:
+        ax.plot(list(roof[0]), list(roof[1]), "--", color=TEXT, linewidth=1.2,
+                label="roofline: min(measured peak, intensity x copy bandwidth)")
     ax.plot(list(tokens), list(gflops), "o-", color=LINEAR, label=label)
     for t, g in zip(tokens, gflops):
         ax.annotate(f"{g:.0f}", (t, g), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=MIN_FONT,
@@ -440,7 +481,7 @@ def throughput_figure(tokens: Sequence[int], gflops: Sequence[float], label: str
     ax.set_xticks(list(tokens))
     ax.set_xticklabels([str(t) for t in tokens])
     ax.minorticks_off()
-    ax.set_ylim(0, max(gflops) * 1.25 or 1.0)
+    ax.set_ylim(0, max(list(gflops) + list(roof[1] if roof is not None else [])) * 1.35 or 1.0)
     ax.set_xlabel("rows T (flat tokens through one weight read)", fontsize=MIN_FONT + 1)
     ax.set_ylabel("GFLOP/s", fontsize=MIN_FONT + 1)
     ax.tick_params(labelsize=MIN_FONT)
@@ -523,8 +564,8 @@ def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv
                    nbytes: int = BF16, machine=H200, total: int = 1000, requests: int = 10,
                    lengths: Sequence[int] | str = "700, 200, 100", here: dict | None = None) -> dict:
     """Each packing's linear and attention FLOPs (``measure.flops.forward_flops``, causal: the useful cells,
-    what a causal kernel computes), bytes (``forward_bytes``), intensity and roofline time (``roofline_seconds``) on
-    ``machine`` = (name, FLOP/s, bytes/s); d_head = d_model / n_heads. Packings: ``1 x T``,
+    a lower bound on what a tiled causal kernel computes), bytes (``forward_bytes``), intensity and roofline
+    time (``roofline_seconds``) on ``machine`` = (name, FLOP/s, bytes/s); d_head = d_model / n_heads. Packings: ``1 x T``,
     ``R x T/R`` (as equal as whole tokens allow) and the ``lengths`` typed. ``here``
     (``measure_here``'s): its measured forward beside the roofline's time for it on ``here``'s machine.
     Keys: ``cfg``, ``n_kv_heads``, ``nbytes``, ``machine``, ``ridge``, ``rows`` (per packing
@@ -840,7 +881,7 @@ def check_crossover(fn: Callable[[ModelConfig, bool], int]) -> bool:
             return (f"got {got}, expected {want} - 6 x d_model holds only when k = n_heads x d_head = d_model and d_ffn = "
                     f"4 x d_model; here k = {k}, d_ffn = {f}: start from linear_flops_per_token")
         if causal and got == crossover_length(cfg, False):
-            return f"got {got}, expected {want} - a causal kernel computes about half the cells: the crossover roughly doubles"
+            return f"got {got}, expected {want} - causal counts about half the cells: the crossover roughly doubles"
         if not causal and got == crossover_length(cfg, True):
             return f"got {got}, expected {want} - that is the causal answer; causal=False counts whole L x L blocks"
         lin = linear_flops_per_token(cfg) // cfg.n_layers             # per token per layer
@@ -903,8 +944,8 @@ def decode_parts_table(cfg: ModelConfig, kv_lens: Sequence[int], requests: Seque
         for r in requests:
             p = decode_step_parts(cfg, r, n, machine=machine)
             lin, att = p["linear"], p["attention"]
-            out.append(f"{n:5d} cached, R = {r:5d}: linear {lin['seconds'] * 1e6:8.2f} us ({lin['bound']}, "
-                       f"{lin['intensity']:5.1f} FLOP/B) | attention {att['seconds'] * 1e6:8.2f} us ({att['bound']}, "
+            out.append(f"{n:5d} cached, R = {r:5d}: linear {lin['seconds'] * 1e6:9.4g} us ({lin['bound']}, "
+                       f"{lin['intensity']:5.1f} FLOP/B) | attention {att['seconds'] * 1e6:9.4g} us ({att['bound']}, "
                        f"{att['intensity']:.2f} FLOP/B) | longer: {p['longer']}")
     return out
 
