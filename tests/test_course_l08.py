@@ -162,7 +162,11 @@ def test_chunked_plan_state_is_the_engine_s_run():
     assert s["chunked"]["timeline"] == L.planned_timeline(s["seq_lens"], 512, True)
     assert s["whole_budget"] == 2048 and s["whole"]["max_forward"] == 2047
     assert s["chunked"]["max_forward"] <= 512 and s["chunked"]["kv_cache_peak_bytes"] > 0
-    assert s["chunked"]["cells_causal"] == s["whole"]["cells_causal"]
+    assert s["chunked"]["cells_causal"] == s["whole"]["cells_causal"] == s["chunked"]["cells_causal_masks"]
+    top_left = L.chunked_plan_state("long-tail", 24, 512, bug="causal top-left")   # the masks drop, the schedule not
+    assert top_left["chunked"]["cells_causal"] == s["chunked"]["cells_causal"]
+    assert top_left["chunked"]["cells_causal_masks"] < s["chunked"]["cells_causal_masks"]
+    assert f"bug on): {top_left['chunked']['cells_causal_masks']:,}" in L.chunked_plan_html(top_left)
     other = L.chunked_plan_state("long-tail", 24, 256)
     assert len(other["chunked"]["timeline"]) > len(s["chunked"]["timeline"])
     with pytest.raises(ValueError, match="workload"):

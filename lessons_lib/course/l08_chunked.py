@@ -928,7 +928,10 @@ def chunked_plan_state(workload: str = "long-tail", num_requests: int = 16, max_
     ``timeline`` (the engine's forwards, ``(request, num_tokens)`` each), ``waits`` (``request_waits``),
     ``mean_behind`` (forwards, tokens), ``max_forward`` (tokens), ``cells_whole`` and ``cells_causal`` (score cells
     per head per layer, the engine's ``BatchStats``), ``cached_tokens`` (K, V rows read back from the cache, per
-    layer per head), ``kv_cache_peak_bytes`` (the engine's) and ``forward_ms`` (each forward's measured wall time).
+    layer per head), ``kv_cache_peak_bytes`` (the engine's) and ``forward_ms`` (each forward's measured wall time);
+    the chunked run also ``cells_causal_masks``: the causal cells its chunks' masks keep, each mask built by the
+    engine's own mask function while ``bug`` is still on (``causal_cells_from_masks``), so a mask bug shows here
+    while ``cells_causal``, the schedule's count, does not move.
     """
     if workload not in l06_engine.WORKLOAD_PRESETS:
         raise ValueError(f"workload must be one of {tuple(l06_engine.WORKLOAD_PRESETS)}, got {workload!r}")
@@ -942,9 +945,11 @@ def chunked_plan_state(workload: str = "long-tail", num_requests: int = 16, max_
     with contextlib.nullcontext() if bug == "none" else broken(bug):
         run = serve(prompts, budget, True, EXPLORE_RUN_CFG, _explore_weights(), max_num_seqs=max_num_seqs,
                     compute_logits=False)
+        masks_causal = causal_cells_from_masks(run["stats"])  # the engine's mask function, the bug still on
     state = {"workload": workload, "seq_lens": lens, "longest": longest, "behind": after, "bug": bug,
              "max_num_batched_tokens": budget, "whole_budget": whole_budget,
              "chunked": _run_summary(run, budget, after), "whole": _run_summary(whole["whole"], whole_budget, after)}
+    state["chunked"]["cells_causal_masks"] = masks_causal
     cut = sorted(i for i in range(n) if sum(i == j for fwd in state["chunked"]["timeline"] for j, _ in fwd) > 1)
     state["chunks"] = {i: sum(i == j for fwd in state["chunked"]["timeline"] for j, _ in fwd) for i in cut}
     state["errors"] = {i: error_and_bound(*(r["outputs"][i].last_hidden for r in (run, whole["whole"], whole["truth"])))
@@ -965,7 +970,10 @@ def chunked_plan_html(state: dict) -> str:
                      f"tokens | the {len(state['behind'])} requests behind the longest wait {f:.1f} forwards, "
                      f"{t:,.0f} tokens on average | score cells {r['cells_whole']:,} (whole blocks), "
                      f"{r['cells_causal']:,} causal | cache read {r['cached_tokens']:,} rows, peak "
-                     f"{r['kv_cache_peak_bytes']:,} B | scheduled (BatchStats): forwards, cells, cache rows</div>")
+                     f"{r['kv_cache_peak_bytes']:,} B | scheduled (BatchStats): forwards, cells, cache rows"
+                     + (f" | causal cells its chunks' masks keep (the engine's mask function, bug "
+                        f"{'off' if state['bug'] == 'none' else 'on'}): {r['cells_causal_masks']:,}"
+                        if "cells_causal_masks" in r else "") + "</div>")
     ch = [f for f, fwd in enumerate(state["chunked"]["timeline"]) if i in dict(fwd)]
     lines.append(f"<div>the longest, request {i} ({lens[i]:,} tokens): chunked, in forwards {ch[0]}..{ch[-1]} "
                  f"({len(ch)} chunks); whole, in forward {state['whole']['waits'][i][0] - 1}</div>")
