@@ -99,11 +99,11 @@ def test_course_map_minutes_are_the_lessons_own():
 
 
 def test_course_total_time_in_lesson_00_is_the_maps_sum():
-    """Lesson 00 says 'the whole course about 7½ hours': the map's minutes add up to that, to a quarter hour."""
+    """Lesson 00 says 'the whole course about 8 hours': the map's minutes add up to that, to a quarter hour."""
     path = Path(__file__).resolve().parents[1] / "notebooks" / "00_setup_one_request.ipynb"
     head = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells[:3])
-    assert "the whole course about 7½ hours" in head
-    assert abs(sum(minutes for *_, minutes in L.LESSONS) / 60 - 7.5) <= 0.25
+    assert "the whole course about 8 hours" in head
+    assert abs(sum(minutes for *_, minutes in L.LESSONS) / 60 - 8) <= 0.25
 
 
 # ---- the alpha-beta model of the all-reduces and its explorer ---------------------------------------

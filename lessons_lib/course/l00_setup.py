@@ -46,7 +46,7 @@ LESSONS = (
      "S1, C1", 50),
     ("01", "Padding vs one flat batch", "pad rows and wasted score cells; the flat batch and cu_seqlens", "S2, C2, C3", 40),
     ("02", "Linear layers are per token", "do LayerNorm, GeLU and the four matmuls ever see a request boundary?",
-     "C4, C5, C6", 35),
+     "C4, C5, C6", 50),
     ("03", "Masked vs varlen attention", "which score cells masked and varlen compute, which they waste",
      "C7-C10", 60),
     ("04", "TP never sees the requests", "does the TP trace change with the packing? does TP=2 compute what TP=1 does?",
