@@ -105,6 +105,8 @@ def test_packing_lens_patterns_and_bad_input():
     assert L.packing_lens(40, 3) == [14, 13, 13]
     assert L.packing_lens(40, 2, "ramp") == [13, 27]
     assert L.packing_lens(40, 5, "one long")[0] == 20
+    assert L.packing_lens(40, 2, "quarter first") == [10, 30]   # the article's A and B, the explorer's default
+    assert L.packing_lens(40, 3, "quarter first") == [10, 15, 15]
     with pytest.raises(ValueError, match="num_requests"):
         L.packing_lens(4, 5)
     with pytest.raises(ValueError, match="pattern"):
@@ -241,9 +243,9 @@ def test_c12_packing_explorer_callbacks():
     k = by_class(box)
     tokens, reqs, pattern = k["tpx-tokens"], k["tpx-num-requests"], k["tpx-pattern"]
     trace, attn, ranks, out = k["tpx-trace"], k["tpx-attention"], k["tpx-ranks"], k["tpx-figure"]
-    assert "tpx" in box._dom_classes and (tokens.value, reqs.value, pattern.value) == (40, 2, "equal")
+    assert "tpx" in box._dom_classes and (tokens.value, reqs.value, pattern.value) == (40, 2, "quarter first")
     before_trace, before_attn, before_ranks, before_png = trace.value, attn.value, ranks.value, png_of(out)
-    assert "cu_seqlens [0, 20, 40]" in before_attn
+    assert "cu_seqlens [0, 10, 40]" in before_attn  # the article's A = 10, B = 30
     reqs.value = 5
     assert trace.value == before_trace and attn.value != before_attn and png_of(out) != before_png
     assert ranks.value != before_ranks
@@ -294,9 +296,13 @@ def test_c11_c12_packing_state_per_token_errors_show_each_broken_cut_s_pattern()
         assert min(errs) > 100 * allowed, cut                   # every token is caught, not only the worst
         spread[cut] = (max(errs) - min(errs)) / max(errs)
     assert spread[L.BIAS_CUT] < 1e-3 < 0.1 < spread[L.NAIVE_CUT], spread
+    bias = states[L.BIAS_CUT]
+    assert all(e == pytest.approx(bias["extra_bias"], rel=1e-3) for e in bias["token_errors"])  # on the dotted line
+    assert not all(e == pytest.approx(bias["extra_bias"], rel=0.1) for e in states[L.NAIVE_CUT]["token_errors"])
     fig = L.tp_packing_figure(states[L.NAIVE_CUT])
     stems = [c for c in fig.axes[0].collections if len(c.get_segments()) == 40 and c.get_segments()[0][0][1] < 0]
     assert len(stems) == 1 and any("worst" in t.get_text() for t in texts(fig)) and min_font(fig) >= MIN_FONT
+    assert any(t.get_text().startswith("(tp-1)·max|bias| = ") for t in texts(fig))
 
 
 def test_c11_c12_control_variants_fail_the_tolerance_rule():

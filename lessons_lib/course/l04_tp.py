@@ -339,7 +339,7 @@ def _trace_timeline() -> Figure:
 # ---------------------------------------------------------------------------------------------
 # The explorer: the same tokens packed differently
 
-PATTERNS = ("equal", "ramp", "one long")
+PATTERNS = ("equal", "ramp", "one long", "quarter first")
 ENGINE_CUT, NAIVE_CUT, BIAS_CUT = "head-wise (the engine's)", "naive column cut of QKV", "bias on every rank"
 CUTS = (ENGINE_CUT, NAIVE_CUT, BIAS_CUT)  # the explorer's "cut" dropdown; the last two are the breakages of C11, C12
 TP_SIZES = (1, 2, 4, 8)                   # the explorer's tp dropdown: 8 heads, so 8, 4, 2 or 1 heads per rank
@@ -396,7 +396,8 @@ def packing_lens(total_tokens: int, num_requests: int, pattern: str = "equal") -
 
     "equal": as equal as possible, longer first (40, 3 → [14, 13, 13]); "ramp": request i
     proportional to i+1 (40, 2 → [13, 27]); "one long": the first request takes half the tokens,
-    the rest share the other half.
+    the rest share the other half; "quarter first": the first request takes a quarter of the tokens,
+    the rest share the others (40, 2 → [10, 30], the article's A and B; the explorer opens on it).
     """
     t = check_int("total_tokens", total_tokens, 1, 1 << 20)
     r = check_int("num_requests", num_requests, 1, t)
@@ -406,6 +407,9 @@ def packing_lens(total_tokens: int, num_requests: int, pattern: str = "equal") -
     if pattern == "one long":
         long = max(1, min(t - (r - 1), t // 2))
         return [long] + packing_lens(t - long, r - 1, "equal")
+    if pattern == "quarter first":
+        first = max(1, min(t - (r - 1), t // 4))
+        return [first] + packing_lens(t - first, r - 1, "equal")
     spare = t - r                                          # every request has 1 token; share the rest by weight i+1
     weights = range(1, r + 1)
     lens = [1 + spare * w // sum(weights) for w in weights]
@@ -512,7 +516,8 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     ``sum_err`` (max over all T rows of |sum of the ranks' partials, plus the bias once unless the
     cut added it on every rank - TP=1's out proj in float64|) and ``sum_allowed`` (the tolerance
     rule's bound for TP=1's float32 result); ``token_errors`` (per flat token, max over its d_model numbers of
-    that same difference: ``sum_err`` is their maximum); ``cut``, ``tp``, ``d_model``;
+    that same difference: ``sum_err`` is their maximum); ``extra_bias`` ((tp - 1)·max|bias| of layer 0's
+    out proj: what the bias cut adds to every token's worst number); ``cut``, ``tp``, ``d_model``;
     ``outputs_equal`` (every rank ended the forward with the same hidden states).
     """
     cfg = cfg or ModelConfig(vocab_size=1000, max_position=2048)
@@ -550,6 +555,7 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
             "partial_norms": [float(p[token].norm()) for p in partials],
             "sum_err": float((total - ref64).abs().max()), "sum_allowed": tolerance(ref, ref64),
             "token_errors": (total - ref64).abs().amax(dim=1).tolist(),
+            "extra_bias": float((tp - 1) * bias.double().abs().max()),
             "cut": cut, "tp": tp, "d_model": cfg.d_model,
             "outputs_equal": all(torch.equal(runs[0][0][0], out) for (out, _), _ in runs)}
 
@@ -628,7 +634,8 @@ def tp_packing_figure(state: dict) -> Figure:
     all-reduce (purple). At tp = 1 the trace is empty: the top row is one white box "no collectives"
     and the bottom shows the one rank's out-proj output, with no sum. One axes in figure units (the
     explorer redraws it on every move). Underneath: every token's error after the all-reduce,
-    ``token_errors`` / ``sum_allowed`` on a log scale (ink stems, the bound dashed): rounding stays
+    ``token_errors`` / ``sum_allowed`` on a log scale (ink stems, the bound dashed, ``extra_bias`` dotted
+    at tp > 1), its least and worst value in the title: rounding stays
     under the line; a bias on every rank lifts every token alike; the wrong heads give each token
     its own error."""
     lens, tp = state["seq_lens"], len(state["traces"])
@@ -711,8 +718,9 @@ def _error_panel(ax, state: dict, x0: float, width: float) -> None:
     errs, allowed = state["token_errors"], state["sum_allowed"]
     t, y0, h = len(errs), -15.5, 10.0
     worst = max(errs) / allowed if allowed else math.inf
+    least = min(errs) / allowed if allowed else math.inf
     what = "every token after the all-reduce: max |sum" if state["tp"] > 1 else "every token (tp = 1): max |out proj"
-    ax.text(x0 + width / 2, -1.2, f"{what} - float64| / allowed (log scale); worst {worst:.1e}", ha="center",
+    ax.text(x0 + width / 2, -1.2, f"{what} - float64| / allowed (log scale); least {least:.1e}, worst {worst:.1e}", ha="center",
             va="top", fontsize=MIN_FONT + 1, color=TEXT)
 
     def y_of(ratio):
@@ -727,9 +735,14 @@ def _error_panel(ax, state: dict, x0: float, width: float) -> None:
         ax.text(x0 - 0.8, y_of(10.0 ** v), label, ha="right", va="center", fontsize=MIN_FONT, color=TEXT)
     ax.text(x0 + width, y_of(1.0) + 0.3, "allowed", ha="right", va="bottom", fontsize=MIN_FONT, color=TEXT,
             bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+    if state["tp"] > 1 and allowed:  # what adding the bias on every rank puts on every token: (tp - 1)·max|bias|
+        y_b = y_of(state["extra_bias"] / allowed)
+        ax.plot([x0, x0 + width], [y_b] * 2, color=TEXT, linewidth=0.8, linestyle=(0, (1, 1.5)))
+        ax.text(x0 + width, y_b + 0.3, f"(tp-1)·max|bias| = {state['extra_bias'] / allowed:.1e}", ha="right",
+                va="bottom", fontsize=MIN_FONT, color=TEXT, bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
 
 
-def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal", tp_size: int = 2,
+def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: str = "quarter first", tp_size: int = 2,
                         cut: str = ENGINE_CUT):
     """VBox class ``tpx``: IntSliders ``tpx-tokens`` (T, 1..MAX_TOKENS) and ``tpx-num-requests`` (R, 1..T),
     Dropdowns ``tpx-pattern``, ``tpx-tp`` (``TP_SIZES``) and ``tpx-cut`` (``CUTS``);
@@ -853,8 +866,12 @@ def _vocab_problem(got: list, want: list, cfg: ModelConfig, lens: list, tp: int)
                 f"its own ids, [T, V/tp] = {(t, v // tp)}; every rank needs all {v}")
     if head[0][0] == "all_reduce":
         if head[0][2] == (t, v):
-            return (f"an all-reduce of [T, V] with zeros outside each rank's columns gives the right logits but moves "
-                    f"{tp} times the bytes: the pieces are different columns, gather them (all_gather of [T, V/tp])")
+            return ("an all-reduce of [T, V] with zeros outside each rank's columns gives the right logits, but a ring "
+                    "all-reduce moves 2 times the bytes of a ring all-gather of the same [T, V] (per rank 2(tp-1)/tp "
+                    "of it, against (tp-1)/tp). Both are fixed-shape here: unlike the embedding, where the rank that "
+                    "holds a token's row depends on its id (so the zero-filled all-reduce is the fixed-shape way), "
+                    "rank r's logits are always the same V/tp columns for every token: gather them "
+                    "(all_gather of [T, V/tp])")
         return "the LM head's pieces are different columns (different ids), not partial sums: gather them (all_gather)"
     if head[0][2] == (t, v):
         return f"record what this rank contributes to the all-gather: its own logits, {(t, v // tp)}, not the gathered {(t, v)}"
