@@ -203,9 +203,13 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if not q.device == k.device == v.device == cu_seqlens_q.device == cu_seqlens_k.device:
         raise ValueError(f"q, k, v, cu_seqlens must be on one device, got q:{q.device} k:{k.device} "
                          f"v:{v.device} cu_seqlens_q:{cu_seqlens_q.device} cu_seqlens_k:{cu_seqlens_k.device}")
-    for i, what in ((1, "n_heads"), (2, "d_head")):
-        if not q.shape[i] == k.shape[i] == v.shape[i]:
-            raise ValueError(f"q, k, v must have the same {what}, got {q.shape[i]}, {k.shape[i]}, {v.shape[i]}")
+    if not q.shape[2] == k.shape[2] == v.shape[2]:
+        raise ValueError(f"q, k, v must have the same d_head, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same n_kv_heads, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:  # grouped-query attention: each K/V head serves H_q / H_kv
+        raise ValueError(f"q's n_heads must be a multiple of k and v's n_kv_heads (grouped-query attention), "
+                         f"got n_heads={q.shape[1]}, n_kv_heads={k.shape[1]}")
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k and v must have the same total_tokens, got {k.shape[0]} and {v.shape[0]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -260,9 +264,11 @@ def check_attention_fn(fn):
 
 
 def check_padded_qkv(q, k, v, key_mask) -> None:
-    """``padded_attention``'s inputs: q, k, v all ``[R, S, H, D]``, ``key_mask [R, S]``."""
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must all be [R, S, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    """``padded_attention``'s inputs: q ``[R, S, H, D]``, k, v ``[R, S, H_kv, D]`` (H_kv divides H), ``key_mask [R, S]``."""
+    if (q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]
+            or q.shape[2] % max(k.shape[2], 1) or not k.shape[2]):
+        raise ValueError(f"q must be [R, S, H, D] and k, v [R, S, H_kv, D] with H_kv dividing H, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
     if key_mask.shape != q.shape[:2]:
         raise ValueError(f"key_mask must be [R, S] = {tuple(q.shape[:2])}, got {tuple(key_mask.shape)}")
 
@@ -308,9 +314,19 @@ def check_num_computed(num_computed_tokens, seq_lens: Sequence[int]) -> list[int
 
 
 def check_tp_divides(cfg, name: str, n: int) -> None:
-    """Refuse a TP degree ``n`` that does not split ``cfg``'s heads and FFN evenly over the ranks."""
+    """Refuse a TP degree ``n`` that does not split ``cfg``'s heads, K/V heads and FFN over the ranks."""
     if cfg.n_heads % n or cfg.d_ffn % n:
         raise ValueError(f"{name}={n} must divide n_heads={cfg.n_heads} and d_ffn={cfg.d_ffn}")
+    check_kv_heads_split(cfg.n_kv_heads, n, name)
+
+
+def check_kv_heads_split(n_kv_heads: int, tp: int, name: str = "tp_size") -> None:
+    """vLLM's rule for K/V heads under TP: each rank holds ``n_kv_heads / tp`` of them, or, when
+    ``tp > n_kv_heads``, ONE, replicated on ``tp / n_kv_heads`` ranks; a ``tp`` that is neither a
+    divisor nor a multiple of ``n_kv_heads`` is refused."""
+    if n_kv_heads % tp and tp % n_kv_heads:
+        raise ValueError(f"{name}={tp} cannot split n_kv_heads={n_kv_heads} over the ranks: it must divide them, "
+                         f"or be a multiple of them (each K/V head then replicated on {name} / n_kv_heads ranks)")
 
 
 def _shape(t):

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..validate import check_kv_heads_split, is_int
 from .groups import LocalGroup
 
 Tensor = torch.Tensor
@@ -29,16 +30,22 @@ class ColumnParallelLinear(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         self.group = group if group is not None else LocalGroup()
-        tp = self.group.world_size
-        if out_features % tp:
-            raise ValueError(f"out_features={out_features} is not divisible by tp_size={tp}")
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features // tp, dtype=dtype), requires_grad=False) if bias else None
+        n = self.output_size_per_partition
+        self.weight = nn.Parameter(torch.empty(n, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False) if bias else None
+
+    @property
+    def output_size_per_partition(self) -> int:
+        """This rank's output features (vLLM's name): ``out_features / tp``."""
+        tp = self.group.world_size
+        if self.out_features % tp:
+            raise ValueError(f"out_features={self.out_features} is not divisible by tp_size={tp}")
+        return self.out_features // tp
 
     def shard_rows(self, full: Tensor) -> Tensor:
         """The rows of a full ``[out, ...]`` tensor that this rank owns."""
-        n = self.out_features // self.group.world_size
+        n = self.output_size_per_partition
         return full[self.group.rank * n:(self.group.rank + 1) * n]
 
     @torch.no_grad()
@@ -57,34 +64,54 @@ class ColumnParallelLinear(nn.Module):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """The fused Q, K, V projection, sharded by HEAD: rank r owns heads ``[r·H/tp, (r+1)·H/tp)``
-    of Q, of K and of V.
+    """The fused Q, K, V projection, sharded by HEAD (vLLM's ``QKVParallelLinear``), grouped-query
+    attention included: ``n_kv_heads`` K/V heads (default ``n_heads``), each read by
+    ``n_heads / n_kv_heads`` consecutive query heads.
 
-    Full weight rows are ``[Q heads 0..H-1 | K heads | V heads]`` (``[3·H·D, d_model]``).
-    Per rank: ``[T, d_model] → [T, 3·(H/tp)·D]``, e.g. ``[T, 512] → [T, 768]`` under TP=2 (C6),
-    laid out ``[q_local | k_local | v_local]``.
+    Full weight rows are ``[Q heads 0..H-1 | K heads 0..H_kv-1 | V heads]`` (``[(H + 2·H_kv)·D, d_model]``).
+    Rank r owns query heads ``[r·H/tp, (r+1)·H/tp)`` and ``n_local_kv_heads`` K/V heads: ``H_kv/tp`` of them,
+    or, when ``tp > H_kv``, the ONE head ``r // num_kv_head_replicas`` (each K/V head replicated on
+    ``num_kv_head_replicas = tp / H_kv`` ranks, as vLLM does). Either way rank r's query heads read only
+    its own K/V heads. Per rank: ``[T, d_model] → [T, (H_local + 2·H_kv_local)·D]``, e.g.
+    ``[T, 512] → [T, 768]`` under TP=2 without GQA (C6), laid out ``[q_local | k_local | v_local]``.
     """
 
-    def __init__(self, d_model: int, n_heads: int, d_head: int, bias: bool = True, *, group=None,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, d_model: int, n_heads: int, d_head: int, n_kv_heads: int | None = None, bias: bool = True, *,
+                 group=None, dtype: torch.dtype = torch.float32):
         group = group if group is not None else LocalGroup()
-        if n_heads % group.world_size:
-            raise ValueError(f"n_heads={n_heads} is not divisible by tp_size={group.world_size}")
-        self.n_heads, self.d_head = n_heads, d_head
-        self.n_local_heads = n_heads // group.world_size
-        super().__init__(d_model, 3 * n_heads * d_head, bias, group=group, dtype=dtype)
+        tp = group.world_size
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if not is_int(n_kv_heads) or n_kv_heads < 1 or n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads={n_kv_heads!r} must be a positive int dividing n_heads={n_heads}")
+        if n_heads % tp:
+            raise ValueError(f"n_heads={n_heads} is not divisible by tp_size={tp}")
+        check_kv_heads_split(n_kv_heads, tp)
+        self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_head
+        self.n_local_heads = n_heads // tp
+        self.num_kv_head_replicas = max(tp // n_kv_heads, 1)   # ranks holding each K/V head
+        self.n_local_kv_heads = max(n_kv_heads // tp, 1)
+        super().__init__(d_model, (n_heads + 2 * n_kv_heads) * d_head, bias, group=group, dtype=dtype)
+
+    @property
+    def output_size_per_partition(self) -> int:
+        """``(n_local_heads + 2·n_local_kv_heads)·d_head``: more than ``out_features / tp`` when K/V heads are replicated."""
+        return (self.n_local_heads + 2 * self.n_local_kv_heads) * self.d_head
 
     def shard_rows(self, full: Tensor) -> Tensor:
-        # Cut the same head range out of each of Q, K and V, then stack them.
-        per_rank = self.n_local_heads * self.d_head
-        r = self.group.rank
-        return torch.cat([part[r * per_rank:(r + 1) * per_rank] for part in full.chunk(3)])
+        # Cut this rank's query heads out of Q and its K/V heads out of K and of V, then stack them.
+        d, r = self.d_head, self.group.rank
+        q, k, v = full.split([self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d])
+        nq, nkv = self.n_local_heads * d, self.n_local_kv_heads * d
+        kv_shard = r // self.num_kv_head_replicas   # vLLM's kv shard_id: several ranks may share it
+        return torch.cat([q[r * nq:(r + 1) * nq], k[kv_shard * nkv:(kv_shard + 1) * nkv],
+                          v[kv_shard * nkv:(kv_shard + 1) * nkv]])
 
     def split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``[T, 3·H_local·D]`` → q, k, v each ``[T, H_local, D]`` (flash-attn layout)."""
+        """``[T, (H_local + 2·H_kv_local)·D]`` → q ``[T, H_local, D]``, k, v ``[T, H_kv_local, D]`` (flash-attn layout, views)."""
         t = qkv.shape[0]
-        q, k, v = qkv.view(t, 3, self.n_local_heads, self.d_head).unbind(1)
-        return q, k, v
+        q, k, v = qkv.split([self.n_local_heads * self.d_head, self.n_local_kv_heads * self.d_head,
+                             self.n_local_kv_heads * self.d_head], dim=1)
+        return q.view(t, self.n_local_heads, self.d_head), *(x.view(t, self.n_local_kv_heads, self.d_head) for x in (k, v))
 
 
 class RowParallelLinear(nn.Module):

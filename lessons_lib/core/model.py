@@ -61,7 +61,8 @@ class AttentionContext:
 
 
 class VarlenAttention(nn.Module):
-    """A layer's attention core: ``q, k, v [T, H_local, D] → o [T, H_local, D]`` under ``self.context``."""
+    """A layer's attention core: ``q [T, H_local, D]``, ``k, v [T, H_kv_local, D]`` → ``o [T, H_local, D]``
+    under ``self.context`` (query head h reads K/V head ``h // (H_local / H_kv_local)``)."""
 
     def __init__(self, layer: int = 0):
         super().__init__()
@@ -72,9 +73,9 @@ class VarlenAttention(nn.Module):
         if ctx is None:
             raise RuntimeError("no AttentionContext: run the layer inside Transformer.forward, or set attn.core.context")
         if ctx.key_mask is not None:  # forward_padded: [R·S, H, D] → [R, S, H, D] → dense masked attention
-            shape = (*ctx.key_mask.shape, *q.shape[1:])
-            return padded_attention(q.view(shape), k.view(shape), v.view(shape), ctx.key_mask).reshape(q.shape)
-        if ctx.kv_cache is not None:  # keys and values [T_k, H, D]: each request's cached ones, then its chunk's
+            k, v = (x.view(*ctx.key_mask.shape, *x.shape[1:]) for x in (k, v))
+            return padded_attention(q.view(*ctx.key_mask.shape, *q.shape[1:]), k, v, ctx.key_mask).reshape(q.shape)
+        if ctx.kv_cache is not None:  # keys and values [T_k, H_kv, D]: each request's cached ones, then its chunk's
             k, v = ctx.kv_cache.keys_values(self.layer, k, v)
         return attention_forward(q, k, v, ctx.meta, ctx.backend, causal=True)  # causal aligned bottom-right
 
@@ -84,13 +85,13 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int, group):
         super().__init__()
-        self.qkv = QKVParallelLinear(cfg.d_model, cfg.n_heads, cfg.d_head, group=group, dtype=cfg.dtype)
+        self.qkv = QKVParallelLinear(cfg.d_model, cfg.n_heads, cfg.d_head, cfg.n_kv_heads, group=group, dtype=cfg.dtype)
         self.core = VarlenAttention(index)
         self.out_proj = RowParallelLinear(cfg.qkv_dim, cfg.d_model, group=group, dtype=cfg.dtype,
                                           name=f"layers.{index}.attn.out_proj")
 
     def forward(self, x: Tensor) -> Tensor:
-        q, k, v = self.qkv.split(self.qkv(x))    # each [T, H_local, D]
+        q, k, v = self.qkv.split(self.qkv(x))    # q [T, H_local, D], k and v [T, H_kv_local, D]
         o = self.core(q, k, v).flatten(1)        # [T, H_local·D]: this rank's heads only
         return self.out_proj(o)                  # all-reduce → [T, d]
 

@@ -29,6 +29,9 @@ def hf_config(cfg: ModelConfig):
 
     if cfg.n_heads * cfg.d_head != cfg.d_model:
         raise ValueError(f"GPT-2 needs n_heads*d_head == d_model, got {cfg.n_heads}*{cfg.d_head} != {cfg.d_model}")
+    if cfg.n_kv_heads != cfg.n_heads:
+        raise ValueError(f"GPT-2 has no grouped-query attention: it needs n_kv_heads == n_heads, got "
+                         f"n_kv_heads={cfg.n_kv_heads}, n_heads={cfg.n_heads}")
     return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_position, n_embd=cfg.d_model,
                       n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.d_ffn, activation_function="gelu_new",
                       layer_norm_epsilon=cfg.layer_norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -61,6 +64,7 @@ def full_weights_from_hf(state_dict: dict[str, Tensor], n_layers: int | None = N
 
 
 def config_from_hf(hf_cfg, dtype: torch.dtype = torch.float32) -> ModelConfig:
+    """A HF ``GPT2Config`` → our ``ModelConfig`` (GPT-2 is multi-head: ``n_kv_heads = n_heads``)."""
     if hf_cfg.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"our blocks use tanh GeLU; the HF config has activation_function={hf_cfg.activation_function!r}")
     d, h = hf_cfg.n_embd, hf_cfg.n_head

@@ -25,7 +25,7 @@ from ..core.config import ModelConfig, as_config
 from ..core.kernels import placement, resolve_backend
 from ..core.model import Transformer, init_weights
 from ..serve.kv_cache import PrefillKVCache
-from ..validate import check_batch, check_int, check_seconds, check_weights
+from ..validate import check_batch, check_int, check_kv_heads_split, check_seconds, check_weights
 from .trace import Fault, comm_debug_mode, traced_forward
 from .workers import WorkerPool, commands, resolve_dist_backend
 
@@ -76,7 +76,7 @@ class TPRuntime:
     cfg: model sizes (default: the article's ModelConfig). weights: full weights
     (``init_weights``, ``hf.full_weights_from_hf`` or a TP=1 model's ``state_dict()``), shared
     with the workers through a file in a fresh temp dir; None = each worker builds
-    ``init_weights(cfg, seed)`` itself. world_size: TP degree (must divide n_heads and d_ffn).
+    ``init_weights(cfg, seed)`` itself. world_size: TP degree (must split n_heads, n_kv_heads and d_ffn).
     backend: "auto", "gloo" or "nccl" (``workers.resolve_dist_backend``). device, dtype: where
     the ranks run and in what precision (default ``kernels.placement``: CUDA + bfloat16 with a
     GPU, else the CPU + float32); outputs come back to the caller on the CPU.
@@ -210,6 +210,7 @@ def _check_world_size(cfg: ModelConfig, world_size) -> int:
             and cfg.n_heads % world_size == 0 and cfg.d_ffn % world_size == 0):
         raise ValueError(f"world_size={world_size!r} must be a positive int dividing n_heads={cfg.n_heads} "
                          f"and d_ffn={cfg.d_ffn}")
+    check_kv_heads_split(cfg.n_kv_heads, world_size, "world_size")
     return world_size
 
 

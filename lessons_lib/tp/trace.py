@@ -184,7 +184,7 @@ def shard_checks(group, cfg: ModelConfig, seed: int = 0, seq_lens: tuple = (10, 
     def randn(*shape, scale=1.0):  # the same values on every rank (one seed), on this rank's device
         return (torch.randn(*shape, generator=g) * scale).to(dev)
 
-    d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
+    d, k, kv, f = cfg.d_model, cfg.qkv_dim, cfg.kv_dim, cfg.d_ffn
     x = randn(sum(seq_lens), d)                                 # [T, d], the same on every rank
     w_row, b_row = randn(d, f, scale=0.02), randn(d)
     row = RowParallelLinear(f, d, group=group, name="check.row").to(dev).load_full_(w_row, b_row)
@@ -196,9 +196,9 @@ def shard_checks(group, cfg: ModelConfig, seed: int = 0, seq_lens: tuple = (10, 
     y_row_bug = group.all_reduce(partial_plus_bias, layer="check.row_bias_before_reduce")
     w_col, b_col = randn(f, d, scale=0.02), randn(f)
     y_col = ColumnParallelLinear(d, f, group=group).to(dev).load_full_(w_col, b_col)(x)  # [T, f/tp]
-    w_qkv, b_qkv = randn(3 * k, d, scale=0.02), randn(3 * k)
-    qkv = QKVParallelLinear(d, cfg.n_heads, cfg.d_head, group=group).to(dev).load_full_(w_qkv, b_qkv)
-    y_qkv = qkv(x)                                              # [T, 3·H_local·D]
+    w_qkv, b_qkv = randn(k + 2 * kv, d, scale=0.02), randn(k + 2 * kv)  # rows [Q | K | V]
+    qkv = QKVParallelLinear(d, cfg.n_heads, cfg.d_head, cfg.n_kv_heads, group=group).to(dev).load_full_(w_qkv, b_qkv)
+    y_qkv = qkv(x)                                              # [T, (H_local + 2·H_kv_local)·D]
 
     model = Transformer(cfg, init_weights(cfg, seed), group=group, device=dev)
     captured = {}
