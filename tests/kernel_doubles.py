@@ -2,7 +2,8 @@
 
 Each double has the real function's signature, refuses every call the real kernel refuses
 (half precision only, last dim contiguous, int32 ``cu_seqlens`` on q's device, ``max_seqlen``
-Python ints, head dim <= 256 and a multiple of 8, K/V row counts that agree) and computes the
+Python ints, head dim <= 256 and a multiple of 8, K/V row counts that agree, K/V heads dividing the
+query heads: grouped-query attention, as the real kernels take it) and computes the
 answer with ``attention_ref`` (bottom-right causal when ``seqlen_q != seqlen_k``, as
 FlashAttention >= 2.1 and PyTorch's ``window_size=(-1, 0)``).
 
@@ -38,7 +39,9 @@ def _check(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
         _require(t.stride(-1) == 1, f"{name} must have a contiguous last dimension")
     _require(q.dtype == k.dtype == v.dtype, "q, k, v must share a dtype")
     _require(q.shape[-1] <= 256 and q.shape[-1] % 8 == 0, f"head_dim {q.shape[-1]} unsupported (<= 256, multiple of 8)")
-    _require(k.shape == v.shape and q.shape[1:] == k.shape[1:], "k, v shapes disagree with q")
+    _require(k.shape == v.shape and q.shape[-1] == k.shape[-1], "k, v shapes disagree with q")
+    _require(k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
+             "Number of heads in key/value must divide number of heads in query")
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         _require(isinstance(cu, torch.Tensor) and cu.dtype == torch.int32, f"{name} must be an int32 tensor")
         _require(cu.device == q.device, f"{name} must be on q's device {q.device}, got {cu.device}")
@@ -65,6 +68,7 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
     """PyTorch >= 2.10's ``torch.nn.attention.varlen.varlen_attn`` (causal as ``window_size=(-1, 0)``)."""
     _check(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+    _require(enable_gqa or key.shape[1] == query.shape[1], "fewer K/V heads than query heads needs enable_gqa=True")
     _require(tuple(window_size) in ((-1, -1), (-1, 0)), f"window_size {window_size}: full or causal expected")
     causal = tuple(window_size) == (-1, 0)
     return attention_ref(query, key, value, cu_seq_q, cu_seq_k, causal=causal, softmax_scale=scale).to(query.dtype)
