@@ -12,7 +12,8 @@ Conventions (stated once, used everywhere):
   all T rows, O(R·d·V) as the engine runs it (the R last tokens only, outside "the forward" counted
   here); one row ``[1, 512] @ [512, 50257]`` is 51.5 MFLOP, more than the 8 blocks' linear layers
   per token (50.3 MFLOP).
-- Grouped-query attention (``n_kv_heads`` < ``n_heads``, default ``n_heads``: the course's model): the
+- Grouped-query attention (``n_kv_heads`` < ``n_heads``; every ``n_kv_heads=None`` means the config's own
+  ``cfg.n_kv_heads``, which is ``n_heads`` for the course's model): the
   queries keep ``n_heads`` heads, K and V have ``n_kv_heads``, each shared by ``n_heads / n_kv_heads``
   query heads. The score work is unchanged (every query head computes its own cells); the K and V
   projections and the KV bytes shrink by the group factor.
@@ -66,9 +67,9 @@ def executed_tokens(seq_lens: Sequence[int], method: str) -> int:
 
 
 def kv_heads(cfg: ModelConfig, n_kv_heads: int | None = None) -> int:
-    """The K/V head count: ``n_kv_heads`` (must divide ``cfg.n_heads``), or ``cfg.n_heads`` when None."""
+    """The K/V head count: ``n_kv_heads`` (must divide ``cfg.n_heads``), or the config's ``cfg.n_kv_heads`` when None."""
     if n_kv_heads is None:
-        return cfg.n_heads
+        return cfg.n_kv_heads
     if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or not 1 <= n_kv_heads <= cfg.n_heads:
         raise ValueError(f"n_kv_heads must be a whole number in 1..n_heads = {cfg.n_heads}, got {n_kv_heads!r}")
     if cfg.n_heads % n_kv_heads:

@@ -259,7 +259,7 @@ class Engine:
         self._tp_kw = dict(backend=tp_backend, timeout=tp_timeout)
         self._runtime = None
         self._last_all_reduces = None
-        # TP=1: the cache lives here; TP=2: each worker holds its own heads' (the runtime reports its bytes).
+        # TP=1: the cache lives here; TP=2: each worker holds its own K/V heads' (the runtime reports its bytes).
         self.kv_cache = PrefillKVCache.for_model(self.model) if enable_chunked_prefill and tp_size == 1 else None
         self.kv_cache_peak_bytes = 0
         self._partial: dict = {}  # request id -> final hidden rows of its chunks so far (return_hidden)

@@ -3,12 +3,14 @@
 A prompt longer than the token budget is prefilled in chunks, one per forward (vLLM's
 ``enable_chunked_prefill``). Chunk c's queries must attend to every earlier token of its prompt,
 whose keys and values were computed by earlier forwards: this cache keeps them, per request and
-per layer, as ``[num_computed_tokens, H_local, D]`` tensors on the model's device, in its dtype
-(under TP each rank caches its own heads only). Nothing else is cached: no decode, no pages.
+per layer, as ``[num_computed_tokens, H_kv_local, D]`` tensors on the model's device, in its dtype:
+the K/V heads only, ``n_kv_heads`` of them under grouped-query attention (under TP each rank caches
+its own K/V heads only). At TP=1 it holds ``measure.flops.kv_cache_bytes(cfg, lens, bytes_per_element=...)``
+bytes for cached lengths ``lens``. Nothing else is cached: no decode, no pages.
 
 One forward = one ``KVCacheStep`` (``PrefillKVCache.step``). In every layer the attention core
 calls ``step.keys_values(layer, k, v)``: for each request of the batch, its cached keys, then its
-chunk's, concatenated in batch order — the ``[T_k, H, D]`` keys that ``cu_seqlens_k`` (cached +
+chunk's, concatenated in batch order — the ``[T_k, H_kv, D]`` keys that ``cu_seqlens_k`` (cached +
 chunk lengths) describes, read by ONE varlen call with causal masking aligned bottom-right.
 The step stages what must be kept; ``finish()`` commits it after the forward and frees each
 request whose last chunk ran. A failed forward (no ``finish``) leaves the cache as it was.
@@ -27,25 +29,25 @@ Tensor = torch.Tensor
 
 
 class PrefillKVCache:
-    """Per request id, per layer: keys and values ``[num_computed_tokens, n_heads, d_head]``.
+    """Per request id, per layer: keys and values ``[num_computed_tokens, n_kv_heads, d_head]``.
 
-    n_layers, n_heads (this rank's heads), d_head: the model's; device, dtype: where and in what
+    n_layers, n_kv_heads (this rank's K/V heads), d_head: the model's; device, dtype: where and in what
     the keys live (the model's). ``nbytes``: bytes held now; ``peak_bytes``: the most ever held,
     the staged keys of a forward in flight included.
     """
 
-    def __init__(self, n_layers: int, n_heads: int, d_head: int, *, device="cpu", dtype: torch.dtype = torch.float32):
-        self.n_layers, self.n_heads = check_int("n_layers", n_layers, 1), check_int("n_heads", n_heads, 1)
+    def __init__(self, n_layers: int, n_kv_heads: int, d_head: int, *, device="cpu", dtype: torch.dtype = torch.float32):
+        self.n_layers, self.n_kv_heads = check_int("n_layers", n_layers, 1), check_int("n_kv_heads", n_kv_heads, 1)
         self.d_head = check_int("d_head", d_head, 1)
         self.device, self.dtype = torch.device(device), dtype
-        self._kv: dict = {}   # request id -> [(k, v) per layer], each [num_computed_tokens, H, D]
+        self._kv: dict = {}   # request id -> [(k, v) per layer], each [num_computed_tokens, H_kv, D]
         self.nbytes = self.peak_bytes = 0
 
     @classmethod
     def for_model(cls, model) -> PrefillKVCache:
-        """An empty cache for ``model`` (a ``core.model.Transformer``): its layers, THIS rank's heads."""
+        """An empty cache for ``model`` (a ``core.model.Transformer``): its layers, THIS rank's K/V heads."""
         qkv = model.layers[0].attn.qkv
-        return cls(len(model.layers), qkv.n_local_heads, qkv.d_head, device=model.device, dtype=model.dtype)
+        return cls(len(model.layers), qkv.n_local_kv_heads, qkv.d_head, device=model.device, dtype=model.dtype)
 
     def num_computed_tokens(self, request_id) -> int:
         """Tokens of ``request_id`` whose keys are cached (0 if none)."""
@@ -98,7 +100,7 @@ class PrefillKVCache:
 
     def __repr__(self) -> str:
         return (f"PrefillKVCache({len(self)} requests, {self.nbytes:,} B, peak {self.peak_bytes:,} B, "
-                f"{self.n_layers} layers x {self.n_heads} heads x {self.d_head}, {dtype_name(self.dtype)})")
+                f"{self.n_layers} layers x {self.n_kv_heads} K/V heads x {self.d_head}, {dtype_name(self.dtype)})")
 
 
 class KVCacheStep:
@@ -113,7 +115,7 @@ class KVCacheStep:
         self._reads = any(num_computed_tokens)
 
     def keys_values(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """This chunk's ``k, v [T_q, H, D]`` → every key and value the batch's queries read, ``[T_k, H, D]``:
+        """This chunk's ``k, v [T_q, H_kv, D]`` → every key and value the batch's queries read, ``[T_k, H_kv, D]``:
         per request (batch order) its cached rows then its chunk's. Python ints only: no device sync."""
         if not self._reads and not self._staged:  # nothing cached, nothing to keep: the plain forward
             return k, v
@@ -123,7 +125,7 @@ class KVCacheStep:
             row += n
             if c:
                 old_k, old_v = self.cache._kv[rid][layer]
-                k_i, v_i = torch.cat([old_k, k_i]), torch.cat([old_v, v_i])  # [c + n, H, D]
+                k_i, v_i = torch.cat([old_k, k_i]), torch.cat([old_v, v_i])  # [c + n, H_kv, D]
             if rid in self._staged:  # more chunks follow: keep a copy of its own (not a view of qkv's output)
                 k_i, v_i = (k_i.clone(), v_i.clone()) if not c else (k_i, v_i)
                 self._staged[rid][layer] = (k_i, v_i)
