@@ -218,3 +218,19 @@ def shard_checks(group, cfg: ModelConfig, seed: int = 0, seq_lens: tuple = (10, 
             "comm_debug_one": comm_one.get_total_counts(),
             "comm_debug_ops": sorted(str(op) for op in comm_one.get_comm_counts())}
 
+
+
+def forward_checks(group, configs: list, seed: int = 0, seq_lens: tuple = (10, 30)) -> list[tuple]:
+    """A ``launch`` worker: for each config in turn, this rank's shard of ``Transformer(cfg, init_weights(cfg,
+    seed))`` runs one traced forward of requests ``arange(n) % vocab_size`` for ``n`` in ``seq_lens``.
+
+    Returns per config ``(hidden [T, d_model], ForwardReport, layer 0's qkv weight [out/rank, d_model])``,
+    tensors on the CPU: one launch checks several configs (e.g. grouped-query attention's K/V head counts).
+    """
+    out = []
+    for cfg in configs:
+        model = Transformer(cfg, init_weights(cfg, seed), group=group, device=group.device)
+        batch = pack([torch.arange(n) % cfg.vocab_size for n in seq_lens], device=group.device)
+        hidden, report = traced_forward(model, batch)
+        out.append((hidden.cpu(), report, model.layers[0].attn.qkv.weight.cpu()))
+    return out
