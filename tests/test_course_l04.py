@@ -12,12 +12,13 @@ from matplotlib.figure import Figure
 from lessons_lib.core.batch import cumulative, pack
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.groups import LocalGroup
-from lessons_lib.core.model import Transformer, init_weights
+from lessons_lib.core.model import Transformer, VarlenAttention, init_weights
 from lessons_lib.course import l04_tp as L
 from lessons_lib.course.grading import score
 from lessons_lib.measure.flops import attention_cells
 from lessons_lib.measure.recorder import module_io
 from lessons_lib.measure.tolerance import max_abs_diff, tolerance
+from lessons_lib.serve.kv_cache import PrefillKVCache
 from lessons_lib.style import COMM, MIN_FONT
 from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
 from lessons_lib.tp.threads import tp_ranks_in_threads
@@ -409,29 +410,53 @@ def test_vocab_trace_checker_stub_and_partial_marks(capsys):
 
 # --- exercise 04.2 ----------------------------------------------------------------------------------------
 
-def test_kv_plan_matches_vllm_s_rule_and_refuses_uneven_splits():
-    # vLLM's QKVParallelLinear: tp >= n_kv_heads -> one K/V head per rank, rank r holds head r // (tp / n_kv_heads)
-    heads, nbytes = L.kv_plan(64, 8, 128, 80, 16, 2)
-    assert heads == [[r // 2] for r in range(16)] and nbytes == 2 * 128 * 80 * 2
-    assert L.kv_plan(64, 8, 128, 80, 8, 2) == ([[r] for r in range(8)], nbytes)  # no further shrinking past tp = 8
-    assert L.kv_plan(32, 8, 128, 32, 2, 2) == ([[0, 1, 2, 3], [4, 5, 6, 7]], 65536)
-    assert L.kv_plan(16, 1, 64, 24, 4, 2)[0] == [[0]] * 4
-    assert L.kv_plan(8, 8, 64, 8, 1, 4) == ([list(range(8))], 2 * 8 * 64 * 8 * 4)
-    for args, match in (((12, 8, 64, 1, 2, 2), "must divide n_heads"), ((12, 4, 64, 1, 5, 2), "tp=5 must divide n_heads"),
-                        ((12, 2, 64, 1, 3, 2), "or be a multiple"), ((8, 0, 64, 1, 2, 2), "n_kv_heads")):
-        with pytest.raises(ValueError, match=match):
-            L.kv_plan(*args)
-
-
 def test_c11_engine_kv_plan_is_measured_on_the_engine():
-    cfg = ModelConfig(vocab_size=64, max_position=64)
-    assert L.engine_kv_plan(cfg, 2) == L.kv_plan(8, 8, 64, 8, 2, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], 16384)
-    assert L.engine_kv_plan(SMALL, 4, num_tokens=3)[0] == [[0], [1], [2], [3]]
+    # vLLM's rule, counted by hand: tp >= n_kv_heads -> one K/V head per rank, rank r holds head r // (tp / n_kv_heads)
+    plan = L.engine_kv_plan(64, 8, 128, 80, 16, 2)
+    assert plan.kv_heads == tuple((r // 2,) for r in range(16)) and plan.replicas == 2
+    assert plan.q_heads[5] == (20, 21, 22, 23)
+    assert plan.bytes_per_token == 2 * 1 * 128 * 80 * 2                       # K and V of one head, 80 layers, bf16
+    assert L.engine_kv_plan(64, 8, 128, 80, 8, 2).bytes_per_token == plan.bytes_per_token  # no shrinking past tp = 8
+    llama8 = L.engine_kv_plan(32, 8, 128, 32, 2, 2)
+    assert llama8.kv_heads == ((0, 1, 2, 3), (4, 5, 6, 7)) and llama8.bytes_per_token == 65536 and llama8.replicas == 1
+    assert L.engine_kv_plan(16, 1, 64, 24, 4, 2).kv_heads == ((0,),) * 4                      # multi-query
+    assert L.engine_kv_plan(8, 8, 64, 8, 1, 4).bytes_per_token == 2 * 8 * 64 * 8 * 4          # tp = 1: every head
+
+
+def test_engine_kv_plan_is_what_real_thread_ranks_cache():
+    """The stand-in ranks (LocalGroup) cache what ranks that really all-reduce cache: a grouped-query model
+    with 12 query and 4 K/V heads on 2 thread ranks, prefilled through the engine's own cache."""
+    cfg = ModelConfig(n_layers=3, d_model=24, n_heads=12, n_kv_heads=4, d_head=8, d_ffn=48, vocab_size=32, max_position=16)
+    weights = init_weights(cfg, seed=0)
+
+    def run(group):
+        model = Transformer(cfg, weights, group=group)
+        cache = PrefillKVCache.for_model(model)
+        step = cache.step(["a", "b"], [0, 0], [5, 2], [True, True])
+        model(pack([torch.arange(5), torch.arange(2)]), kv_cache=step)
+        step.finish()
+        return cache.nbytes // 7
+    per_token = [out for out, _ in tp_ranks_in_threads(2, run)]
+    assert per_token == [L.engine_kv_plan(12, 4, 8, 3, 2, 4).bytes_per_token] * 2 == [2 * 2 * 8 * 3 * 4] * 2
+
+
+def test_engine_kv_plan_refuses_what_the_engine_refuses():
+    for args, match in (((12, 2, 64, 1, 3, 2), "multiple"), ((8, 0, 64, 1, 2, 2), "n_kv_heads"),
+                        ((8, 3, 64, 1, 2, 2), "divide n_heads"), ((8, 8, 64, 1, 2, 3), "bytes_per_number")):
+        with pytest.raises(ValueError, match=match):
+            L.engine_kv_plan(*args)
+
+
+def _reference_kv_plan(h, kv, dh, layers, tp, nb):
+    """Exercise 04.2's answer, written here from the rule (the notebook's reference solution)."""
+    group, local = h // kv, h // tp
+    held = [sorted({q // group for q in range(r * local, (r + 1) * local)}) for r in range(tp)]
+    return held, 2 * len(held[0]) * dh * layers * nb
 
 
 def _kv(h, kv, dh, layers, tp, nb, *, floor=False, strided=False, k_only=False, per_layer=False, q_heads=False,
         share=False, numbers=False):
-    heads, nbytes = L.kv_plan(h, kv, dh, layers, tp, nb)
+    heads, nbytes = _reference_kv_plan(h, kv, dh, layers, tp, nb)
     if floor and tp > kv:
         heads = [[] for _ in range(tp)]
     if strided and tp < kv:
@@ -451,8 +476,8 @@ def _kv(h, kv, dh, layers, tp, nb, *, floor=False, strided=False, k_only=False, 
 
 def test_c11_kv_plan_checker_accepts_the_reference_and_names_typical_mistakes():
     check = L.check_kv_plan
-    assert check(_kv) and check(L.kv_plan)
-    assert "REPLICATED" in attempt(check, lambda *a: _kv(*a, floor=True))
+    assert check(_kv)
+    assert "REPLICATED, here on 2 ranks" in attempt(check, lambda *a: _kv(*a, floor=True))
     assert "contiguous range" in attempt(check, lambda *a: _kv(*a, strided=True))
     assert "K AND V" in attempt(check, lambda *a: _kv(*a, k_only=True))
     assert "every one of the" in attempt(check, lambda *a: _kv(*a, per_layer=True))
@@ -463,12 +488,21 @@ def test_c11_kv_plan_checker_accepts_the_reference_and_names_typical_mistakes():
     assert "one per rank" in attempt(check, lambda *a: ([[0]], 1))
 
 
-def test_kv_plan_checker_uses_the_engine_for_the_course_model():
-    """Right on every grouped-query case, wrong only on the course's model: only the engine's case catches it."""
-    def right_until_the_engine(h, kv, dh, layers, tp, nb):
-        heads, nbytes = L.kv_plan(h, kv, dh, layers, tp, nb)
-        return (heads, nbytes // 2) if (h, kv, dh, layers, tp, nb) == (8, 8, 64, 8, 2, 4) else (heads, nbytes)
-    assert "kv_bytes = 8,192, expected 16,384" in attempt(L.check_kv_plan, right_until_the_engine)
+def test_kv_plan_checker_takes_its_truth_from_the_engine(monkeypatch):
+    """Break the ENGINE: its attention core repeats K and V for every query head of a group before the cache
+    (outputs unchanged, the cache G times larger). The checker then refuses the right answer with the broken
+    engine's own numbers: its truth is the engine, not a formula."""
+    real = VarlenAttention.forward
+
+    def repeated(self, q, k, v):
+        g = q.shape[1] // k.shape[1]
+        return real(self, q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
+    L.engine_kv_plan.cache_clear()
+    monkeypatch.setattr(VarlenAttention, "forward", repeated)
+    try:
+        assert "the engine's rank 0 cache holds 262,144 B per token" in attempt(L.check_kv_plan, _kv)  # 16 heads, not 4
+    finally:
+        L.engine_kv_plan.cache_clear()
 
 
 def test_kv_plan_checker_stub_and_partial_marks(capsys):

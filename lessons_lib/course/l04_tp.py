@@ -13,7 +13,8 @@ hands to layer 0's out-proj all-reduce). ``vocab_parallel_forward``: the
 model with ``tp.vocab``'s vocab-parallel embedding and tied LM head around its blocks, as a real
 deployment runs it (on ``tp.threads`` ranks, or dry-run on a ``LocalGroup`` stand-in). Exercise checkers: ``check_vocab_trace``
 (04.1, the trace of that forward), ``check_kv_plan`` (04.2, a grouped-query model under TP: which
-K/V heads each rank holds, ``kv_plan``, and what a token costs in its cache), ``check_cut_diagnosis``
+K/V heads each rank holds and what a token costs in its cache, measured on the engine's ranks by
+``engine_kv_plan``), ``check_cut_diagnosis``
 (04.3, name a broken cut from one layer's error, ``cut_evidence``).
 
 Taught in notebooks/04_tp2_invariance.ipynb.
@@ -21,6 +22,7 @@ Taught in notebooks/04_tp2_invariance.ipynb.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
 from ..measure.recorder import module_io
 from ..measure.tolerance import tolerance
+from ..serve.kv_cache import PrefillKVCache
 from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, request_color, request_name
 from ..tp.dryrun import record_trace, trace_signature
 from ..tp.threads import tp_ranks_in_threads
@@ -909,65 +912,87 @@ def check_vocab_trace(fn: Callable[[ModelConfig, list, int], list]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Exercise 04.2: grouped-query attention under TP, which K/V heads each rank holds
+# Exercise 04.2: grouped-query attention under TP, which K/V heads each rank holds, measured on the engine
 
-def kv_plan(n_heads: int, n_kv_heads: int, d_head: int, n_layers: int, tp: int,
-            bytes_per_number: int) -> tuple[list[list[int]], int]:
-    """Grouped-query attention (``n_kv_heads`` K/V heads shared by ``n_heads`` query heads; query
-    head h reads K/V head ``h // (n_heads / n_kv_heads)``) split over ``tp`` ranks by head.
-
-    Returns ``(kv_heads, kv_bytes)``: ``kv_heads[r]``, the K/V heads rank r must hold, which are
-    the ones its contiguous query heads ``[r·H/tp, (r+1)·H/tp)`` read (when tp > n_kv_heads one
-    K/V head is held, REPLICATED, by tp / n_kv_heads ranks); ``kv_bytes``, the bytes of K and V
-    one token adds to one rank's cache over all layers: 2 x heads held x d_head x n_layers x
-    bytes_per_number. tp must divide n_heads, and divide n_kv_heads or be a multiple of it (as
-    vLLM's ``QKVParallelLinear`` requires): otherwise the ranks would hold unequal shares."""
-    h, kv, dh = check_int("n_heads", n_heads, 1), check_int("n_kv_heads", n_kv_heads, 1), check_int("d_head", d_head, 1)
-    layers, tp = check_int("n_layers", n_layers, 1), check_int("tp", tp, 1)
-    nbytes = check_int("bytes_per_number", bytes_per_number, 1)
-    if h % kv:
-        raise ValueError(f"n_kv_heads={kv} must divide n_heads={h}: each K/V head serves n_heads / n_kv_heads query heads")
-    if h % tp:
-        raise ValueError(f"tp={tp} must divide n_heads={h}: every rank gets the same number of query heads")
-    if kv % tp and tp % kv:
-        raise ValueError(f"tp={tp} must divide n_kv_heads={kv} or be a multiple of it: otherwise the ranks would "
-                         f"hold unequal shares of the K/V heads")
-    group, local = h // kv, h // tp
-    heads = [sorted({q // group for q in range(r * local, (r + 1) * local)}) for r in range(tp)]
-    return heads, 2 * len(heads[0]) * dh * layers * nbytes
+_DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32}
 
 
-def engine_kv_plan(cfg: ModelConfig, tp: int, num_tokens: int = 5) -> tuple[list[list[int]], int]:
-    """``kv_plan`` of the course's own model (every head has its own K/V: n_kv_heads = n_heads),
-    MEASURED on the engine: the K heads whose rows ``QKVParallelLinear.shard_rows`` keeps on each
-    stand-in rank (``LocalGroup``), and the bytes a prefill of ``num_tokens`` tokens leaves in
-    that rank's ``serve.kv_cache.PrefillKVCache``, per token."""
-    from ..serve.kv_cache import PrefillKVCache
-    k, n = cfg.qkv_dim, check_int("num_tokens", num_tokens, 1)
-    heads, per_token = [], set()
-    for r in range(tp):
-        model = _stand_in_model(cfg, r, tp)
-        rows = [int(i) for i in model.layers[0].attn.qkv.shard_rows(torch.arange(3 * k))]
-        heads.append(sorted({(i - k) // cfg.d_head for i in rows if k <= i < 2 * k}))
-        cache = PrefillKVCache.for_model(model)
-        step = cache.step(["one"], [0], [n], [True])
-        model(pack([torch.zeros(n, dtype=torch.long)]), kv_cache=step)
-        step.finish()
-        per_token.add(cache.nbytes // n)
-    if len(per_token) != 1:
-        raise RuntimeError(f"the ranks' caches differ per token: {sorted(per_token)}")
-    return heads, per_token.pop()
+@dataclass(frozen=True)
+class KVPlan:
+    """A grouped-query model under TP as the engine runs it (``engine_kv_plan``)."""
+
+    q_heads: tuple          # q_heads[r]: the query heads rank r's QKV shard holds (its Q rows)
+    kv_heads: tuple         # kv_heads[r]: the K/V heads it holds (its K rows; V is cut the same way)
+    bytes_per_token: int    # bytes of K and V one prefilled token leaves in ONE rank's cache, all layers
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold rank 0's first K/V head: 1, or tp / n_kv_heads when tp > n_kv_heads."""
+        return sum(self.kv_heads[0][0] in held for held in self.kv_heads)
 
 
-_CFG_KV = ModelConfig(vocab_size=64, max_position=64)  # the article's model: 8 heads of 64, 8 layers
-# (n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number): Llama-3-8B-like at tp = 2 and 8, a
-# 70B-like at tp = 16 (more ranks than K/V heads), one K/V head for all (multi-query), groups of 3.
+def _rank_models(cfg: ModelConfig, tp: int, ranks: Sequence[int]) -> list[Transformer]:
+    zero = torch.zeros((), dtype=cfg.dtype)     # one number seen as every full weight: nothing allocated
+    zeros = {name: zero.expand(shape) for name, shape in cfg.weight_shapes().items()}
+    return [Transformer(cfg, zeros, group=LocalGroup(r, tp), attn_backend="sdpa") for r in ranks]
+
+
+def _prefill_bytes(model: Transformer, num_tokens: int) -> int:
+    """The bytes one prefill of ``num_tokens`` tokens leaves in the model's ``PrefillKVCache``."""
+    cache = PrefillKVCache.for_model(model)
+    step = cache.step(["prompt"], [0], [num_tokens], [True])
+    with torch.no_grad():
+        model(pack([torch.zeros(num_tokens, dtype=torch.long)]), kv_cache=step)
+    step.finish()
+    return cache.nbytes
+
+
+@functools.lru_cache(maxsize=32)  # the checker and the lesson ask for the same few models again and again
+def engine_kv_plan(n_heads: int, n_kv_heads: int, d_head: int, n_layers: int, tp: int, bytes_per_number: int,
+                   num_tokens: int = 3) -> KVPlan:
+    """A grouped-query model (``n_kv_heads`` K/V heads for ``n_heads`` query heads) split over ``tp``
+    ranks, MEASURED on the engine: each rank r is the engine's model built with
+    ``ModelConfig(n_heads, n_kv_heads, d_head, ...)`` on a stand-in rank ``LocalGroup(r, tp)``.
+
+    Its heads are the rows of an index tensor that its layer-0 ``QKVParallelLinear.shard_rows`` keeps
+    (query head i owns rows ``[i·D, (i+1)·D)`` of Q, K/V head j rows ``[j·D, (j+1)·D)`` of K). Its cache
+    is what a prefill of ``num_tokens`` tokens leaves in its ``serve.kv_cache.PrefillKVCache``:
+    every rank is measured with one layer (the same on every rank, else RuntimeError), rank 0 also at
+    the full ``n_layers``, which gives ``bytes_per_token``. The models are as small as the question
+    allows (d_model 8, zero weights, a vocabulary of 8): neither the width nor the weights change which rows
+    a rank keeps or how many numbers it caches per head. ``bytes_per_number``: 2 (bfloat16) or 4
+    (float32). A tp the engine cannot split raises the engine's ValueError."""
+    check_choice("bytes_per_number", bytes_per_number, tuple(_DTYPE_OF_BYTES))
+    n = check_int("num_tokens", num_tokens, 1)
+    cfg = ModelConfig(n_layers=n_layers, d_model=8, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head,
+                      d_ffn=check_int("tp", tp, 1), vocab_size=8, max_position=n, dtype=_DTYPE_OF_BYTES[bytes_per_number])
+    q_heads, kv_heads, per_layer = [], [], set()
+    for model in _rank_models(dataclasses.replace(cfg, n_layers=1), tp, range(tp)):
+        qkv = model.layers[0].attn.qkv
+        q_rows = qkv.n_heads * qkv.d_head                               # rows [Q | K | V] of the full weight
+        rows = qkv.shard_rows(torch.arange(q_rows + 2 * qkv.n_kv_heads * qkv.d_head)).tolist()
+        q_heads.append(tuple(sorted({i // qkv.d_head for i in rows if i < q_rows})))
+        kv_heads.append(tuple(sorted({(i - q_rows) // qkv.d_head for i in rows
+                                      if q_rows <= i < q_rows + qkv.n_kv_heads * qkv.d_head})))
+        per_layer.add(_prefill_bytes(model, n))
+    if len(per_layer) != 1:
+        raise RuntimeError(f"the ranks' one-layer caches differ: {sorted(per_layer)} B for {n} tokens")
+    full = _prefill_bytes(_rank_models(cfg, tp, [0])[0], n)
+    return KVPlan(tuple(q_heads), tuple(kv_heads), full // n)
+
+
+# (n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number): Llama-3-8B-like at tp = 2 and 8, a 70B-like
+# at tp = 16 (more ranks than K/V heads), one K/V head for all (multi-query), groups of 3, and the course's
+# own model (every head its own K/V, float32) at tp = 2.
 _KV_CASES = ((32, 8, 128, 32, 2, 2), (32, 8, 128, 32, 8, 2), (64, 8, 128, 80, 16, 2), (16, 1, 64, 24, 4, 2),
-             (12, 4, 64, 10, 2, 4))
-_KV_ENGINE = "the course's model (8 heads, each its own K/V) at tp = 2, measured on the engine"
+             (12, 4, 64, 10, 2, 4), (8, 8, 64, 8, 2, 4))
 
 
-def _kv_problem(got, want, h, kv, dh, layers, tp, nbytes) -> str | None:
+def _heads_text(heads: Sequence[int]) -> str:
+    return f"{heads[0]}-{heads[-1]}" if len(heads) > 1 else f"{heads[0]}"
+
+
+def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes) -> str | None:
     try:
         heads = [sorted(int(x) for x in rank) for rank in got[0]]
         total = got[1]
@@ -976,64 +1001,49 @@ def _kv_problem(got, want, h, kv, dh, layers, tp, nbytes) -> str | None:
         total = int(total)
     except (TypeError, ValueError, IndexError):
         return f"expected (kv_heads, kv_bytes): a list of K/V head lists, one per rank, and an int; got {got!r}"[:300]
-    want_heads, want_bytes = want
-    group, local = h // kv, h // tp
     if len(heads) != tp:
         return f"{len(heads)} lists of K/V heads, expected one per rank: tp = {tp}"
-    for r, (mine, right) in enumerate(zip(heads, want_heads)):
-        if mine == right:
+    group = h // kv
+    for r, (mine, right, q) in enumerate(zip(heads, plan.kv_heads, plan.q_heads)):
+        if mine == list(right):
             continue
-        q = f"query heads {r * local}-{(r + 1) * local - 1}"
+        ask = f"the engine's rank {r} holds query heads {_heads_text(q)} and K/V heads {list(right)}"
         if not mine:
-            return (f"rank {r} holds no K/V head, but its {q} read K/V head {right[0]} (query head q reads K/V head "
-                    f"q // (n_heads / n_kv_heads) = q // {group}). With tp = {tp} > n_kv_heads = {kv}, "
-                    f"n_kv_heads // tp is 0: each K/V head must be REPLICATED on tp / n_kv_heads = {tp // kv} ranks")
-        strided = sorted(range(r, kv, tp)) if tp <= kv else None
-        if strided is not None and mine == strided != right:
-            return (f"rank {r}: K/V heads {mine} (every tp-th), but its {q} are a contiguous range and read K/V heads "
-                    f"{right}: q // {group} for each of them")
-        return f"rank {r}: K/V heads {mine}, but its {q} read K/V heads {right} (query head q reads K/V head q // {group})"
-    if total == want_bytes:
+            return (f"rank {r} holds no K/V head, but {ask} (query head q reads K/V head q // (n_heads / n_kv_heads) "
+                    f"= q // {group}). With tp = {tp} > n_kv_heads = {kv}, n_kv_heads // tp is 0: each K/V head must "
+                    f"be REPLICATED, here on {plan.replicas} ranks")
+        if tp <= kv and mine == list(range(r, kv, tp)):
+            return (f"rank {r}: K/V heads {mine} (every tp-th), but {ask}: its query heads are a contiguous range, "
+                    f"and q // {group} of each of them is its K/V head")
+        return f"rank {r}: K/V heads {mine}, but {ask} (query head q reads K/V head q // {group})"
+    want, held, local = plan.bytes_per_token, len(plan.kv_heads[0]), len(plan.q_heads[0])
+    if total == want:
         return None
-    held = len(want_heads[0])
-    hints = [(want_bytes // 2, "that is K alone: the cache keeps K AND V, two numbers per head per dimension"),
-             (want_bytes // layers, f"that is one layer: every one of the {layers} layers caches its own K and V"),
-             (want_bytes // nbytes, f"that counts numbers, not bytes: x {nbytes} bytes per number"),
-             (2 * local * dh * layers * nbytes, f"that counts the rank's {local} query heads: the cache holds K/V "
-                                                f"heads, {held} on each rank"),
-             (2 * kv * dh * layers * nbytes, f"that is every K/V head: a rank caches only the {held} it holds")]
-    if tp > kv:
-        hints.append((2 * kv * dh * layers * nbytes // tp, f"a replicated head is stored whole on each of the "
-                                                             f"{tp // kv} ranks that hold it: a rank's share cannot "
-                                                             f"shrink below one head"))
+    hints = [(want // 2, "that is K alone: the cache keeps K AND V, two numbers per head per dimension"),
+             (want // layers, f"that is one layer: every one of the {layers} layers caches its own K and V"),
+             (want // nbytes, f"that counts numbers, not bytes: x {nbytes} bytes per number"),
+             (want * local // held, f"that counts the rank's {local} query heads: the cache holds K/V heads, {held} "
+                                    f"on each rank"),
+             (want * kv // held, f"that is every K/V head: a rank caches only the {held} it holds")]
+    if plan.replicas > 1:
+        hints.append((want * kv // tp, f"a replicated head is stored whole on each of the {plan.replicas} ranks "
+                                       f"that hold it: a rank's share cannot shrink below one head"))
     hint = "; or ".join(dict.fromkeys(text for value, text in hints if value == total))
-    return (f"kv_bytes = {total:,}, expected {want_bytes:,} = 2 x {held} head(s) x d_head {dh} x {layers} layers x "
-            f"{nbytes} B" + (f": {hint}" if hint else ""))
+    return (f"kv_bytes = {total:,}, but the engine's rank 0 cache holds {want:,} B per token (a prefill, measured) "
+            f"= 2 x {held} K/V head(s) x d_head {dh} x {layers} layers x {nbytes} B" + (f": {hint}" if hint else ""))
 
 
 def check_kv_plan(fn: Callable[[int, int, int, int, int, int], tuple]) -> bool:
     """Exercise 04.2: ``fn(n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number) ->
     (kv_heads, kv_bytes)``: the K/V heads each rank holds (one list per rank) and the bytes of K and
-    V one token adds to a rank's cache, all layers. Compared with ``kv_plan`` on grouped-query
-    models (tp below, equal to and above the K/V heads, one K/V head for all), then on the course's
-    own model, whose answer is measured on the engine (``engine_kv_plan``)."""
-    cases = [tuple(c) for c in _KV_CASES] + [(_KV_ENGINE,)]
-
-    def run(*case):
-        if case[0] == _KV_ENGINE:
-            c = _CFG_KV
-            return fn(c.n_heads, c.n_heads, c.d_head, c.n_layers, 2, c.dtype.itemsize)
-        return fn(*case)
-
+    V one token adds to a rank's cache, all layers. Compared with the engine (``engine_kv_plan``: the
+    rows each rank's QKV shard keeps and what a prefill leaves in its cache) on grouped-query models
+    (tp below, equal to and above the K/V heads, one K/V head for all, groups of 3) and the course's own model."""
     def judge(got, *case):
-        if case[0] == _KV_ENGINE:
-            c = _CFG_KV
-            return _kv_problem(got, engine_kv_plan(c, 2), c.n_heads, c.n_heads, c.d_head, c.n_layers, 2,
-                               c.dtype.itemsize)
-        return _kv_problem(got, kv_plan(*case), *case)
-    return grade("kv_plan", fn=run, cases=cases, judge=judge,
-                 done="tp below, equal to and above the K/V heads, multi-query, and the course's model on the engine")
-
+        return _kv_problem(got, engine_kv_plan(*case), *case)
+    return grade("kv_plan", fn, [tuple(c) for c in _KV_CASES], judge,
+                 "the engine's ranks and caches: tp below, equal to and above the K/V heads, multi-query, groups of 3, "
+                 "the course's model")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1122,7 +1132,7 @@ def check_cut_diagnosis(fn: Callable[[Tensor, Tensor, float, int], str]) -> bool
 __all__ = ["RankLayer", "rank_layers", "layer0_attention", "two_axes_figure", "tp_trace_timeline", "packing_lens",
            "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_packing_figure", "tp_packing_explorer",
            "trace_shapes", "vocab_parallel_forward",
-           "vocab_parallel_trace", "check_vocab_trace", "kv_plan", "engine_kv_plan", "check_kv_plan",
+           "vocab_parallel_trace", "check_vocab_trace", "KVPlan", "engine_kv_plan", "check_kv_plan",
            "explorer_batch", "out_proj_partials", "tp_ranks_html", "apply_cut", "threaded_forward", "CUTS",
            "ENGINE_CUT", "NAIVE_CUT", "BIAS_CUT", "TP_SIZES", "CAUGHT", "rank_partials", "cut_evidence",
            "check_cut_diagnosis"]
