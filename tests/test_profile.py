@@ -48,3 +48,19 @@ def test_random_qkv_shapes():
     q, k, v, cu = profile.random_qkv([3, 4], 2, 8)
     assert q.shape == k.shape == v.shape == (7, 2, 8)
     assert cu.tolist() == [0, 3, 7] and cu.dtype == torch.int32
+
+
+def test_linear_layers_sampler_measures_and_validates():
+    sample = profile.linear_layers_sampler([5, 9], [(16, 48), (16, 16), (16, 64), (64, 16)], repeats=1)
+    assert sample() > 0 and sample() > 0  # reusable: inputs drawn once
+    with pytest.raises(ValueError, match="repeats"):
+        profile.linear_layers_sampler([4], [(8, 8)], repeats=0)
+    with pytest.raises(ValueError, match="tokens"):
+        profile.linear_layers_sampler([], [(8, 8)])
+
+
+def test_top_ops_sees_a_matmul():
+    a = torch.randn(256, 256)
+    ops = profile.top_ops(lambda: (a @ a).relu(), n=3)
+    names = [name for name, _, _ in ops]
+    assert "aten::mm" in names and all(0 <= share <= 1 for _, _, share in ops)

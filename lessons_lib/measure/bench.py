@@ -2,6 +2,7 @@
 
     python3 -m lessons_lib.measure.bench            # full run (a few minutes on 2 cores) -> bench/results/
     python3 -m lessons_lib.measure.bench --quick    # tiny config smoke run (seconds)
+    python3 -m lessons_lib.measure.bench --profile --workloads long-tail   # top operators of varlen's forward
 
 In ONE process, with ONE set of weights (a Hugging Face ``GPT2Model`` converted with
 ``hf.full_weights_from_hf``) and the SAME requests per workload, it times:
@@ -17,9 +18,18 @@ In ONE process, with ONE set of weights (a Hugging Face ``GPT2Model`` converted 
 Every method's last-token hidden states are checked against varlen's. Reported per method:
 tokens/s, speedup of varlen (``time(method) / time(varlen)``), the speedup the FLOP counts
 predict (``executed FLOPs(method) / executed FLOPs(varlen)``), and efficiency = useful FLOPs
-/ (time × GEMM peak), where each timed run is paired with a ``[T × d_model] @ [d_model ×
-d_ffn]`` matmul timed right beside it, in the same dtype, and the median of those paired
-ratios is reported (a busy neighbour slows both; the ratio stays).
+/ (time × GEMM peak).
+
+The GEMM peak is measured on the model's OWN linear layers: one block's four matmuls (QKV, out
+proj, FFN-up, FFN-down, with bias, the run's dtype) on each of the workload's batch sizes, alone,
+fastest of 2 passes (``profile.linear_layers_sampler``). One sample is taken before a workload's
+first run and one after every run, so every timed run sits between two samples; its peak is the
+faster of the two (a busy neighbour must slow both to inflate it) and its efficiency is
+``useful / (time × that peak)``. Reported: the median over a method's runs, the min and max, and
+every run with its two samples. 1.0 would be a forward as fast as its matmuls alone; a run above
+1.0 is flagged (``above_peak``, and in the log), never clipped. (The earlier reference, one
+``[4096 × 512] @ [512 × 2048]`` matmul sampled once before each run, ran slower than the model's
+own shapes at T ≈ 2,000, and one sample could catch a busy moment the run missed: a run read 1.43.)
 
 Also: 1,000 requests of 4 tokens in one batch, varlen against padded (equal lengths: padding
 adds no work, so the difference is what varlen's per-request handling costs), and two
@@ -27,7 +37,10 @@ attention-only sweeps of masked vs varlen, time and peak bytes: R requests of fi
 and fixed total tokens split into R requests (C14). ``--device`` / ``--dtype`` choose where
 (default: CUDA + bfloat16 with a GPU, else the CPU + float32).
 
-Writes ``bench.json`` (schema ``lessons_lib.bench/1``) and PNG plots. Timings are measured
+``--profile``: no benchmark; where varlen's time goes on each workload, the operators with the
+most self CPU time (``torch.profiler``), one pass after a warm-up.
+
+Writes ``bench.json`` (schema ``lessons_lib.bench/2``) and PNG plots. Timings are measured
 and vary run to run; tests check the JSON's structure and arithmetic, never a timing.
 
 Taught in notebooks/06_prefill_engine.ipynb.
@@ -53,10 +66,10 @@ from ..serve.scheduler import plan_batches
 from ..serve.workloads import fixed_total_mixes, make_requests, workload_lengths
 from ..validate import dtype_name
 from .bench_report import METHODS, TARGET_EFFICIENCY, summary_markdown, write_plots
-from .flops import attention_cells, forward_flops
-from .profile import matmul_throughput, measure_attention
+from .flops import attention_cells, forward_flops, linear_shapes
+from .profile import linear_layers_sampler, measure_attention, top_ops
 
-SCHEMA = "lessons_lib.bench/1"
+SCHEMA = "lessons_lib.bench/2"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "bench" / "results"
 # Which engine method's FLOP accounting each HF run matches (what it executes).
@@ -80,6 +93,7 @@ class Plan:
     sweep_total: int           # C14: fixed total tokens
     sweep_mix_rs: list         # C14: numbers of requests sharing the total
     max_padded_bytes: int      # skip a padded run whose [R, H, Lmax, Lmax] scores would exceed this
+    gemm_repeats: int = 2      # passes per GEMM-peak sample (fastest kept)
     seed: int = 0
     quick: bool = False
     device: torch.device = torch.device("cpu")
@@ -112,10 +126,29 @@ def quick_plan() -> Plan:
 
 
 # ---- measurement helpers ---------------------------------------------------------------------
-def gemm_peak(plan: Plan, cfg: ModelConfig) -> float:
-    """FLOP/s of the budget-sized ``[T × d_model] @ [d_model × d_ffn]`` matmul in the run's dtype, fastest of 10."""
-    return matmul_throughput(plan.max_num_batched_tokens, cfg.d_model, cfg.d_ffn, repeats=10, device=plan.device,
-                             dtype=plan.dtype) * 1e9
+def gemm_sampler(plan: Plan, batch_tokens: list[int]):
+    """``sample() -> FLOP/s``: one layer's linear matmuls of ``plan.cfg`` on these batch sizes, alone (see the doc)."""
+    return linear_layers_sampler(batch_tokens, linear_shapes(plan.cfg), repeats=plan.gemm_repeats, device=plan.device,
+                                 dtype=plan.dtype, seed=plan.seed)
+
+
+def timed_between_samples(runners: dict, repeats: int, sample, skip=lambda m, rep, times: False, device="cpu"):
+    """Run every runner ``repeats`` times, interleaved, with a GEMM-peak sample before the first run and after
+    every run. Returns ``(times, pairs, outputs, samples)``: per method its run times (s), per run the
+    ``(sample before, sample after)`` FLOP/s, its last output, and all samples in time order.
+    ``skip(method, rep, times)``: leave this run out (a slow baseline)."""
+    times, pairs, outs, samples = {m: [] for m in runners}, {m: [] for m in runners}, {}, [sample()]
+    for rep in range(repeats):
+        for m, run in runners.items():
+            if skip(m, rep, times):
+                continue
+            t0 = time.perf_counter()
+            outs[m] = run()
+            synchronize(device)
+            times[m].append(time.perf_counter() - t0)
+            samples.append(sample())
+            pairs[m].append((samples[-2], samples[-1]))
+    return times, pairs, outs, samples
 
 
 def _read_status_kib(key: str) -> int:
@@ -266,20 +299,11 @@ def bench_workload(plan: Plan, weights, hf, name: str, lengths: list[int], peaks
             continue
         runners[m] = _engine_runner(plan, weights, m, reqs) if m in ("varlen", "masked", "padded") \
             else _hf_runner(hf, m, reqs, batches)
-    times, paired = {m: [] for m in runners}, {m: [] for m in runners}
-    outs = {}
-    for rep in range(plan.repeats):
-        for m, run in runners.items():
-            if rep and times[m][0] > plan.slow_s * (1 if rep >= 2 else 3):
-                continue  # a slow baseline is long enough to average out noise; its gap is large
-            # A GEMM sample right beside every timed run: both see the same neighbours on a shared
-            # machine, so their ratio (the efficiency) moves far less than either alone.
-            paired[m].append(gemm_peak(plan, cfg))
-            peaks.append(paired[m][-1])
-            t0 = time.perf_counter()
-            outs[m] = run()
-            synchronize(plan.device)
-            times[m].append(time.perf_counter() - t0)
+    # a slow baseline is long enough to average out noise, and its gap is large: fewer runs
+    times, pairs, outs, samples = timed_between_samples(
+        runners, plan.repeats, gemm_sampler(plan, [sum(b) for b in blens]),
+        skip=lambda m, rep, t: rep and t[m][0] > plan.slow_s * (1 if rep >= 2 else 3), device=plan.device)
+    peaks += samples
     useful = forward_flops(cfg, lengths, "varlen", causal=True, useful_only=True).total
     executed = {m: (sum(forward_flops(cfg, b, FLOP_METHOD[m], causal=True).total for b in blens)
                     if m != "hf_one_at_a_time" else forward_flops(cfg, lengths, "varlen", causal=True).total)
@@ -287,7 +311,7 @@ def bench_workload(plan: Plan, weights, hf, name: str, lengths: list[int], peaks
     rec = {"num_requests": len(lengths), "num_tokens": sum(lengths), "min_len": min(lengths),
            "median_len": statistics.median(lengths), "max_len": max(lengths), "num_batches": len(batches),
            "batch_tokens": [sum(b) for b in blens], "batch_seqs": [len(b) for b in blens],
-           "flops_useful": useful, "methods": {}}
+           "flops_useful": useful, "gemm_samples": samples, "methods": {}}
     t_var = min(times["varlen"])
     for m in METHODS:
         if m not in runners:
@@ -296,21 +320,27 @@ def bench_workload(plan: Plan, weights, hf, name: str, lengths: list[int], peaks
         t = min(times[m])
         rec["methods"][m] = {
             "time_s": t, "times_s": times[m], "tokens_per_s": sum(lengths) / t,
-            "flops_executed": executed[m], **paired_efficiency(useful, times[m], paired[m]),
+            "flops_executed": executed[m], **paired_efficiency(useful, times[m], pairs[m]),
             "speedup_of_varlen": t / t_var, "predicted_speedup": executed[m] / executed["varlen"],
             "max_abs_diff_vs_varlen": (outs[m].float() - outs["varlen"].float()).abs().max().item()}
     log(_table(name, rec))
     return rec
 
 
-def paired_efficiency(useful_flops: int, times: list[float], gemm_samples: list[float]) -> dict:
-    """Efficiency of each timed run against the GEMM sample taken right beside it, and their median.
+def paired_efficiency(useful_flops: int, times: list[float], gemm_pairs: list[tuple[float, float]]) -> dict:
+    """Efficiency of each timed run against the faster of the two GEMM samples around it; median, min, max.
 
-    ``useful_flops / (time_i × gemm_i)``: a busy neighbour slows both the run and its sample, so
-    the ratio holds where dividing by the whole run's fastest sample would not.
+    ``useful_flops / (time_i × max(before_i, after_i))``: a neighbour that slows the run usually slows a
+    sample beside it too, so the ratio holds where the whole benchmark's fastest sample would not; taking
+    the faster of the two means one slowed sample cannot inflate it. ``above_peak``: some run read above
+    1.0, i.e. faster than its own matmuls alone (both samples were slowed and the run was not).
     """
-    runs = [useful_flops / (t * p) for t, p in zip(times, gemm_samples)]
-    return {"efficiency": statistics.median(runs), "efficiency_runs": runs, "gemm_samples": gemm_samples}
+    if len(times) != len(gemm_pairs) or not times:
+        raise ValueError(f"need one (before, after) GEMM pair per timed run, got {len(gemm_pairs)} for {len(times)}")
+    peaks = [max(pair) for pair in gemm_pairs]
+    runs = [useful_flops / (t * p) for t, p in zip(times, peaks)]
+    return {"efficiency": statistics.median(runs), "efficiency_min": min(runs), "efficiency_max": max(runs),
+            "efficiency_runs": runs, "gemm_pairs": [list(pair) for pair in gemm_pairs], "above_peak": max(runs) > 1.0}
 
 
 def _table(name: str, rec: dict) -> str:
@@ -322,7 +352,9 @@ def _table(name: str, rec: dict) -> str:
             lines.append(f"  {m:<17}{r['skipped']}")
             continue
         lines.append(f"  {m:<17}{r['time_s']:>9.3f}{r['tokens_per_s']:>10.0f}{r['speedup_of_varlen']:>10.2f}"
-                     f"{r['predicted_speedup']:>11.2f}{r['efficiency']:>7.2f}{r['max_abs_diff_vs_varlen']:>10.1e}")
+                     f"{r['predicted_speedup']:>11.2f}{r['efficiency']:>7.2f}{r['max_abs_diff_vs_varlen']:>10.1e}"
+                     f"  eff {r['efficiency_min']:.2f}-{r['efficiency_max']:.2f}"
+                     + ("  ABOVE 1.0: its GEMM samples were slowed" if r["above_peak"] else ""))
     return "\n".join(lines)
 
 
@@ -339,21 +371,16 @@ def bench_tiny(plan: Plan, weights, peaks: list[float], log=print) -> dict:
     engines = {m: Engine(cfg, weights=weights, method=m, compute_logits=False, progress=False,
                          max_num_batched_tokens=max(n * length, 1), max_num_seqs=n, device=plan.device,
                          dtype=plan.dtype) for m in ("varlen", "padded")}
-    times, paired = {m: [] for m in engines}, {m: [] for m in engines}
     for eng in engines.values():
         eng.prefill(reqs[:2])  # warm-up
-    for _ in range(max(plan.repeats, 3)):
-        for m, eng in engines.items():
-            paired[m].append(gemm_peak(plan, cfg))
-            t0 = time.perf_counter()
-            eng.prefill(reqs)
-            synchronize(plan.device)
-            times[m].append(time.perf_counter() - t0)
-    peaks += paired["varlen"] + paired["padded"]
+    times, pairs, _, samples = timed_between_samples({m: (lambda e=e: e.prefill(reqs)) for m, e in engines.items()},
+                                                     max(plan.repeats, 3), gemm_sampler(plan, [n * length]),
+                                                     device=plan.device)
+    peaks += samples
     useful = forward_flops(cfg, [length] * n, "varlen", causal=True, useful_only=True).total
-    rec = {"num_requests": n, "tokens_each": length,
+    rec = {"num_requests": n, "tokens_each": length, "flops_useful": useful, "gemm_samples": samples,
            "methods": {m: {"time_s": min(t), "times_s": t, "tokens_per_s": n * length / min(t),
-                           **paired_efficiency(useful, t, paired[m])} for m, t in times.items()}}
+                           **paired_efficiency(useful, t, pairs[m])} for m, t in times.items()}}
     t_var, t_pad = rec["methods"]["varlen"]["time_s"], rec["methods"]["padded"]["time_s"]
     rec["padded_over_varlen"] = t_pad / t_var
     rec["per_request_overhead_s"] = (t_var - t_pad) / n
@@ -417,9 +444,30 @@ def checks(result: dict) -> dict:
     out["tiny_varlen_vs_padded"] = {"padded_over_varlen": tiny["padded_over_varlen"], "required": 1.0,
                                     "per_request_overhead_us": tiny["per_request_overhead_s"] * 1e6,
                                     "holds": tiny["padded_over_varlen"] >= 1.0}
-    if "long-tail" in result["workloads"]:
-        eff = result["workloads"]["long-tail"]["methods"]["varlen"]["efficiency"]
-        out["efficiency_long_tail"] = {"value": eff, "target": TARGET_EFFICIENCY, "holds": eff >= TARGET_EFFICIENCY}
+    for name, w in result["workloads"].items():
+        var = w["methods"]["varlen"]
+        out[f"efficiency_{name}"] = {"value": var["efficiency"], "min": var["efficiency_min"], "max": var["efficiency_max"],
+                                     "target": TARGET_EFFICIENCY, "holds": var["efficiency"] >= TARGET_EFFICIENCY}
+    above = [f"{name}/{m}" for name, w in result["workloads"].items() for m, r in w["methods"].items()
+             if r.get("above_peak")] + [f"tiny/{m}" for m, r in tiny["methods"].items() if r["above_peak"]]
+    out["no_run_above_gemm_peak"] = {"runs_above": above, "holds": not above}
+    return out
+
+
+def profile_workloads(plan: Plan, names: list[str], top: int = 8, log=print) -> dict:
+    """Varlen's top operators by self CPU time on each workload: ``{name: [(op, seconds, share), ...]}``.
+
+    One engine pass over the workload's requests under ``torch.profiler``, after a warm-up pass; the
+    engine's own random weights (the shapes, not the values, set the time)."""
+    out = {}
+    for name in names:
+        n, kw = plan.workloads[name]
+        run = _engine_runner(plan, None, "varlen", make_requests(workload_lengths(name, n, seed=plan.seed, **kw),
+                                                                 plan.cfg.vocab_size, seed=plan.seed + 1))
+        run()
+        out[name] = top_ops(run, top, plan.device)
+        log(f"\n{name}: varlen, self CPU time of one pass, top {top} operators")
+        log("\n".join(f"  {op:<52}{sec * 1e3:9.1f} ms {share:6.1%}" for op, sec, share in out[name]))
     return out
 
 
@@ -435,7 +483,7 @@ def run(plan: Plan, out_dir: pathlib.Path, command: str, workloads=None, methods
     hf = make_hf_gpt2(cfg, attn_implementation="sdpa", seed=plan.seed).requires_grad_(False)
     weights = full_weights_from_hf(hf.state_dict(), cfg.n_layers)  # one set of weights for all six runs
     hf = hf.to(plan.device, plan.dtype)
-    peaks = [gemm_peak(plan, cfg)]
+    peaks = []
     result = {"schema": SCHEMA, "command": command, "quick": plan.quick, "machine": machine_info(plan),
               "config": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(cfg).items()},
               "scheduler": {"max_num_batched_tokens": plan.max_num_batched_tokens, "max_num_seqs": plan.max_num_seqs,
@@ -455,10 +503,12 @@ def run(plan: Plan, out_dir: pathlib.Path, command: str, workloads=None, methods
         result["workloads"][name] = rec
     result["tiny_requests"] = bench_tiny(plan, weights, peaks, log)
     result["sweeps"] = sweeps(plan, log) if do_sweeps else {}
-    result["gemm_peak"] = {"shape": [plan.max_num_batched_tokens, cfg.d_model, cfg.d_ffn], "dtype": dtype_name(plan.dtype),
+    result["gemm_peak"] = {"linear_shapes": [list(s) for s in linear_shapes(cfg)], "dtype": dtype_name(plan.dtype),
                            "flops_per_s": max(peaks), "median_flops_per_s": statistics.median(peaks), "samples": peaks,
-                           "how": "fastest of 10 F.linear calls, sampled right before every timed run; each run's "
-                                  "efficiency divides by its own sample, and the median over runs is reported"}
+                           "how": f"one block's linear layers (F.linear with bias) on each of the workload's batch sizes, "
+                                  f"alone, fastest of {plan.gemm_repeats} passes; a sample before a workload's first run "
+                                  "and after every run; each run's efficiency divides by the faster of the two samples "
+                                  "around it, and the median over runs is reported with its min and max"}
     final = max(peaks)
     result["checks"] = checks(result)
     result["wall_s"] = time.perf_counter() - t_start
@@ -480,6 +530,7 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default=None, help="comma-separated subset of " + ",".join(full_plan().workloads))
     p.add_argument("--repeats", type=int, default=None, help="timed runs per method (fastest kept)")
     p.add_argument("--no-sweeps", action="store_true", help="skip the attention sweeps and plots")
+    p.add_argument("--profile", action="store_true", help="no benchmark: varlen's top operators (self CPU) per workload")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is present)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default: bfloat16 on CUDA, float32 on the CPU")
@@ -496,6 +547,9 @@ def main(argv=None) -> int:
         bad = [w for w in names if w not in plan.workloads]
         if bad:
             p.error(f"unknown workload(s) {bad}; choose from {list(plan.workloads)}")
+    if args.profile:
+        profile_workloads(plan, names or list(plan.workloads))
+        return 0
     command = "python3 -m lessons_lib.measure.bench" + ("" if argv is None and len(sys.argv) < 2 else " " + " ".join(
         argv if argv is not None else sys.argv[1:]))
     run(plan, pathlib.Path(args.out), command.strip(), names, do_sweeps=not args.no_sweeps)

@@ -10,6 +10,8 @@ of ``flops``; tests never assert a timing.
 - ``forward_time_split``: a model forward split into linear layers, attention and the rest,
   on the model's device (claim C14's measured counterpart).
 - ``matmul_throughput``: GFLOP/s of one linear layer against the token count (claim C13).
+- ``linear_layers_sampler``: the benchmark's GEMM peak, a model's own linear layers on a workload's batches.
+- ``top_ops``: the operators a call spends its CPU time in (``torch.profiler`` self CPU shares).
 
 Taught in notebooks/03_masked_vs_varlen_attention.ipynb and notebooks/05_flop_regimes.ipynb.
 """
@@ -208,3 +210,41 @@ def matmul_throughput(tokens: int, d_in: int = 512, d_out: int = 2048, repeats: 
     w = torch.randn(d_out, d_in, generator=g).to(device=device, dtype=dtype)
     seconds = time_call(lambda: F.linear(x, w), repeats=repeats, device=device)
     return 2 * tokens * d_in * d_out / seconds / 1e9
+
+
+def linear_layers_sampler(tokens: Sequence[int], shapes: Sequence[tuple[int, int]], *, repeats: int = 2, device="cpu",
+                          dtype: torch.dtype = torch.float32, seed: int = 0) -> Callable[[], float]:
+    """A GEMM-peak sampler on a model's OWN linear layers: ``sample()`` → FLOP/s (fastest of ``repeats`` passes).
+
+    One pass runs ``F.linear`` with a bias for every ``(d_in, d_out)`` of ``shapes`` (one block's layers,
+    ``flops.linear_shapes``) on ``[T, d_in]`` random rows, for every ``T`` of ``tokens`` (a workload's batch
+    sizes): the matmuls of one layer of the forward, nothing else, on ``device`` in ``dtype``. Inputs and
+    weights are drawn once, here; every sample reuses them, as the model's layers reuse theirs.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if not tokens or min(tokens) < 1:
+        raise ValueError(f"tokens must be a non-empty list of batch sizes >= 1, got {list(tokens)}")
+    g = torch.Generator().manual_seed(seed)
+    rows = {d_in: torch.randn(max(tokens), d_in, generator=g).to(device=device, dtype=dtype) for d_in, _ in shapes}
+    layers = [(torch.randn(d_out, d_in, generator=g).mul_(0.02).to(device=device, dtype=dtype),
+               torch.randn(d_out, generator=g).to(device=device, dtype=dtype)) for d_in, d_out in shapes]
+    flops = 2 * sum(tokens) * sum(d_in * d_out for d_in, d_out in shapes)
+
+    def one_layer():
+        for t in tokens:
+            for (d_in, _), (w, b) in zip(shapes, layers):
+                F.linear(rows[d_in][:t], w, b)
+
+    def sample() -> float:
+        return flops / time_call(one_layer, repeats=repeats, warmup=0, device=device)
+    return sample
+
+
+def top_ops(fn: Callable[[], object], n: int = 8, device="cpu") -> list[tuple[str, float, float]]:
+    """Where one call of ``fn`` spends its time: the ``n`` operators with the most self CPU time, as
+    ``(name, seconds, share of all self CPU time)``, from ``torch.profiler`` (run ``fn`` once before, warm)."""
+    events = _profile(fn, memory=False, device=device).key_averages()
+    total = sum(ev.self_cpu_time_total for ev in events)
+    top = sorted(events, key=lambda ev: ev.self_cpu_time_total, reverse=True)[:n]
+    return [(ev.key, ev.self_cpu_time_total / 1e6, ev.self_cpu_time_total / total) for ev in top]
