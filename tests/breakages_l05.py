@@ -51,3 +51,18 @@ def _one_request_at_a_time():
         return torch.cat([real(self, p, attn_backend=attn_backend) for p in parts])
 
     model.Transformer.forward = forward
+
+
+@breaks("C15", "05_flop_regimes", "the attention core repeats K and V for every query head of its group before the "
+        "KV cache (a repeat_kv in the wrong place): the output is unchanged, but the cache holds n_heads K/V heads per "
+        "token instead of n_kv_heads", variant="gqa")
+def _kv_repeated_per_query_head():
+    from lessons_lib.core import model
+
+    real = model.VarlenAttention.forward
+
+    def forward(self, q, k, v):
+        g = q.shape[1] // k.shape[1]
+        return real(self, q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
+
+    model.VarlenAttention.forward = forward

@@ -15,10 +15,10 @@ from matplotlib.text import Text
 from lessons_lib.core.attention import varlen_attention
 from lessons_lib.core.batch import pack, seq_lens_to_cu_seqlens
 from lessons_lib.core.config import ModelConfig
-from lessons_lib.core.model import Transformer
+from lessons_lib.core.model import Transformer, VarlenAttention
 from lessons_lib.course import l05_flops as L
 from lessons_lib.course.grading import score
-from lessons_lib.measure.flops import attention_cells, forward_flops, linear_intensity
+from lessons_lib.measure.flops import attention_cells, forward_flops, kv_cache_bytes, linear_intensity
 from lessons_lib.style import ATTENTION, LINEAR, MIN_FONT, OTHER, TEXT
 
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128)
@@ -418,6 +418,28 @@ def test_c15_engine_decode_step_runs_the_recorded_decode_shapes():
     mm = L.engine_decode_matmuls(layer, 3, 40)
     assert L.of_kind(mm, "attention") == L.decode_attention_matmuls(3, kv_len=40)
     assert [m.m for m in L.of_kind(mm, "linear")] == [3] * 4
+
+
+def test_c15_engine_kv_cache_bytes_counts_k_v_heads_not_query_heads():
+    # counted by hand: layers x (K and V) x tokens x K/V heads x d_head x bytes per number
+    for kv in (4, 2, 1):
+        assert L.engine_kv_cache_bytes(SMALL, [3, 5], kv) == 2 * 2 * 8 * kv * 16 * 4
+    bf16 = dataclasses.replace(SMALL, dtype=torch.bfloat16)
+    assert L.engine_kv_cache_bytes(bf16, [7], 1) == 2 * 2 * 7 * 1 * 16 * 2
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        L.engine_kv_cache_bytes(SMALL, [3], 3)                               # 3 K/V heads cannot serve 4 query heads
+
+
+def test_c15_engine_kv_cache_bytes_is_measured_on_the_engine(monkeypatch):
+    """Break the engine (K and V repeated for every query head before the cache, the C15:gqa breakage):
+    the measurement follows, while the count from the config does not."""
+    real = VarlenAttention.forward
+
+    def repeated(self, q, k, v):
+        g = q.shape[1] // k.shape[1]
+        return real(self, q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
+    monkeypatch.setattr(VarlenAttention, "forward", repeated)
+    assert L.engine_kv_cache_bytes(SMALL, [3, 5], 1) == 4 * kv_cache_bytes(SMALL, [3, 5], n_kv_heads=1, bytes_per_element=4)
 
 
 @pytest.mark.parametrize("case", L._KV_CASES)

@@ -4,7 +4,8 @@ The engine's matmuls, recorded: ``measure.recorder.record_matmuls`` runs any cal
 op recorder and returns every matrix multiply PyTorch executed (``aten.mm``/``addmm``: the
 linear layers; ``aten.bmm`` and the fused attention kernels: attention) with its shapes, so
 FLOPs, score cells and arithmetic intensity are computed from what the engine really ran. ``forward_matmuls`` does
-it for a model forward, ``decode_attention_matmuls`` for one decode step's attention.
+it for a model forward, ``decode_attention_matmuls`` for one decode step's attention. ``engine_kv_cache_bytes``:
+what the engine's prefill KV cache holds, measured, with as many K/V heads as you choose (grouped-query attention).
 
 Figures ``05_intensity`` (intensity against rows per weight read, with two machines' ridge
 points), ``05_flops_1x1000_vs_10x100`` (the same tokens, three packings) and
@@ -17,6 +18,7 @@ Taught in notebooks/05_flop_regimes.ipynb.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
@@ -105,6 +107,27 @@ def engine_decode_matmuls(model, num_requests: int, kv_len: int, attn_backend: s
         step = cache.step(ids, [n - 1] * r, [1] * r, [False] * r)
         new = pack([[7]] * r, num_computed_tokens=[n - 1] * r)
         return record_matmuls(lambda: model(new, kv_cache=step, attn_backend=attn_backend))
+
+
+def engine_kv_cache_bytes(cfg: ModelConfig, seq_lens: Sequence[int], n_kv_heads: int) -> int:
+    """The bytes the engine's KV cache holds after one prefill of requests of ``seq_lens`` tokens, every
+    request kept for decode, MEASURED: ``cfg``'s model built with ``n_kv_heads`` K/V heads
+    (``ModelConfig(n_kv_heads=...)``, its ``n_heads`` query heads unchanged) at TP = 1 on the CPU, in
+    ``cfg.dtype``, prefilled into a ``serve.kv_cache.PrefillKVCache``; its ``nbytes``. Zero weights and a
+    vocabulary of 8: neither changes what the cache holds, and the model builds fast."""
+    from ..core.batch import pack
+    from ..core.model import Transformer
+    from ..serve.kv_cache import PrefillKVCache
+    lens = check_lengths(seq_lens)
+    small = dataclasses.replace(cfg, n_kv_heads=n_kv_heads, vocab_size=8, max_position=max(lens))
+    zero = torch.zeros((), dtype=small.dtype)               # one number seen as every weight: nothing allocated
+    model = Transformer(small, {name: zero.expand(shape) for name, shape in small.weight_shapes().items()})
+    cache, ids = PrefillKVCache.for_model(model), list(range(len(lens)))
+    with torch.no_grad():
+        step = cache.step(ids, [0] * len(lens), lens, [True] * len(lens))
+        model(pack([torch.zeros(n, dtype=torch.long) for n in lens]), kv_cache=step)
+        step.finish()
+    return cache.nbytes
 
 
 def of_kind(matmuls: Sequence[Matmul], kind: str) -> list[Matmul]:
