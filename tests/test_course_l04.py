@@ -513,6 +513,16 @@ def test_kv_plan_checker_stub_and_partial_marks(capsys):
     assert re.search(r"[\d.]+ of 2 points \(4 of 6 cases right\)", capsys.readouterr().out)
 
 
+def test_kv_heads_for_budget_is_measured_candidate_by_candidate():
+    # 12 query heads of 16, 2 layers, fp32, tp = 4: per rank 2 x max(kv / 4, 1) heads x 16 x 2 layers x 4 B per token
+    best, table = L.kv_heads_for_budget(12, 16, 2, 4, 4, num_tokens=10, budget_bytes=2 * 1 * 16 * 2 * 4 * 10)
+    assert best == 4                                       # one head per rank fits; 12 (3 per rank) does not
+    assert table[0] == (1, 1, 4, 2560, True)
+    assert table[2][0] == 3 and "cannot split n_kv_heads=3" in table[2][1]   # the engine's refusal, not a row
+    assert table[-1] == (12, 3, 1, 3 * 2560, False)
+    assert L.kv_heads_for_budget(12, 16, 2, 4, 4, num_tokens=10, budget_bytes=2559)[0] is None
+
+
 # --- Exercise 04.3: which cut is broken ----------------------------------------------------------
 
 def _diagnose(error, bias, allowed, tp):

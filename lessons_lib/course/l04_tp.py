@@ -981,6 +981,29 @@ def engine_kv_plan(n_heads: int, n_kv_heads: int, d_head: int, n_layers: int, tp
     return KVPlan(tuple(q_heads), tuple(kv_heads), full // n)
 
 
+def kv_heads_for_budget(n_heads: int, d_head: int, n_layers: int, tp: int, bytes_per_number: int, num_tokens: int,
+                        budget_bytes: int) -> tuple[int | None, list[tuple]]:
+    """A design asked of the engine: the most K/V heads (a divisor of ``n_heads``) whose cache of
+    ``num_tokens`` tokens fits ``budget_bytes`` on each of ``tp`` ranks, or None when none fits.
+
+    Every candidate is built and measured on the engine's ranks (``engine_kv_plan``); a split the
+    engine refuses is skipped. Also returns the table, one row per candidate:
+    ``(n_kv_heads, K/V heads per rank, ranks per K/V head, cache bytes per rank, fits)``, or
+    ``(n_kv_heads, the engine's refusal)``."""
+    tokens, budget = check_int("num_tokens", num_tokens, 1), check_int("budget_bytes", budget_bytes, 1)
+    rows, best = [], None
+    for kv in (d for d in range(1, check_int("n_heads", n_heads, 1) + 1) if n_heads % d == 0):
+        try:
+            plan = engine_kv_plan(n_heads, kv, d_head, n_layers, tp, bytes_per_number)
+        except ValueError as refused:
+            rows.append((kv, str(refused)))
+            continue
+        held = plan.bytes_per_token * tokens
+        rows.append((kv, len(plan.kv_heads[0]), plan.replicas, held, held <= budget))
+        best = kv if held <= budget else best
+    return best, rows
+
+
 # (n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number): Llama-3-8B-like at tp = 2 and 8, a 70B-like
 # at tp = 16 (more ranks than K/V heads), one K/V head for all (multi-query), groups of 3, and the course's
 # own model (every head its own K/V, float32) at tp = 2.
@@ -1132,7 +1155,7 @@ def check_cut_diagnosis(fn: Callable[[Tensor, Tensor, float, int], str]) -> bool
 __all__ = ["RankLayer", "rank_layers", "layer0_attention", "two_axes_figure", "tp_trace_timeline", "packing_lens",
            "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_packing_figure", "tp_packing_explorer",
            "trace_shapes", "vocab_parallel_forward",
-           "vocab_parallel_trace", "check_vocab_trace", "KVPlan", "engine_kv_plan", "check_kv_plan",
+           "vocab_parallel_trace", "check_vocab_trace", "KVPlan", "engine_kv_plan", "kv_heads_for_budget", "check_kv_plan",
            "explorer_batch", "out_proj_partials", "tp_ranks_html", "apply_cut", "threaded_forward", "CUTS",
            "ENGINE_CUT", "NAIVE_CUT", "BIAS_CUT", "TP_SIZES", "CAUGHT", "rank_partials", "cut_evidence",
            "check_cut_diagnosis"]
