@@ -320,10 +320,23 @@ def check_tp_divides(cfg, name: str, n: int) -> None:
     check_kv_heads_split(cfg.n_kv_heads, n, name)
 
 
-def check_kv_heads_split(n_kv_heads: int, tp: int, name: str = "tp_size") -> None:
+def check_n_kv_heads(name: str, n_kv_heads, n_heads: int) -> int:
+    """Grouped-query attention's K/V head count: None → ``n_heads``; else a positive int dividing ``n_heads``."""
+    if n_kv_heads is None:
+        return n_heads
+    check_int(name, n_kv_heads, 1)
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{name}={n_kv_heads} must divide n_heads={n_heads} (each K/V head serves a whole group "
+                         "of query heads)")
+    return int(n_kv_heads)
+
+
+def check_kv_heads_split(n_kv_heads: int, tp: int, name: str = "tp_size", n_heads: int | None = None) -> None:
     """vLLM's rule for K/V heads under TP: each rank holds ``n_kv_heads / tp`` of them, or, when
     ``tp > n_kv_heads``, ONE, replicated on ``tp / n_kv_heads`` ranks; a ``tp`` that is neither a
-    divisor nor a multiple of ``n_kv_heads`` is refused."""
+    divisor nor a multiple of ``n_kv_heads`` is refused (and, given ``n_heads``, one not dividing them)."""
+    if n_heads is not None and n_heads % tp:
+        raise ValueError(f"n_heads={n_heads} is not divisible by {name}={tp}")
     if n_kv_heads % tp and tp % n_kv_heads:
         raise ValueError(f"{name}={tp} cannot split n_kv_heads={n_kv_heads} over the ranks: it must divide them, "
                          f"or be a multiple of them (each K/V head then replicated on {name} / n_kv_heads ranks)")

@@ -179,7 +179,7 @@ def test_gqa_config_and_weight_shapes():
     assert ModelConfig().n_kv_heads == 8 and ModelConfig() == ModelConfig(n_kv_heads=8)  # the article's, MHA
     assert ModelConfig().weight_shapes()["layers.0.attn.qkv.weight"] == (3 * 512, 512)
     shapes = GQA.weight_shapes()
-    assert GQA.kv_dim == 2 * 8 and GQA.num_queries_per_kv == 4
+    assert GQA.kv_dim == 2 * 8
     assert shapes["layers.1.attn.qkv.weight"] == ((8 + 2 * 2) * 8, 64) and shapes["layers.1.attn.qkv.bias"] == (96,)
     assert shapes["layers.1.attn.out_proj.weight"] == (64, 64)  # the output keeps n_heads · d_head
     model = Transformer(GQA, init_weights(GQA, 1))
@@ -316,10 +316,12 @@ def test_config_refuses_bad_kv_head_counts(bad, message):
 
 
 def test_bad_head_counts_refused_with_their_messages():
-    with pytest.raises(ValueError, match="n_kv_heads=3 must be a positive int dividing n_heads=8"):
+    with pytest.raises(ValueError, match=r"n_kv_heads=3 must divide n_heads=8 \(each K/V head serves a whole group"):
         QKVParallelLinear(64, 8, 8, 3)
-    with pytest.raises(ValueError, match="n_kv_heads=0 must be a positive int dividing n_heads=8"):
+    with pytest.raises(ValueError, match="n_kv_heads must be a positive int, got 0"):
         QKVParallelLinear(64, 8, 8, 0)
+    with pytest.raises(ValueError, match="n_heads=8 is not divisible by tp_size=3"):
+        QKVParallelLinear(64, 8, 8, 1, group=LocalGroup(0, 3))
     split = r"cannot split n_kv_heads=4 over the ranks: it must divide them, or be a multiple of them"
     with pytest.raises(ValueError, match="tp_size=6 " + split):
         QKVParallelLinear(96, 12, 8, 4, group=LocalGroup(0, 6))

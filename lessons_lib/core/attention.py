@@ -1,10 +1,8 @@
 """Variable-length ("varlen") attention over a flat token stream, with interchangeable backends.
 
-Layout is FlashAttention's: ``q`` is ``[total_tokens, n_heads, d_head]``, ``k, v`` are
-``[total_tokens_k, n_kv_heads, d_head]``; request i owns rows ``[cu_seqlens[i], cu_seqlens[i+1])``
-(int32, ``[R+1]``). The output has q's shape and dtype. Grouped-query attention (GQA; MQA when
-``n_kv_heads = 1``): ``n_kv_heads`` must divide ``n_heads`` and query head h reads K/V head
-``h // (n_heads / n_kv_heads)``, FlashAttention's convention; every backend takes it.
+Layout is FlashAttention's: ``q [total_tokens, n_heads, d_head]``, ``k, v [total_tokens_k, n_kv_heads, d_head]``
+(grouped-query attention: query head h reads K/V head ``h // (n_heads / n_kv_heads)``); request i owns
+rows ``[cu_seqlens[i], cu_seqlens[i+1])`` (int32, ``[R+1]``). The output has q's shape and dtype.
 Besides the rows, the only request-aware inputs are ``cu_seqlens`` and ``max_seqlen`` (claim C10).
 
 =============  ==============================================================  ===========
@@ -27,8 +25,7 @@ Causal masking with ``L_k > L_q`` is aligned bottom-right (query i sees keys up 
 builds one ``VarlenMetadata`` per forward and calls ``attention_forward`` in every layer: no
 checks and no device sync there. A backend may also be your own function with the whole of
 ``flash_attn_varlen_func``'s contract: ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-max_seqlen_k, causal=..., softmax_scale=...) -> [T_q, H, D]`` (refused up front if it lacks any of them); it
-receives k, v with their ``n_kv_heads`` heads, as ``flash_attn_varlen_func`` does.
+max_seqlen_k, causal=..., softmax_scale=...) -> [T_q, H, D]`` (refused up front if it lacks any of them).
 
 Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
 """
@@ -104,20 +101,12 @@ def block_diag_mask(cu_seqlens: Tensor | list, causal: bool = False, cu_seqlens_
 
 # ---- backends: (q, k, v, meta, causal, scale) -> out [T_q, H, D]; k, v [T_k, H_kv, D] -----------
 
-def group_query_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Grouped-query attention as broadcasting: q ``[..., H, L_q, D]`` → ``[..., H_kv, G, L_q, D]`` and k, v
-    ``[..., H_kv, L_k, D]`` → ``[..., H_kv, 1, L_k, D]`` (views, G = H / H_kv), so query head ``h = j·G + g``
-    meets K/V head ``j = h // G``; the result ``[..., H_kv, G, L_q, D]`` flattens back to ``[..., H, L_q, D]``."""
-    h_kv = k.shape[-3]
-    return q.unflatten(-3, (h_kv, q.shape[-3] // h_kv)), k.unsqueeze(-3), v.unsqueeze(-3)
-
-
 def _loop(q, k, v, meta, causal, scale):
     out = torch.empty_like(q)
     for i in range(len(meta.cu_q) - 1):
         qs, qe, ks, ke = meta.cu_q[i], meta.cu_q[i + 1], meta.cu_k[i], meta.cu_k[i + 1]
-        q_i, k_i, v_i = group_query_heads(q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1),
-                                          v[ks:ke].transpose(0, 1))  # [H_kv, G, L_q, D], [H_kv, 1, L_k, D]
+        q_i = q[qs:qe].transpose(0, 1).unflatten(0, (k.shape[1], -1))          # [H_kv, G, L_q, D]: h = j·G + g
+        k_i, v_i = (x[ks:ke].transpose(0, 1).unsqueeze(1) for x in (k, v))      # [H_kv, 1, L_k, D]: K/V head j
         scores = (q_i @ k_i.transpose(-1, -2)) * scale        # [H_kv, G, L_q, L_k]: this request's block only
         if causal:
             scores.masked_fill_(~causal_mask(qe - qs, ke - ks, q.device), float("-inf"))
@@ -126,10 +115,9 @@ def _loop(q, k, v, meta, causal, scale):
 
 
 def _dense(q, k, v, allowed, scale):
-    """``[..., H, L_q, D]`` queries against ``[..., H_kv, L_k, D]`` keys, EVERY score cell computed, the
-    cells ``allowed`` (bool, broadcastable to ``[..., H, L_q, L_k]``) does not allow thrown away; a query
-    with no key → zeros."""
-    q, k, v = group_query_heads(q, k, v)
+    """``[..., H, L_q, D]`` queries against ``[..., H_kv, L_k, D]`` keys, EVERY score cell computed, the cells
+    ``allowed`` (bool, broadcastable to ``[..., H, L_q, L_k]``) does not allow thrown away; no key → zeros."""
+    q, k, v = q.unflatten(-3, (k.shape[-3], -1)), k.unsqueeze(-3), v.unsqueeze(-3)  # query head h = j·G + g: K/V head j
     allowed = allowed.unsqueeze(-3) if allowed.dim() > 2 else allowed  # its H dimension → [H_kv, G]
     scores = (q @ k.transpose(-1, -2)) * scale
     return (scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0) @ v).flatten(-4, -3)
@@ -189,8 +177,7 @@ def _sdpa(q, k, v, meta, causal, scale):
         qg = q[rows_q].view(n, lq, h, d).transpose(1, 2)
         kg, vg = (x[rows_k].view(n, lk, h_kv, d).transpose(1, 2) for x in (k, v))
         mask = causal_mask(lq, lk, q.device) if causal and lq != lk else None
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=causal and lq == lk, scale=scale,
-                                           **gqa)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=causal and lq == lk, scale=scale, **gqa)
         out[rows_q] = o.transpose(1, 2).reshape(n * lq, h, d)
     return out
 
@@ -231,11 +218,10 @@ _flash, _triton = _varlen_kernel("flash"), _varlen_kernel("triton")
 def _torch_varlen(q, k, v, meta, causal, scale):
     fn = kernel("torch_varlen")
     kw = torch_varlen_kwargs(fn, causal, scale)
-    if k.shape[1] != q.shape[1]:  # GQA: the kernel's own flag where its signature has one, else K/V repeated per group
-        if "enable_gqa" in inspect.signature(fn).parameters:
-            kw["enable_gqa"] = True
-        else:
-            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    if k.shape[1] != q.shape[1] and "enable_gqa" in inspect.signature(fn).parameters:  # GQA: the kernel's flag
+        kw["enable_gqa"] = True
+    elif k.shape[1] != q.shape[1]:  # an early signature without GQA: K/V repeated per group
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     if "scale" not in kw:  # an early signature always scales by 1/sqrt(D): fold our scale into q
         q = q * (scale * math.sqrt(q.shape[-1]))
     return fn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, **kw)
@@ -268,8 +254,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      softmax_scale: float | None = None, backend: str = "auto") -> Tensor:
     """Attention of each request over its own tokens only (``flash_attn_varlen_func``'s contract).
 
-    q: ``[T_q, H, D]``; k, v: ``[T_k, H_kv, D]`` with ``H_kv`` dividing ``H`` (grouped-query attention:
-    query head h reads K/V head ``h // (H / H_kv)``); one floating dtype, one device.
+    q: ``[T_q, H, D]``; k, v: ``[T_k, H_kv, D]``, ``H_kv`` dividing ``H`` (see the module doc); one dtype, one device.
     cu_seqlens_q / cu_seqlens_k: ``[R+1]`` int32 on that device; ``cu_seqlens_k`` defaults to ``cu_seqlens_q``.
     max_seqlen_q / max_seqlen_k: optional upper bounds (ints); smaller than the real maximum
     is an error, never a truncation. softmax_scale: defaults to ``1 / sqrt(D)``.
@@ -306,9 +291,8 @@ def plain_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True,
 
 def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, *, causal: bool = True,
                      softmax_scale: float | None = None) -> Tensor:
-    """Dense attention on a padded batch (``Transformer.forward_padded``): q ``[R, S, H, D]``, k, v
-    ``[R, S, H_kv, D]`` + ``[R, S]`` bool key mask → ``[R, S, H, D]``. Every pad row and column is computed
-    (``R·S²`` cells per head)."""
+    """Dense attention on a padded batch (``Transformer.forward_padded``): q ``[R, S, H, D]``, k, v ``[R, S, H_kv, D]``,
+    ``[R, S]`` bool key mask → ``[R, S, H, D]``. Every pad row and column is computed (``R·S²`` cells per head)."""
     check_padded_qkv(q, k, v, key_mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     allowed = key_mask[:, None, None, :] & (causal_mask(q.shape[1], q.shape[1], q.device) if causal else True)

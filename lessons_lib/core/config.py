@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..validate import check_int, check_tp_divides
+from ..validate import check_int, check_n_kv_heads, check_tp_divides
 
-# One block's weights: name → shape as a function of (d_model, k = n_heads·d_head, kv = n_kv_heads·d_head,
-# d_ffn). PyTorch layout: a linear weight is [out_features, in_features]; qkv's rows are [Q | K | V].
+# One block's weights: name → shape as a function of (d_model, k = n_heads·d_head, kv = n_kv_heads·d_head, d_ffn).
+# PyTorch layout: a linear weight is [out_features, in_features]; qkv's rows are [Q | K | V].
 _BLOCK = {"ln_1.weight": lambda d, k, kv, f: (d,), "ln_1.bias": lambda d, k, kv, f: (d,),
           "attn.qkv.weight": lambda d, k, kv, f: (k + 2 * kv, d), "attn.qkv.bias": lambda d, k, kv, f: (k + 2 * kv,),
           "attn.out_proj.weight": lambda d, k, kv, f: (d, k), "attn.out_proj.bias": lambda d, k, kv, f: (d,),
@@ -25,10 +25,8 @@ class ModelConfig:
     """Sizes of the GPT-2-style model the course runs.
 
     Defaults are the article's (S1): 8 layers, d_model=512, 8 heads of d_head=64 (so
-    k = n_heads · d_head = 512), FFN hidden 4 · 512 = 2048. ``n_kv_heads``: the K/V heads of
-    grouped-query attention (HF's ``num_key_value_heads``): None (the default) means ``n_heads``
-    (multi-head attention, GPT-2's), 1 is multi-query attention; it must divide ``n_heads``, and
-    query head h reads K/V head ``h // (n_heads // n_kv_heads)``. ``vocab_size`` is GPT-2's;
+    k = n_heads · d_head = 512), FFN hidden 4 · 512 = 2048. ``n_kv_heads``: grouped-query attention's K/V
+    heads, dividing ``n_heads`` (None: ``n_heads``, GPT-2's multi-head attention). ``vocab_size`` is GPT-2's;
     ``max_position`` covers the 10,000-token request of claim C1. ``dtype`` is the
     dtype ``init_weights`` creates; a built model's dtype is its weights' (``model.to(...)``).
     The TP size is not a size of the model: it is an argument of what runs it
@@ -49,12 +47,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "d_head", "d_ffn", "vocab_size", "max_position"):
             check_int(f"ModelConfig.{name}", getattr(self, name), 1)
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        check_int("ModelConfig.n_kv_heads", self.n_kv_heads, 1)
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
-                             "(each K/V head serves a whole group of query heads)")
+        self.n_kv_heads = check_n_kv_heads("ModelConfig.n_kv_heads", self.n_kv_heads, self.n_heads)
         eps = self.layer_norm_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
             raise ValueError(f"ModelConfig.layer_norm_eps must be a float in (0, 1), got {eps!r}")
@@ -71,11 +64,6 @@ class ModelConfig:
         """n_kv_heads · d_head, the width of K (and of V): ``qkv_dim`` without grouped-query attention."""
         return self.n_kv_heads * self.d_head
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        """G = n_heads / n_kv_heads, the query heads that share one K/V head (vLLM's name)."""
-        return self.n_heads // self.n_kv_heads
-
     def heads_per_rank(self, tp_size: int) -> int:
         """The query heads each of ``tp_size`` ranks owns (``tp_size`` must split the heads, K/V heads and FFN)."""
         check_tp_divides(self, "tp_size", tp_size)
@@ -87,8 +75,7 @@ class ModelConfig:
         return 2 * self.n_layers
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every full (unsharded) weight: ``{"wte": (vocab, d), ..., "layers.0.attn.qkv.weight": (k + 2·kv, d), ...}``
-        (``3k`` rows without grouped-query attention), rows ``[Q heads | K heads | V heads]``.
+        """Every full (unsharded) weight: ``{"wte": (vocab, d), ..., "layers.0.attn.qkv.weight": (k + 2·kv, d), ...}``.
 
         These are the names of ``Transformer.state_dict()`` at TP=1, of ``init_weights`` and of
         ``hf.full_weights_from_hf``: one format everywhere weights are taken.

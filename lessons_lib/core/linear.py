@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..validate import check_kv_heads_split, is_int
+from ..validate import check_kv_heads_split, check_n_kv_heads
 from .groups import LocalGroup
 
 Tensor = torch.Tensor
@@ -36,12 +36,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False) if bias else None
 
     @property
-    def output_size_per_partition(self) -> int:
-        """This rank's output features (vLLM's name): ``out_features / tp``."""
-        tp = self.group.world_size
-        if self.out_features % tp:
-            raise ValueError(f"out_features={self.out_features} is not divisible by tp_size={tp}")
-        return self.out_features // tp
+    def output_size_per_partition(self) -> int:  # vLLM's name: this rank's output features
+        if self.out_features % self.group.world_size:
+            raise ValueError(f"out_features={self.out_features} is not divisible by tp_size={self.group.world_size}")
+        return self.out_features // self.group.world_size
 
     def shard_rows(self, full: Tensor) -> Tensor:
         """The rows of a full ``[out, ...]`` tensor that this rank owns."""
@@ -64,54 +62,40 @@ class ColumnParallelLinear(nn.Module):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """The fused Q, K, V projection, sharded by HEAD (vLLM's ``QKVParallelLinear``), grouped-query
-    attention included: ``n_kv_heads`` K/V heads (default ``n_heads``), each read by
-    ``n_heads / n_kv_heads`` consecutive query heads.
+    """The fused Q, K, V projection, sharded by HEAD (vLLM's), with ``n_kv_heads`` K/V heads (default ``n_heads``).
 
     Full weight rows are ``[Q heads 0..H-1 | K heads 0..H_kv-1 | V heads]`` (``[(H + 2·H_kv)·D, d_model]``).
-    Rank r owns query heads ``[r·H/tp, (r+1)·H/tp)`` and ``n_local_kv_heads`` K/V heads: ``H_kv/tp`` of them,
-    or, when ``tp > H_kv``, the ONE head ``r // num_kv_head_replicas`` (each K/V head replicated on
-    ``num_kv_head_replicas = tp / H_kv`` ranks, as vLLM does). Either way rank r's query heads read only
-    its own K/V heads. Per rank: ``[T, d_model] → [T, (H_local + 2·H_kv_local)·D]``, e.g.
-    ``[T, 512] → [T, 768]`` under TP=2 without GQA (C6), laid out ``[q_local | k_local | v_local]``.
+    Rank r owns query heads ``[r·H/tp, (r+1)·H/tp)`` and ``n_local_kv_heads = H_kv/tp`` K/V heads, or when
+    ``tp > H_kv`` ONE, head ``r // num_kv_head_replicas`` (replicated on ``tp / H_kv`` ranks): its queries'.
+    Per rank: ``[T, d_model] → [T, (H_local + 2·H_kv_local)·D]``, e.g. ``[T, 512] → [T, 768]`` under TP=2 (C6).
     """
 
     def __init__(self, d_model: int, n_heads: int, d_head: int, n_kv_heads: int | None = None, bias: bool = True, *,
                  group=None, dtype: torch.dtype = torch.float32):
-        group = group if group is not None else LocalGroup()
-        tp = group.world_size
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if not is_int(n_kv_heads) or n_kv_heads < 1 or n_heads % n_kv_heads:
-            raise ValueError(f"n_kv_heads={n_kv_heads!r} must be a positive int dividing n_heads={n_heads}")
-        if n_heads % tp:
-            raise ValueError(f"n_heads={n_heads} is not divisible by tp_size={tp}")
-        check_kv_heads_split(n_kv_heads, tp)
-        self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_head
-        self.n_local_heads = n_heads // tp
-        self.num_kv_head_replicas = max(tp // n_kv_heads, 1)   # ranks holding each K/V head
-        self.n_local_kv_heads = max(n_kv_heads // tp, 1)
-        super().__init__(d_model, (n_heads + 2 * n_kv_heads) * d_head, bias, group=group, dtype=dtype)
+        tp = (group if group is not None else LocalGroup()).world_size
+        self.n_heads, self.n_kv_heads, self.d_head = n_heads, check_n_kv_heads("n_kv_heads", n_kv_heads, n_heads), d_head
+        check_kv_heads_split(self.n_kv_heads, tp, n_heads=n_heads)
+        self.n_local_heads, self.n_local_kv_heads = n_heads // tp, max(self.n_kv_heads // tp, 1)
+        self.num_kv_head_replicas = max(tp // self.n_kv_heads, 1)   # ranks holding each K/V head
+        super().__init__(d_model, (n_heads + 2 * self.n_kv_heads) * d_head, bias, group=group, dtype=dtype)
 
     @property
-    def output_size_per_partition(self) -> int:
-        """``(n_local_heads + 2·n_local_kv_heads)·d_head``: more than ``out_features / tp`` when K/V heads are replicated."""
-        return (self.n_local_heads + 2 * self.n_local_kv_heads) * self.d_head
+    def output_size_per_partition(self) -> int:  # more than out_features / tp when K/V heads are replicated
+        return sum(self._sizes())
 
     def shard_rows(self, full: Tensor) -> Tensor:
-        # Cut this rank's query heads out of Q and its K/V heads out of K and of V, then stack them.
-        d, r = self.d_head, self.group.rank
-        q, k, v = full.split([self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d])
-        nq, nkv = self.n_local_heads * d, self.n_local_kv_heads * d
-        kv_shard = r // self.num_kv_head_replicas   # vLLM's kv shard_id: several ranks may share it
-        return torch.cat([q[r * nq:(r + 1) * nq], k[kv_shard * nkv:(kv_shard + 1) * nkv],
-                          v[kv_shard * nkv:(kv_shard + 1) * nkv]])
+        # This rank's query heads of Q, its K/V heads (vLLM's kv shard_id, shared by replicas) of K and of V.
+        (r, s), (nq, nkv, _) = (self.group.rank, self.group.rank // self.num_kv_head_replicas), self._sizes()
+        q, k, v = full.split([self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head])
+        return torch.cat([q[r * nq:(r + 1) * nq], k[s * nkv:(s + 1) * nkv], v[s * nkv:(s + 1) * nkv]])
+
+    def _sizes(self) -> list[int]:  # this rank's q, k, v widths
+        return [self.n_local_heads * self.d_head] + [self.n_local_kv_heads * self.d_head] * 2
 
     def split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``[T, (H_local + 2·H_kv_local)·D]`` → q ``[T, H_local, D]``, k, v ``[T, H_kv_local, D]`` (flash-attn layout, views)."""
-        t = qkv.shape[0]
-        q, k, v = qkv.split([self.n_local_heads * self.d_head, self.n_local_kv_heads * self.d_head,
-                             self.n_local_kv_heads * self.d_head], dim=1)
-        return q.view(t, self.n_local_heads, self.d_head), *(x.view(t, self.n_local_kv_heads, self.d_head) for x in (k, v))
+        q, k, v = (x.unflatten(1, (-1, self.d_head)) for x in qkv.split(self._sizes(), dim=1))
+        return q, k, v
 
 
 class RowParallelLinear(nn.Module):

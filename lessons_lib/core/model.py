@@ -61,8 +61,7 @@ class AttentionContext:
 
 
 class VarlenAttention(nn.Module):
-    """A layer's attention core: ``q [T, H_local, D]``, ``k, v [T, H_kv_local, D]`` → ``o [T, H_local, D]``
-    under ``self.context`` (query head h reads K/V head ``h // (H_local / H_kv_local)``)."""
+    """A layer's attention core: ``q [T, H_local, D]``, ``k, v [T, H_kv_local, D]`` → ``o [T, H_local, D]`` (ctx)."""
 
     def __init__(self, layer: int = 0):
         super().__init__()
@@ -73,8 +72,7 @@ class VarlenAttention(nn.Module):
         if ctx is None:
             raise RuntimeError("no AttentionContext: run the layer inside Transformer.forward, or set attn.core.context")
         if ctx.key_mask is not None:  # forward_padded: [R·S, H, D] → [R, S, H, D] → dense masked attention
-            k, v = (x.view(*ctx.key_mask.shape, *x.shape[1:]) for x in (k, v))
-            return padded_attention(q.view(*ctx.key_mask.shape, *q.shape[1:]), k, v, ctx.key_mask).reshape(q.shape)
+            return padded_attention(*(x.unflatten(0, ctx.key_mask.shape) for x in (q, k, v)), ctx.key_mask).reshape(q.shape)
         if ctx.kv_cache is not None:  # keys and values [T_k, H_kv, D]: each request's cached ones, then its chunk's
             k, v = ctx.kv_cache.keys_values(self.layer, k, v)
         return attention_forward(q, k, v, ctx.meta, ctx.backend, causal=True)  # causal aligned bottom-right
