@@ -77,25 +77,22 @@ class QKVParallelLinear(ColumnParallelLinear):
         check_kv_heads_split(self.n_kv_heads, tp, n_heads=n_heads)
         self.n_local_heads, self.n_local_kv_heads = n_heads // tp, max(self.n_kv_heads // tp, 1)
         self.num_kv_head_replicas = max(tp // self.n_kv_heads, 1)   # ranks holding each K/V head
+        self.local_sizes = [self.n_local_heads * d_head] + [self.n_local_kv_heads * d_head] * 2  # q, k, v widths
         super().__init__(d_model, (n_heads + 2 * self.n_kv_heads) * d_head, bias, group=group, dtype=dtype)
 
     @property
     def output_size_per_partition(self) -> int:  # more than out_features / tp when K/V heads are replicated
-        return sum(self._sizes())
+        return sum(self.local_sizes)
 
     def shard_rows(self, full: Tensor) -> Tensor:
         # This rank's query heads of Q, its K/V heads (vLLM's kv shard_id, shared by replicas) of K and of V.
-        (r, s), (nq, nkv, _) = (self.group.rank, self.group.rank // self.num_kv_head_replicas), self._sizes()
+        (r, s), (nq, nkv, _) = (self.group.rank, self.group.rank // self.num_kv_head_replicas), self.local_sizes
         q, k, v = full.split([self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head])
         return torch.cat([q[r * nq:(r + 1) * nq], k[s * nkv:(s + 1) * nkv], v[s * nkv:(s + 1) * nkv]])
 
-    def _sizes(self) -> list[int]:  # this rank's q, k, v widths
-        return [self.n_local_heads * self.d_head] + [self.n_local_kv_heads * self.d_head] * 2
-
     def split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``[T, (H_local + 2·H_kv_local)·D]`` → q ``[T, H_local, D]``, k, v ``[T, H_kv_local, D]`` (flash-attn layout, views)."""
-        q, k, v = (x.unflatten(1, (-1, self.d_head)) for x in qkv.split(self._sizes(), dim=1))
-        return q, k, v
+        return tuple(x.unflatten(1, (-1, self.d_head)) for x in qkv.split(self.local_sizes, dim=1))
 
 
 class RowParallelLinear(nn.Module):
