@@ -27,6 +27,7 @@ from lessons_lib.core.groups import LocalGroup
 from lessons_lib.core.linear import QKVParallelLinear
 from lessons_lib.core.model import Transformer, init_weights
 from lessons_lib.measure.flops import kv_cache_bytes
+from lessons_lib.measure.hf import hf_config
 from lessons_lib.measure.tolerance import assert_close, max_abs_diff, tolerance
 from lessons_lib.serve.engine import Engine
 from lessons_lib.serve.kv_cache import PrefillKVCache
@@ -333,6 +334,9 @@ def test_bad_head_counts_refused_with_their_messages():
     with pytest.raises(ValueError, match="world_size=6 " + split):
         TPRuntime(cfg, world_size=6)  # refused before any worker starts
     assert cfg.heads_per_rank(4) == 3 and cfg.heads_per_rank(12) == 1  # 4 | 4 and 4 | 12: both fine
+    with pytest.raises(ValueError, match="GPT-2 has no grouped-query attention: it needs n_kv_heads == n_heads, got "
+                                         "n_kv_heads=2, n_heads=8"):
+        hf_config(GQA)
     q, kv = torch.zeros(10, 4, 8), torch.zeros(10, 3, 8)
     cu = torch.tensor([0, 10], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"q's n_heads must be a multiple of k and v's n_kv_heads \(grouped-query "

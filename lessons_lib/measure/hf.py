@@ -25,13 +25,12 @@ _TOP_NAMES = {"wte": "wte.weight", "wpe": "wpe.weight", "ln_f.weight": "ln_f.wei
 
 def hf_config(cfg: ModelConfig):
     """The ``GPT2Config`` with our sizes (``n_inner`` = d_ffn, ``gelu_new`` = tanh GeLU, no dropout)."""
-    from transformers import GPT2Config
-
     if cfg.n_heads * cfg.d_head != cfg.d_model:
         raise ValueError(f"GPT-2 needs n_heads*d_head == d_model, got {cfg.n_heads}*{cfg.d_head} != {cfg.d_model}")
     if cfg.n_kv_heads != cfg.n_heads:
         raise ValueError(f"GPT-2 has no grouped-query attention: it needs n_kv_heads == n_heads, got "
                          f"n_kv_heads={cfg.n_kv_heads}, n_heads={cfg.n_heads}")
+    from transformers import GPT2Config  # after the checks: a refusal needs no transformers import
     return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_position, n_embd=cfg.d_model,
                       n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.d_ffn, activation_function="gelu_new",
                       layer_norm_epsilon=cfg.layer_norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
