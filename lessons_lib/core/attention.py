@@ -105,22 +105,25 @@ def _loop(q, k, v, meta, causal, scale):
     out = torch.empty_like(q)
     for i in range(len(meta.cu_q) - 1):
         qs, qe, ks, ke = meta.cu_q[i], meta.cu_q[i + 1], meta.cu_k[i], meta.cu_k[i + 1]
-        q_i = q[qs:qe].transpose(0, 1).unflatten(0, (k.shape[1], -1))          # [H_kv, G, L_q, D]: h = j·G + g
-        k_i, v_i = (x[ks:ke].transpose(0, 1).unsqueeze(1) for x in (k, v))      # [H_kv, 1, L_k, D]: K/V head j
-        scores = (q_i @ k_i.transpose(-1, -2)) * scale        # [H_kv, G, L_q, L_k]: this request's block only
+        q_i, k_i, v_i = q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)  # [H, L, D]
+        if k.shape[1] != q.shape[1]:  # GQA: [H_kv, G, L_q, D] against [H_kv, 1, L_k, D]: query head j·G + g, K/V head j
+            q_i, k_i, v_i = q_i.unflatten(0, (k.shape[1], -1)), k_i.unsqueeze(1), v_i.unsqueeze(1)
+        scores = (q_i @ k_i.transpose(-1, -2)) * scale        # [H, L_q, L_k]: this request's block only
         if causal:
             scores.masked_fill_(~causal_mask(qe - qs, ke - ks, q.device), float("-inf"))
-        out[qs:qe] = (scores.softmax(dim=-1) @ v_i).flatten(0, 1).transpose(0, 1)  # written into its own rows
+        out[qs:qe] = (scores.softmax(dim=-1) @ v_i).flatten(0, -3).transpose(0, 1)  # written into its own rows
     return out
 
 
 def _dense(q, k, v, allowed, scale):
     """``[..., H, L_q, D]`` queries against ``[..., H_kv, L_k, D]`` keys, EVERY score cell computed, the cells
     ``allowed`` (bool, broadcastable to ``[..., H, L_q, L_k]``) does not allow thrown away; no key → zeros."""
-    q, k, v = q.unflatten(-3, (k.shape[-3], -1)), k.unsqueeze(-3), v.unsqueeze(-3)  # query head h = j·G + g: K/V head j
-    allowed = allowed.unsqueeze(-3) if allowed.dim() > 2 else allowed  # its H dimension → [H_kv, G]
-    scores = (q @ k.transpose(-1, -2)) * scale
-    return (scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0) @ v).flatten(-4, -3)
+    gqa = k.shape[-3] != q.shape[-3]
+    if gqa:  # [..., H_kv, G, L_q, D] queries against [..., H_kv, 1, L_k, D] keys: query head j·G + g, K/V head j
+        q, k, v = q.unflatten(-3, (k.shape[-3], -1)), k.unsqueeze(-3), v.unsqueeze(-3)
+        allowed = allowed.unsqueeze(-3) if allowed.dim() > 2 else allowed  # its H dimension → [H_kv, G]
+    out = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0) @ v
+    return out.flatten(-4, -3) if gqa else out
 
 
 def _masked(q, k, v, meta, causal, scale):
