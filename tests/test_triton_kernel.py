@@ -202,3 +202,186 @@ def test_a_model_on_the_kernel_is_one_launch_per_layer(tiny_cfg, make_requests):
     with triton_varlen.count_launches() as grids:
         Transformer(tiny_cfg)(pack(reqs), attn_backend="triton")
     assert len(grids) == tiny_cfg.n_layers and set(grids) == {(1, tiny_cfg.n_heads, 5)}
+
+
+# ---- grouped-query attention: both layouts -----------------------------------------------------------------
+
+def _gqa_inputs(lens_q, lens_k, heads, kv_heads, d_head=16, dtype=torch.float32, seed=0, fused=False):
+    """q ``[T_q, H, D]``, k, v ``[T_k, H_kv, D]`` (views of one fused ``[T, H + 2 H_kv, D]`` when ``fused``)."""
+    g = torch.Generator().manual_seed(seed)
+    if fused:
+        qkv = torch.randn(sum(lens_q), heads + 2 * kv_heads, d_head, generator=g).to(dtype)
+        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    else:
+        q = torch.randn(sum(lens_q), heads, d_head, generator=g).to(dtype)
+        k, v = (torch.randn(sum(lens_k), kv_heads, d_head, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, seq_lens_to_cu_seqlens(lens_q), seq_lens_to_cu_seqlens(lens_k)
+
+
+def _repeat_kv(q, k, v):
+    """The GQA reference's inputs: each K/V head repeated for the G query heads it serves (MHA afterwards)."""
+    g = q.shape[1] // k.shape[1]
+    return q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+
+def _check_gqa(lens_q, lens_k, heads, kv_heads, *, causal, dtype=torch.float32, pack_gqa=None, fused=False, **kw):
+    q, k, v, cu_q, cu_k = _gqa_inputs(lens_q, lens_k, heads, kv_heads, dtype=dtype, fused=fused)
+    out = triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, pack_gqa=pack_gqa, **kw)
+    qr, kr, vr = _repeat_kv(q, k, v)
+    ref64 = attention_ref(qr, kr, vr, cu_q, cu_k, causal=causal, upcast_dtype=torch.float64)
+    ref = attention_ref(qr, kr, vr, cu_q, cu_k, causal=causal, upcast_dtype=dtype)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, ref, ref64, f"triton {dtype} H={heads} H_kv={kv_heads} pack={pack_gqa} causal={causal}")
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["per-head", "pack"])
+def test_gqa_both_layouts_against_fp64(kv_heads, pack_gqa, dtype):
+    for causal in (True, False):  # L_k > L_q, a request of one token, tiles of 16: diagonal and partial tiles
+        _check_gqa([5, 20, 1], [9, 40, 3], 4, kv_heads, causal=causal, dtype=dtype, pack_gqa=pack_gqa,
+                   block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["per-head", "pack"])
+def test_gqa_group_of_three_spans_tile_edges(pack_gqa):
+    """G = 3 does not divide BLOCK_M: a packed tile's rows start and end inside a token's group."""
+    _check_gqa([7, 30], [7, 30], 6, 2, causal=True, pack_gqa=pack_gqa, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["per-head", "pack"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gqa_views_of_a_fused_qkv_with_fewer_kv_heads(pack_gqa, dtype):
+    """The K/V part of the fused projection has H_kv < H heads: row stride (H + 2 H_kv)·D for all three."""
+    q, k, _, _, _ = _gqa_inputs([3], [3], 4, 2, fused=True)
+    assert q.stride(0) == k.stride(0) == (4 + 2 * 2) * 16 and not q.is_contiguous()
+    _check_gqa([10, 30], [10, 30], 4, 2, causal=True, dtype=dtype, pack_gqa=pack_gqa, fused=True, block_m=16)
+
+
+HEADS = [(1, 1), (2, 1), (3, 1), (4, 2), (6, 2)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(lens=st.lists(st.integers(0, 60), min_size=1, max_size=4), extra=st.lists(st.integers(0, 30), min_size=4, max_size=4),
+       blocks=st.sampled_from([(16, 16), (16, 32), (32, 16), (64, 64)]), causal=st.booleans(),
+       heads=st.sampled_from(HEADS), pack_gqa=st.booleans())
+def test_gqa_counters_equal_the_prediction_in_both_layouts(lens, extra, blocks, causal, heads, pack_gqa):
+    lens_k = [n + e for n, e in zip(lens, extra)]
+    q, k, v, cu_q, cu_k = _gqa_inputs(lens, lens_k, *heads)
+    with triton_varlen.count_work() as w:
+        triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, pack_gqa=pack_gqa,
+                                              block_m=blocks[0], block_n=blocks[1])
+    want = tiling.predict_work(lens, lens_k, heads[0], n_kv_heads=heads[1], pack_gqa=pack_gqa, block_m=blocks[0],
+                               block_n=blocks[1], causal=causal)
+    assert w == want and w.masked_tiles == want.masked_tiles
+
+
+def test_pack_gqa_loads_each_kv_tile_once_for_the_group():
+    """Decode-like queries (one token per request, 8 query heads on 2 K/V heads): per head, every query
+    tile is one real row and loads all its request's K/V tiles; packed, one tile holds the group's 4 rows."""
+    lens, lens_k = [1, 1, 1], [100, 40, 64]
+    q, k, v, cu_q, cu_k = _gqa_inputs(lens, lens_k, 8, 2)
+    got = {}
+    for packed in (False, True):
+        with triton_varlen.count_work() as w, triton_varlen.count_launches() as grids:
+            triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=True, pack_gqa=packed)
+        got[packed] = (w, grids)
+    per_head, packed = got[False][0], got[True][0]
+    assert got[False][1] == [(1, 8, 3)] and got[True][1] == [(1, 2, 3)]
+    assert per_head.tiles == 8 * (2 + 1 + 1) and packed.tiles == 2 * (2 + 1 + 1)   # K/V tile loads: 4x fewer
+    assert per_head.kv_bytes_read(16, 4) == 4 * packed.kv_bytes_read(16, 4)
+    assert per_head.cells == packed.cells == 8 * (100 + 40 + 64)                     # the same useful work
+    with triton_varlen.count_launches() as grids:  # pack_gqa=None takes the predictor's pick: packed here
+        triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=True)
+    assert grids == [(1, 2, 3)] and tiling.choose_pack_gqa(1, 100, 4, 64, 64, True)
+
+
+def test_choose_pack_gqa_follows_the_predicted_kv_loads():
+    assert not tiling.choose_pack_gqa(100, 100, 1, 64, 64, True)    # MHA: nothing to pack
+    assert not tiling.choose_pack_gqa(128, 128, 4, 64, 64, False)   # full tiles, no mask: the same loads
+    assert tiling.choose_pack_gqa(10, 10, 4, 64, 64, False)         # 10 rows of 64 per head: packed fills 40
+    assert not tiling.choose_pack_gqa(256, 256, 4, 64, 64, True)    # causal, BLOCK_M = BLOCK_N: 4 x 10 tiles either way
+    assert tiling.choose_pack_gqa(256, 256, 4, 128, 64, True)       # BLOCK_M = 2 BLOCK_N: packed 4 x (1+1+2+2+3+3+4+4)
+    assert tiling.predict_work([256], n_heads=4, n_kv_heads=1, pack_gqa=False, block_m=128).tiles == 4 * (2 + 4)
+
+
+# ---- the fast paths: masked tiles, log-sum-exp ----------------------------------------------------------------
+
+@pytest.mark.parametrize("causal,length,tiles,masked", [
+    (True, 200, 13 * 14 // 2, 13),   # 13 query tiles of 16; tile m computes m + 1 key tiles, the diagonal one masked
+    (False, 200, 13 * 13, 13),       # every tile computes 13 key tiles, only the partial last one (8 keys) masked
+    (False, 192, 12 * 12, 0),        # 192 = 12 x 16: no partial tile, no mask at all
+    (True, 192, 12 * 13 // 2, 12),
+])
+def test_only_the_diagonal_and_partial_tiles_take_the_masked_path(causal, length, tiles, masked):
+    q, k, v, cu, _ = make_qkv([length], heads=1, d_head=16)
+    with triton_varlen.count_work() as w:
+        out = triton_varlen.triton_varlen_attention(q, k, v, cu, causal=causal, block_m=16, block_n=16)
+    assert (w.tiles, w.masked_tiles) == (tiles, masked)
+    assert w.as_dict() == tiling.predict_work([length], block_m=16, block_n=16, causal=causal).as_dict()
+    assert_close(out, attention_ref(q, k, v, cu, causal=causal),
+                 attention_ref(q, k, v, cu, causal=causal, upcast_dtype=torch.float64), "two-stage loop")
+
+
+def _lse_ref(q, k, v, cu_q, cu_k, causal, scale):
+    """float64 natural-log logsumexp of each row's scaled scores, ``[H, T_q]`` (-inf where a row sees no key)."""
+    q, k, _ = (t.double() for t in _repeat_kv(q, k, v))
+    out = torch.empty(q.shape[1], q.shape[0], dtype=torch.float64)
+    for r in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[r]), int(cu_q[r + 1]), int(cu_k[r]), int(cu_k[r + 1])
+        s = torch.einsum("ihd,jhd->hij", q[qs:qe], k[ks:ke]) * scale
+        if causal:
+            i, j = torch.arange(qe - qs)[:, None], torch.arange(ke - ks)[None, :]
+            s = s.masked_fill(j > i + (ke - ks) - (qe - qs), float("-inf"))
+        out[:, qs:qe] = torch.logsumexp(s, dim=-1)
+    return out
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["per-head", "pack"])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_return_lse_is_the_logsumexp_of_the_scaled_scores(dtype, pack_gqa):
+    lens_q, lens_k = [5, 20, 1], [9, 40, 3]
+    q, k, v, cu_q, cu_k = _gqa_inputs(lens_q, lens_k, 4, 2, dtype=dtype)
+    for causal in (True, False):
+        out, lse = triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=0.3,
+                                                         pack_gqa=pack_gqa, block_m=16, block_n=16, return_lse=True)
+        assert lse.shape == (4, sum(lens_q)) and lse.dtype == torch.float32
+        assert torch.equal(out, triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=0.3,
+                                                                      pack_gqa=pack_gqa, block_m=16, block_n=16))
+        want = _lse_ref(q, k, v, cu_q, cu_k, causal, 0.3)
+        tol = 1e-5 if dtype == torch.float32 else 1e-4   # from fp32 sums of products of exact half-precision inputs
+        assert (lse.double() - want).abs().max() <= tol * want.abs().max().clamp(min=1)
+    q, k, v, cu_q, cu_k = make_qkv([2], [0], heads=2, d_head=16)   # no key at all: logsumexp of nothing
+    _, lse = triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=False, return_lse=True)
+    assert torch.equal(lse, torch.full((2, 2), float("-inf")))
+
+
+# ---- 64-bit offsets ------------------------------------------------------------------------------------------
+
+def test_offsets_past_two_to_the_31_elements_are_64_bit():
+    """Token index x row stride passes 2**31: q, k, v are strided views into a > 2**31-element (4 GiB)
+    fp16 allocation, one row every 2**22 elements, starting 2**31 elements in. Triton's interpreter does
+    not copy a CPU tensor's storage (it wraps it, and its copy back onto itself is a no-op), and untouched
+    pages are never resident, so only the 2 x 600 written rows cost memory. With 32-bit offsets, row 512
+    and beyond (512 x 2**22 = 2**31) wraps to a NEGATIVE offset, 4 GiB back: still inside the allocation
+    (hence the 2**31-element lead), so the kernel reads zeros instead of crashing, and the output differs."""
+    stride, lead, n = 1 << 22, 1 << 31, 600
+    big = torch.empty(lead + n * stride, dtype=torch.float16)
+    rows = big[lead:].as_strided((n, 2, 16), (stride, 16, 1))  # q in [:, 0], k = v in [:, 1]
+    g = torch.Generator().manual_seed(0)
+    rows.copy_(torch.randn(n, 2, 16, generator=g).to(torch.float16))
+    q, k = rows[:, :1], rows[:, 1:]
+    assert q.stride(0) * (n - 1) > 2**31 and big.untyped_storage().nbytes() > 2 * 2**31
+    cu = seq_lens_to_cu_seqlens([n])
+    out = triton_varlen.triton_varlen_attention(q, k, k, cu, causal=False, block_m=64, block_n=64)
+    qc, kc = q.contiguous(), k.contiguous()
+    assert_close(out, attention_ref(qc, kc, kc, cu, causal=False),
+                 attention_ref(qc, kc, kc, cu, causal=False, upcast_dtype=torch.float64), "int64 offsets")
+
+
+def test_float32_is_refused_on_cuda_by_name():
+    with pytest.raises(ValueError, match="on CUDA takes float16 or bfloat16 .*got float32"):
+        triton_varlen.launch_config(64, torch.float32, 80)
+    with pytest.raises(ValueError, match="compute capability >= sm80"):
+        triton_varlen.launch_config(64, torch.float16, 75)
+    assert triton_varlen.launch_config(64, torch.float32, None) == (64, 64, 4, 1)   # the interpreter keeps 64 x 64

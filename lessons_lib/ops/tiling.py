@@ -15,12 +15,13 @@ Taught in notebooks/07_inside_the_kernel.ipynb.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from ..validate import check_int, check_lengths
 
-FIELDS = ("programs", "early_exits", "tiles", "tiles_skipped", "cells")
+FIELDS = ("programs", "early_exits", "tiles", "tiles_skipped", "cells", "masked_tiles")
 
 
 @dataclass(slots=True)
@@ -33,7 +34,14 @@ class WorkCounts:
     tiles_skipped: key tiles of a working program's request that causal masking let it skip.
     cells: score cells of the computed tiles that lie inside the request's ``[L_q × L_k]`` block,
     the causally masked ones included (the tile's rows and columns past the request's end are not).
+    With ``pack_gqa`` a row is a (token, query head) pair, so the block is ``[L_q · G × L_k]``.
+    masked_tiles: computed tiles that took the masked path (the causal diagonal's, and a request's last
+    partial key tile); the others are seen whole by every row and skip the mask. Not compared by ``==``
+    (lesson 07's picture has no such column): compare ``as_dict()``.
     block_m, block_n: the tile sizes (``tiles · block_m · block_n`` cells were executed); not compared.
+
+    Every computed score tile loads one K tile and one V tile, so ``tiles`` is also the count of K/V
+    tile loads, and ``kv_bytes_read`` their bytes, in either GQA layout.
     """
 
     programs: int = 0
@@ -41,6 +49,7 @@ class WorkCounts:
     tiles: int = 0
     tiles_skipped: int = 0
     cells: int = 0
+    masked_tiles: int = field(default=0, compare=False)
     block_m: int = field(default=0, compare=False)  # a launch-free call (no tokens) records no tile size
     block_n: int = field(default=0, compare=False)
     # per launch, per program (index m + grid_m · (h + H · r)): its key tiles, -1 if it returned at once;
@@ -67,52 +76,98 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def key_tiles(len_q: int, len_k: int, tile_start: int, block_m: int, block_n: int, causal: bool) -> tuple[int, int]:
+def key_tiles(len_q: int, len_k: int, tile_start: int, block_m: int, block_n: int, causal: bool,
+              group: int = 1) -> tuple[int, int]:
     """``(computed, skipped)`` key tiles for the query tile starting at row ``tile_start`` of a request.
 
     Causal: the tile's last real row ``r = min(tile_start + block_m, len_q) - 1`` sees keys up to
     ``r + len_k - len_q``, so keys ``[0, min(len_k, r + 1 + len_k - len_q))`` are read, whole tiles.
+    ``group``: rows per token (``pack_gqa``'s G query heads per K/V head; row ``i`` is token ``i // G``):
+    the tile then has ``len_q · G`` rows and its last row's token is ``r // G``.
     """
     total = cdiv(len_k, block_n)
     if not causal:
         return total, 0
-    hi = min(len_k, min(tile_start + block_m, len_q) + len_k - len_q)
+    hi = min(len_k, cdiv(min(tile_start + block_m, len_q * group), group) + len_k - len_q)
     computed = cdiv(max(hi, 0), block_n)
     return computed, total - computed
 
 
+def masked_key_tiles(len_q: int, len_k: int, tile_start: int, block_m: int, block_n: int, causal: bool,
+                     group: int = 1) -> int:
+    """How many of the tile's computed key tiles take the masked path.
+
+    The kernel walks keys in two stages (Triton's fused-attention tutorial): the key tiles below
+    ``lo`` are seen whole by EVERY row of the query tile, so they skip the mask; the rest (the causal
+    diagonal, and a last key tile past which the request ends) are masked. ``lo`` is what the tile's
+    first row sees, ``min(len_k, first_token + 1 + len_k - len_q)`` causally (``len_k`` if not),
+    rounded down to whole key tiles.
+    """
+    computed, _ = key_tiles(len_q, len_k, tile_start, block_m, block_n, causal, group)
+    lo = min(len_k, tile_start // group + 1 + len_k - len_q) if causal else len_k
+    return max(0, computed - lo // block_n)
+
+
 def predict_work(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = None, n_heads: int = 1, *,
-                 block_m: int = 64, block_n: int = 64, causal: bool = True,
-                 max_seqlen_q: int | None = None) -> WorkCounts:
+                 n_kv_heads: int | None = None, pack_gqa: bool | None = None, block_m: int = 64, block_n: int = 64,
+                 causal: bool = True, max_seqlen_q: int | None = None) -> WorkCounts:
     """What one launch over requests of ``seqlens_q`` queries (and ``seqlens_k`` keys) computes.
 
-    A pure function of the lengths, ``n_heads``, the tile sizes and ``causal``: the same numbers
-    the kernel counts with atomics when run under ``count_work()``. ``max_seqlen_q`` sizes the grid
-    (default: the longest request; a larger bound launches more programs that return at once).
+    A pure function of the lengths, the heads, the layout, the tile sizes and ``causal``: the same
+    numbers the kernel counts with atomics when run under ``count_work()``. ``max_seqlen_q`` sizes the
+    grid (default: the longest request; a larger bound launches more programs that return at once).
+    ``n_kv_heads`` (default ``n_heads``) K/V heads, each serving ``G = n_heads / n_kv_heads`` query heads;
+    ``pack_gqa``: False, one program per (query tile, query head); True, one per (tile of ``block_m``
+    (token, query head) rows, K/V head); None, ``choose_pack_gqa``'s pick (as the kernel's launcher).
     """
     lq = check_lengths(seqlens_q, minimum=0, name="seqlens_q")
     lk = lq if seqlens_k is None else check_lengths(seqlens_k, minimum=0, name="seqlens_k")
     if len(lk) != len(lq):
         raise ValueError(f"seqlens_q and seqlens_k must have one length per request, got {len(lq)} and {len(lk)}")
     h = check_int("n_heads", n_heads, 1)
+    h_kv = h if n_kv_heads is None else check_int("n_kv_heads", n_kv_heads, 1)
+    if h % h_kv:
+        raise ValueError(f"n_heads must be a multiple of n_kv_heads, got n_heads={h}, n_kv_heads={h_kv}")
     bm, bn = check_int("block_m", block_m, 1), check_int("block_n", block_n, 1)
-    grid_m = cdiv(max(lq, default=0) if max_seqlen_q is None else check_int("max_seqlen_q", max_seqlen_q, 0), bm)
-    w = WorkCounts(programs=grid_m * h * len(lq), block_m=bm, block_n=bn)
+    longest = max(lq, default=0) if max_seqlen_q is None else check_int("max_seqlen_q", max_seqlen_q, 0)
+    g = h // h_kv
+    if pack_gqa is None:
+        pack_gqa = choose_pack_gqa(longest, max(lk, default=0), g, bm, bn, causal)
+    rows, heads = (g, h_kv) if pack_gqa else (1, h)   # rows per token; programs along the head axis
+    grid_m = cdiv(longest * rows, bm)
+    w = WorkCounts(programs=grid_m * heads * len(lq), block_m=bm, block_n=bn)
     for nq, nk in zip(lq, lk):
         for m in range(grid_m):
             start = m * bm
-            if start >= nq:
-                w.early_exits += h
+            if start >= nq * rows:
+                w.early_exits += heads
                 continue
-            computed, skipped = key_tiles(nq, nk, start, bm, bn, causal)
-            rows = min(bm, nq - start)
-            w.tiles += h * computed
-            w.tiles_skipped += h * skipped
-            w.cells += h * rows * min(computed * bn, nk)
+            computed, skipped = key_tiles(nq, nk, start, bm, bn, causal, rows)
+            w.tiles += heads * computed
+            w.tiles_skipped += heads * skipped
+            w.cells += heads * min(bm, nq * rows - start) * min(computed * bn, nk)
+            w.masked_tiles += heads * masked_key_tiles(nq, nk, start, bm, bn, causal, rows)
     return w
 
 
+@functools.lru_cache(maxsize=256)
+def choose_pack_gqa(max_seqlen_q: int, max_seqlen_k: int, group: int, block_m: int, block_n: int, causal: bool) -> bool:
+    """``pack_gqa=None``'s choice: pack the ``group`` query heads of each K/V head into one program's rows
+    when that loads fewer K/V tiles (``predict_work``'s ``tiles``) for a request of ``max_seqlen_q``
+    queries and ``max_seqlen_k`` keys. Packing never loads more; it loads fewer where a query tile
+    would be mostly padding (short queries: decode, chunk tails) and, causally with ``block_m > block_n``,
+    where its tiles of fewer tokens follow the diagonal closer. Equal (MHA, or tiles already full and non-causal): not packed, the
+    grid keeps one program per query head. Cached: the launcher asks once per shape."""
+    if group == 1 or max_seqlen_q == 0:
+        return False
+    lq, lk = [max_seqlen_q], [max(max_seqlen_k, max_seqlen_q) if causal else max_seqlen_k]
+    tiles = [predict_work(lq, lk, group, n_kv_heads=1, pack_gqa=p, block_m=block_m, block_n=block_n,
+                          causal=causal).tiles for p in (False, True)]
+    return tiles[1] < tiles[0]
+
+
 def launch_grid(max_seqlen_q: int, n_heads: int, num_seqs: int, block_m: int = 64) -> tuple[int, int, int]:
-    """``(⌈max_seqlen_q / block_m⌉, H, R)``: the kernel's grid, one program per (query tile, head, request)."""
+    """``(⌈max_seqlen_q / block_m⌉, H, R)``: the kernel's grid, one program per (query tile, head, request)
+    (with ``pack_gqa``: ``launch_grid(max_seqlen_q · G, H_kv, R)``)."""
     return cdiv(check_int("max_seqlen_q", max_seqlen_q, 0), check_int("block_m", block_m, 1)), \
         check_int("n_heads", n_heads, 1), check_int("num_seqs", num_seqs, 0)
