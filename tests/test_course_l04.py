@@ -521,6 +521,9 @@ def test_kv_heads_for_budget_is_measured_candidate_by_candidate():
     assert table[2][0] == 3 and "cannot split n_kv_heads=3" in table[2][1]   # the engine's refusal, not a row
     assert table[-1] == (12, 3, 1, 3 * 2560, False)
     assert L.kv_heads_for_budget(12, 16, 2, 4, 4, num_tokens=10, budget_bytes=2559)[0] is None
+    for args, match in (((12, 16, 2, 8, 4, 10, 1), "tp=8 must divide n_heads=12"), ((12, 16, 2, 4, 3, 10, 1), "bytes_per_number")):
+        with pytest.raises(ValueError, match=match):
+            L.kv_heads_for_budget(*args)
 
 
 # --- Exercise 04.3: which cut is broken ----------------------------------------------------------

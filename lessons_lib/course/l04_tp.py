@@ -987,12 +987,15 @@ def kv_heads_for_budget(n_heads: int, d_head: int, n_layers: int, tp: int, bytes
     ``num_tokens`` tokens fits ``budget_bytes`` on each of ``tp`` ranks, or None when none fits.
 
     Every candidate is built and measured on the engine's ranks (``engine_kv_plan``); a split the
-    engine refuses is skipped. Also returns the table, one row per candidate:
-    ``(n_kv_heads, K/V heads per rank, ranks per K/V head, cache bytes per rank, fits)``, or
-    ``(n_kv_heads, the engine's refusal)``."""
+    engine refuses (a tp that neither divides the K/V heads nor is a multiple of them) is skipped.
+    Also returns the table, one row per candidate: ``(n_kv_heads, K/V heads per rank, ranks per K/V
+    head, cache bytes per rank, fits)``, or ``(n_kv_heads, the engine's refusal)``."""
     tokens, budget = check_int("num_tokens", num_tokens, 1), check_int("budget_bytes", budget_bytes, 1)
+    check_choice("bytes_per_number", bytes_per_number, tuple(_DTYPE_OF_BYTES))
+    if check_int("n_heads", n_heads, 1) % check_int("tp", tp, 1):
+        raise ValueError(f"tp={tp} must divide n_heads={n_heads}: every rank gets the same number of query heads")
     rows, best = [], None
-    for kv in (d for d in range(1, check_int("n_heads", n_heads, 1) + 1) if n_heads % d == 0):
+    for kv in (d for d in range(1, n_heads + 1) if n_heads % d == 0):
         try:
             plan = engine_kv_plan(n_heads, kv, d_head, n_layers, tp, bytes_per_number)
         except ValueError as refused:
