@@ -58,6 +58,7 @@ class Kernel:
     names: tuple
     devices: tuple = ("cuda",)
     dtypes: tuple | None = HALF
+    cpu_dtypes: tuple | None = None  # where the CPU takes others (Triton's interpreter: float32 too)
     min_capability: tuple = (8, 0)
     max_head_dim: int = 256
     head_dim_multiple: int = 8
@@ -71,9 +72,10 @@ KERNELS = {"flex": Kernel("torch.nn.attention.flex_attention", ("flex_attention"
                           head_dim_multiple=1),
            "flash": Kernel("flash_attn", ("flash_attn_varlen_func",)),
            "torch_varlen": Kernel("torch.nn.attention.varlen", ("varlen_attn",)),
-           # The course's own Triton kernel: native on CUDA, Triton's interpreter on the CPU (slow: opt-in only).
+           # The course's own Triton kernel: native on CUDA (fp16/bf16, sm80+: its tile table's GPUs, as FlashAttention),
+           # Triton's interpreter on the CPU (slow: opt-in only; float32 too).
            "triton": Kernel("lessons_lib.ops.triton_varlen", ("varlen_fwd",), devices=("cpu", "cuda"),
-                            dtypes=(torch.float32, *HALF), min_capability=(7, 0), head_dim_multiple=1)}
+                            cpu_dtypes=(torch.float32, *HALF), head_dim_multiple=1)}
 
 
 def placement(device=None, dtype: torch.dtype | None = None) -> tuple[torch.device, torch.dtype]:
@@ -97,8 +99,9 @@ def _refusal(k: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int 
         cc, need = torch.cuda.get_device_capability(device), k.min_capability
         if cc < need:
             return f"needs compute capability >= sm{need[0]}{need[1]}, this GPU is sm{cc[0]}{cc[1]}"
-    if k.dtypes is not None and dtype not in k.dtypes:
-        return f"needs {'/'.join(dtype_name(d) for d in k.dtypes)}, got {dtype_name(dtype)}"
+    dtypes = k.cpu_dtypes if device.type == "cpu" and k.cpu_dtypes is not None else k.dtypes
+    if dtypes is not None and dtype not in dtypes:
+        return f"needs {'/'.join(dtype_name(d) for d in dtypes)}, got {dtype_name(dtype)}"
     if head_dim is not None and (head_dim > k.max_head_dim or head_dim % k.head_dim_multiple):
         return f"head dim {head_dim} unsupported (at most {k.max_head_dim}, a multiple of {k.head_dim_multiple})"
     return None
