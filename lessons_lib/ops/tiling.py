@@ -7,6 +7,12 @@ program that works walks its request's keys ``BLOCK_N`` at a time; with ``causal
 the diagonal (bottom-right aligned: query row i sees keys ``j <= i + L_k - L_q``), so the key
 tiles wholly above it are never computed.
 
+With grouped-query attention (``n_kv_heads`` < ``n_heads``, G query heads per K/V head) the kernel
+has two layouts: per head, as above; or packed (``pack_gqa``), a grid of
+``(⌈max_seqlen_q · G / BLOCK_M⌉, H_kv, R)`` whose tiles hold (token, query head) rows, so each K/V tile
+is loaded once for the group. Of the key tiles a program computes, those every row sees whole skip
+the mask; the rest (the diagonal's, a last partial tile) are ``masked_tiles``.
+
 ``predict_work`` gives, for lengths and tile sizes, the numbers the kernel counts itself
 (``triton_varlen.count_work``): the lesson asserts measured == predicted, so removing the early
 return or moving the causal bound shows up as a difference.

@@ -9,6 +9,23 @@ past the request's end, else loads its ``[BLOCK_M, D]`` query tile and walks the
 ``l`` (fp32) rescale the partial output whenever the max grows, so the ``[L_q × L_k]`` score matrix
 never exists. With ``causal`` the walk stops at the diagonal (bottom-right aligned when L_k > L_q).
 
+The fast paths of Triton's fused-attention tutorial, each visible in the counters or the compiled code:
+scores are scaled by ``softmax_scale · log2(e)`` once, so the loop exponentiates with ``exp2`` (the
+GPU's ``ex2`` instruction, no multiply before it); the key walk has two stages, the key tiles every
+row of the query tile sees whole first, WITHOUT a mask, then only the diagonal tiles and a last
+partial tile with it (``masked_tiles`` counts them); ``return_lse`` also stores each row's
+log-sum-exp. Token index × row stride is computed in 64 bits (a fused QKV's rows pass 2³¹ elements
+long before the tokens do); offsets within one tile stay 32-bit.
+
+Grouped-query attention (k, v with ``H_kv`` heads, ``G = H / H_kv``) in two layouts: per head, program
+``(m, h, r)`` reads K/V head ``h // G``; packed (FlashAttention 3's ``pack_gqa``, vLLM's grid per K/V
+head), program ``(m, h_kv, r)`` takes ``BLOCK_M`` (token, query head) rows of one K/V head's group, so
+each K/V tile is loaded once for the whole group (``tiling.predict_work`` counts both).
+
+Tile sizes: on CUDA from ``CUDA_TILES``, one row per GPU generation and head-dim class, each entry
+compiled for sm_80 / sm_90 without a GPU by ``ops.compile_report`` (no register spill, shared memory
+within the block limit); fp16/bf16 only on CUDA, as FlashAttention. Under the interpreter 64 × 64.
+
 Where it runs: natively on an NVIDIA GPU; on the CPU through Triton's interpreter
 (``TRITON_INTERPRET=1``, set here before Triton is imported when no GPU is present). The
 interpreter executes the same source program by program with NumPy — about 10–30 ms per program — so on
