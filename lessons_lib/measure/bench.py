@@ -21,8 +21,9 @@ predict (``executed FLOPs(method) / executed FLOPs(varlen)``), and efficiency = 
 / (time × GEMM peak).
 
 The GEMM peak is measured on the model's OWN linear layers: one block's four matmuls (QKV, out
-proj, FFN-up, FFN-down, with bias, the run's dtype) on each of the workload's batch sizes, alone,
-fastest of 2 passes (``profile.linear_layers_sampler``). One sample is taken before a workload's
+proj, FFN-up, FFN-down, with bias, the run's dtype, through the model's ``ColumnParallelLinear``:
+its kernel, whatever it is) on each of the workload's batch sizes, alone, fastest of 2 passes
+(``profile.linear_layers_sampler``). One sample is taken before a workload's
 first run and one after every run, so every timed run sits between two samples; its peak is the
 faster of the two (a busy neighbour must slow both to inflate it) and its efficiency is
 ``useful / (time × that peak)``. Reported: the median over a method's runs, the min and max, and
@@ -505,10 +506,10 @@ def run(plan: Plan, out_dir: pathlib.Path, command: str, workloads=None, methods
     result["sweeps"] = sweeps(plan, log) if do_sweeps else {}
     result["gemm_peak"] = {"linear_shapes": [list(s) for s in linear_shapes(cfg)], "dtype": dtype_name(plan.dtype),
                            "flops_per_s": max(peaks), "median_flops_per_s": statistics.median(peaks), "samples": peaks,
-                           "how": f"one block's linear layers (F.linear with bias) on each of the workload's batch sizes, "
-                                  f"alone, fastest of {plan.gemm_repeats} passes; a sample before a workload's first run "
-                                  "and after every run; each run's efficiency divides by the faster of the two samples "
-                                  "around it, and the median over runs is reported with its min and max"}
+                           "how": f"one block's linear layers (ColumnParallelLinear, with bias) on each of the workload's "
+                                  f"batch sizes, alone, fastest of {plan.gemm_repeats} passes; a sample before a workload's "
+                                  "first run and after every run; each run's efficiency divides by the faster of the two "
+                                  "samples around it, and the median over runs is reported with its min and max"}
     final = max(peaks)
     result["checks"] = checks(result)
     result["wall_s"] = time.perf_counter() - t_start

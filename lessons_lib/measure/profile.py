@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ..core.attention import varlen_attention
 from ..core.batch import PackedBatch, seq_lens_to_cu_seqlens
 from ..core.kernels import synchronize
+from ..core.linear import ColumnParallelLinear
 from ..validate import check_lengths
 
 Tensor = torch.Tensor
@@ -216,10 +217,11 @@ def linear_layers_sampler(tokens: Sequence[int], shapes: Sequence[tuple[int, int
                           dtype: torch.dtype = torch.float32, seed: int = 0) -> Callable[[], float]:
     """A GEMM-peak sampler on a model's OWN linear layers: ``sample()`` → FLOP/s (fastest of ``repeats`` passes).
 
-    One pass runs ``F.linear`` with a bias for every ``(d_in, d_out)`` of ``shapes`` (one block's layers,
-    ``flops.linear_shapes``) on ``[T, d_in]`` random rows, for every ``T`` of ``tokens`` (a workload's batch
-    sizes): the matmuls of one layer of the forward, nothing else, on ``device`` in ``dtype``. Inputs and
-    weights are drawn once, here; every sample reuses them, as the model's layers reuse theirs.
+    One pass runs a ``ColumnParallelLinear`` with bias (TP=1: the class, hence the kernel, the model's layers
+    run) of every ``(d_in, d_out)`` in ``shapes`` (one block's layers, ``flops.linear_shapes``) on ``[T, d_in]``
+    random rows, for every ``T`` of ``tokens`` (a workload's batch sizes): the matmuls of one layer of the
+    forward, nothing else, on ``device`` in ``dtype``. Inputs and weights are drawn once, here; every sample
+    reuses them.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -227,14 +229,15 @@ def linear_layers_sampler(tokens: Sequence[int], shapes: Sequence[tuple[int, int
         raise ValueError(f"tokens must be a non-empty list of batch sizes >= 1, got {list(tokens)}")
     g = torch.Generator().manual_seed(seed)
     rows = {d_in: torch.randn(max(tokens), d_in, generator=g).to(device=device, dtype=dtype) for d_in, _ in shapes}
-    layers = [(torch.randn(d_out, d_in, generator=g).mul_(0.02).to(device=device, dtype=dtype),
-               torch.randn(d_out, generator=g).to(device=device, dtype=dtype)) for d_in, d_out in shapes]
+    layers = [(d_in, ColumnParallelLinear(d_in, d_out, dtype=dtype).load_full_(
+        torch.randn(d_out, d_in, generator=g) * 0.02, torch.randn(d_out, generator=g)).to(device)) for d_in, d_out in shapes]
     flops = 2 * sum(tokens) * sum(d_in * d_out for d_in, d_out in shapes)
 
+    @torch.no_grad()
     def one_layer():
         for t in tokens:
-            for (d_in, _), (w, b) in zip(shapes, layers):
-                F.linear(rows[d_in][:t], w, b)
+            for d_in, layer in layers:
+                layer(rows[d_in][:t])
 
     def sample() -> float:
         return flops / time_call(one_layer, repeats=repeats, warmup=0, device=device)
