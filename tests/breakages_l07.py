@@ -1,6 +1,6 @@
 """Breakages of the claims lesson 07 proves (see breakages.py).
 
-K2-K5 change ONE line of the Triton kernel: the kernel is rebuilt from its real source with that
+K2-K5 (and K3's variants: the two-stage loop, the bottom-right diagonal) change ONE line of the Triton kernel: the kernel is rebuilt from its real source with that
 line replaced (``course.l07_kernel.install``, the helper the lesson's break-it cells use), since a
 ``@triton.jit`` function cannot be monkeypatched line by line. K1 puts the loop over requests back
 in Python, in the engine's triton backend.
@@ -42,4 +42,10 @@ breaks_each(NOTEBOOK, _install, (
          "the causal loop bound one key tile too far: tiles wholly above the diagonal are computed"),
         ("K4", "columns past the end kept",
          "the tile's key columns past the request's end are no longer masked (they score 0, not -inf)"),
-        ("K5", "sum not rescaled", "the running sum l is not rescaled when the running max grows")))
+        ("K5", "sum not rescaled", "the running sum l is not rescaled when the running max grows"),
+        ("K3:mask-all", "every key tile masked",
+         "the two-stage loop's unmasked stage emptied: every key tile takes the masked path (right output, slower)"),
+        ("K3:diagonal-unmasked", "diagonal tile unmasked",
+         "the two-stage loop's unmasked stage runs to the end: the diagonal tile is not masked (keys above it seen)"),
+        ("K3:top-left", "causal diagonal top-left",
+         "the causal mask aligned top-left (j <= i): a chunk after cached keys loses its cached keys' offset")))

@@ -172,13 +172,80 @@ def test_each_kernel_bug_moves_a_counter_or_the_output_and_the_real_kernel_comes
             out, counts = L.run_kernel(q, k, v, cu, causal=causal, block_m=16, block_n=16)
         assert tv._varlen_fwd_kernel is real
         wrong = not torch.allclose(out, attention_ref(q, k, v, cu, causal=causal), atol=1e-4)
-        effects[bug] = (counts.tiles != want.tiles, wrong)
-    assert effects == {"no early return": (True, False), "causal bound one tile late": (True, False),
-                       "sum not rescaled": (False, True), "columns past the end kept": (False, True)}
+        effects[bug] = (counts.tiles != want.tiles, counts.masked_tiles != want.masked_tiles, wrong)
+    assert effects == {"no early return": (True, True, False), "causal bound one tile late": (True, True, False),
+                       "sum not rescaled": (False, False, True), "columns past the end kept": (False, False, True),
+                       "every key tile masked": (False, True, False), "diagonal tile unmasked": (False, True, True),
+                       "causal diagonal top-left": (False, False, False)}   # a prefill: L_k = L_q hides the alignment
+    (lens_q, lens_k) = L.CHUNK_MIX   # a chunk after cached keys shows it
+    q, _, _, cu_q = random_qkv(lens_q, 1, 16, seed=30)
+    _, k, v, cu_k = random_qkv(lens_k, 1, 16, seed=31)
+    ref = attention_ref(q, k, v, cu_q, cu_k)
+    assert torch.allclose(L.run_kernel(q, k, v, cu_q, cu_k, block_m=16, block_n=16)[0], ref, atol=1e-5)
+    with L.kernel_with("causal diagonal top-left"):
+        assert not torch.allclose(L.run_kernel(q, k, v, cu_q, cu_k, block_m=16, block_n=16)[0], ref, atol=1e-2)
     with pytest.raises(ValueError, match="unknown kernel bug"):
         with L.kernel_with("no such bug"):
             pass
     assert tv._varlen_fwd_kernel is real
+
+
+def test_every_kernel_bug_names_one_line_of_the_current_kernel():
+    for old, new in L.KERNEL_BUGS.values():   # the claim breakages depend on it: the source changes under them
+        assert "# CHANGED, was: " + old in L.changed_source(old, new)
+    assert set(L.BUG_EFFECTS) == set(L.KERNEL_BUGS)
+
+
+# ---- the fast paths, the compiler, grouped-query attention -----------------------------------------------------
+
+def test_reference_lse_normalises_the_softmax_that_attention_uses():
+    q, k, v, cu_q, cu_k = random_qkv([5, 12], 4, 16, seq_lens_k=[9, 12], seed=5)
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()          # 4 query heads on 2 K/V heads
+    for causal in (True, False):
+        lse = L.reference_lse(q, k, cu_q, cu_k, causal=causal)   # [H, T_q]
+        out = attention_ref(q, k, v, cu_q, cu_k, causal=causal, upcast_dtype=torch.float64)
+        for r, (qs, ks) in enumerate(((0, 0), (5, 9))):
+            nq, nk = (5, 9) if r == 0 else (12, 12)
+            kk, vv = k[ks:ks + nk].double().repeat_interleave(2, 1), v[ks:ks + nk].double().repeat_interleave(2, 1)
+            s = torch.einsum("ihd,jhd->hij", q[qs:qs + nq].double(), kk) / 4.0
+            if causal:
+                s = s.masked_fill(torch.arange(nk)[None, :] > torch.arange(nq)[:, None] + nk - nq, float("-inf"))
+            p = torch.exp(s - lse[:, qs:qs + nq, None])                 # the probabilities lse normalises
+            assert torch.allclose(p.sum(-1), torch.ones(4, nq, dtype=torch.float64))
+            assert torch.allclose(torch.einsum("hij,jhd->ihd", p, vv), out[qs:qs + nq])
+    q, k, _, cu_q, cu_k = random_qkv([2], 1, 16, seq_lens_k=[0], seed=1)
+    assert torch.equal(L.reference_lse(q, k, cu_q, cu_k, causal=False), torch.full((1, 2), float("-inf"), dtype=torch.float64))
+
+
+@needs_kernel
+def test_pack_gqa_loads_each_kv_tile_once_per_group_on_decode_and_the_same_on_whole_tiles():
+    g = L.GQA_HEADS // L.GQA_KV_HEADS
+    per_head, packed = (L.run_gqa(*L.GQA_DECODE, p) for p in (False, True))
+    for run in (per_head, packed):
+        assert run["counts"] == run["predicted"] and run["error"] <= run["bound"]
+    assert per_head["grid"] == (1, L.GQA_HEADS, 3) and packed["grid"] == (1, L.GQA_KV_HEADS, 3)
+    assert per_head["counts"].tiles == g * packed["counts"].tiles and per_head["counts"].cells == packed["counts"].cells
+    assert L.run_gqa(*L.GQA_DECODE, None)["packed"] and not L.run_gqa(*L.GQA_PREFILL, None)["packed"]
+
+
+def test_compiler_table_puts_each_targets_limits_beside_its_build():
+    cr = pytest.importorskip("lessons_lib.ops.compile_report")
+    ok = cr.BuildReport(cr.Build(80, "bfloat16", 64, True, False), 128, 64, 8, 3, 156, 0, 0, 49152)
+    spills = cr.BuildReport(cr.Build(90, "bfloat16", 128, True, False), 128, 64, 4, 3, 255, 8, 8, 300_000)
+    lines = L.compiler_table([ok, spills]).splitlines()
+    assert lines[0].endswith("max regs  max shared  fits") and len(lines) == 3
+    assert lines[1].split()[-3:] == ["255", str(cr.MAX_SHARED[80]), "yes"]
+    assert lines[2].split()[-3:] == ["255", str(cr.MAX_SHARED[90]), "NO"] and "8/8" in lines[2]
+
+
+@needs_kernel
+def test_exp2_with_the_folded_scale_has_no_multiply_by_log2e_and_tl_exp_one_per_cell():
+    counts = L.exp_instructions(80, 64)   # two native builds, ~20 s
+    mine, unfolded = counts["tl.exp2 (the kernel)"], counts["tl.exp"]
+    config = L.kernel_module().launch_config(64, torch.bfloat16, 80)
+    per_thread = config.block_m * config.block_n // (32 * config.num_warps)
+    assert mine.mul_log2e == 0 and unfolded.mul_log2e == 2 * per_thread   # the loop's two stages
+    assert mine.ex2 == unfolded.ex2 >= 2 * per_thread
 
 
 @needs_kernel
@@ -394,7 +461,7 @@ def test_flat_grid_never_loses_a_tile_and_the_checker_explains_one_that_does():
         assert real <= set(pairs) and len(pairs) == sum(lens) // bm + len(lens)
     with pytest.raises(WrongAnswer, match="the same first program|never computed"):
         L.check_flat_grid(lambda lens, bm: _flat_grid(lens, bm, extra=0))   # right only where every cu_r is a multiple
-    with pytest.raises(WrongAnswer, match=r"floor\(T / BLOCK_M\) \+ R"):
+    with pytest.raises(WrongAnswer, match=r"floor\(T / BLOCK_Q\) \+ R"):
         L.check_flat_grid(lambda lens, bm: [(r, m) for r, n in enumerate(lens) for m in range(-(-n // bm))])
     with pytest.raises(WrongAnswer, match="tiles 0, 1, 2"):
         L.check_flat_grid(lambda lens, bm: [(0, 0)] + [(r, 5) for r, _ in _flat_grid(lens, bm)[1:]])

@@ -26,6 +26,7 @@ import pathlib
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -432,12 +433,20 @@ KERNEL_BUGS: dict[str, tuple[str, str]] = {
         "hi = tl.minimum(len_k, tl.minimum((m_block + 1) * BLOCK_M, len_q) + len_k - len_q + BLOCK_N)"),
     "sum not rescaled": ("l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)"),
     "columns past the end kept": ("allowed = col_ok[None, :]", "allowed = cols[None, :] >= 0"),
+    "every key tile masked": ("lo = lo // BLOCK_N * BLOCK_N", "lo = 0"),
+    "diagonal tile unmasked": ("lo = lo // BLOCK_N * BLOCK_N", "lo = hi"),
+    "causal diagonal top-left": ("allowed = allowed & (cols[None, :] <= tok[:, None] + (len_k - len_q))",
+                                 "allowed = allowed & (cols[None, :] <= tok[:, None])"),
 }
+BUG_COUNTERS = ("early_exits", "tiles", "tiles_skipped", "cells", "masked_tiles")   # what the break-it cell compares
 
 
-# What each bug does on K2's mix: (the counters that move, whether the output leaves the tolerance).
-BUG_EFFECTS = {"no early return": ("tiles", "no"), "causal bound one tile late": ("tiles, tiles_skipped, cells", "no"),
-               "sum not rescaled": ("none", "yes"), "columns past the end kept": ("none", "yes")}
+# What each bug does on K2's mix (prefill: L_k = L_q): (the counters that move, whether the output leaves the tolerance).
+BUG_EFFECTS = {"no early return": ("tiles, masked_tiles", "no"),
+               "causal bound one tile late": ("tiles, tiles_skipped, cells, masked_tiles", "no"),
+               "sum not rescaled": ("none", "yes"), "columns past the end kept": ("none", "yes"),
+               "every key tile masked": ("masked_tiles", "no"), "diagonal tile unmasked": ("masked_tiles", "yes"),
+               "causal diagonal top-left": ("none", "no")}
 
 
 def guess_report(guess: dict, seen: dict) -> str:
@@ -506,6 +515,158 @@ def kernel_with(bug) -> Iterator[None]:
         yield
     finally:
         tv._varlen_fwd_kernel = real
+
+
+# ---- what the compiler made of the loop (native builds, no GPU needed) ---------------------------------------
+
+# The launcher's builds the lesson compiles: sm_80 (A100) and sm_90 (H100, H200), bf16, causal, head dims 64 and 128.
+COMPILE_ARCHS, COMPILE_HEAD_DIMS = (80, 90), (64, 128)
+# Launches the launcher does NOT make on an A100, tried beside its own: 64 keys a tile at head dim 128 (its table
+# takes 32), 4 warps at head dim 64 (its table takes 8).
+TRIED_TILES = {80: {128: (128, 64, 8, 3), 64: (128, 64, 4, 3)}}
+
+
+def _compile_report():
+    from ..ops import compile_report
+    return compile_report
+
+
+@functools.cache
+def compiler_reports() -> tuple[list, list]:
+    """``(launcher's, tried)``: ``ops.compile_report.compile_builds`` of the launcher's bf16 causal per-head builds
+    for ``COMPILE_ARCHS`` x ``COMPILE_HEAD_DIMS``, and of ``TRIED_TILES``' builds (fresh subprocesses, native
+    Triton → PTX → ptxas, no GPU; about 20 s on two CPU cores; cached for the process)."""
+    cr = _compile_report()
+    mine = [cr.Build(a, "bfloat16", d, True, False) for a in COMPILE_ARCHS for d in COMPILE_HEAD_DIMS]
+    tried = [cr.Build(a, "bfloat16", d, True, False) for a, by_d in TRIED_TILES.items() for d in by_d]
+    with ThreadPoolExecutor(2) as pool:
+        ours = pool.submit(cr.compile_builds, mine, 2)
+        other = pool.submit(cr.compile_builds, tried, 1, 600, TRIED_TILES)
+        return ours.result(), other.result()
+
+
+def compiler_table(reports: Sequence) -> str:
+    """``compile_report.format_table`` with each target's limits beside it: registers of ``MAX_REGISTERS``, shared
+    memory of the target's ``max_shared``, and whether the build fits (no spill, shared memory within the limit)."""
+    cr = _compile_report()
+    lines = cr.format_table(reports).splitlines()
+    head = f"{lines[0]}  {'max regs':>8}  {'max shared':>10}  fits"
+    return "\n".join([head] + [f"{line}  {cr.MAX_REGISTERS:>8}  {r.max_shared:>10}  {'yes' if r.fits else 'NO'}"
+                               for line, r in zip(lines[1:], reports)])
+
+
+# The kernel's exponential, and the line an unfolded kernel would have (only compiled, never run: it exponentiates
+# in base e scores already scaled for base 2, so its numbers are wrong; its instructions are what tl.exp costs).
+EXP_LINE = ("p = tl.exp2(s - m_safe[:, None])", "p = tl.exp(s - m_safe[:, None])")
+LOG2E_PTX = "0f3FB8AA3B"   # log2(e) as a float32 immediate in PTX
+
+
+@dataclass(frozen=True)
+class ExpCount:
+    """Instructions of one native build's PTX (the whole kernel, per thread: the key loop holds every exponential)."""
+
+    ex2: int          # ex2.approx: the GPU's only exponential instruction (base 2)
+    mul_log2e: int    # multiplies by log2(e): what tl.exp adds before each ex2
+    mul_f32: int      # all fp32 multiplies
+
+
+@functools.cache
+def exp_instructions(arch: int = 80, head_dim: int = 64) -> dict[str, ExpCount]:
+    """Compile the kernel natively (``python -m lessons_lib.ops.compile_report`` in a fresh process, bf16, causal,
+    per-head) as it is and with ``EXP_LINE`` swapped in, and count in each PTX the ``ex2.approx`` instructions and
+    the fp32 multiplies (by ``log2(e)``, and all). Returns ``{"tl.exp2 (the kernel)": ..., "tl.exp": ...}``."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    payload = json.dumps({"builds": [{"arch": arch, "dtype": "bfloat16", "head_dim": head_dim, "causal": True,
+                                      "pack_gqa": False}], "tiles": None})
+    program = ("import runpy, sys\nfrom lessons_lib.course import l07_kernel as L\n"
+               "if len(sys.argv) > 1:\n    L.install((sys.argv[1], sys.argv[2]))\n"
+               "runpy.run_module('lessons_lib.ops.compile_report', run_name='__main__')\n")
+
+    def build(extra: list[str]) -> ExpCount:
+        with tempfile.TemporaryDirectory(prefix="l07_ptx_") as cache:
+            env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DUMP_PTXAS_LOG="1", TRITON_ALWAYS_COMPILE="1",
+                       TRITON_CACHE_DIR=cache)
+            done = subprocess.run([sys.executable, "-c", program, *extra], input=payload, text=True,
+                                  capture_output=True, env=env, cwd=ROOT, timeout=600)
+            if done.returncode:
+                raise RuntimeError(f"native compile failed:\n{done.stderr[-3000:]}")
+            ptx = "\n".join(p.read_text() for p in pathlib.Path(cache).glob(f"*/{KERNEL_NAME}.ptx"))
+        ops = [line.split()[0] for line in ptx.splitlines() if line.strip() and not line.lstrip().startswith(".")]
+        return ExpCount(sum(op.startswith("ex2.") for op in ops),
+                        sum(line.split()[0].startswith("mul") and LOG2E_PTX in line for line in ptx.splitlines()
+                            if line.strip()),
+                        sum(op.startswith("mul.") and op.endswith("f32") for op in ops))
+
+    with ThreadPoolExecutor(2) as pool:
+        real, unfolded = pool.map(build, ([], list(EXP_LINE)))
+    return {"tl.exp2 (the kernel)": real, "tl.exp": unfolded}
+
+
+# ---- the log-sum-exp the kernel returns -----------------------------------------------------------------------
+
+def reference_lse(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor | None = None, *,
+                  causal: bool = True, softmax_scale: float | None = None, dtype=torch.float64) -> torch.Tensor:
+    """``log Σ_j exp(scale · q_i · k_j)`` over the keys row i sees, from the definition, in ``dtype``: ``[H, T_q]``
+    (-inf for a row that sees no key). q ``[T_q, H, D]``, k ``[T_k, H_kv, D]`` (query head h reads K/V head
+    ``h // (H / H_kv)``), causal bottom-right as the kernel; CPU."""
+    cu_k = cu_q if cu_k is None else cu_k
+    group = q.shape[1] // k.shape[1]
+    q, k = q.detach().cpu().to(dtype), k.detach().cpu().to(dtype).repeat_interleave(group, dim=1)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=dtype)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for qs, qe, ks, ke in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
+        s = torch.einsum("ihd,jhd->hij", q[qs:qe], k[ks:ke]) * scale      # [H, L_q, L_k]
+        if causal:
+            i, j = torch.arange(qe - qs)[:, None], torch.arange(ke - ks)[None, :]
+            s = s.masked_fill(j > i + (ke - ks) - (qe - qs), float("-inf"))
+        if ke > ks:
+            out[:, qs:qe] = torch.logsumexp(s, dim=-1)
+    return out
+
+
+def counters_text(w: WorkCounts) -> str:
+    """A launch's counters on one line (``masked_tiles`` included, which ``==`` on ``WorkCounts`` leaves out)."""
+    return (f"{w.programs} programs, {w.early_exits} exits, {w.tiles} tiles, {w.tiles_skipped} skipped, "
+            f"{w.cells:,} cells, {w.masked_tiles} masked")
+
+
+# ---- grouped-query attention: the two layouts -------------------------------------------------------------------
+
+GQA_HEADS, GQA_KV_HEADS = 8, 2          # G = 4 query heads per K/V head
+GQA_DECODE = ([1, 1, 4], [100, 40, 64])   # (L_q, L_k): two decode steps and a 4-token chunk after cached keys
+GQA_PREFILL = ([64], [64])              # one prefill of whole tiles
+
+
+def gqa_inputs(lens_q: Sequence[int], lens_k: Sequence[int], n_heads: int = GQA_HEADS, n_kv_heads: int = GQA_KV_HEADS,
+               d_head: int = 16, seed: int = 0):
+    """q ``[T_q, n_heads, d_head]``, k, v ``[T_k, n_kv_heads, d_head]`` (float32, CPU, ``random_qkv``), cu_q, cu_k."""
+    q, k, v, cu_q, cu_k = random_qkv(list(lens_q), n_heads, d_head, seq_lens_k=list(lens_k), seed=seed)
+    return q, k[:, :n_kv_heads].contiguous(), v[:, :n_kv_heads].contiguous(), cu_q, cu_k
+
+
+def run_gqa(lens_q: Sequence[int], lens_k: Sequence[int], pack_gqa: bool | None, *, block_m: int = 16,
+            block_n: int = 16, causal: bool = True) -> dict:
+    """Run the engine's kernel on ``gqa_inputs`` in one layout (``pack_gqa``; None: the launcher's pick) under
+    ``count_work`` and ``count_launches``: ``{"grid", "counts", "predicted", "error", "bound"}`` (error of the
+    output against the float64 reference, bound by the course's tolerance rule)."""
+    tv = kernel_module()
+    if tv is None:
+        raise RuntimeError(kernel_missing())
+    q, k, v, cu_q, cu_k = gqa_inputs(lens_q, lens_k)
+    with tv.count_launches() as grids, tv.count_work() as counts:
+        out = tv.triton_varlen_attention(*(x.to(KERNEL_DEVICE) for x in (q, k, v, cu_q, cu_k)), causal=causal,
+                                         block_m=block_m, block_n=block_n, pack_gqa=pack_gqa)
+    ref, ref64 = (attention_ref(q, k, v, cu_q, cu_k, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
+    packed = grids[0][1] == GQA_KV_HEADS     # the grid's head axis: K/V heads when packed, query heads if not
+    predicted = tiling.predict_work(lens_q, lens_k, GQA_HEADS, n_kv_heads=GQA_KV_HEADS, pack_gqa=packed,
+                                    block_m=block_m, block_n=block_n, causal=causal)
+    return {"grid": grids[0], "packed": packed, "counts": counts, "predicted": predicted,
+            "error": max_abs_diff(out.cpu(), ref64), "bound": tolerance(ref, ref64)}
 
 
 # ---- the kernel explorer ----------------------------------------------------------------------------------
@@ -747,9 +908,10 @@ FLAT_CASES = [([10, 30], 16), ([100, 5, 20], 32), ([64, 64], 64), ([65, 3], 64),
               ([300, 20, 20, 20], 64), ([7], 16), ([32, 32, 32], 16)]
 
 
-def flat_grid_size(seq_lens, block_m) -> int:
-    """``⌊T / BLOCK_M⌋ + R``: programs of a flat grid, from the token count T and the request count R alone."""
-    return sum(seq_lens) // block_m + len(seq_lens)
+def flat_grid_size(seq_lens, block_q) -> int:
+    """``⌊T / BLOCK_Q⌋ + R``: programs of a flat grid per K/V head (vLLM's ``kernel_unified_attention_2d``), from the
+    token count T and the request count R alone; a tile holds ``BLOCK_Q`` tokens x the group's query heads."""
+    return sum(seq_lens) // block_q + len(seq_lens)
 
 
 def rect_early_exits(lens, block_m) -> tuple[int, int]:
@@ -765,26 +927,26 @@ def rect_early_exits(lens, block_m) -> tuple[int, int]:
 
 
 def check_flat_grid(fn: Callable[[list, int], list]) -> bool:
-    """Exercise 07.2: ``fn(seq_lens, block_m) -> [(request, m_block), ...]``, one pair per program of a flat grid
-    of ``⌊T / BLOCK_M⌋ + R`` programs: each request's programs contiguous, in request order, its tiles
-    m = 0, 1, 2, ... in order, every real query tile exactly once (the rest return at once)."""
+    """Exercise 07.2: ``fn(seq_lens, block_q) -> [(request, q_block), ...]``, one pair per program of one K/V head's
+    column of vLLM's flat grid, ``⌊T / BLOCK_Q⌋ + R`` programs: each request's programs contiguous, in request order,
+    its token tiles 0, 1, 2, ... in order, every real tile exactly once (the rest return at once)."""
     def judge(got, lens, block_m):
         size = flat_grid_size(lens, block_m)
         try:
             pairs = [tuple(int(x) for x in p) for p in got]
         except (TypeError, ValueError):
-            return f"expected a list of (request, m_block) pairs, got {got!r}"
+            return f"expected a list of (request, q_block) pairs, got {got!r}"
         if any(len(p) != 2 for p in pairs):
-            return "expected a list of (request, m_block) pairs, one per program"
+            return "expected a list of (request, q_block) pairs, one per program"
         if len(pairs) != size:
             return (f"got {len(pairs)} programs; the host knows only T = {sum(lens)} tokens and R = {len(lens)} "
-                    f"requests: the flat grid has floor(T / BLOCK_M) + R = {size} programs")
+                    f"requests: the flat grid has floor(T / BLOCK_Q) + R = {size} programs per K/V head")
         if any(not 0 <= r < len(lens) or m < 0 for r, m in pairs):
-            return f"every pair needs a request in 0..{len(lens) - 1} and a tile m >= 0; got {pairs}"
+            return f"every pair needs a request in 0..{len(lens) - 1} and a tile q_block >= 0; got {pairs}"
         if [r for r, _ in pairs] != sorted(r for r, _ in pairs) or pairs[0] != (0, 0):
             return (f"got {pairs}: the requests' programs must come in request order, starting at (0, 0), so that a "
                     "program finds its request by a binary search over where each request starts (two requests "
-                    "with the same first program? floor(cu_r / BLOCK_M) alone can give them that)")
+                    "with the same first program? floor(cu_r / BLOCK_Q) alone can give them that)")
         for r in range(len(lens)):
             ms = [m for rr, m in pairs if rr == r]
             need = cdiv(lens[r], block_m)
@@ -792,34 +954,34 @@ def check_flat_grid(fn: Callable[[list, int], list]) -> bool:
                 return f"got {pairs}: request {r}'s programs must be its tiles 0, 1, 2, ... in order; got {ms}"
             if len(ms) < need:
                 return (f"got {pairs}: request {r} ({lens[r]} tokens) has {need} query tiles but only {len(ms)} "
-                        f"programs: tile {len(ms)} is never computed. floor(cu_r / BLOCK_M) rounds down: a request "
-                        "whose start is not a multiple of BLOCK_M needs one extra slot for its ragged tile (the + r)")
+                        f"programs: tile {len(ms)} is never computed. floor(cu_r / BLOCK_Q) rounds down: a request "
+                        "whose start is not a multiple of BLOCK_Q needs one extra slot for its ragged tile (the + r)")
         flat_exits = size - sum(cdiv(n, block_m) for n in lens)
         programs, exits = rect_early_exits(lens, block_m)
-        print(f"  {lens} at BLOCK_M = {block_m}: flat grid {size} programs, {flat_exits} return at once; the "
-              f"rectangular grid {programs}, {exits} return at once (the kernel's counters)")
+        print(f"  {lens} at BLOCK_Q = {block_m}: flat grid {size} programs, {flat_exits} return at once; the "
+              f"rectangular grid {programs}, {exits} return at once (the kernel's counters, one head, BLOCK_M = BLOCK_Q)")
         return None
     return grade("flat_grid", fn, FLAT_CASES, judge,
                  f"a flat grid for {len(FLAT_CASES)} mixes, every real query tile once, in request order")
 
 
 def check_flat_worse(fn: Callable[[], tuple]) -> bool:
-    """Exercise 07.2, the counter-example: ``fn() -> (seq_lens, block_m)``, a mix (not one of ``FLAT_CASES``) whose
-    flat grid of ``⌊T / BLOCK_M⌋ + R`` programs is larger than the rectangular ``⌈max_seqlen / BLOCK_M⌉ · R``
+    """Exercise 07.2, the counter-example: ``fn() -> (seq_lens, block_q)``, a mix (not one of ``FLAT_CASES``) whose
+    flat grid of ``⌊T / BLOCK_Q⌋ + R`` programs is larger than the rectangular ``⌈max_seqlen / BLOCK_Q⌉ · R``
     (one head; the rectangle counted by ``tiling.predict_work``)."""
     def judge(got):
         try:
             lens, block_m = [int(n) for n in got[0]], int(got[1])
         except (TypeError, ValueError, IndexError):
-            return f"expected (seq_lens, block_m), got {got!r}"[:200]
+            return f"expected (seq_lens, block_q), got {got!r}"[:200]
         if not lens or min(lens) < 1 or len(lens) > 64 or sum(lens) > 16384 or block_m not in TILE_SIZES:
-            return f"got {got!r}: 1 to 64 lengths >= 1, at most 16384 tokens, BLOCK_M one of {TILE_SIZES}"[:300]
+            return f"got {got!r}: 1 to 64 lengths >= 1, at most 16384 tokens, BLOCK_Q one of {TILE_SIZES}"[:300]
         if any(lens == c[0] and block_m == c[1] for c in FLAT_CASES):
             return "that mix is one of the checker's cases above: find one of your own"
         flat = flat_grid_size(lens, block_m)
         rect = tiling.predict_work(lens, n_heads=1, block_m=block_m, block_n=64, causal=True)
         need = sum(cdiv(n, block_m) for n in lens)
-        print(f"  {lens[:8]}{' ...' if len(lens) > 8 else ''} at BLOCK_M = {block_m}: {need} real query tiles; flat "
+        print(f"  {lens[:8]}{' ...' if len(lens) > 8 else ''} at BLOCK_Q = {block_m}: {need} real token tiles; flat "
               f"grid {flat} programs, rectangle {rect.programs} ({rect.early_exits} of them return at once)")
         if flat <= rect.programs:
             return (f"the flat grid ({flat}) is not larger than the rectangle ({rect.programs}). The rectangle wastes "
