@@ -43,6 +43,17 @@ def test_every_cuda_launch_compiles_spill_free_within_shared_memory(reports, cap
     assert not bad, f"builds that spill or overflow shared memory: {bad}"
 
 
+def test_the_lse_and_counting_launches_compile_too(capsys):
+    """``return_lse`` (one more store) and ``count_work`` (atomics; lesson 07 on a GPU) at the largest head dims."""
+    builds = [C.Build(80, "bfloat16", 128, True, True, return_lse=True), C.Build(90, "float16", 256, True, False, count=True),
+              C.Build(80, "float16", 64, False, False, return_lse=True, count=True)]
+    reports = C.compile_builds(builds, processes=2)
+    with capsys.disabled():
+        print("\n" + C.format_table(reports))
+    bad = [r.row() for r in reports if not (0 < r.registers <= C.MAX_REGISTERS and r.fits)]
+    assert not bad, f"builds that spill or overflow shared memory: {bad}"
+
+
 def test_the_report_sees_a_spilling_tile_size():
     """The check can fail: 128 x 64 query/key tiles in 4 warps at head dim 128 do not fit an A100's registers."""
     tiles = {80: {d: (128, 64, 4, 3) for d in C.HEAD_DIMS}}

@@ -47,13 +47,16 @@ class Build:
     """One native build: the launch the launcher makes for these inputs on GPU generation ``arch``.
 
     ``pack_gqa`` False is the per-head layout with H_q = H_kv = 8 (MHA: G = 1); True packs G = 4 query
-    heads per K/V head (``GQA_HEADS``). q, k, v are views of one fused ``[T, H_q + 2 H_kv, D]`` tensor."""
+    heads per K/V head (``GQA_HEADS``). q, k, v are views of one fused ``[T, H_q + 2 H_kv, D]`` tensor.
+    ``return_lse``, ``count``: the launch that also stores the log-sum-exp / runs under ``count_work``."""
 
     arch: int
     dtype: str
     head_dim: int
     causal: bool
     pack_gqa: bool
+    return_lse: bool = False
+    count: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,8 @@ class BuildReport:
     def row(self) -> dict:
         b = self.build
         return {"arch": f"sm_{b.arch}", "dtype": b.dtype, "BLOCK_D": b.head_dim, "causal": b.causal,
-                "layout": "pack_gqa" if b.pack_gqa else "per-head", "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
+                "layout": ("pack_gqa" if b.pack_gqa else "per-head") + "+lse" * b.return_lse + "+count" * b.count,
+                "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
                 "warps": self.num_warps, "stages": self.num_stages, "registers": self.registers,
                 "spills": f"{self.spill_stores}/{self.spill_loads}", "shared": self.shared}
 
@@ -157,15 +161,18 @@ def _compile(build: Build, tiles: dict | None) -> BuildReport:
     h_q, h_kv = GQA_HEADS if build.pack_gqa else (GQA_HEADS[0], GQA_HEADS[0])
     fused = torch.empty(64, h_q + 2 * h_kv, build.head_dim, dtype=dtype)   # a fused QKV projection's output
     q, k, v = fused.split([h_q, h_kv, h_kv], dim=1)
-    out, lse, cu = torch.empty_like(q), torch.empty(h_q, 64), torch.zeros(3, dtype=torch.int32)
+    out, cu = torch.empty_like(q), torch.zeros(3, dtype=torch.int32)
+    lse = torch.empty(h_q, 64) if build.return_lse else cu          # as the launcher passes them
+    counts = torch.zeros(8, dtype=torch.int64) if build.count else cu
     if tiles is None:
         config = tv.launch_config(build.head_dim, dtype, build.arch)
     else:
         config = tv.LaunchConfig(*tiles[build.arch][tv.block_d(build.head_dim)])
-    args = dict(zip(tv._varlen_fwd_kernel.arg_names, (q, k, v, out, lse, cu, cu, cu, 0.125 * tv.LOG2E, *q.stride(),
-                                                      *k.stride(), *v.stride(), *out.stride(), lse.stride(0))))
+    args = dict(zip(tv._varlen_fwd_kernel.arg_names, (q, k, v, out, lse, cu, cu, counts, 0.125 * tv.LOG2E, *q.stride(),
+                                                      *k.stride(), *v.stride(), *out.stride(),
+                                                      lse.stride(0) if build.return_lse else 0)))
     constexprs = tv.kernel_constexprs(build.head_dim, dtype, config, group=h_q // h_kv, pack_gqa=build.pack_gqa,
-                                      causal=build.causal, return_lse=False, count=False)
+                                      causal=build.causal, return_lse=build.return_lse, count=build.count)
     signature, attrs = {}, {}
     for i, name in enumerate(tv._varlen_fwd_kernel.arg_names):
         if name in constexprs:
