@@ -106,24 +106,28 @@ def _loop(q, k, v, meta, causal, scale):
     for i in range(len(meta.cu_q) - 1):
         qs, qe, ks, ke = meta.cu_q[i], meta.cu_q[i + 1], meta.cu_k[i], meta.cu_k[i + 1]
         q_i, k_i, v_i = q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)  # [H, L, D]
-        if k.shape[1] != q.shape[1]:  # GQA: [H_kv, G, L_q, D] against [H_kv, 1, L_k, D]: query head j·G + g, K/V head j
-            q_i, k_i, v_i = q_i.unflatten(0, (k.shape[1], -1)), k_i.unsqueeze(1), v_i.unsqueeze(1)
-        scores = (q_i @ k_i.transpose(-1, -2)) * scale        # [H, L_q, L_k]: this request's block only
+        g = q.shape[1] // k.shape[1]
+        if g > 1:  # GQA packed (FlashAttention-3's pack_gqa): query heads j·G .. j·G + G-1 are the rows of ONE
+            q_i = q_i.unflatten(0, (k.shape[1], g)).flatten(1, 2)  # matmul on K/V head j: [H_kv, G·L_q, D]
+        scores = (q_i @ k_i.transpose(-1, -2)) * scale        # [H, L_q, L_k] (GQA: [H_kv, G·L_q, L_k]): this request only
         if causal:
-            scores.masked_fill_(~causal_mask(qe - qs, ke - ks, q.device), float("-inf"))
-        out[qs:qe] = (scores.softmax(dim=-1) @ v_i).flatten(0, -3).transpose(0, 1)  # written into its own rows
+            mask = causal_mask(qe - qs, ke - ks, q.device)
+            scores.masked_fill_(~(mask.repeat(g, 1) if g > 1 else mask), float("-inf"))  # GQA: the mask per group row
+        out[qs:qe] = (scores.softmax(dim=-1) @ v_i).reshape(q.shape[1], qe - qs, -1).transpose(0, 1)  # its own rows
     return out
 
 
 def _dense(q, k, v, allowed, scale):
     """``[..., H, L_q, D]`` queries against ``[..., H_kv, L_k, D]`` keys, EVERY score cell computed, the cells
-    ``allowed`` (bool, broadcastable to ``[..., H, L_q, L_k]``) does not allow thrown away; no key → zeros."""
-    gqa = k.shape[-3] != q.shape[-3]
-    if gqa:  # [..., H_kv, G, L_q, D] queries against [..., H_kv, 1, L_k, D] keys: query head j·G + g, K/V head j
-        q, k, v = q.unflatten(-3, (k.shape[-3], -1)), k.unsqueeze(-3), v.unsqueeze(-3)
-        allowed = allowed.unsqueeze(-3) if allowed.dim() > 2 else allowed  # its H dimension → [H_kv, G]
+    ``allowed`` (bool, broadcastable to ``[..., H, L_q, L_k]``; under GQA its H dimension is 1) does not allow
+    thrown away; no key → zeros."""
+    (l_q, l_k), g = (q.shape[-2], k.shape[-2]), q.shape[-3] // k.shape[-3]
+    if g > 1:  # GQA packed: query heads j·G .. j·G + G-1 are the rows of one matmul on K/V head j, [..., H_kv, G·L_q, D];
+        q = q.unflatten(-3, (k.shape[-3], g)).flatten(-3, -2)  # the mask (H dimension 1 or none) repeated per group row
+        allowed = allowed.expand(*allowed.shape[:-2], l_q, l_k).unsqueeze(-3).expand(*allowed.shape[:-2], g, l_q, l_k)
+        allowed = allowed.flatten(-3, -2)
     out = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0) @ v
-    return out.flatten(-4, -3) if gqa else out
+    return out.unflatten(-2, (g, l_q)).flatten(-4, -3) if g > 1 else out
 
 
 def _masked(q, k, v, meta, causal, scale):
