@@ -18,7 +18,13 @@ from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.model import Transformer, VarlenAttention
 from lessons_lib.course import l05_flops as L
 from lessons_lib.course.grading import score
-from lessons_lib.measure.flops import attention_cells, forward_flops, kv_cache_bytes, linear_intensity
+from lessons_lib.measure.flops import (
+    attention_cells,
+    decode_attention_intensity,
+    forward_flops,
+    kv_cache_bytes,
+    linear_intensity,
+)
 from lessons_lib.style import ATTENTION, LINEAR, MIN_FONT, OTHER, TEXT
 
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128)
@@ -440,6 +446,36 @@ def test_c15_engine_kv_cache_bytes_is_measured_on_the_engine(monkeypatch):
         return real(self, q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
     monkeypatch.setattr(VarlenAttention, "forward", repeated)
     assert L.engine_kv_cache_bytes(SMALL, [3, 5], 1) == 4 * kv_cache_bytes(SMALL, [3, 5], n_kv_heads=1, bytes_per_element=4)
+
+
+def test_c15_gqa_decode_packs_a_group_as_rows_of_one_matmul():
+    """With H_kv K/V heads of H, each request's decode attention is [H_kv, G, D] @ [H_kv, D, L_kv] (G = H / H_kv
+    query rows per K/V head) and back; the control (K/V repeated per query head) runs MHA's [H, 1, D] shapes."""
+    for kv in (4, 2, 1):
+        att = L.of_kind(L.gqa_decode_matmuls(SMALL, kv, 3, 10), "attention")
+        g = SMALL.n_heads // kv
+        assert sorted({(m.batch, m.m, m.k, m.n) for m in att}) == [(kv, g, 10, 16), (kv, g, 16, 10)]
+        assert len(att) == 2 * 3 * SMALL.n_layers                 # QK^T and PV, per request, per layer
+        control = L.of_kind(L.gqa_decode_matmuls(SMALL, kv, 3, 10, repeat_kv=True), "attention")
+        assert sorted({(m.batch, m.m, m.k, m.n) for m in control}) == [(4, 1, 10, 16), (4, 1, 16, 10)]
+    one_kv = L.of_kind(L.gqa_decode_matmuls(SMALL, 1, 3, 10), "attention")
+    mha = L.of_kind(L.gqa_decode_matmuls(SMALL, 4, 3, 10), "attention")
+    assert L.intensity(one_kv) > 2 * L.intensity(mha)          # 2.8x: K/V read once for 4 query rows
+
+
+def test_c15_packed_decode_attention_intensity_by_hand():
+    # G = 2, D = 4, L = 8, bf16: 4·2·4·8 = 256 FLOPs over 2 · 2 · (8 + 32 + 16) = 224 bytes
+    assert L.packed_decode_attention_intensity(8, 4, 2) == pytest.approx(256 / 224)
+    assert L.packed_decode_attention_intensity(128, 64, 1) == pytest.approx(decode_attention_intensity(128, 64, 2))
+    att = L.of_kind(L.gqa_decode_matmuls(SMALL, 2, 1, 8), "attention")   # recorded: G = 2, D = 16, L = 8
+    assert L.intensity(att) == pytest.approx(4 * 2 * 16 * 8 / (2 * 2 * (2 * 16 + 16 * 8 + 2 * 8)))
+    with pytest.raises(ValueError, match="group"):
+        L.packed_decode_attention_intensity(8, 4, 0)
+
+
+def test_c15_engine_kv_cache_bytes_control_repeats_k_v_per_query_head():
+    for kv in (4, 2, 1):
+        assert L.engine_kv_cache_bytes(SMALL, [3, 5], kv, repeat_kv=True) == 2 * 2 * 8 * 4 * 16 * 4
 
 
 @pytest.mark.parametrize("case", L._KV_CASES)

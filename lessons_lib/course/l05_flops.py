@@ -4,8 +4,10 @@ The engine's matmuls, recorded: ``measure.recorder.record_matmuls`` runs any cal
 op recorder and returns every matrix multiply PyTorch executed (``aten.mm``/``addmm``: the
 linear layers; ``aten.bmm`` and the fused attention kernels: attention) with its shapes, so
 FLOPs, score cells and arithmetic intensity are computed from what the engine really ran. ``forward_matmuls`` does
-it for a model forward, ``decode_attention_matmuls`` for one decode step's attention. ``engine_kv_cache_bytes``:
-what the engine's prefill KV cache holds, measured, with as many K/V heads as you choose (grouped-query attention).
+it for a model forward, ``decode_attention_matmuls`` for one decode step's attention, ``gqa_decode_matmuls`` for
+one real decode step with as many K/V heads as you choose. ``engine_kv_cache_bytes``: what the engine's prefill KV
+cache holds, measured, with as many K/V heads as you choose (grouped-query attention); both take ``repeat_kv``, the
+control with K and V repeated per query head.
 
 Figures ``05_intensity`` (intensity against rows per weight read, with two machines' ridge
 points), ``05_flops_1x1000_vs_10x100`` (the same tokens, three packings) and
@@ -109,25 +111,60 @@ def engine_decode_matmuls(model, num_requests: int, kv_len: int, attn_backend: s
         return record_matmuls(lambda: model(new, kv_cache=step, attn_backend=attn_backend))
 
 
-def engine_kv_cache_bytes(cfg: ModelConfig, seq_lens: Sequence[int], n_kv_heads: int) -> int:
+def _zero_model(cfg: ModelConfig, n_kv_heads: int, max_position: int, repeat_kv: bool):
+    """``cfg``'s model with ``n_kv_heads`` K/V heads at TP = 1 on the CPU, one zero seen as every weight (nothing
+    allocated; the shapes are what matters) and a vocabulary of 8. ``repeat_kv``: the control, each layer's
+    attention core gets K and V repeated for every query head of its group (``repeat_interleave``, Hugging Face's
+    ``repeat_kv``) BEFORE the KV cache and the backend, through a forward pre-hook: the same output, MHA's shapes."""
+    from ..core.model import Transformer
+    small = dataclasses.replace(cfg, n_kv_heads=n_kv_heads, vocab_size=8, max_position=max_position)
+    zero = torch.zeros((), dtype=small.dtype)
+    model = Transformer(small, {name: zero.expand(shape) for name, shape in small.weight_shapes().items()})
+    if repeat_kv:
+        def repeat(core, args):
+            q, k, v = args
+            return q, k.repeat_interleave(q.shape[1] // k.shape[1], dim=1), v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        for layer in model.layers:
+            layer.attn.core.register_forward_pre_hook(repeat)
+    return model
+
+
+def engine_kv_cache_bytes(cfg: ModelConfig, seq_lens: Sequence[int], n_kv_heads: int, repeat_kv: bool = False) -> int:
     """The bytes the engine's KV cache holds after one prefill of requests of ``seq_lens`` tokens, every
     request kept for decode, MEASURED: ``cfg``'s model built with ``n_kv_heads`` K/V heads
     (``ModelConfig(n_kv_heads=...)``, its ``n_heads`` query heads unchanged) at TP = 1 on the CPU, in
     ``cfg.dtype``, prefilled into a ``serve.kv_cache.PrefillKVCache``; its ``nbytes``. Zero weights and a
-    vocabulary of 8: neither changes what the cache holds, and the model builds fast."""
+    vocabulary of 8: neither changes what the cache holds, and the model builds fast. ``repeat_kv=True``: the
+    control, K and V repeated per query head before they are cached."""
     from ..core.batch import pack
-    from ..core.model import Transformer
     from ..serve.kv_cache import PrefillKVCache
     lens = check_lengths(seq_lens)
-    small = dataclasses.replace(cfg, n_kv_heads=n_kv_heads, vocab_size=8, max_position=max(lens))
-    zero = torch.zeros((), dtype=small.dtype)               # one number seen as every weight: nothing allocated
-    model = Transformer(small, {name: zero.expand(shape) for name, shape in small.weight_shapes().items()})
+    model = _zero_model(cfg, n_kv_heads, max(lens), repeat_kv)
     cache, ids = PrefillKVCache.for_model(model), list(range(len(lens)))
     with torch.no_grad():
         step = cache.step(ids, [0] * len(lens), lens, [True] * len(lens))
         model(pack([torch.zeros(n, dtype=torch.long) for n in lens]), kv_cache=step)
         step.finish()
     return cache.nbytes
+
+
+def gqa_decode_matmuls(cfg: ModelConfig, n_kv_heads: int, num_requests: int, kv_len: int,
+                       repeat_kv: bool = False) -> list[Matmul]:
+    """``engine_decode_matmuls`` on ``cfg``'s model with ``n_kv_heads`` K/V heads (zero weights, TP = 1, CPU,
+    the ``loop`` backend): under GQA the backend packs a group's G query heads as the rows of ONE matmul on
+    their K/V head (``[H_kv, G·1, D] @ [H_kv, D, L_kv]`` per request, FlashAttention-3's pack_gqa), so each
+    cached number is read once for G queries. ``repeat_kv=True``: the control, K/V repeated per query head."""
+    return engine_decode_matmuls(_zero_model(cfg, n_kv_heads, kv_len, repeat_kv), num_requests, kv_len)
+
+
+def packed_decode_attention_intensity(kv_len: int, d_head: int, group: int, nbytes: int = BF16) -> float:
+    """FLOP per byte of one request's decode attention on one K/V head with its ``group`` query heads packed
+    as rows, counted per matmul as ``intensity`` counts them: ``Q K^T`` ``[G, D] @ [D, L]`` and ``P V``
+    ``[G, L] @ [L, D]``, ``4·G·D·L`` FLOPs over ``nbytes · 2 · (G·D + D·L + G·L)`` bytes (queries, K or V,
+    scores, outputs). ``group = 1``: ``measure.flops.decode_attention_intensity``; the K/V term is shared by
+    the G rows, the query and score terms grow with G, so the gain is a little under G."""
+    n, d, g = (check_int(name, x, 1, 1 << 20) for name, x in (("kv_len", kv_len), ("d_head", d_head), ("group", group)))
+    return 4 * g * d * n / (nbytes * 2 * (g * d + d * n + g * n))
 
 
 def of_kind(matmuls: Sequence[Matmul], kind: str) -> list[Matmul]:
