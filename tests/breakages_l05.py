@@ -55,7 +55,7 @@ def _one_request_at_a_time():
 
 @breaks("C15", "05_flop_regimes", "the attention core repeats K and V for every query head of its group before the "
         "KV cache (a repeat_kv in the wrong place): the output is unchanged, but the cache holds n_heads K/V heads per "
-        "token instead of n_kv_heads", variant="gqa")
+        "token instead of n_kv_heads, and decode attention reads each K/V head once per query head", variant="gqa")
 def _kv_repeated_per_query_head():
     from lessons_lib.core import model
 
@@ -66,3 +66,18 @@ def _kv_repeated_per_query_head():
         return real(self, q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
 
     model.VarlenAttention.forward = forward
+
+
+@breaks("C15", "05_flop_regimes", "the loop backend repeats K and V for every query head of its group after the KV cache "
+        "(the group not packed): the cache keeps n_kv_heads, but each shared K/V head is read once per query head, in "
+        "m = 1 matmuls", variant="unpacked")
+def _gqa_group_not_packed():
+    from lessons_lib.core import attention
+
+    real = attention.IMPLS["loop"]
+
+    def loop(q, k, v, meta, causal, scale):
+        g = q.shape[1] // k.shape[1]
+        return real(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), meta, causal, scale)
+
+    attention.IMPLS["loop"] = loop
