@@ -455,7 +455,7 @@ def _reference_kv_plan(h, kv, dh, layers, tp, nb):
 
 
 def _kv(h, kv, dh, layers, tp, nb, *, floor=False, strided=False, k_only=False, per_layer=False, q_heads=False,
-        share=False, numbers=False):
+        share=False, numbers=False, zero=False):
     heads, nbytes = _reference_kv_plan(h, kv, dh, layers, tp, nb)
     if floor and tp > kv:
         heads = [[] for _ in range(tp)]
@@ -471,19 +471,26 @@ def _kv(h, kv, dh, layers, tp, nb, *, floor=False, strided=False, k_only=False, 
         nbytes //= nb
     if share and tp > kv:
         nbytes = 2 * kv * dh * layers * nb // tp
+    if zero:
+        nbytes = 2 * (kv // tp) * dh * layers * nb
     return heads, nbytes
 
 
 def test_c11_kv_plan_checker_accepts_the_reference_and_names_typical_mistakes():
     check = L.check_kv_plan
     assert check(_kv)
-    assert "REPLICATED, here on 2 ranks" in attempt(check, lambda *a: _kv(*a, floor=True))
+    assert "REPLICATED, here on 4 ranks" in attempt(check, lambda *a: _kv(*a, floor=True))   # multi-query comes first
     assert "contiguous range" in attempt(check, lambda *a: _kv(*a, strided=True))
-    assert "K AND V" in attempt(check, lambda *a: _kv(*a, k_only=True))
+    k_only, numbers = attempt(check, lambda *a: _kv(*a, k_only=True)), attempt(check, lambda *a: _kv(*a, numbers=True))
+    assert "K AND V" in k_only and "bytes per number" not in k_only      # told apart by a second call at 4 B
+    assert "x 2 bytes per number" in numbers and "K AND V" not in numbers
     assert "every one of the" in attempt(check, lambda *a: _kv(*a, per_layer=True))
     assert "query heads: the cache holds K/V heads" in attempt(check, lambda *a: _kv(*a, q_heads=True))
     assert "cannot shrink below one head" in attempt(check, lambda *a: _kv(*a, share=True))
-    assert "x 2 bytes per number" in attempt(check, lambda *a: _kv(*a, numbers=True))
+    assert "a replicated rank holds one whole head" in attempt(check, lambda *a: _kv(*a, zero=True))
+    heads, nbytes = _reference_kv_plan(64, 8, 128, 80, 16, 2)              # 70B at tp = 16, half the bytes
+    half = L._kv_problem((heads, nbytes // 2), L.engine_kv_plan(64, 8, 128, 80, 16, 2), 64, 8, 128, 80, 16, 2)
+    assert half.index("cannot shrink below one head") < half.index("K AND V")   # the heads are right: replication first
     assert "expected (kv_heads, kv_bytes)" in attempt(check, lambda *a: 7)
     assert "one per rank" in attempt(check, lambda *a: ([[0]], 1))
 

@@ -1007,10 +1007,10 @@ def kv_heads_for_budget(n_heads: int, d_head: int, n_layers: int, tp: int, bytes
     return best, rows
 
 
-# (n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number): Llama-3-8B-like at tp = 2 and 8, a 70B-like
-# at tp = 16 (more ranks than K/V heads), one K/V head for all (multi-query), groups of 3, and the course's
-# own model (every head its own K/V, float32) at tp = 2.
-_KV_CASES = ((32, 8, 128, 32, 2, 2), (32, 8, 128, 32, 8, 2), (64, 8, 128, 80, 16, 2), (16, 1, 64, 24, 4, 2),
+# (n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number): Llama-3-8B-like at tp = 2 and 8, one K/V head
+# for all (multi-query: 4 replicas, the plainest replication, first), a 70B-like at tp = 16 (more ranks than K/V
+# heads), groups of 3 (float32), and the course's own model (every head its own K/V, float32) at tp = 2.
+_KV_CASES = ((32, 8, 128, 32, 2, 2), (32, 8, 128, 32, 8, 2), (16, 1, 64, 24, 4, 2), (64, 8, 128, 80, 16, 2),
              (12, 4, 64, 10, 2, 4), (8, 8, 64, 8, 2, 4))
 
 
@@ -1018,7 +1018,10 @@ def _heads_text(heads: Sequence[int]) -> str:
     return f"{heads[0]}-{heads[-1]}" if len(heads) > 1 else f"{heads[0]}"
 
 
-def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes) -> str | None:
+def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes, again: Callable[[int], object] | None = None) -> str | None:
+    """What is wrong with ``got`` for one case, or None. ``again(bytes_per_number)``: the learner's kv_bytes for
+    the same case at another number size, asked only to tell "K alone" from "numbers, not bytes" (both halve
+    the bytes in bf16)."""
     try:
         heads = [sorted(int(x) for x in rank) for rank in got[0]]
         total = got[1]
@@ -1045,15 +1048,25 @@ def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes) -> str | None:
     want, held, local = plan.bytes_per_token, len(plan.kv_heads[0]), len(plan.q_heads[0])
     if total == want:
         return None
-    hints = [(want // 2, "that is K alone: the cache keeps K AND V, two numbers per head per dimension"),
-             (want // layers, f"that is one layer: every one of the {layers} layers caches its own K and V"),
-             (want // nbytes, f"that counts numbers, not bytes: x {nbytes} bytes per number"),
-             (want * local // held, f"that counts the rank's {local} query heads: the cache holds K/V heads, {held} "
-                                    f"on each rank"),
-             (want * kv // held, f"that is every K/V head: a rank caches only the {held} it holds")]
-    if plan.replicas > 1:
-        hints.append((want * kv // tp, f"a replicated head is stored whole on each of the {plan.replicas} ranks "
-                                       f"that hold it: a rank's share cannot shrink below one head"))
+    replicated = (f"a replicated head is stored whole on each of the {plan.replicas} ranks that hold it: a rank's "
+                  f"share cannot shrink below one head")
+    hints = []
+    if plan.replicas > 1:  # the heads are right: the likeliest slip is the replication, so it comes first
+        hints += [(0, f"n_kv_heads // tp = {kv} // {tp} = 0 here; a replicated rank holds one whole head"),
+                  (want * kv // tp, replicated)]
+    k_alone = (want // 2, "that is K alone: the cache keeps K AND V, two numbers per head per dimension")
+    numbers = (want // nbytes, f"that counts numbers, not bytes: x {nbytes} bytes per number")
+    if k_alone[0] == numbers[0] and total == k_alone[0] and again is not None:  # bf16: both halve; ask at 4 B
+        other = again(4)
+        k_alone, numbers = ((k_alone, (None, "")) if other == want * 4 // nbytes // 2 else
+                            ((None, ""), numbers) if other == want // nbytes else (k_alone, numbers))
+    hints += [k_alone,
+              (want // layers, f"that is one layer: every one of the {layers} layers caches its own K and V"),
+              numbers,
+              (want * local // held, f"that counts the rank's {local} query heads: the cache holds K/V heads, {held} "
+                                     f"on each rank"),
+              (want * kv // held, f"that is every K/V head: a rank caches only the {held} it holds"),
+              (want * tp, f"that is all {tp} ranks' caches together: kv_bytes is ONE rank's")]
     hint = "; or ".join(dict.fromkeys(text for value, text in hints if value == total))
     return (f"kv_bytes = {total:,}, but the engine's rank 0 cache holds {want:,} B per token (a prefill, measured) "
             f"= 2 x {held} K/V head(s) x d_head {dh} x {layers} layers x {nbytes} B" + (f": {hint}" if hint else ""))
@@ -1064,9 +1077,15 @@ def check_kv_plan(fn: Callable[[int, int, int, int, int, int], tuple]) -> bool:
     (kv_heads, kv_bytes)``: the K/V heads each rank holds (one list per rank) and the bytes of K and
     V one token adds to a rank's cache, all layers. Compared with the engine (``engine_kv_plan``: the
     rows each rank's QKV shard keeps and what a prefill leaves in its cache) on grouped-query models
-    (tp below, equal to and above the K/V heads, one K/V head for all, groups of 3) and the course's own model."""
+    (tp below, equal to and above the K/V heads, one K/V head for all, groups of 3) and the course's own model.
+    A bf16 answer that is half the bytes is asked again at 4 bytes per number, to say which half it is."""
     def judge(got, *case):
-        return _kv_problem(got, engine_kv_plan(*case), *case)
+        def again(nbytes):
+            try:
+                return int(fn(*case[:-1], nbytes)[1])
+            except Exception:  # the learner's code at another size: any failure just leaves both hints
+                return None
+        return _kv_problem(got, engine_kv_plan(*case), *case, again=again)
     return grade("kv_plan", fn, [tuple(c) for c in _KV_CASES], judge,
                  "the engine's ranks and caches: tp below, equal to and above the K/V heads, multi-query, groups of 3, "
                  "the course's model")
