@@ -276,6 +276,23 @@ def test_gqa_counters_equal_the_prediction_in_both_layouts(lens, extra, blocks, 
     assert w == want and w.masked_tiles == want.masked_tiles
 
 
+@settings(max_examples=10, deadline=None)
+@given(lens=st.lists(st.integers(0, 40), min_size=1, max_size=3), extra=st.lists(st.integers(0, 20), min_size=3, max_size=3),
+       heads=st.sampled_from(HEADS + [(4, 4), (8, 1)]), d_head=st.sampled_from([8, 16, 24, 64]), causal=st.booleans(),
+       pack_gqa=st.booleans(), dtype=st.sampled_from(ALL_DTYPES))
+def test_gqa_drawn_cases_against_fp64(lens, extra, heads, d_head, causal, pack_gqa, dtype):
+    """Drawn (H_q, H_kv, D, lengths, L_k >= L_q) in both layouts, MHA and MQA included, by FlashAttention's rule."""
+    lens_k = [n + e for n, e in zip(lens, extra)]
+    if sum(lens) == 0 or sum(lens_k) == 0:
+        lens, lens_k = [max(1, n) for n in lens], [max(1, n) for n in lens_k]
+    q, k, v, cu_q, cu_k = _gqa_inputs(lens, lens_k, *heads, d_head=d_head, dtype=dtype)
+    out = triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, pack_gqa=pack_gqa, block_m=16, block_n=16)
+    qr, kr, vr = _repeat_kv(q, k, v)
+    ref64 = attention_ref(qr, kr, vr, cu_q, cu_k, causal=causal, upcast_dtype=torch.float64)
+    ref = attention_ref(qr, kr, vr, cu_q, cu_k, causal=causal, upcast_dtype=dtype)
+    assert_close(out, ref, ref64, f"triton {dtype} H={heads} D={d_head} pack={pack_gqa} causal={causal} {lens}/{lens_k}")
+
+
 def test_pack_gqa_loads_each_kv_tile_once_for_the_group():
     """Decode-like queries (one token per request, 8 query heads on 2 K/V heads): per head, every query
     tile is one real row and loads all its request's K/V tiles; packed, one tile holds the group's 4 rows."""
