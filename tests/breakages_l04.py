@@ -17,3 +17,16 @@ def _bias_on_every_rank():
         return self.group.all_reduce(F.linear(x, self.weight, self.bias), layer=self.name)
 
     linear.RowParallelLinear.forward = forward
+
+
+def kv_replicas_round_robin(self, full):
+    """``QKVParallelLinear.shard_rows`` with replicated K/V heads dealt round-robin (rank r keeps K/V head
+    ``r % n_kv_heads``, not ``r // num_kv_head_replicas``): the shapes, the cache bytes and the replica count stay
+    right, but a rank's queries read another group's K and V. Not registered: the MHA claim cell of C11 cannot see it
+    (no replicas); tests/test_course_l04.py runs lesson 04's grouped-query C11 cell with it."""
+    import torch
+
+    r, (nq, nkv, _) = self.group.rank, self.local_sizes
+    s = r % self.n_kv_heads if self.num_kv_head_replicas > 1 else r
+    q, k, v = full.split([self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head])
+    return torch.cat([q[r * nq:(r + 1) * nq], k[s * nkv:(s + 1) * nkv], v[s * nkv:(s + 1) * nkv]])

@@ -3,7 +3,9 @@ group and the checkers of lesson 04 (claims C11, C12)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
+import nbformat
 import pytest
 import torch
 from helpers import attempt, by_class, min_font, png_of, stub, texts
@@ -12,7 +14,9 @@ from matplotlib.figure import Figure
 from lessons_lib.core.batch import cumulative, pack
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.groups import LocalGroup
+from lessons_lib.core.linear import QKVParallelLinear
 from lessons_lib.core.model import Transformer, VarlenAttention, init_weights
+from lessons_lib.course import claim
 from lessons_lib.course import l04_tp as L
 from lessons_lib.course.grading import score
 from lessons_lib.measure.flops import attention_cells
@@ -22,6 +26,8 @@ from lessons_lib.serve.kv_cache import PrefillKVCache
 from lessons_lib.style import COMM, MIN_FONT
 from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
 from lessons_lib.tp.threads import tp_ranks_in_threads
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128)
 
@@ -518,6 +524,44 @@ def test_kv_plan_checker_stub_and_partial_marks(capsys):
     got = score(L.check_kv_plan, lambda *a: _kv(*a, floor=True), points=2)
     assert 0 < got < 2  # wrong only where tp > n_kv_heads
     assert re.search(r"[\d.]+ of 2 points \(4 of 6 cases right\)", capsys.readouterr().out)
+
+
+def _gqa_claim_cell() -> str:
+    cells = [c for c in nbformat.read(ROOT / "notebooks" / "04_tp2_invariance.ipynb", as_version=4).cells
+             if c.cell_type == "code" and c.source.startswith("# claim C11") and "engine_kv_plan" in c.source]
+    assert len(cells) == 1
+    return cells[0].source
+
+
+def test_c11_gqa_claim_cell_holds_and_fails_with_round_robin_replicas(monkeypatch, capsys):
+    """Lesson 04's grouped-query C11 cell, run as it is: it holds on the engine, and fails when replicated K/V
+    heads are dealt round-robin (shapes, bytes and replica count unchanged: only the heads-read rows catch it)."""
+    from breakages_l04 import kv_replicas_round_robin
+
+    source = _gqa_claim_cell()
+    L.engine_kv_plan.cache_clear()
+    exec(source, {"L": L, "claim": claim})
+    monkeypatch.setattr(QKVParallelLinear, "shard_rows", kv_replicas_round_robin)
+    L.engine_kv_plan.cache_clear()
+    try:
+        with pytest.raises(AssertionError, match="C11 FAILED"):
+            exec(source, {"L": L, "claim": claim})
+    finally:
+        L.engine_kv_plan.cache_clear()
+    assert "each rank's K/V heads = those its query heads read" in capsys.readouterr().out
+
+
+def test_gqa_replicas_figure_is_drawn_from_the_engine_plan(monkeypatch):
+    fig = L.gqa_replicas_figure(32, 8, 128, 2, 16)
+    gids = [p.get_gid() for ax in fig.axes for p in ax.patches if p.get_gid()]
+    kv = [g for g in gids if g.startswith("kv-")]
+    assert len([g for g in gids if g.startswith("q-")]) == 32 and len(kv) == 16
+    assert sorted(kv) == sorted(f"kv-{r}-{r // 2}" for r in range(16))          # head j on ranks 2j and 2j + 1
+    fake = L.KVPlan(((0,), (1,)), ((1,), (0,)), 7)                                 # whatever the plan says is drawn
+    monkeypatch.setattr(L, "engine_kv_plan", lambda *a: fake)
+    gids = [p.get_gid() for ax in L.gqa_replicas_figure(2, 2, 8, 1, 2).axes for p in ax.patches if p.get_gid()]
+    assert sorted(gids) == ["kv-0-1", "kv-1-0", "q-0-0", "q-1-1"]
+    assert min_font(L.gqa_replicas_figure(32, 8, 128, 2, 16)) >= MIN_FONT
 
 
 def test_kv_heads_for_budget_is_measured_candidate_by_candidate():

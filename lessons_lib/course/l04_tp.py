@@ -1007,6 +1007,54 @@ def kv_heads_for_budget(n_heads: int, d_head: int, n_layers: int, tp: int, bytes
     return best, rows
 
 
+def gqa_replicas_figure(n_heads: int = 32, n_kv_heads: int = 8, d_head: int = 128, n_layers: int = 32,
+                        tp: int = 16) -> Figure:
+    """Grouped-query attention past tp = n_kv_heads, drawn FROM the engine's plan (``engine_kv_plan``, bf16),
+    nothing placed by hand: one column per rank, its query heads (blue, gid ``q-<rank>-<head>``) over the K/V
+    head(s) its QKV shard keeps (green, gid ``kv-<rank>-<head>``); a bracket under the ranks that hold the same
+    K/V head (its replicas), and the cache a token leaves on one rank."""
+    plan = engine_kv_plan(n_heads, n_kv_heads, d_head, n_layers, tp, 2)
+    fig = Figure(figsize=(13, 4))
+    ax = fig.add_axes((0.01, 0.02, 0.98, 0.7))
+    ax.axis("off")
+    width = 1.0
+    for r, (qs, kvs) in enumerate(zip(plan.q_heads, plan.kv_heads)):
+        x = r * (width + 0.25)
+        for i, q in enumerate(qs):
+            w = width / len(qs)
+            _box(ax, x + i * w, 2.1, w, 0.8, ATTENTION, f"q{q}", gid=f"q-{r}-{q}")
+        for i, j in enumerate(kvs):
+            w = width / len(kvs)
+            _box(ax, x + i * w, 1.0, w, 0.8, LINEAR, f"K/V {j}", gid=f"kv-{r}-{j}")
+        ax.text(x + width / 2, 3.0, f"rank {r}", ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
+    holders = {}
+    for r, kvs in enumerate(plan.kv_heads):
+        for j in kvs:
+            holders.setdefault(j, []).append(r)
+    for j, ranks in sorted(holders.items()):
+        x0, x1 = ranks[0] * (width + 0.25), ranks[-1] * (width + 0.25) + width
+        ax.plot([x0, x0, x1, x1], [0.85, 0.7, 0.7, 0.85], color=COMM, linewidth=1.5)
+        ax.text((x0 + x1) / 2, 0.6, f"K/V head {j}: {len(ranks)} cop{'ies' if len(ranks) > 1 else 'y'}", ha="center",
+                va="top", fontsize=MIN_FONT, color=TEXT)
+    ax.set_xlim(-0.1, tp * (width + 0.25))
+    ax.set_ylim(0.1, 3.5)
+    group = n_heads // n_kv_heads
+    fig.text(0.01, 0.97, f"{n_heads} query heads in {n_kv_heads} groups of {group} over {tp} ranks, as the engine "
+             f"shards them (QKVParallelLinear): a rank's query heads read\nthe K/V head(s) of their group, which every "
+             f"rank of that group holds whole", fontsize=MIN_FONT + 2, color=TEXT, va="top")
+    fig.text(0.01, 0.83, f"num_kv_head_replicas = {plan.replicas}; one token leaves {plan.bytes_per_token:,} B in each "
+             f"rank's cache ({n_layers} layers, d_head {d_head}, bf16): K and V of its {len(plan.kv_heads[0])} head(s), "
+             "not a share of one", fontsize=MIN_FONT + 1, color=TEXT, va="top")
+    return fig
+
+
+@register("04_gqa_replicas", lesson="04",
+          caption="grouped-query attention at TP = 16: 32 query heads in 8 groups, each K/V head held whole on the 2 "
+                  "ranks of its group, from the engine's plan (C11, Exercise 04.2)")
+def _gqa_replicas() -> Figure:
+    return gqa_replicas_figure()
+
+
 # (n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number): Llama-3-8B-like at tp = 2 and 8, one K/V head
 # for all (multi-query: 4 replicas, the plainest replication, first), a 70B-like at tp = 16 (more ranks than K/V
 # heads), groups of 3 (float32), and the course's own model (every head its own K/V, float32) at tp = 2.
@@ -1178,6 +1226,7 @@ __all__ = ["RankLayer", "rank_layers", "layer0_attention", "two_axes_figure", "t
            "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_packing_figure", "tp_packing_explorer",
            "trace_shapes", "vocab_parallel_forward",
            "vocab_parallel_trace", "check_vocab_trace", "KVPlan", "engine_kv_plan", "kv_heads_for_budget", "check_kv_plan",
+           "gqa_replicas_figure",
            "explorer_batch", "out_proj_partials", "tp_ranks_html", "apply_cut", "threaded_forward", "CUTS",
            "ENGINE_CUT", "NAIVE_CUT", "BIAS_CUT", "TP_SIZES", "CAUGHT", "rank_partials", "cut_evidence",
            "check_cut_diagnosis"]
