@@ -155,6 +155,12 @@ def wrong(error, bias, allowed, tp):  # every error beyond the bound blamed on t
     from lessons_lib.course import l04_tp as L
     return L.ENGINE_CUT if float(error.abs().max()) <= allowed else L.NAIVE_CUT
 ''', "the same row for every token"),
+    "ex04_4_grade": ('''
+def wrong(n_heads, d_head, n_layers, gpus, bytes_per_number, num_requests, tokens_per_request, budget_bytes):  # TP only
+    fits = [kv for kv in range(1, n_heads + 1) if n_heads % kv == 0 and 2 * max(kv // gpus, 1) * d_head * n_layers
+            * bytes_per_number * num_requests * tokens_per_request <= budget_bytes]
+    return (max(fits), gpus, 1, 1) if fits else None
+''', "got None, but 4 K/V heads fit"),
     # lesson 05
     "ex05_1_grade": ('''
 def wrong(cfg, seq_lens, ridge):  # grouping taken to multiply prefill attention's intensity by the group, as in decode

@@ -577,6 +577,44 @@ def test_kv_heads_for_budget_is_measured_candidate_by_candidate():
             L.kv_heads_for_budget(*args)
 
 
+# --- Exercise 04.4: a layout whose every GPU's cache fits ------------------------------------------------------
+
+def _layout(h, dh, layers, gpus, nb, reqs, tokens, budget, *, tp_only=False):
+    """Exercise 04.4's answer, written here from the rule: the most K/V heads, then tp <= n_kv_heads (no copies)."""
+    kvs = sorted((d for d in range(1, h + 1) if h % d == 0), reverse=True)
+    for kv in kvs:
+        for tp in ([gpus] if tp_only else [t for t in range(1, min(kv, gpus) + 1) if gpus % t == 0 and kv % t == 0]):
+            for pp in (p for p in range(1, gpus // tp + 1) if (gpus // tp) % p == 0 and layers % p == 0):
+                dp = gpus // (tp * pp)
+                if h % tp == 0 and reqs % dp == 0 and (tp % kv == 0 or kv % tp == 0) and \
+                        2 * max(kv // tp, 1) * dh * (layers // pp) * nb * (reqs // dp) * tokens <= budget:
+                    return kv, tp, pp, dp
+    return None
+
+
+def test_layout_cache_bytes_is_measured_on_the_engine():
+    # 12 query heads, 4 K/V heads of 16, 2 layers, fp32; 6 requests of 10 tokens on tp 2 x pp 2 x dp 3
+    assert L.layout_cache_bytes(12, 4, 16, 2, 4, 6, 10, 2, 2, 3) == 2 * 2 * 16 * 1 * 4 * 2 * 10
+    assert L.layout_cache_bytes(12, 2, 16, 2, 4, 6, 10, 4, 1, 1) == 2 * 1 * 16 * 2 * 4 * 6 * 10   # replicated: 1 head
+    for args, match in (((12, 4, 16, 2, 4, 6, 10, 2, 3, 1), "pp=3 must divide n_layers=2"),
+                        ((12, 4, 16, 2, 4, 6, 10, 2, 1, 4), "dp=4 must divide num_requests=6"),
+                        ((12, 4, 16, 2, 4, 6, 10, 3, 1, 1), "cannot split")):
+        with pytest.raises(ValueError, match=match):
+            L.layout_cache_bytes(*args)
+
+
+def test_layout_checker_accepts_the_reference_and_explains_the_replication_trap():
+    assert L.check_layout(_layout)
+    tp_all = attempt(L.check_layout, lambda *a: _layout(*a, tp_only=True) or (1, a[3], 1, 1))
+    assert "replicates each K/V head on 8 ranks" in tp_all and "data or pipeline parallelism" in tp_all
+    fewer = attempt(L.check_layout, lambda *a: (w := _layout(*a)) and (w[0] // 2, *w[1:]))
+    assert "but 4 fit too" in fewer
+    assert "got None, but 4 K/V heads fit" in attempt(L.check_layout, lambda *a: None)
+    assert "use each once" in attempt(L.check_layout, lambda *a: (4, 4, 1, 1))
+    assert "must divide n_heads" in attempt(L.check_layout, lambda *a: (3, 1, 1, 8))
+    assert "expected (n_kv_heads, tp, pp, dp)" in attempt(L.check_layout, lambda *a: "tp=4")
+
+
 # --- Exercise 04.3: which cut is broken ----------------------------------------------------------
 
 def _diagnose(error, bias, allowed, tp):

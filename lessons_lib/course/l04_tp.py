@@ -1140,6 +1140,114 @@ def check_kv_plan(fn: Callable[[int, int, int, int, int, int], tuple]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# Exercise 04.4: a server's layout for a grouped-query model, each GPU's cache measured on the engine
+
+GiB = 2**30
+
+
+def layout_cache_bytes(n_heads: int, n_kv_heads: int, d_head: int, n_layers: int, bytes_per_number: int,
+                       num_requests: int, tokens_per_request: int, tp: int, pp: int, dp: int) -> int:
+    """The KV cache ONE GPU holds in a layout of ``dp`` data-parallel replicas (each serves ``num_requests / dp``
+    requests of ``tokens_per_request`` tokens), each of ``pp`` pipeline stages (each ``n_layers / pp`` layers), each
+    stage ``tp`` tensor-parallel ranks: MEASURED, the engine's ranks of one stage built at that tp
+    (``engine_kv_plan`` with ``n_layers / pp`` layers), its rank 0's bytes per token times its replica's tokens.
+    ValueError for a layout that does not split: pp not dividing the layers, dp not dividing the requests, or a tp
+    the engine refuses."""
+    for name, value, whole_name, whole in (("pp", pp, "n_layers", n_layers), ("dp", dp, "num_requests", num_requests)):
+        if check_int(whole_name, whole, 1) % check_int(name, value, 1):
+            raise ValueError(f"{name}={value} must divide {whole_name}={whole}")
+    plan = engine_kv_plan(n_heads, n_kv_heads, d_head, n_layers // pp, tp, bytes_per_number)
+    return plan.bytes_per_token * (num_requests // dp) * check_int("tokens_per_request", tokens_per_request, 1)
+
+
+def _layouts(gpus: int, n_heads: int, n_layers: int, num_requests: int) -> list[tuple[int, int, int]]:
+    """Every (tp, pp, dp) with tp · pp · dp = gpus that splits: tp dividing n_heads, pp n_layers, dp the requests."""
+    return [(tp, pp, gpus // (tp * pp)) for tp in range(1, gpus + 1) for pp in range(1, gpus + 1)
+            if gpus % (tp * pp) == 0 and n_heads % tp == 0 and n_layers % pp == 0 and num_requests % (gpus // (tp * pp)) == 0]
+
+
+def _rule_cache(n_kv_heads, d_head, n_layers, nbytes, num_requests, tokens, tp, pp, dp) -> int | None:
+    """Exercise 04.2's rule for one GPU's cache (None where the engine refuses the tp): the checker's search
+    over layouts uses it, then measures the layouts it names on the engine."""
+    if tp % n_kv_heads and n_kv_heads % tp:
+        return None
+    return 2 * max(n_kv_heads // tp, 1) * d_head * (n_layers // pp) * nbytes * (num_requests // dp) * tokens
+
+
+def _best_layout(n_heads, d_head, n_layers, gpus, bytes_per_number, num_requests, tokens_per_request, budget_bytes):
+    """Exercise 04.4's answer: the most K/V heads (a divisor of n_heads) for which some layout of the ``gpus`` fits
+    ``budget_bytes`` of cache per GPU, with the first such layout ``(n_kv_heads, tp, pp, dp)`` (smallest tp, then
+    pp); None when even one K/V head fits no layout."""
+    layouts = _layouts(gpus, n_heads, n_layers, num_requests)
+    for kv in sorted((d for d in range(1, n_heads + 1) if n_heads % d == 0), reverse=True):
+        for tp, pp, dp in layouts:
+            held = _rule_cache(kv, d_head, n_layers, bytes_per_number, num_requests, tokens_per_request, tp, pp, dp)
+            if held is not None and held <= budget_bytes:
+                return kv, tp, pp, dp
+    return None
+
+
+# (n_heads, d_head, n_layers, gpus, bytes_per_number, num_requests, tokens_per_request, budget): Llama-3-8B's sizes
+# on 8 GPUs, 256 requests of 8,192 tokens, with 24 GiB a GPU (no K/V head count fits at TP = 8), with 40 GiB (TP = 8
+# fits) and with 3 GiB (nothing fits); Llama-3-70B's sizes on 16 GPUs, 64 requests, 16 GiB (TP = 16 does not fit).
+_LAYOUT_CASES = ((32, 128, 32, 8, 2, 256, 8192, 24 * GiB), (32, 128, 32, 8, 2, 256, 8192, 40 * GiB),
+                 (32, 128, 32, 8, 2, 256, 8192, 3 * GiB), (64, 128, 80, 16, 2, 64, 8192, 16 * GiB))
+
+
+def _layout_problem(got, h, dh, layers, gpus, nbytes, reqs, tokens, budget) -> str | None:
+    want = _best_layout(h, dh, layers, gpus, nbytes, reqs, tokens, budget)
+    gib = lambda b: f"{b / GiB:g} GiB"
+    if got is None:
+        if want is None:
+            return None
+        kv, tp, pp, dp = want
+        held = layout_cache_bytes(h, kv, dh, layers, nbytes, reqs, tokens, tp, pp, dp)
+        return (f"got None, but {kv} K/V heads fit: at tp = {tp}, pp = {pp}, dp = {dp} the engine's rank holds "
+                f"{gib(held)} of a {gib(budget)} budget")
+    try:
+        kv, tp, pp, dp = (int(x) for x in got)
+        if any(isinstance(x, bool) for x in got):
+            raise TypeError
+    except (TypeError, ValueError):
+        return f"expected (n_kv_heads, tp, pp, dp) or None, got {got!r}"[:300]
+    if kv < 1 or h % kv:
+        return f"n_kv_heads = {kv} must divide n_heads = {h}: each K/V head serves a whole group"
+    if tp * pp * dp != gpus:
+        return f"tp x pp x dp = {tp} x {pp} x {dp} = {tp * pp * dp}, but the server has {gpus} GPUs: use each once"
+    try:
+        held = layout_cache_bytes(h, kv, dh, layers, nbytes, reqs, tokens, tp, pp, dp)
+    except ValueError as refused:
+        return f"the layout does not split: {refused}"
+    replicas = engine_kv_plan(h, kv, dh, layers // pp, tp, nbytes).replicas
+    where = f"at tp = {tp}, pp = {pp}, dp = {dp} the engine's rank holds {gib(held)} (measured)"
+    if held > budget:
+        why = (f": tp = {tp} > n_kv_heads = {kv} replicates each K/V head on {replicas} ranks, so every rank keeps a "
+               f"whole head; fewer TP ranks (tp <= n_kv_heads) with data or pipeline parallelism for the other GPUs "
+               f"share the cache instead" if replicas > 1 else ": more pipeline stages or data-parallel replicas "
+               "split the layers or the requests over more GPUs, or fewer K/V heads shrink every token")
+        return f"{kv} K/V heads: {where}, over the {gib(budget)} budget" + why + (
+            "; here no layout fits even one K/V head: return None" if want is None else "")
+    if want is None:
+        raise RuntimeError(f"the rule found no layout, yet {got} fits on the engine ({gib(held)})")
+    if kv < want[0]:
+        best = layout_cache_bytes(h, want[0], dh, layers, nbytes, reqs, tokens, *want[1:])
+        return (f"{kv} K/V heads fit ({where}), but {want[0]} fit too: at tp = {want[1]}, pp = {want[2]}, "
+                f"dp = {want[3]} a rank holds {gib(best)}; every head shared costs quality")
+    if kv > want[0]:
+        raise RuntimeError(f"{got} fits on the engine ({gib(held)}) beyond the rule's best {want}")
+    return None
+
+
+def check_layout(fn: Callable[..., tuple | None]) -> bool:
+    """Exercise 04.4: ``fn(n_heads, d_head, n_layers, gpus, bytes_per_number, num_requests, tokens_per_request,
+    budget_bytes) -> (n_kv_heads, tp, pp, dp) or None``: the most K/V heads for which some layout of the GPUs
+    (tp · pp · dp = gpus) keeps every GPU's KV cache within the budget, and that layout. The layout returned is
+    built on the engine and its cache measured (``layout_cache_bytes``)."""
+    return grade("layout", fn, list(_LAYOUT_CASES), _layout_problem,
+                 "the layouts built on the engine: TP = 8 too big, TP = 8 fits, nothing fits, the 70B on 16 GPUs")
+
+
+# ---------------------------------------------------------------------------------------------
 # Exercise 04.3: name the broken cut from what the ranks computed
 
 _CFG_CUT = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=64, max_position=64)
@@ -1226,7 +1334,7 @@ __all__ = ["RankLayer", "rank_layers", "layer0_attention", "two_axes_figure", "t
            "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_packing_figure", "tp_packing_explorer",
            "trace_shapes", "vocab_parallel_forward",
            "vocab_parallel_trace", "check_vocab_trace", "KVPlan", "engine_kv_plan", "kv_heads_for_budget", "check_kv_plan",
-           "gqa_replicas_figure",
+           "gqa_replicas_figure", "GiB", "layout_cache_bytes", "check_layout",
            "explorer_batch", "out_proj_partials", "tp_ranks_html", "apply_cut", "threaded_forward", "CUTS",
            "ENGINE_CUT", "NAIVE_CUT", "BIAS_CUT", "TP_SIZES", "CAUGHT", "rank_partials", "cut_evidence",
            "check_cut_diagnosis"]
