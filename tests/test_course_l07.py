@@ -280,6 +280,22 @@ def test_kernel_state_runs_the_kernel_and_its_numbers_follow_the_input():
         L.kernel_state("10, 30", bug="no such bug")
 
 
+def test_the_explorer_takes_a_chunk_as_query_and_key_lengths():
+    assert L.parse_query_key_lengths("20:50, 10") == ([20, 10], [50, 10])
+    assert L.parse_query_key_lengths("10 30") == ([10, 30], [10, 30])
+    for bad, phrase in (("50:20", "fewer keys than queries"), ("1:2:3", "more than one"), ("", "empty"),
+                        ("20:x", "not a whole number")):
+        with pytest.raises(ValueError, match=phrase):
+            L.parse_query_key_lengths(bad)
+    state = L.kernel_state("20:50, 10", 16, 16, True)
+    assert state["seq_lens"] == [20, 10] and state["seq_lens_k"] == [50, 10]
+    assert state["predicted"] == tiling.predict_work([20, 10], [50, 10], block_m=16, block_n=16, causal=True)
+    if state["ran"]:
+        assert state["measured"] == state["predicted"] and state["error"] <= state["bound"]
+        broken = L.kernel_state("20:50, 10", 16, 16, True, "causal diagonal top-left")
+        assert broken["error"] > broken["bound"]          # the chunk's rows lose their cached keys' offset
+
+
 @needs_kernel
 def test_kernel_state_with_a_bug_runs_the_broken_kernel():
     late = L.kernel_state("70, 5", 16, 16, True, bug="no early return")

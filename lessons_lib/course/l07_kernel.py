@@ -678,19 +678,40 @@ EXPLORER_HEADS, EXPLORER_D = 1, 16
 NO_BUG = "none (the real kernel)"
 
 
+def parse_query_key_lengths(text: str, max_requests: int = 8, max_length: int = 512) -> tuple[list[int], list[int]]:
+    """``"20:50, 10"`` → ``([20, 10], [50, 10])``: each request ``L`` (a prompt: L queries, L keys) or ``L_q:L_k``
+    (a chunk of L_q queries after ``L_k − L_q`` cached keys; ``L_k >= L_q``), commas or spaces between requests."""
+    if not isinstance(text, str):
+        raise ValueError(f"lengths must be a string like '10, 30' or '20:50, 10', got {type(text).__name__}")
+    items = text.replace(",", " ").split()
+    lens_q = parse_lengths(" ".join(item.split(":")[0] for item in items), max_requests, max_length)
+    lens_k = parse_lengths(" ".join(item.split(":")[-1] for item in items), max_requests, max_length)
+    for item, nq, nk in zip(items, lens_q, lens_k):
+        if item.count(":") > 1:
+            raise ValueError(f"lengths: {item!r} has more than one ':'; write a request as L or L_q:L_k")
+        if nk < nq:
+            raise ValueError(f"lengths: {item!r} has fewer keys than queries; a chunk sees its own tokens "
+                             "and the cached ones, L_k >= L_q")
+    return lens_q, lens_k
+
+
 @functools.lru_cache(maxsize=16)
-def _explorer_inputs(lens: tuple, causal: bool):
-    """q, k, v, cu_seqlens for the typed lengths and the fp32 / fp64 references: they do not depend on the tile
-    sizes or the bug, so a slider move reuses them and only the kernel runs again."""
-    q, k, v, cu = random_qkv(list(lens), EXPLORER_HEADS, EXPLORER_D, seed=sum(lens))
-    ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
-    return q, k, v, cu, ref, ref64
+def _explorer_inputs(lens_q: tuple, lens_k: tuple, causal: bool):
+    """q, k, v, cu_seqlens_q, cu_seqlens_k for the typed lengths and the fp32 / fp64 references: they do not depend
+    on the tile sizes or the bug, so a slider move reuses them and only the kernel runs again."""
+    q, k, v, cu_q, cu_k = random_qkv(list(lens_q), EXPLORER_HEADS, EXPLORER_D, seq_lens_k=list(lens_k),
+                                     seed=sum(lens_q) + 7 * (sum(lens_k) - sum(lens_q)))
+    ref, ref64 = (attention_ref(q, k, v, cu_q, cu_k, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
+    return q, k, v, cu_q, cu_k, ref, ref64
 
 
 def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: bool = True, bug: str = NO_BUG) -> dict:
     """Run the engine's kernel once on random q, k, v for the typed lengths (one head of 16) and return
-    ``{"seq_lens", "grid", "bug", "measured", "predicted", "table", "error", "bound", "ran", "why", "ms"}``.
+    ``{"seq_lens", "seq_lens_k", "grid", "bug", "measured", "predicted", "table", "error", "bound", "ran", "why",
+    "ms"}``.
 
+    ``lengths``: ``parse_query_key_lengths``' text: ``"10, 30"``, or ``"20:50, 10"`` for a chunk of 20 queries
+    after 30 cached keys (``seq_lens`` the query lengths, ``seq_lens_k`` the key lengths).
     ``bug``: ``NO_BUG`` or a name of ``KERNEL_BUGS``: the kernel then runs with that one line changed
     (``kernel_with``), so its counters can differ from the prediction and its error jump.
 
@@ -700,14 +721,14 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
     of more than ``MAX_PROGRAMS`` programs under the interpreter, the kernel does not run (``ran`` False,
     ``why`` says why) and the picture is the prediction alone.
     """
-    lens = parse_lengths(lengths, max_requests=8, max_length=512)
+    lens, lens_k = parse_query_key_lengths(lengths)
     bm, bn = (check_int(n, b, 16, 128) for n, b in (("block_m", block_m), ("block_n", block_n)))
     if bug != NO_BUG and bug not in KERNEL_BUGS:
         raise ValueError(f"unknown kernel bug {bug!r}; choose one of {sorted(KERNEL_BUGS)}")
-    predicted = tiling.predict_work(lens, n_heads=EXPLORER_HEADS, block_m=bm, block_n=bn, causal=causal)
-    table = program_table(lens, block_m=bm, block_n=bn, causal=causal)
-    state = {"seq_lens": lens, "grid": tiling.launch_grid(max(lens), EXPLORER_HEADS, len(lens), bm), "block_m": bm,
-             "block_n": bn, "causal": bool(causal), "bug": bug, "predicted": predicted,
+    predicted = tiling.predict_work(lens, lens_k, n_heads=EXPLORER_HEADS, block_m=bm, block_n=bn, causal=causal)
+    table = program_table(lens, lens_k, block_m=bm, block_n=bn, causal=causal)
+    state = {"seq_lens": lens, "seq_lens_k": lens_k, "grid": tiling.launch_grid(max(lens), EXPLORER_HEADS, len(lens), bm),
+             "block_m": bm, "block_n": bn, "causal": bool(causal), "bug": bug, "predicted": predicted,
              "table": table, "program_tiles": None,
              "measured": None, "error": None, "bound": None, "ran": False, "why": None, "ms": None}
     tv = kernel_module()
@@ -718,17 +739,17 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
         state["why"] = (f"{predicted.programs} programs: more than {MAX_PROGRAMS} under the CPU interpreter "
                         "(~10-30 ms each); shorter lengths or bigger tiles")
         return state
-    q, k, v, cu, ref, ref64 = _explorer_inputs(tuple(lens), bool(causal))
+    q, k, v, cu_q, cu_k, ref, ref64 = _explorer_inputs(tuple(lens), tuple(lens_k), bool(causal))
     t0 = time.perf_counter()
     if bug == NO_BUG:
-        out, measured = run_kernel(q, k, v, cu, causal=causal, block_m=bm, block_n=bn)
+        out, measured = run_kernel(q, k, v, cu_q, cu_k, causal=causal, block_m=bm, block_n=bn)
     else:
         with kernel_with(bug):
-            out, measured = run_kernel(q, k, v, cu, causal=causal, block_m=bm, block_n=bn)
+            out, measured = run_kernel(q, k, v, cu_q, cu_k, causal=causal, block_m=bm, block_n=bn)
     state["ms"] = (time.perf_counter() - t0) * 1e3
     state.update(measured=measured, error=max_abs_diff(out, ref64), bound=tolerance(ref, ref64), ran=True,
                  program_tiles=measured.program_tiles[0],
-                 table=program_table(lens, block_m=bm, block_n=bn, causal=causal,
+                 table=program_table(lens, lens_k, block_m=bm, block_n=bn, causal=causal,
                                      program_tiles=measured.program_tiles[0]))
     return state
 
@@ -766,9 +787,9 @@ def kernel_status_html(state: dict) -> str:
 
 def kernel_explorer(lengths: str = "10, 30", block_m: int = 16, block_n: int = 16, causal: bool = True,
                     bug: str = NO_BUG):
-    """VBox class ``k7x``: Text ``k7x-lengths`` (lengths, Enter to run), SelectionSliders ``k7x-block-m`` and
-    ``k7x-block-n`` (16..128), Checkbox ``k7x-causal``, Dropdown ``k7x-bug`` (the real kernel or one of
-    ``KERNEL_BUGS``); HTML ``k7x-status`` (running / ran / why not,
+    """VBox class ``k7x``: Text ``k7x-lengths`` (lengths, ``L`` or ``L_q:L_k`` for a chunk, Enter to run),
+    SelectionSliders ``k7x-block-m`` and ``k7x-block-n`` (16..128), Checkbox ``k7x-causal``, Dropdown ``k7x-bug``
+    (the real kernel or one of ``KERNEL_BUGS``); HTML ``k7x-status`` (running / ran / why not,
     the error vs the reference), HTML ``k7x-counts`` (measured, predicted, picture), Output
     ``k7x-figure`` (the launch picture drawn from the program table, checked against the counters)."""
     w = ipywidgets_module()
@@ -788,10 +809,9 @@ def kernel_explorer(lengths: str = "10, 30", block_m: int = 16, block_n: int = 1
             return
         status.value = kernel_status_html(state)
         counts.value = kernel_counts_html(state)
-        lens = state["seq_lens"]
-        show_figure(out, launch_picture(lens, block_m=state["block_m"], block_n=state["block_n"], causal=state["causal"],
-                                        measured=state["measured"], program_tiles=state["program_tiles"],
-                                        figsize=(8.6, 4.4)))
+        show_figure(out, launch_picture(state["seq_lens"], state["seq_lens_k"], block_m=state["block_m"],
+                                        block_n=state["block_n"], causal=state["causal"], measured=state["measured"],
+                                        program_tiles=state["program_tiles"], figsize=(8.6, 4.4)))
 
     return explorer("k7x", [text, bm, bn, causal_box, bug_box], [status, counts, out], update)
 

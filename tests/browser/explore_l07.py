@@ -24,7 +24,8 @@ def _k7_expected(lengths: str, block_m: int, block_n: int, causal: bool, bug: st
     state = l07_kernel.kernel_state(lengths, block_m, block_n, causal, bug)
     want = {}
     for f in ("programs", "early_exits", "tiles", "tiles_skipped", "cells"):
-        predicted = getattr(tiling.predict_work(state["seq_lens"], block_m=block_m, block_n=block_n, causal=causal), f)
+        predicted = getattr(tiling.predict_work(state["seq_lens"], state["seq_lens_k"], block_m=block_m, block_n=block_n,
+                                                causal=causal), f)
         measured = str(getattr(state["measured"], f)) if state["ran"] else "not run"
         want[f] = (measured, predicted, int(measured) if state["ran"] else predicted)  # drawn from the measured
     error = f"max |out - fp64 reference| = {state['error']:.2e}" if state["ran"] else "kernel not run"
@@ -78,5 +79,12 @@ def test_lesson07_kernel_explorer(lab_server, browser_context, capsys):
     if tiles[0] != "not run":
         assert int(tiles[0]) > tiles[1], f"no early return, yet the kernel's tiles equal the prediction: {tiles}"
         assert "with the bug 'no early return'" in inner_text(page, ".k7x-status")
+
+    # A chunk after cached keys (L_q:L_k), the real kernel: the counters follow the key lengths too
+    page.locator(".k7x-bug select").select_option(label=l07_kernel.NO_BUG)
+    box.fill("30:80, 5")
+    box.press("Enter")
+    _k7_check(page, "30:80, 5", block_m, block_n, causal)
+    assert "OUTSIDE" not in inner_text(page, ".k7x-status")
 
     finish(page, widget, "07", latencies, text_ms, console_errors, t_start, capsys)
