@@ -106,28 +106,24 @@ def _loop(q, k, v, meta, causal, scale):
     for i in range(len(meta.cu_q) - 1):
         qs, qe, ks, ke = meta.cu_q[i], meta.cu_q[i + 1], meta.cu_k[i], meta.cu_k[i + 1]
         q_i, k_i, v_i = q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)  # [H, L, D]
-        g = q.shape[1] // k.shape[1]
-        if g > 1:  # GQA packed (FlashAttention-3's pack_gqa): query heads j·G .. j·G + G-1 are the rows of ONE
-            q_i = q_i.unflatten(0, (k.shape[1], g)).flatten(1, 2)  # matmul on K/V head j: [H_kv, G·L_q, D]
+        if (g := q.shape[1] // k.shape[1]) > 1:  # GQA packed (FlashAttention-3's pack_gqa): query heads j·G .. j·G + G-1
+            q_i = q_i.unflatten(0, (k.shape[1], g)).flatten(1, 2)  # are the rows of ONE matmul on K/V head j: [H_kv, G·L_q, D]
         scores = (q_i @ k_i.transpose(-1, -2)) * scale        # [H, L_q, L_k] (GQA: [H_kv, G·L_q, L_k]): this request only
-        if causal:
-            mask = causal_mask(qe - qs, ke - ks, q.device)
-            scores.masked_fill_(~(mask.repeat(g, 1) if g > 1 else mask), float("-inf"))  # GQA: the mask per group row
+        if causal:  # GQA: through a view [H_kv, G, L_q, L_k], the mask for each query head of a group
+            (scores.unflatten(1, (g, -1)) if g > 1 else scores).masked_fill_(~causal_mask(qe - qs, ke - ks, q.device), -math.inf)
         out[qs:qe] = (scores.softmax(dim=-1) @ v_i).reshape(q.shape[1], qe - qs, -1).transpose(0, 1)  # its own rows
     return out
 
 
 def _dense(q, k, v, allowed, scale):
     """``[..., H, L_q, D]`` queries against ``[..., H_kv, L_k, D]`` keys, EVERY score cell computed, the cells
-    ``allowed`` (bool, broadcastable to ``[..., H, L_q, L_k]``; under GQA its H dimension is 1) does not allow
-    thrown away; no key → zeros."""
-    (l_q, l_k), g = (q.shape[-2], k.shape[-2]), q.shape[-3] // k.shape[-3]
-    if g > 1:  # GQA packed: query heads j·G .. j·G + G-1 are the rows of one matmul on K/V head j, [..., H_kv, G·L_q, D];
-        q = q.unflatten(-3, (k.shape[-3], g)).flatten(-3, -2)  # the mask (H dimension 1 or none) repeated per group row
-        allowed = allowed.expand(*allowed.shape[:-2], l_q, l_k).unsqueeze(-3).expand(*allowed.shape[:-2], g, l_q, l_k)
-        allowed = allowed.flatten(-3, -2)
-    out = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0) @ v
-    return out.unflatten(-2, (g, l_q)).flatten(-4, -3) if g > 1 else out
+    ``allowed`` (bool, broadcastable to ``[..., H, L_q, L_k]``) does not allow thrown away; no key → zeros."""
+    g = q.shape[-3] // k.shape[-3]  # GQA packed: query heads j·G .. j·G + G-1 are the rows of one matmul on K/V head j
+    scores = (q.unflatten(-3, (k.shape[-3], g)).flatten(-3, -2) @ k.transpose(-1, -2)) * scale  # [..., H_kv, G·L_q, L_k]
+    if g > 1:  # seen as [..., H_kv, G, L_q, L_k]: the mask (its H dimension 1) for each query head of a group
+        scores, allowed = scores.unflatten(-2, (g, -1)), allowed.unsqueeze(-3) if allowed.dim() > 2 else allowed
+    p = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    return (p.flatten(-3, -2) @ v).unflatten(-2, (g, -1)).flatten(-4, -3) if g > 1 else p @ v
 
 
 def _masked(q, k, v, meta, causal, scale):
