@@ -12,7 +12,13 @@
 - ``KERNEL_BUGS`` / ``broken_kernel`` / ``kernel_with`` / ``install``: the kernel rebuilt from its real
   source with ONE line changed (a Triton kernel cannot be monkeypatched line by line); the lesson's
   break-it cells and ``tests/breakages_l07.py`` use the same helper;
-- the kernel explorer (``kernel_state`` + ``kernel_explorer``): lengths you type, tile sizes, causal;
+- ``compiler_reports`` / ``compiler_table``: the kernel compiled natively for sm_80 and sm_90 (``ops.compile_report``),
+  registers, spills and shared memory beside each target's limits; ``exp_instructions``: ``ex2`` and multiplies in
+  the PTX, with ``tl.exp2`` and with ``tl.exp``;
+- ``reference_lse``: the float64 log-sum-exp the kernel's ``return_lse`` is checked against;
+- ``run_gqa``: grouped-query attention in either layout, under the kernel's counters;
+- the kernel explorer (``kernel_state`` + ``kernel_explorer``): lengths you type (``L_q:L_k`` for a chunk), tile
+  sizes, causal, a bug;
 - the checkers of exercises 07.1-07.3.
 
 Taught in notebooks/07_inside_the_kernel.ipynb.
