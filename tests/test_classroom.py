@@ -252,9 +252,9 @@ def wrong(seq_lens, max_num_batched_tokens, max_num_seqs, long_prefill_token_thr
     return forwards
 ''', "a capped chunk does not end the forward"),
     "ex08_2_grade": ('''
-def wrong(seq_lens, draft, max_budget, measure):  # the biggest budget: the fewest chunks, so (it assumes) the fewest rows
+def wrong(seq_lens, draft, max_budget, max_cache_rows, measure):  # the biggest budget: the fewest forwards, cache unchecked
     return max_budget
-''', "fewest chunks, not the fewest rows"),
+''', "Over the limit"),
     "ex08_3_grade": ('''
 def wrong(num_computed_tokens, seq_lens):  # positions restart in every chunk, as for a whole prompt
     import torch

@@ -476,3 +476,15 @@ def test_c11_tp_batch_record_each_rank_runs_its_own_heads_without_a_collective_i
     assert [trace_signature(t) for t in res.traces] == [trace_signature(t) for t in L.tp_dry_traces(cfg, [3, 5, 7])]
     fig = L.tp_trace_figure(res.traces, [3, 5, 7], cfg)
     assert any("on both ranks" in t.get_text() for t in fig.axes[0].texts)
+
+
+def test_tp_trace_figure_labels_keep_clear_of_each_other():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = L._tp_trace()
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    boxes = [(t.get_text(), t.get_window_extent(renderer).padded(2)) for t in fig.axes[0].texts if t.get_text().strip()]
+    close = [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1:] if ba.overlaps(bb)]
+    assert close == []                        # every label at least 4 px from every other
+    assert all(fig.bbox.contains(bb.x1, bb.y0) and bb.x0 >= 0 for _, bb in boxes)   # and inside the figure

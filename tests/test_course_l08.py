@@ -3,6 +3,8 @@ figures, waits, the engine runs behind the claims, the bugs of the break-it cell
 the three exercise checkers (a chunking scheduler, a budget chosen with numbers, the fix of a bug report)."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from helpers import attempt, by_class, gids, min_font, png_of, stub
@@ -262,45 +264,57 @@ def test_chunk_scheduler_checker_gives_partial_marks(capsys):
 
 def test_budget_measures_are_the_scheduler_s():
     m = L.budget_measures(512)
-    assert (m["forwards"], m["max_forward"], m["draft_cache_rows"]) == (8, 512, 214 + 726 + 1238 + 1750)
+    # the draft (request 9) is the only request cut before its end at the last boundary: 214 + 3 x 512 rows held
+    assert (m["forwards"], m["max_forward"], m["all_reduces"], m["cache_rows_held"]) == (8, 512, 8 * 16, 214 + 3 * 512)
     assert round(m["wait_forwards"], 2) == 6.64
-    assert "budget forwards" in L.budget_table([512, 768])
+    assert "cache held" in L.budget_table([512, 768])
 
 
-def _cache_rows(lens, draft, budget):  # written from the rule, not from the module's reference
-    rows, done, room = 0, 0, budget - sum(lens[:draft]) % budget
-    while done < lens[draft]:
-        rows, done, room = rows + done, done + min(room, lens[draft] - done), budget
-    return rows
+def _prices(lens, draft, budget):  # written from the rule (FCFS chunking fills every forward), not from the module
+    ends = list(itertools.accumulate(lens))
+    total, starts = ends[-1], [e - n for e, n in zip(ends, lens)]
+    held = max((p - s for p in range(budget, total, budget) for s, e in zip(starts, ends) if s < p < e), default=0)
+    behind = range(draft + 1, len(lens))
+    wait = sum(min(total, -(-ends[i] // budget) * budget) for i in behind) / len(behind)
+    return -(-total // budget), held, wait
 
 
-def _budget(lens, draft, top, measure):
-    return min(range(16, top + 1, 16), key=lambda b: (_cache_rows(lens, draft, b), -b))
+def _budget(lens, draft, top, cap, measure):
+    fits = [b for b in range(16, top + 1, 16) if _prices(lens, draft, b)[1] <= cap]
+    return min(fits, key=lambda b: (_prices(lens, draft, b)[0], _prices(lens, draft, b)[2], b))
 
 
-def test_draft_cache_rows_are_the_sum_of_the_engine_s_chunk_starts():
+def test_budget_prices_are_the_engine_s_forwards():
     lens, d = L.stream_lengths(), L.draft_index()
-    assert [L.draft_cache_rows_truth(lens, d, b) for b in (512, 576, 640)] == [3928, 2754, 3330]
-    assert [L.draft_cache_rows_truth(lens, d, b) for b in (512, 576, 640)] == [_cache_rows(lens, d, b)
-                                                                           for b in (512, 576, 640)]
-    assert L.best_budget(lens, d, 768) == 656 and L.best_budget(lens, d, 512) == 432
-    # the Engine itself starts the draft's chunks where the scheduler's plan does
-    assert list(L.engine_draft_chunks(tuple(lens), d, 656)) == L.draft_chunks(lens, d, 656) == [(0, 502), (502, 656),
-                                                                                                (1158, 618)]
+    for b in (432, 480, 512, 656, 720, 768):
+        p = L.budget_prices(lens, d, b)
+        assert (p["forwards"], p["cache_rows_held"]) == _prices(lens, d, b)[:2]
+        assert p["wait_tokens"] == pytest.approx(_prices(lens, d, b)[2])
+    for top, cap in ((768, 1400), (512, 1600), (768, 2000)):
+        assert L.best_budget(lens, d, top, cap) == _budget(lens, d, top, cap, None)
+    assert L.best_budget(lens, d, 768, 1400) not in (512, 768)     # neither the lesson's budget nor the biggest
+    with pytest.raises(ValueError, match="no budget up to 256"):
+        L.best_budget([90, 700, 10, 10], 1, 256, 100)
+    # the Engine itself runs the forwards and holds the rows the scheduler's plan says
+    assert L.engine_budget_prices(tuple(lens), d, 720)[:2] == _prices(lens, d, 720)[:2]
 
 
 def test_budget_choice_checker_passes_a_design_and_explains_mistakes():
     assert L.check_budget_choice(_budget)
-    assert "fewest chunks, not the fewest rows" in attempt(L.check_budget_choice, lambda s, d, top, m: top)
-    assert "at most 3" in attempt(L.check_budget_choice, lambda s, d, top, m: [m(b) for b in (16, 32, 48, 64)][0])
-    assert "without plan_batches" in attempt(L.check_budget_choice, lambda s, d, top, m: L.best_budget(s, d, top))
+    assert "Over the limit" in attempt(L.check_budget_choice, lambda s, d, top, cap, m: top)
+    assert "extra forward" in attempt(L.check_budget_choice, lambda s, d, top, cap, m: 432 if cap == 1400 else top)
+    assert "shorter wait" in attempt(L.check_budget_choice,
+                                     lambda s, d, top, cap, m: 656 if cap == 1400 else _budget(s, d, top, cap, m))
+    assert "at most 3" in attempt(L.check_budget_choice, lambda s, d, top, cap, m: [m(b) for b in (16, 32, 48, 64)][0])
     assert "without plan_batches" in attempt(L.check_budget_choice,
-                                             lambda s, d, top, m: L.budget_measures(top)["budget"])
-    assert "expected an int" in attempt(L.check_budget_choice, lambda s, d, top, m: "656")
-    assert "multiple of 16" in attempt(L.check_budget_choice, lambda s, d, top, m: top + 1)
-    # a tie (the draft fits in its first forward under 32, 48 and 64) goes to the bigger budget
-    assert "tie goes to the bigger budget" in attempt(
-        L.check_budget_choice, lambda s, d, top, m: 32 if top == 64 else _budget(s, d, top, m))
+                                             lambda s, d, top, cap, m: L.best_budget(s, d, top, cap))
+    assert "without plan_batches" in attempt(L.check_budget_choice,
+                                             lambda s, d, top, cap, m: L.budget_measures(top)["budget"])
+    assert "expected an int" in attempt(L.check_budget_choice, lambda s, d, top, cap, m: "720")
+    assert "multiple of 16" in attempt(L.check_budget_choice, lambda s, d, top, cap, m: top + 1)
+    # one forward from 48 tokens on, nothing held, the same wait: the tie goes to the smaller budget
+    assert "smaller budget" in attempt(
+        L.check_budget_choice, lambda s, d, top, cap, m: 64 if top == 64 else _budget(s, d, top, cap, m))
     assert L.check_budget_choice(_budget)   # the scheduler is back after a refused call
     assert L.planned_timeline([5, 3], 4, True) == [[(0, 4)], [(0, 1), (1, 3)]]
 

@@ -736,10 +736,13 @@ def tp_trace_figure(traces: Sequence[Sequence], seq_lens: Sequence[int], cfg: Mo
     from .l04_tp import tp_trace_timeline
     fig = tp_trace_timeline([[list(t) for t in traces]], [list(seq_lens)], cfg or ModelConfig(), source=source)
     ax = fig.axes[0]
+    cu_x = next(t.get_position()[0] for t in ax.texts if t.get_text().startswith("cu_seqlens ="))
     for text in ax.texts:  # lesson 04's note compares several packings; here there is one batch
-        if text.get_text().startswith("These "):
-            text.set_text(f"The same trace, record for record,\non both ranks\n({source}).")
-            text.set_x(text.get_position()[0] + 1.2)
+        if text.get_text().startswith("These "):   # one line under cu_seqlens, clear of the layer numbers
+            text.set_text(f"The same trace, record for record, on both ranks ({source}).")
+            text.set_position((cu_x, text.get_position()[1] - 0.5))
+        elif text.get_text().endswith("by cu_seqlens"):  # one line each, so it clears its neighbours' labels
+            text.set_text(text.get_text().replace("by cu_seqlens", "by\ncu_seqlens"))
     return fig
 
 

@@ -12,7 +12,7 @@
   break it          ``BUGS``, ``install``, ``broken``, ``chunk_error_table`` (also tests/breakages_l08.py)
   explorer          ``chunked_plan_state`` / ``chunked_plan_html`` / ``chunked_plan_explorer`` (runs the engine)
   exercises         ``check_capped_scheduler`` (08.1; ``check_chunk_scheduler`` for the plain rule),
-                    ``check_draft_cache_rows`` (08.2; ``budget_measures`` / ``budget_table`` to compare budgets),
+                    ``check_budget_choice`` (08.2; ``budget_measures`` / ``budget_table`` to compare budgets),
                     ``check_bug_report_fix`` (08.3)
 
 Taught in notebooks/08_chunked_prefill.ipynb.
@@ -44,6 +44,7 @@ from . import l06_engine
 from .explore import explorer, show_figure
 from .figures import register
 from .grading import grade
+from .l00_setup import NVLINK, AlphaBeta, crossover_tokens, ring_time_terms
 from .l05_flops import H200_BYTES_PER_S, H200_PEAK_FLOPS
 
 Tensor = torch.Tensor
@@ -585,6 +586,51 @@ def intensity_table(cfg: ModelConfig, token_counts: Sequence[int], tp_sizes: Seq
     return "\n".join(lines)
 
 
+def forward_prices(cfg: ModelConfig, forwards: dict, all_reduces_per_forward: int, num_tokens: int = BUDGET,
+                   tp_size: int = 2, nbytes: int = 2) -> dict:
+    """What forwards cost on H200s at TP=``tp_size`` in ``nbytes``-byte values, beside their arithmetic, for runs
+    given as ``{run: [tokens of each forward]}`` (the engine's ``BatchStats``), each forward making
+    ``all_reduces_per_forward`` all-reduces of ``[its tokens, d_model]`` (recorded under TP=2, P3), priced by
+    lesson 00's NVLink alpha-beta model. For one ``num_tokens``-token forward: the linear layers' ``arithmetic_s``
+    at ``H200_PEAK_FLOPS`` and ``memory_s`` (weights and activations moved, ``linear_intensity``) on one rank,
+    ``weight_pass_s`` (one rank's block weights read once at ``H200_BYTES_PER_S``), one all-reduce's
+    ``all_reduce_latency_s`` and ``all_reduce_bandwidth_s``, and ``crossover_tokens`` (the payload rows from which
+    bandwidth outweighs latency). Per run (``runs``): ``forwards``, ``all_reduces``, ``weights_s`` (one weight pass
+    per forward) and ``all_reduce_s``."""
+    fit = AlphaBeta(NVLINK["alpha_s"], NVLINK["beta"], "nvlink")
+    shapes = linear_shapes(cfg, tp_size).values()
+    weight_bytes = cfg.n_layers * nbytes * sum(a * b for a, b in shapes)
+    flops = cfg.n_layers * sum(2 * num_tokens * a * b for a, b in shapes)           # the linear layers' arithmetic
+    moved = cfg.n_layers * sum(2 * num_tokens * a * b / linear_intensity(num_tokens, a, b, nbytes) for a, b in shapes)
+    latency, bandwidth = ring_time_terms(fit, num_tokens * cfg.d_model * nbytes, tp_size)
+    pass_s = weight_bytes / H200_BYTES_PER_S
+
+    def all_reduce_s(tokens):
+        return all_reduces_per_forward * sum(ring_time_terms(fit, tokens * cfg.d_model * nbytes, tp_size))
+    return {"arithmetic_s": flops / H200_PEAK_FLOPS, "memory_s": moved / H200_BYTES_PER_S, "weight_pass_s": pass_s,
+            "all_reduce_latency_s": latency, "all_reduce_bandwidth_s": bandwidth,
+            "crossover_tokens": crossover_tokens(fit, cfg.d_model, nbytes, tp_size), "num_tokens": num_tokens,
+            "runs": {run: {"forwards": len(t), "all_reduces": len(t) * all_reduces_per_forward,
+                           "largest": max(t), "weights_s": len(t) * pass_s, "all_reduce_s": sum(map(all_reduce_s, t))}
+                     for run, t in forwards.items()}}
+
+
+def forward_prices_text(prices: dict) -> str:
+    """``forward_prices`` as lines: the per-forward prices, then each run's forwards, all-reduces and times."""
+    p = prices
+    lines = [f"the linear layers of one {p['num_tokens']}-token forward on one rank, bf16: arithmetic "
+             f"{p['arithmetic_s'] * 1e6:.1f} us at the peak, memory {p['memory_s'] * 1e6:.1f} us at the bandwidth",
+             f"one all-reduce of [{p['num_tokens']} x d_model], bf16, NVLink (lesson 00): latency "
+             f"{p['all_reduce_latency_s'] * 1e6:.1f} us + bandwidth {p['all_reduce_bandwidth_s'] * 1e6:.2f} us; bandwidth "
+             f"would match latency only from {p['crossover_tokens']:,.0f} rows",
+             f"one pass over one rank's block weights, bf16 at {H200_BYTES_PER_S / 1e12:.1f} TB/s: "
+             f"{p['weight_pass_s'] * 1e6:.1f} us"]
+    for run, r in p["runs"].items():
+        lines.append(f"{run:8s}: {r['forwards']} forwards (largest {r['largest']:,} tokens), {r['all_reduces']} "
+                     f"all-reduces: {r['all_reduce_s'] * 1e6:,.0f} us; weight passes: {r['weights_s'] * 1e6:,.0f} us")
+    return "\n".join(lines)
+
+
 def cache_peak_rows(stats: Sequence, seq_lens: Sequence[int]) -> dict:
     """Token rows (per layer, K and V together) the prefill KV cache must hold at its peak, summed from the
     forwards' chunks ``(request, cached, new)``. ``copy``: this engine's (``torch.cat``): while a forward runs,
@@ -1118,66 +1164,87 @@ BUDGET_STEP = 16  # the budgets exercise 08.2 chooses from: multiples of 16 (and
 
 def budget_measures(max_num_batched_tokens: int) -> dict:
     """Lesson 06's stream under chunked prefill and this budget, as the engine's scheduler plans it
-    (``plan_batches(enable_chunked_prefill=True)``): ``forwards``, ``max_forward`` (tokens), the questions behind
-    the draft's mean wait ``wait_forwards`` / ``wait_tokens`` (``request_waits``), and ``draft_cache_rows``: the
-    draft's keys and values read back from the cache, rows per layer (Σ of its chunks' starts)."""
+    (``plan_batches(enable_chunked_prefill=True)``): ``forwards`` (each one pass over the weights and, under TP=2,
+    ``2 * n_layers`` all-reduces: ``all_reduces`` for the S1 model), ``max_forward`` (tokens), ``cache_rows_held``
+    (the most token rows per layer a cache written in place holds between forwards, ``cache_peak_rows``), and the
+    questions behind the draft's mean wait ``wait_forwards`` / ``wait_tokens`` (``request_waits``)."""
     return dict(_budget_measures(check_int("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 16)))
 
 
 @functools.lru_cache(maxsize=512)
 def _budget_measures(budget: int) -> tuple:
-    lens, d = stream_lengths(), draft_index()
+    lens = stream_lengths()
     plan = plan_batches(lens, budget, enable_chunked_prefill=True)
     f, t = mean_wait(request_waits([[(i, n) for i, _, n in fwd] for fwd in plan]), behind(lens))
-    return tuple({"budget": budget, "forwards": len(plan), "max_forward": max(sum(n for *_, n in fwd) for fwd in plan),
-                  "wait_forwards": f, "wait_tokens": t,
-                  "draft_cache_rows": sum(s for fwd in plan for i, s, _ in fwd if i == d)}.items())
+    return tuple({"budget": budget, "forwards": len(plan), "all_reduces": 2 * ModelConfig().n_layers * len(plan),
+                  "max_forward": max(sum(n for *_, n in fwd) for fwd in plan),
+                  "cache_rows_held": _held(plan, lens)[0], "wait_forwards": f, "wait_tokens": t}.items())
 
 
 def budget_table(budgets: Sequence[int]) -> str:
     """``budget_measures`` of each budget, one line each."""
-    head = f"{'budget':>6s} {'forwards':>8s} {'largest':>7s} {'wait (fwd)':>10s} {'wait (tok)':>10s} {'draft cache rows':>16s}"
+    head = (f"{'budget':>6s} {'forwards':>8s} {'all-reduces':>11s} {'largest':>7s} {'cache held':>10s} "
+            f"{'wait (fwd)':>10s} {'wait (tok)':>10s}")
     rows = [budget_measures(b) for b in budgets]
-    return "\n".join([head] + [f"{m['budget']:6d} {m['forwards']:8d} {m['max_forward']:7d} {m['wait_forwards']:10.2f} "
-                               f"{m['wait_tokens']:10,.0f} {m['draft_cache_rows']:16,d}" for m in rows])
+    return "\n".join([head] + [f"{m['budget']:6d} {m['forwards']:8d} {m['all_reduces']:11d} {m['max_forward']:7d} "
+                               f"{m['cache_rows_held']:10,d} {m['wait_forwards']:10.2f} {m['wait_tokens']:10,.0f}"
+                               for m in rows])
 
 
-# ---- exercise 08.2: a budget chosen for the draft's cache reads ----------------------------------------------
+def _held(forwards, seq_lens: Sequence[int]) -> tuple[int, int | None, int | None]:
+    """``(rows, request, forward)``: the most token rows a cache written in place holds between forwards (the rows
+    of the requests not finished after a forward), the request holding most of them and the forward after which."""
+    best = (0, None, None)
+    for f, fwd in enumerate(forwards):
+        kept = [(s + n, i) for i, s, n in fwd if s + n < seq_lens[i]]
+        if sum(r for r, _ in kept) > best[0]:
+            best = (sum(r for r, _ in kept), max(kept)[1], f)
+    return best
+
+
+# ---- exercise 08.2: a budget chosen for what chunking really costs ----------------------------------------
 
 _plan = plan_batches        # the engine's scheduler plan, kept for the checker while exercise 08.2 switches it off
 MAX_PROBES = 3              # engine measurements exercise 08.2 allows per case
-_BUDGET_CASES = [("stream", 768), ("stream", 512), ([450, 100, 30, 700], 3, 512), ([100, 412, 1000], 2, 512),
-                 ([60, 2000], 1, 1024), ([5, 7, 20], 2, 64), ([90, 700, 10], 1, 256)]
+# (seq_lens, draft, max_budget, max_cache_rows), or ("stream", max_budget, max_cache_rows) for lesson 06's stream
+_BUDGET_CASES = [("stream", 768, 1400), ("stream", 512, 1600), ("stream", 768, 2000), ([450, 100, 30, 700, 60], 3, 512, 400),
+                 ([100, 412, 1000, 40, 40], 2, 512, 600), ([60, 2000, 30], 1, 1024, 1400), ([90, 700, 10, 10], 1, 256, 600),
+                 ([5, 7, 20, 3], 2, 64, 0)]
 
 
-def draft_chunks(seq_lens: Sequence[int], draft: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
-    """``(start, num_tokens)`` of each chunk of request ``draft`` when ``seq_lens`` are served chunked under
-    ``max_num_batched_tokens`` by the engine's scheduler (``plan_batches``), in order."""
+def budget_prices(seq_lens: Sequence[int], draft: int, max_num_batched_tokens: int) -> dict:
+    """What serving ``seq_lens`` chunked under ``max_num_batched_tokens`` costs, by the engine's scheduler plan
+    (``plan_batches``): ``forwards`` (each a pass over the weights, and 2 x n_layers all-reduces under TP=2),
+    ``cache_rows_held`` (the most token rows a cache written in place holds between forwards), ``held_by`` /
+    ``held_after`` (the request holding most of them, and the forward after which), ``wait_tokens`` (the mean
+    prompt tokens run until each request behind ``draft`` finishes)."""
     plan = _plan(list(seq_lens), check_int("max_num_batched_tokens", max_num_batched_tokens, 1),
                  enable_chunked_prefill=True)
-    return [(s, n) for fwd in plan for i, s, n in fwd if i == draft]
+    held, by, after = _held(plan, seq_lens)
+    after_draft = list(range(draft + 1, len(seq_lens)))
+    wait = mean_wait(request_waits([[(i, n) for i, _, n in fwd] for fwd in plan]), after_draft)[1]
+    return {"forwards": len(plan), "cache_rows_held": held, "held_by": by, "held_after": after, "wait_tokens": wait}
 
 
-def draft_cache_rows_truth(seq_lens: Sequence[int], draft: int, max_num_batched_tokens: int) -> int:
-    """Rows per layer request ``draft`` reads back from the KV cache when ``seq_lens`` are served chunked under
-    ``max_num_batched_tokens`` by the engine's scheduler (``plan_batches``): the sum of its chunks' starts."""
-    return sum(s for s, _ in draft_chunks(seq_lens, draft, max_num_batched_tokens))
-
-
-def best_budget(seq_lens: Sequence[int], draft: int, max_budget: int) -> int:
-    """The multiple of ``BUDGET_STEP`` up to ``max_budget`` under which request ``draft`` reads the fewest cache
-    rows (ties: the bigger budget), by the engine's scheduler plan for every candidate."""
-    rows = {b: draft_cache_rows_truth(seq_lens, draft, b) for b in range(BUDGET_STEP, max_budget + 1, BUDGET_STEP)}
-    return min(rows, key=lambda b: (rows[b], -b))
+def best_budget(seq_lens: Sequence[int], draft: int, max_budget: int, max_cache_rows: int) -> int:
+    """Exercise 08.2's answer, by the engine's scheduler plan for every candidate: among the multiples of
+    ``BUDGET_STEP`` up to ``max_budget`` whose cache held between forwards stays within ``max_cache_rows``, the
+    fewest forwards; ties: the least mean wait in tokens of the requests behind ``draft``, then the smaller budget."""
+    prices = {b: budget_prices(seq_lens, draft, b) for b in range(BUDGET_STEP, max_budget + 1, BUDGET_STEP)}
+    fits = [b for b, p in prices.items() if p["cache_rows_held"] <= max_cache_rows]
+    if not fits:
+        raise ValueError(f"no budget up to {max_budget} keeps the cache within {max_cache_rows} rows")
+    return min(fits, key=lambda b: (prices[b]["forwards"], round(prices[b]["wait_tokens"], 6), b))
 
 
 @functools.lru_cache(maxsize=64)
-def engine_draft_chunks(seq_lens: tuple, draft: int, max_num_batched_tokens: int) -> tuple:
-    """``(start, num_tokens)`` of request ``draft``'s chunks as ``Engine`` really ran them (its ``BatchStats``),
-    serving ``seq_lens`` chunked on the explorer's one-layer model (``EXPLORE_RUN_CFG``)."""
+def engine_budget_prices(seq_lens: tuple, draft: int, max_num_batched_tokens: int) -> tuple:
+    """``(forwards, cache rows held, mean wait in tokens behind draft)`` as ``Engine`` really ran ``seq_lens``
+    chunked (its ``BatchStats``) on the explorer's one-layer model (``EXPLORE_RUN_CFG``)."""
     prompts = make_requests(list(seq_lens), EXPLORE_RUN_CFG.vocab_size, seed=l06_engine.PROMPT_SEED)
-    run = serve(prompts, max_num_batched_tokens, True, EXPLORE_RUN_CFG, _explore_weights(), compute_logits=False)
-    return tuple((s, n) for st in run["stats"] for i, s, n in st.chunks if i == draft)
+    stats = serve(prompts, max_num_batched_tokens, True, EXPLORE_RUN_CFG, _explore_weights(), compute_logits=False)["stats"]
+    wait = mean_wait(request_waits(timeline(stats)), list(range(draft + 1, len(seq_lens))))[1]
+    return len(stats), cache_peak_rows(stats, seq_lens)["in_place"], wait
 
 
 @contextlib.contextmanager
@@ -1192,7 +1259,7 @@ def _no_scheduler():
              _patch(sched_mod.Scheduler, "schedule", refuse)]
     g = globals()
     old = {k: g[k] for k in ("plan_batches", "budget_measures", "budget_table", "planned_timeline",
-                             "draft_cache_rows_truth", "draft_chunks", "best_budget", "engine_draft_chunks")}
+                             "budget_prices", "best_budget", "engine_budget_prices")}
     g.update({k: refuse for k in old})
     try:
         yield
@@ -1202,70 +1269,71 @@ def _no_scheduler():
             undo()
 
 
-def _starts(chunks) -> str:
-    return str([s for s, _ in chunks])
+def _prices_text(p: dict, budget: int) -> str:
+    return (f"under {budget}: {p['forwards']} forwards ({p['forwards'] * 2 * ModelConfig().n_layers} all-reduces at "
+            f"TP=2), {p['cache_rows_held']:,} cache rows held, the requests behind wait {p['wait_tokens']:,.1f} tokens")
 
 
 def check_budget_choice(fn) -> bool:
-    """Exercise 08.2: ``fn(seq_lens, draft, max_budget, measure) -> max_num_batched_tokens``, a multiple of
-    ``BUDGET_STEP`` up to ``max_budget`` under which request ``draft`` reads the fewest rows back from the cache
-    (ties: the bigger budget). ``measure(budget)`` returns those rows from the engine's scheduler plan, at most
-    ``MAX_PROBES`` calls per case; the scheduler itself is switched off while ``fn`` runs. Seven cases (lesson
-    06's stream up to 768 and up to 512 among them); the stream's answer is then served by ``Engine`` itself."""
+    """Exercise 08.2: ``fn(seq_lens, draft, max_budget, max_cache_rows, measure) -> max_num_batched_tokens``, a
+    multiple of ``BUDGET_STEP`` up to ``max_budget`` whose cache held between forwards (written in place) stays within
+    ``max_cache_rows``, with the fewest forwards; ties: the least mean wait in tokens of the requests behind ``draft``,
+    then the smaller budget. ``measure(budget)`` returns ``budget_prices`` from the engine's scheduler plan, at most
+    ``MAX_PROBES`` calls per case; the scheduler itself is switched off while ``fn`` runs. Eight cases (lesson 06's
+    stream among them); the stream's answer is then served by ``Engine`` itself."""
     lens0 = stream_lengths()
     probes: list[int] = []
-    table: dict[int, int] = {}      # the case's rows per budget, planned before the scheduler is switched off
+    table: dict[int, dict] = {}      # the case's prices per budget, planned before the scheduler is switched off
 
     def expand(case):
-        return (lens0, draft_index(), case[1]) if case[0] == "stream" else case
+        return (lens0, draft_index(), *case[1:]) if case[0] == "stream" else case
 
     def measure(budget):
         budget = check_int("budget", budget, 1, 1 << 16)
         probes.append(budget)
         if len(probes) > MAX_PROBES:
             raise RuntimeError(f"measure was called {len(probes)} times (budgets {probes}): at most {MAX_PROBES} - "
-                               "decide from where the draft's chunks start which budgets are worth measuring")
+                               "work out where each forward ends from the lengths, and measure only to confirm")
         if budget not in table:
             raise RuntimeError(f"measure({budget}): the budgets of this case are the multiples of {BUDGET_STEP} "
                                f"from {BUDGET_STEP} to {max(table)}")
-        return table[budget]
+        return {k: table[budget][k] for k in ("forwards", "cache_rows_held", "wait_tokens")}
 
     def run(*case):
-        seq_lens, d, top = expand(case)
+        seq_lens, d, top, cap = expand(case)
         probes.clear()
         table.clear()
-        table.update({b: draft_cache_rows_truth(seq_lens, d, b) for b in range(BUDGET_STEP, top + 1, BUDGET_STEP)})
+        table.update({b: budget_prices(seq_lens, d, b) for b in range(BUDGET_STEP, top + 1, BUDGET_STEP)})
         with _no_scheduler():
-            return fn(list(seq_lens), d, top, measure)
+            return fn(list(seq_lens), d, top, cap, measure)
 
     def judge(got, *case):
-        seq_lens, d, top = expand(case)
+        seq_lens, d, top, cap = expand(case)
         if isinstance(got, bool) or not isinstance(got, int):
             return f"expected an int (a max_num_batched_tokens), got {got!r}"[:200]
         if not (BUDGET_STEP <= got <= top and got % BUDGET_STEP == 0):
             return f"got {got}: the budget is a multiple of {BUDGET_STEP} from {BUDGET_STEP} to {top}"
-        want = best_budget(seq_lens, d, top)
+        want = best_budget(seq_lens, d, top, cap)
+        mine, best = budget_prices(seq_lens, d, got), budget_prices(seq_lens, d, want)
         if case[0] == "stream":
-            ran = engine_draft_chunks(tuple(seq_lens), d, got)
-            print(f"  Engine at {got} tokens per forward: the draft's chunks start at {_starts(ran)}, "
-                  f"{sum(s for s, _ in ran):,} rows re-read per layer")
+            f, held, wait = engine_budget_prices(tuple(seq_lens), d, got)
+            at_512 = budget_prices(seq_lens, d, BUDGET)
+            print(f"  Engine at {got} tokens per forward: {f} forwards, {held:,} cache rows held between forwards, the "
+                  f"questions behind the draft wait {wait:,.1f} tokens (at {BUDGET}: {at_512['forwards']} forwards, "
+                  f"{at_512['cache_rows_held']:,} rows, {at_512['wait_tokens']:,.1f} tokens)")
         if got == want:
             return None
-        mine, best = draft_chunks(seq_lens, d, got), draft_chunks(seq_lens, d, want)
-        rows, wrows = sum(s for s, _ in mine), sum(s for s, _ in best)
-        ctx = (f"request {d} ({seq_lens[d]} tokens) after {sum(seq_lens[:d])} tokens: under {got} its chunks start at "
-               f"{_starts(mine)}, {rows:,} rows (the sum of its chunks' starts); under {want}: {_starts(best)}, {wrows:,}")
-        if rows == wrows:
-            return ctx + f" - the same rows; the tie goes to the bigger budget, {want}"
-        if got == top:
-            return (ctx + ". The biggest budget makes the fewest chunks, not the fewest rows: what a chunk re-reads is "
-                    "where it starts, and the first chunk is only the room left after the tokens ahead")
-        last_s, last_n = mine[-1]
-        if len(mine) > 1 and last_n < got // 4:
-            return ctx + f". Under {got} the last chunk runs {last_n} tokens and re-reads {last_s:,} rows for them"
-        return ctx
+        ctx = f"{sum(seq_lens):,} tokens, cache limit {cap:,} rows; {_prices_text(mine, got)}; {_prices_text(best, want)}"
+        if mine["cache_rows_held"] > cap:
+            return (ctx + f". Over the limit: request {mine['held_by']} has {mine['cache_rows_held']:,} rows cached after "
+                    f"forward {mine['held_after']}: a boundary between forwards falls late in a long prompt")
+        if mine["forwards"] > best["forwards"]:
+            return ctx + ". Each extra forward pays a pass over the weights, its all-reduces and its launches again"
+        if round(mine["wait_tokens"], 6) > round(best["wait_tokens"], 6):
+            return ctx + ". The same forwards: the tie goes to the shorter wait of the requests behind the draft"
+        return ctx + f". The same forwards and wait: the tie goes to the smaller budget, {want} (shorter steps)"
     return grade("budget_choice", run, _BUDGET_CASES, judge,
-                 f"the budget of the fewest cache rows re-read, on {len(_BUDGET_CASES)} streams, the stream's run by Engine")
+                 f"the fewest forwards within the cache, on {len(_BUDGET_CASES)} streams, the stream's run by Engine")
 
 
 # ---- exercise 08.3: a bug report ----------------------------------------------------------------
