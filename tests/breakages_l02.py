@@ -76,3 +76,17 @@ def _row_parallel_bias_before_the_reduce():
     def forward(self, x):
         return self.group.all_reduce(F.linear(x, self.weight, self.bias), layer=self.name)  # the bug: b on each rank
     linear.RowParallelLinear.forward = forward
+
+
+@breaks("C4", "02_linear_is_per_token",
+        "Block.forward adds each sublayer's output to the NEXT row's residual (a fused add whose row index is off by one)",
+        variant="residual")
+def _residual_add_off_by_one_row():
+    import torch
+
+    from lessons_lib.core import model
+
+    def forward(self, x):
+        x = x + torch.roll(self.attn(self.ln_1(x)), 1, dims=0)  # the bug: row i gets row i-1's attention output
+        return x + torch.roll(self.mlp(self.ln_2(x)), 1, dims=0)
+    model.Block.forward = forward

@@ -87,6 +87,20 @@ def test_c4_c5_measure_steps_finds_the_identity_except_in_attention(block_run):
             assert r.differ_per_request == (0, 0) and r.padded_differ == 0, r
 
 
+def test_c4_the_residual_adds_are_measured_on_the_engines_block(block_run, monkeypatch):
+    block, x, lens = block_run
+    from lessons_lib.core import model
+
+    def off_by_one(self, t):  # the engine's adds, each taking the sublayer output of the row before
+        t = t + torch.roll(self.attn(self.ln_1(t)), 1, dims=0)
+        return t + torch.roll(self.mlp(self.ln_2(t)), 1, dims=0)
+    monkeypatch.setattr(model.Block, "forward", off_by_one)
+    reports = {r.name: r for r in L.measure_steps(L.block_steps(block, x, lens), lens)}
+    for name in ("residual add 1", "residual add 2"):  # row i reads row i - 1 (row 0 row 11): twice across A | B
+        assert reports[name].off_diagonal == 12 and reports[name].cross_request == 2, reports[name]
+    assert reports["LayerNorm 1"].off_diagonal == 0  # the modules themselves are whole
+
+
 def test_ulp32_is_the_gap_to_the_next_float32():
     assert L.ulp32(1.0) == L.ulp32(1.858) == L.ulp32(-1.5) == 2.0 ** -23
     assert L.ulp32(0.99) == 2.0 ** -24 and L.ulp32(2.0) == 2.0 ** -22

@@ -190,9 +190,13 @@ def block_steps(block, x: Tensor, seq_lens: Sequence[int], backend: str = "loop"
     One real ``block(x)`` (attention varlen, causal, ``backend``) runs under forward hooks on the
     block's own modules (``measure.recorder.module_io``): each step's output is what the NEXT step
     read in that forward (the first residual is ``ln_2``'s input, the second the block's output),
-    so ``Block.forward`` decides every value shown. Each step's ``fn`` is the module alone (a
-    residual: its skip rows plus the step's input), ``fn64`` the same on a float64 twin, for
-    ``measure_steps`` to run a request alone. The last output is ``block(x)``, bit for bit.
+    so ``Block.forward`` decides every value shown. Each step's ``fn`` is the module alone; a residual
+    add has no module, so its ``fn`` runs the whole block on the rows with the output of the module
+    it adds (``attn.out_proj``, ``mlp.fc_down``) replaced by ``t`` (and the out proj's, for the second
+    add, by the flat run's rows) and reads the sum where the block leaves it (``ln_2``'s input, the
+    block's output): ``Block.forward``'s own add. ``fn64`` is the
+    same on a float64 twin, for ``measure_steps`` to run a request alone. The last output is
+    ``block(x)``, bit for bit.
     """
     lens = check_lengths(seq_lens)
     cu = cumulative(lens)
@@ -220,17 +224,27 @@ def block_steps(block, x: Tensor, seq_lens: Sequence[int], backend: str = "loop"
         m = b.get_submodule(path)
         return lambda t, rows=whole: m(t)
 
-    def residual(skip):
-        return lambda t, rows=whole: skip[rows].to(t.dtype) + t
+    def residual(b, inject, read):  # the block's own add: b on its rows, the added module's output replaced by t
+        def fn(t, rows=whole):
+            # the out proj's output is pinned to the flat run's rows, so the second add's skip is the flat run's
+            outputs = {"attn.out_proj": io["attn.out_proj"][1][rows].to(t.dtype), inject: t}
+            handles = [b.get_submodule(p).register_forward_hook(lambda _m, _args, _out, y=y: y) for p, y in outputs.items()]
+            try:
+                seen = with_context(b, rows, lambda: module_io(b, [read], lambda: b(x[rows].to(t.dtype))))
+            finally:
+                for h in handles:
+                    h.remove()
+            return seen[read][0][0] if read else seen[read][1]
+        return fn
 
-    # (skip rows, output) of the two residual adds: the block's input and ln_2's; ln_2's input and the block's output
-    residuals = iter([(x, io["ln_2"][0][0]), (io["ln_2"][0][0], io[""][1])])
+    # (module whose output the add adds, where its sum is read, the sum in the whole forward) of the two residual adds
+    residuals = iter([("attn.out_proj", "ln_2", io["ln_2"][0][0]), ("mlp.fc_down", "", io[""][1])])
     steps: list[BlockStep] = []
     inp = x
     for name, kind, path in BLOCK_STEPS:
         if path is None:
-            skip, out = next(residuals)
-            fn, fn64 = residual(skip), residual(skip.double())
+            inject, read, out = next(residuals)
+            fn, fn64 = residual(block, inject, read), residual(twin, inject, read)
         else:
             fn, fn64 = fn_of(block, path), fn_of(twin, path)
             reader, side = _READ[path]
@@ -348,9 +362,12 @@ def rows_alone_bits(fn: Callable[[Tensor], Tensor], x: Tensor, counts: Sequence[
 
 
 def rows_alone_lines(rows: Sequence[tuple[int, int, int]], name: str = "QKV proj") -> str:
-    """``rows_alone_bits`` as one line per row count: ``QKV proj on rows 0..m-1 alone: d of n numbers differ``."""
-    return "\n".join(f"{name} on the first {m:2d} rows alone, [{m} x k]: {d:5d} of {n:5d} numbers differ from the flat run"
-                      for m, d, n in rows)
+    """``rows_alone_bits`` as one line per row count (``QKV proj on rows 0..m-1 alone: d of n numbers differ``),
+    then which row counts gave other bits than the flat run and which gave its bits."""
+    lines = [f"{name} on the first {m:2d} rows alone, [{m} x k]: {d:5d} of {n:5d} numbers differ from the flat run"
+             for m, d, n in rows]
+    other, same = ([m for m, d, _ in rows if (d > 0) == differ] for differ in (True, False))
+    return "\n".join(lines + [f"row counts that gave other bits: {other or 'none'}; the flat run's bits: {same or 'none'}"])
 
 
 def summation_orders(n: int = 512, seed: int = 0) -> tuple[float, float, float]:
