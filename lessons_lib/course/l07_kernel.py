@@ -972,7 +972,8 @@ def check_flat_grid(fn: Callable[[list, int], list]) -> bool:
         if [r for r, _ in pairs] != sorted(r for r, _ in pairs) or pairs[0] != (0, 0):
             return (f"got {pairs}: the requests' programs must come in request order, starting at (0, 0), so that a "
                     "program finds its request by a binary search over where each request starts (two requests "
-                    "with the same first program? floor(cu_r / BLOCK_Q) alone can give them that)")
+                    "with the same first program? floor(cu_r / BLOCK_Q) alone, floor(cu_r / BLOCK_M) in a grid per query head, "
+                    "can give them that)")
         for r in range(len(lens)):
             ms = [m for rr, m in pairs if rr == r]
             need = cdiv(lens[r], block_m)
@@ -980,7 +981,8 @@ def check_flat_grid(fn: Callable[[list, int], list]) -> bool:
                 return f"got {pairs}: request {r}'s programs must be its tiles 0, 1, 2, ... in order; got {ms}"
             if len(ms) < need:
                 return (f"got {pairs}: request {r} ({lens[r]} tokens) has {need} query tiles but only {len(ms)} "
-                        f"programs: tile {len(ms)} is never computed. floor(cu_r / BLOCK_Q) rounds down: a request "
+                        f"programs: tile {len(ms)} is never computed. floor(cu_r / BLOCK_Q) (floor(cu_r / BLOCK_M) in a grid "
+                        "per query head) rounds down: a request "
                         "whose start is not a multiple of BLOCK_Q needs one extra slot for its ragged tile (the + r)")
         flat_exits = size - sum(cdiv(n, block_m) for n in lens)
         programs, exits = rect_early_exits(lens, block_m)
