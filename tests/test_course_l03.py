@@ -223,17 +223,30 @@ def test_attention_run_html_lines_and_predicted_block():
     summary = L.attention_run_summary_html(s)
     assert "the causal mask keeps: 520" in summary and "32768 cells executed" in summary
     assert "1000 in-bounds cells of computed tiles" in summary  # predict_work's cells, named as in lesson 07 (K4)
-    assert "measured waste: masked 1080 cells, padded 1280 cells per head: padding wastes more here" in summary
+    assert ("measured waste outside the requests' blocks (cells computed minus the loop's 1000): masked 600 "
+            "cross-request cells, padded 800 pad cells per head: padding wastes more here") in summary
+    assert "the 480 cells per head above the causal diagonal inside the blocks" in summary  # 1000 - 520, on a line of its own
 
 
 @pytest.mark.parametrize("lens, verdict", [([10, 30], "padding wastes more"), ([300, 5, 5, 5], "padding wastes more"), ([1, 50, 50], "masking wastes more"),
                                            ([100, 100, 100], "masking wastes more"), ([4], "a tie")])
-def test_attention_run_state_says_which_of_masking_and_padding_wastes_more(lens, verdict):
-    s = L.attention_run_state(lens, causal=False)
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_run_state_says_which_of_masking_and_padding_wastes_more(lens, verdict, causal):
+    s = L.attention_run_state(lens, causal=causal)
     t, r, lmax = sum(lens), len(lens), max(lens)
-    useful = sum(n * n for n in lens)
-    assert s["wasted"] == {"masked": t * t - useful, "padded": r * lmax * lmax - useful}  # by hand, whole blocks
-    assert verdict in L.attention_run_summary_html(s)
+    blocks = sum(n * n for n in lens)
+    # by hand: outside the blocks, the same with or without the causal mask; its triangles on their own
+    assert s["wasted"] == {"masked": t * t - blocks, "padded": r * lmax * lmax - blocks}
+    assert s["causal_masked"] == (sum(n * (n - 1) // 2 for n in lens) if causal else 0)
+    summary = L.attention_run_summary_html(s)
+    assert verdict in summary
+    assert ("above the causal diagonal" in summary) == causal
+
+
+def test_equal_lengths_pad_nothing_even_with_the_causal_mask():
+    s = L.attention_run_state("100, 100, 100", causal=True)
+    assert s["wasted"]["padded"] == 0 and s["causal_masked"] == 3 * 100 * 99 // 2
+    assert "padded 0 pad cells per head" in L.attention_run_summary_html(s)
 
 
 def test_attention_run_explorer_contract_and_callbacks():
@@ -512,3 +525,12 @@ def test_the_lesson_s_tile_numbers_are_what_predict_work_counts():
     assert (ab.tiles, ab.executed_cells, ab.cells) == (2, 32_768, 1000)         # cells 11, 29 and the summary
     long = predict_work([1000], n_heads=1, block_m=128, block_n=128, causal=True)
     assert (long.tiles_skipped, long.tiles + long.tiles_skipped) == (28, 64)   # "28 of the 64 tiles"
+
+
+@pytest.mark.parametrize("tile", [64, 128])
+def test_kernel_work_counts_the_triton_kernel_and_matches_the_prediction(tile):
+    counted, predicted = L.kernel_work([10, 30], tile)
+    assert counted.as_dict() == predicted.as_dict()
+    # by hand: A and B each in one tile, one head, causal: no tile above a diagonal, no program returns at once
+    assert (counted.programs, counted.early_exits, counted.tiles, counted.tiles_skipped) == (2, 0, 2, 0)
+    assert counted.executed_cells == 2 * tile * tile and counted.cells == 10 * 10 + 30 * 30

@@ -364,7 +364,8 @@ def _largest_score_bytes(rec: OpRecorder, itemsize: int) -> int | None:
 def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0, repeats: int = 2) -> dict:
     """Run each of ``RUN_BACKENDS`` once under ``OpRecorder`` on random q, k, v (``random_qkv``, 8 heads
     of 64, float32, CPU) for the given lengths and return
-    ``{"seq_lens", "causal", "useful", "bound", "wasted", "tiled", "rows": {name: row}}``, each row
+    ``{"seq_lens", "causal", "useful", "in_blocks", "bound", "wasted", "causal_masked", "tiled", "rows": {name: row}}``,
+    each row
     ``{"backend", "cells", "predicted", "scores", "largest_bytes", "error", "ms"}``:
 
     - ``cells``: score cells per head the recorder saw (``rec.cells // H``); ``scores``: how many score
@@ -374,8 +375,12 @@ def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0,
       for a fused kernel, which never stores one);
     - ``error``: max |out - fp64 reference|, against ``bound`` (``tolerance``); ``ms``: fastest of
       ``repeats`` calls on this CPU, on one thread (noisy, shown, never asserted);
-    - ``wasted``: ``{"masked", "padded"}``: the cells each computed (measured) minus ``useful``: which of the two
-      wastes more on these lengths;
+    - ``in_blocks``: the cells inside the requests' own ``L_i x L_i`` blocks, measured: every cell the loop computed;
+    - ``wasted``: ``{"masked", "padded"}``: the cells each computed (measured) minus ``in_blocks``, i.e. the cells
+      outside every request's block (masking's cross-request cells, padding's pad cells): which of the two wastes
+      more on these lengths;
+    - ``causal_masked``: ``in_blocks - useful``, the cells inside the blocks above the causal diagonal (0 without
+      the causal mask), which loop, masked and padded all compute and throw away alike;
     - ``tiled``: ``tiling.predict_work`` for a FlashAttention-style kernel with 128 x 128 tiles, one head
       (not run here: its tiles, the cells they execute and the cells inside the requests).
     """
@@ -402,8 +407,10 @@ def _attention_run(lens: list[int], causal: bool, seed: int, repeats: int) -> di
                       "scores": len(rec.scores), "largest_bytes": _largest_score_bytes(rec, q.element_size()),
                       "error": max_abs_diff(out, ref64), "ms": time_call(call, repeats=repeats, warmup=0) * 1e3}
     useful = attention_cells(lens, "varlen", causal).useful
-    return {"seq_lens": lens, "causal": causal, "useful": useful, "bound": tolerance(ref, ref64), "rows": rows,
-            "wasted": {name: rows[name]["cells"] - useful for name in ("masked", "padded")},
+    in_blocks = rows["loop"]["cells"]  # the loop computes each request's whole block and nothing else
+    return {"seq_lens": lens, "causal": causal, "useful": useful, "in_blocks": in_blocks, "bound": tolerance(ref, ref64),
+            "rows": rows, "wasted": {name: rows[name]["cells"] - in_blocks for name in ("masked", "padded")},
+            "causal_masked": in_blocks - useful,
             "tiled": predict_work(lens, n_heads=1, block_m=RUN_TILE, block_n=RUN_TILE, causal=causal)}
 
 
@@ -446,10 +453,17 @@ def attention_run_summary_html(state: dict) -> str:
 
 
 def _waste_html(state: dict) -> str:
-    """Masking against padding on these lengths, from the two measured rows."""
+    """Masking against padding on these lengths, from the measured rows: the cells each computed outside the
+    requests' blocks; with the causal mask, the cells above the diagonal inside the blocks on a line of their own."""
     m, p = state["wasted"]["masked"], state["wasted"]["padded"]
     verdict = "a tie" if m == p else f"{'masking' if m > p else 'padding'} wastes more here"
-    return f"<div>measured waste: masked {m} cells, padded {p} cells per head: {verdict}</div>"
+    line = (f"<div>measured waste outside the requests' blocks (cells computed minus the loop's {state['in_blocks']}): "
+            f"masked {m} cross-request cells, padded {p} pad cells per head: {verdict}</div>")
+    if state["causal"]:
+        line += (f"<div>not in that waste: the {state['causal_masked']} cells per head above the causal diagonal inside "
+                 "the blocks, computed and masked by loop, masked and padded alike: the causal mask's cost, not "
+                 "padding's or masking's</div>")
+    return line
 
 
 def _causal_html(state: dict) -> str:
@@ -492,7 +506,11 @@ def attention_run_figure(state: dict) -> Figure:
                     label="handed to a fused kernel (what it executes is not visible)")
         else:
             ax.barh(i, useful, color=CELL_COLORS[USEFUL], label=CELL_LABELS[USEFUL])
-            ax.barh(i, max(r["cells"] - useful, 0), left=useful, color=CELL_COLORS[WASTED], label=CELL_LABELS[WASTED])
+            if state["causal_masked"]:
+                ax.barh(i, state["causal_masked"], left=useful, color=CELL_COLORS[WASTED], edgecolor=TEXT, hatch="\\\\",
+                        linewidth=0.5, label="thrown away: above the causal diagonal")
+            ax.barh(i, max(r["cells"] - state["in_blocks"], 0), left=state["in_blocks"], color=CELL_COLORS[WASTED],
+                    label="thrown away: outside the blocks (cross or pad)")
         ax.text(r["cells"], i, f" {r['cells']}", va="center", fontsize=MIN_FONT)
         stored = "no full score matrix" if r["largest_bytes"] is None else f"stores {_kib(r['largest_bytes'])}"
         ax.text(1.02, i, f"{stored}, {r['ms']:.2f} ms", va="center", fontsize=MIN_FONT,
@@ -505,7 +523,7 @@ def attention_run_figure(state: dict) -> Figure:
     ax.set_xlabel(f"score cells per head (OpRecorder), linear; useful: {useful}", fontsize=MIN_FONT)
     handles, labels = ax.get_legend_handles_labels()
     keep = dict(zip(labels, handles))
-    fig.legend(keep.values(), keep.keys(), fontsize=MIN_FONT, loc="lower center", ncol=3, frameon=False)
+    fig.legend(keep.values(), keep.keys(), fontsize=MIN_FONT, loc="lower center", ncol=2, frameon=False)
     kind = "causal" if state["causal"] else "no causal mask"
     tiled = state["tiled"]
     ax.set_title(f"score cells per head, lengths {short_lens(state['seq_lens'])} ({kind}); right: largest score "
@@ -858,6 +876,26 @@ def check_document_mask(fn: Callable[[Tensor, Tensor], Callable]) -> bool:
     cases = [(seq_lens_to_cu_seqlens(q), seq_lens_to_cu_seqlens(k)) for q, k in DOCUMENT_CASES]
     return grade("document_mask", fn, cases, judge,
                  f"your mask in the engine's masked path equals varlen on {len(cases)} batches, cached prefixes included")
+
+
+def kernel_work(seq_lens: Sequence[int], tile: int, causal: bool = True, seed: int = 0):
+    """Run the engine's Triton varlen kernel (``ops.triton_varlen``) once on random q, k, v for ``seq_lens``, one head
+    of 64, with ``tile x tile`` tiles, under ``count_work``: on a GPU in bfloat16 when there is one, else on the CPU
+    under Triton's interpreter in float32 (each program runs in NumPy: keep the lengths to a few tiles).
+
+    Returns ``(counted, predicted)``, two ``tiling.WorkCounts`` (the kernel's own counters, and
+    ``tiling.predict_work`` for the same launch), or ``(None, why)`` where Triton does not import (no Linux wheel)."""
+    lens = check_lengths(seq_lens)
+    try:
+        from ..ops import triton_varlen
+    except ImportError as exc:
+        return None, f"the Triton kernel does not run here ({exc}); tiling.predict_work still counts it"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    q, k, v, cu = random_qkv(lens, 1, 64, seed=seed, device=device,
+                             dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    with triton_varlen.count_work() as counted:
+        triton_varlen.triton_varlen_attention(q, k, v, cu, causal=causal, block_m=tile, block_n=tile)
+    return counted, predict_work(lens, n_heads=1, block_m=tile, block_n=tile, causal=causal)
 
 
 def lengths_of(cu: Tensor) -> list[int]:

@@ -57,14 +57,15 @@ def _check(page, lengths: str, causal: bool, wait: bool = True) -> dict:
         [(m, *(lambda x: (x.computed, x.useful, x.wasted))(flops.attention_cells(lens, m, causal))) for m in flops.METHODS]
     summary = inner_text(page, ".arx-summary")
     assert f"{state['tiled'].executed_cells} cells executed" in summary and f": {state['useful']} |" in summary
-    m, p = (shown[L.run_label(state, n)][0] - state["useful"] for n in ("masked", "padded"))  # the table's own cells
-    assert f"measured waste: masked {m} cells, padded {p} cells per head" in summary, summary
+    loop_cells = shown[L.run_label(state, "loop")][0]   # each request's whole block: the loop computes nothing else
+    m, p = (shown[L.run_label(state, n)][0] - loop_cells for n in ("masked", "padded"))  # the table's own cells
+    assert f"masked {m} cross-request cells, padded {p} pad cells per head" in summary, summary
     if causal:  # the loop's computed-and-masked cells against what sdpa was handed, from the recorder directly
-        loop_cells = shown[L.run_label(state, "loop")][0]
         masked_cells = loop_cells - flops.attention_cells(lens, "varlen", causal=True).useful
         fused = shown[L.run_label(state, "varlen")][0]
         assert (f"the loop computed {loop_cells} cells and masked {masked_cells} of them; "
                 f"{state['rows']['varlen']['backend']} was handed {fused} cells") in summary, summary
+        assert f"the {masked_cells} cells per head above the causal diagonal inside the blocks" in summary, summary
     return shown
 
 
