@@ -115,7 +115,8 @@ def test_c2_flat_run_state_records_what_padding_wastes_in_flops():
     assert "here no request does" in L.flat_run_text(ab)["padded"]
     text = L.flat_run_text(long)["padded"]
     assert "in the linear layers and 127.99 MFLOP in attention (linear / attention waste = 0.76x)" in text
-    assert "beyond S = 384 (whole blocks, 6 d) or 768 (causal triangle, about 12 d); your longest: 500" in text
+    assert ("beyond S = 384 (whole blocks, 6 d) or about 768 (causal triangle, 12 d: a tiled kernel only for S much longer "
+            "than its tile; it runs whole tiles); your longest: 500") in text
     gids = {p.get_gid() for ax in L.flat_run_figure(long).axes for p in ax.get_lines()}
     assert "crossover" in gids and "crossover" not in {p.get_gid() for ax in L.flat_run_figure(ab).axes for p in ax.get_lines()}
 

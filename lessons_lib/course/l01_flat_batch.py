@@ -234,7 +234,8 @@ def crossover_lengths(cfg: ModelConfig) -> dict[str, int]:
     """The request length past which one request's attention FLOPs exceed its linear FLOPs
     (``measure.flops``): ``blocks``, counting whole ``S x S`` blocks as the padded forward and the
     recorder do (``6 d`` for this architecture), and ``causal``, the smallest S whose
-    ``forward_flops(..., causal=True)`` is dominated by attention (about ``12 d``)."""
+    ``forward_flops(..., causal=True)`` is dominated by attention (about ``12 d``: exact triangles, which a tiled
+    kernel approaches only for S much longer than its tile; a shorter request costs whole tiles)."""
     blocks = linear_flops_per_token(cfg) // flops_of(cfg, 0, 1).attention
     lo, hi = 1, 64 * blocks  # dominant is "linear" at lo and "attention" at hi: bisect
     while hi - lo > 1:
@@ -479,7 +480,8 @@ def flat_run_text(state: dict) -> dict[str, str]:
         f"padding wastes {_mflop(waste['linear'])} in the linear layers and {_mflop(waste['attention'])} in attention"
         f" ({ratio})",
         f"one request's own attention FLOPs pass its own linear FLOPs beyond S = {cross['blocks']} (whole blocks, 6 d) "
-        f"or {cross['causal']} (causal triangle, about 12 d); your longest: {max(state['seq_lens'])}",
+        f"or about {cross['causal']} (causal triangle, 12 d: a tiled kernel only for S much longer than its tile; "
+        f"it runs whole tiles); your longest: {max(state['seq_lens'])}",
         f"padding a request of L tokens to S = {shape[1]} wastes more in attention than in its pad rows when "
         f"S + L > 6 d = {cross['blocks']}: " + (f"here from L = {cross['waste_from']} on (dashed line)"
                                                 if cross["waste_from"] is not None else "here no request does"),
