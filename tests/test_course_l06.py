@@ -446,16 +446,20 @@ def test_masked_counterexample_checker(capsys):
 
 # ---- measured --------------------------------------------------------------------------------------
 
-def test_run_methods_and_throughput_text(tiny_cfg):
+def test_time_methods_repeats_every_method_and_the_verdict_reads_the_repeats(tiny_cfg):
     from lessons_lib import init_weights
     from lessons_lib.serve.scheduler import Request
     reqs = [Request(i, list(range(n))) for i, n in enumerate([10, 30, 5, 60])]
-    stats = L.run_methods(tiny_cfg, init_weights(tiny_cfg, 0), reqs, 64, device="cpu", dtype=torch.float32)
-    assert list(stats) == ["padded", "masked", "varlen"]
-    assert all([s.request_ids for s in st] == [[0, 1, 2], [3]] for st in stats.values())
-    lines = L.throughput_text(stats, tiny_cfg).splitlines()
-    assert [ln.split()[0] for ln in lines] == ["padded", "masked", "varlen"]
-    assert "1.00x varlen's throughput" in lines[2]
+    times = L.time_methods(tiny_cfg, init_weights(tiny_cfg, 0), reqs, 64, repeats=2, device="cpu", dtype=torch.float32)
+    assert list(times) == ["padded", "masked", "varlen"] and all(len(t) == 2 and min(t) > 0 for t in times.values())
+    flops = {"padded": 3, "masked": 2, "varlen": 1}
+    apart = L.timing_verdict({"padded": [3.0, 3.1], "masked": [2.0, 2.1], "varlen": [1.0, 1.1]}, flops)
+    assert "separate all three" in apart and "is the FLOPs' order" in apart
+    swapped = L.timing_verdict({"padded": [1.0, 1.1], "masked": [2.0, 2.1], "varlen": [3.0, 3.1]}, flops)
+    assert "NOT the FLOPs' order" in swapped
+    overlap = L.timing_verdict({"padded": [1.0, 2.5], "masked": [2.0, 2.1], "varlen": [3.0, 3.1]}, flops)
+    assert "overlap for padded and masked" in overlap and "does not rank that pair" in overlap
+    assert overlap.splitlines()[0].split()[:3] == ["padded", "median", "1,750"]
 
 
 def test_c11_tp_batch_record_each_rank_runs_its_own_heads_without_a_collective_in_attention():
@@ -488,3 +492,26 @@ def test_tp_trace_figure_labels_keep_clear_of_each_other():
     close = [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1:] if ba.overlaps(bb)]
     assert close == []                        # every label at least 4 px from every other
     assert all(fig.bbox.contains(bb.x1, bb.y0) and bb.x0 >= 0 for _, bb in boxes)   # and inside the figure
+
+
+def test_explorer_records_the_whole_stream_and_its_tables_read_the_records():
+    s = L.prefill_plan_state("long-tail", 20, 512, seed=0, batch=None, scheduler="shortest first")
+    lens = s["seq_lens"]
+    schedules = {"shortest first": s["batches"], "FCFS": plan_batches(lens, 512)}   # none refused at this budget
+    assert set(s["counts"]) == set(schedules)
+    for name, batches in schedules.items():
+        for m in ("padded", "masked", "varlen"):            # the records, summed, against the prediction per batch
+            pred = [batch_stats(L.TINY, [lens[i] for i in b], m) for b in batches]
+            c = s["counts"][name][m]
+            assert (c["rows"], c["cells"]) == (sum(p.executed_rows for p in pred), sum(p.cells_whole_computed for p in pred))
+            assert (c["checked"], c["differs"], c["scaled"]) == (len(batches), [], 0)
+    fair = table(s, "fairness")
+    for name in schedules:
+        c = s["counts"][name]
+        assert fair[name][2:4] == [f"{c['padded']['rows'] - c['varlen']['rows']:,}",
+                                   f"{c['masked']['cells'] - c['varlen']['cells']:,}"]
+    assert all(row[-1].startswith("= \u2713") for k, row in table(s, "backends").items() if k != "header")
+    # a record that is not the prediction is reported, batch by batch
+    lie = L.BatchRecord("padded", (0,), (1,), 1, ())
+    fake = {m: [(lie, 1)] for m in ("padded", "masked", "varlen")}
+    assert L.stream_counts([5], [[0]], fake)["padded"]["differs"] == [0]

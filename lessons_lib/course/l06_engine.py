@@ -10,13 +10,14 @@
   schedules         ``schedule_measures``, ``schedule_table``: pad rows, masked cells, fairness
   exercises         ``check_bucket_scheduler`` (06.1, a bucketing scheduler inside ``Engine``, probed by
                     ``drive_scheduler``), ``check_masked_counterexample`` (06.2, measured by ``measure_schedule``)
-  measured          ``run_methods``, ``throughput_text``, ``causal_vs_full_seconds`` (shown, never asserted)
+  measured          ``time_methods``, ``timing_verdict``, ``causal_vs_full_seconds`` (shown, never asserted)
   C9 swept          ``masked_waste_sweep``: recorded masked waste per useful cell for R equal lengths
 
 Taught in notebooks/06_prefill_engine.ipynb.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -359,13 +360,59 @@ def record_one_batch(seq_lens: Sequence[int], ids: Sequence[int], max_num_batche
     the methods, the same for all three: when the batch would compute more than ``RECORD_LIMIT`` cells under some
     method (too slow here), every method runs the same copy, every length divided by ``k``, rounded up (the same
     mix of lengths, the same layout; compare the rows with each other and with that copy's prediction)."""
-    lens = [seq_lens[i] for i in ids]
+    return dict(_record_batch(tuple(ids), tuple(seq_lens[i] for i in ids), max_num_batched_tokens))
+
+
+@functools.lru_cache(maxsize=256)
+def _record_batch(ids: tuple, lens: tuple, max_num_batched_tokens: int) -> tuple:
+    """``record_one_batch`` for the batch of request ``ids`` of lengths ``lens``, kept: an explorer move re-records
+    only the batches it has not run before."""
     k = max(record_scale(lens, m) for m in METHODS)
     scaled = [-(-n // k) for n in lens]
     out = {}
     for m in METHODS:
         reqs = [Request(i, p) for i, p in zip(ids, make_requests(scaled, TINY.vocab_size, seed=PROMPT_SEED))]
         out[m] = (run_recorded(TINY, _tiny_weights(), m, [reqs], max(max_num_batched_tokens, sum(scaled)))[1][0], k)
+    return tuple(out.items())
+
+
+def record_stream(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int) -> dict:
+    """Every batch of ``batches`` (request ids into ``seq_lens``) recorded by ``record_one_batch``: ``{method:
+    [(BatchRecord, k) per batch]}``, what ``Engine(TINY)`` EXECUTED for the whole stream."""
+    out: dict = {m: [] for m in METHODS}
+    for ids in batches:
+        for m, rec in record_one_batch(seq_lens, ids, max_num_batched_tokens).items():
+            out[m].append(rec)
+    return out
+
+
+def stream_counts(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], recorded: Mapping[str, Sequence],
+                  cfg: ModelConfig | None = None) -> dict:
+    """Per method, the stream's rows and score cells per head per layer as RECORDED (``record_stream``), beside
+    ``batch_stats``' prediction: ``{method: {"rows", "cells", "useful_rows", "useful_cells", "checked", "scaled",
+    "differs"}}``. A batch recorded at scale 1 counts its recorded rows and cells; a batch recorded as a scaled
+    copy (``k > 1``) counts the prediction for its full lengths (``scaled`` batches). Every batch's record is
+    compared with the prediction for the lengths it ran: ``checked`` batches agreed, ``differs`` lists the others."""
+    cfg = cfg or TINY
+    out = {}
+    for m in METHODS:
+        rows = cells = checked = scaled = 0
+        differs = []
+        for b, (ids, (rec, k)) in enumerate(zip(batches, recorded[m])):
+            lens = [seq_lens[i] for i in ids]
+            ran = batch_stats(cfg, [-(-n // k) for n in lens], m)
+            if (rec.rows, rec.cells) == (ran.executed_rows, ran.cells_whole_computed):
+                checked += 1
+            else:
+                differs.append(b)
+            full = batch_stats(cfg, lens, m)
+            rows += rec.rows if k == 1 else full.executed_rows
+            cells += rec.cells if k == 1 else full.cells_whole_computed
+            scaled += k > 1
+        useful = [batch_stats(cfg, [seq_lens[i] for i in ids], m) for ids in batches]
+        out[m] = {"rows": rows, "cells": cells, "useful_rows": sum(s.num_tokens for s in useful),
+                  "useful_cells": sum(s.cells_whole_useful for s in useful), "checked": checked, "scaled": scaled,
+                  "differs": differs}
     return out
 
 
@@ -396,9 +443,11 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     Keys: ``workload``, ``seq_lens``, ``batches`` (lists of request ids), ``rejected`` (ids),
     ``max_num_batched_tokens``, ``stats`` ({method: [engine.BatchStats]}, analytic:
     ``engine.batch_stats``) and ``totals`` (``method_totals``: rows, pad rows, cells and FLOPs, all
-    counted by whole blocks); ``batch`` (the index recorded, clipped to the last batch; None: none) and
-    ``recorded`` (``record_one_batch`` of that batch: ``{method: (BatchRecord, k)}``, what the engine EXECUTED on
-    the batch, or on its lengths divided by ``k``; ``{}`` when none); ``scheduler``
+    counted by whole blocks); ``counts`` (``{scheduler: stream_counts}``, and FCFS's beside another scheduler:
+    every batch of the stream run once per method on ``Engine(TINY)`` under ``OpRecorder`` by ``record_stream``,
+    rows and cells as EXECUTED); ``batch`` (the index shown, clipped to the last batch; None: none) and
+    ``recorded`` (that batch's records: ``{method: (BatchRecord, k)}``, what the engine EXECUTED on the batch, or
+    on its lengths divided by ``k``; ``{}`` when none); ``scheduler``
     and ``measures`` (``schedule_measures`` of the served requests, with ``delays``: ``(request id, batches
     served later than under FCFS)``); ``readout`` (``prefill_plan_readout``: the tables the widget shows).
     """
@@ -416,18 +465,27 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
              for m in METHODS}
     totals = {m: _totals(cfg, stats[m]) for m in METHODS}
     pick = None if batch is None or not batches else min(check_int("batch", batch, 0), len(batches) - 1)
-    recorded = {} if pick is None else record_one_batch(lens, batches[pick], budget)
+    stream = record_stream(lens, batches, budget)
+    counts = {scheduler: stream_counts(lens, batches, stream)}
+    if scheduler != "FCFS" and batches:
+        fcfs, _ = _schedule("FCFS", lens, budget)
+        counts["FCFS"] = stream_counts(lens, fcfs, record_stream(lens, fcfs, budget))
+    recorded = {} if pick is None else {m: stream[m][pick] for m in METHODS}
     state = {"workload": workload, "seq_lens": lens, "batches": batches, "rejected": rejected, "stats": stats,
              "totals": totals, "max_num_batched_tokens": budget, "batch": pick, "recorded": recorded,
-             "scheduler": scheduler, "measures": measures}
+             "counts": counts, "scheduler": scheduler, "measures": measures}
     state["readout"] = prefill_plan_readout(state)
     return state
 
 
-def _fairness_row(name: str, m: dict) -> list[str]:
+def _fairness_row(name: str, m: dict, counts: dict) -> list[str]:
+    """One scheduler's row: its batches and delays from the schedule, its pad rows and masked cells wasted as
+    recorded (``stream_counts``: padded's rows less varlen's, masked's cells less varlen's)."""
     later = [d for _, d in m["delays"] if d > 0]
-    return [name, f"{m['batches']:,}", f"{m['pad_rows']:,}", f"{m['masked_wasted']:,}", f"{len(later):,}",
-            f"{m['max_delay']:,}", f"{m['overtakes']:,}"]
+    pad = counts["padded"]["rows"] - counts["varlen"]["rows"]
+    wasted = counts["masked"]["cells"] - counts["varlen"]["cells"]
+    return [name, f"{m['batches']:,}", f"{pad:,}", f"{wasted:,}", f"{len(later):,}", f"{m['max_delay']:,}",
+            f"{m['overtakes']:,}"]
 
 
 def prefill_plan_readout(state: dict) -> dict:
@@ -448,14 +506,23 @@ def prefill_plan_readout(state: dict) -> dict:
              f"{len(rej)} refused")
     tables = []
     rows = []
+    counts = state["counts"][sched]
     for m, t in state["totals"].items():
+        c = counts[m]
         ratio = f"{t['flops_executed'] / t['flops_useful']:.2f}x" if t["flops_useful"] else "-"
-        rows.append([m, f"{t['rows']:,}", f"{t['rows'] - t['pad_rows']:,}", f"{t['cells_computed']:,}",
-                     f"{t['cells_useful']:,}", f"{t['cells_computed'] - t['cells_useful']:,}", ratio])
-    tables.append({"name": "backends", "caption": "whole stream, per backend: computed vs useful "
-                   "(cells per head per layer, whole L x L blocks)",
+        check = (f"= \u2713 {c['checked']}/{nb}" if not c["differs"] else
+                 f"differs \u2717 batch {', '.join(map(str, c['differs'][:4]))}")
+        rows.append([m, f"{c['rows']:,}", f"{c['useful_rows']:,}", f"{c['cells']:,}", f"{c['useful_cells']:,}",
+                     f"{c['cells'] - c['useful_cells']:,}", ratio, check])
+    scaled = counts["varlen"]["scaled"]
+    tables.append({"name": "backends", "caption": "whole stream, per backend, as EXECUTED: every batch run once per "
+                   "backend on Engine(L.TINY) under OpRecorder (cells per head per layer, whole L x L blocks), beside "
+                   "the useful counts; FLOPs are counted for the S1 model"
+                   + (f"; {scaled} batch{'es' if scaled != 1 else ''} over {RECORD_LIMIT:,} cells ran as a scaled "
+                      "copy (checked against its own prediction; counted here at full length by batch_stats)"
+                      if scaled else ""),
                    "header": ["backend", "rows computed", "rows useful", "cells computed", "cells useful",
-                              "cells wasted", "FLOPs computed / useful"], "rows": rows})
+                              "cells wasted", "FLOPs computed / useful", "recorded vs predicted"], "rows": rows})
     if state["batches"]:
         ms = state["measures"]
         fair = []
@@ -463,9 +530,10 @@ def prefill_plan_readout(state: dict) -> dict:
             kept = [i for i, n in enumerate(lens) if n <= budget]
             sub = [lens[i] for i in kept]
             fcfs = schedule_measures(sub, plan_batches(sub, budget), budget)
-            fair.append(_fairness_row("FCFS", {**fcfs, "delays": []}))
-        fair.append(_fairness_row(sched, ms))
-        tables.append({"name": "fairness", "caption": "the scheduler's trade: waste against fairness (delay: "
+            fair.append(_fairness_row("FCFS", {**fcfs, "delays": []}, state["counts"]["FCFS"]))
+        fair.append(_fairness_row(sched, ms, counts))
+        tables.append({"name": "fairness", "caption": "the scheduler's trade: waste as recorded (pad rows: padded's "
+                       "rows less varlen's; masked cells wasted: masked's cells less varlen's) against fairness (delay: "
                        "batches later than under FCFS; overtakes: pairs where a later arrival runs first)",
                        "header": ["scheduler", "batches", "pad rows", "masked cells wasted", "served later",
                                   "max delay", "overtakes"], "rows": fair})
@@ -639,19 +707,45 @@ def schedule_table(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], ma
 
 # ---- measured: the three methods on the device -----------------------------------------------------
 
-def run_methods(cfg: ModelConfig, weights: dict, requests: Sequence[Request], max_num_batched_tokens: int,
-                device=None, dtype: torch.dtype | None = None) -> dict:
-    """Serve ``requests`` with each method on ``device`` (after one warm-up batch): ``{method: [BatchStats]}``
-    with each batch's measured ``wall_s``."""
-    out = {}
-    for method in METHODS:
-        engine = Engine(cfg, weights=weights, method=method, device=device, dtype=dtype, compute_logits=False,
-                        max_num_batched_tokens=max_num_batched_tokens)
+def time_methods(cfg: ModelConfig, weights: dict, requests: Sequence[Request], max_num_batched_tokens: int,
+                 repeats: int = 3, device=None, dtype: torch.dtype | None = None) -> dict:
+    """Serve ``requests`` with each method on ``device``, ``repeats`` times, the methods interleaved within each
+    repeat (after one warm-up forward each, no recorder): ``{method: [seconds of each repeat]}``, each the sum of
+    its forwards' measured ``wall_s``. Shown, never asserted."""
+    engines = {m: Engine(cfg, weights=weights, method=m, device=device, dtype=dtype, compute_logits=False,
+                         max_num_batched_tokens=max_num_batched_tokens) for m in METHODS}
+    for engine in engines.values():
         engine.prefill([Request("warm-up", requests[0].prompt_token_ids)])
         synchronize(engine.device)
-        engine.prefill([Request(r.request_id, r.prompt_token_ids) for r in requests])
-        out[method] = engine.stats
+    out = {m: [] for m in METHODS}
+    for _ in range(check_int("repeats", repeats, 2, 100)):
+        for m, engine in engines.items():
+            engine.prefill([Request(r.request_id, r.prompt_token_ids) for r in requests])
+            out[m].append(sum(st.wall_s for st in engine.stats))
     return out
+
+
+def timing_verdict(times: Mapping[str, Sequence[float]], flops: Mapping[str, int]) -> str:
+    """``time_methods``' repeats as lines: each method's median and its fastest to slowest repeat, the order of
+    the medians, and a verdict: which neighbours in that order the repeats separate (the slower one's fastest repeat
+    slower than the faster one's slowest), and whether a separated order is the one of ``flops`` (executed FLOPs
+    per method, e.g. ``whole_block_flops`` summed)."""
+    med = {m: float(np.median(t)) for m, t in times.items()}
+    order = sorted(med, key=med.get)
+    lines = [f"{m:7s} median {med[m] * 1e3:8,.0f} ms | repeats {min(times[m]) * 1e3:,.0f} to {max(times[m]) * 1e3:,.0f} ms"
+             for m in times]
+    apart = [max(times[a]) < min(times[b]) for a, b in zip(order, order[1:])]
+    by_flops = sorted(flops, key=flops.get)
+    lines.append("fastest to slowest (medians): " + " < ".join(order) + f" | by executed FLOPs: {' < '.join(by_flops)}")
+    if all(apart):
+        lines.append("verdict: the repeats separate all three methods; "
+                     + ("their order is the FLOPs' order" if order == by_flops else
+                        "their order is NOT the FLOPs' order: something other than FLOPs set the time"))
+    else:
+        tied = [f"{a} and {b}" for (a, b), ok in zip(zip(order, order[1:]), apart) if not ok]
+        lines.append(f"verdict: the repeats overlap for {', '.join(tied)}: this run does not rank "
+                     f"{'them' if len(tied) > 1 else 'that pair'}, and no explanation of their order is licensed")
+    return "\n".join(lines)
 
 
 def causal_vs_full_seconds(length: int = 2048, heads: int = 8, d_head: int = 64, repeats: int = 3,
@@ -690,24 +784,6 @@ def masked_waste_sweep(length: int = 32, requests: Sequence[int] = (1, 2, 4, 8))
         cells = {m: run_recorded(TINY, _tiny_weights(), m, [reqs], r * length)[1][0].cells for m in ("masked", "varlen")}
         out[r] = (cells["masked"] - cells["varlen"]) / cells["varlen"]
     return out
-
-
-def throughput_text(stats: Mapping[str, Sequence], cfg: ModelConfig | None = None) -> str:
-    """One line per method from measured ``BatchStats``: seconds, prompt tokens per second (pad rows
-    not counted), GFLOP/s counted by whole blocks (``whole_block_flops``, the course's convention: a causal
-    fused kernel may skip the tiles above the diagonal, so it is a count, not what every backend executes),
-    and throughput relative to varlen."""
-    cfg = cfg or ModelConfig()
-    secs = {m: sum(s.wall_s for s in st) for m, st in stats.items()}
-    tokens = {m: sum(s.num_tokens for s in st) for m, st in stats.items()}
-    ref = tokens.get("varlen", 0) / secs["varlen"] if secs.get("varlen") else None
-    lines = []
-    for m, st in stats.items():
-        tps = tokens[m] / secs[m] if secs[m] else float("nan")
-        gflops = sum(whole_block_flops(cfg, s) for s in st) / secs[m] / 1e9 if secs[m] else float("nan")
-        rel = f" | {tps / ref:4.2f}x varlen's throughput" if ref else ""
-        lines.append(f"{m:7s} {secs[m]:7.3f} s | {tps:9,.0f} tokens/s | {gflops:7.1f} GFLOP/s (whole blocks){rel}")
-    return "\n".join(lines)
 
 
 # ---- TP=2: one batch as each rank ran it -------------------------------------------------------------

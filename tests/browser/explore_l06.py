@@ -1,6 +1,7 @@
 """Lesson 06's prefill-plan explorer in the browser: its readout equals ``course.l06_engine.prefill_plan_state``
-for the knobs on screen, the recorded batch included (what ``OpRecorder`` saw ``Engine(L.TINY)`` execute),
-and the recorded rows and cells equal ``serve.engine.batch_stats``' prediction for that batch. Switching the
+for the knobs on screen, the whole stream included (every batch as ``OpRecorder`` saw ``Engine(L.TINY)`` execute
+it, per backend, each batch's record checked against its prediction), and the recorded batch's rows and cells
+equal ``serve.engine.batch_stats``' prediction for that batch, computed here. Switching the
 scheduler from FCFS to shortest first puts it beside FCFS in the fairness table (fewer pad rows, requests served
 later, overtakes) and changes the delay table, again equal to a direct call, cell by cell.
 """
@@ -49,6 +50,8 @@ def _check(page) -> dict:
     assert _cells(page) == want
     b = state["batch"]
     lens = [state["seq_lens"][i] for i in state["batches"][b]]
+    backends = {m: r for m, r in _table(page, "backends").items() if m in ("padded", "masked", "varlen")}
+    assert all(r[-1] == f"= \u2713 {len(state['batches'])}/{len(state['batches'])}" for r in backends.values()), backends
     recorded = {m: r for m, r in _table(page, "recorded").items() if m in ("padded", "masked", "varlen")}
     assert recorded, f"no recorded method in the readout: {_cells(page)}"
     for m, row in recorded.items():  # the recorder's numbers on screen against batch_stats' prediction, computed here
