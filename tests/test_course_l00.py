@@ -222,8 +222,43 @@ def test_comm_cost_explorer_callbacks_follow_every_control():
     assert "fitted to a ring of 2 ranks, not measured at TP=4" in w["abx-text"].value
     w["abx-measure"].click()  # no bench given: it says so instead of failing
     assert "no ranks to measure on" in w["abx-measured"].value
+    w["abx-tokens"].value, w["abx-layers"].value = 20_000, 8
+    w["abx-record"].click()  # beyond the recorder's size: it says so
+    assert "num_tokens must be" in w["abx-recorded"].value
+    w["abx-tokens"].value = 40
+    w["abx-record"].click()  # 8 requests of 5 tokens, TP = 4, 8 layers
+    assert ("8 request(s) of 5 packed: 16 all-reduces of [40, 64] | one forward each: 128 all-reduces of [5, 64]"
+            in w["abx-recorded"].value), w["abx-recorded"].value
     w["abx-tokens"].value = 3
     assert "requests must be at most num_tokens" in w["abx-text"].value
+
+
+def test_c1_record_point_runs_the_engine_on_the_learners_requests():
+    rec = L.record_point(10, requests=3, n_layers=2, dtype="bfloat16", world_size=2)
+    assert rec["lens"] == [4, 3, 3] and rec["agrees"]
+    assert [(r.layer, tuple(r.shape), r.bytes) for r in rec["packed"]] == [
+        (f"layers.{i}.{part}", (10, 64), 10 * 64 * 2) for i in range(2) for part in ("attn.out_proj", "mlp.fc_down")]
+    assert [len(t) for t in rec["separate"]] == [4, 4, 4]
+    assert {tuple(r.shape) for t in rec["separate"] for r in t} == {(4, 64), (3, 64)}
+    assert "3 request(s) of [4, 3, 3] packed: 4 all-reduces of [10, 64]" in L.record_text(rec)
+    assert "the same, record by record" in L.record_text(rec)
+    assert L.record_point(4, world_size=4)["packed"][0].shape == (4, 64)
+    with pytest.raises(ValueError, match="num_tokens"):
+        L.record_point(L.RECORD_MAX_TOKENS + 1)
+    with pytest.raises(ValueError, match="requests"):
+        L.record_point(3, requests=4)
+
+
+def test_c1_fit_misses_and_about_say_how_many_digits_mean_anything():
+    fit = L.AlphaBeta(10e-6, 1e9)
+    on_line = L.all_reduce_seconds(fit, 4096)
+    measured = {"bytes": [4096, 4096], "seconds": [on_line, 3 * on_line], "world_size": 2}
+    assert L.fit_misses(fit, measured) == pytest.approx([1.0, 3.0])
+    assert [L.about(x) for x in (259.3, 2197.0, 14.9, 0.04)] == ["300", "2,000", "10", "0.04"]
+    assert [L.about(x, 2) for x in (1836.2, 1.84, 204.0)] == ["1,800", "1.8", "200"]
+    assert L.about(0.0) == "0"
+    with pytest.raises(ValueError, match="non-negative"):
+        L.about(-1.0)
 
 
 # ---- helpers the notebook calls ---------------------------------------------------------------------

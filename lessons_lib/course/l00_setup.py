@@ -31,7 +31,7 @@ from ..core.kernels import available_backends, placement, resolve_backend
 from ..core.model import Transformer
 from ..measure.profile import time_call
 from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, REQUEST, TEXT
-from ..tp.dryrun import expected_trace
+from ..tp.dryrun import expected_trace, record_trace, trace_signature
 from ..validate import check_int, dtype_name
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
@@ -54,7 +54,7 @@ LESSONS = (
     ("05", "Where the FLOPs go", "linear vs attention work, arithmetic intensity, a decode preview", "C13, C14, C15", 55),
     ("06", "A prefill engine", "a scheduler under a token budget: padded vs masked vs varlen", "S3 (+ C2, C8, C10, C12)", 60),
     ("07", "Inside the kernel", "one Triton launch for all requests: the grid, causal tiles, online softmax",
-     "K1-K5", 50),
+     "K1-K5", 70),
     ("08", "Chunked prefill", "a prompt longer than the budget, in chunks over a KV cache: the staircase of cells",
      "P1-P5", 50),
 )
@@ -450,6 +450,24 @@ def fit_alpha_beta(payload_bytes: Sequence[float], seconds: Sequence[float], wor
     return AlphaBeta(_sig(a / (2 * (p - 1)), digits), _sig(2 * (p - 1) / (p * b), digits), source)
 
 
+def fit_misses(fit: AlphaBeta, measured: Mapping) -> list[float]:
+    """Measured / modelled time of each payload of ``measured`` (``measure_all_reduces``' dict) under ``fit``,
+    at the TP size it was measured at: 1 where the line goes through the point; how far the fit misses its own
+    points, hence how many digits of alpha, beta and N* mean anything."""
+    return [t / all_reduce_seconds(fit, b, measured["world_size"]) for b, t in zip(measured["bytes"], measured["seconds"])]
+
+
+def about(x: float, digits: int = 1) -> str:
+    """``x`` to ``digits`` significant digits, written out with thousands separators: one digit is an order of
+    magnitude (``about(259.3)`` is ``"300"``, ``about(1836.2, 2)`` is ``"1,800"``, ``about(0.0412)`` is ``"0.04"``)."""
+    if isinstance(x, bool) or not (isinstance(x, (int, float)) and np.isfinite(x) and x >= 0):
+        raise ValueError(f"about() takes a non-negative finite number, got {x!r}")
+    v = float(f"{x:.{check_int('digits', digits, 1, 6)}g}")
+    if v == 0:  # a fit with no latency (alpha = 0) has N* = 0
+        return "0"
+    return f"{v:,.{max(0, digits - 1 - int(np.floor(np.log10(v))))}f}"
+
+
 def time_all_reduces(group, sizes: Sequence[int], repeats: int = AR_REPEATS, warmup: int = 2,
                      first_warmup: int = 20) -> list[list[float]]:
     """A worker for ``tp.workers.launch``: for each element count in ``sizes``, the seconds of ``repeats``
@@ -709,10 +727,51 @@ def measure_text(point: Mapping) -> str:
             f"the model says {_us(point['model_s'])} ({point['seconds'] / point['model_s']:.2f} x)")
 
 
+RECORD_D_MODEL = 64  # the recorder's model: 8 heads of 8, so that a dry run of 80 layers stays a few seconds
+RECORD_MAX_TOKENS = 1024
+
+
+def record_point(num_tokens: int, requests: int = 1, n_layers: int = 8, dtype: str = "float32",
+                 world_size: int = 2) -> dict:
+    """Run the engine's forward on the learner's requests and record what rank 0 sends: ``tp.dryrun.record_trace``
+    (the real ``Transformer`` on ``LocalGroup(0, world_size)``, which records every all-reduce a real rank makes)
+    once for the ``requests`` packed into one forward and once per request, at the recorder's width
+    (``RECORD_D_MODEL``; the learner's layers, dtype and TP size), beside the calculator ``expected_trace`` of the
+    same forwards. Keys: ``lens``, ``n_layers``, ``dtype``, ``world_size``, ``d_model``, ``packed`` and
+    ``separate`` (the recorded traces: a list, a list of lists), ``agrees`` (record by record, both)."""
+    n = check_int("num_tokens", num_tokens, 1, RECORD_MAX_TOKENS)
+    r = check_int("requests", requests, 1, n)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    p = _ring_size(world_size)
+    cfg = ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 256), d_model=RECORD_D_MODEL, n_heads=8,
+                      d_ffn=4 * RECORD_D_MODEL, vocab_size=1, max_position=n, dtype=getattr(torch, dtype))
+    lens = _split(n, r)
+    packed = record_trace(cfg, lens, 0, p)
+    separate = [record_trace(cfg, [m], 0, p) for m in lens]
+    agrees = (trace_signature(packed) == trace_signature(expected_trace(cfg, n, 0, p))
+              and all(trace_signature(t) == trace_signature(expected_trace(cfg, m, 0, p)) for t, m in zip(separate, lens)))
+    return {"lens": lens, "n_layers": cfg.n_layers, "dtype": dtype, "world_size": p, "d_model": cfg.d_model,
+            "packed": packed, "separate": separate, "agrees": agrees}
+
+
+def record_text(point: Mapping) -> str:
+    """One readout line for ``record_point``'s dict (the format the browser test parses)."""
+    lens, packed, separate = point["lens"], point["packed"], point["separate"]
+    shapes = sorted({tuple(rec.shape) for t in separate for rec in t})
+    return (f"recorded (the engine's forward on rank 0 of TP={point['world_size']}, {point['n_layers']} layers, "
+            f"{point['dtype']}, d_model {point['d_model']}): {len(lens)} request(s) of {lens[0] if len(set(lens)) == 1 else lens}"
+            f" packed: {len(packed)} all-reduces of {list(packed[0].shape)} | one forward each: "
+            f"{sum(map(len, separate))} all-reduces of {' or '.join(str(list(sh)) for sh in shapes)} | the calculator "
+            f"(expected_trace): {'the same, record by record' if point['agrees'] else 'DIFFERENT'}")
+
+
 def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: int = 64,
                        bench: AllReduceBench | None = None):
     """VBox class ``abx``: IntSlider ``abx-tokens`` (1..16384), IntSlider ``abx-requests`` (1..64),
     Dropdowns ``abx-d-model``, ``abx-dtype``, ``abx-layers``, ``abx-tp`` (the TP size: 2, 4, 8), ``abx-network``;
+    Button ``abx-record`` (``record_point``: the engine's forward on the chosen requests, recorded on rank 0, beside
+    the calculator; "running..." while it runs), HTML ``abx-recorded`` (``record_text``);
     Button ``abx-measure`` (times real all-reduces at the chosen N and d_model on ``bench``'s ranks: "running..."
     while it runs), HTML ``abx-measured`` (``measure_text``), HTML ``abx-text`` (``comm_cost_text``, one div per
     line), Output ``abx-figure`` (``comm_cost_figure``). ``measured``: ``measure_all_reduces``' dict, drawn while
@@ -727,6 +786,9 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
     net = tagged(w.Dropdown(options=[("this machine (fitted)", "measured"), ("NVLink 4 (datasheet-like)", "nvlink")],
                             value="measured", description="network"), "abx-network")
     button = tagged(w.Button(description="measure at this N"), "abx-measure")
+    rec_button = tagged(w.Button(description="record this forward"), "abx-record")
+    rec_text = tagged(w.HTML("<div>record: runs the engine's forward on these requests and shows the all-reduces "
+                             "rank 0 makes, beside the calculator</div>"), "abx-recorded")
     probe_text = tagged(w.HTML("<div>measure: times real all-reduces at the chosen N and d_model on the "
                                f"{bench.world_size if bench else 2} ranks</div>"), "abx-measured")
     text, out = tagged(w.HTML(), "abx-text"), tagged(w.Output(), "abx-figure")
@@ -756,9 +818,18 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
         probe_text.value = f"<div>{measure_text(last['probe'])}</div>"
         update()
 
+    def record(_=None):
+        rec_text.value = "<div>running...</div>"
+        try:
+            point = record_point(tokens.value, reqs.value, layers.value, kind.value, tp.value)
+            rec_text.value = f"<div>{record_text(point)}</div>"
+        except ValueError as exc:  # more tokens than the recorder runs, or more requests than tokens
+            rec_text.value = f"<div>{exc}</div>"
+
     button.on_click(measure)
-    box = explorer("abx", [tokens, reqs, d_model, kind, layers, tp, net], [w.HBox([button, probe_text]), text, out],
-                   update)
+    rec_button.on_click(record)
+    box = explorer("abx", [tokens, reqs, d_model, kind, layers, tp, net],
+                   [w.HBox([rec_button, rec_text]), w.HBox([button, probe_text]), text, out], update)
     return box
 
 

@@ -3,7 +3,8 @@
 The widget shows the alpha and beta it runs on (the kernel's fit of this machine's all-reduces, three
 significant digits, or the NVLink preset); the test reads them off the page and recomputes every other
 number with a direct call of ``lessons_lib``, before and after moving the tokens, the requests, the TP size and
-the network. "measure" times real all-reduces on the notebook's two ranks: the time itself cannot be recomputed,
+the network. "record this forward" runs the engine's forward on the requests shown (``record_point``); its line
+must equal a direct call. "measure" times real all-reduces on the notebook's two ranks: the time itself cannot be recomputed,
 but the model's time printed beside it must equal ``all_reduce_seconds`` for the payload and network shown.
 """
 from __future__ import annotations
@@ -69,6 +70,14 @@ def test_lesson00_comm_cost_explorer(lab_server, browser_context, capsys):
     latencies.append(ms)
     text = _check(page)
     assert "as 2 requests" in text and "one forward each 32 all-reduces" in text
+    # Record this forward: the engine's own trace of the requests shown, equal to a direct record_point.
+    page.locator(".abx-record button, button.abx-record").first.click()
+    wait_text(page, ".abx-recorded", "t => t.startsWith('recorded')", timeout=30_000)
+    want = l00_setup.record_text(l00_setup.record_point(readout(page, "abx-tokens"), readout(page, "abx-requests"),
+                                                        int(page.locator(".abx-layers select").input_value()),
+                                                        page.locator(".abx-dtype select").input_value(),
+                                                        int(page.locator(".abx-tp select").input_value())))
+    assert inner_text(page, ".abx-recorded") == want and "the same, record by record" in want
     # Measure at this N on the two real ranks: "running..." then a line whose model time is the library's.
     page.locator(".abx-measure button, button.abx-measure").first.click()
     wait_text(page, ".abx-measured", "t => t.startsWith('measured now')", timeout=10_000)
