@@ -110,8 +110,9 @@ def _loop(q, k, v, meta, causal, scale):
             q_i = q_i.unflatten(0, (k.shape[1], g)).flatten(1, 2)  # are the rows of ONE matmul on K/V head j: [H_kv, G·L_q, D]
         scores = (q_i @ k_i.transpose(-1, -2)) * scale        # [H, L_q, L_k] (GQA: [H_kv, G·L_q, L_k]): this request only
         if causal:  # GQA: through a view [H_kv, G, L_q, L_k], the mask for each query head of a group
-            (scores.unflatten(1, (g, -1)) if g > 1 else scores).masked_fill_(~causal_mask(qe - qs, ke - ks, q.device), -math.inf)
-        out[qs:qe] = (scores.softmax(dim=-1) @ v_i).reshape(q.shape[1], qe - qs, -1).transpose(0, 1)  # its own rows
+            grouped = scores.unflatten(1, (g, qe - qs)) if g > 1 else scores
+            grouped.masked_fill_(~causal_mask(qe - qs, ke - ks, q.device), -math.inf)
+        out[qs:qe] = (scores.softmax(dim=-1) @ v_i).reshape(q.shape[1], qe - qs, q.shape[2]).transpose(0, 1)  # its own rows
     return out
 
 
@@ -121,9 +122,9 @@ def _dense(q, k, v, allowed, scale):
     g = q.shape[-3] // k.shape[-3]  # GQA packed: query heads j·G .. j·G + G-1 are the rows of one matmul on K/V head j
     scores = (q.unflatten(-3, (k.shape[-3], g)).flatten(-3, -2) @ k.transpose(-1, -2)) * scale  # [..., H_kv, G·L_q, L_k]
     if g > 1:  # seen as [..., H_kv, G, L_q, L_k]: the mask (its H dimension 1) for each query head of a group
-        scores, allowed = scores.unflatten(-2, (g, -1)), allowed.unsqueeze(-3) if allowed.dim() > 2 else allowed
+        scores, allowed = scores.unflatten(-2, (g, q.shape[-2])), allowed.unsqueeze(-3) if allowed.dim() > 2 else allowed
     p = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
-    return (p.flatten(-3, -2) @ v).unflatten(-2, (g, -1)).flatten(-4, -3) if g > 1 else p @ v
+    return (p.flatten(-3, -2) @ v).unflatten(-2, (g, q.shape[-2])).flatten(-4, -3) if g > 1 else p @ v
 
 
 def _masked(q, k, v, meta, causal, scale):
