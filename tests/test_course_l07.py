@@ -15,6 +15,7 @@ from lessons_lib.core.attention import attention_ref
 from lessons_lib.course import l07_kernel as L
 from lessons_lib.course.grading import WrongAnswer, score
 from lessons_lib.measure.profile import random_qkv
+from lessons_lib.measure.tolerance import assert_close, max_abs_diff, tolerance
 from lessons_lib.ops import tiling
 
 needs_kernel = pytest.mark.skipif(L.kernel_module() is None, reason="triton not installed (Linux wheels only)")
@@ -40,7 +41,7 @@ def test_k2_the_program_table_adds_up_to_the_kernels_counters():
 @needs_kernel
 def test_k2_the_kernels_counters_equal_the_picture_for_a_long_and_short_mix():
     lens = [70, 5, 20]
-    q, k, v, cu = random_qkv(lens, 2, 16, seed=2)
+    q, k, v, cu = L.kernel_qkv(lens, 2, 16, seed=2)
     _, measured = L.run_kernel(q, k, v, cu, block_m=16, block_n=16)
     assert measured == L.table_totals(L.program_table(lens, block_m=16, block_n=16, causal=True), 2, 16, 16)
     assert measured.early_exits == 14
@@ -67,7 +68,7 @@ def test_k3_causal_computes_n_plus_1_over_2n_of_the_tiles():
         picture = L.table_totals(L.program_table([256], block_m=block, block_n=block, causal=True), 1, block, block)
         assert picture == causal and Fraction(causal.tiles, full.tiles) == Fraction(n + 1, 2 * n)
     if L.kernel_module() is not None:
-        q, k, v, cu = random_qkv([128], 1, 16, seed=3)
+        q, k, v, cu = L.kernel_qkv([128], 1, 16, seed=3)
         assert L.run_kernel(q, k, v, cu, block_m=32, block_n=32)[1].tiles == 10  # 1 + 2 + 3 + 4
 
 
@@ -77,10 +78,10 @@ def test_k4_a_short_request_uses_a_sliver_of_its_tile():
     w = tiling.predict_work([10], block_m=64, block_n=64, causal=False)
     assert (w.cells, w.executed_cells) == (100, 4096)
     if L.kernel_module() is not None:
-        q, k, v, cu = random_qkv([10], 1, 16, seed=4)
+        q, k, v, cu = L.kernel_qkv([10], 1, 16, seed=4)
         out, measured = L.run_kernel(q, k, v, cu, causal=False, block_m=64, block_n=64)
         assert (measured.cells, measured.executed_cells) == (100, 4096)
-        assert torch.allclose(out, attention_ref(q, k, v, cu, causal=False), atol=1e-5)
+        assert_close(out, *L.kernel_refs(q, k, v, cu, causal=False), "a 10-token request in a 64x64 tile")
 
 
 def test_launch_picture_says_whether_the_kernels_counters_agree():
@@ -162,7 +163,7 @@ def test_each_kernel_bug_moves_a_counter_or_the_output_and_the_real_kernel_comes
     tv = L.kernel_module()
     real = tv._varlen_fwd_kernel
     lens = [40, 5]
-    q, k, v, cu = random_qkv(lens, 1, 16, seed=9)
+    q, k, v, cu = L.kernel_qkv(lens, 1, 16, seed=9)
     effects = {}
     for bug in L.KERNEL_BUGS:
         causal = bug != "columns past the end kept"
@@ -171,19 +172,20 @@ def test_each_kernel_bug_moves_a_counter_or_the_output_and_the_real_kernel_comes
             assert tv._varlen_fwd_kernel is not real
             out, counts = L.run_kernel(q, k, v, cu, causal=causal, block_m=16, block_n=16)
         assert tv._varlen_fwd_kernel is real
-        wrong = not torch.allclose(out, attention_ref(q, k, v, cu, causal=causal), atol=1e-4)
+        ref, ref64 = L.kernel_refs(q, k, v, cu, causal=causal)
+        wrong = max_abs_diff(out, ref64) > tolerance(ref, ref64)
         effects[bug] = (counts.tiles != want.tiles, counts.masked_tiles != want.masked_tiles, wrong)
     assert effects == {"no early return": (True, True, False), "causal bound one tile late": (True, True, False),
                        "sum not rescaled": (False, False, True), "columns past the end kept": (False, False, True),
                        "every key tile masked": (False, True, False), "diagonal tile unmasked": (False, True, True),
                        "causal diagonal top-left": (False, False, False)}   # a prefill: L_k = L_q hides the alignment
     (lens_q, lens_k) = L.CHUNK_MIX   # a chunk after cached keys shows it
-    q, _, _, cu_q = random_qkv(lens_q, 1, 16, seed=30)
-    _, k, v, cu_k = random_qkv(lens_k, 1, 16, seed=31)
-    ref = attention_ref(q, k, v, cu_q, cu_k)
-    assert torch.allclose(L.run_kernel(q, k, v, cu_q, cu_k, block_m=16, block_n=16)[0], ref, atol=1e-5)
+    q, _, _, cu_q = L.kernel_qkv(lens_q, 1, 16, seed=30)
+    _, k, v, cu_k = L.kernel_qkv(lens_k, 1, 16, seed=31)
+    ref, ref64 = L.kernel_refs(q, k, v, cu_q, cu_k)
+    assert_close(L.run_kernel(q, k, v, cu_q, cu_k, block_m=16, block_n=16)[0], ref, ref64, "a chunk after cached keys")
     with L.kernel_with("causal diagonal top-left"):
-        assert not torch.allclose(L.run_kernel(q, k, v, cu_q, cu_k, block_m=16, block_n=16)[0], ref, atol=1e-2)
+        assert max_abs_diff(L.run_kernel(q, k, v, cu_q, cu_k, block_m=16, block_n=16)[0], ref64) > tolerance(ref, ref64)
     with pytest.raises(ValueError, match="unknown kernel bug"):
         with L.kernel_with("no such bug"):
             pass
@@ -251,7 +253,7 @@ def test_exp2_with_the_folded_scale_has_no_multiply_by_log2e_and_tl_exp_one_per_
 @needs_kernel
 def test_count_launches_sees_through_a_swapped_kernel():
     tv = L.kernel_module()
-    q, k, v, cu = random_qkv([3, 5, 2], 1, 16, seed=1)
+    q, k, v, cu = L.kernel_qkv([3, 5, 2], 1, 16, seed=1)
     with L.kernel_with("no early return"), tv.count_launches() as grids:
         tv.triton_varlen_attention(q, k, v, cu, block_m=16, block_n=16)
     assert grids == [(1, 1, 3)]
@@ -525,3 +527,29 @@ def test_the_loop_dispatches_nine_ops_per_causal_request_five_without_the_mask()
     assert len(L.loop_ops(lens)) == len(L.loop_ops(lens[:1])) + 49 * 9
     assert L.is_view_op("transpose") and L.is_view_op("slice") and L.is_view_op("_unsafe_view")
     assert not any(L.is_view_op(n) for n in ("bmm", "masked_fill_", "copy_", "_softmax"))
+
+
+def test_every_kernel_run_of_the_lesson_takes_bfloat16_on_cuda_and_float32_on_the_cpu(monkeypatch):
+    assert L.kernel_dtype("cuda") == L.kernel_dtype(torch.device("cuda", 1)) == torch.bfloat16
+    assert L.kernel_dtype("cpu") == torch.float32 and L.KERNEL_DTYPE == L.kernel_dtype(L.KERNEL_DEVICE)
+    q, k, v, cu_q, cu_k = L.kernel_qkv([3, 5], 2, 16, seq_lens_k=[4, 6], device="cpu")
+    assert (q.dtype, k.shape, cu_k.tolist()) == (torch.float32, (10, 2, 16), [0, 4, 10])
+
+    class Built(Exception):
+        pass
+
+    def record(*args, device, dtype, **kwargs):   # stops each helper where it has built its inputs
+        raise Built(torch.device(device).type, dtype)
+
+    monkeypatch.setattr(L, "KERNEL_DEVICE", torch.device("cuda"))   # as on a GPU machine, without one
+    monkeypatch.setattr(L, "random_qkv", record)
+    helpers = {"kernel_qkv": lambda: L.kernel_qkv([3], 1, 16), "gqa_inputs": lambda: L.gqa_inputs(*L.GQA_DECODE),
+               "the explorer": lambda: L._explorer_inputs.__wrapped__((3,), (5,), True)}
+    if L.kernel_module() is not None:   # without Triton these fall back to the prediction and build nothing
+        helpers.update({"run_gqa": lambda: L.run_gqa(*L.GQA_DECODE, None),
+                        "the chunk checker": lambda: L._chunk_kernel_tiles([3], [5], 16, 16),
+                        "the flat-grid checker": lambda: L.rect_early_exits([3, 5], 16)})
+    for name, build in helpers.items():
+        with pytest.raises(Built) as built:
+            build()
+        assert built.value.args == ("cuda", torch.bfloat16), name

@@ -88,9 +88,32 @@ def kernel_missing() -> str | None:
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def kernel_dtype(device) -> torch.dtype:
+    """The dtype the lesson runs the kernel in on ``device``: bfloat16 on CUDA (the compiled kernel takes fp16 /
+    bf16 only, as FlashAttention), float32 elsewhere (Triton's CPU interpreter)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+KERNEL_DTYPE = kernel_dtype(KERNEL_DEVICE)
+
+
+def kernel_qkv(seq_lens: Sequence[int], n_heads: int, d_head: int, *, seq_lens_k: Sequence[int] | None = None,
+               seed: int = 0, device=None) -> tuple:
+    """``random_qkv`` on ``device`` (default ``KERNEL_DEVICE``) in ``kernel_dtype(device)``: q, k, v ``[T, H, D]`` and
+    int32 cu_seqlens (five values with ``seq_lens_k``), the inputs of every kernel run of the lesson."""
+    device = KERNEL_DEVICE if device is None else device
+    return random_qkv(list(seq_lens), n_heads, d_head, seq_lens_k=None if seq_lens_k is None else list(seq_lens_k),
+                      seed=seed, device=device, dtype=kernel_dtype(device))
+
+
+def kernel_refs(q, k, v, cu_q, cu_k=None, *, causal=True) -> tuple:
+    """``attention_ref`` in q's dtype and in float64: the pair the course's tolerance rule takes."""
+    return tuple(attention_ref(q, k, v, cu_q, cu_k, causal=causal, upcast_dtype=t) for t in (q.dtype, torch.float64))
+
+
 def run_kernel(q, k, v, cu_q, cu_k=None, *, causal=True, block_m=64, block_n=64):
-    """``triton_varlen_attention`` under ``count_work`` on ``KERNEL_DEVICE`` (inputs moved there):
-    ``(out on q's device, WorkCounts)``."""
+    """``triton_varlen_attention`` under ``count_work`` on ``KERNEL_DEVICE`` (inputs moved there, dtype kept: build
+    them with ``kernel_qkv``): ``(out [T_q, H, D] in q's dtype on q's device, WorkCounts)``."""
     tv = kernel_module()
     if tv is None:
         raise RuntimeError(kernel_missing())
@@ -649,9 +672,10 @@ GQA_PREFILL = ([64], [64])              # one prefill of whole tiles
 
 
 def gqa_inputs(lens_q: Sequence[int], lens_k: Sequence[int], n_heads: int = GQA_HEADS, n_kv_heads: int = GQA_KV_HEADS,
-               d_head: int = 16, seed: int = 0):
-    """q ``[T_q, n_heads, d_head]``, k, v ``[T_k, n_kv_heads, d_head]`` (float32, CPU, ``random_qkv``), cu_q, cu_k."""
-    q, k, v, cu_q, cu_k = random_qkv(list(lens_q), n_heads, d_head, seq_lens_k=list(lens_k), seed=seed)
+               d_head: int = 16, seed: int = 0, device=None):
+    """q ``[T_q, n_heads, d_head]``, k, v ``[T_k, n_kv_heads, d_head]`` (``kernel_qkv``: on ``device``, default
+    ``KERNEL_DEVICE``, in its ``kernel_dtype``), cu_q, cu_k."""
+    q, k, v, cu_q, cu_k = kernel_qkv(lens_q, n_heads, d_head, seq_lens_k=lens_k, seed=seed, device=device)
     return q, k[:, :n_kv_heads].contiguous(), v[:, :n_kv_heads].contiguous(), cu_q, cu_k
 
 
@@ -665,9 +689,9 @@ def run_gqa(lens_q: Sequence[int], lens_k: Sequence[int], pack_gqa: bool | None,
         raise RuntimeError(kernel_missing())
     q, k, v, cu_q, cu_k = gqa_inputs(lens_q, lens_k)
     with tv.count_launches() as grids, tv.count_work() as counts:
-        out = tv.triton_varlen_attention(*(x.to(KERNEL_DEVICE) for x in (q, k, v, cu_q, cu_k)), causal=causal,
-                                         block_m=block_m, block_n=block_n, pack_gqa=pack_gqa)
-    ref, ref64 = (attention_ref(q, k, v, cu_q, cu_k, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
+        out = tv.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, block_m=block_m, block_n=block_n,
+                                         pack_gqa=pack_gqa)
+    ref, ref64 = kernel_refs(q, k, v, cu_q, cu_k, causal=causal)
     packed = grids[0][1] == GQA_KV_HEADS     # the grid's head axis: K/V heads when packed, query heads if not
     predicted = tiling.predict_work(lens_q, lens_k, GQA_HEADS, n_kv_heads=GQA_KV_HEADS, pack_gqa=packed,
                                     block_m=block_m, block_n=block_n, causal=causal)
@@ -703,11 +727,11 @@ def parse_query_key_lengths(text: str, max_requests: int = 8, max_length: int = 
 
 @functools.lru_cache(maxsize=16)
 def _explorer_inputs(lens_q: tuple, lens_k: tuple, causal: bool):
-    """q, k, v, cu_seqlens_q, cu_seqlens_k for the typed lengths and the fp32 / fp64 references: they do not depend
-    on the tile sizes or the bug, so a slider move reuses them and only the kernel runs again."""
-    q, k, v, cu_q, cu_k = random_qkv(list(lens_q), EXPLORER_HEADS, EXPLORER_D, seq_lens_k=list(lens_k),
+    """q, k, v, cu_seqlens_q, cu_seqlens_k for the typed lengths (``kernel_qkv``) and ``kernel_refs``: they do not
+    depend on the tile sizes or the bug, so a slider move reuses them and only the kernel runs again."""
+    q, k, v, cu_q, cu_k = kernel_qkv(lens_q, EXPLORER_HEADS, EXPLORER_D, seq_lens_k=lens_k,
                                      seed=sum(lens_q) + 7 * (sum(lens_k) - sum(lens_q)))
-    ref, ref64 = (attention_ref(q, k, v, cu_q, cu_k, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
+    ref, ref64 = kernel_refs(q, k, v, cu_q, cu_k, causal=causal)
     return q, k, v, cu_q, cu_k, ref, ref64
 
 
@@ -922,9 +946,8 @@ def _chunk_kernel_tiles(lens_q, lens_k, block_m, block_n) -> int:
     tv = kernel_module()
     if tv is None:
         return tiling.predict_work(lens_q, lens_k, block_m=block_m, block_n=block_n, causal=True).tiles
-    q = random_qkv(lens_q, 1, 16, seed=0)[0]
-    _, k, v, cu_k = random_qkv(lens_k, 1, 16, seed=1)
-    cu_q = random_qkv(lens_q, 1, 16, seed=0)[3]
+    q, _, _, cu_q = kernel_qkv(lens_q, 1, 16, seed=0)
+    _, k, v, cu_k = kernel_qkv(lens_k, 1, 16, seed=1)
     return run_kernel(q, k, v, cu_q, cu_k, causal=True, block_m=block_m, block_n=block_n)[1].tiles
 
 
@@ -947,7 +970,7 @@ def rect_early_exits(lens, block_m) -> tuple[int, int]:
     predicted = tiling.predict_work(lens, n_heads=1, block_m=block_m, block_n=64, causal=True)
     if tv is None or predicted.programs > 24:
         return predicted.programs, predicted.early_exits
-    q, k, v, cu = random_qkv(lens, 1, 16, seed=1)
+    q, k, v, cu = kernel_qkv(lens, 1, 16, seed=1)
     counts = run_kernel(q, k, v, cu, block_m=block_m, block_n=64)[1]
     return counts.programs, counts.early_exits
 
