@@ -2,6 +2,8 @@
 
 - ``kernel_module`` / ``KERNEL_MISSING``: the engine's Triton kernel (``ops.triton_varlen``), or why it
   cannot run here (Triton publishes Linux wheels only); everything else in this module runs without it;
+- ``kernel_dtype`` / ``KERNEL_DTYPE`` / ``kernel_qkv`` / ``kernel_refs``: the one dtype rule of the lesson's kernel runs
+  (bfloat16 on CUDA, float32 on the CPU's interpreter), their inputs and the same-dtype and float64 references;
 - ``program_cells`` / ``program_table`` / ``launch_picture``: the launch grid, one program per
   (query tile, head, request), each program's key tiles coloured computed, partly thrown away,
   skipped above the diagonal, or the whole program returned at once (predicted by ``ops.tiling``;
