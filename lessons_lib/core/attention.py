@@ -221,7 +221,7 @@ _flash, _triton = _varlen_kernel("flash"), _varlen_kernel("triton")
 
 def _torch_varlen(q, k, v, meta, causal, scale):
     fn = kernel("torch_varlen")
-    kw = torch_varlen_kwargs(fn, causal, scale)
+    kw = dict(torch_varlen_kwargs(fn, causal, scale))  # a copy: the cached dict is shared by every call
     if k.shape[1] != q.shape[1] and "enable_gqa" in inspect.signature(fn).parameters:  # GQA: the kernel's flag
         kw["enable_gqa"] = True
     elif k.shape[1] != q.shape[1]:  # an early signature without GQA: K/V repeated per group
