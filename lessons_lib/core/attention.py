@@ -31,7 +31,6 @@ Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
 """
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -221,10 +220,9 @@ _flash, _triton = _varlen_kernel("flash"), _varlen_kernel("triton")
 
 def _torch_varlen(q, k, v, meta, causal, scale):
     fn = kernel("torch_varlen")
-    kw = dict(torch_varlen_kwargs(fn, causal, scale))  # a copy: the cached dict is shared by every call
-    if k.shape[1] != q.shape[1] and "enable_gqa" in inspect.signature(fn).parameters:  # GQA: the kernel's flag
-        kw["enable_gqa"] = True
-    elif k.shape[1] != q.shape[1]:  # an early signature without GQA: K/V repeated per group
+    gqa = k.shape[1] != q.shape[1]
+    kw = torch_varlen_kwargs(fn, causal, scale, gqa)
+    if gqa and "enable_gqa" not in kw:  # an early signature without GQA: K/V repeated per group
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     if "scale" not in kw:  # an early signature always scales by 1/sqrt(D): fold our scale into q
         q = q * (scale * math.sqrt(q.shape[-1]))

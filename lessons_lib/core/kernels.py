@@ -140,10 +140,12 @@ def kernel(name: str):
 
 
 @functools.cache
-def torch_varlen_kwargs(fn, causal: bool, scale: float) -> dict:
-    """Keyword arguments for PyTorch's ``varlen_attn``, built from its signature."""
+def torch_varlen_kwargs(fn, causal: bool, scale: float, gqa: bool = False) -> dict:
+    """Keyword arguments for PyTorch's ``varlen_attn``, built from its signature (cached: never mutate the result).
+    ``gqa``: K/V have fewer heads than Q, passed as ``enable_gqa`` where the signature has it."""
     params = inspect.signature(fn).parameters
     kw = {"scale": scale} if "scale" in params else {}
+    kw |= {"enable_gqa": True} if gqa and "enable_gqa" in params else {}
     if "is_causal" in params:
         return kw | {"is_causal": causal}
     if "window_size" in params:  # (-1, 0): every key up to the diagonal, bottom-right aligned
