@@ -115,9 +115,11 @@ def _loop(q, k, v, meta, causal, scale):
     return out
 
 
-def _dense(q, k, v, allowed, scale):
-    """``[..., H, L_q, D]`` queries against ``[..., H_kv, L_k, D]`` keys, EVERY score cell computed, the cells
-    ``allowed`` (bool, broadcastable to ``[..., H, L_q, L_k]``) does not allow thrown away; no key → zeros."""
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> Tensor:
+    """The masked and padded backends' attention: ``q [..., H, L_q, D]`` against ``k, v [..., H_kv, L_k, D]``
+    (same dtype and device; ``H_kv`` divides ``H``), EVERY score cell computed, the cells ``allowed`` (bool,
+    broadcastable to ``[..., H, L_q, L_k]``) does not allow thrown away; a row with no key allowed → zeros.
+    Returns ``[..., H, L_q, D]`` in q's dtype. Unchecked (the backends' inner call)."""
     g = q.shape[-3] // k.shape[-3]  # GQA packed: query heads j·G .. j·G + G-1 are the rows of one matmul on K/V head j
     scores = (q.unflatten(-3, (k.shape[-3], g)).flatten(-3, -2) @ k.transpose(-1, -2)) * scale  # [..., H_kv, G·L_q, L_k]
     if g > 1:  # seen as [..., H_kv, G, L_q, L_k]: the mask (its H dimension 1) for each query head of a group
@@ -128,7 +130,7 @@ def _dense(q, k, v, allowed, scale):
 
 def _masked(q, k, v, meta, causal, scale):
     mask = meta.cached(("mask", causal), lambda: block_diag_mask(meta.cu_q, causal, meta.cu_k, q.device))  # [T_q, T_k]
-    out = _dense(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale)  # [H, T_q, D]: cross-request too
+    out = dense_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale)  # [H, T_q, D]: cross-request too
     return out.transpose(0, 1).contiguous()
 
 
@@ -148,7 +150,7 @@ def _padded(q, k, v, meta, causal, scale):
 
     lens_q, lens_k, allowed = meta.cached(("padded", causal), build)
     qp, kp, vp = pad(q, meta.cu_q, lens_q), pad(k, meta.cu_k, lens_k), pad(v, meta.cu_k, lens_k)
-    outp = _dense(qp, kp, vp, allowed, scale).transpose(1, 2)  # [R, Lq, H, D]: pad rows and columns too
+    outp = dense_attention(qp, kp, vp, allowed, scale).transpose(1, 2)  # [R, Lq, H, D]: pad rows and columns too
     return torch.cat([outp[i, :n] for i, n in enumerate(lens_q)])
 
 
@@ -298,4 +300,5 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, *, causa
     check_padded_qkv(q, k, v, key_mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     allowed = key_mask[:, None, None, :] & (causal_mask(q.shape[1], q.shape[1], q.device) if causal else True)
-    return _dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed, scale).transpose(1, 2)  # [R, S, H, D]
+    out = dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed, scale)  # [R, H, S, D]
+    return out.transpose(1, 2)  # [R, S, H, D]

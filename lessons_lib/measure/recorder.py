@@ -104,8 +104,9 @@ def _matmul(op: Op) -> Matmul:
     return Matmul("linear", 1, m, k, n)
 
 
-def _attention_blocks(op: Op) -> list[tuple[int, int, int, int]]:
-    """``(heads x batch, L_q, L_k, d)`` of each score block a fused attention op computed."""
+def fused_attention_blocks(op: Op) -> list[tuple[int, int, int, int]]:
+    """``(heads x batch, L_q, L_k, d)`` of each score block the recorded fused attention ``op`` (one of
+    ``FUSED_ATTENTION_OPS``) computed: one block per request of a varlen call (read from its ``cu_seqlens``)."""
     layout, cu_args = FUSED_ATTENTION_OPS[op.name]
     q, k = op.args[0].shape, op.args[1].shape
     if layout == "bhld":
@@ -147,7 +148,7 @@ class OpRecorder(TorchDispatchMode):
             if op.name in MATMUL_OPS:
                 found.append(_matmul(op))
             elif op.name in FUSED_ATTENTION_OPS:
-                for b, lq, lk, d in _attention_blocks(op):
+                for b, lq, lk, d in fused_attention_blocks(op):
                     found += [Matmul("attention", b, lq, d, lk), Matmul("attention", b, lq, lk, d)]
         return found
 
@@ -159,7 +160,7 @@ class OpRecorder(TorchDispatchMode):
             if op.name in SOFTMAX_OPS:
                 found.append(op.args[0].shape)
             elif op.name in FUSED_ATTENTION_OPS:
-                found += [(b, lq, lk) for b, lq, lk, _ in _attention_blocks(op)]
+                found += [(b, lq, lk) for b, lq, lk, _ in fused_attention_blocks(op)]
         return found
 
     @property

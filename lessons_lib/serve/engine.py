@@ -329,7 +329,7 @@ class Engine:
                 chunks = self.scheduler.schedule_chunks()
                 taken.extend(c.request for c in chunks if c.start == 0)
                 t0 = time.perf_counter()
-                outputs.extend(self._execute(chunks, len(self.stats)))
+                outputs.extend(self.execute_model(chunks, len(self.stats)))
                 synchronize(self.device)
                 wall = time.perf_counter() - t0
                 lens = [c.length for c in chunks]
@@ -377,8 +377,10 @@ class Engine:
         self.submit_many(requests)
         return self.run()
 
-    def _execute(self, chunks: list[ScheduledChunk], index: int) -> list[RequestOutput]:
-        """One forward of ``chunks``; an output for each request whose last chunk ran."""
+    def execute_model(self, chunks: list[ScheduledChunk], index: int) -> list[RequestOutput]:
+        """vLLM's ``execute_model``: one forward of the scheduler's ``chunks`` (one ``ScheduledChunk`` per
+        sequence), forward number ``index`` of the run (``run`` calls it once per ``schedule_chunks``).
+        Returns a ``RequestOutput`` (on the engine's device) for each request whose last chunk ran."""
         reqs = [c.request for c in chunks]
         seqs = [torch.tensor(c.token_ids, dtype=torch.int64) for c in chunks]
         lens = [c.length for c in chunks]
