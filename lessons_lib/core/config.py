@@ -20,7 +20,7 @@ _BLOCK = {"ln_1.weight": lambda d, k, kv, f: (d,), "ln_1.bias": lambda d, k, kv,
           "mlp.fc_down.weight": lambda d, k, kv, f: (d, f), "mlp.fc_down.bias": lambda d, k, kv, f: (d,)}
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Sizes of the GPT-2-style model the course runs.
 
@@ -31,6 +31,11 @@ class ModelConfig:
     dtype ``init_weights`` creates; a built model's dtype is its weights' (``model.to(...)``).
     The TP size is not a size of the model: it is an argument of what runs it
     (``Transformer(group=...)``, ``TPRuntime(world_size=2)``, ``Engine(tp_size=2)``).
+
+    Frozen and hashable: a cache keys on the config itself (``functools.cache``); vary one with
+    ``dataclasses.replace(cfg, ...)``. ``n_kv_heads`` is resolved when the config is made, so
+    ``replace(cfg, n_heads=16)`` keeps the old config's resolved ``n_kv_heads`` (8 from the default):
+    pass ``n_kv_heads`` too (``None`` again means "as many as n_heads").
     """
 
     n_layers: int = 8
@@ -47,7 +52,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "d_head", "d_ffn", "vocab_size", "max_position"):
             check_int(f"ModelConfig.{name}", getattr(self, name), 1)
-        self.n_kv_heads = check_n_kv_heads("ModelConfig.n_kv_heads", self.n_kv_heads, self.n_heads)
+        object.__setattr__(self, "n_kv_heads", check_n_kv_heads("ModelConfig.n_kv_heads", self.n_kv_heads, self.n_heads))
         eps = self.layer_norm_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
             raise ValueError(f"ModelConfig.layer_norm_eps must be a float in (0, 1), got {eps!r}")
