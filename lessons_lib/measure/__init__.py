@@ -1,6 +1,9 @@
-"""Measuring: exact work counts, and timings on this machine.
+"""Measuring: exact work counts, machines, and timings on this machine.
 
-  flops         attention score cells, forward FLOPs, arithmetic intensity (exact: lessons assert them)
+  flops         attention score cells, forward FLOPs, bytes, arithmetic intensity, the block's linear shapes (exact)
+  machines      Machine: H200 and A100 (datasheets), the CPU the course was built on, this_cpu() (measured)
+  comm          the alpha-beta model of a ring all-reduce (AlphaBeta, its fit, ring_time_terms, crossover_tokens)
+  search        first_where: the smallest n where a monotone predicate turns true (every "first length where X crosses")
   recorder      the one op recorder: what a call ran (matmuls, score matrices, every tensor made)
   tolerance     the one rule for comparing two float computations (against float64)
   hf            Hugging Face GPT-2: the reference model the engine is checked and benchmarked against

@@ -1,0 +1,120 @@
+"""The machines the course prices its work on: one place for each published or measured number.
+
+A ``Machine`` is what a roofline needs (peak FLOP/s in one dtype, memory bandwidth; ``ridge`` =
+their ratio in FLOP/byte: below it a kernel waits for memory, above it for the arithmetic units),
+what an occupancy model needs (``n_sms``: programs running side by side), what a launch costs
+(``launch_s``) and what one link moves (``link_bytes_per_s``, one direction: the alpha-beta model's
+beta, ``measure.comm``).
+
+- ``H200``, ``A100``: NVIDIA's datasheets (SXM parts, dense bf16 tensor cores, without 2:4 sparsity).
+- ``REFERENCE_CPU``: the 2-core cloud CPU this course was built on, measured then (the figures drawn
+  without running anything use it).
+- ``this_cpu()``: this machine, measured once per process (``measure.profile``); varies run to run.
+
+Taught in notebooks/05_flop_regimes.ipynb.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..validate import check_int
+from .flops import roofline_seconds
+from .profile import matmul_throughput, time_call
+
+
+def _positive(name: str, value, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"Machine.{name} must be a positive finite number{' or None' if optional else ''}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """One machine's numbers (frozen, hashable).
+
+    ``peak_flops``: FLOP/s of dense matmuls in ``dtype``; ``bytes_per_s``: memory bandwidth (bytes read +
+    written per second); ``n_sms``: streaming multiprocessors (GPU) or cores (CPU); ``launch_s``: seconds
+    one kernel launch costs the host; ``link_bytes_per_s``: one link, one direction (NVLink: half the
+    both-ways figure of a datasheet). None where a number is not known.
+    """
+
+    name: str
+    peak_flops: float
+    bytes_per_s: float
+    n_sms: int | None = None
+    launch_s: float | None = None
+    link_bytes_per_s: float | None = None
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Machine.name must be a non-empty string, got {self.name!r}")
+        _positive("peak_flops", self.peak_flops, optional=False)
+        _positive("bytes_per_s", self.bytes_per_s, optional=False)
+        _positive("launch_s", self.launch_s)
+        _positive("link_bytes_per_s", self.link_bytes_per_s)
+        if self.n_sms is not None:
+            check_int("Machine.n_sms", self.n_sms, 1)
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"Machine.dtype must be a floating torch.dtype (the peak's), got {self.dtype!r}")
+
+    @property
+    def ridge(self) -> float:
+        """FLOP per byte at which the arithmetic takes as long as the bytes: ``peak_flops / bytes_per_s``."""
+        return self.peak_flops / self.bytes_per_s
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one number in ``dtype`` (2 for bfloat16, 4 for float32): what the peak was counted in."""
+        return self.dtype.itemsize
+
+    def roofline_seconds(self, flops: float, nbytes: float) -> float:
+        """The roofline's time of one kernel on this machine: ``max(flops / peak_flops, nbytes / bytes_per_s)``."""
+        return roofline_seconds(flops, nbytes, self.peak_flops, self.bytes_per_s)
+
+
+# NVIDIA H200 SXM: 989 TFLOP/s dense bf16 (1,979 with 2:4 sparsity), 4.8 TB/s HBM3e, 132 SMs, NVLink 4 at 900 GB/s
+# both ways (450 GB/s one way). NVIDIA A100 SXM 80 GB: 312 TFLOP/s dense bf16, 2,039 GB/s HBM2e, 108 SMs, NVLink 3 at
+# 600 GB/s both ways. A launch: a few microseconds, an order of magnitude assumed (no datasheet gives it).
+H200 = Machine("H200 (datasheet)", 989e12, 4.8e12, n_sms=132, launch_s=5e-6, link_bytes_per_s=450e9)
+A100 = Machine("A100 (datasheet)", 312e12, 2.039e12, n_sms=108, launch_s=5e-6, link_bytes_per_s=300e9)
+
+# The 2-core AMD EPYC (Zen 4, AVX-512) virtual machine this course was built on, torch 2.13, measured with other
+# jobs sharing it, the best of many runs kept: fp32 GEMM peak, the best of about 60 calls of
+# measure.profile.matmul_throughput(2048, 2048, 2048) and (4096, 512, 2048), 183 GFLOP/s (typical under load: 85;
+# 2 cores x 32 FLOP/cycle x ~2.9 GHz allow about 185); copy bandwidth, the best of about 80 copies of a 256 MiB fp32
+# tensor (y.copy_(x), read + write counted), 20.3 GB/s.
+REFERENCE_CPU = Machine("a 2-core cloud CPU (measured when this course was built)", 183e9, 20.3e9, n_sms=2,
+                        dtype=torch.float32)
+
+_GEMM = 1024              # this_cpu's peak: the fastest fp32 [1024, 1024] @ [1024, 1024]
+_COPY_ELEMENTS = 8 << 20  # this_cpu's bandwidth: the fastest copy of a 32 MiB fp32 tensor
+_LAUNCHES = 200           # this_cpu's launch cost: the mean of 200 one-element adds, fastest of the repeats
+
+
+@functools.cache
+def this_cpu(repeats: int = 5) -> Machine:
+    """This machine's CPU, measured once per process and ``repeats`` (``measure.profile``), in float32:
+    ``peak_flops`` the fastest ``[1024, 1024] @ [1024, 1024]`` (``matmul_throughput``), ``bytes_per_s`` the
+    fastest copy of a 32 MiB tensor (read + write counted), ``n_sms`` torch's threads, ``launch_s`` one
+    one-element op (the host's cost per op), no link. A shared machine slows every number: they are lower
+    bounds, shown and never asserted."""
+    n = check_int("repeats", repeats, 1, 100)
+    peak = matmul_throughput(_GEMM, _GEMM, _GEMM, repeats=n) * 1e9
+    x = torch.ones(_COPY_ELEMENTS)
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.numel() * x.element_size() / time_call(lambda: y.copy_(x), repeats=n)
+    one = torch.ones(1)
+
+    def launches():
+        for _ in range(_LAUNCHES):
+            torch.add(one, one)
+    launch = time_call(launches, repeats=n) / _LAUNCHES
+    threads = torch.get_num_threads()
+    return Machine(f"this CPU, {threads} threads (measured)", peak, bandwidth, n_sms=threads, launch_s=launch,
+                   dtype=torch.float32)
