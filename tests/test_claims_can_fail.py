@@ -1,9 +1,10 @@
-"""Claims that can fail: for every claim id, break the engine the way the claim guards against
-(tests/breakages.py) and show that the lesson's claim cell then fails.
+"""Claims that can fail: for every claim id, turn on the engine's named faults the claim guards against
+(tests/breakages.py maps claim ids to ``lessons_lib.faults`` names) and show that the lesson's claim cell
+then fails.
 
-Each run executes the lesson in a fresh kernel whose ``lessons_lib`` is broken on import
-(``helpers.install_in_children("breakages", LESSONS_BREAK=<id>)``: tests/hooks/sitecustomize.py
-imports tests/breakages.py at start-up in the kernel and in every TP worker it spawns), cell by
+Each run executes the lesson in a fresh kernel whose engine has the faults on from start-up
+(``LESSONS_FAULTS=<names>``: tests/hooks/sitecustomize.py turns them on in the kernel, and every TP
+worker it spawns turns them on at its own start-up), cell by
 cell, up to the first cell that proves the claim (``# claim <id>`` on its first line), and
 requires that cell to raise ``✗ <id> FAILED``. The whole lessons pass under nbval, so each claim
 is shown both ways: holding with the engine whole, failing with it broken.
@@ -42,7 +43,7 @@ def test_claim_cell_fails_with_the_engine_broken(claim_id, monkeypatch, tmp_path
     nb = nbformat.read(REPO / "notebooks" / f"{b.notebook}.ipynb", as_version=4)
     claim = claim_id.split(":")[0]  # a variant fails the same claim cell
     target = claim_cells(nb, claim)[0]
-    install_in_children(monkeypatch, "breakages", LESSONS_BREAK=claim_id)
+    install_in_children(monkeypatch, "breakages", LESSONS_FAULTS=",".join(b.faults))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(REPO / "notebooks")}})

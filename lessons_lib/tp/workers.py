@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .. import faults
 from ..core.groups import DistGroup
 from ..validate import check_int, check_seconds
 
@@ -108,9 +109,13 @@ def _loopback_ifname() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def _threads_per_worker(world_size: int) -> int:
+def threads_per_worker(world_size: int) -> int:
+    """Torch threads each of ``world_size`` CPU ranks gets: this process's cores shared out, at least 1."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // world_size)
+
+
+_threads_per_worker = threads_per_worker  # the old name, until lesson 00 and tp/demo.py import the public one
 
 
 class Channel:
@@ -157,6 +162,7 @@ def _bootstrap(rank, world_size, backend, device_type, init_method, pg_timeout_s
     """Child process main: join the process group, then run ``entry(group, channel, *args)``."""
     channel = Channel(rank, cmd_conn, res_conn)
     try:
+        faults.apply_from_env()  # the faults the parent had on when it spawned this rank (faults.injected)
         torch.set_num_threads(threads)  # 2 ranks on 2 cores: one thread each, no over-subscription
         lo = _loopback_ifname()
         if backend == "gloo" and lo and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -235,7 +241,7 @@ class WorkerPool:
         t0 = time.perf_counter()
         ctx = mp.get_context("spawn")
         init_method = "file://" + os.path.join(self.workdir, "rendezvous")
-        threads = _threads_per_worker(self.world_size) if self.device_type == "cpu" else 1
+        threads = threads_per_worker(self.world_size) if self.device_type == "cpu" else 1
         pg_timeout = max(self.timeout, 30.0) + 30.0  # the caller's deadline fires first
         for rank in range(self.world_size):
             cmd_r, cmd_w = ctx.Pipe(duplex=False)

@@ -1,0 +1,43 @@
+"""Faults of the flat batch (``core.batch``): pack, pad."""
+from __future__ import annotations
+
+import torch
+
+from . import fault, swap_function
+
+AREA = "batch"
+
+
+@fault("pad_mask_all_true", "pad returns a mask that is all True: pad rows are counted (and attended) as real", AREA)
+def _pad_mask_all_true():
+    from ..core import batch
+    real = batch.pad
+
+    def pad(requests, pad_value=0):
+        out, mask = real(requests, pad_value)
+        return out, torch.ones_like(mask)
+    return [swap_function(batch, "pad", pad)]
+
+
+@fault("positions_do_not_restart", "pack numbers positions 0..T-1 across the batch instead of restarting at 0 for "
+       "every request", AREA)
+def _positions_do_not_restart():
+    from ..core import batch
+    real = batch.pack
+
+    def pack(requests, device=None, **kw):
+        out = real(requests, device, **kw)
+        out.positions = torch.arange(out.num_tokens, device=out.positions.device)
+        return out
+    return [swap_function(batch, "pack", pack)]
+
+
+@fault("pack_refused", "pack raises: whoever needs a flat batch must build input_ids, positions and cu_seqlens "
+       "itself (an exercise's guard)", AREA)
+def _pack_refused():
+    from ..core import batch
+
+    def pack(*args, **kwargs):
+        raise RuntimeError("pack is switched off here (fault 'pack_refused'): build input_ids, positions and "
+                           "cu_seqlens yourself")
+    return [swap_function(batch, "pack", pack)]

@@ -1,0 +1,115 @@
+"""Faults of the Triton varlen kernel (``ops.triton_varlen``): the kernel rebuilt from its real source with ONE
+line changed (a ``@triton.jit`` function cannot be patched line by line). The launcher looks the kernel up at
+call time, so swapping the module's ``_varlen_fwd_kernel`` changes every launch, counters included.
+
+``LINE_CHANGES[fault name] = (the kernel's line, as code without its comment, what it becomes)``;
+``line_changed(old, new)`` does the same for a pair of your own (returns the undo); ``changed_source`` shows it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from . import fault, swap_attr
+
+AREA = "kernel"
+KERNEL_FILE = Path(__file__).resolve().parents[1] / "ops" / "triton_varlen.py"
+KERNEL_NAME = "_varlen_fwd_kernel"
+
+LINE_CHANGES: dict[str, tuple[str, str]] = {
+    "kernel_no_early_return": ("return", "pass"),
+    "kernel_causal_bound_one_tile_late": (
+        "hi = tl.minimum(len_k, tl.minimum((m_block + 1) * BLOCK_M, len_q) + len_k - len_q)",
+        "hi = tl.minimum(len_k, tl.minimum((m_block + 1) * BLOCK_M, len_q) + len_k - len_q + BLOCK_N)"),
+    "kernel_columns_past_end_kept": ("allowed = col_ok[None, :]", "allowed = cols[None, :] >= 0"),
+    "kernel_sum_not_rescaled": ("l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)"),
+    "kernel_every_key_tile_masked": ("lo = lo // BLOCK_N * BLOCK_N", "lo = 0"),
+    "kernel_diagonal_tile_unmasked": ("lo = lo // BLOCK_N * BLOCK_N", "lo = hi"),
+    "kernel_causal_diagonal_top_left": ("allowed = allowed & (cols[None, :] <= tok[:, None] + (len_k - len_q))",
+                                        "allowed = allowed & (cols[None, :] <= tok[:, None])"),
+}
+_WHAT = {
+    "kernel_no_early_return": "the kernel's early return removed: programs past their request's end walk its keys anyway",
+    "kernel_causal_bound_one_tile_late": "the causal loop bound one key tile too far: tiles wholly above the diagonal "
+                                         "are computed",
+    "kernel_columns_past_end_kept": "the tile's key columns past the request's end are no longer masked (they score 0, "
+                                    "not -inf)",
+    "kernel_sum_not_rescaled": "the running sum l is not rescaled when the running max grows",
+    "kernel_every_key_tile_masked": "the two-stage loop's unmasked stage emptied: every key tile takes the masked path "
+                                    "(right output, slower)",
+    "kernel_diagonal_tile_unmasked": "the two-stage loop's unmasked stage runs to the end: the diagonal tile is not "
+                                     "masked (keys above it seen)",
+    "kernel_causal_diagonal_top_left": "the kernel's causal mask aligned top-left (j <= i): a chunk after cached keys "
+                                       "loses their offset",
+}
+
+
+def kernel_module():
+    """``lessons_lib.ops.triton_varlen`` (Triton interpreted on a machine without a GPU); raises RuntimeError
+    saying why where it does not import."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's first import, as core.kernels does
+    try:
+        from ..ops import triton_varlen
+    except Exception as exc:  # ImportError without Triton, or Triton imported too early
+        raise RuntimeError(f"the Triton kernel does not run here ({type(exc).__name__}: {exc})") from None
+    return triton_varlen
+
+
+def kernel_source() -> str:
+    """The kernel's function as it is in its file, decorator included."""
+    lines = KERNEL_FILE.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(f"def {KERNEL_NAME}("))
+    while first > 0 and lines[first - 1].startswith("@"):
+        first -= 1
+    end = next((i for i in range(first + 2, len(lines)) if lines[i] and not lines[i][0].isspace()
+                and not lines[i].startswith(")")), len(lines))
+    return "\n".join(lines[first:end]).rstrip() + "\n"
+
+
+def changed_source(old: str, new: str) -> str:
+    """The kernel's source with the one line whose code (comment stripped) is ``old`` replaced by ``new``,
+    indentation kept and marked ``# CHANGED``; ValueError unless exactly one line matches."""
+    lines = kernel_source().splitlines()
+    hits = [i for i, line in enumerate(lines) if line.split("#", 1)[0].strip() == old.strip()]
+    if len(hits) != 1:
+        raise ValueError(f"the kernel has {len(hits)} lines whose code is {old!r}; name exactly one")
+    i = hits[0]
+    indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+    lines[i] = f"{indent}{new.strip()}  # CHANGED, was: {old.strip()}"
+    return "\n".join(lines) + "\n"
+
+
+@functools.cache
+def broken_kernel(old: str, new: str):
+    """The kernel rebuilt from ``changed_source(old, new)``: a new ``@triton.jit`` function, imported from a
+    file of its own (Triton reads a kernel's source from its file)."""
+    kernel_module()
+    text = "import triton\nimport triton.language as tl\n\n\n" + changed_source(old, new)
+    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+    path = Path(tempfile.mkdtemp(prefix="lessons_kernel_")) / f"kernel_{digest}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"lessons_kernel_{digest}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, KERNEL_NAME)
+
+
+def line_changed(old: str, new: str) -> Callable[[], None]:
+    """Make the engine launch the kernel with the line ``old`` replaced by ``new``; returns the undo."""
+    return swap_attr(kernel_module(), KERNEL_NAME, broken_kernel(old, new))
+
+
+def _register(name: str) -> None:
+    fault(name, _WHAT[name], AREA)(lambda: [line_changed(*LINE_CHANGES[name])])
+
+
+for _name in LINE_CHANGES:
+    _register(_name)

@@ -1,0 +1,112 @@
+"""Faults of the serving engine (``serve.scheduler``, ``serve.kv_cache``): scheduling and chunked prefill."""
+from __future__ import annotations
+
+import torch
+
+from . import fault, swap_attr, swap_function
+
+AREA = "serve"
+
+
+@fault("scheduler_splits_requests", "the unchunked scheduler fills each batch to the budget by splitting the request "
+       "that does not fit, and so accepts prompts longer than the budget (chunked prefill without a KV cache)", AREA)
+def _scheduler_splits_requests():
+    from ..serve import scheduler
+
+    def check_fits(self, req):  # a prompt of any length "fits": it will be cut into pieces
+        return None
+
+    def schedule(self):
+        batch, tokens = [], 0
+        while self.waiting and len(batch) < self.max_num_seqs and tokens < self.max_num_batched_tokens:
+            req, room = self.waiting[0], self.max_num_batched_tokens - tokens
+            if len(req) > room:  # the part that fits now, the rest at the head of the queue
+                ids = req.prompt_token_ids
+                self.waiting[0] = scheduler.Request(req.request_id, ids[room:], req.return_hidden)
+                req = scheduler.Request(req.request_id, ids[:room], req.return_hidden)
+            else:
+                self.waiting.popleft()
+            batch.append(req)
+            tokens += len(req)
+        return batch
+    return [swap_attr(scheduler.Scheduler, "check_fits", check_fits), swap_attr(scheduler.Scheduler, "schedule", schedule)]
+
+
+@fault("chunk_positions_restart_at_zero", "positions restart at 0 in every chunk where the model looks up its "
+       "position embeddings (a chunk's own offset, num_computed_tokens, forgotten)", AREA)
+def _chunk_positions_restart():
+    from ..core import model
+
+    def embed(self, batch):
+        if batch.input_ids is None:
+            return batch.hidden
+        cu = batch.cu_seqlens.tolist()
+        restart = torch.cat([torch.arange(e - s) for s, e in zip(cu[:-1], cu[1:])]).to(batch.positions.device)
+        return self.wte[batch.input_ids] + self.wpe[restart]
+    return [swap_attr(model.Transformer, "embed", embed)]
+
+
+@fault("chunk_takes_whole_budget", "the chunked scheduler gives the head request a whole budget, not the room left "
+       "in the forward", AREA)
+def _chunk_takes_whole_budget():
+    from ..serve import scheduler
+    real = scheduler.Scheduler.schedule_chunks
+
+    def schedule_chunks(self):
+        if not self.enable_chunked_prefill:
+            return real(self)
+        chunks, tokens = [], 0
+        while self.waiting and len(chunks) < self.max_num_seqs and tokens < self.max_num_batched_tokens:
+            req = self.waiting[0]
+            n = min(len(req) - req.num_computed_tokens, self.max_num_batched_tokens)  # the bug: no "- tokens"
+            chunks.append(scheduler.ScheduledChunk(req, req.num_computed_tokens, n))
+            req.num_computed_tokens += n
+            tokens += n
+            if req.num_computed_tokens < len(req):
+                break
+            self.waiting.popleft()
+        return chunks
+    return [swap_attr(scheduler.Scheduler, "schedule_chunks", schedule_chunks)]
+
+
+@fault("chunk_ignores_cached_keys", "the KV cache is never put in front of a chunk: the chunk's keys are cached, but "
+       "each chunk attends to its own keys only (cu_seqlens_k is cu_seqlens_q)", AREA)
+def _chunk_ignores_cached_keys():
+    from ..core import attention, model
+    from ..serve import kv_cache
+    real_kv, real_build = kv_cache.KVCacheStep.keys_values, attention.VarlenMetadata.build
+
+    def keys_values(self, layer, k, v):
+        real_kv(self, layer, k, v)  # the chunk's keys still go into the cache
+        return k, v                 # ... but attention never reads the cached ones
+
+    class Meta(attention.VarlenMetadata):
+        @classmethod
+        def build(cls, cu_q, cu_k=None, device="cpu", max_seqlen_q=None, max_seqlen_k=None):
+            return real_build(cu_q, None, device, max_seqlen_q, max_seqlen_q)
+    return [swap_attr(kv_cache.KVCacheStep, "keys_values", keys_values), swap_attr(model, "VarlenMetadata", Meta)]
+
+
+@fault("chunked_request_to_the_back", "a chunked request goes to the back of the queue (round robin) instead of "
+       "staying at its head", AREA)
+def _chunked_to_the_back():
+    from ..serve import scheduler
+    real = scheduler.Scheduler.schedule_chunks
+
+    def schedule_chunks(self):
+        chunks = real(self)
+        if chunks and self.waiting and self.waiting[0] is chunks[-1].request and not chunks[-1].is_last:
+            self.waiting.rotate(-1)
+        return chunks
+    return [swap_attr(scheduler.Scheduler, "schedule_chunks", schedule_chunks)]
+
+
+@fault("scheduler_refused", "the scheduler and plan_batches raise: whoever needs a plan must work it out (an "
+       "exercise's guard)", AREA)
+def _scheduler_refused():
+    from ..serve import scheduler
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("the scheduler is switched off here (fault 'scheduler_refused'): work the plan out yourself")
+    return [swap_function(scheduler, "plan_batches", refuse), swap_attr(scheduler.Scheduler, "schedule_chunks", refuse),
+            swap_attr(scheduler.Scheduler, "schedule", refuse)]
