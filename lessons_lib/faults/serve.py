@@ -46,8 +46,8 @@ def _chunk_positions_restart():
     return [swap_attr(model.Transformer, "embed", embed)]
 
 
-@fault("chunk_takes_whole_budget", "the chunked scheduler gives the head request a whole budget, not the room left "
-       "in the forward", AREA)
+@fault("chunk_takes_whole_budget", "the chunked scheduler cuts a request to a whole budget (or the chunk cap), not "
+       "to the room left in the forward: a forward holds more tokens than max_num_batched_tokens", AREA)
 def _chunk_takes_whole_budget():
     from ..serve import scheduler
     real = scheduler.Scheduler.schedule_chunks
@@ -55,16 +55,18 @@ def _chunk_takes_whole_budget():
     def schedule_chunks(self):
         if not self.enable_chunked_prefill:
             return real(self)
-        chunks, tokens = [], 0
-        while self.waiting and len(chunks) < self.max_num_seqs and tokens < self.max_num_batched_tokens:
-            req = self.waiting[0]
-            n = min(len(req) - req.num_computed_tokens, self.max_num_batched_tokens)  # the bug: no "- tokens"
-            chunks.append(scheduler.ScheduledChunk(req, req.num_computed_tokens, n))
-            req.num_computed_tokens += n
-            tokens += n
-            if req.num_computed_tokens < len(req):
+        cap = getattr(self, "long_prefill_token_threshold", None) or self.max_num_batched_tokens
+        chunks, room = [], self.max_num_batched_tokens
+        for req in self.waiting:
+            if room <= 0 or len(chunks) == self.max_num_seqs:
                 break
+            n = min(len(req) - req.num_computed_tokens, cap)  # the bug: no "room" in the min
+            chunks.append(scheduler.ScheduledChunk(req, req.num_computed_tokens, n))
+            room -= n
+        for c in chunks:
             self.waiting.popleft()
+            c.request.num_computed_tokens += c.length
+        self.waiting.extendleft(reversed([c.request for c in chunks if not c.is_last]))
         return chunks
     return [swap_attr(scheduler.Scheduler, "schedule_chunks", schedule_chunks)]
 
@@ -87,16 +89,19 @@ def _chunk_ignores_cached_keys():
     return [swap_attr(kv_cache.KVCacheStep, "keys_values", keys_values), swap_attr(model, "VarlenMetadata", Meta)]
 
 
-@fault("chunked_request_to_the_back", "a chunked request goes to the back of the queue (round robin) instead of "
-       "staying at its head", AREA)
+@fault("chunked_request_to_the_back", "a request part-way through its prompt goes to the back of the queue (round "
+       "robin) instead of keeping its place at the head", AREA)
 def _chunked_to_the_back():
     from ..serve import scheduler
     real = scheduler.Scheduler.schedule_chunks
 
     def schedule_chunks(self):
         chunks = real(self)
-        if chunks and self.waiting and self.waiting[0] is chunks[-1].request and not chunks[-1].is_last:
-            self.waiting.rotate(-1)
+        unfinished = [c.request for c in chunks if not c.is_last]
+        if unfinished:
+            rest = [r for r in self.waiting if all(r is not u for u in unfinished)]
+            self.waiting.clear()
+            self.waiting.extend(rest + unfinished)
         return chunks
     return [swap_attr(scheduler.Scheduler, "schedule_chunks", schedule_chunks)]
 
