@@ -1,6 +1,7 @@
 """flops.py against independent counts: brute-force masks, the score tensors the backends
 really build, and torch.utils.flop_counter.FlopCounterMode (claims C8, C9, C10, C13, C14, C15)."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from lessons_lib.core.attention import block_diag_mask, varlen_attention
 from lessons_lib.core.batch import pack, pad, seq_lens_to_cu_seqlens
 from lessons_lib.core.config import ModelConfig
+from lessons_lib.core.groups import LocalGroup
 from lessons_lib.core.model import Transformer
 from lessons_lib.measure.flops import (
+    LINEAR_LAYERS,
     attention_cells,
     decode_attention_intensity,
     executed_tokens,
@@ -176,14 +179,35 @@ def test_c15_decode_attention_intensity_is_about_1_flop_per_byte(kv_len):
 def test_gqa_default_is_the_course_model_and_kv_heads_shrink_only_k_and_v():
     cfg = ModelConfig()
     assert linear_flops_per_token(cfg, n_kv_heads=8) == linear_flops_per_token(cfg) == 8 * 2 * 3_145_728
-    assert linear_shapes(cfg, 2) == ((512, 512 + 2 * 128), (512, 512), (512, 2048), (2048, 512))
+    assert linear_shapes(replace(cfg, n_kv_heads=2)) == ((512, 512 + 2 * 128), (512, 512), (512, 2048), (2048, 512))
     one, grouped = forward_flops(cfg, [100] * 10), forward_flops(cfg, [100] * 10, n_kv_heads=1)
     assert grouped.attention == one.attention                       # every query head keeps its own scores
     assert one.linear - grouped.linear == 8 * 1000 * 2 * 512 * 2 * (512 - 64)
     assert kv_cache_bytes(cfg, [10, 30]) == 8 * 40 * 2 * 512 * 2 and kv_cache_bytes(cfg, [10, 30], 2) == 8 * 40 * 2 * 128 * 2
-    for bad, what in ((3, "divide"), (0, "1..n_heads"), (16, "1..n_heads"), (2.0, "whole number")):
+    for bad, what in ((3, r"n_kv_heads=3 must divide n_heads=8 \(each K/V head serves a whole group"),
+                      (0, "n_kv_heads must be a positive int, got 0"), (16, "n_kv_heads=16 must divide n_heads=8"),
+                      (2.0, "n_kv_heads must be a positive int, got 2.0")):
         with pytest.raises(ValueError, match=what):
             forward_flops(cfg, [4], n_kv_heads=bad)
+
+
+@pytest.mark.parametrize("n_kv_heads, tp", [(None, 1), (None, 2), (None, 4), (2, 2), (2, 4), (1, 4), (4, 2)])
+def test_linear_shapes_are_one_ranks_weights_in_the_engine(n_kv_heads, tp):
+    """Read off the engine's own shard (rank 0 of ``tp``, a stand-in group): ``[out, in]`` weights -> ``(in, out)``,
+    K/V heads replicated when the ranks outnumber them."""
+    cfg = ModelConfig(n_layers=1, d_model=64, n_heads=4, n_kv_heads=n_kv_heads, d_head=16, d_ffn=128, vocab_size=10,
+                      max_position=8)
+    block = Transformer(cfg, seed=0, group=LocalGroup(0, tp)).layers[0]
+    layers = (block.attn.qkv, block.attn.out_proj, block.mlp.fc_up, block.mlp.fc_down)
+    assert linear_shapes(cfg, tp) == tuple(tuple(layer.weight.shape[::-1]) for layer in layers)
+    assert len(LINEAR_LAYERS) == len(layers)
+
+
+@pytest.mark.parametrize("tp, match", [(3, "tp_size=3 must divide n_heads=8 and d_ffn=2048"), (0, "tp_size must be a positive int"),
+                                       (16, "tp_size=16 must divide n_heads=8")])
+def test_linear_shapes_refuse_a_tp_size_that_does_not_split_the_model(tp, match):
+    with pytest.raises(ValueError, match=match):
+        linear_shapes(ModelConfig(), tp)
 
 
 def test_forward_bytes_counts_weights_once_and_rows_per_token():

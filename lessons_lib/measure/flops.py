@@ -1,4 +1,5 @@
-"""Exact work accounting: attention score cells, forward FLOPs, arithmetic intensity.
+"""Exact work accounting: attention score cells, forward FLOPs and bytes, arithmetic intensity, and
+the block's linear layers' shapes on one rank (``linear_shapes``: one function for every lesson).
 
 Conventions (stated once, used everywhere):
 - A "cell" is one entry of one head's ``Q K^T`` score matrix in one layer. Counts are per
@@ -25,11 +26,12 @@ Taught in notebooks/03_masked_vs_varlen_attention.ipynb and notebooks/05_flop_re
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.config import ModelConfig
-from ..validate import check_choice, check_lengths
+from ..validate import check_choice, check_int, check_lengths, check_n_kv_heads, check_tp_divides
 
 METHODS = ("padded", "masked", "varlen")
 
@@ -78,18 +80,34 @@ def kv_heads(cfg: ModelConfig, n_kv_heads: int | None = None) -> int:
     return n_kv_heads
 
 
-def linear_shapes(cfg: ModelConfig, n_kv_heads: int | None = None) -> tuple[tuple[int, int], ...]:
-    """``(d_in, d_out)`` of one block's four linear layers: QKV (Q: k = n_heads·d_head wide, K and V:
-    n_kv_heads·d_head each), out proj, FFN-up, FFN-down."""
-    d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
-    kv = kv_heads(cfg, n_kv_heads) * cfg.d_head
-    return ((d, k + 2 * kv), (k, d), (d, f), (f, d))
+def _with_kv_heads(cfg: ModelConfig, n_kv_heads: int | None) -> ModelConfig:
+    """``cfg`` with ``n_kv_heads`` K/V heads (a positive int dividing ``cfg.n_heads``), or ``cfg`` itself when None."""
+    if n_kv_heads is None:
+        return cfg
+    return dataclasses.replace(cfg, n_kv_heads=check_n_kv_heads("n_kv_heads", n_kv_heads, cfg.n_heads))
+
+
+LINEAR_LAYERS = ("QKV", "out proj", "FFN-up", "FFN-down")  # linear_shapes' order (the block's qkv, out_proj, fc_up, fc_down)
+
+
+def linear_shapes(cfg: ModelConfig, tp_size: int = 1) -> tuple[tuple[int, int], ...]:
+    """``(d_in, d_out)`` of one block's four linear layers on ONE rank under TP=``tp_size``, in ``LINEAR_LAYERS``'
+    order: QKV ``(d_model, (H + 2·H_kv)·d_head / tp)``, out proj ``(H·d_head / tp, d_model)``, FFN-up
+    ``(d_model, d_ffn / tp)``, FFN-down ``(d_ffn / tp, d_model)``: the engine's cut (QKV and FFN-up split their
+    outputs, out proj and FFN-down their inputs). With more ranks than K/V heads each rank holds one K/V head
+    (vLLM's replication), so QKV is wider than ``1 / tp`` of the whole. ``tp_size`` must split ``cfg``'s heads,
+    K/V heads and FFN (``validate.check_tp_divides``)."""
+    tp = check_int("tp_size", tp_size, 1)
+    check_tp_divides(cfg, "tp_size", tp)
+    d, f, q = cfg.d_model, cfg.d_ffn, cfg.qkv_dim // tp
+    kv = max(cfg.n_kv_heads // tp, 1) * cfg.d_head
+    return ((d, q + 2 * kv), (q, d), (d, f // tp), (f // tp, d))
 
 
 def linear_flops_per_token(cfg: ModelConfig, n_kv_heads: int | None = None) -> int:
     """FLOPs of the four matmuls of all layers for ONE token (whole model, all ranks): 2 per weight,
     ``2 · (d·3k + k·d + d·f + f·d)`` per layer without grouped-query attention."""
-    return cfg.n_layers * 2 * sum(a * b for a, b in linear_shapes(cfg, n_kv_heads))
+    return cfg.n_layers * 2 * sum(a * b for a, b in linear_shapes(_with_kv_heads(cfg, n_kv_heads)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +198,10 @@ def forward_bytes(cfg: ModelConfig, seq_lens: Sequence[int], n_kv_heads: int | N
     """
     t = sum(check_lengths(seq_lens))
     nb = _bytes_per_element(bytes_per_element)
-    shapes = linear_shapes(cfg, n_kv_heads)
+    cfg = _with_kv_heads(cfg, n_kv_heads)
+    shapes = linear_shapes(cfg)
     linear = sum(a * b for a, b in shapes) + t * sum(a + b for a, b in shapes)
-    attention = t * (2 * cfg.qkv_dim + 2 * kv_heads(cfg, n_kv_heads) * cfg.d_head)
+    attention = t * (2 * cfg.qkv_dim + 2 * cfg.kv_dim)
     return ForwardBytes(cfg.n_layers * nb * linear, cfg.n_layers * nb * attention)
 
 
@@ -191,7 +210,7 @@ def kv_cache_bytes(cfg: ModelConfig, seq_lens: Sequence[int], n_kv_heads: int | 
     """Bytes of the K and V a forward leaves for decode: every token, every layer, K and V,
     ``n_kv_heads · d_head`` numbers each."""
     t = sum(check_lengths(seq_lens))
-    return cfg.n_layers * 2 * t * kv_heads(cfg, n_kv_heads) * cfg.d_head * _bytes_per_element(bytes_per_element)
+    return cfg.n_layers * 2 * t * _with_kv_heads(cfg, n_kv_heads).kv_dim * _bytes_per_element(bytes_per_element)
 
 
 def roofline_seconds(flops: float, nbytes: float, peak_flops: float, bytes_per_s: float) -> float:
