@@ -12,6 +12,7 @@ from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.model import Transformer
 from lessons_lib.course import l01_flat_batch as L
 from lessons_lib.course.grading import score
+from lessons_lib.measure.tolerance import float64_twin
 
 # ---- figures --------------------------------------------------------------------------------------
 
@@ -175,32 +176,37 @@ def test_flat_batch_explorer_follows_the_inputs_and_reports_bad_input():
 
 
 def test_flat_run_figure_draws_the_pad_spans_on_the_chosen_side():
+    def spans(ax, prefix):
+        return {p.get_gid(): (p.get_x(), p.get_y(), p.get_width()) for p in ax.patches
+                if (p.get_gid() or "").startswith(prefix)}
     left = L.flat_run_figure(L.flat_run_state([3, 17, 5], side="left"))
     top = left.axes[0]
-    pads = {p.get_gid(): (p.get_x(), p.get_width()) for p in top.patches if p.get_gid().startswith("pad")}
-    assert pads == {"pad-0": (0, 14), "pad-2": (0, 12)}
+    assert {g: (x, w) for g, (x, y, w) in spans(top, "pad").items()} == {"pad-0": (0, 14), "pad-2": (0, 12)}
+    assert {g: x for g, (x, y, w) in spans(top, "real").items()} == {"real-0": 14, "real-1": 0, "real-2": 12}
     right = L.flat_run_figure(L.flat_run_state([3, 17, 5]))
-    assert {p.get_gid(): p.get_x() for p in right.axes[0].patches} == {"pad-0": 3, "pad-2": 5}
+    assert {g: x for g, (x, y, w) in spans(right.axes[0], "pad").items()} == {"pad-0": 3, "pad-2": 5}
     assert "51 rows computed (recorded), 26 of them pad" in top.get_title()
-    # the requests that differ from themselves alone are outlined and labelled; nothing on the right or the flat strip
-    outlined = {p.get_gid(): (p.get_x(), p.get_y()) for p in top.patches if p.get_gid().startswith("differs")}
-    assert set(outlined) == {"differs-padded-0", "differs-padded-2"} and outlined["differs-padded-2"][1] > 2
+    # the requests that differ from themselves alone are outlined on their own row; nothing on the right or the flat strip
+    outlined, rows = spans(top, "differs"), spans(top, "real")
+    assert set(outlined) == {"differs-padded-0", "differs-padded-2"}
+    assert all(abs(outlined[f"differs-padded-{i}"][1] - rows[f"real-{i}"][1]) < 0.5 for i in (0, 2))
     assert [t.get_text() for t in top.get_yticklabels()] == ["A (3) ≠ alone", "B (17)", "C (5) ≠ alone"]
     assert "outlined, 2 of 3: output differs from the request run alone" in top.get_title()
-    assert not [p for ax in right.axes + [left.axes[1]] for p in ax.patches if p.get_gid().startswith("differs")]
+    assert not [g for ax in right.axes + [left.axes[1]] for g in spans(ax, "differs")]
     assert "every request's output = the request run alone" in left.axes[1].get_title()
     broken = dict(L.flat_run_state([3, 17, 5]), differs={"padded": [], "flat": [1]})  # what a broken engine would show
-    flat_marks = [p for p in L.flat_run_figure(broken).axes[1].patches if p.get_gid() == "differs-flat-1"]
-    assert len(flat_marks) == 1 and (flat_marks[0].get_x(), flat_marks[0].get_width()) == (3, 17)
+    assert [(x, w) for x, y, w in spans(L.flat_run_figure(broken).axes[1], "differs-flat-1").values()] == [(3, 17)]
     many = L.flat_run_figure(L.flat_run_state([5] * 32, pad_to=128, side="left"))
     assert "(16 of 32 drawn)" in many.axes[0].get_title() and len(many.axes[0].get_yticklabels()) == 16
     assert list(right.axes[1].get_xticks()) == [0, 3, 20, 25]
+    tight = L.flat_run_figure(L.flat_run_state([5, 500])).axes[1]  # 0 and 5 would overlap: 5 is left unlabelled
+    assert [t.get_text() for t in tight.get_xticklabels()] == ["0", "", "505"]
 
 
 def test_float64_twin_holds_the_same_weights():
     model = Transformer(ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=16, d_ffn=64, vocab_size=50,
                                     max_position=16), seed=0)
-    twin = L.float64_twin(model)
+    twin = float64_twin(model)
     assert twin.dtype == torch.float64
     assert torch.equal(twin.wte, model.wte.double()) and torch.equal(twin.layers[0].mlp.fc_up.weight,
                                                                      model.layers[0].mlp.fc_up.weight.double())
@@ -245,6 +251,9 @@ def test_c3_sampled_rows_a_server_trusting_a_moved_boundary_reads_both_neighbour
         assert got["wrong"] == {k - 1, k}, (lens, bug, k)
         for i in set(range(len(lens))) - {k - 1, k}:
             assert got["diff"][i] <= got["bound"][i]
+        # what they sample is the last row of the request the moved boundary made, run alone
+        for i, (d, b) in enumerate(zip(got["moved_diff"], got["moved_bound"])):
+            assert (d is None) == (cu[i + 1] == cu[i]) and (d is None or d <= b), (lens, bug, k, i)
     emptied = L.sampled_rows(model, L.request_ids([1, 8, 3]), "early", 1)
     assert emptied["rows"][0] is None and emptied["diff"][0] is None
     # the rows of request k-1 at its TRUE boundaries are right when late (01.1), its sampled row is not
@@ -345,11 +354,6 @@ def test_c3_unpad_ids_checker(capsys):
     # Taking the first L columns is right on the two right-padded batches only (the mixed one has a left row)
     assert score(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, first_l=True), points=6) == 2
     assert "LEFT" in capsys.readouterr().out
-
-
-def test_lens_cases_stay_for_lesson_03():
-    assert L.LENS_CASES[0] == [10, 30] and all(min(c) >= 1 for c in L.LENS_CASES)
-    assert pack([torch.arange(n) for n in L.LENS_CASES[3]]).cu_seqlens.tolist() == [0, 7, 8, 20, 23]
 
 
 def test_c3_figures_say_what_their_ticks_mark():

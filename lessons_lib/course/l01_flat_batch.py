@@ -1,23 +1,21 @@
 """What lesson 01 (padding vs one flat batch) draws, explores and checks.
 
-Figures: ``01_padded_vs_flat`` (the padded grid above the flat strip, and what padding costs in
-attention score cells), ``01_token_strip`` (the flat batch's positions, restarting at every
-``cu_seqlens`` boundary) and ``01_waste_crossover`` (what padding one request wastes per layer, pad
-rows against attention, as the padded length grows: attention wins once S + L > 6 d). The explorer
-``flat_batch_explorer`` wraps ``flat_run_state``: it packs and pads the learner's requests, runs the
-real model both ways under ``OpRecorder`` and compares every request with the request run alone (the
-figure outlines those that differ). Exercise checkers:
-``check_wrong_requests`` (a packer with a boundary off by one: which requests go wrong),
-``check_grouping`` (group requests to pad least), ``check_unpad_ids`` (a padded batch, left or right,
-turned into a flat batch the engine runs).
+Claims helpers: ``flat_batch_state``, ``padding_waste``, ``waste_crossover``, ``crossover_lengths``.
+Figures: ``01_padded_vs_flat``, ``01_token_strip``, ``01_waste_crossover``. Explorer:
+``flat_batch_explorer`` over ``flat_run_state`` (the learner's requests run flat and padded under
+``OpRecorder``, each compared with itself alone). Exercises: ``check_wrong_requests`` (01.1),
+``check_grouping`` (01.2), ``check_unpad_ids`` (01.3).
 
 Taught in notebooks/01_flat_batch.ipynb.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import html
 import math
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,6 +27,7 @@ from ..core.config import ModelConfig
 from ..core.model import Transformer
 from ..measure.flops import attention_cells, executed_tokens, flops_of, forward_flops, linear_flops_per_token
 from ..measure.recorder import OpRecorder
+from ..measure.search import first_where
 from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
 from ..style import ATTENTION, LINEAR, MIN_FONT, TEXT, WASTE, cu_ticks, draw_strip, request_color, request_name
 from ..validate import check_lengths
@@ -39,49 +38,134 @@ from .grading import Tensor, grade
 _SHOWN = 16  # requests drawn one by one; beyond this the picture keeps its totals only
 
 
-def padded_vs_flat(seq_lens: Sequence[int]) -> Figure:
-    """Claims C2 and C3 side by side for any lengths.
-
-    Left, top: the padded ``[R, Lmax]`` grid, one orange Rectangle per request (gid
-    ``real-i``) and one hatched vermillion per pad span (gid ``pad-i``). Left, bottom: the flat
-    strip of ``Σ L`` rows (thin grey lines between tokens) with numbered ticks at
-    ``cu_seqlens``. Right: attention score cells per head per layer of each request once
-    padded: its own ``L_i²`` (blue, useful) and the ``Lmax² − L_i²`` padding adds
-    (vermillion), gids ``useful-i`` / ``wasted-i``.
-    """
+def _nonempty(seq_lens: Sequence[int]) -> list[int]:
     lens = check_lengths(seq_lens)
     if not lens:
         raise ValueError("seq_lens is empty: give at least one request length")
+    return lens
+
+
+def flat_batch_state(seq_lens: Sequence[int]) -> dict:
+    """The counts of claims C2, C3 for any lengths, predicted by ``measure.flops`` (no model run).
+
+    Keys: ``seq_lens``, ``cu_seqlens`` (list), ``max_seqlen``, ``padded_rows`` (R·Lmax),
+    ``flat_rows`` (Σ L), ``pad_rows``, ``row_ratio`` (padded / flat rows), ``attention``
+    ({"padded", "varlen"}: AttentionCells per head per layer, whole blocks).
+    """
+    lens = _nonempty(seq_lens)
+    padded, flat = executed_tokens(lens, "padded"), executed_tokens(lens, "varlen")
+    return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "max_seqlen": max(lens), "padded_rows": padded,
+            "flat_rows": flat, "pad_rows": padded - flat, "row_ratio": padded / flat,
+            "attention": {m: attention_cells(lens, m) for m in ("padded", "varlen")}}
+
+
+def padding_waste(cfg: ModelConfig, pad_to: int, n: int, causal: bool = False) -> dict[str, int]:
+    """What padding one request of ``n`` tokens to ``pad_to`` wastes in one forward of ``cfg``, in FLOPs:
+    {"linear", "attention"}, ``forward_flops([pad_to]) - forward_flops([n])`` (attention: whole blocks,
+    as the padded forward computes them; ``causal``: the lower triangles only)."""
+    big, small = forward_flops(cfg, [pad_to], causal=causal), forward_flops(cfg, [n], causal=causal)
+    return {"linear": big.linear - small.linear, "attention": big.attention - small.attention}
+
+
+def _attention_wastes_more(cfg: ModelConfig, pad_to: int, n: int, causal: bool = False) -> bool:
+    w = padding_waste(cfg, pad_to, n, causal)
+    return w["attention"] > w["linear"]
+
+
+def waste_crossover(cfg: ModelConfig, pad_to: int, causal: bool = False) -> int | None:
+    """The shortest request (1 <= n < pad_to) whose padding to ``pad_to`` wastes more FLOPs in attention
+    than in its pad rows (``padding_waste``), or None if none does."""
+    if pad_to < 2:
+        return None
+    return first_where(lambda n: _attention_wastes_more(cfg, pad_to, n, causal), 1, pad_to - 1)
+
+
+def crossover_lengths(cfg: ModelConfig) -> dict[str, int]:
+    """The request length past which one request's attention FLOPs exceed its linear FLOPs
+    (``measure.flops``): ``blocks``, counting whole ``S x S`` blocks as the padded forward and the
+    recorder do, and ``causal``, the shortest S whose causal ``forward_flops`` attention dominates."""
+    blocks = linear_flops_per_token(cfg) // flops_of(cfg, 0, 1).attention
+    causal = first_where(lambda s: forward_flops(cfg, [s], causal=True).dominant == "attention", 1, 64 * blocks)
+    return {"blocks": blocks, "causal": causal}
+
+
+def waste_vs_padded_length(cfg: ModelConfig, n: int, longest: int) -> dict:
+    """What padding one request of ``n`` tokens wastes per layer, for every padded length S = n+1 ..
+    ``longest`` (``padding_waste``): ``S``, ``linear`` and ``attention`` (lists, FLOPs per layer), and
+    ``from_S``: the shortest S at which attention wastes more than the pad rows (None if none does)."""
+    sizes = list(range(n + 1, longest + 1))
+    waste = [padding_waste(cfg, s, n) for s in sizes]
+    return {"S": sizes, "linear": [w["linear"] // cfg.n_layers for w in waste],
+            "attention": [w["attention"] // cfg.n_layers for w in waste],
+            "from_S": first_where(lambda s: _attention_wastes_more(cfg, s, n), n + 1, longest) if sizes else None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures
+
+def _padded_panel(ax, lens: list[int], s: int, side: str = "right", differs=()) -> None:
+    """The padded ``[R, s]`` grid, first request on top: per request a Rectangle for its real tokens
+    (gid ``real-i``), a hatched one for its pad span (``pad-i``, on ``side``), and a dark outline
+    (``differs-padded-i``) if it is in ``differs``."""
+    shown = min(len(lens), _SHOWN)
+    for i, n in enumerate(lens[:shown]):
+        y = shown - 1 - i
+        ax.add_patch(Rectangle((s - n if side == "left" else 0, y), n, 0.9, facecolor=request_color(i),
+                               edgecolor="white", linewidth=0.5, gid=f"real-{i}"))
+        if n < s:
+            ax.add_patch(Rectangle((0 if side == "left" else n, y), s - n, 0.9, facecolor=WASTE, edgecolor="white",
+                                   hatch="///", linewidth=0.5, gid=f"pad-{i}"))
+        if i in differs:
+            ax.add_patch(Rectangle((0.15, y + 0.04), s - 0.3, 0.82, facecolor="none", edgecolor=TEXT,
+                                   linewidth=2.5 if shown <= 8 else 1.5, gid=f"differs-padded-{i}"))
+    ax.set_xlim(0, s)
+    ax.set_ylim(0, shown)
+    ax.set_yticks([shown - 1 - i + 0.45 for i in range(shown)])
+    ax.set_yticklabels([f"{request_name(i)} ({n})" + (" ≠ alone" if i in differs else "")
+                        for i, n in enumerate(lens[:shown])], fontsize=MIN_FONT)
+    ax.tick_params(axis="x", labelsize=MIN_FONT)
+
+
+def _flat_panel(ax, lens: list[int], differs=()) -> None:
+    """The flat strip of ``Σ L`` rows coloured by request (grey lines between tokens up to 80 of them), ticks
+    at ``cu_seqlens`` (a label closer than 1/30 of the strip to the one before is left blank), and a dark
+    outline (``differs-flat-i``) round each request in ``differs``."""
+    cu = cumulative(lens)
+    draw_strip(ax, lens)
+    if cu[-1] <= 80:  # token separators that show on both shades of orange (white ones vanish on the light one)
+        ax.vlines(range(1, cu[-1]), 0, 1, colors=TEXT, linewidth=0.5, alpha=0.45)
+    for i in differs:
+        ax.add_patch(Rectangle((cu[i], 0.06), cu[i + 1] - cu[i], 0.88, facecolor="none", edgecolor=TEXT,
+                               linewidth=2.5, gid=f"differs-flat-{i}"))
+    ax.set_xlim(0, cu[-1])
+    ax.set_ylim(0, 1)
+    ax.set_yticks([])
+    cu_ticks(ax, cu)
+    labels, last = [], None
+    for c in ax.get_xticks():
+        keep = last is None or c == cu[-1] or (c - last >= cu[-1] / 30 and cu[-1] - c >= cu[-1] / 30)
+        labels.append(f"{c:g}" if keep else "")
+        last = c if keep else last
+    ax.set_xticklabels(labels, fontsize=MIN_FONT)
+
+
+def padded_vs_flat(seq_lens: Sequence[int]) -> Figure:
+    """Claims C2 and C3 side by side: left, the padded ``[R, Lmax]`` grid (``_padded_panel``) above the
+    flat strip (``_flat_panel``); right, each request's attention score cells per head per layer once
+    padded, its own ``L_i²`` (gid ``useful-i``) and the ``Lmax² − L_i²`` padding adds (``wasted-i``)."""
+    lens = _nonempty(seq_lens)
     r, lmax, total = len(lens), max(lens), sum(lens)
     shown = min(r, _SHOWN)
     fig = Figure(figsize=(10.5, 3.6 + 0.3 * shown))
     gs = fig.add_gridspec(2, 2, width_ratios=[2.3, 1], height_ratios=[max(1.2, 0.4 * shown), 1.0], hspace=1.0,
                           wspace=0.28)
     top, bottom, cells = fig.add_subplot(gs[0, 0]), fig.add_subplot(gs[1, 0]), fig.add_subplot(gs[:, 1])
-    for i, n in enumerate(lens[:shown]):
-        y = shown - 1 - i
-        top.add_patch(Rectangle((0, y), n, 0.9, facecolor=request_color(i), edgecolor="white", linewidth=0.5,
-                                gid=f"real-{i}"))
-        if n < lmax:
-            top.add_patch(Rectangle((n, y), lmax - n, 0.9, facecolor=WASTE, edgecolor="white", hatch="///",
-                                    linewidth=0.5, gid=f"pad-{i}"))
-    top.set_xlim(0, lmax)
-    top.set_ylim(0, shown)
-    top.set_yticks([shown - 1 - i + 0.45 for i in range(shown)])
-    top.set_yticklabels([f"{request_name(i)} ({n})" for i, n in enumerate(lens[:shown])], fontsize=MIN_FONT)
-    top.tick_params(axis="x", labelsize=MIN_FONT)
+    _padded_panel(top, lens, lmax)
     top.set_xlabel("row within the request (padded to Lmax)", fontsize=MIN_FONT)
     more = f" (first {shown} of {r} requests drawn)" if r > shown else ""
     top.set_title(f"padded [{r} x {lmax} x d]: {r * lmax} rows computed, {total} useful, {r * lmax - total} pad{more}",
                   fontsize=MIN_FONT + 1)
-    draw_strip(bottom, lens)
-    if total <= 80:  # token separators that show on both shades of orange (white ones vanish on the light one)
-        bottom.vlines(range(1, total), 0, 1, colors=TEXT, linewidth=0.5, alpha=0.45)
-    bottom.set_xlim(0, total)
-    bottom.set_ylim(0, 1)
-    bottom.set_yticks([])
-    cu_ticks(bottom, cumulative(lens))
-    bottom.tick_params(axis="x", labelsize=MIN_FONT)
+    _flat_panel(bottom, lens)
     bottom.set_xlabel("flat row: thin grey lines separate the tokens; the numbered ticks are cu_seqlens"
                       if total <= 80 else "flat row; the numbered ticks are cu_seqlens", fontsize=MIN_FONT)
     bottom.set_title(f"flat [{total} x d]: {total} rows, all useful, no batch dimension", fontsize=MIN_FONT + 1)
@@ -111,9 +195,7 @@ def flat_positions(seq_lens: Sequence[int]) -> Figure:
     """Claim C3: what travels with the flat rows. One bar per flat row, its height the token's
     position (0, 1, ... restarting for every request), coloured by request; dashed lines at
     ``cu_seqlens`` (gid ``cu-i``), and ``max_seqlen`` (the longest request) marked."""
-    lens = check_lengths(seq_lens)
-    if not lens:
-        raise ValueError("seq_lens is empty: give at least one request length")
+    lens = _nonempty(seq_lens)
     cu = cumulative(lens)
     fig = Figure(figsize=(10, 3.0))
     ax = fig.add_subplot()
@@ -141,21 +223,35 @@ def flat_positions(seq_lens: Sequence[int]) -> Figure:
     return fig
 
 
-def flat_batch_state(seq_lens: Sequence[int]) -> dict:
-    """The counts of claims C2, C3 for any lengths, predicted by ``measure.flops`` (no model run).
+def waste_crossover_figure(cfg: ModelConfig, lens: Sequence[int] = (10, 1100), longest: int = 4000) -> Figure:
+    """Per layer, what padding a request of L tokens to S wastes in its pad rows (linear layers) and in
+    attention (whole blocks), against S, one panel per L; a dashed line where attention starts to win
+    (``waste_vs_padded_length``: at S + L = 6 d + 1)."""
+    fig = Figure(figsize=(9, 3.4))
+    axes = fig.subplots(1, len(lens), sharey=True)
+    for ax, n in zip(axes, lens):
+        w = waste_vs_padded_length(cfg, n, longest)
+        ax.plot(w["S"], [x / 1e9 for x in w["linear"]], color=LINEAR, linewidth=2, label="pad rows through the linear layers")
+        ax.plot(w["S"], [x / 1e9 for x in w["attention"]], color=ATTENTION, linewidth=2, label="attention (whole blocks)")
+        if w["from_S"] is not None:
+            ax.axvline(w["from_S"], color=TEXT, linestyle="--", linewidth=1.2, gid=f"from-S-{n}")
+            right = w["from_S"] > longest * 0.6
+            label = f"S = {w['from_S']:,}\nS + L = {w['from_S'] + n:,}"
+            ax.text(w["from_S"] + (-0.01 if right else 0.01) * longest, ax.get_ylim()[1] * 0.92, label,
+                    ha="right" if right else "left", va="top", fontsize=MIN_FONT, color=TEXT)
+        ax.set_title(f"a request of L = {n:,} tokens padded to S", fontsize=MIN_FONT + 1)
+        ax.set_xlabel("padded length S (tokens)", fontsize=MIN_FONT)
+        ax.tick_params(labelsize=MIN_FONT)
+    axes[0].set_ylabel("wasted GFLOP per layer", fontsize=MIN_FONT)
+    axes[0].legend(fontsize=MIN_FONT, loc="center left", bbox_to_anchor=(0.0, 0.6), frameon=False)
+    fig.suptitle(f"d_model = {cfg.d_model}: attention's waste passes the pad rows' where S + L > 6 d = "
+                 f"{6 * cfg.d_model:,} (dashed)", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.16, top=0.8, wspace=0.08)
+    return fig
 
-    Keys: ``seq_lens``, ``cu_seqlens`` (list), ``max_seqlen``, ``padded_rows`` (R·Lmax),
-    ``flat_rows`` (Σ L), ``pad_rows``, ``row_ratio`` (padded / flat rows), ``attention``
-    ({"padded", "varlen"}: AttentionCells per head per layer, whole blocks).
-    """
-    lens = check_lengths(seq_lens)
-    if not lens:
-        raise ValueError("seq_lens is empty: give at least one request length")
-    padded, flat = executed_tokens(lens, "padded"), executed_tokens(lens, "varlen")
-    return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "max_seqlen": max(lens), "padded_rows": padded,
-            "flat_rows": flat, "pad_rows": padded - flat, "row_ratio": padded / flat,
-            "attention": {m: attention_cells(lens, m) for m in ("padded", "varlen")}}
 
+# ---------------------------------------------------------------------------------------------
+# Explorer
 
 # The explorer's model: the course's architecture at a tiny width, so that a forward of a few
 # hundred tokens takes milliseconds (the batching does not depend on the width).
@@ -185,8 +281,8 @@ def explorer_models() -> tuple[Transformer, Transformer]:
 
 
 def request_ids(seq_lens: Sequence[int], vocab_size: int = EXPLORER_CONFIG.vocab_size) -> list[Tensor]:
-    """One token-id tensor per request: request i of length L gets the same L ids every time
-    (seeded by i and L), so that the explorer's numbers are reproducible."""
+    """One int64 token-id tensor ``[L]`` per request, on the CPU: request i of length L gets the same L ids
+    every time (seeded by i and L)."""
     return [torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(1000 * i + n))
             for i, n in enumerate(check_lengths(seq_lens))]
 
@@ -225,111 +321,28 @@ def _linear_rows(rec: OpRecorder) -> int:
     return rows.pop()
 
 
-def _largest_scores(rec: OpRecorder) -> tuple:
-    """The shape of the largest score matrix attention computed (heads in the leading dims)."""
-    return max(rec.scores, key=math.prod)
+def _nbytes(*tensors: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def crossover_lengths(cfg: ModelConfig) -> dict[str, int]:
-    """The request length past which one request's attention FLOPs exceed its linear FLOPs
-    (``measure.flops``): ``blocks``, counting whole ``S x S`` blocks as the padded forward and the
-    recorder do (``6 d`` for this architecture), and ``causal``, the smallest S whose
-    ``forward_flops(..., causal=True)`` is dominated by attention (about ``12 d``: exact triangles, which a tiled
-    kernel approaches only for S much longer than its tile; a shorter request costs whole tiles)."""
-    blocks = linear_flops_per_token(cfg) // flops_of(cfg, 0, 1).attention
-    lo, hi = 1, 64 * blocks  # dominant is "linear" at lo and "attention" at hi: bisect
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if forward_flops(cfg, [mid], causal=True).dominant == "attention" else (mid, hi)
-    return {"blocks": blocks, "causal": hi}
-
-
-def padding_waste(cfg: ModelConfig, pad_to: int, n: int, causal: bool = False) -> dict[str, int]:
-    """What padding one request of ``n`` tokens to ``pad_to`` wastes in one forward of ``cfg``, in FLOPs:
-    {"linear", "attention"}, ``forward_flops([pad_to]) - forward_flops([n])`` (attention: whole blocks,
-    as the padded forward computes them; ``causal``: the lower triangles only)."""
-    big, small = forward_flops(cfg, [pad_to], causal=causal), forward_flops(cfg, [n], causal=causal)
-    return {"linear": big.linear - small.linear, "attention": big.attention - small.attention}
-
-
-def waste_crossover(cfg: ModelConfig, pad_to: int, causal: bool = False) -> int | None:
-    """The shortest request (1 <= n < pad_to) whose padding to ``pad_to`` wastes more FLOPs in attention
-    than in its pad rows through the linear layers (``padding_waste``), or None if no request does.
-    Attention wastes ``4 d (S^2 - n^2)``, the pad rows ``24 d^2 (S - n)``: attention wins when
-    ``S + n > 6 d`` (not when ``S > 6 d``), so the answer is ``max(1, 6 d - S + 1)``; counting causal
-    triangles (``causal``), when ``S + n + 1 > 12 d``."""
-    def attention_wins(n: int) -> bool:
-        w = padding_waste(cfg, pad_to, n, causal)
-        return w["attention"] > w["linear"]
-    if pad_to < 2 or not attention_wins(pad_to - 1):
-        return None
-    lo, hi = 0, pad_to - 1  # attention_wins(hi); lo = 0 stands for "not yet": bisect (the ratio grows with n)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if attention_wins(mid) else (mid, hi)
-    return hi
-
-
-def waste_vs_padded_length(cfg: ModelConfig, n: int, longest: int) -> dict:
-    """What padding one request of ``n`` tokens wastes per layer, for every padded length S = n+1 ..
-    ``longest`` (``padding_waste``): ``S``, ``linear`` and ``attention`` (lists, FLOPs per layer), and
-    ``from_S``: the shortest S at which attention wastes more than the pad rows (None if none does)."""
-    sizes = list(range(n + 1, longest + 1))
-    waste = [padding_waste(cfg, s, n) for s in sizes]
-    lin = [w["linear"] // cfg.n_layers for w in waste]
-    att = [w["attention"] // cfg.n_layers for w in waste]
-    from_s = next((s for s, a, b in zip(sizes, att, lin) if a > b), None)
-    return {"S": sizes, "linear": lin, "attention": att, "from_S": from_s}
-
-
-def waste_crossover_figure(cfg: ModelConfig, lens: Sequence[int] = (10, 1100), longest: int = 4000) -> Figure:
-    """Per layer, what padding a request of L tokens to S wastes in its pad rows (linear layers) and in
-    attention (whole blocks), against S, one panel per L; a dashed line where attention starts to win
-    (``waste_vs_padded_length``: at S + L = 6 d + 1)."""
-    fig = Figure(figsize=(9, 3.4))
-    axes = fig.subplots(1, len(lens), sharey=True)
-    for ax, n in zip(axes, lens):
-        w = waste_vs_padded_length(cfg, n, longest)
-        ax.plot(w["S"], [x / 1e9 for x in w["linear"]], color=LINEAR, linewidth=2, label="pad rows through the linear layers")
-        ax.plot(w["S"], [x / 1e9 for x in w["attention"]], color=ATTENTION, linewidth=2, label="attention (whole blocks)")
-        if w["from_S"] is not None:
-            ax.axvline(w["from_S"], color=TEXT, linestyle="--", linewidth=1.2, gid=f"from-S-{n}")
-            right = w["from_S"] > longest * 0.6
-            label = f"S = {w['from_S']:,}\nS + L = {w['from_S'] + n:,}"
-            ax.text(w["from_S"] + (-0.01 if right else 0.01) * longest, ax.get_ylim()[1] * 0.92, label,
-                    ha="right" if right else "left", va="top", fontsize=MIN_FONT, color=TEXT)
-        ax.set_title(f"a request of L = {n:,} tokens padded to S", fontsize=MIN_FONT + 1)
-        ax.set_xlabel("padded length S (tokens)", fontsize=MIN_FONT)
-        ax.tick_params(labelsize=MIN_FONT)
-    axes[0].set_ylabel("wasted GFLOP per layer", fontsize=MIN_FONT)
-    axes[0].legend(fontsize=MIN_FONT, loc="center left", bbox_to_anchor=(0.0, 0.6), frameon=False)
-    fig.suptitle(f"d_model = {cfg.d_model}: attention's waste passes the pad rows' where S + L > 6 d = "
-                 f"{6 * cfg.d_model:,} (dashed)", fontsize=MIN_FONT + 1)
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.16, top=0.8, wspace=0.08)
-    return fig
+def _recorded_flops(rec: OpRecorder) -> dict[str, int]:
+    return {kind: sum(m.flops for m in rec.matmuls if m.kind == kind) for kind in ("linear", "attention")}
 
 
 def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str = "right") -> dict:
     """Run the requests of ``seq_lens`` through the explorer's model flat and padded (claims C2, C3).
 
     pad_to: the padded length (None: the longest request); side: "right" or "left" padding.
-    Keys: ``seq_lens``; ``flat``: ``input_ids``, ``positions``, ``cu_seqlens`` (lists), ``max_seqlen``,
-    what ``pack`` built; ``padded_shape`` ``[R, S]``, ``side``; ``rows`` / ``cells`` / ``largest``:
-    {"padded", "flat"} as ``OpRecorder`` saw them (rows of every linear layer, score cells per head
-    per layer, the shape of the largest score matrix one op computed); ``pad_rows`` (padded − flat rows);
-    ``flops``: {"padded", "flat"}: {"linear", "attention"} FLOPs of the whole forward, summed over the
-    matmuls ``OpRecorder`` saw (attention: whole blocks); ``waste``: {"linear", "attention"} padded − flat;
-    ``crossover``: ``crossover_lengths`` of the explorer's model, plus ``waste_from``: ``waste_crossover``
-    at the padded length (the shortest request whose padding wastes more in attention than in its pad rows);
-    ``input_bytes`` / ``hidden_bytes``: {"padded", "flat"} bytes of the model's inputs (ids + mask;
-    ids + positions + cu_seqlens) and of its output hidden states; ``diff`` / ``bound``: {"padded",
-    "flat"} per request, ``max |out − out64 alone|`` and the tolerance rule's bound; ``equal``:
-    {"padded", "flat"} per request, diff ≤ bound; ``differs``: {"padded", "flat"} the indices of the
-    requests whose output is NOT within the bound of the request run alone (what the figure outlines).
+    Keys: ``seq_lens``, ``side``, ``padded_shape`` ``[R, S]``; ``flat``: what ``pack`` built
+    (``input_ids``, ``positions``, ``cu_seqlens`` lists, ``cu_dtype``, ``max_seqlen``). As ``OpRecorder``
+    saw them, {"padded", "flat"}: ``rows`` (of every linear layer), ``cells`` (score cells per head per
+    layer), ``largest`` (the largest score matrix's shape), ``flops`` ({"linear", "attention"}, whole
+    blocks); ``pad_rows`` and ``waste`` (padded − flat). ``crossover``: ``crossover_lengths`` plus
+    ``waste_from`` (``waste_crossover`` at S). ``input_bytes`` / ``hidden_bytes``: {"padded", "flat"}.
+    Per request, against the request run alone: ``diff`` ({"padded", "flat"}: max |out − out64|),
+    ``bound`` (the tolerance rule), ``equal`` (diff ≤ bound), ``differs`` (the indices beyond it).
     """
-    lens = check_lengths(seq_lens)
-    if not lens:
-        raise ValueError("seq_lens is empty: give at least one request length")
+    lens = _nonempty(seq_lens)
     cfg = EXPLORER_CONFIG
     if max(lens) > cfg.max_position or (pad_to or 0) > cfg.max_position:
         raise ValueError(f"the explorer's model takes requests of at most {cfg.max_position} tokens, "
@@ -346,27 +359,21 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
         with OpRecorder() as rec_pad:
             out_pad = model.forward_padded(ids, mask)
         alone, alone64 = zip(*(_alone(i, n) for i, n in enumerate(lens)))
-    per_head_layer = cfg.n_heads * cfg.n_layers
     got = {"flat": unpack(out_flat, batch.cu_seqlens), "padded": [out_pad[b][mask[b]] for b in range(len(lens))]}
     diff = {k: [max_abs_diff(o, r64) for o, r64 in zip(v, alone64)] for k, v in got.items()}
     bound = [tolerance(r, r64, torch.float32) for r, r64 in zip(alone, alone64)]
     rows = {"padded": _linear_rows(rec_pad), "flat": _linear_rows(rec_flat)}
-
-    def nbytes(*ts):
-        return sum(t.numel() * t.element_size() for t in ts)
-
-    def recorded_flops(rec):
-        return {kind: sum(m.flops for m in rec.matmuls if m.kind == kind) for kind in ("linear", "attention")}
-    flops = {"padded": recorded_flops(rec_pad), "flat": recorded_flops(rec_flat)}
+    flops = {"padded": _recorded_flops(rec_pad), "flat": _recorded_flops(rec_flat)}
+    per_head_layer = cfg.n_heads * cfg.n_layers
     return {"seq_lens": lens, "side": side, "padded_shape": list(ids.shape),
             "flat": {"input_ids": batch.input_ids.tolist(), "positions": batch.positions.tolist(),
                      "cu_seqlens": batch.cu_seqlens.tolist(), "cu_dtype": str(batch.cu_seqlens.dtype).removeprefix("torch."),
                      "max_seqlen": batch.max_seqlen},
             "rows": rows, "pad_rows": rows["padded"] - rows["flat"],
             "cells": {"padded": rec_pad.cells // per_head_layer, "flat": rec_flat.cells // per_head_layer},
-            "largest": {"padded": _largest_scores(rec_pad), "flat": _largest_scores(rec_flat)},
-            "input_bytes": {"padded": nbytes(ids, mask), "flat": nbytes(batch.input_ids, batch.positions, batch.cu_seqlens)},
-            "hidden_bytes": {"padded": nbytes(out_pad), "flat": nbytes(out_flat)},
+            "largest": {"padded": max(rec_pad.scores, key=math.prod), "flat": max(rec_flat.scores, key=math.prod)},
+            "input_bytes": {"padded": _nbytes(ids, mask), "flat": _nbytes(batch.input_ids, batch.positions, batch.cu_seqlens)},
+            "hidden_bytes": {"padded": _nbytes(out_pad), "flat": _nbytes(out_flat)},
             "flops": flops, "waste": {k: flops["padded"][k] - flops["flat"][k] for k in ("linear", "attention")},
             "crossover": {**crossover_lengths(cfg), "waste_from": waste_crossover(cfg, int(ids.shape[1]))},
             "diff": diff, "bound": bound,
@@ -374,71 +381,30 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
             "differs": {k: [i for i, d in enumerate(v) if d > bound[i]] for k, v in diff.items()}}
 
 
-def _rgb(color: str) -> tuple[float, float, float]:
-    return tuple(int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
-
-
 def flat_run_figure(state: dict) -> Figure:
-    """The explorer's picture of ``flat_run_state``: the padded ``[R, S]`` ids as the model received
-    them (real tokens orange by request, pad cells vermillion, on the side chosen), above the flat
-    stream of ``T`` ids with its ``cu_seqlens`` ticks. Two images: quick to redraw. A request whose
-    output differs from itself alone (``state["differs"]``) gets a thick dark outline (gid
-    ``differs-padded-i`` / ``differs-flat-i``) and "≠ alone" after its name."""
+    """The explorer's picture of ``flat_run_state``: the padded ``[R, S]`` ids on the side chosen
+    (``_padded_panel``) above the flat stream (``_flat_panel``); the requests in ``state["differs"]``
+    outlined and marked "≠ alone"; a dashed line (gid ``crossover``) at ``waste_from``."""
     lens, (r, s) = state["seq_lens"], state["padded_shape"]
     shown = min(r, _SHOWN)
-    cu = state["flat"]["cu_seqlens"]
-    grid = torch.tensor(_rgb(WASTE)).repeat(shown, s, 1)
-    for i, n in enumerate(lens[:shown]):
-        start = s - n if state["side"] == "left" else 0
-        grid[i, start:start + n] = torch.tensor(_rgb(request_color(i)))
-    strip = torch.zeros(1, cu[-1], 3)
-    for i in range(len(lens)):
-        strip[0, cu[i]:cu[i + 1]] = torch.tensor(_rgb(request_color(i)))
+    wrong = {k: set(v) for k, v in state["differs"].items()}
     fig = Figure(figsize=(9, 2.1 + 0.18 * shown))
     gs = fig.add_gridspec(2, 1, height_ratios=[max(1.0, 0.3 * shown), 0.45], hspace=max(0.6, 1.4 - 0.05 * shown))
     top, bottom = fig.add_subplot(gs[0]), fig.add_subplot(gs[1])
-    top.imshow(grid.numpy(), aspect="auto", interpolation="nearest", extent=(0, s, shown, 0))
-    for i, n in enumerate(lens[:shown]):  # hatch the pad span of each row, white lines between rows
-        if n < s:
-            top.add_patch(Rectangle((0 if state["side"] == "left" else n, i), s - n, 1, facecolor="none",
-                                    edgecolor="white", hatch="///", linewidth=0, gid=f"pad-{i}"))
-    top.hlines(range(1, shown), 0, s, colors="white", linewidth=1)
+    _padded_panel(top, lens, s, state["side"], wrong["padded"])
     cross = state["crossover"]["waste_from"]
     if cross is not None:  # a request whose tokens reach this column wastes more in attention than in its pad rows
         top.axvline(cross, color=TEXT, linestyle="--", linewidth=1.2, gid="crossover")
-        top.text(cross, shown - 0.08, f" L ≥ {cross}: attention wastes more than the pad rows (S + L > 6 d) ",
+        top.text(cross, 0.08, f" L ≥ {cross}: attention wastes more than the pad rows (S + L > 6 d) ",
                  ha="left" if cross < s / 2 else "right", va="bottom", fontsize=MIN_FONT, color=TEXT,
                  bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1})
-    wrong = {k: set(v) for k, v in state["differs"].items()}
-    for i in sorted(wrong["padded"]):  # the whole row of a request that differs from itself alone
-        if i < shown:
-            top.add_patch(Rectangle((0.15, i + 0.08), s - 0.3, 0.84, facecolor="none", edgecolor=TEXT,
-                                    linewidth=2.5 if shown <= 8 else 1.5, gid=f"differs-padded-{i}"))
-    top.set_yticks([i + 0.5 for i in range(shown)])
-    top.set_yticklabels([f"{request_name(i)} ({n})" + (" ≠ alone" if i in wrong["padded"] else "")
-                         for i, n in enumerate(lens[:shown])], fontsize=MIN_FONT)
-    top.tick_params(axis="x", labelsize=MIN_FONT)
     more = f" ({shown} of {r} drawn)" if r > shown else ""
     verdict = {k: (f"outlined, {len(v)} of {r}: output differs from the request run alone" if v else
                    "every request's output = the request run alone") for k, v in wrong.items()}
     top.set_title(f"padded [{r} x {s}], {state['side']} padding{more}: {state['rows']['padded']} rows computed "
                   f"(recorded), {state['pad_rows']} of them pad (hatched)\n{verdict['padded']}", fontsize=MIN_FONT + 1)
-    bottom.imshow(strip.numpy(), aspect="auto", interpolation="nearest", extent=(0, cu[-1], 1, 0))
-    bottom.set_yticks([])
-    bottom.vlines(cu[1:-1], 0, 1, colors="white", linewidth=1)
-    for i in sorted(wrong["flat"]):  # never, unless the engine is broken: the flat batch keeps every request apart
-        bottom.add_patch(Rectangle((cu[i], 0.06), cu[i + 1] - cu[i], 0.88, facecolor="none", edgecolor=TEXT,
-                                   linewidth=2.5, gid=f"differs-flat-{i}"))
-    bottom.set_xticks(cu)
-    labelled, last = [], -cu[-1]
-    for c in cu:  # a label closer than 1/30 of the strip to the previous one would overlap it
-        keep = c - last >= cu[-1] / 30 or c == cu[-1]
-        labelled.append(str(c) if keep else "")
-        last = c if keep else last
-    if len(labelled) > 1 and labelled[-1] and labelled[-2] and cu[-1] - cu[-2] < cu[-1] / 30:
-        labelled[-2] = ""
-    bottom.set_xticklabels(labelled, fontsize=MIN_FONT)
-    bottom.set_title(f"flat [{cu[-1]}]: {state['rows']['flat']} rows computed (recorded), none of them pad; "
+    _flat_panel(bottom, lens, sorted(wrong["flat"]))
+    bottom.set_title(f"flat [{sum(lens)}]: {state['rows']['flat']} rows computed (recorded), none of them pad; "
                      f"ticks = cu_seqlens\n{verdict['flat']}", fontsize=MIN_FONT + 1)
     fig.subplots_adjust(left=0.14, right=0.98, bottom=0.1, top=0.84)
     return fig
@@ -507,7 +473,6 @@ def flat_run_text(state: dict) -> dict[str, str]:
 
 
 def _pre(text: str) -> str:
-    import html
     return f"<pre style='margin:0;font-size:12px'>{html.escape(text)}</pre>"
 
 
@@ -546,9 +511,6 @@ def flat_batch_explorer(lengths: str = "3, 17, 5", pad_to: str = "longest", side
 # ---------------------------------------------------------------------------------------------
 # Exercises
 
-LENS_CASES = [[10, 30], [5], [1, 1, 1], [7, 1, 12, 3], [30, 10]]
-
-
 BOUNDARY_BUGS = ("late", "early")
 # (seq_lens, bug, k): the packer put boundary k (1 <= k <= R-1) one row late or early.
 WRONG_CASES = [([10, 30], "late", 1), ([10, 30], "early", 1), ([4, 6, 5], "late", 2), ([4, 6, 5], "early", 1),
@@ -573,9 +535,8 @@ def broken_pack(requests: Sequence, bug: str, k: int) -> PackedBatch:
     moved[k] -= step
     flat, cu = torch.cat(tensors), cumulative(moved)
     # pack the non-empty pieces; a request the bug emptied keeps its (repeated) boundary, as in FlashAttention
-    batch = pack([flat[cu[i]:cu[i + 1]] for i in range(len(moved)) if moved[i]])
-    batch.cu_seqlens, batch.seq_lens = torch.tensor(cu, dtype=torch.int32), moved
-    return batch
+    pieces = pack([flat[cu[i]:cu[i + 1]] for i in range(len(moved)) if moved[i]])
+    return dataclasses.replace(pieces, cu_seqlens=torch.tensor(cu, dtype=torch.int32), seq_lens=moved)
 
 
 def wrong_requests(seq_lens: Sequence[int], bug: str, k: int) -> tuple[set[int], list[float]]:
@@ -599,26 +560,32 @@ def _wrong_requests(seq_lens: tuple[int, ...], bug: str, k: int) -> tuple[frozen
 
 
 def sampled_rows(model: Transformer, requests: Sequence, bug: str, k: int) -> dict:
-    """What a server samples from when boundary ``k`` is one row ``bug``: it trusts the broken
-    ``cu_seqlens`` and reads request i's next token from row ``cu_seqlens[i+1] - 1`` of the output.
+    """What a server trusting ``broken_pack(requests, bug, k)`` samples: request i's next token from
+    row ``last_token_indices[i]`` of ``model``'s output, compared with the last row of two requests run
+    alone (``model``'s float64 twin; bounds by the tolerance rule): request i itself, and the request
+    the moved boundary made of it (``moved``: e.g. late, A plus B's first token and B without it).
 
-    Runs ``broken_pack(requests, bug, k)`` through ``model`` and compares each sampled row with the
-    LAST row of the request run alone by ``model``'s float64 twin, under the request's tolerance bound.
-    Keys: ``cu_seqlens`` (the broken one, a list), ``rows`` (the sampled row per request, None for a
-    request the bug left empty), ``diff`` / ``bound`` (per request; diff None when empty),
-    ``wrong`` (the indices whose sampled row is beyond the bound, or that have no row to sample).
+    Keys: ``cu_seqlens`` (the broken one, a list), ``rows`` (per request; None for one the bug emptied),
+    ``diff`` / ``bound`` against request i, ``moved_diff`` / ``moved_bound`` against the moved request
+    (diffs None when emptied), ``wrong`` (indices beyond their bound of request i, or with no row).
     """
     batch = broken_pack(requests, bug, k)
     tensors = [torch.as_tensor(r) for r in requests]
+    cu = batch.cu_seqlens.tolist()
+    moved = [torch.cat(tensors)[a:b] for a, b in zip(cu, cu[1:])]
+    twin = float64_twin(model)
     with one_thread():
         out = model.forward(batch)
-        alone, alone64 = model.forward_each(tensors), float64_twin(model).forward_each(tensors)
-    cu = batch.cu_seqlens.tolist()
-    rows = [cu[i + 1] - 1 if cu[i + 1] > cu[i] else None for i in range(len(tensors))]
-    diff = [None if r is None else max_abs_diff(out[r], r64[-1]) for r, r64 in zip(rows, alone64)]
-    bound = [tolerance(a, a64, torch.float32) for a, a64 in zip(alone, alone64)]
+        refs = {name: [(model.forward_each([r])[0], twin.forward_each([r])[0]) if len(r) else None for r in reqs]
+                for name, reqs in (("true", tensors), ("moved", moved))}
+    rows = [int(r) if b > a else None for r, a, b in zip(batch.last_token_indices.tolist(), cu, cu[1:])]
+    got = {name: ([None if r is None else max_abs_diff(out[r], ref[1][-1]) for r, ref in zip(rows, pairs)],
+                  [None if ref is None else tolerance(*ref, torch.float32) for ref in pairs])
+           for name, pairs in refs.items()}
+    (diff, bound), (moved_diff, moved_bound) = got["true"], got["moved"]
     wrong = {i for i, (d, b) in enumerate(zip(diff, bound)) if d is None or d > b}
-    return {"cu_seqlens": cu, "rows": rows, "diff": diff, "bound": bound, "wrong": wrong}
+    return {"cu_seqlens": cu, "rows": rows, "diff": diff, "bound": bound, "moved_diff": moved_diff,
+            "moved_bound": moved_bound, "wrong": wrong}
 
 
 def _why(i: int, lens: list[int], bug: str, k: int) -> str:
@@ -744,7 +711,7 @@ def check_grouping(fn: Callable[[list, int], object]) -> bool:
                  "when max_num_seqs does not divide R changes the padding")
 
 
-def _unpad_id_cases(seed: int = 5) -> list[tuple[Tensor, Tensor]]:
+def _unpad_id_cases() -> list[tuple[Tensor, Tensor]]:
     """Padded id batches ``(ids [B, S], mask [B, S])``: right, left and mixed padding, and real tokens
     equal to the pad id 0 (so a mask cannot be guessed from the ids)."""
     cases = []
@@ -760,28 +727,26 @@ def _unpad_id_cases(seed: int = 5) -> list[tuple[Tensor, Tensor]]:
     return cases
 
 
-def _without_pack(fn: Callable) -> Callable:
-    """``fn``, run with the engine's ``pack`` refused (in ``lessons_lib.core.batch``, ``lessons_lib.core``, this
-    module and ``fn``'s own globals): exercise 01.3 builds the flat stream from the mask itself."""
-    from .. import core
-    from ..core import batch as batch_mod
-    real = batch_mod.pack
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError("exercise 01.3 builds input_ids, positions and cu_seqlens from the mask itself: "
-                           "without pack")
-
+def _refusing_pack(fn: Callable) -> Callable:
+    """``fn``, raising RuntimeError after it returns if it called the engine's ``pack`` (watched with
+    ``sys.setprofile``): exercise 01.3 builds the flat stream from the mask itself."""
     @functools.wraps(fn)
     def guarded(*args):
-        spaces = [batch_mod.__dict__, core.__dict__, globals(), getattr(fn, "__globals__", {})]
-        saved = [(space, name) for space in spaces for name, value in list(space.items()) if value is real]
-        for space, name in saved:
-            space[name] = refuse
+        called = []
+
+        def watch(frame, event, arg):
+            if event == "call" and frame.f_code is pack.__code__:
+                called.append(True)
+        before = sys.getprofile()
+        sys.setprofile(watch)
         try:
-            return fn(*args)
+            got = fn(*args)
         finally:
-            for space, name in saved:
-                space[name] = real
+            sys.setprofile(before)
+        if called:
+            raise RuntimeError("exercise 01.3 builds input_ids, positions and cu_seqlens from the mask itself: "
+                               "without pack")
+        return got
     return guarded
 
 
@@ -830,7 +795,7 @@ def check_unpad_ids(fn: Callable[[Tensor, Tensor], tuple]) -> bool:
                         if right else " - request b's real tokens, in their order, go between cu_seqlens[b] and cu_seqlens[b+1]")
                 return f"request {b}'s output differs from it alone (max |diff| {err:.1e} > bound {bound:.1e}){hint}"
         return None
-    return grade("unpad_ids", _without_pack(fn) if callable(fn) else fn, _unpad_id_cases(), judge,
+    return grade("unpad_ids", _refusing_pack(fn) if callable(fn) else fn, _unpad_id_cases(), judge,
                  "the engine runs your flat batch and each request equals itself alone, on right-, left- and "
                  "mixed-padded batches")
 
