@@ -25,6 +25,12 @@ does not fit the budget left; each forward is a list of ``ScheduledChunk``s, pac
 varlen call per layer, ``cu_seqlens_k`` = cached + chunk lengths, causal bottom-right). A request's
 output comes with the forward of its last chunk; its cache is freed then. Still prefill only.
 
+What a caller may change or read, all public: ``Engine(scheduler=...)`` runs the ``Scheduler`` (or
+subclass) it is given, e.g. with vLLM's chunk cap ``long_prefill_token_threshold``;
+``record_forwards=True`` keeps each forward's packed batch and TP trace in its ``BatchStats``; a
+forward is vLLM's two steps, ``prepare_inputs(chunks)`` then ``execute_model(chunks, index)``, and a
+subclass may override either.
+
 Taught in notebooks/06_prefill_engine.ipynb and notebooks/08_chunked_prefill.ipynb.
 """
 from __future__ import annotations
@@ -37,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..core.batch import cumulative, pack, pad
+from ..core.batch import PackedBatch, cumulative, pack, pad
 from ..core.config import ModelConfig, as_config
 from ..core.kernels import placement, resolve_backend, synchronize
 from ..core.model import Transformer, init_weights
@@ -104,6 +110,10 @@ class BatchStats:
     prompt is ``(id, 0, L)``); num_chunk_tokens: tokens of sequences that are not a whole prompt;
     num_cached_tokens: keys read from the KV cache (Σ start, per layer per head).
     wall_s: wall-clock seconds of the forward (and logits), measured.
+    With ``Engine(record_forwards=True)``, what ran: ``batch``, the ``PackedBatch`` the model was
+    given (``prepare_inputs``: token ids, positions, ``cu_seqlens``, ``num_computed_tokens``; None for
+    method "padded"), and under TP=2 ``tp_result``, that forward's ``tp.runtime.TPResult`` (every
+    rank's collective trace ``traces``, ``qkv_shapes``, ``attn_collectives``, ``attn_backend``).
     """
 
     index: int
@@ -129,6 +139,8 @@ class BatchStats:
     num_chunk_tokens: int = 0
     num_cached_tokens: int = 0
     all_reduces: int | None = None  # per forward, rank 0's trace (TP=2 only; C12: 2 * n_layers)
+    batch: PackedBatch | None = None  # record_forwards only: the flat batch the model ran (None for padded)
+    tp_result: object = None          # record_forwards and TP=2 only: the workers' tp.runtime.TPResult
 
     @property
     def cells_whole_wasted(self) -> int:
@@ -173,6 +185,27 @@ def batch_stats(cfg: ModelConfig, seq_lens: Sequence[int], method: str, index: i
         num_chunk_tokens=0, num_cached_tokens=sum(done))
 
 
+def _engine_scheduler(scheduler, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill) -> Scheduler:
+    """The scheduler an ``Engine`` runs: ``scheduler`` if given (empty, and agreeing with every setting
+    given beside it), else a new one from the settings (None: the defaults)."""
+    settings = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
+                "enable_chunked_prefill": enable_chunked_prefill}
+    if scheduler is None:
+        return Scheduler(DEFAULT_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens,
+                         DEFAULT_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs,
+                         enable_chunked_prefill=False if enable_chunked_prefill is None else enable_chunked_prefill)
+    if not isinstance(scheduler, Scheduler):
+        raise ValueError(f"scheduler must be a serve.scheduler.Scheduler (or a subclass), got {type(scheduler).__name__}")
+    if scheduler.has_unfinished():
+        raise ValueError(f"the scheduler already holds {len(scheduler)} waiting requests: give the engine an empty one "
+                         "and submit requests to the engine")
+    for name, value in settings.items():
+        if value is not None and value != getattr(scheduler, name):
+            raise ValueError(f"{name}={value!r} contradicts the scheduler's {name}={getattr(scheduler, name)!r}: "
+                             "give it once, to the Scheduler")
+    return scheduler
+
+
 def _progress_enabled(progress, total_tokens: int) -> bool:
     if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
         return False
@@ -197,13 +230,17 @@ class Engine:
     ``state_dict()``); default ``init_weights(cfg, seed)``.
     device, dtype: where the model runs and in what precision; default CUDA + bfloat16 when a
     GPU is present, else the CPU + float32 (``kernels.placement``). Outputs live on ``device``.
-    max_num_batched_tokens, max_num_seqs: the scheduler's budgets (vLLM's meaning), held by every forward.
+    max_num_batched_tokens, max_num_seqs: the scheduler's budgets (vLLM's meaning), held by every forward;
+    None: the ``scheduler``'s, or 8192 and 256.
+    scheduler: the ``Scheduler`` (or subclass) the engine runs, empty; default one built from the budgets
+    and ``enable_chunked_prefill``. A budget or ``enable_chunked_prefill`` given beside it must equal its own.
     enable_chunked_prefill: vLLM's chunked prefill: a prompt that does not fit the budget left runs
     in chunks over several forwards, its earlier tokens' keys and values kept in a
     ``kv_cache.PrefillKVCache`` (per TP rank under TP=2); then any prompt up to ``max_position``
     is served. Off (default): every prompt must fit ``max_num_batched_tokens`` whole. Not with
     ``method="padded"``. ``kv_cache_peak_bytes``: the most the cache held in the last run.
     compute_logits: also return last-token logits (``[vocab_size]`` per request).
+    record_forwards: each ``BatchStats`` also keeps what its forward ran (``batch``, ``tp_result``).
     progress: a tqdm bar over prompt tokens; None = only for runs of >= 50,000 tokens.
     Never shown when the environment has ``CI=true``.
 
@@ -212,10 +249,11 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig | None = None, tp_size: int = 1, attn_backend: str = "auto",
                  weights: dict[str, Tensor] | None = None, seed: int = 0, *,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, method: str = "varlen", compute_logits: bool = True,
-                 progress: bool | None = None, tp_backend: str = "auto", tp_timeout: float = 120.0,
-                 device=None, dtype: torch.dtype | None = None, enable_chunked_prefill: bool = False):
+                 max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None, method: str = "varlen",
+                 compute_logits: bool = True, progress: bool | None = None, tp_backend: str = "auto",
+                 tp_timeout: float = 120.0, device=None, dtype: torch.dtype | None = None,
+                 enable_chunked_prefill: bool | None = None, scheduler: Scheduler | None = None,
+                 record_forwards: bool = False):
         self.cfg = cfg = as_config(cfg)
         if not is_int(tp_size) or tp_size not in (1, 2):
             raise ValueError(f"tp_size must be 1 or 2, got {tp_size!r}")  # 2.0 == 2, but not a TP degree
@@ -247,18 +285,21 @@ class Engine:
         # TP workers resolve the REQUESTED backend on their own device (gloo may put them on the CPU).
         self._tp_attn_backend = requested
         self.attn_backend = check_attention_fn(resolve_backend(requested, self.device, self.dtype, cfg.d_head))
-        self.scheduler = Scheduler(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill=enable_chunked_prefill)
+        self.scheduler = _engine_scheduler(scheduler, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill)
+        enable_chunked_prefill = self.scheduler.enable_chunked_prefill
         if enable_chunked_prefill and method == "padded":
             raise ValueError("enable_chunked_prefill=True needs a flat forward with a KV cache; method='padded' runs "
                              "Transformer.forward_padded, which has none: use method='varlen' or 'masked'")
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.compute_logits, self.progress = bool(compute_logits), progress
+        if not isinstance(record_forwards, bool):
+            raise ValueError(f"record_forwards must be a bool, got {record_forwards!r}")
+        self.compute_logits, self.progress, self.record_forwards = bool(compute_logits), progress, record_forwards
         self.weights = weights if weights is not None else init_weights(cfg, seed)
         # TP=1 runs here; under TP=2 this copy still serves the replicated LM head (and references).
         self.model = Transformer(cfg, self.weights, attn_backend=self.attn_backend, device=self.device, dtype=self.dtype)
         self._tp_kw = dict(backend=tp_backend, timeout=tp_timeout)
         self._runtime = None
-        self._last_all_reduces = None
+        self._last_forward: tuple = (None, None)  # (PackedBatch, TPResult) of the latest flat forward
         # TP=1: the cache lives here; TP=2: each worker holds its own K/V heads' (the runtime reports its bytes).
         self.kv_cache = PrefillKVCache.for_model(self.model) if enable_chunked_prefill and tp_size == 1 else None
         self.kv_cache_peak_bytes = 0
@@ -336,7 +377,10 @@ class Engine:
                 stats = batch_stats(self.cfg, lens, self.method, len(self.stats), wall,
                                     [c.request.request_id for c in chunks], [c.start for c in chunks])
                 stats.num_chunk_tokens = sum(c.length for c in chunks if c.length != len(c.request))
-                stats.all_reduces, self._last_all_reduces = self._last_all_reduces, None
+                (batch, tp_result), self._last_forward = self._last_forward, (None, None)
+                stats.all_reduces = None if tp_result is None else tp_result.all_reduce_counts[0]
+                if self.record_forwards:
+                    stats.batch, stats.tp_result = batch, tp_result
                 self.stats.append(stats)
                 if bar is not None:
                     bar.update(sum(lens))
@@ -352,10 +396,9 @@ class Engine:
     def _abort(self, taken: list[Request]) -> None:
         """A forward failed: every taken request waits again, whole, in order; no cache is left behind."""
         waiting = self.scheduler.waiting
-        head = [r for r in taken if waiting and r is waiting[0]]  # a chunked request still at the head
-        if head:
-            waiting.popleft()
-        waiting.extendleft(reversed(taken))
+        untouched = [r for r in waiting if not any(r is t for t in taken)]  # taken ones part-way stay queued
+        waiting.clear()
+        waiting.extend(taken + untouched)
         for r in taken:
             r.num_computed_tokens = 0
             self._partial.pop(r.request_id, None)
@@ -382,17 +425,16 @@ class Engine:
         sequence), forward number ``index`` of the run (``run`` calls it once per ``schedule_chunks``).
         Returns a ``RequestOutput`` (on the engine's device) for each request whose last chunk ran."""
         reqs = [c.request for c in chunks]
-        seqs = [torch.tensor(c.token_ids, dtype=torch.int64) for c in chunks]
         lens = [c.length for c in chunks]
         if self.method == "padded":
+            seqs = [torch.tensor(c.token_ids, dtype=torch.int64) for c in chunks]
             ids, mask = (t.to(self.device) for t in pad(seqs))      # [R, Lmax] each
             out = self.model.forward_padded(ids, mask)               # [R, Lmax, d]
             last = out[torch.arange(len(reqs)), torch.tensor(lens) - 1]  # [R, d]
             rows = [out[i, :n] for i, n in enumerate(lens)]
         else:
-            chunked = self.enable_chunked_prefill
-            batch = pack(seqs, device=self.device, num_computed_tokens=[c.start for c in chunks] if chunked else None)
-            hidden = self._flat_forward(batch, chunks if chunked else None)  # [T, d]
+            batch = self.prepare_inputs(chunks)
+            hidden = self._flat_forward(batch, chunks if self.enable_chunked_prefill else None)  # [T, d]
             last = hidden[batch.last_token_indices]                  # [R, d]
             starts = cumulative(lens)
             rows = [hidden[starts[i]:starts[i + 1]] for i in range(len(chunks))]
@@ -408,10 +450,20 @@ class Engine:
             out.append(RequestOutput(r.request_id, len(r), last[i], None if logits is None else logits[j], full, index))
         return out
 
+    def prepare_inputs(self, chunks: list[ScheduledChunk]) -> PackedBatch:
+        """vLLM's ``prepare_inputs``: the flat batch (methods "varlen" and "masked") the model runs for
+        ``chunks``: token ids ``[T]`` int64, positions ``[T]`` (with chunked prefill continuing after each
+        chunk's ``start``, its ``num_computed_tokens``), ``cu_seqlens`` ``[R+1]`` int32, on the engine's device.
+        A subclass may override it to change what the model is given (the result must stay a valid batch)."""
+        seqs = [torch.tensor(c.token_ids, dtype=torch.int64) for c in chunks]
+        done = [c.start for c in chunks] if self.enable_chunked_prefill else None
+        return pack(seqs, device=self.device, num_computed_tokens=done)
+
     def _flat_forward(self, batch, chunks: list[ScheduledChunk] | None = None) -> Tensor:
         """``[T, d]`` final hidden rows of a flat batch; ``chunks``: run through the KV cache."""
         plan = None if chunks is None else ([c.request.request_id for c in chunks], [not c.is_last for c in chunks])
         if self.tp_size == 1:
+            self._last_forward = (batch, None)
             if plan is None:
                 return self.model(batch, attn_backend=self.attn_backend)
             step = self.kv_cache.step(plan[0], batch.num_computed_tokens, batch.seq_lens, plan[1])
@@ -428,7 +480,7 @@ class Engine:
         else:
             result = self._runtime.forward(batch, request_ids=plan[0], keep_kv=plan[1])
             self.kv_cache_peak_bytes = max(self.kv_cache_peak_bytes, result.kv_cache_peak_bytes)
-        self._last_all_reduces = result.all_reduce_counts[0]
+        self._last_forward = (batch, result)
         return result.output.to(self.device)
 
     def close(self) -> None:

@@ -10,7 +10,10 @@ With ``enable_chunked_prefill=True`` (vLLM's chunked prefill): when the next wai
 not fit the budget left in this forward, it gets the rest of the budget as a chunk and stays at
 the head of the queue, its ``num_computed_tokens`` advanced; the next forward continues it first.
 Whole prompts and one chunk share a forward; both budgets hold for every forward; FCFS order is
-kept. ``schedule_chunks`` returns ``ScheduledChunk``s (request, start, length) either way.
+kept. ``long_prefill_token_threshold`` (vLLM's chunk cap, chunked prefill only) also cuts every
+chunk to at most that many tokens: a capped request does not close the forward, the room left goes
+to the requests behind it, so several requests may be part-way through their prompts at once.
+``schedule_chunks`` returns ``ScheduledChunk``s (request, start, length) either way.
 ``plan_batches`` runs the scheduler on bare lengths.
 
 Taught in notebooks/06_prefill_engine.ipynb (whole prompts) and notebooks/08_chunked_prefill.ipynb.
@@ -87,17 +90,27 @@ class Scheduler:
     enable_chunked_prefill: split the request that does not fit (see the module doc); default
     False: requests are never split (S3), never reordered: a request that does not fit the current
     batch waits for the next one, and so does everyone behind it.
+    long_prefill_token_threshold: vLLM's chunk cap, a positive int or None (no cap; vLLM spells that
+    0): no chunk of any request longer than this many tokens; needs ``enable_chunked_prefill=True``.
 
-    Taught in notebooks/06_prefill_engine.ipynb.
+    Taught in notebooks/06_prefill_engine.ipynb and notebooks/08_chunked_prefill.ipynb.
     """
 
     def __init__(self, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, *, enable_chunked_prefill: bool = False):
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, *, enable_chunked_prefill: bool = False,
+                 long_prefill_token_threshold: int | None = None):
         self.max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
         if not isinstance(enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill must be a bool, got {enable_chunked_prefill!r}")
         self.enable_chunked_prefill = enable_chunked_prefill
+        cap = long_prefill_token_threshold
+        if cap is not None and not (is_int(cap) and cap >= 1):
+            raise ValueError(f"long_prefill_token_threshold must be a positive int or None (no cap), got {cap!r}")
+        if cap is not None and not enable_chunked_prefill:
+            raise ValueError(f"long_prefill_token_threshold={cap} caps chunks, and there are none: requests run whole "
+                             "unless enable_chunked_prefill=True")
+        self.long_prefill_token_threshold = None if cap is None else int(cap)
         self.waiting: deque[Request] = deque()
 
     def check_fits(self, req: Request) -> None:
@@ -127,22 +140,26 @@ class Scheduler:
         return batch
 
     def schedule_chunks(self) -> list[ScheduledChunk]:
-        """Pop the next forward as chunks. Chunked prefill off: ``schedule()``'s requests, whole. On:
-        the FCFS prefix of the queue within both budgets, the request that does not fit cut to the
-        tokens left (it stays at the head, ``num_computed_tokens`` advanced to the chunk's end)."""
+        """Pop the next forward as chunks. Chunked prefill off: ``schedule()``'s requests, whole. On, as
+        vLLM schedules: the waiting requests in arrival order (those part-way through first, they arrived
+        first), each ``min(tokens it has left, long_prefill_token_threshold, tokens left in the forward)``,
+        until the forward holds ``max_num_batched_tokens`` tokens or ``max_num_seqs`` requests. Each
+        request's ``num_computed_tokens`` advances to its chunk's end; an unfinished one keeps its place."""
         if not self.enable_chunked_prefill:
             return [ScheduledChunk(r, 0, len(r)) for r in self.schedule()]
+        cap = self.long_prefill_token_threshold or self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        tokens = 0
-        while self.waiting and len(chunks) < self.max_num_seqs and tokens < self.max_num_batched_tokens:
-            req = self.waiting[0]
-            n = min(len(req) - req.num_computed_tokens, self.max_num_batched_tokens - tokens)
+        room = self.max_num_batched_tokens
+        for req in self.waiting:
+            if not room or len(chunks) == self.max_num_seqs:
+                break
+            n = min(len(req) - req.num_computed_tokens, cap, room)
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-            req.num_computed_tokens += n
-            tokens += n
-            if req.num_computed_tokens < len(req):
-                break  # the budget is spent; the rest of this prompt runs first in the next forward
+            room -= n
+        for c in chunks:  # the chunks are the head of the queue: take them off, put back the unfinished
             self.waiting.popleft()
+            c.request.num_computed_tokens += c.length
+        self.waiting.extendleft(reversed([c.request for c in chunks if not c.is_last]))
         return chunks
 
     def has_unfinished(self) -> bool:
@@ -153,14 +170,17 @@ class Scheduler:
 
 
 def plan_batches(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 *, skip_oversize: bool = False, enable_chunked_prefill: bool = False) -> list[list]:
+                 *, skip_oversize: bool = False, enable_chunked_prefill: bool = False,
+                 long_prefill_token_threshold: int | None = None) -> list[list]:
     """Request indices per batch, exactly as ``Scheduler`` forms them for requests of ``seq_lens``.
 
     A request longer than the budget raises ValueError, or with ``skip_oversize=True`` is left
     out of every batch (the engine would refuse it at submit). With ``enable_chunked_prefill=True``
-    every batch is a list of chunks ``(request index, start, length)`` and no request is oversize.
+    every batch is a list of chunks ``(request index, start, length)`` and no request is oversize;
+    ``long_prefill_token_threshold`` caps every chunk (``Scheduler``).
     """
-    sched = Scheduler(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill=enable_chunked_prefill)
+    sched = Scheduler(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+                      long_prefill_token_threshold=long_prefill_token_threshold)
     for i, n in enumerate(check_lengths(seq_lens)):
         if enable_chunked_prefill or not (skip_oversize and n > sched.max_num_batched_tokens):
             sched.add(Request(i, [0] * n))
