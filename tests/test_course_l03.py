@@ -105,16 +105,19 @@ def test_c9_masked_growth_lines_are_the_formulas():
 
 
 def test_measured_sweep_draws_time_and_memory():
-    fig = L.measured_sweep([1, 2], [1.0, 4.0], [1.0, 2.0], 64, "sdpa", "cpu")
-    lines = fig.axes[0].lines
-    assert isinstance(fig, Figure) and [list(line.get_ydata()) for line in lines[:2]] == [[1.0, 4.0], [1.0, 2.0]]
-    # dashed reference slopes 2 and 1 at half the last point (beside the data, not over it); every line in ink,
-    # the backends told apart by style
-    assert [list(line.get_ydata()) for line in lines[2:]] == [[0.5, 2.0], [0.5, 1.0]]
-    assert all(line.get_color() == TEXT for line in lines) and [line.get_linestyle() for line in lines] == ["-", "-.", "--", "--"]
-    both = L.measured_sweep([1, 2], [1.0, 4.0], [1.0, 2.0], 64, "sdpa", "cpu", [0.5, 2.0], [0.5, 1.0])
-    assert len(both.axes) == 2 and [list(line.get_ydata()) for line in both.axes[1].lines[:2]] == [[0.5, 2.0], [0.5, 1.0]]
-    assert "noisy" in both.axes[0].get_title() and "memory" in both.axes[1].get_title()
+    runs = {"masked": {"ms": [1.0, 4.0], "mib": [0.5, 2.0]}, "sdpa": {"ms": [1.0, 2.0], "mib": [0.5, 1.0]}}
+    fig = L.measured_sweep([1, 2], runs, 64, "cpu")
+    assert isinstance(fig, Figure) and len(fig.axes) == 2
+    for ax, key in zip(fig.axes, ("ms", "mib")):
+        lines = ax.lines
+        assert [list(line.get_ydata()) for line in lines[:2]] == [runs["masked"][key], runs["sdpa"][key]]
+        # reference slopes 2 and 1 at half the last point (beside the data, not over it); every line in ink,
+        # the backends told apart by style
+        half = [runs["masked"][key][-1] / 8, runs["masked"][key][-1] / 2], [runs["sdpa"][key][-1] / 4, runs["sdpa"][key][-1] / 2]
+        assert [list(line.get_ydata()) for line in lines[2:]] == list(half)
+        assert all(line.get_color() == TEXT for line in lines) and [line.get_linestyle() for line in lines] == ["-", "-.", "--", "--"]
+    assert "noisy" in fig.axes[0].get_title() and "memory" in fig.axes[1].get_title()
+    assert "varlen (sdpa)" in [t.get_text() for t in fig.legends[0].get_texts()]
 
 
 def test_sweep_attention_times_and_measures_every_pair_and_restores_the_threads():

@@ -12,6 +12,7 @@ Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -25,8 +26,9 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Polygon, Rectangle
 from matplotlib.ticker import MaxNLocator
 
-from ..core import attention as _engine_attention
-from ..core.attention import attention_ref, block_diag_mask, plain_attention, varlen_attention
+from .. import faults
+from ..core import attention
+from ..core.attention import attention_ref, block_diag_mask, dense_attention, plain_attention, varlen_attention
 from ..core.batch import cumulative, pack, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
 from ..core.kernels import resolve_backend, synchronize
@@ -50,33 +52,114 @@ from ..style import (
     WASTED,
     short_lens,
 )
-from ..validate import check_int, check_lengths
+from ..validate import check_int, check_lengths, lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import Tensor, grade, matches, tensor_problem
 from .probe import row_dependency
 
+try:  # at import: on a CPU it sets TRITON_INTERPRET before anything else imports Triton (torch.profiler does)
+    from ..ops import triton_varlen
+except ImportError as exc:  # no Triton wheel here
+    triton_varlen, NO_TRITON = None, f"the Triton kernel does not run here ({exc})"
+
 BATCHES = [[10, 30], [5], [1, 1, 1], [7, 1, 12, 3], [30, 10]]
+
+
+# ---- claims helpers: what the engine computes, measured ---------------------------------------------
+
+@contextlib.contextmanager
+def threads(n: int | None):
+    """Run the block on ``n`` CPU threads (None: PyTorch's setting), the count restored after: on a shared machine
+    a multi-threaded op waits for its slowest thread, often descheduled."""
+    saved = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(check_int("cpu_threads", n, 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def sweep_attention(rs: Sequence[int], backends: Sequence[str], length: int = 64, n_heads: int = 8, d_head: int = 64,
+                    rounds: int = 5, device="cpu", dtype: torch.dtype = torch.float32, cpu_threads: int | None = 1) -> dict:
+    """``{backend: {"ms": [...], "mib": [...]}}`` in the order of ``rs``: one attention call on R requests of
+    ``length`` tokens, its fastest time and its peak memory. After a warm-up round, ``rounds`` rounds call every
+    (R, backend) pair once, interleaved, so that a burst of load slows one call of each pair, not a series; on a
+    CPU on ``cpu_threads`` threads. Shown in lesson 03, never asserted."""
+    check_int("rounds", rounds, 1)
+    calls = {}
+    for r in rs:
+        q, k, v, cu = random_qkv([length] * r, n_heads, d_head, seed=r, device=device, dtype=dtype)
+        calls |= {(r, b): functools.partial(varlen_attention, q, k, v, cu, causal=False, backend=b) for b in backends}
+    best = dict.fromkeys(calls, float("inf"))
+    with threads(cpu_threads if torch.device(device).type == "cpu" else None):
+        for round_ in range(rounds + 1):
+            for key, call in calls.items():
+                t0 = time.perf_counter()
+                call()
+                synchronize(device)
+                if round_:  # round 0 warms up
+                    best[key] = min(best[key], time.perf_counter() - t0)
+        return {b: {"ms": [best[r, b] * 1e3 for r in rs], "mib": [peak_bytes(calls[r, b], device) / 2**20 for r in rs]}
+                for b in backends}
+
+
+def attention_dependency(seq_lens: Sequence[int], backend: str | None = "loop", causal: bool = True,
+                         seed: int = 0) -> Tensor:
+    """Bool ``[T, T]``, measured with ``probe.row_dependency``: True where output row i of attention
+    changes when input row j does. Each row's q, k and v (one head of 8) are cut from its 24 numbers.
+    ``backend=None``: plain attention over all T rows as one sequence (no ``cu_seqlens``)."""
+    lens = check_lengths(seq_lens)
+    cu = seq_lens_to_cu_seqlens(lens)
+    x = torch.randn(sum(lens), 24, generator=torch.Generator().manual_seed(seed))
+
+    def attend(t):                                              # [T, 24] -> [T, 1, 8]
+        q, k, v = (t[:, i:i + 8].reshape(-1, 1, 8) for i in (0, 8, 16))
+        if backend is None:
+            return plain_attention(q, k, v, causal=causal)
+        return varlen_attention(q, k, v, cu, causal=causal, backend=backend)
+
+    return row_dependency(attend, x)
+
+
+def cross_request_pairs(dep: Tensor, seq_lens: Sequence[int]) -> int:
+    """How many True pairs of a ``[T, T]`` dependency map join rows of two different requests."""
+    lens = check_lengths(seq_lens)
+    owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    return int((dep & (owner[:, None] != owner[None, :])).sum())
+
+
+def kernel_work(seq_lens: Sequence[int], tile: int, causal: bool = True, seed: int = 0):
+    """Run the engine's Triton varlen kernel (``ops.triton_varlen``) once on random q, k, v for ``seq_lens``, one head
+    of 64, with ``tile x tile`` tiles, under ``count_work``: on a GPU in bfloat16 when there is one, else on the CPU
+    under Triton's interpreter in float32 (each program runs in NumPy: keep the lengths to a few tiles).
+
+    Returns ``(counted, predicted)``, two ``tiling.WorkCounts`` (the kernel's own counters, and
+    ``tiling.predict_work`` for the same launch), or ``(None, why)`` where Triton does not import (no Linux wheel)."""
+    lens = check_lengths(seq_lens)
+    if triton_varlen is None:
+        return None, f"{NO_TRITON}; tiling.predict_work still counts it"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    q, k, v, cu = random_qkv(lens, 1, 64, seed=seed, device=device,
+                             dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    with triton_varlen.count_work() as counted:
+        triton_varlen.triton_varlen_attention(q, k, v, cu, causal=causal, block_m=tile, block_n=tile)
+    return counted, predict_work(lens, n_heads=1, block_m=tile, block_n=tile, causal=causal)
+
 
 
 # ---- the three pictures -----------------------------------------------------------------------------
 
 def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = False,
                          max_pixels: int | None = None, whole_blocks: bool = False) -> np.ndarray:
-    """The score matrix of one head in one layer, one code per cell (SKIPPED, USEFUL, WASTED).
+    """The score matrix of one head in one layer, ``uint8 [n, n]``, one code per cell (SKIPPED, USEFUL, WASTED).
 
-    ``masked`` and ``varlen`` are ``[T, T]`` over the flat rows. ``padded`` is drawn as the
-    ``[R·Lmax, R·Lmax]`` block-diagonal of its R separate ``[Lmax, Lmax]`` matrices, so all
-    three pictures share one layout. Counting the codes of the full-size grid gives exactly
-    ``flops.attention_cells(seq_lens, method, causal)``: with ``causal=True``, ``varlen`` is an
-    ideal causal kernel that computes only each block's lower triangle.
-
-    ``whole_blocks=True`` (varlen, causal): what the engine's loop and sdpa backends do instead:
-    compute each request's whole ``L_i x L_i`` block, then mask its upper triangle (computed,
-    thrown away). Computed = Σ L_i², as in the whole-block count.
-
-    ``max_pixels``: sample at most that many rows/columns (for drawing large batches); the
-    sampled grid is a picture, not a count. Returns ``uint8 [n, n]``.
+    ``masked`` and ``varlen``: ``[T, T]`` over the flat rows; ``padded``: its R ``[Lmax, Lmax]`` matrices along
+    the diagonal of ``[R·Lmax, R·Lmax]``. The full-size grid's codes count ``flops.attention_cells(seq_lens,
+    method, causal)`` (causal varlen: an ideal kernel, lower triangles only); ``whole_blocks=True`` (causal
+    varlen): the engine's loop, whole blocks with the upper triangles computed and thrown away.
+    ``max_pixels``: sample at most that many rows/columns (a picture, not a count).
     """
     lens = check_lengths(seq_lens)
     if method not in METHODS:
@@ -110,15 +193,12 @@ def _sample(n: int, max_pixels: int | None) -> np.ndarray:
     return (np.arange(max_pixels) * n + n // 2) // max_pixels  # cell centres, evenly spread
 
 
-PANEL_TITLES = {("padded", False): "padded", ("masked", False): "masked", ("varlen", False): "varlen"}
-CAUSAL_TITLES = {("padded", False): "padded", ("masked", False): "masked",
-                 ("varlen", True): "varlen: our loop\n(whole blocks, upper half masked)",
-                 ("varlen", False): "varlen: ideal causal kernel\n(no masked cell computed)"}
+CAUSAL_VARLEN_TITLES = {True: "varlen: our loop\n(whole blocks, upper half masked)",
+                        False: "varlen: ideal causal kernel\n(no masked cell computed)"}  # by whole_blocks
 
 
 def panel_cells(seq_lens: Sequence[int], method: str, causal: bool = False, whole_blocks: bool = False):
-    """``AttentionCells`` of one panel: ``flops.attention_cells``, except a causal varlen panel
-    with ``whole_blocks`` computes the whole blocks (Σ L²) of which only the triangles are useful."""
+    """``flops.attention_cells``, except that causal varlen with ``whole_blocks`` computes Σ L² (the whole blocks)."""
     cells = attention_cells(seq_lens, method, causal)
     if method == "varlen" and causal and whole_blocks:
         computed = attention_cells(seq_lens, "varlen").computed
@@ -126,8 +206,8 @@ def panel_cells(seq_lens: Sequence[int], method: str, causal: bool = False, whol
     return cells
 
 
-def _draw_attention(ax, lens: list[int], method: str, causal: bool, max_pixels: int | None,
-                    whole_blocks: bool = False, title: str | None = None) -> None:
+def _draw_attention(ax, lens: list[int], method: str, causal: bool, max_pixels: int | None, whole_blocks: bool,
+                    title: str) -> None:
     grid = attention_categories(lens, method, causal, max_pixels, whole_blocks)
     lmax = max(lens)
     n = len(lens) * lmax if method == "padded" else sum(lens)
@@ -154,27 +234,24 @@ def _draw_attention(ax, lens: list[int], method: str, causal: bool, max_pixels: 
         ax.set_xlabel("key row (flat)", fontsize=MIN_FONT)
     ax.tick_params(labelsize=MIN_FONT, length=2)
     c = panel_cells(lens, method, causal, whole_blocks)
-    name = title or method
-    ax.set_title(f"{name}\ncomputed {c.computed}\nuseful {c.useful} | wasted {c.wasted}", fontsize=MIN_FONT + 1)
+    ax.set_title(f"{title}\ncomputed {c.computed}\nuseful {c.useful} | wasted {c.wasted}", fontsize=MIN_FONT + 1)
 
 
 def attention_patterns(seq_lens: Sequence[int], methods: Sequence[str] = METHODS, causal: bool = False,
                        figsize=None, max_pixels: int | None = 400) -> Figure:
-    """The attention pictures of claims C2, C8, C10 side by side, one axis per panel.
+    """The pictures of claims C2, C8, C10, one axis per panel, the cell counts per head per layer in each title.
 
-    Each title carries the cell counts, per head per layer. ``causal=False`` counts whole blocks
-    (the article's pictures): one panel per method. ``causal=True`` keeps only each block's lower
-    triangle useful and draws varlen twice: as the engine's loop and sdpa run it (whole blocks,
-    upper triangles computed then masked) and as a causal kernel that skips them.
+    ``causal=False``: whole blocks (the article's pictures). ``causal=True``: only each block's lower triangle is
+    useful, and varlen is drawn twice: the engine's loop (whole blocks) and an ideal causal kernel.
     """
     lens = check_lengths(seq_lens)
-    titles = CAUSAL_TITLES if causal else PANEL_TITLES
     panels = [(m, wb) for m in methods for wb in ((True, False) if causal and m == "varlen" else (False,))]
     figsize = figsize or (2.9 * len(panels) + 0.6, 4.6)
     fig = Figure(figsize=figsize)
     axes = np.atleast_1d(fig.subplots(1, len(panels)))
     for ax, (method, whole) in zip(axes, panels):
-        _draw_attention(ax, lens, method, causal, max_pixels, whole, titles.get((method, whole), method))
+        title = CAUSAL_VARLEN_TITLES[whole] if causal and method == "varlen" else method
+        _draw_attention(ax, lens, method, causal, max_pixels, whole, title)
     axes[0].set_ylabel("query row", fontsize=MIN_FONT)
     fig.legend(handles=[Patch(facecolor=CELL_COLORS[k], edgecolor=TEXT, label=CELL_LABELS[k])
                         for k in (USEFUL, WASTED, SKIPPED)], loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
@@ -206,66 +283,20 @@ def masked_growth(length: int = 64, num_requests: Sequence[int] = (1, 2, 4, 8, 1
     return fig
 
 
-def sweep_attention(rs: Sequence[int], backends: Sequence[str], length: int = 64, n_heads: int = 8, d_head: int = 64,
-                    rounds: int = 5, device="cpu", dtype: torch.dtype = torch.float32, cpu_threads: int | None = 1) -> dict:
-    """Time and peak memory of one attention call for R requests of ``length`` tokens, per backend.
-
-    Every (R, backend) pair runs once to warm up; then ``rounds`` rounds each call every pair once,
-    interleaved, and each pair keeps its fastest call: a burst of load on a shared machine then
-    slows one call of each pair, not a whole series. On a CPU the calls run on ``cpu_threads``
-    threads (one by default: a multi-threaded op waits for its slowest thread, and on a shared
-    machine that thread is often descheduled; None keeps PyTorch's setting). Returns
-    ``{backend: {"ms": [...], "mib": [...]}}`` in the order of ``rs``. Shown in lesson 03, never asserted.
-    """
-    check_int("rounds", rounds, 1)
-    saved = torch.get_num_threads()
-    if cpu_threads is not None and torch.device(device).type == "cpu":
-        torch.set_num_threads(check_int("cpu_threads", cpu_threads, 1))
-    try:
-        return _sweep(rs, backends, length, n_heads, d_head, rounds, device, dtype)
-    finally:
-        torch.set_num_threads(saved)
-
-
-def _sweep(rs, backends, length, n_heads, d_head, rounds, device, dtype) -> dict:
-    calls = {}
-    for r in rs:
-        q, k, v, cu = random_qkv([length] * r, n_heads, d_head, seed=r, device=device, dtype=dtype)
-        for b in backends:
-            calls[r, b] = functools.partial(varlen_attention, q, k, v, cu, causal=False, backend=b)
-    best = dict.fromkeys(calls, float("inf"))
-    for call in calls.values():  # warm-up
-        call()
-    synchronize(device)
-    for _ in range(rounds):
-        for key, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            synchronize(device)
-            best[key] = min(best[key], time.perf_counter() - t0)
-    return {b: {"ms": [best[r, b] * 1e3 for r in rs], "mib": [peak_bytes(calls[r, b], device) / 2**20 for r in rs]}
-            for b in backends}
-
-
 GUIDE_OFFSET = 2.0  # the slope guides of measured_sweep sit this factor below the last measured point
 
 
-def measured_sweep(rs: Sequence[int], masked_ms: Sequence[float], varlen_ms: Sequence[float], length: int,
-                   varlen_name: str, where: str, masked_mib: Sequence[float] | None = None,
-                   varlen_mib: Sequence[float] | None = None) -> Figure:
-    """Measured time (and peak memory, when given) of masked vs varlen attention as R grows
-    (shown in the lesson, never asserted)."""
-    memory = masked_mib is not None and varlen_mib is not None
-    fig = Figure(figsize=(9.6 if memory else 6.4, 4.4))
-    axes = fig.subplots(1, 2) if memory else [fig.add_subplot()]
-    series = [(axes[0], masked_ms, varlen_ms, "ms per call (fastest of several)")]
-    if memory:
-        series.append((axes[1], masked_mib, varlen_mib, "peak memory of one call (MiB)"))
-    for ax, masked, varlen, ylabel in series:
-        ax.plot(list(rs), list(masked), "o-", color=TEXT, label="masked (full T x T scores)")
-        ax.plot(list(rs), list(varlen), "s-.", color=TEXT, label=f"varlen ({varlen_name})")
+def measured_sweep(rs: Sequence[int], runs: dict, length: int, where: str) -> Figure:
+    """``sweep_attention``'s runs of masked and one varlen backend as R grows: time and peak memory, each beside
+    slope-2 and slope-1 guides drawn at half the last point (shown in the lesson, never asserted)."""
+    (_, masked), (varlen_name, varlen) = runs.items()
+    fig = Figure(figsize=(9.6, 4.4))
+    axes = fig.subplots(1, 2)
+    for ax, key, ylabel in zip(axes, ("ms", "mib"), ("ms per call (fastest of several)", "peak memory of one call (MiB)")):
+        ax.plot(list(rs), masked[key], "o-", color=TEXT, label="masked (full T x T scores)")
+        ax.plot(list(rs), varlen[key], "s-.", color=TEXT, label=f"varlen ({varlen_name})")
         # reference slopes, drawn at half the last point so that they run beside the measured lines, not over them
-        for slope, ys, style in ((2, masked, (0, (6, 3))), (1, varlen, (0, (3, 3)))):
+        for slope, ys, style in ((2, masked[key], (0, (6, 3))), (1, varlen[key], (0, (3, 3)))):
             x0, y0 = rs[-1], ys[-1] / GUIDE_OFFSET
             ax.plot(list(rs), [y0 * (r / x0) ** slope for r in rs], color=TEXT, linewidth=0.8, linestyle=style,
                     label=f"guide, slope {slope} (grows like R{'²' if slope == 2 else ''}), drawn at half")
@@ -278,628 +309,10 @@ def measured_sweep(rs: Sequence[int], masked_ms: Sequence[float], varlen_ms: Seq
     # one legend for both panels, below them, so that no line runs through its text
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=MIN_FONT, frameon=False)
     axes[0].set_title("time: noisy on a shared machine", fontsize=MIN_FONT + 1)
-    if memory:
-        axes[1].set_title("memory: the same on every run", fontsize=MIN_FONT + 1)
+    axes[1].set_title("memory: the same on every run", fontsize=MIN_FONT + 1)
     fig.suptitle(f"one attention call, 8 heads of 64, measured on {where}", fontsize=MIN_FONT + 1)
-    fig.subplots_adjust(left=0.09 if memory else 0.15, right=0.98, bottom=0.29, top=0.86, wspace=0.3)
+    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.29, top=0.86, wspace=0.3)
     return fig
-
-
-# ---- what the engine really computes ----------------------------------------------------------------
-
-def attention_dependency(seq_lens: Sequence[int], backend: str | None = "loop", causal: bool = True,
-                         seed: int = 0) -> Tensor:
-    """Bool ``[T, T]``, measured with ``probe.row_dependency``: True where output row i of attention
-    changes when input row j does. Each row's q, k and v (one head of 8) are cut from its 24 numbers.
-    ``backend=None``: plain attention over all T rows as one sequence (no ``cu_seqlens``)."""
-    lens = check_lengths(seq_lens)
-    cu = seq_lens_to_cu_seqlens(lens)
-    x = torch.randn(sum(lens), 24, generator=torch.Generator().manual_seed(seed))
-
-    def attend(t):                                              # [T, 24] -> [T, 1, 8]
-        q, k, v = (t[:, i:i + 8].reshape(-1, 1, 8) for i in (0, 8, 16))
-        if backend is None:
-            return plain_attention(q, k, v, causal=causal)
-        return varlen_attention(q, k, v, cu, causal=causal, backend=backend)
-
-    return row_dependency(attend, x)
-
-
-def cross_request_pairs(dep: Tensor, seq_lens: Sequence[int]) -> int:
-    """How many True pairs of a ``[T, T]`` dependency map join rows of two different requests."""
-    lens = check_lengths(seq_lens)
-    owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    return int((dep & (owner[:, None] != owner[None, :])).sum())
-
-
-# ---- the attention-run explorer: the engine's backends on the learner's lengths ------------------------
-
-RUN_BACKENDS = ("loop", "masked", "padded", "varlen")
-RUN_MAX_REQUESTS, RUN_MAX_LENGTH, RUN_MAX_TOKENS = 16, 512, 1024
-RUN_HEADS, RUN_D_HEAD, RUN_TILE = 8, 64, 128
-RUN_DEFAULT = "10, 30"
-
-
-def run_lengths(lengths) -> list[int]:
-    """The explorer's lengths: a string ``"10, 30, 5"`` or a list of ints; at most ``RUN_MAX_REQUESTS``
-    requests of 1..``RUN_MAX_LENGTH`` tokens and ``RUN_MAX_TOKENS`` in all (masked attention stores a
-    ``T x T`` score matrix per head: past 1024 rows one call takes seconds on a small CPU)."""
-    if isinstance(lengths, str):
-        lens = parse_lengths(lengths, max_requests=RUN_MAX_REQUESTS, max_length=RUN_MAX_LENGTH)
-    else:
-        lens = check_lengths(lengths)
-        if not lens:
-            raise ValueError("lengths is empty: give at least one request length")
-        if len(lens) > RUN_MAX_REQUESTS or max(lens) > RUN_MAX_LENGTH:
-            raise ValueError(f"lengths: at most {RUN_MAX_REQUESTS} requests of 1..{RUN_MAX_LENGTH} tokens, got {lens}")
-    if sum(lens) > RUN_MAX_TOKENS:
-        raise ValueError(f"lengths: at most {RUN_MAX_TOKENS} tokens in all (the masked backend stores T x T scores "
-                         f"per head), got T = {sum(lens)}; use shorter or fewer requests")
-    return lens
-
-
-def backend_of(name: str) -> str:
-    """The engine backend behind an explorer row: ``varlen`` is what ``backend="auto"`` picks on the CPU."""
-    if name not in RUN_BACKENDS:
-        raise ValueError(f"unknown explorer backend {name!r}; choose one of {RUN_BACKENDS}")
-    return resolve_backend("auto", "cpu", torch.float32, RUN_D_HEAD) if name == "varlen" else name
-
-
-def predicted_cells(seq_lens: Sequence[int], name: str, causal: bool) -> int:
-    """Score cells per head the backend ``name`` computes (loop, masked, padded) or is handed (sdpa),
-    from ``flops.attention_cells``: masked and padded compute their whole matrices; the loop computes
-    each request's whole block and masks its upper triangle inside it. sdpa is handed the same whole
-    blocks; with ``is_causal`` PyTorch's CPU kernel stops each query block at the diagonal's key block,
-    so what it executes can be less, and is not visible from Python."""
-    method = "varlen" if name in ("loop", "varlen") else backend_of(name)
-    return attention_cells(seq_lens, method, causal=causal and method != "varlen").computed
-
-
-def _largest_score_bytes(rec: OpRecorder, itemsize: int) -> int | None:
-    """Bytes of the largest score tensor a softmax was handed (None: a fused kernel, no tensor stored)."""
-    shapes = [op.args[0].shape for op in rec.named(*SOFTMAX_OPS)]
-    return max(math.prod(s) for s in shapes) * itemsize if shapes else None
-
-
-def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0, repeats: int = 2) -> dict:
-    """Run each of ``RUN_BACKENDS`` once under ``OpRecorder`` on random q, k, v (``random_qkv``, 8 heads
-    of 64, float32, CPU) for the given lengths and return
-    ``{"seq_lens", "causal", "useful", "in_blocks", "bound", "wasted", "causal_masked", "tiled", "rows": {name: row}}``,
-    each row
-    ``{"backend", "cells", "predicted", "scores", "largest_bytes", "error", "ms"}``:
-
-    - ``cells``: score cells per head the recorder saw (``rec.cells // H``); ``scores``: how many score
-      matrices (one per request for the loop, one per length group for sdpa);
-    - ``predicted``: ``predicted_cells`` (``flops.attention_cells``); ``useful``: what the mask keeps;
-    - ``largest_bytes``: the largest score tensor handed to a softmax (from the recorder's shapes; None
-      for a fused kernel, which never stores one);
-    - ``error``: max |out - fp64 reference|, against ``bound`` (``tolerance``); ``ms``: fastest of
-      ``repeats`` calls on this CPU, on one thread (noisy, shown, never asserted);
-    - ``in_blocks``: the cells inside the requests' own ``L_i x L_i`` blocks, measured: every cell the loop computed;
-    - ``wasted``: ``{"masked", "padded"}``: the cells each computed (measured) minus ``in_blocks``, i.e. the cells
-      outside every request's block (masking's cross-request cells, padding's pad cells): which of the two wastes
-      more on these lengths;
-    - ``causal_masked``: ``in_blocks - useful``, the cells inside the blocks above the causal diagonal (0 without
-      the causal mask), which loop, masked and padded all compute and throw away alike;
-    - ``tiled``: ``tiling.predict_work`` for a FlashAttention-style kernel with 128 x 128 tiles, one head
-      (not run here: its tiles, the cells they execute and the cells inside the requests).
-    """
-    lens = run_lengths(lengths)
-    check_int("repeats", repeats, 1, 100)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: steadier times on a shared machine, the same rounding in every process
-    try:
-        return _attention_run(lens, bool(causal), seed, repeats)
-    finally:
-        torch.set_num_threads(saved)
-
-
-def _attention_run(lens: list[int], causal: bool, seed: int, repeats: int) -> dict:
-    q, k, v, cu = random_qkv(lens, RUN_HEADS, RUN_D_HEAD, seed=seed)
-    ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
-    rows = {}
-    for name in RUN_BACKENDS:
-        backend = backend_of(name)
-        call = functools.partial(varlen_attention, q, k, v, cu, causal=causal, backend=backend)
-        with OpRecorder() as rec:
-            out = call()
-        rows[name] = {"backend": backend, "cells": rec.cells // RUN_HEADS, "predicted": predicted_cells(lens, name, causal),
-                      "scores": len(rec.scores), "largest_bytes": _largest_score_bytes(rec, q.element_size()),
-                      "error": max_abs_diff(out, ref64), "ms": time_call(call, repeats=repeats, warmup=0) * 1e3}
-    useful = attention_cells(lens, "varlen", causal).useful
-    in_blocks = rows["loop"]["cells"]  # the loop computes each request's whole block and nothing else
-    return {"seq_lens": lens, "causal": causal, "useful": useful, "in_blocks": in_blocks, "bound": tolerance(ref, ref64),
-            "rows": rows, "wasted": {name: rows[name]["cells"] - in_blocks for name in ("masked", "padded")},
-            "causal_masked": in_blocks - useful,
-            "tiled": predict_work(lens, n_heads=1, block_m=RUN_TILE, block_n=RUN_TILE, causal=causal)}
-
-
-def _kib(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "no full score matrix (fused kernel)"
-    return f"{nbytes} B" if nbytes < 1024 else f"{nbytes / 1024:.1f} KiB"
-
-
-def run_label(state: dict, name: str) -> str:
-    backend = state["rows"][name]["backend"]
-    return {"loop": "loop (one call per request)", "varlen": f"varlen ({backend})"}.get(name, name)
-
-
-RUN_COLUMNS = ("backend", "cells computed (sdpa: handed in)", "predicted", "score matrices", "largest stored", "max err vs fp64",
-               "ms (this CPU)")
-
-
-def attention_run_html(state: dict) -> str:
-    """A ``<table>``: a header row of ``RUN_COLUMNS``, then one row per backend, e.g. ``loop (one call per
-    request) | 1000 | 1000 | 2 | 28.1 KiB | 6.87e-07 | 0.16``."""
-    head = "".join(f"<th style='padding:0 8px;text-align:left'>{c}</th>" for c in RUN_COLUMNS)
-    rows = [f"<tr>{head}</tr>"]
-    for name, r in state["rows"].items():
-        cells = (run_label(state, name), r["cells"], r["predicted"], r["scores"], _kib(r["largest_bytes"]),
-                 f"{r['error']:.2e}", f"{r['ms']:.2f}")
-        rows.append("<tr>" + "".join(f"<td style='padding:0 8px'>{c}</td>" for c in cells) + "</tr>")
-    return f"<table>{''.join(rows)}</table>"
-
-
-def attention_run_summary_html(state: dict) -> str:
-    """What every row is measured against: the useful cells, the error bound, the tiled kernel's prediction."""
-    lens, t = state["seq_lens"], state["tiled"]
-    mask = "the causal mask keeps" if state["causal"] else "useful (whole blocks)"
-    return (f"<div>lengths {lens} | T = {sum(lens)} rows | {RUN_HEADS} heads of {RUN_D_HEAD}, float32 | cells per head | "
-            f"{mask}: {state['useful']} | error bound {state['bound']:.2e} | time: this CPU, one thread, fastest of 2 "
-            f"calls, noisy</div><div>a tiled kernel (128 x 128 tiles, predicted by tiling.predict_work, not run here): "
-            f"{t.tiles} tiles, {t.executed_cells} cells executed, {t.cells} in-bounds cells of computed tiles</div>"
-            + _waste_html(state) + (_causal_html(state) if state["causal"] else ""))
-
-
-def _waste_html(state: dict) -> str:
-    """Masking against padding on these lengths, from the measured rows: the cells each computed outside the
-    requests' blocks; with the causal mask, the cells above the diagonal inside the blocks on a line of their own."""
-    m, p = state["wasted"]["masked"], state["wasted"]["padded"]
-    verdict = "a tie" if m == p else f"{'masking' if m > p else 'padding'} wastes more here"
-    line = (f"<div>measured waste outside the requests' blocks (cells computed minus the loop's {state['in_blocks']}): "
-            f"masked {m} cross-request cells, padded {p} pad cells per head: {verdict}</div>")
-    if state["causal"]:
-        line += (f"<div>not in that waste: the {state['causal_masked']} cells per head above the causal diagonal inside "
-                 "the blocks, computed and masked by loop, masked and padded alike: the causal mask's cost, not "
-                 "padding's or masking's</div>")
-    return line
-
-
-def _causal_html(state: dict) -> str:
-    """With the causal mask: the cells the loop computed and masked, against what sdpa was handed."""
-    loop, fused = state["rows"]["loop"], state["rows"]["varlen"]
-    return (f"<div>causal: the loop computed {loop['cells']} cells and masked {loop['cells'] - state['useful']} of "
-            f"them; {fused['backend']} was handed {fused['cells']} cells with is_causal, and its CPU kernel stops each "
-            "query block at the diagonal's key block: what it executes is not visible from Python</div>")
-
-
-def attention_run_predicted_html(state: dict) -> str:
-    """``flops.attention_cells`` for the three ways, one ``<div>`` each (``padded: computed 1800 | useful 520 |
-    wasted 1280``); with the causal mask the varlen line is an ideal kernel that computes no masked cell."""
-    lens, causal = state["seq_lens"], state["causal"]
-    rows = ["<div>flops.attention_cells predicts, for the three ways:</div>"]
-    for m in METHODS:
-        c = attention_cells(lens, m, causal)
-        note = " (an ideal causal kernel: no backend here computes this little)" if causal and m == "varlen" else ""
-        rows.append(f"<div>{m}: computed {c.computed} | useful {c.useful} | wasted {c.wasted}{note}</div>")
-    return "".join(rows)
-
-
-def is_fused(state: dict, name: str) -> bool:
-    """True when the row's backend is one fused kernel (sdpa): the recorder reads the cells it is handed."""
-    return state["rows"][name]["largest_bytes"] is None
-
-
-def attention_run_figure(state: dict) -> Figure:
-    """Score cells per head of each backend on a linear axis, stacked: useful (useful colour), computed and thrown
-    away (wasted colour); a fused kernel's bar (sdpa) is white with an ink hatch: what it was handed, not what it
-    executed. Beside each bar: the cells, the largest score tensor the backend stored and its measured time."""
-    names = list(state["rows"])
-    rows = [state["rows"][n] for n in names]
-    useful = state["useful"]
-    fig = Figure(figsize=(8.4, 3.6))
-    ax = fig.add_subplot()
-    for i, (n, r) in enumerate(zip(names, rows)):
-        if is_fused(state, n):
-            ax.barh(i, r["cells"], color=NEVER, edgecolor=TEXT, hatch="///", linewidth=0.8,
-                    label="handed to a fused kernel (what it executes is not visible)")
-        else:
-            ax.barh(i, useful, color=CELL_COLORS[USEFUL], label=CELL_LABELS[USEFUL])
-            if state["causal_masked"]:
-                ax.barh(i, state["causal_masked"], left=useful, color=CELL_COLORS[WASTED], edgecolor=TEXT, hatch="\\\\",
-                        linewidth=0.5, label="thrown away: above the causal diagonal")
-            ax.barh(i, max(r["cells"] - state["in_blocks"], 0), left=state["in_blocks"], color=CELL_COLORS[WASTED],
-                    label="thrown away: outside the blocks (cross or pad)")
-        ax.text(r["cells"], i, f" {r['cells']}", va="center", fontsize=MIN_FONT)
-        stored = "no full score matrix" if r["largest_bytes"] is None else f"stores {_kib(r['largest_bytes'])}"
-        ax.text(1.02, i, f"{stored}, {r['ms']:.2f} ms", va="center", fontsize=MIN_FONT,
-                transform=ax.get_yaxis_transform())
-    ax.set_xlim(0, max(r["cells"] for r in rows) * 1.2)
-    ax.xaxis.set_major_locator(MaxNLocator(5))
-    ax.set_yticks(range(len(names)), [run_label(state, n) for n in names], fontsize=MIN_FONT)
-    ax.invert_yaxis()
-    ax.tick_params(labelsize=MIN_FONT)
-    ax.set_xlabel(f"score cells per head (OpRecorder), linear; useful: {useful}", fontsize=MIN_FONT)
-    handles, labels = ax.get_legend_handles_labels()
-    keep = dict(zip(labels, handles))
-    fig.legend(keep.values(), keep.keys(), fontsize=MIN_FONT, loc="lower center", ncol=2, frameon=False)
-    kind = "causal" if state["causal"] else "no causal mask"
-    tiled = state["tiled"]
-    ax.set_title(f"score cells per head, lengths {short_lens(state['seq_lens'])} ({kind}); right: largest score "
-                 f"tensor stored, time on this CPU\na 128 x 128 tiled kernel would execute {tiled.executed_cells} "
-                 f"cells in {tiled.tiles} tiles", fontsize=MIN_FONT + 1)
-    fig.subplots_adjust(left=0.22, right=0.74, bottom=0.25, top=0.84)
-    return fig
-
-
-def attention_run_explorer(lengths: str = RUN_DEFAULT, causal: bool = True):
-    """VBox class ``arx``: Text ``arx-lengths`` (Enter to run), Checkbox ``arx-causal``; HTML ``arx-status``
-    (running / the error for bad input), HTML ``arx-summary`` (lengths, useful cells, bound, tiled kernel),
-    HTML ``arx-rows`` (one line per backend), HTML ``arx-predicted`` (``flops.attention_cells`` of the three ways;
-    also class ``dbx-counts``, the name the site test reads), Output ``arx-figure`` (measured cells per backend)."""
-    w = ipywidgets_module()
-    text = tagged(w.Text(value=lengths, description="lengths", continuous_update=False), "arx-lengths")
-    causal_box = tagged(w.Checkbox(value=causal, description="causal"), "arx-causal")
-    status, summary, rows = tagged(w.HTML(), "arx-status"), tagged(w.HTML(), "arx-summary"), tagged(w.HTML(), "arx-rows")
-    predicted = tagged(tagged(w.HTML(), "arx-predicted"), "dbx-counts")
-    out = tagged(w.Output(), "arx-figure")
-
-    def update(change=None):
-        status.value = "<div>running the four backends ...</div>"
-        try:
-            state = attention_run_state(text.value, causal_box.value)
-        except ValueError as exc:
-            status.value = f"<div>not run: {exc} (the numbers below are still those of the last input that ran)</div>"
-            return
-        summary.value = attention_run_summary_html(state)
-        rows.value = attention_run_html(state)
-        predicted.value = attention_run_predicted_html(state)
-        show_figure(out, attention_run_figure(state))
-        status.value = f"<div>ran on lengths {state['seq_lens']}, causal {state['causal']}</div>"
-
-    return explorer("arx", [text, causal_box], [status, summary, rows, predicted, out], update)
-
-
-# ---- exercises -------------------------------------------------------------------------------------------
-
-def _qkv(lens, h, d, seed):
-    return (*random_qkv(lens, h, d, seed=seed), max(lens))
-
-
-def _where_wrong(got: Tensor, want: Tensor, cu: list[int], max_seqlen: int | None = None) -> str:
-    """Where the first wrong row is; and, when that row is also a gathered slot PAST the end of an
-    earlier request (its row ``cu[j] + p`` with ``p >= L_j``), the likely cause: every slot of the
-    ``[R, max_seqlen]`` batch was written back, a pad query's output over a real row."""
-    bad = ((got.double() - want.double()).abs() > 1e-4) | ~torch.isfinite(got)
-    rows = bad.flatten(1).any(dim=1).nonzero()
-    if not rows.numel():
-        return ""
-    row = int(rows[0])
-    r = max(i for i in range(len(cu) - 1) if cu[i] <= row)
-    where = f" (first wrong row {row}: request {r}, position {row - cu[r]})"
-    t = cu[-1]
-    pads = [j for j in range(len(cu) - 1) if max_seqlen is not None
-            and any(min(cu[j] + p, t - 1) == row for p in range(cu[j + 1] - cu[j], max_seqlen))]
-    if pads:
-        j = pads[0]
-        clamped = " (clamped to the last row)" if cu[j] + max_seqlen > t else ""
-        where += (f". Row {row} is also where a gathered slot past request {j}'s end ({cu[j + 1] - cu[j]} tokens) "
-                  f"points{clamped}: a pad query. Writing back all R x max_seqlen slots puts a pad query's output "
-                  f"over request {r}'s real row; write back only the slots that hold a token (position < L_i)")
-    return where
-
-
-def _engine_case(fn) -> tuple[float, float] | str:
-    """The reader's function as the attention of a small engine model, against the loop backend."""
-    cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=100, max_position=64)
-    weights = init_weights(cfg, seed=1)
-    g = torch.Generator().manual_seed(2)
-    batch = pack([torch.randint(0, 100, (n,), generator=g) for n in (9, 3, 14)])
-    model = Transformer(cfg, weights)
-    ref = model.forward(batch, attn_backend="loop")
-    ref64 = float64_twin(model).forward(batch, attn_backend="loop")
-    got = model.forward(batch, attn_backend=fn)
-    return max_abs_diff(got, ref64), tolerance(ref, ref64)
-
-
-def _reads_later_keys(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> int | None:
-    """The first request whose query 0 changes when the keys and values at positions 1.. of that same
-    request are replaced (a causal query 0 reads key 0 only), or None. Measured by running ``fn`` again."""
-    try:
-        base = _as_backend(fn, q, k, v, cu, max_seqlen)
-        bounds = cu.tolist()
-        for j, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if e - s < 2:
-                continue
-            k2, v2 = k.clone(), v.clone()
-            k2[s + 1:e], v2[s + 1:e] = k2[s + 1:e] + 1.0, v2[s + 1:e] + 1.0
-            got = _as_backend(fn, q, k2, v2, cu, max_seqlen)
-            if isinstance(got, Tensor) and isinstance(base, Tensor) and got.shape == base.shape and \
-                    not torch.allclose(got[s].double(), base[s].double(), atol=1e-5, rtol=0, equal_nan=True):
-                return j
-    except Exception:  # the answer is already wrong; this only refines the message
-        return None
-    return None
-
-
-def _as_backend(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> Tensor:
-    """``fn`` called as the engine calls an attention backend (``flash_attn_varlen_func``'s contract),
-    for causal self-attention: ``cu_seqlens_k = cu_seqlens_q``, scale ``1 / sqrt(D)``."""
-    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, softmax_scale=1.0 / math.sqrt(q.shape[-1]))
-
-
-def _engine_attention_codes() -> dict:
-    """The code of the engine's own attention (every backend, the entry points that reach one, and the Triton
-    kernel's module), by what a learner would call it: exercise 03.1 asks for the launch, not for a call into it."""
-    a = _engine_attention
-    codes = {f.__code__: f"its {name!r} backend" for name, f in a.IMPLS.items()}
-    for f in (a.attention_forward, a.varlen_attention, a.attention_ref, a.plain_attention, a.padded_attention, a._dense):
-        codes[f.__code__] = f.__name__
-    return codes
-
-
-def _engine_calls(call: Callable, *args) -> tuple[object, list[str]]:
-    """``call(*args)`` under a profile hook: its result, and which of the engine's attention functions ran inside it
-    (by name, in the order first entered). The hook only looks at Python calls; it changes no result."""
-    codes, seen = _engine_attention_codes(), []
-    triton_file = "triton_varlen.py"
-
-    def hook(frame, event, arg):
-        if event == "call":
-            code = frame.f_code
-            name = codes.get(code) or ("its Triton kernel" if code.co_filename.endswith(triton_file) else None)
-            if name and name not in seen:
-                seen.append(name)
-
-    old = sys.getprofile()
-    sys.setprofile(hook)
-    try:
-        got = call(*args)
-    finally:
-        sys.setprofile(old)
-    return got, seen
-
-
-def check_causal_varlen(fn: Callable) -> bool:
-    """Exercise 03.1: ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
-    softmax_scale=None) -> [T, H, D]``, causal varlen attention in ONE batched computation (a fixed number
-    of matmuls, whatever the number of requests), with the engine's contract for an attention backend
-    (it is plugged into a model as one)."""
-    cases = [_qkv([10, 30], 2, 8, 4), _qkv([3, 1, 5], 1, 4, 5), _qkv([4, 6, 6, 2], 2, 8, 6), ("engine",), ("one launch",)]
-
-    def judge(got, *case):
-        if case == ("engine",):
-            err, bound = got
-            return None if err <= bound else (f"plugged into a 2-layer model as its attention, the output is off by "
-                                              f"{err:.2e} (allowed {bound:.2e})")
-        if case == ("one launch",):
-            if not (isinstance(got, tuple) and len(got) == 4):
-                return f"expected a tensor [T, H, D], got {type(got).__name__}"
-            small, big, (cells, t), engine = got
-            if engine:
-                return (f"your function hands the attention to the engine ({' -> '.join(engine)}, in "
-                        "lessons_lib.core.attention): the launch is the engine's, not yours. Write it from matmuls, "
-                        "a causal mask and a softmax over one gathered [R, max_seqlen] batch (see the hint); "
-                        "block_diag_mask and causal_mask are allowed")
-            if cells >= t * t:
-                return (f"this is the masked way: T² cells. For 12 requests (T = {t}) your function computed {cells} "
-                        f"score cells per head, at least the whole T x T = {t * t}, most of them across requests. "
-                        "Gather each request's own rows into an [R, max_seqlen] batch instead")
-            if small == big:
-                return None
-            return (f"your function made {small} matmuls for 2 requests and {big} for 12 of distinct lengths: one per "
-                    "request (like the engine's loop) or per distinct length (like its sdpa path). "
-                    "Gather every request into one [R, max_seqlen] batch (see the hint) so that the "
-                    "number of matmuls does not grow with R")
-        q, k, v, cu, m = case
-        want = attention_ref(q, k, v, cu, causal=True)
-        problem = tensor_problem(got, want, atol=1e-5)
-        if problem is None:
-            return None
-        if matches(got, attention_ref(q, k, v, cu, causal=False), 1e-5):
-            return problem + " - no causal mask: query i of a request may only see keys 0..i of that request"
-        later = _reads_later_keys(fn, q, k, v, cu, m)
-        if later is not None:
-            return problem + (f" - causal mask missing: query 0 of request {later} reads later keys of its request "
-                              "(changing its keys 1.. changes its output). Mask keys j > i in every request")
-        if matches(got, plain_attention(q, k, v, causal=True), 1e-5):
-            return problem + " - queries read other requests' keys: each request needs its own rows only"
-        if matches(got, attention_ref(q, k, v, cu, causal=True, softmax_scale=1.0), 1e-5):
-            return problem + " - scale the scores by 1 / sqrt(d_head) before the softmax"
-        if isinstance(got, Tensor) and got.is_floating_point() and got.shape == want.shape and not torch.isfinite(got).all():
-            return (problem + " - NaN: some query has every key masked. A query must see ITSELF: mask keys j > i "
-                    "(triu(diagonal=1)), not j >= i" + _where_wrong(got, want, cu.tolist(), m))
-        return problem + (_where_wrong(got, want, cu.tolist(), m) if isinstance(got, Tensor) and got.shape == want.shape else "")
-
-    def run(*case):
-        if case == ("engine",):
-            return _engine_case(fn)
-        if case == ("one launch",):
-            made, engine = [], []
-            # 12 distinct lengths: a solution that groups equal lengths (the engine's sdpa path) makes one
-            # call per distinct length, so its matmul count grows too
-            for lens in ([5, 3], [5, 3, 8, 1, 12, 2, 7, 4, 10, 6, 11, 9]):
-                q, k, v, cu, m = _qkv(lens, 2, 8, 7)
-                with OpRecorder() as seen:
-                    got, called = _engine_calls(_as_backend, fn, q, k, v, cu, m)
-                if not isinstance(got, Tensor):
-                    return got
-                made.append(len(seen.matmuls))
-                engine += [c for c in called if c not in engine]
-            # score cells per head of the 12-request call: the softmaxed scores, or (no softmax op seen) the
-            # largest attention-shaped matmul output, so that a hand-written softmax does not hide T x T scores
-            biggest = max((mm.batch * mm.m * mm.n for mm in seen.matmuls), default=0)
-            return (*made, (max(seen.cells, biggest if not seen.cells else 0) // q.shape[1], q.shape[0]), engine)
-        return _as_backend(fn, *case)
-
-    run.__name__ = getattr(fn, "__name__", "fn")
-    return grade("causal_varlen", run, cases, judge,
-                 "causal varlen on 3 batches, inside a 2-layer model, with the same number of matmuls for 2 or 12 requests "
-                 "and no call into the engine's attention")
-
-
-# Exercise 03.2: counter-examples to two plausible rules of thumb. Each case is (rule, k); the batch the reader
-# returns is RUN on the engine's masked, padded and loop backends under OpRecorder, and the wastes are measured.
-COUNTER_RULES = {
-    "unequal": "when the longest request is at least k times the shortest, padding wastes more than masking",
-    "crowded": "when a batch holds at least k requests, masking wastes more than padding",
-}
-COUNTER_CASES = (("unequal", 10), ("unequal", 100), ("unequal", 500), ("crowded", 8), ("crowded", 16),
-                 ("crowded", 48))
-COUNTER_MAX_TOKENS, COUNTER_MAX_REQUESTS = 2048, 64
-
-
-def measured_wastes(seq_lens: Sequence[int]) -> dict:
-    """Score cells per head (one head, whole blocks, no causal mask) that the engine's ``masked`` and
-    ``padded`` backends compute, and the ``loop`` backend's (each request's own block: the useful ones),
-    all counted by ``OpRecorder`` while the backends run; ``wasted = computed - useful``."""
-    q, k, v, cu = random_qkv(list(seq_lens), 1, 4, seed=0)
-    cells = {}
-    for backend in ("loop", "masked", "padded"):
-        with OpRecorder() as rec:
-            varlen_attention(q, k, v, cu, causal=False, backend=backend)
-        cells[backend] = rec.cells
-    useful = cells["loop"]
-    return {"useful": useful, "masked": cells["masked"] - useful, "padded": cells["padded"] - useful}
-
-
-def _counter_problem(got, rule: str, k: int) -> str | None:
-    """What makes ``got`` no batch for this case (its type, its limits, the rule's condition), or None."""
-    if not isinstance(got, (list, tuple)) or not got or not all(isinstance(n, (int, np.integer)) and not
-                                                                 isinstance(n, bool) for n in got):
-        return f"expected a non-empty list of request lengths (ints), got {got!r}"
-    lens = [int(n) for n in got]
-    if min(lens) < 1 or sum(lens) > COUNTER_MAX_TOKENS or len(lens) > COUNTER_MAX_REQUESTS:
-        return (f"lengths {lens}: every request needs at least 1 token, at most {COUNTER_MAX_REQUESTS} requests "
-                f"and {COUNTER_MAX_TOKENS} tokens in all (this batch: {len(lens)} requests, {sum(lens)} tokens)")
-    if rule == "unequal" and max(lens) < k * min(lens):
-        return (f"lengths {lens}: the longest is only {max(lens) / min(lens):.3g} times the shortest; the rule "
-                f"speaks of batches where it is at least {k} times")
-    if rule == "crowded" and len(lens) < k:
-        return f"lengths {lens}: {len(lens)} requests; the rule speaks of batches of at least {k}"
-    return None
-
-
-def check_counter_example(fn: Callable[[str, int], list]) -> bool:
-    """Exercise 03.2: ``fn(rule, k) -> list of lengths``, a batch that breaks the rule of thumb
-    ``COUNTER_RULES[rule]`` for this ``k`` (whole blocks, no causal mask, per head per layer):
-
-    - ``"unequal"``: longest >= k x shortest, and masking wastes MORE score cells than padding;
-    - ``"crowded"``: at least k requests, and masking wastes FEWER score cells than padding.
-
-    The checker runs the batch on the engine's backends (``measured_wastes``) and, for a wrong batch,
-    shows both measured wastes and where each comes from. Graded on ``COUNTER_CASES``."""
-    def judge(got, rule, k):
-        problem = _counter_problem(got, rule, k)
-        if problem:
-            return problem
-        lens = [int(n) for n in got]
-        w = measured_wastes(lens)
-        m, p = w["masked"], w["padded"]
-        if (m > p) if rule == "unequal" else (m < p):
-            return None
-        verdict = ("a tie: masking wastes exactly as much as padding, not " + ("more" if rule == "unequal" else "less")
-                   if m == p else ("padding still wastes more" if rule == "unequal" else "masking still wastes more"))
-        longest = max(lens)
-        pads = ", ".join(f"{longest}² − {n}²" for n in sorted(set(lens)) if n < longest) or "nothing"
-        why = (f"Padding's waste is the pad cells of every request shorter than the longest ({pads}, once per such "
-               "request); masking's is the cells between every pair of different requests (2 · L_i · L_j a pair). ")
-        why += ("A rule about the shortest request cannot see how many requests are near the longest: what do "
-                "several long requests do to masking's pairs, and to padding's pad cells?" if rule == "unequal" else
-                "Many requests do not make pairs costly if most of them are small: what does one long request "
-                "among them do to padding, and what to masking?")
-        return (f"lengths {lens}: the rule {COUNTER_RULES[rule]!r} (k = {k}) still holds: measured on the engine's "
-                f"backends, masking wastes {m} cells per head and padding {p}: {verdict}. {why}")
-
-    return grade("counter_example", fn, list(COUNTER_CASES), judge,
-                 f"all {len(COUNTER_CASES)} batches break their rule, measured on the engine's masked, padded and "
-                 "loop backends")
-
-
-def _top_left_mask(cu_q: list[int], cu_k: list[int]) -> Tensor:
-    """The document mask with the causal diagonal from the TOP-left (query i sees keys 0..i): the usual slip."""
-    mask = torch.zeros(cu_q[-1], cu_k[-1], dtype=torch.bool)
-    for i in range(len(cu_q) - 1):
-        lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-        mask[cu_q[i]:cu_q[i + 1], cu_k[i]:cu_k[i + 1]] = torch.ones(lq, lk, dtype=torch.bool).tril()
-    return mask
-
-
-# Exercise 03.3's batches: (query lengths, key lengths); the last two have more keys than queries (a cached prefix)
-DOCUMENT_CASES = [(c, c) for c in BATCHES] + [([3, 2], [5, 2]), ([1, 4, 2], [6, 4, 9])]
-
-
-def check_document_mask(fn: Callable[[Tensor, Tensor], Callable]) -> bool:
-    """Exercise 03.3: ``fn(cu_seqlens_q, cu_seqlens_k) -> mask_mod``, where ``mask_mod(q_idx, kv_idx)`` takes two
-    integer tensors of flat row indices (broadcastable) and returns a bool tensor: True where query row ``q_idx``
-    may read key row ``kv_idx`` (same request, causal aligned bottom-right as ``flash_attn_varlen_func``:
-    query i of a request with L_q queries and L_k keys sees keys 0..i + L_k - L_q). The checker plugs the mask
-    into the engine's masked path (``attention._dense``: every cell computed, the mask applied) and compares
-    the output with the engine's varlen loop."""
-    from ..core.attention import _dense
-
-    def judge(got, cu_q, cu_k):
-        tq, tk = int(cu_q[-1]), int(cu_k[-1])
-        want = block_diag_mask(cu_q, causal=True, cu_seqlens_k=cu_k)
-        if not callable(got):
-            return f"expected a function mask_mod(q_idx, kv_idx), got {type(got).__name__}"
-        try:
-            grid = got(torch.arange(tq)[:, None], torch.arange(tk)[None, :])
-        except Exception as exc:  # explain any failure of the reader's mask_mod
-            return f"mask_mod(q_idx [T_q, 1], kv_idx [1, T_k]) raised {type(exc).__name__}: {exc}"
-        if not isinstance(grid, Tensor) or grid.shape != want.shape or grid.dtype != torch.bool:
-            return (f"mask_mod on a [T_q, 1] and a [1, T_k] index tensor must give a bool [T_q, T_k] = "
-                    f"{list(want.shape)}, got "
-                    f"{type(grid).__name__ if not isinstance(grid, Tensor) else f'{grid.dtype} {list(grid.shape)}'}")
-        q = random_qkv(lengths_of(cu_q), 2, 8, seed=tq)[0]
-        _, k, v, _ = random_qkv(lengths_of(cu_k), 2, 8, seed=tk + 1)
-        scale = 8 ** -0.5
-        out = _dense(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), grid, scale).transpose(0, 1)
-        ref = varlen_attention(q, k, v, cu_q, cu_k, causal=True, backend="loop")
-        if matches(out, ref, 1e-5):
-            return None
-        err = f"plugged into the engine's masked path, the output is off by {max_abs_diff(out, ref):.2e}: "
-        if torch.equal(grid, ~want):
-            return err + "the mask is inverted: True means 'may attend'"
-        if torch.equal(grid, block_diag_mask(cu_q, causal=False, cu_seqlens_k=cu_k)):
-            return err + "no causal part: a query also reads later tokens of its own request"
-        if tq == tk and torch.equal(grid, torch.ones(tq, tk, dtype=torch.bool).tril()):
-            return err + "plain causal over the flat rows: B's queries read A's keys (add: same request)"
-        if tq != tk and torch.equal(grid, _top_left_mask(cu_q.tolist(), cu_k.tolist())):
-            return (err + "the causal diagonal starts at the top-left. With more keys than queries (a cached prefix of "
-                    "L_k - L_q tokens), query i of a request is token L_k - L_q + i: it sees keys 0..i + L_k - L_q "
-                    "(causal aligned bottom-right)")
-        qi, ki = (grid != want).nonzero()[0].tolist()
-        return err + (f"{int((grid != want).sum())} cells differ, e.g. query row {qi}, key row {ki}: got "
-                      f"{bool(grid[qi, ki])}, expected {bool(want[qi, ki])}")
-    cases = [(seq_lens_to_cu_seqlens(q), seq_lens_to_cu_seqlens(k)) for q, k in DOCUMENT_CASES]
-    return grade("document_mask", fn, cases, judge,
-                 f"your mask in the engine's masked path equals varlen on {len(cases)} batches, cached prefixes included")
-
-
-def kernel_work(seq_lens: Sequence[int], tile: int, causal: bool = True, seed: int = 0):
-    """Run the engine's Triton varlen kernel (``ops.triton_varlen``) once on random q, k, v for ``seq_lens``, one head
-    of 64, with ``tile x tile`` tiles, under ``count_work``: on a GPU in bfloat16 when there is one, else on the CPU
-    under Triton's interpreter in float32 (each program runs in NumPy: keep the lengths to a few tiles).
-
-    Returns ``(counted, predicted)``, two ``tiling.WorkCounts`` (the kernel's own counters, and
-    ``tiling.predict_work`` for the same launch), or ``(None, why)`` where Triton does not import (no Linux wheel)."""
-    lens = check_lengths(seq_lens)
-    try:
-        from ..ops import triton_varlen
-    except ImportError as exc:
-        return None, f"the Triton kernel does not run here ({exc}); tiling.predict_work still counts it"
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    q, k, v, cu = random_qkv(lens, 1, 64, seed=seed, device=device,
-                             dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    with triton_varlen.count_work() as counted:
-        triton_varlen.triton_varlen_attention(q, k, v, cu, causal=causal, block_m=tile, block_n=tile)
-    return counted, predict_work(lens, n_heads=1, block_m=tile, block_n=tile, causal=causal)
-
-
-def lengths_of(cu: Tensor) -> list[int]:
-    return (cu[1:] - cu[:-1]).tolist()
 
 
 # ---- the 128-row tile -------------------------------------------------------------------------------
@@ -966,6 +379,493 @@ def tile_grid(tile: int = 128, short: Sequence[int] = ARTICLE_LENS, long: int = 
     fig.suptitle(f"a tiled kernel ({tile} x {tile} tiles, one head, causal) computes whole tiles", fontsize=MIN_FONT + 1)
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.21, top=0.8, wspace=0.25)
     return fig
+
+
+# ---- the attention-run explorer: the engine's backends on the learner's lengths ------------------------
+
+RUN_BACKENDS = ("loop", "masked", "padded", "varlen")
+RUN_MAX_REQUESTS, RUN_MAX_LENGTH, RUN_MAX_TOKENS = 16, 512, 1024
+RUN_HEADS, RUN_D_HEAD, RUN_TILE = 8, 64, 128
+RUN_DEFAULT = "10, 30"
+
+
+def run_lengths(lengths) -> list[int]:
+    """The explorer's lengths from ``"10, 30, 5"`` or a list of ints: at most ``RUN_MAX_REQUESTS`` requests of
+    1..``RUN_MAX_LENGTH`` tokens, ``RUN_MAX_TOKENS`` in all (masked attention stores ``T x T`` scores per head:
+    past 1024 rows one call takes seconds on a small CPU)."""
+    text = lengths if isinstance(lengths, str) else ", ".join(str(n) for n in check_lengths(lengths))
+    lens = parse_lengths(text, max_requests=RUN_MAX_REQUESTS, max_length=RUN_MAX_LENGTH)
+    if sum(lens) > RUN_MAX_TOKENS:
+        raise ValueError(f"lengths: at most {RUN_MAX_TOKENS} tokens in all (the masked backend stores T x T scores "
+                         f"per head), got T = {sum(lens)}; use shorter or fewer requests")
+    return lens
+
+
+def predicted_cells(seq_lens: Sequence[int], name: str, causal: bool) -> int:
+    """Score cells per head that ``flops.attention_cells`` predicts for an explorer row: masked and padded compute
+    their whole matrices, the loop each request's whole block (its upper triangle masked inside); sdpa is handed
+    the whole blocks (what its CPU kernel executes with ``is_causal`` is not visible from Python)."""
+    method = name if name in ("masked", "padded") else "varlen"
+    return attention_cells(seq_lens, method, causal=causal and method != "varlen").computed
+
+
+def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0, repeats: int = 2) -> dict:
+    """Each of ``RUN_BACKENDS`` run once under ``OpRecorder`` on ``random_qkv`` (8 heads of 64, float32, CPU, one thread).
+
+    Returns ``{"seq_lens", "causal", "useful", "in_blocks", "bound", "wasted", "causal_masked", "tiled", "rows"}``;
+    ``rows[name]``: ``{"backend", "cells"`` (per head, recorded; sdpa: handed in), ``"predicted"``
+    (``predicted_cells``), ``"scores"`` (score matrices made), ``"largest_bytes"`` (the largest score tensor handed
+    to a softmax; None: a fused kernel), ``"error"`` (max |out - fp64 reference|, against ``bound``), ``"ms"``
+    (fastest of ``repeats``; noisy, never asserted)``}``. ``in_blocks``: the loop's cells, the requests' own
+    blocks; ``wasted["masked" | "padded"]``: the cells each computed outside them; ``causal_masked``: ``in_blocks -
+    useful``, above the causal diagonal; ``tiled``: ``tiling.predict_work`` for 128 x 128 tiles, one head.
+    """
+    lens = run_lengths(lengths)
+    check_int("repeats", repeats, 1, 100)
+    causal = bool(causal)
+    q, k, v, cu = random_qkv(lens, RUN_HEADS, RUN_D_HEAD, seed=seed)
+    rows = {}
+    with threads(1):  # steadier times, and the same rounding in every process
+        ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
+        for name in RUN_BACKENDS:
+            backend = resolve_backend("auto", "cpu", torch.float32, RUN_D_HEAD) if name == "varlen" else name
+            call = functools.partial(varlen_attention, q, k, v, cu, causal=causal, backend=backend)
+            with OpRecorder() as rec:
+                out = call()
+            softmaxed = [math.prod(op.args[0].shape) for op in rec.named(*SOFTMAX_OPS)]
+            rows[name] = {"backend": backend, "cells": rec.cells // RUN_HEADS, "predicted": predicted_cells(lens, name, causal),
+                          "scores": len(rec.scores), "largest_bytes": max(softmaxed) * q.element_size() if softmaxed else None,
+                          "error": max_abs_diff(out, ref64), "ms": time_call(call, repeats=repeats, warmup=0) * 1e3}
+    useful, in_blocks = attention_cells(lens, "varlen", causal).useful, rows["loop"]["cells"]
+    return {"seq_lens": lens, "causal": causal, "useful": useful, "in_blocks": in_blocks, "bound": tolerance(ref, ref64),
+            "rows": rows, "wasted": {name: rows[name]["cells"] - in_blocks for name in ("masked", "padded")},
+            "causal_masked": in_blocks - useful,
+            "tiled": predict_work(lens, n_heads=1, block_m=RUN_TILE, block_n=RUN_TILE, causal=causal)}
+
+
+def _kib(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "no full score matrix (fused kernel)"
+    return f"{nbytes} B" if nbytes < 1024 else f"{nbytes / 1024:.1f} KiB"
+
+
+def run_label(state: dict, name: str) -> str:
+    backend = state["rows"][name]["backend"]
+    return {"loop": "loop (one call per request)", "varlen": f"varlen ({backend})"}.get(name, name)
+
+
+RUN_COLUMNS = ("backend", "cells computed (sdpa: handed in)", "predicted", "score matrices", "largest stored", "max err vs fp64",
+               "ms (this CPU)")
+
+
+def attention_run_html(state: dict) -> str:
+    """A ``<table>``: a header row of ``RUN_COLUMNS``, then one row per backend, e.g. ``loop (one call per
+    request) | 1000 | 1000 | 2 | 28.1 KiB | 6.87e-07 | 0.16``."""
+    head = "".join(f"<th style='padding:0 8px;text-align:left'>{c}</th>" for c in RUN_COLUMNS)
+    rows = [f"<tr>{head}</tr>"]
+    for name, r in state["rows"].items():
+        cells = (run_label(state, name), r["cells"], r["predicted"], r["scores"], _kib(r["largest_bytes"]),
+                 f"{r['error']:.2e}", f"{r['ms']:.2f}")
+        rows.append("<tr>" + "".join(f"<td style='padding:0 8px'>{c}</td>" for c in cells) + "</tr>")
+    return f"<table>{''.join(rows)}</table>"
+
+
+def attention_run_summary_html(state: dict) -> str:
+    """What the rows are measured against (useful cells, error bound, the tiled kernel's prediction), then which of
+    masking and padding wastes more outside the requests' blocks; with the causal mask, the cells above the
+    diagonal inside the blocks, and what the loop masked against what sdpa was handed."""
+    lens, t, m, p = state["seq_lens"], state["tiled"], state["wasted"]["masked"], state["wasted"]["padded"]
+    mask = "the causal mask keeps" if state["causal"] else "useful (whole blocks)"
+    verdict = "a tie" if m == p else f"{'masking' if m > p else 'padding'} wastes more here"
+    html = (f"<div>lengths {lens} | T = {sum(lens)} rows | {RUN_HEADS} heads of {RUN_D_HEAD}, float32 | cells per head | "
+            f"{mask}: {state['useful']} | error bound {state['bound']:.2e} | time: this CPU, one thread, fastest of 2 "
+            f"calls, noisy</div><div>a tiled kernel (128 x 128 tiles, predicted by tiling.predict_work, not run here): "
+            f"{t.tiles} tiles, {t.executed_cells} cells executed, {t.cells} in-bounds cells of computed tiles</div>"
+            f"<div>measured waste outside the requests' blocks (cells computed minus the loop's {state['in_blocks']}): "
+            f"masked {m} cross-request cells, padded {p} pad cells per head: {verdict}</div>")
+    if not state["causal"]:
+        return html
+    loop, fused = state["rows"]["loop"], state["rows"]["varlen"]
+    return html + (f"<div>not in that waste: the {state['causal_masked']} cells per head above the causal diagonal "
+                   "inside the blocks, computed and masked by loop, masked and padded alike: the causal mask's cost, "
+                   f"not padding's or masking's</div><div>causal: the loop computed {loop['cells']} cells and masked "
+                   f"{loop['cells'] - state['useful']} of them; {fused['backend']} was handed {fused['cells']} cells "
+                   "with is_causal, and its CPU kernel stops each query block at the diagonal's key block: what it "
+                   "executes is not visible from Python</div>")
+
+
+def attention_run_predicted_html(state: dict) -> str:
+    """``flops.attention_cells`` for the three ways, one ``<div>`` each (``padded: computed 1800 | useful 520 |
+    wasted 1280``); with the causal mask the varlen line is an ideal kernel that computes no masked cell."""
+    lens, causal = state["seq_lens"], state["causal"]
+    rows = ["<div>flops.attention_cells predicts, for the three ways:</div>"]
+    for m in METHODS:
+        c = attention_cells(lens, m, causal)
+        note = " (an ideal causal kernel: no backend here computes this little)" if causal and m == "varlen" else ""
+        rows.append(f"<div>{m}: computed {c.computed} | useful {c.useful} | wasted {c.wasted}{note}</div>")
+    return "".join(rows)
+
+
+def attention_run_figure(state: dict) -> Figure:
+    """Score cells per head of each backend, stacked on a linear axis: useful, thrown away above the causal
+    diagonal (cross-hatched), thrown away outside the blocks; a fused kernel's bar (sdpa) white and hatched: what
+    it was handed, not what it executed. Beside each bar: the largest score tensor stored and the time."""
+    names = list(state["rows"])
+    rows = [state["rows"][n] for n in names]
+    useful = state["useful"]
+    fig = Figure(figsize=(8.4, 3.6))
+    ax = fig.add_subplot()
+    for i, r in enumerate(rows):
+        if r["largest_bytes"] is None:  # fused: the recorder read the cells it was handed
+            ax.barh(i, r["cells"], color=NEVER, edgecolor=TEXT, hatch="///", linewidth=0.8,
+                    label="handed to a fused kernel (what it executes is not visible)")
+        else:
+            ax.barh(i, useful, color=CELL_COLORS[USEFUL], label=CELL_LABELS[USEFUL])
+            if state["causal_masked"]:
+                ax.barh(i, state["causal_masked"], left=useful, color=CELL_COLORS[WASTED], edgecolor=TEXT, hatch="\\\\",
+                        linewidth=0.5, label="thrown away: above the causal diagonal")
+            ax.barh(i, max(r["cells"] - state["in_blocks"], 0), left=state["in_blocks"], color=CELL_COLORS[WASTED],
+                    label="thrown away: outside the blocks (cross or pad)")
+        ax.text(r["cells"], i, f" {r['cells']}", va="center", fontsize=MIN_FONT)
+        stored = "no full score matrix" if r["largest_bytes"] is None else f"stores {_kib(r['largest_bytes'])}"
+        ax.text(1.02, i, f"{stored}, {r['ms']:.2f} ms", va="center", fontsize=MIN_FONT,
+                transform=ax.get_yaxis_transform())
+    ax.set_xlim(0, max(r["cells"] for r in rows) * 1.2)
+    ax.xaxis.set_major_locator(MaxNLocator(5))
+    ax.set_yticks(range(len(names)), [run_label(state, n) for n in names], fontsize=MIN_FONT)
+    ax.invert_yaxis()
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.set_xlabel(f"score cells per head (OpRecorder), linear; useful: {useful}", fontsize=MIN_FONT)
+    handles, labels = ax.get_legend_handles_labels()
+    keep = dict(zip(labels, handles))
+    fig.legend(keep.values(), keep.keys(), fontsize=MIN_FONT, loc="lower center", ncol=2, frameon=False)
+    kind = "causal" if state["causal"] else "no causal mask"
+    tiled = state["tiled"]
+    ax.set_title(f"score cells per head, lengths {short_lens(state['seq_lens'])} ({kind}); right: largest score "
+                 f"tensor stored, time on this CPU\na 128 x 128 tiled kernel would execute {tiled.executed_cells} "
+                 f"cells in {tiled.tiles} tiles", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.22, right=0.74, bottom=0.25, top=0.84)
+    return fig
+
+
+def attention_run_explorer(lengths: str = RUN_DEFAULT, causal: bool = True):
+    """VBox class ``arx``: Text ``arx-lengths`` (Enter to run), Checkbox ``arx-causal``; HTML ``arx-status``
+    (running / the error for bad input), HTML ``arx-summary`` (lengths, useful cells, bound, tiled kernel),
+    HTML ``arx-rows`` (one line per backend), HTML ``arx-predicted`` (``flops.attention_cells`` of the three ways;
+    also class ``dbx-counts``, the name the site test reads), Output ``arx-figure`` (measured cells per backend)."""
+    w = ipywidgets_module()
+    text = tagged(w.Text(value=lengths, description="lengths", continuous_update=False), "arx-lengths")
+    causal_box = tagged(w.Checkbox(value=causal, description="causal"), "arx-causal")
+    status, summary, rows = tagged(w.HTML(), "arx-status"), tagged(w.HTML(), "arx-summary"), tagged(w.HTML(), "arx-rows")
+    predicted = tagged(tagged(w.HTML(), "arx-predicted"), "dbx-counts")
+    out = tagged(w.Output(), "arx-figure")
+
+    def update(change=None):
+        status.value = "<div>running the four backends ...</div>"
+        try:
+            state = attention_run_state(text.value, causal_box.value)
+        except ValueError as exc:
+            status.value = f"<div>not run: {exc} (the numbers below are still those of the last input that ran)</div>"
+            return
+        summary.value = attention_run_summary_html(state)
+        rows.value = attention_run_html(state)
+        predicted.value = attention_run_predicted_html(state)
+        show_figure(out, attention_run_figure(state))
+        status.value = f"<div>ran on lengths {state['seq_lens']}, causal {state['causal']}</div>"
+
+    return explorer("arx", [text, causal_box], [status, summary, rows, predicted, out], update)
+
+
+# ---- exercises -------------------------------------------------------------------------------------------
+
+def _qkv(lens, h, d, seed):
+    return (*random_qkv(lens, h, d, seed=seed), max(lens))
+
+
+def _where_wrong(got: Tensor, want: Tensor, cu: list[int], max_seqlen: int | None = None) -> str:
+    """Where the first wrong row is; and when a gathered slot past an earlier request's end (row ``cu[j] + p``,
+    ``p >= L_j``, clamped to the last row) lands on it, that a pad query's output was written back over it."""
+    bad = ((got.double() - want.double()).abs() > 1e-4) | ~torch.isfinite(got)
+    rows = bad.flatten(1).any(dim=1).nonzero()
+    if not rows.numel():
+        return ""
+    row, t = int(rows[0]), cu[-1]
+    r = max(i for i in range(len(cu) - 1) if cu[i] <= row)
+    where = f" (first wrong row {row}: request {r}, position {row - cu[r]})"
+    pads = [j for j in range(len(cu) - 1) if max_seqlen is not None
+            and any(min(cu[j] + p, t - 1) == row for p in range(cu[j + 1] - cu[j], max_seqlen))]
+    if pads:
+        j = pads[0]
+        clamped = " (clamped to the last row)" if cu[j] + max_seqlen > t else ""
+        where += (f". Row {row} is also where a gathered slot past request {j}'s end ({cu[j + 1] - cu[j]} tokens) "
+                  f"points{clamped}: a pad query. Writing back all R x max_seqlen slots puts a pad query's output "
+                  f"over request {r}'s real row; write back only the slots that hold a token (position < L_i)")
+    return where
+
+
+def _engine_case(fn) -> tuple[float, float]:
+    """The reader's function as the attention of a small engine model: (max error vs fp64, bound) against the loop."""
+    cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=100, max_position=64)
+    g = torch.Generator().manual_seed(2)
+    batch = pack([torch.randint(0, 100, (n,), generator=g) for n in (9, 3, 14)])
+    model = Transformer(cfg, init_weights(cfg, seed=1))
+    ref = model.forward(batch, attn_backend="loop")
+    ref64 = float64_twin(model).forward(batch, attn_backend="loop")
+    return max_abs_diff(model.forward(batch, attn_backend=fn), ref64), tolerance(ref, ref64)
+
+
+def _as_backend(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> Tensor:
+    """``fn`` called as the engine calls an attention backend, for causal self-attention with scale ``1 / sqrt(D)``."""
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, softmax_scale=1.0 / math.sqrt(q.shape[-1]))
+
+
+def _reads_later_keys(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> int | None:
+    """The first request whose query 0 changes when its keys and values at positions 1.. change (a causal query 0
+    reads key 0 only), measured by running ``fn`` again; None if none does."""
+    try:
+        base = _as_backend(fn, q, k, v, cu, max_seqlen)
+        for j, (s, e) in enumerate(zip(cu.tolist()[:-1], cu.tolist()[1:])):
+            k2, v2 = k.clone(), v.clone()
+            k2[s + 1:e] += 1.0
+            v2[s + 1:e] += 1.0
+            got = _as_backend(fn, q, k2, v2, cu, max_seqlen) if e - s > 1 else base
+            if not torch.allclose(got[s].double(), base[s].double(), atol=1e-5, rtol=0, equal_nan=True):
+                return j
+    except Exception:  # the answer is already wrong; this only refines the message
+        return None
+    return None
+
+
+def _engine_calls(call: Callable, *args) -> tuple[object, list[str]]:
+    """``call(*args)`` under a profile hook that changes no result: its result, and the engine's attention functions
+    (its backends, the entry points that reach one, the Triton kernel) that ran inside it, in order first entered."""
+    codes = {f.__code__: f"its {name!r} backend" for name, f in attention.IMPLS.items()}
+    codes |= {f.__code__: f.__name__ for f in (attention.attention_forward, varlen_attention, attention_ref,
+                                                 plain_attention, attention.padded_attention, dense_attention)}
+    seen = []
+
+    def hook(frame, event, arg):
+        code = frame.f_code
+        name = codes.get(code) or ("its Triton kernel" if code.co_filename.endswith("triton_varlen.py") else None)
+        if event == "call" and name and name not in seen:
+            seen.append(name)
+
+    old = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        return call(*args), seen
+    finally:
+        sys.setprofile(old)
+
+
+def _one_launch(fn: Callable) -> tuple | object:
+    """``fn``'s matmuls for 2 and for 12 requests of distinct lengths (the sdpa path makes one call per distinct
+    length), its score cells per head and T for 12, and the engine's attention functions it called."""
+    made, engine = [], []
+    for lens in ([5, 3], [5, 3, 8, 1, 12, 2, 7, 4, 10, 6, 11, 9]):
+        q, k, v, cu, m = _qkv(lens, 2, 8, 7)
+        with OpRecorder() as seen:
+            got, called = _engine_calls(_as_backend, fn, q, k, v, cu, m)
+        if not isinstance(got, Tensor):
+            return got
+        made.append(len(seen.matmuls))
+        engine += [c for c in called if c not in engine]
+    # the softmaxed scores, or (no softmax op seen) the largest matmul output: a hand-written softmax hides no T x T
+    cells = seen.cells or max((mm.batch * mm.m * mm.n for mm in seen.matmuls), default=0)
+    return (*made, (cells // q.shape[1], q.shape[0]), engine)
+
+
+def _launch_problem(got) -> str | None:
+    if not (isinstance(got, tuple) and len(got) == 4):
+        return f"expected a tensor [T, H, D], got {type(got).__name__}"
+    small, big, (cells, t), engine = got
+    if engine:
+        return (f"your function hands the attention to the engine ({' -> '.join(engine)}, in "
+                "lessons_lib.core.attention): the launch is the engine's, not yours. Write it from matmuls, "
+                "a causal mask and a softmax over one gathered [R, max_seqlen] batch (see the hint); "
+                "block_diag_mask and causal_mask are allowed")
+    if cells >= t * t:
+        return (f"this is the masked way: T² cells. For 12 requests (T = {t}) your function computed {cells} "
+                f"score cells per head, at least the whole T x T = {t * t}, most of them across requests. "
+                "Gather each request's own rows into an [R, max_seqlen] batch instead")
+    if small != big:
+        return (f"your function made {small} matmuls for 2 requests and {big} for 12 of distinct lengths: one per "
+                "request (like the engine's loop) or per distinct length (like its sdpa path). Gather every request "
+                "into one [R, max_seqlen] batch (see the hint) so that the number of matmuls does not grow with R")
+    return None
+
+
+def check_causal_varlen(fn: Callable) -> bool:
+    """Exercise 03.1: ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
+    softmax_scale=None) -> [T, H, D]``, causal varlen attention in ONE batched computation (as many matmuls
+    for 2 requests as for 12), with the engine's backend contract (it is plugged into a model as one)."""
+    cases = [_qkv([10, 30], 2, 8, 4), _qkv([3, 1, 5], 1, 4, 5), _qkv([4, 6, 6, 2], 2, 8, 6), ("engine",), ("one launch",)]
+
+    def judge(got, *case):
+        if case == ("engine",):
+            err, bound = got
+            return None if err <= bound else (f"plugged into a 2-layer model as its attention, the output is off by "
+                                              f"{err:.2e} (allowed {bound:.2e})")
+        if case == ("one launch",):
+            return _launch_problem(got)
+        q, k, v, cu, m = case
+        want = attention_ref(q, k, v, cu, causal=True)
+        problem = tensor_problem(got, want, atol=1e-5)
+        if problem is None:
+            return None
+        if matches(got, attention_ref(q, k, v, cu, causal=False), 1e-5):
+            return problem + " - no causal mask: query i of a request may only see keys 0..i of that request"
+        later = _reads_later_keys(fn, q, k, v, cu, m)
+        if later is not None:
+            return problem + (f" - causal mask missing: query 0 of request {later} reads later keys of its request "
+                              "(changing its keys 1.. changes its output). Mask keys j > i in every request")
+        if matches(got, plain_attention(q, k, v, causal=True), 1e-5):
+            return problem + " - queries read other requests' keys: each request needs its own rows only"
+        if matches(got, attention_ref(q, k, v, cu, causal=True, softmax_scale=1.0), 1e-5):
+            return problem + " - scale the scores by 1 / sqrt(d_head) before the softmax"
+        if not isinstance(got, Tensor) or got.shape != want.shape:
+            return problem
+        if got.is_floating_point() and not torch.isfinite(got).all():
+            problem += " - NaN: some query has every key masked. A query must see ITSELF: mask keys j > i " \
+                       "(triu(diagonal=1)), not j >= i"
+        return problem + _where_wrong(got, want, cu.tolist(), m)
+
+    def run(*case):
+        if case == ("engine",):
+            return _engine_case(fn)
+        return _one_launch(fn) if case == ("one launch",) else _as_backend(fn, *case)
+
+    run.__name__ = getattr(fn, "__name__", "fn")
+    return grade("causal_varlen", run, cases, judge,
+                 "causal varlen on 3 batches, inside a 2-layer model, with the same number of matmuls for 2 or 12 requests "
+                 "and no call into the engine's attention")
+
+
+# Exercise 03.2: counter-examples to two plausible rules of thumb. Each case is (rule, k); the batch the reader
+# returns is RUN on the engine's masked, padded and loop backends under OpRecorder, and the wastes are measured.
+COUNTER_RULES = {
+    "unequal": "when the longest request is at least k times the shortest, padding wastes more than masking",
+    "crowded": "when a batch holds at least k requests, masking wastes more than padding",
+}
+COUNTER_QUESTIONS = {  # asked when a batch keeps its rule
+    "unequal": "A rule about the shortest request cannot see how many requests are near the longest: what do "
+               "several long requests do to masking's pairs, and to padding's pad cells?",
+    "crowded": "Many requests do not make pairs costly if most of them are small: what does one long request "
+               "among them do to padding, and what to masking?",
+}
+COUNTER_CASES = (("unequal", 10), ("unequal", 100), ("unequal", 500), ("crowded", 8), ("crowded", 16),
+                 ("crowded", 48))
+COUNTER_MAX_TOKENS, COUNTER_MAX_REQUESTS = 2048, 64
+
+
+def measured_wastes(seq_lens: Sequence[int]) -> dict:
+    """``{"useful", "masked", "padded"}``: score cells of one head (whole blocks) that ``OpRecorder`` sees the engine's
+    ``loop`` backend compute (each request's own block), and the cells ``masked`` and ``padded`` compute beyond them."""
+    q, k, v, cu = random_qkv(list(seq_lens), 1, 4, seed=0)
+    cells = {}
+    for backend in ("loop", "masked", "padded"):
+        with OpRecorder() as rec:
+            varlen_attention(q, k, v, cu, causal=False, backend=backend)
+        cells[backend] = rec.cells
+    return {"useful": cells["loop"], "masked": cells["masked"] - cells["loop"], "padded": cells["padded"] - cells["loop"]}
+
+
+def _counter_problem(got, rule: str, k: int) -> str | None:
+    """What makes ``got`` no batch for this case (its type, its limits, the rule's condition), or None."""
+    if not isinstance(got, (list, tuple)) or not got or not all(isinstance(n, (int, np.integer)) and not
+                                                                 isinstance(n, bool) for n in got):
+        return f"expected a non-empty list of request lengths (ints), got {got!r}"
+    lens = [int(n) for n in got]
+    if min(lens) < 1 or sum(lens) > COUNTER_MAX_TOKENS or len(lens) > COUNTER_MAX_REQUESTS:
+        return (f"lengths {lens}: every request needs at least 1 token, at most {COUNTER_MAX_REQUESTS} requests "
+                f"and {COUNTER_MAX_TOKENS} tokens in all (this batch: {len(lens)} requests, {sum(lens)} tokens)")
+    if rule == "unequal" and max(lens) < k * min(lens):
+        return (f"lengths {lens}: the longest is only {max(lens) / min(lens):.3g} times the shortest; the rule "
+                f"speaks of batches where it is at least {k} times")
+    if rule == "crowded" and len(lens) < k:
+        return f"lengths {lens}: {len(lens)} requests; the rule speaks of batches of at least {k}"
+    return None
+
+
+def check_counter_example(fn: Callable[[str, int], list]) -> bool:
+    """Exercise 03.2: ``fn(rule, k) -> list of lengths`` breaking ``COUNTER_RULES[rule]`` for this ``k`` (whole
+    blocks, no causal mask): ``"unequal"``, longest >= k x shortest and masking wastes MORE than padding;
+    ``"crowded"``, at least k requests and masking wastes LESS. Measured by ``measured_wastes`` on ``COUNTER_CASES``."""
+    def judge(got, rule, k):
+        problem = _counter_problem(got, rule, k)
+        if problem:
+            return problem
+        lens = [int(n) for n in got]
+        w = measured_wastes(lens)
+        m, p = w["masked"], w["padded"]
+        if (m > p) if rule == "unequal" else (m < p):
+            return None
+        verdict = ("a tie: masking wastes exactly as much as padding, not " + ("more" if rule == "unequal" else "less")
+                   if m == p else ("padding still wastes more" if rule == "unequal" else "masking still wastes more"))
+        longest = max(lens)
+        pads = ", ".join(f"{longest}² − {n}²" for n in sorted(set(lens)) if n < longest) or "nothing"
+        return (f"lengths {lens}: the rule {COUNTER_RULES[rule]!r} (k = {k}) still holds: measured on the engine's "
+                f"backends, masking wastes {m} cells per head and padding {p}: {verdict}. Padding's waste is the pad "
+                f"cells of every request shorter than the longest ({pads}, once per such request); masking's is the "
+                f"cells between every pair of different requests (2 · L_i · L_j a pair). {COUNTER_QUESTIONS[rule]}")
+
+    return grade("counter_example", fn, list(COUNTER_CASES), judge,
+                 f"all {len(COUNTER_CASES)} batches break their rule, measured on the engine's masked, padded and "
+                 "loop backends")
+
+
+# Exercise 03.3's batches: (query lengths, key lengths); the last two have more keys than queries (a cached prefix)
+DOCUMENT_CASES = [(c, c) for c in BATCHES] + [([3, 2], [5, 2]), ([1, 4, 2], [6, 4, 9])]
+
+
+def _wrong_masks(cu_q: Tensor, cu_k: Tensor) -> list[tuple[Tensor, str]]:
+    """The usual slips of exercise 03.3 as masks (the top-left one from the engine's named fault), each with what it means."""
+    right = block_diag_mask(cu_q, causal=True, cu_seqlens_k=cu_k)
+    with faults.injected("causal_mask_top_left"):
+        top_left = block_diag_mask(cu_q, causal=True, cu_seqlens_k=cu_k)
+    return [(~right, "the mask is inverted: True means 'may attend'"),
+            (block_diag_mask(cu_q, causal=False, cu_seqlens_k=cu_k),
+             "no causal part: a query also reads later tokens of its own request"),
+            (torch.ones_like(right).tril(), "plain causal over the flat rows: B's queries read A's keys (add: same request)"),
+            (top_left, "the causal diagonal starts at the top-left. With more keys than queries (a cached prefix of "
+                       "L_k - L_q tokens), query i of a request is token L_k - L_q + i: it sees keys 0..i + L_k - L_q "
+                       "(causal aligned bottom-right)")]
+
+
+def check_document_mask(fn: Callable[[Tensor, Tensor], Callable]) -> bool:
+    """Exercise 03.3: ``fn(cu_seqlens_q, cu_seqlens_k) -> mask_mod``; ``mask_mod(q_idx, kv_idx)`` takes two
+    broadcastable integer tensors of flat row indices and returns a bool tensor, True where query row ``q_idx`` may
+    read key row ``kv_idx`` (same request, causal aligned bottom-right as ``flash_attn_varlen_func``). The checker
+    plugs the mask into ``attention.dense_attention`` (the masked path: every cell computed, the mask applied) and
+    compares the output with the engine's varlen loop."""
+    def judge(got, cu_q, cu_k):
+        tq, tk = int(cu_q[-1]), int(cu_k[-1])
+        want = block_diag_mask(cu_q, causal=True, cu_seqlens_k=cu_k)
+        if not callable(got):
+            return f"expected a function mask_mod(q_idx, kv_idx), got {type(got).__name__}"
+        try:
+            grid = got(torch.arange(tq)[:, None], torch.arange(tk)[None, :])
+        except Exception as exc:  # explain any failure of the reader's mask_mod
+            return f"mask_mod(q_idx [T_q, 1], kv_idx [1, T_k]) raised {type(exc).__name__}: {exc}"
+        if not isinstance(grid, Tensor) or grid.shape != want.shape or grid.dtype != torch.bool:
+            shown = f"{grid.dtype} {list(grid.shape)}" if isinstance(grid, Tensor) else type(grid).__name__
+            return f"mask_mod on [T_q, 1] and [1, T_k] index tensors must give bool [T_q, T_k] = {list(want.shape)}, got {shown}"
+        q, k, v, _, _ = random_qkv(lengths(cu_q.tolist()), 2, 8, seq_lens_k=lengths(cu_k.tolist()), seed=tq)
+        out = dense_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), grid, 8 ** -0.5).transpose(0, 1)
+        ref = varlen_attention(q, k, v, cu_q, cu_k, causal=True, backend="loop")
+        if matches(out, ref, 1e-5):
+            return None
+        err = f"plugged into the engine's masked path, the output is off by {max_abs_diff(out, ref):.2e}: "
+        slip = next((why for mask, why in _wrong_masks(cu_q, cu_k) if torch.equal(grid, mask)), None)
+        if slip:
+            return err + slip
+        qi, ki = (grid != want).nonzero()[0].tolist()
+        return err + (f"{int((grid != want).sum())} cells differ, e.g. query row {qi}, key row {ki}: got "
+                      f"{bool(grid[qi, ki])}, expected {bool(want[qi, ki])}")
+
+    cases = [(seq_lens_to_cu_seqlens(q), seq_lens_to_cu_seqlens(k)) for q, k in DOCUMENT_CASES]
+    return grade("document_mask", fn, cases, judge,
+                 f"your mask in the engine's masked path equals varlen on {len(cases)} batches, cached prefixes included")
 
 
 # ---- figures ------------------------------------------------------------------------------------------
