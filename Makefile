@@ -51,3 +51,13 @@ classroom: setup
 
 grade: setup
 	$(PY) tools/classroom.py grade --build $(CLASSROOM) $(SUBMISSIONS)
+
+# Which claim rows each of the engine's named faults flips (tools/claims_coverage.py; not part of make test):
+#   make claims-coverage                          each fault against the lessons that declare it
+#   make claims-coverage COVERAGE_FLAGS="--all --jobs 2 --lessons 03,05"
+COVERAGE_FLAGS ?=
+
+.PHONY: claims-coverage
+
+claims-coverage: setup
+	$(PY) tools/claims_coverage.py $(COVERAGE_FLAGS)

@@ -10,6 +10,7 @@ processes, so its probe is a TP=2 run (gloo, tiny model) whose workers see the f
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -308,3 +309,41 @@ def test_without_record_mode_a_failed_row_raises(monkeypatch):
     monkeypatch.delenv("LESSONS_CLAIMS_RECORD", raising=False)
     with pytest.raises(AssertionError, match="✗ C8 FAILED"):
         claim("C8", "masked", [("wasted", 600, at_most(500))])
+
+
+def test_a_kernel_line_of_your_own_changes_the_kernel_inside_the_block_only():
+    from lessons_lib.faults.kernel import kernel_with_line
+    before = kernel_runs()
+    with kernel_with_line("l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i * alpha"):
+        broken = kernel_runs()
+    assert not same(broken, before) and same(kernel_runs(), before)
+    with pytest.raises(ValueError, match="the kernel has 0 lines whose code is 'x = 1'; name exactly one"):
+        with kernel_with_line("x = 1", "x = 2"):
+            pass
+
+
+def _coverage_tool():
+    spec = importlib.util.spec_from_file_location("claims_coverage", REPO / "tools" / "claims_coverage.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_coverage_lists_first_the_rows_no_fault_flips_and_tells_flipped_from_not_reached():
+    tool = _coverage_tool()
+    lesson = {"runs": {"": {"faults": [], "seconds": 1.0, "errors": [], "rows": {"C1 | a": True, "C1 | b": True,
+                                                                                "C2 | c": False}},
+                       "f1": {"faults": ["f1"], "seconds": 1.0, "errors": [], "rows": {"C1 | a": False, "C1 | b": True}},
+                       "f2": {"faults": ["f2"], "seconds": 1.0, "errors": ["cell 3: KeyError"], "rows": {"C1 | a": False}}}}
+    rows = tool.coverage(lesson)
+    assert [(r["row"], r["holds"], r["flipped_by"], r["not_reached_by"]) for r in rows] == [
+        ("C1 | b", True, [], ["f2"]), ("C2 | c", False, [], ["f1", "f2"]), ("C1 | a", True, ["f1", "f2"], [])]
+    text = tool.report({"lessons": {"01_x": lesson}})
+    assert "1 / 3 rows flipped by at least one fault; 2 fault runs" in text and "| C2 | c | **NO** |" in text
+
+
+def test_every_fault_a_breakage_uses_is_declared_by_that_breakages_lesson():
+    from breakages import BREAKS
+    by_fault = _coverage_tool().declared()
+    for b in BREAKS.values():
+        assert all(b.notebook in by_fault[name] for name in b.faults)

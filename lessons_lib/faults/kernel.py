@@ -3,16 +3,18 @@ line changed (a ``@triton.jit`` function cannot be patched line by line). The la
 call time, so swapping the module's ``_varlen_fwd_kernel`` changes every launch, counters included.
 
 ``LINE_CHANGES[fault name] = (the kernel's line, as code without its comment, what it becomes)``;
-``line_changed(old, new)`` does the same for a pair of your own (returns the undo); ``changed_source`` shows it.
+``with kernel_with_line(old, new):`` does the same for a pair of your own (in this process; ``line_changed``
+returns the undo instead); ``changed_source`` shows the changed kernel.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -105,6 +107,16 @@ def broken_kernel(old: str, new: str):
 def line_changed(old: str, new: str) -> Callable[[], None]:
     """Make the engine launch the kernel with the line ``old`` replaced by ``new``; returns the undo."""
     return swap_attr(kernel_module(), KERNEL_NAME, broken_kernel(old, new))
+
+
+@contextlib.contextmanager
+def kernel_with_line(old: str, new: str) -> Iterator[None]:
+    """Inside the block the engine launches the kernel with the line ``old`` replaced by ``new``."""
+    undo = line_changed(old, new)
+    try:
+        yield
+    finally:
+        undo()
 
 
 def _register(name: str) -> None:

@@ -1,0 +1,164 @@
+"""Which claim rows each of the engine's named faults flips: run the lessons whole, with no fault and under faults.
+
+Every lesson notebook runs in a fresh kernel (nbclient, the Agg backend) with ``LESSONS_CLAIMS_RECORD`` set, so
+``course.check.claim`` records every row (value, expected, ok) instead of stopping at a failed one. A first run
+with no fault must hold every row; each further run turns faults on from the kernel's start
+(``LESSONS_FAULTS``; TP workers spawned by the lesson turn them on too). A row is flipped by a fault when it holds
+with no fault and fails under it; a row the run never reached (a cell raised first) is counted apart.
+
+    python tools/claims_coverage.py                  each fault against the lessons that declare it
+    python tools/claims_coverage.py --lessons 03,05  only those lessons
+    python tools/claims_coverage.py --all --jobs 2   every fault against every lesson, two kernels at a time
+
+A lesson declares a fault when one of its claims' breakages uses it (tests/breakages.py) or its notebook names it.
+Writes docs/claims_coverage.md and docs/claims_coverage.json (lessons not run this time are kept from the JSON).
+One lesson run costs as long as the lesson's notebook (``make notebooks`` runs them all); not part of ``make test``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # lessons_lib, and tests/breakages.py (the claims' faults)
+NOTEBOOKS = ROOT / "notebooks"
+OUT = ROOT / "docs" / "claims_coverage.md"
+START = "from lessons_lib import faults\nfaults.apply_from_env()"  # the kernel's first cell: faults on from the start
+
+
+def run_lesson(notebook: str, fault_names: tuple[str, ...], timeout: int) -> dict:
+    """Run ``notebook`` whole with ``fault_names`` on; the rows it recorded, the cells that raised, seconds."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.read(NOTEBOOKS / f"{notebook}.ipynb", as_version=4)
+    with tempfile.TemporaryDirectory(prefix="claims_coverage_") as tmp:
+        record = Path(tmp) / "rows.jsonl"
+        env = {"LESSONS_CLAIMS_RECORD": str(record), "LESSONS_FAULTS": ",".join(fault_names), "MPLBACKEND": "Agg"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the kernel inherits this process's environment
+        t0 = time.perf_counter()
+        errors = []
+        try:
+            client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                                    resources={"metadata": {"path": str(NOTEBOOKS)}})
+            with client.setup_kernel():
+                client.execute_cell(nbformat.v4.new_code_cell(START), 0)
+                for i, cell in enumerate(nb.cells):
+                    if cell.cell_type != "code":
+                        continue
+                    try:
+                        client.execute_cell(cell, i)
+                    except CellExecutionError:
+                        pass
+                    errors += [f"cell {i}: {o.get('ename')}: {str(o.get('evalue'))[:160]}" for o in cell.outputs
+                               if o.output_type == "error"]
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        rows = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+    return {"faults": list(fault_names), "seconds": round(time.perf_counter() - t0, 1), "errors": errors,
+            "rows": {f"{r['claim']} | {r['row']}": r["ok"] for r in rows}}
+
+
+def declared() -> dict[str, set[str]]:
+    """Fault name -> the notebooks that declare it (its breakages' claims, or the notebook names it)."""
+    from breakages import BREAKS
+
+    from lessons_lib.faults import FAULTS
+    out: dict[str, set[str]] = {name: set() for name in FAULTS}
+    for b in BREAKS.values():
+        for name in b.faults:
+            out[name].add(b.notebook)
+    for path in NOTEBOOKS.glob("*.ipynb"):
+        text = path.read_text()
+        for name in FAULTS:
+            if f'"{name}' in text or f"'{name}" in text:
+                out[name].add(path.stem)
+    return out
+
+
+def coverage(lesson: dict) -> list[dict]:
+    """Per row of the clean run: whether it held, the faults that flip it, those whose run never reached it."""
+    clean = lesson["runs"][""]["rows"]
+    out = []
+    for key, ok in clean.items():
+        runs = [r for name, r in lesson["runs"].items() if name]
+        out.append({"row": key, "holds": ok,
+                    "flipped_by": sorted(n for r in runs for n in r["faults"] if ok and r["rows"].get(key) is False),
+                    "not_reached_by": sorted(n for r in runs for n in r["faults"] if key not in r["rows"])})
+    return sorted(out, key=lambda r: (bool(r["flipped_by"]), r["row"]))
+
+
+def report(data: dict) -> str:
+    lines = ["# Claims coverage", "",
+             "Generated by `make claims-coverage` (tools/claims_coverage.py): every lesson run whole with no fault "
+             "(every row must hold) and under the engine's named faults (`lessons_lib.faults`). A row is flipped "
+             "by a fault when it holds without it and fails with it; rows no fault flips come first.", ""]
+    for notebook, lesson in sorted(data["lessons"].items()):
+        rows = coverage(lesson)
+        flipped = sum(1 for r in rows if r["flipped_by"])
+        clean = lesson["runs"][""]
+        lines += [f"## {notebook}", "",
+                  f"{flipped} / {len(rows)} rows flipped by at least one fault; {len(lesson['runs']) - 1} fault runs; "
+                  f"run without faults: {clean['seconds']} s, {len(clean['errors'])} cell errors, "
+                  f"{sum(1 for r in rows if not r['holds'])} rows failing.", "",
+                  "| row | holds without faults | flipped by | run stopped before it |", "|---|---|---|---|"]
+        lines += [f"| {r['row']} | {'yes' if r['holds'] else '**NO**'} | {', '.join(r['flipped_by']) or '**none**'} "
+                  f"| {', '.join(r['not_reached_by'])} |" for r in rows]
+        lines += ["", "| fault | seconds | rows recorded | cell errors |", "|---|---|---|---|"]
+        lines += [f"| {name} | {r['seconds']} | {len(r['rows'])} | {len(r['errors'])} |"
+                  for name, r in sorted(lesson["runs"].items()) if name]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lessons", default="", help="comma-separated lesson numbers, e.g. 03,05 (default: all)")
+    parser.add_argument("--all", action="store_true", help="every fault against every lesson (the full product)")
+    parser.add_argument("--jobs", type=int, default=1, help="lessons run at a time (one kernel each)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    parser.add_argument("--out", type=Path, default=OUT, help="the Markdown report; the JSON goes beside it")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    notebooks = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
+    wanted = [x.strip() for x in args.lessons.split(",") if x.strip()]
+    unknown = [w for w in wanted if not any(n.startswith(f"{w}_") for n in notebooks)]
+    if unknown:
+        parser.error(f"no lesson {unknown}; lessons: {', '.join(n[:2] for n in notebooks)}")
+    notebooks = [n for n in notebooks if not wanted or n[:2] in wanted]
+    by_fault = declared()
+    plan = [(n, ()) for n in notebooks] + [(n, (f,)) for f, where in sorted(by_fault.items()) for n in notebooks
+                                          if args.all or n in where]
+    print(f"{len(plan)} lesson runs ({len(notebooks)} lessons without faults, {len(plan) - len(notebooks)} under one)")
+    json_path = args.out.with_suffix(".json")
+    data = json.loads(json_path.read_text()) if json_path.exists() else {"lessons": {}}
+    for n in notebooks:
+        data["lessons"][n] = {"runs": {}}
+    with ProcessPoolExecutor(args.jobs) as pool:
+        futures = [(n, f, pool.submit(run_lesson, n, f, args.timeout)) for n, f in plan]
+        for n, f, fut in futures:
+            run = fut.result()
+            data["lessons"][n]["runs"][",".join(f)] = run
+            print(f"{n} {','.join(f) or 'no fault'}: {run['seconds']} s, {len(run['rows'])} rows, "
+                  f"{sum(not ok for ok in run['rows'].values())} failing, {len(run['errors'])} cell errors", flush=True)
+    json_path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    args.out.write_text(report(data))
+    failing = [(n, r["row"]) for n in notebooks for r in coverage(data["lessons"][n]) if not r["holds"]]
+    print(f"wrote {args.out.relative_to(ROOT)} and {json_path.relative_to(ROOT)}")
+    if failing:
+        print(f"rows failing WITHOUT faults: {failing}")
+    return 1 if failing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
