@@ -200,3 +200,23 @@ def test_run_calls_execute_model_once_per_forward():
     eng = Counting(CFG, weights=WEIGHTS, device="cpu", dtype=torch.float32, max_num_batched_tokens=40)
     outs = eng.prefill(PROMPTS)
     assert calls == [(s.index, [n for *_, n in s.chunks]) for s in eng.stats] and len(outs) == len(LENS)
+
+
+def test_a_failed_capped_run_leaves_every_request_waiting_whole_once():
+    class FailsAtThird(Engine):
+        def execute_model(self, chunks, index):
+            if index == 2 and not getattr(self, "failed", False):
+                self.failed = True
+                raise RuntimeError("a forward failed")
+            return super().execute_model(chunks, index)
+    eng = FailsAtThird(CFG, weights=WEIGHTS, device="cpu", dtype=torch.float32,
+                       scheduler=Scheduler(16, enable_chunked_prefill=True, long_prefill_token_threshold=6))
+    eng.submit_many([Request(i, p) for i, p in enumerate(PROMPTS)])
+    with pytest.raises(RuntimeError, match="a forward failed"):
+        eng.run()
+    assert [r.request_id for r in eng.scheduler.waiting] == [0, 1, 2, 3]   # each once, in arrival order
+    assert all(r.num_computed_tokens == 0 for r in eng.scheduler.waiting) and eng.kv_cache.nbytes == 0
+    outs = {o.request_id: o for o in eng.run()}
+    ref, ref64 = unchunked(), unchunked(torch.float64)
+    for i in range(len(LENS)):
+        assert_close(outs[i].last_hidden, ref[i].last_hidden, ref64[i].last_hidden, f"request {i}")

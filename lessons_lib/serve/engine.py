@@ -39,6 +39,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -60,6 +61,9 @@ from ..validate import (
 )
 from .kv_cache import PrefillKVCache
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Request, ScheduledChunk, Scheduler
+
+if TYPE_CHECKING:
+    from ..tp.runtime import TPResult
 
 Tensor = torch.Tensor
 
@@ -139,8 +143,8 @@ class BatchStats:
     num_chunk_tokens: int = 0
     num_cached_tokens: int = 0
     all_reduces: int | None = None  # per forward, rank 0's trace (TP=2 only; C12: 2 * n_layers)
-    batch: PackedBatch | None = None  # record_forwards only: the flat batch the model ran (None for padded)
-    tp_result: object = None          # record_forwards and TP=2 only: the workers' tp.runtime.TPResult
+    batch: PackedBatch | None = None   # record_forwards only: the flat batch the model ran (None for padded)
+    tp_result: TPResult | None = None  # record_forwards and TP=2 only: the workers' tp.runtime.TPResult
 
     @property
     def cells_whole_wasted(self) -> int:
