@@ -49,17 +49,6 @@ def test_c3_flat_positions_restart_at_every_boundary():
 
 # ---- the explorer ---------------------------------------------------------------------------------
 
-def test_c2_c3_flat_batch_state_numbers():
-    s = L.flat_batch_state([10, 30])
-    assert (s["padded_rows"], s["flat_rows"], s["pad_rows"], s["max_seqlen"]) == (60, 40, 20, 30)
-    assert s["cu_seqlens"] == [0, 10, 40] and s["row_ratio"] == pytest.approx(1.5)
-    assert (s["attention"]["padded"].computed, s["attention"]["varlen"].computed) == (1800, 1000)
-    three = L.flat_batch_state([10, 30, 5])
-    assert (three["pad_rows"], three["cu_seqlens"]) == (3 * 30 - 45, [0, 10, 40, 45])
-    with pytest.raises(ValueError):
-        L.flat_batch_state([])
-
-
 def test_c2_c3_flat_run_state_runs_the_model_both_ways():
     s = L.flat_run_state([3, 17, 5])
     # What pack built, against an independent reading of the requests
@@ -73,8 +62,7 @@ def test_c2_c3_flat_run_state_runs_the_model_both_ways():
     assert s["largest"]["padded"] == (3, 4, 17, 17) and s["largest"]["flat"] == (4, 17, 17)
     assert s["hidden_bytes"] == {"padded": 51 * 64 * 4, "flat": 25 * 64 * 4}
     assert s["input_bytes"] == {"padded": 51 * 8 + 51, "flat": 25 * 8 * 2 + 4 * 4}
-    assert all(s["equal"]["flat"]) and all(s["equal"]["padded"])
-    assert max(s["diff"]["flat"]) < 1e-5
+    assert max(s["diff"]["flat"]) < 1e-5 and max(s["diff"]["padded"]) <= max(s["bound"])
     assert s["differs"] == {"flat": [], "padded": []}
 
 
@@ -125,10 +113,9 @@ def test_c2_flat_run_state_records_what_padding_wastes_in_flops():
 def test_flat_run_state_pads_to_a_length_and_on_the_left():
     wide = L.flat_run_state([3, 17, 5], pad_to=32)
     assert wide["padded_shape"] == [3, 32] and wide["rows"]["padded"] == 96 and wide["pad_rows"] == 71
-    assert all(wide["equal"]["padded"])
+    assert wide["differs"]["padded"] == []
     left = L.flat_run_state([3, 17, 5], side="left")
     # forward_padded numbers columns 0..S-1: the requests with pads in front get shifted positions; B has none
-    assert left["equal"]["padded"] == [False, True, False] and all(left["equal"]["flat"])
     assert min(left["diff"]["padded"][i] for i in (0, 2)) > 1e-2
     text = L.flat_run_text(left)["alone"]
     assert "padded NO" in text and "left padding" in text
@@ -236,7 +223,7 @@ def test_broken_pack_moves_one_boundary_and_keeps_the_batch_consistent():
 def test_c3_wrong_requests_are_measured_by_running_the_engine():
     # Measured, not derived: the engine's outputs decide, and they follow the causal argument
     for lens, bug, k in L.WRONG_CASES:
-        assert L.wrong_requests(lens, bug, k)[0] == _wrong(lens, bug, k), (lens, bug, k)
+        assert L.wrong_requests(tuple(lens), bug, k)[0] == _wrong(lens, bug, k), (lens, bug, k)
 
 
 def test_c3_sampled_rows_a_server_trusting_a_moved_boundary_reads_both_neighbours_wrong():
@@ -257,7 +244,7 @@ def test_c3_sampled_rows_a_server_trusting_a_moved_boundary_reads_both_neighbour
     emptied = L.sampled_rows(model, L.request_ids([1, 8, 3]), "early", 1)
     assert emptied["rows"][0] is None and emptied["diff"][0] is None
     # the rows of request k-1 at its TRUE boundaries are right when late (01.1), its sampled row is not
-    assert 0 not in L.wrong_requests([10, 30], "late", 1)[0]
+    assert 0 not in L.wrong_requests((10, 30), "late", 1)[0]
     late = L.sampled_rows(model, L.request_ids([10, 30]), "late", 1)
     assert late["rows"] == [10, 39] and late["diff"][0] > 1000 * late["bound"][0]
 
@@ -365,11 +352,15 @@ def test_c3_figures_say_what_their_ticks_mark():
 
 def test_c2_waste_crossover_figure_marks_s_plus_l_past_6d():
     c = ModelConfig(n_layers=2, vocab_size=1000, max_position=64)
+
+    def lines(fig):
+        return {line.get_gid(): line for ax in fig.axes for line in ax.get_lines()}
+    drawn = lines(L.waste_crossover_figure(c))
     for n in (10, 1100):
-        w = L.waste_vs_padded_length(c, n, 4000)
-        i = w["S"].index(w["from_S"])
-        assert w["attention"][i] > w["linear"][i] and w["attention"][i - 1] <= w["linear"][i - 1]
-        assert w["from_S"] + n == 6 * c.d_model + 1, (n, w["from_S"])
-    assert L.waste_vs_padded_length(c, 10, 2000)["from_S"] is None
-    fig = L.waste_crossover_figure(c)
-    assert {p.get_gid() for ax in fig.axes for p in ax.get_lines()} >= {"from-S-10", "from-S-1100"}
+        from_s = drawn[f"from-S-{n}"].get_xdata()[0]
+        assert from_s + n == 6 * c.d_model + 1, (n, from_s)
+        sizes = list(drawn[f"linear-{n}"].get_xdata())
+        lin, att = drawn[f"linear-{n}"].get_ydata(), drawn[f"attention-{n}"].get_ydata()
+        i = sizes.index(from_s)
+        assert att[i] > lin[i] and att[i - 1] <= lin[i - 1]
+    assert not [g for g in lines(L.waste_crossover_figure(c, (10,), 2000)) if g.startswith("from-S")]

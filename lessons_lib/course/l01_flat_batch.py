@@ -1,6 +1,6 @@
 """What lesson 01 (padding vs one flat batch) draws, explores and checks.
 
-Claims helpers: ``flat_batch_state``, ``padding_waste``, ``waste_crossover``, ``crossover_lengths``.
+Claims helpers: ``padding_waste``, ``waste_crossover``, ``crossover_lengths``.
 Figures: ``01_padded_vs_flat``, ``01_token_strip``, ``01_waste_crossover``. Explorer:
 ``flat_batch_explorer`` over ``flat_run_state`` (the learner's requests run flat and padded under
 ``OpRecorder``, each compared with itself alone). Exercises: ``check_wrong_requests`` (01.1),
@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import html
+import itertools
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from matplotlib.patches import Patch, Rectangle
 from ..core.batch import PackedBatch, cumulative, pack, pad, unpack
 from ..core.config import ModelConfig
 from ..core.model import Transformer
-from ..measure.flops import attention_cells, executed_tokens, flops_of, forward_flops, linear_flops_per_token
+from ..measure.flops import flops_of, forward_flops, linear_flops_per_token
 from ..measure.recorder import OpRecorder
 from ..measure.search import first_where
 from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
@@ -43,20 +44,6 @@ def _nonempty(seq_lens: Sequence[int]) -> list[int]:
     if not lens:
         raise ValueError("seq_lens is empty: give at least one request length")
     return lens
-
-
-def flat_batch_state(seq_lens: Sequence[int]) -> dict:
-    """The counts of claims C2, C3 for any lengths, predicted by ``measure.flops`` (no model run).
-
-    Keys: ``seq_lens``, ``cu_seqlens`` (list), ``max_seqlen``, ``padded_rows`` (R·Lmax),
-    ``flat_rows`` (Σ L), ``pad_rows``, ``row_ratio`` (padded / flat rows), ``attention``
-    ({"padded", "varlen"}: AttentionCells per head per layer, whole blocks).
-    """
-    lens = _nonempty(seq_lens)
-    padded, flat = executed_tokens(lens, "padded"), executed_tokens(lens, "varlen")
-    return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "max_seqlen": max(lens), "padded_rows": padded,
-            "flat_rows": flat, "pad_rows": padded - flat, "row_ratio": padded / flat,
-            "attention": {m: attention_cells(lens, m) for m in ("padded", "varlen")}}
 
 
 def padding_waste(cfg: ModelConfig, pad_to: int, n: int, causal: bool = False) -> dict[str, int]:
@@ -87,17 +74,6 @@ def crossover_lengths(cfg: ModelConfig) -> dict[str, int]:
     blocks = linear_flops_per_token(cfg) // flops_of(cfg, 0, 1).attention
     causal = first_where(lambda s: forward_flops(cfg, [s], causal=True).dominant == "attention", 1, 64 * blocks)
     return {"blocks": blocks, "causal": causal}
-
-
-def waste_vs_padded_length(cfg: ModelConfig, n: int, longest: int) -> dict:
-    """What padding one request of ``n`` tokens wastes per layer, for every padded length S = n+1 ..
-    ``longest`` (``padding_waste``): ``S``, ``linear`` and ``attention`` (lists, FLOPs per layer), and
-    ``from_S``: the shortest S at which attention wastes more than the pad rows (None if none does)."""
-    sizes = list(range(n + 1, longest + 1))
-    waste = [padding_waste(cfg, s, n) for s in sizes]
-    return {"S": sizes, "linear": [w["linear"] // cfg.n_layers for w in waste],
-            "attention": [w["attention"] // cfg.n_layers for w in waste],
-            "from_S": first_where(lambda s: _attention_wastes_more(cfg, s, n), n + 1, longest) if sizes else None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,21 +200,25 @@ def flat_positions(seq_lens: Sequence[int]) -> Figure:
 
 
 def waste_crossover_figure(cfg: ModelConfig, lens: Sequence[int] = (10, 1100), longest: int = 4000) -> Figure:
-    """Per layer, what padding a request of L tokens to S wastes in its pad rows (linear layers) and in
-    attention (whole blocks), against S, one panel per L; a dashed line where attention starts to win
-    (``waste_vs_padded_length``: at S + L = 6 d + 1)."""
+    """Per layer, what padding a request of L tokens to S = L+1 .. ``longest`` wastes (``padding_waste``) in its
+    pad rows (linear layers) and in attention (whole blocks), one panel per L; a dashed line (gid ``from-S-<L>``)
+    at the shortest S where attention wastes more."""
     fig = Figure(figsize=(9, 3.4))
-    axes = fig.subplots(1, len(lens), sharey=True)
+    axes = fig.subplots(1, len(lens), sharey=True, squeeze=False)[0]
     for ax, n in zip(axes, lens):
-        w = waste_vs_padded_length(cfg, n, longest)
-        ax.plot(w["S"], [x / 1e9 for x in w["linear"]], color=LINEAR, linewidth=2, label="pad rows through the linear layers")
-        ax.plot(w["S"], [x / 1e9 for x in w["attention"]], color=ATTENTION, linewidth=2, label="attention (whole blocks)")
-        if w["from_S"] is not None:
-            ax.axvline(w["from_S"], color=TEXT, linestyle="--", linewidth=1.2, gid=f"from-S-{n}")
-            right = w["from_S"] > longest * 0.6
-            label = f"S = {w['from_S']:,}\nS + L = {w['from_S'] + n:,}"
-            ax.text(w["from_S"] + (-0.01 if right else 0.01) * longest, ax.get_ylim()[1] * 0.92, label,
-                    ha="right" if right else "left", va="top", fontsize=MIN_FONT, color=TEXT)
+        sizes = list(range(n + 1, longest + 1))
+        waste = [padding_waste(cfg, s, n) for s in sizes]
+        ax.plot(sizes, [w["linear"] // cfg.n_layers / 1e9 for w in waste], color=LINEAR, linewidth=2,
+                label="pad rows through the linear layers", gid=f"linear-{n}")
+        ax.plot(sizes, [w["attention"] // cfg.n_layers / 1e9 for w in waste], color=ATTENTION, linewidth=2,
+                label="attention (whole blocks)", gid=f"attention-{n}")
+        from_s = first_where(lambda s, n=n: _attention_wastes_more(cfg, s, n), n + 1, longest) if sizes else None
+        if from_s is not None:
+            ax.axvline(from_s, color=TEXT, linestyle="--", linewidth=1.2, gid=f"from-S-{n}")
+            right = from_s > longest * 0.6
+            ax.text(from_s + (-0.01 if right else 0.01) * longest, ax.get_ylim()[1] * 0.92,
+                    f"S = {from_s:,}\nS + L = {from_s + n:,}", ha="right" if right else "left", va="top",
+                    fontsize=MIN_FONT, color=TEXT)
         ax.set_title(f"a request of L = {n:,} tokens padded to S", fontsize=MIN_FONT + 1)
         ax.set_xlabel("padded length S (tokens)", fontsize=MIN_FONT)
         ax.tick_params(labelsize=MIN_FONT)
@@ -280,10 +260,10 @@ def explorer_models() -> tuple[Transformer, Transformer]:
     return model, float64_twin(model)
 
 
-def request_ids(seq_lens: Sequence[int], vocab_size: int = EXPLORER_CONFIG.vocab_size) -> list[Tensor]:
+def request_ids(seq_lens: Sequence[int]) -> list[Tensor]:
     """One int64 token-id tensor ``[L]`` per request, on the CPU: request i of length L gets the same L ids
     every time (seeded by i and L)."""
-    return [torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(1000 * i + n))
+    return [torch.randint(0, EXPLORER_CONFIG.vocab_size, (n,), generator=torch.Generator().manual_seed(1000 * i + n))
             for i, n in enumerate(check_lengths(seq_lens))]
 
 
@@ -305,12 +285,17 @@ def pad_ids(requests: Sequence[Tensor], pad_to: int | None = None, side: str = "
     return ids, mask
 
 
+def _alone_runs(model: Transformer, twin: Transformer, requests: Sequence) -> list[tuple[Tensor, Tensor, float]]:
+    """Each request run alone: ``model``'s output ``[L, d]``, ``twin``'s (float64) and the tolerance rule's bound."""
+    with one_thread():
+        return [(r, r64, tolerance(r, r64, torch.float32))
+                for r, r64 in zip(model.forward_each(requests), twin.forward_each(requests))]
+
+
 @functools.lru_cache(maxsize=256)  # request i of length n has the same ids every time: run it alone once
-def _alone(i: int, n: int) -> tuple[Tensor, Tensor]:
-    """Request i of length n (``request_ids``) run alone by the explorer's model and by its float64 twin."""
-    model, twin = explorer_models()
-    ids = request_ids([1] * i + [n])[i]
-    return model.forward(pack([ids])), twin.forward(pack([ids]))
+def _alone(i: int, n: int) -> tuple[Tensor, Tensor, float]:
+    """``_alone_runs`` of request i of length n (``request_ids``) on the explorer's models."""
+    return _alone_runs(*explorer_models(), [request_ids([1] * i + [n])[i]])[0]
 
 
 def _linear_rows(rec: OpRecorder) -> int:
@@ -340,7 +325,7 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
     blocks); ``pad_rows`` and ``waste`` (padded − flat). ``crossover``: ``crossover_lengths`` plus
     ``waste_from`` (``waste_crossover`` at S). ``input_bytes`` / ``hidden_bytes``: {"padded", "flat"}.
     Per request, against the request run alone: ``diff`` ({"padded", "flat"}: max |out − out64|),
-    ``bound`` (the tolerance rule), ``equal`` (diff ≤ bound), ``differs`` (the indices beyond it).
+    ``bound`` (the tolerance rule), ``differs`` ({"padded", "flat"}: the indices beyond it).
     """
     lens = _nonempty(seq_lens)
     cfg = EXPLORER_CONFIG
@@ -358,10 +343,10 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
             out_flat = model.forward(batch)
         with OpRecorder() as rec_pad:
             out_pad = model.forward_padded(ids, mask)
-        alone, alone64 = zip(*(_alone(i, n) for i, n in enumerate(lens)))
     got = {"flat": unpack(out_flat, batch.cu_seqlens), "padded": [out_pad[b][mask[b]] for b in range(len(lens))]}
-    diff = {k: [max_abs_diff(o, r64) for o, r64 in zip(v, alone64)] for k, v in got.items()}
-    bound = [tolerance(r, r64, torch.float32) for r, r64 in zip(alone, alone64)]
+    alone = [_alone(i, n) for i, n in enumerate(lens)]
+    diff = {k: [max_abs_diff(o, r64) for o, (_, r64, _) in zip(v, alone)] for k, v in got.items()}
+    bound = [b for *_, b in alone]
     rows = {"padded": _linear_rows(rec_pad), "flat": _linear_rows(rec_flat)}
     flops = {"padded": _recorded_flops(rec_pad), "flat": _recorded_flops(rec_flat)}
     per_head_layer = cfg.n_heads * cfg.n_layers
@@ -377,7 +362,6 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
             "flops": flops, "waste": {k: flops["padded"][k] - flops["flat"][k] for k in ("linear", "attention")},
             "crossover": {**crossover_lengths(cfg), "waste_from": waste_crossover(cfg, int(ids.shape[1]))},
             "diff": diff, "bound": bound,
-            "equal": {k: [d <= b for d, b in zip(v, bound)] for k, v in diff.items()},
             "differs": {k: [i for i, d in enumerate(v) if d > bound[i]] for k, v in diff.items()}}
 
 
@@ -454,17 +438,16 @@ def flat_run_text(state: dict) -> dict[str, str]:
         f"largest score matrix (recorded): padded {list(big['padded'])} = {_kib(4 * math.prod(big['padded']))} | "
         f"flat {list(big['flat'])} = {_kib(4 * math.prod(big['flat']))} (float32; the leading number is heads x "
         "requests: attention runs requests of equal length as one batched matmul)"])
-    lines = []
-    for i, n in enumerate(state["seq_lens"][:_SHOWN]):
-        lines.append(f"{request_name(i)} ({n}): flat {state['diff']['flat'][i]:.1e} "
-                     f"{'=' if state['equal']['flat'][i] else 'DIFFERS'} | padded {state['diff']['padded'][i]:.1e} "
-                     f"{'=' if state['equal']['padded'][i] else 'DIFFERS'} | bound {state['bound'][i]:.1e}")
+    diff, differs = state["diff"], state["differs"]
+    lines = [f"{request_name(i)} ({n}): flat {diff['flat'][i]:.1e} {'DIFFERS' if i in differs['flat'] else '='} | "
+             f"padded {diff['padded'][i]:.1e} {'DIFFERS' if i in differs['padded'] else '='} | bound {state['bound'][i]:.1e}"
+             for i, n in enumerate(state["seq_lens"][:_SHOWN])]
     if len(state["seq_lens"]) > _SHOWN:
         lines.append(f"... {len(state['seq_lens']) - _SHOWN} more requests")
-    ok = {k: all(v) for k, v in state["equal"].items()}
+    ok = {k: not v for k, v in differs.items()}
     lines.append(f"every request equals itself alone: flat {'yes' if ok['flat'] else 'NO'} | "
                  f"padded {'yes' if ok['padded'] else 'NO'}")
-    names = {k: ", ".join(request_name(i) for i in v) or "none" for k, v in state["differs"].items()}
+    names = {k: ", ".join(request_name(i) for i in v) or "none" for k, v in differs.items()}
     lines.append(f"differ from themselves alone (outlined in the figure): padded {names['padded']} | flat {names['flat']}")
     if not ok["padded"] and state["side"] == "left":
         lines.append("left padding: forward_padded numbers the columns 0..S-1, so a request with p pad rows "
@@ -539,24 +522,19 @@ def broken_pack(requests: Sequence, bug: str, k: int) -> PackedBatch:
     return dataclasses.replace(pieces, cu_seqlens=torch.tensor(cu, dtype=torch.int32), seq_lens=moved)
 
 
-def wrong_requests(seq_lens: Sequence[int], bug: str, k: int) -> tuple[set[int], list[float]]:
-    """Run ``broken_pack`` through the explorer's model; the requests whose rows (cut at the TRUE
-    boundaries) are not within the tolerance rule of the request alone, and each one's max |diff|."""
-    wrong, diffs = _wrong_requests(tuple(check_lengths(seq_lens)), bug, k)
-    return set(wrong), list(diffs)
-
-
 @functools.lru_cache(maxsize=64)  # a checker asks for the same few cases again and again
-def _wrong_requests(seq_lens: tuple[int, ...], bug: str, k: int) -> tuple[frozenset[int], tuple[float, ...]]:
+def wrong_requests(seq_lens: tuple[int, ...], bug: str, k: int) -> tuple[frozenset[int], tuple[float, ...]]:
+    """Run ``broken_pack`` of ``request_ids(seq_lens)`` through the explorer's model: the requests whose rows,
+    cut at the TRUE boundaries, are beyond the tolerance rule's bound of the request alone, and each one's
+    max |diff| from it."""
     model, twin = explorer_models()
     requests = request_ids(seq_lens)
     with one_thread():
         out = model.forward(broken_pack(requests, bug, k))
-        alone, alone64 = model.forward_each(requests), twin.forward_each(requests)
-    parts = unpack(out, torch.tensor(cumulative(seq_lens), dtype=torch.int32))
-    diffs = [max_abs_diff(p, r64) for p, r64 in zip(parts, alone64)]
-    wrong = frozenset(i for i, (d, r, r64) in enumerate(zip(diffs, alone, alone64)) if d > tolerance(r, r64, torch.float32))
-    return wrong, tuple(diffs)
+    alone = _alone_runs(model, twin, requests)
+    parts = unpack(out, torch.tensor(cumulative(seq_lens), dtype=torch.int32))  # cut at the TRUE boundaries
+    diffs = tuple(max_abs_diff(p, r64) for p, (_, r64, _) in zip(parts, alone))
+    return frozenset(i for i, (d, (_, _, bound)) in enumerate(zip(diffs, alone)) if d > bound), diffs
 
 
 def sampled_rows(model: Transformer, requests: Sequence, bug: str, k: int) -> dict:
@@ -573,19 +551,17 @@ def sampled_rows(model: Transformer, requests: Sequence, bug: str, k: int) -> di
     tensors = [torch.as_tensor(r) for r in requests]
     cu = batch.cu_seqlens.tolist()
     moved = [torch.cat(tensors)[a:b] for a, b in zip(cu, cu[1:])]
-    twin = float64_twin(model)
     with one_thread():
         out = model.forward(batch)
-        refs = {name: [(model.forward_each([r])[0], twin.forward_each([r])[0]) if len(r) else None for r in reqs]
-                for name, reqs in (("true", tensors), ("moved", moved))}
     rows = [int(r) if b > a else None for r, a, b in zip(batch.last_token_indices.tolist(), cu, cu[1:])]
-    got = {name: ([None if r is None else max_abs_diff(out[r], ref[1][-1]) for r, ref in zip(rows, pairs)],
-                  [None if ref is None else tolerance(*ref, torch.float32) for ref in pairs])
-           for name, pairs in refs.items()}
-    (diff, bound), (moved_diff, moved_bound) = got["true"], got["moved"]
-    wrong = {i for i, (d, b) in enumerate(zip(diff, bound)) if d is None or d > b}
-    return {"cu_seqlens": cu, "rows": rows, "diff": diff, "bound": bound, "moved_diff": moved_diff,
-            "moved_bound": moved_bound, "wrong": wrong}
+    twin, got = float64_twin(model), {"cu_seqlens": cu, "rows": rows}
+    for key, reqs in (("", tensors), ("moved_", moved)):
+        runs = iter(_alone_runs(model, twin, [r for r in reqs if len(r)]))
+        refs = [next(runs) if len(r) else None for r in reqs]  # a request the bug emptied has no row, no reference
+        got[key + "diff"] = [None if r is None else max_abs_diff(out[r], ref[1][-1]) for r, ref in zip(rows, refs)]
+        got[key + "bound"] = [None if ref is None else ref[2] for ref in refs]
+    got["wrong"] = {i for i, (d, b) in enumerate(zip(got["diff"], got["bound"])) if d is None or d > b}
+    return got
 
 
 def _why(i: int, lens: list[int], bug: str, k: int) -> str:
@@ -621,7 +597,7 @@ def check_wrong_requests(fn: Callable[[list, str, int], object]) -> bool:
             return f"expected a set of request indices like {{1}}, got {got!r}"
         if not said <= set(range(len(lens))):
             return f"{sorted(said)}: the requests are numbered 0..{len(lens) - 1}"
-        wrong, diffs = wrong_requests(lens, bug, k)
+        wrong, diffs = wrong_requests(tuple(lens), bug, k)
         if said == wrong:
             return None
         notes = [_why(i, lens, bug, k) + f" (engine: max |diff| {diffs[i]:.1e})"
@@ -645,30 +621,16 @@ def pad_rows(lens: Sequence[int]) -> int:
     return len(lens) * max(lens) - sum(lens)
 
 
-def _partitions(items: list, cap: int, groups: int):
-    """Every split of ``items`` into exactly ``groups`` non-empty groups of at most ``cap`` (brute force)."""
-    if not items:
-        if groups == 0:
-            yield []
-        return
-    first, rest = items[0], items[1:]
-    for part in _partitions(rest, cap, groups):          # first joins an existing group ...
-        for j in range(len(part)):
-            if len(part[j]) < cap:
-                yield part[:j] + [[first] + part[j]] + part[j + 1:]
-    for part in _partitions(rest, cap, groups - 1):      # ... or opens a new one
-        yield [[first]] + part
-
-
 @functools.cache
 def fewest_pad_rows(seq_lens: tuple[int, ...], max_num_seqs: int) -> tuple[int, tuple]:
-    """Brute force: the fewest pad rows over every split of the requests into the fewest forwards,
-    ``ceil(R / max_num_seqs)`` padded batches of at most ``max_num_seqs`` requests; and one best split
-    (request indices)."""
+    """Brute force over every labelling of the requests with ``ceil(R / max_num_seqs)`` groups (each of 1 ..
+    ``max_num_seqs`` requests): the fewest pad rows, and one best split (tuples of request indices)."""
     lens = check_lengths(seq_lens)
     n = math.ceil(len(lens) / max_num_seqs)
-    return min((sum(pad_rows([lens[i] for i in g]) for g in part), tuple(tuple(sorted(g)) for g in part))
-               for part in _partitions(list(range(len(lens))), max_num_seqs, n))
+    splits = (tuple(tuple(i for i, g in enumerate(labels) if g == group) for group in range(n))
+              for labels in itertools.product(range(n), repeat=len(lens)))
+    return min((sum(pad_rows([lens[i] for i in g]) for g in split), split)
+               for split in splits if all(1 <= len(g) <= max_num_seqs for g in split))
 
 
 def check_grouping(fn: Callable[[list, int], object]) -> bool:
@@ -784,11 +746,8 @@ def check_unpad_ids(fn: Callable[[Tensor, Tensor], tuple]) -> bool:
             hint = (" - count the cells mask marks (ids == 0 is no test: a real token can have id 0)"
                     if got_lens == [int((r != 0).sum()) for r in ids] else "")
             return f"cu_seqlens {g_cu.tolist()} gives lengths {got_lens}, the mask says {lens}{hint}"
-        with one_thread():
-            alone, alone64 = (m.forward_each(requests) for m in explorer_models())
-        for b, (part, r, r64) in enumerate(zip(unpack(out, g_cu), alone, alone64)):
-            err, bound = max_abs_diff(part, r64), tolerance(r, r64, torch.float32)
-            if err > bound:
+        for b, (part, (_, r64, bound)) in enumerate(zip(unpack(out, g_cu), _alone_runs(*explorer_models(), requests))):
+            if (err := max_abs_diff(part, r64)) > bound:
                 first_columns = ids[b][:lens[b]]
                 right = torch.equal(g_ids[g_cu[b]:g_cu[b + 1]], first_columns) and not torch.equal(first_columns, requests[b])
                 hint = (" - its mask has the pads on the LEFT: take the cells mask marks, not the first L columns"
