@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import re
 
+import torch
 from widget_driver import MOVES, finish, inner_text, move, open_explorer, readout, wait_text
 
 from lessons_lib.course import l05_flops
 from lessons_lib.measure import flops
+from lessons_lib.measure.machines import H200, Machine
 
 LINE_RE = re.compile(r"(.+?): linear ([\d.]+ [kMGT]?)FLOP ([\d.]+ [kMGT]?)B ([\d.]+) FLOP/B (compute|memory)-bound "
                      r"([\d.e+-]+) ms \| attention ([\d.]+ [kMGT]?)FLOP ([\d.]+ [kMGT]?)B ([\d.]+) FLOP/B "
@@ -33,7 +35,7 @@ def _knobs(page) -> dict:
             "lengths": page.locator(".frx-lengths input").input_value()}
 
 
-def _expected(knobs: dict, machine=l05_flops.H200) -> tuple[list[str], dict]:
+def _expected(knobs: dict, machine=H200) -> tuple[list[str], dict]:
     """A direct call of the library for the knobs read off the page; the FLOPs cross-checked against
     measure.flops alone."""
     state = l05_flops.roofline_state(machine=machine, **knobs)
@@ -87,11 +89,11 @@ def test_lesson05_roofline_explorer(lab_server, browser_context, capsys):
 
     # This CPU, measured: FLOPs and bytes do not depend on the machine; its ridge is what its line says.
     page.locator(".frx-machine select").select_option(index=0)
-    wait_text(page, ".frx-machine-line", "t => t.startsWith('this CPU, measured')")
-    m = re.fullmatch(r"this CPU, measured: peak ([\d.]+) GFLOP/s, bandwidth ([\d.]+) GB/s, ridge ([\d.]+) FLOP/byte",
+    wait_text(page, ".frx-machine-line", "t => t.startsWith('this CPU')")
+    m = re.fullmatch(r"(this CPU.*?): peak ([\d.]+) GFLOP/s, bandwidth ([\d.]+) GB/s, ridge ([\d.]+) FLOP/byte",
                      inner_text(page, ".frx-machine-line"))
     assert m, inner_text(page, ".frx-machine-line")
-    cpu = ("this CPU, measured", float(m[1]) * 1e9, float(m[2]) * 1e9)
+    cpu = Machine(m[1], float(m[2]) * 1e9, float(m[3]) * 1e9, dtype=torch.float32)
     want, _ = _expected(_knobs(page), cpu)
     got = [LINE_RE.fullmatch(x) for x in _lines(page)]
     for g, w in zip(got, (LINE_RE.fullmatch(x) for x in want)):
