@@ -73,6 +73,12 @@ def test_c14_masked_attention_shows_up_as_the_whole_square_and_sdpa_as_pairs():
     assert cells_per_head(L.of_kind(sdpa, "linear")) == 0
 
 
+def test_c14_recorded_flops_are_what_the_engine_ran():
+    assert L.recorded_flops(SMALL, [10, 30]) == forward_flops(SMALL, [10, 30])
+    with faults.injected("loop_backend_runs_masked"):       # the engine broken: the record follows, the count does not
+        assert L.recorded_flops(SMALL, [10, 30]).attention == forward_flops(SMALL, [10, 30], "masked").attention
+
+
 def test_c14_fused_attention_intensity_counts_the_recorded_sdpa_calls_by_hand():
     model = Transformer(SMALL, seed=0)
     rec = record_ops(lambda: model(pack([torch.arange(n) for n in (10, 30)]), attn_backend="sdpa"))
