@@ -331,15 +331,15 @@ def _coverage_tool():
 
 def test_coverage_lists_first_the_rows_no_fault_flips_and_tells_flipped_from_not_reached():
     tool = _coverage_tool()
-    lesson = {"runs": {"": {"faults": [], "seconds": 1.0, "errors": [], "rows": {"C1 | a": True, "C1 | b": True,
-                                                                                "C2 | c": False}},
-                       "f1": {"faults": ["f1"], "seconds": 1.0, "errors": [], "rows": {"C1 | a": False, "C1 | b": True}},
-                       "f2": {"faults": ["f2"], "seconds": 1.0, "errors": ["cell 3: KeyError"], "rows": {"C1 | a": False}}}}
+    lesson = {"runs": {"": {"faults": [], "seconds": 1.0, "errors": [], "rows": {"C1: a": True, "C1: b": True,
+                                                                                "C2: c |x|": False}},
+                       "f1": {"faults": ["f1"], "seconds": 1.0, "errors": [], "rows": {"C1: a": False, "C1: b": True}},
+                       "f2": {"faults": ["f2"], "seconds": 1.0, "errors": ["cell 3: KeyError"], "rows": {"C1: a": False}}}}
     rows = tool.coverage(lesson)
     assert [(r["row"], r["holds"], r["flipped_by"], r["not_reached_by"]) for r in rows] == [
-        ("C1 | b", True, [], ["f2"]), ("C2 | c", False, [], ["f1", "f2"]), ("C1 | a", True, ["f1", "f2"], [])]
-    text = tool.report({"lessons": {"01_x": lesson}})
-    assert "1 / 3 rows flipped by at least one fault; 2 fault runs" in text and "| C2 | c | **NO** |" in text
+        ("C1: b", True, [], ["f2"]), ("C2: c |x|", False, [], ["f1", "f2"]), ("C1: a", True, ["f1", "f2"], [])]
+    text = tool.report({"lessons": {"01_x": lesson}, "last_run": "today"})
+    assert "1 / 3 rows flipped by at least one fault; 2 fault runs" in text and "| C2: c \\|x\\| | **NO** |" in text
 
 
 def test_every_fault_a_breakage_uses_is_declared_by_that_breakages_lesson():
