@@ -52,7 +52,7 @@ from ..style import (
     WASTED,
     short_lens,
 )
-from ..validate import check_int, check_lengths, lengths
+from ..validate import check_choice, check_int, check_lengths, lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import Tensor, grade, matches, tensor_problem
@@ -148,7 +148,6 @@ def kernel_work(seq_lens: Sequence[int], tile: int, causal: bool = True, seed: i
     return counted, predict_work(lens, n_heads=1, block_m=tile, block_n=tile, causal=causal)
 
 
-
 # ---- the three pictures -----------------------------------------------------------------------------
 
 def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = False,
@@ -162,8 +161,7 @@ def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = Fa
     ``max_pixels``: sample at most that many rows/columns (a picture, not a count).
     """
     lens = check_lengths(seq_lens)
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    check_choice("method", method, METHODS)
     lens_a = np.asarray(lens, dtype=np.int64)
     if method == "padded":
         lmax = int(lens_a.max())
@@ -262,6 +260,15 @@ def attention_patterns(seq_lens: Sequence[int], methods: Sequence[str] = METHODS
     return fig
 
 
+def _r_axis(ax, length: int, ylabel: str) -> None:
+    """Log-log axes over the number of requests R, each of ``length`` tokens."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"number of requests R (each L = {length} tokens)", fontsize=MIN_FONT + 1)
+    ax.set_ylabel(ylabel, fontsize=MIN_FONT + 1)
+    ax.tick_params(labelsize=MIN_FONT)
+
+
 def masked_growth(length: int = 64, num_requests: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)) -> Figure:
     """Claim C9: cells computed by masked attention, ``(R·L)²``, against the useful ``R·L²``."""
     rs = list(num_requests)
@@ -272,11 +279,7 @@ def masked_growth(length: int = 64, num_requests: Sequence[int] = (1, 2, 4, 8, 1
     ax.fill_between(rs, useful, masked, color=WASTE, alpha=0.35, linewidth=0, label="masked's waste (R² − R)·L²")
     ax.plot(rs, masked, "o-", color=TEXT, label="masked computes (R·L)²")
     ax.plot(rs, useful, "s--", color=TEXT, label="varlen computes R·L² (all useful)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel(f"number of requests R (each L = {length} tokens)", fontsize=MIN_FONT + 1)
-    ax.set_ylabel("score cells per head per layer", fontsize=MIN_FONT + 1)
-    ax.tick_params(labelsize=MIN_FONT)
+    _r_axis(ax, length, "score cells per head per layer")
     ax.legend(fontsize=MIN_FONT + 1, frameon=False)
     ax.set_title(f"score cells per head per layer (whole blocks),\nR requests of {length} tokens each", fontsize=MIN_FONT + 1)
     fig.subplots_adjust(left=0.15, right=0.97, bottom=0.15, top=0.86)
@@ -300,12 +303,8 @@ def measured_sweep(rs: Sequence[int], runs: dict, length: int, where: str) -> Fi
             x0, y0 = rs[-1], ys[-1] / GUIDE_OFFSET
             ax.plot(list(rs), [y0 * (r / x0) ** slope for r in rs], color=TEXT, linewidth=0.8, linestyle=style,
                     label=f"guide, slope {slope} (grows like R{'²' if slope == 2 else ''}), drawn at half")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        _r_axis(ax, length, ylabel)
         ax.set_xticks(list(rs), [str(r) for r in rs])
-        ax.set_xlabel(f"number of requests R (each L = {length} tokens)", fontsize=MIN_FONT + 1)
-        ax.set_ylabel(ylabel, fontsize=MIN_FONT + 1)
-        ax.tick_params(labelsize=MIN_FONT)
     # one legend for both panels, below them, so that no line runs through its text
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=MIN_FONT, frameon=False)
     axes[0].set_title("time: noisy on a shared machine", fontsize=MIN_FONT + 1)
