@@ -88,8 +88,10 @@ def unchunked(dtype=torch.float32) -> dict:
 def test_the_engine_serves_a_capped_schedule_like_whole_prompts():
     sched = Scheduler(16, enable_chunked_prefill=True, long_prefill_token_threshold=6)
     eng = engine(scheduler=sched)
-    outs = {o.request_id: o for o in eng.prefill(PROMPTS)}
-    assert eng.scheduler is sched
+    served = eng.prefill(PROMPTS)
+    outs = {o.request_id: o for o in served}
+    assert eng.scheduler is sched and [o.request_id for o in served] == [0, 1, 2, 3]   # submission order
+    assert [o.batch_index for o in served] != sorted(o.batch_index for o in served)  # though they ended out of order
     assert [s.chunks for s in eng.stats] == plan_batches(LENS, 16, enable_chunked_prefill=True,
                                                          long_prefill_token_threshold=6)
     # several requests part-way through their prompts in one forward, each with its own cached keys
@@ -107,7 +109,7 @@ def test_the_engine_runs_the_scheduler_it_is_given():
     eng = engine(scheduler=LastComeFirst(64))
     outs = eng.prefill(PROMPTS)
     assert [s.request_ids for s in eng.stats] == [[3], [2], [1], [0]]
-    assert sorted(o.request_id for o in outs) == [0, 1, 2, 3]
+    assert [o.request_id for o in outs] == [0, 1, 2, 3]   # submission order, whatever the schedule
 
 
 @pytest.mark.parametrize("kw, match", [

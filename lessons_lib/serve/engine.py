@@ -359,6 +359,7 @@ class Engine:
         on the next forward).
         """
         total = sum(len(r) - r.num_computed_tokens for r in self.scheduler.waiting)
+        submitted = {r.request_id: k for k, r in enumerate(self.scheduler.waiting)}
         self.stats = []
         self.kv_cache_peak_bytes = 0
         if self.kv_cache is not None:
@@ -395,7 +396,7 @@ class Engine:
             if bar is not None:
                 bar.close()
         self._pending_ids.difference_update(r.request_id for r in taken)
-        return outputs
+        return sorted(outputs, key=lambda o: submitted[o.request_id])  # a capped or custom schedule ends them out of order
 
     def _abort(self, taken: list[Request]) -> None:
         """A forward failed: every taken request waits again, whole, in order; no cache is left behind."""
