@@ -1,9 +1,10 @@
-"""What lesson 03 (masked vs varlen attention) draws, explores, measures and checks.
+"""What lesson 03 (masked vs varlen attention) measures, draws, explores and checks.
 
-- ``attention_categories`` / ``attention_patterns``: the padded, masked and varlen score matrices,
-  one colour per cell category (useful, computed and thrown away, never computed) (C2, C8, C10);
-- ``masked_growth``, ``sweep_attention`` and ``measured_sweep``: cells, measured time and memory
-  as R grows (C9);
+- ``attention_dependency`` (who reads whom, C7, C10), ``sweep_attention`` (time and memory as R grows, C9) and
+  ``kernel_work`` (the engine's Triton kernel under its counters, beside ``tiling.predict_work``);
+- ``attention_categories`` / ``attention_patterns``: the padded, masked and varlen score matrices, one colour per
+  cell category (useful, computed and thrown away, never computed) (C2, C8, C10); ``masked_growth``,
+  ``measured_sweep`` (C9); ``tile_grid``: the 128-row tile;
 - the attention-run explorer (``attention_run_state`` + ``attention_run_explorer``): the engine's loop,
   masked, padded and varlen backends run on the learner's lengths under ``OpRecorder``;
 - the checkers of exercises 03.1-03.3.
