@@ -46,9 +46,8 @@ def test_c8_article_pictures_hold_the_article_numbers():
     assert int((L.attention_categories([10, 30], "varlen", causal=True) == USEFUL).sum()) == 10 * 11 // 2 + 30 * 31 // 2
 
 
-def test_attention_categories_sampling_and_bad_input():
-    grid = L.attention_categories([100] * 10, "masked", max_pixels=64)
-    assert grid.shape == (64, 64) and grid.dtype == np.uint8
+def test_attention_categories_bad_input():
+    assert L.attention_categories([3, 5], "masked").dtype == np.uint8
     with pytest.raises(ValueError, match="method"):
         L.attention_categories([10, 30], "dense")
     with pytest.raises(ValueError, match="seq_lens"):

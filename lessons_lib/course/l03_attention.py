@@ -151,26 +151,24 @@ def kernel_work(seq_lens: Sequence[int], tile: int, causal: bool = True, seed: i
 
 # ---- the three pictures -----------------------------------------------------------------------------
 
-def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = False,
-                         max_pixels: int | None = None, whole_blocks: bool = False) -> np.ndarray:
+def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = False, whole_blocks: bool = False) -> np.ndarray:
     """The score matrix of one head in one layer, ``uint8 [n, n]``, one code per cell (SKIPPED, USEFUL, WASTED).
 
     ``masked`` and ``varlen``: ``[T, T]`` over the flat rows; ``padded``: its R ``[Lmax, Lmax]`` matrices along
-    the diagonal of ``[R·Lmax, R·Lmax]``. The full-size grid's codes count ``flops.attention_cells(seq_lens,
-    method, causal)`` (causal varlen: an ideal kernel, lower triangles only); ``whole_blocks=True`` (causal
-    varlen): the engine's loop, whole blocks with the upper triangles computed and thrown away.
-    ``max_pixels``: sample at most that many rows/columns (a picture, not a count).
+    the diagonal of ``[R·Lmax, R·Lmax]``. The codes count ``flops.attention_cells(seq_lens, method, causal)``
+    (causal varlen: an ideal kernel, lower triangles only); ``whole_blocks=True`` (causal varlen): the engine's
+    loop, whole blocks with the upper triangles computed and thrown away.
     """
     lens = check_lengths(seq_lens)
     check_choice("method", method, METHODS)
     lens_a = np.asarray(lens, dtype=np.int64)
     if method == "padded":
         lmax = int(lens_a.max())
-        idx = _sample(len(lens) * lmax, max_pixels)
+        idx = np.arange(len(lens) * lmax)
         rid, pos = idx // lmax, idx % lmax
         real = pos < lens_a[rid]
     else:
-        idx = _sample(int(lens_a.sum()), max_pixels)
+        idx = np.arange(int(lens_a.sum()))
         owner = np.repeat(np.arange(len(lens)), lens_a)
         starts = np.concatenate([[0], np.cumsum(lens_a)[:-1]])
         rid = owner[idx]
@@ -182,14 +180,6 @@ def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = Fa
         need &= pos[:, None] >= pos[None, :]
     computed = {"padded": same, "masked": np.ones_like(same), "varlen": same if whole_blocks else need}[method]
     return np.where(need, USEFUL, np.where(computed, WASTED, SKIPPED)).astype(np.uint8)
-
-
-def _sample(n: int, max_pixels: int | None) -> np.ndarray:
-    if max_pixels is None or n <= max_pixels:
-        return np.arange(n)
-    if max_pixels < 1:
-        raise ValueError(f"max_pixels must be >= 1, got {max_pixels}")
-    return (np.arange(max_pixels) * n + n // 2) // max_pixels  # cell centres, evenly spread
 
 
 CAUSAL_VARLEN_TITLES = {True: "varlen: our loop\n(whole blocks, upper half masked)",
@@ -205,9 +195,8 @@ def panel_cells(seq_lens: Sequence[int], method: str, causal: bool = False, whol
     return cells
 
 
-def _draw_attention(ax, lens: list[int], method: str, causal: bool, max_pixels: int | None, whole_blocks: bool,
-                    title: str) -> None:
-    grid = attention_categories(lens, method, causal, max_pixels, whole_blocks)
+def _draw_attention(ax, lens: list[int], method: str, causal: bool, whole_blocks: bool, title: str) -> None:
+    grid = attention_categories(lens, method, causal, whole_blocks)
     lmax = max(lens)
     n = len(lens) * lmax if method == "padded" else sum(lens)
     ax.imshow(grid, cmap=CELL_CMAP, vmin=0, vmax=2, interpolation="nearest", extent=(0, n, n, 0))
@@ -223,10 +212,9 @@ def _draw_attention(ax, lens: list[int], method: str, causal: bool, max_pixels: 
         ax.set_xlabel(f"{len(lens)} separate {lmax} x {lmax} matrices", fontsize=MIN_FONT)
     else:
         edges = cumulative(lens)
-        if len(edges) <= 65:
-            for e in edges[1:-1]:
-                ax.axhline(e, color=TEXT, linewidth=0.6, linestyle=":")
-                ax.axvline(e, color=TEXT, linewidth=0.6, linestyle=":")
+        for e in edges[1:-1]:
+            ax.axhline(e, color=TEXT, linewidth=0.6, linestyle=":")
+            ax.axvline(e, color=TEXT, linewidth=0.6, linestyle=":")
         ticks = edges if len(edges) <= 6 else []
         ax.set_xticks(ticks)
         ax.set_yticks(ticks)
@@ -236,21 +224,19 @@ def _draw_attention(ax, lens: list[int], method: str, causal: bool, max_pixels: 
     ax.set_title(f"{title}\ncomputed {c.computed}\nuseful {c.useful} | wasted {c.wasted}", fontsize=MIN_FONT + 1)
 
 
-def attention_patterns(seq_lens: Sequence[int], methods: Sequence[str] = METHODS, causal: bool = False,
-                       figsize=None, max_pixels: int | None = 400) -> Figure:
+def attention_patterns(seq_lens: Sequence[int], causal: bool = False) -> Figure:
     """The pictures of claims C2, C8, C10, one axis per panel, the cell counts per head per layer in each title.
 
     ``causal=False``: whole blocks (the article's pictures). ``causal=True``: only each block's lower triangle is
     useful, and varlen is drawn twice: the engine's loop (whole blocks) and an ideal causal kernel.
     """
     lens = check_lengths(seq_lens)
-    panels = [(m, wb) for m in methods for wb in ((True, False) if causal and m == "varlen" else (False,))]
-    figsize = figsize or (2.9 * len(panels) + 0.6, 4.6)
-    fig = Figure(figsize=figsize)
+    panels = [(m, wb) for m in METHODS for wb in ((True, False) if causal and m == "varlen" else (False,))]
+    fig = Figure(figsize=(2.9 * len(panels) + 0.6, 4.6))
     axes = np.atleast_1d(fig.subplots(1, len(panels)))
     for ax, (method, whole) in zip(axes, panels):
         title = CAUSAL_VARLEN_TITLES[whole] if causal and method == "varlen" else method
-        _draw_attention(ax, lens, method, causal, max_pixels, whole, title)
+        _draw_attention(ax, lens, method, causal, whole, title)
     axes[0].set_ylabel("query row", fontsize=MIN_FONT)
     fig.legend(handles=[Patch(facecolor=CELL_COLORS[k], edgecolor=TEXT, label=CELL_LABELS[k])
                         for k in (USEFUL, WASTED, SKIPPED)], loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
