@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import attempt, by_class, gids, png_of, stub
 
+from lessons_lib.core import batch as core_batch
 from lessons_lib.core.batch import pack
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.model import Transformer
@@ -333,9 +334,9 @@ def test_c3_unpad_ids_checker(capsys):
     assert "three tensors" in attempt(L.check_unpad_ids, lambda i, m: (i, m))
 
     def with_pack(ids, mask):  # the exercise forbids pack: the checker refuses it, then gives it back
-        b = pack([ids[r][mask[r]] for r in range(ids.shape[0])])
+        b = core_batch.pack([ids[r][mask[r]] for r in range(ids.shape[0])])
         return b.input_ids, b.positions, b.cu_seqlens
-    assert "without pack" in attempt(L.check_unpad_ids, with_pack)
+    assert "pack is switched off" in attempt(L.check_unpad_ids, with_pack)
     assert pack is L.pack and len(pack([torch.tensor([1, 2])]).input_ids) == 2
     capsys.readouterr()
     # Taking the first L columns is right on the two right-padded batches only (the mixed one has a left row)

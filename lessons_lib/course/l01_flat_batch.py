@@ -16,13 +16,13 @@ import functools
 import html
 import itertools
 import math
-import sys
 from collections.abc import Callable, Sequence
 
 import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from .. import faults
 from ..core.batch import PackedBatch, cumulative, pack, pad, unpack
 from ..core.config import ModelConfig
 from ..core.model import Transformer
@@ -689,29 +689,6 @@ def _unpad_id_cases() -> list[tuple[Tensor, Tensor]]:
     return cases
 
 
-def _refusing_pack(fn: Callable) -> Callable:
-    """``fn``, raising RuntimeError after it returns if it called the engine's ``pack`` (watched with
-    ``sys.setprofile``): exercise 01.3 builds the flat stream from the mask itself."""
-    @functools.wraps(fn)
-    def guarded(*args):
-        called = []
-
-        def watch(frame, event, arg):
-            if event == "call" and frame.f_code is pack.__code__:
-                called.append(True)
-        before = sys.getprofile()
-        sys.setprofile(watch)
-        try:
-            got = fn(*args)
-        finally:
-            sys.setprofile(before)
-        if called:
-            raise RuntimeError("exercise 01.3 builds input_ids, positions and cu_seqlens from the mask itself: "
-                               "without pack")
-        return got
-    return guarded
-
-
 def check_unpad_ids(fn: Callable[[Tensor, Tensor], tuple]) -> bool:
     """Exercise 01.3: ``fn(ids [B, S], mask [B, S] bool) -> (input_ids [T], positions [T], cu_seqlens [B+1])``:
     a flat batch the engine runs; graded by running it through the explorer's model and comparing each
@@ -754,7 +731,10 @@ def check_unpad_ids(fn: Callable[[Tensor, Tensor], tuple]) -> bool:
                         if right else " - request b's real tokens, in their order, go between cu_seqlens[b] and cu_seqlens[b+1]")
                 return f"request {b}'s output differs from it alone (max |diff| {err:.1e} > bound {bound:.1e}){hint}"
         return None
-    return grade("unpad_ids", _refusing_pack(fn) if callable(fn) else fn, _unpad_id_cases(), judge,
+    def without_pack(*args):  # the exercise builds the flat stream from the mask itself: the engine's pack refuses
+        with faults.injected("pack_refused"):
+            return fn(*args)
+    return grade("unpad_ids", without_pack if callable(fn) else fn, _unpad_id_cases(), judge,
                  "the engine runs your flat batch and each request equals itself alone, on right-, left- and "
                  "mixed-padded batches")
 
