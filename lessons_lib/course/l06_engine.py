@@ -1,17 +1,15 @@
 """What lesson 06 (the prefill engine, the capstone) draws, explores and checks.
 
-  the stream        ``ENGINE_STREAM``, ``stream_prompts``, ``stream_reference`` (the engine's own
-                    varlen outputs on it in float64, computed once: the truth of the tolerance rule)
-  executed          ``run_recorded`` / ``BatchRecord`` / ``recorded_totals``: each batch run as one forward
-                    under ``OpRecorder``, the rows its linear layers saw and the score cells it computed
-  counts            ``method_totals`` / ``totals_text``: rows, cells and FLOPs per method, whole blocks (predicted)
-  figures           ``fcfs_batches`` (06_fcfs_batches), ``batch_waste`` (06_batch_waste)
-  explorer          ``prefill_plan_state`` / ``prefill_plan_html`` / ``prefill_plan_explorer``
-  schedules         ``schedule_measures``, ``schedule_table``: pad rows, masked cells, fairness
-  exercises         ``check_bucket_scheduler`` (06.1, a bucketing scheduler inside ``Engine``, probed by
-                    ``drive_scheduler``), ``check_masked_counterexample`` (06.2, measured by ``measure_schedule``)
-  measured          ``time_methods``, ``timing_verdict``, ``causal_vs_full_seconds`` (shown, never asserted)
-  C9 swept          ``masked_waste_sweep``: recorded masked waste per useful cell for R equal lengths
+  the stream   ``ENGINE_STREAM``, ``stream_prompts``, ``stream_reference`` (the engine's varlen answer; float64: the truth)
+  executed     ``run_recorded`` / ``BatchRecord``: each batch one forward under ``OpRecorder``
+  counts       ``method_totals`` / ``totals_text``: rows, cells and FLOPs per method, whole blocks (predicted)
+  figures      ``fcfs_batches`` (06_fcfs_batches), ``batch_waste`` (06_batch_waste), 06_tp_trace
+  explorer     ``prefill_plan_state`` / ``prefill_plan_html`` / ``prefill_plan_explorer``
+  schedules    ``schedule_problem``, ``schedule_measures``, ``schedule_table``: validity, pad rows, masked cells, fairness
+  measured     ``time_methods``, ``timing_verdict``, ``causal_vs_full_seconds`` (shown, never asserted);
+               ``masked_waste_sweep`` (C9, recorded)
+  TP=2         ``tp_dry_traces`` (the records: ``Engine(record_forwards=True)``'s ``BatchStats.tp_result``)
+  exercises    ``check_bucket_scheduler`` (06.1), ``check_masked_counterexample`` (06.2)
 
 Taught in notebooks/06_prefill_engine.ipynb.
 """
@@ -19,12 +17,15 @@ from __future__ import annotations
 
 import functools
 import math
+import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
@@ -33,16 +34,19 @@ from matplotlib.ticker import EngFormatter
 from ..core.config import ModelConfig
 from ..core.kernels import synchronize
 from ..core.model import init_weights
-from ..measure.flops import METHODS, attention_cells, forward_flops
+from ..measure.flops import METHODS, attention_cells
 from ..measure.recorder import OpRecorder
+from ..measure.search import first_where
 from ..serve.engine import Engine, batch_stats
-from ..serve.scheduler import Request, plan_batches
+from ..serve.scheduler import Request, Scheduler, plan_batches
 from ..serve.workloads import make_requests, workload_lengths
 from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, REQUEST, TEXT, WASTE, request_color
+from ..tp.dryrun import record_trace
 from ..validate import check_int
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import WrongAnswer, grade
+from .trace_figures import tp_trace_timeline
 
 Tensor = torch.Tensor
 
@@ -58,6 +62,16 @@ WORKLOAD_PRESETS = {
 }
 
 
+# The recorded runs' model: one layer, width 8 (rows and score cells do not depend on the width).
+TINY = ModelConfig(n_layers=1, d_model=8, n_heads=1, d_head=8, d_ffn=16, vocab_size=97, max_position=8192)
+
+
+@functools.cache
+def _tiny_weights() -> dict:
+    """``init_weights(TINY, 0)``, made once (the recorded runs count rows and cells: any weights do)."""
+    return init_weights(TINY, 0)
+
+
 def stream_prompts(cfg: ModelConfig | None = None) -> tuple[list[int], list[list[int]]]:
     """Lesson 06's stream: ``(lengths in arrival order, token-id prompts)``, oversize ones included."""
     cfg = cfg or ModelConfig()
@@ -66,36 +80,17 @@ def stream_prompts(cfg: ModelConfig | None = None) -> tuple[list[int], list[list
     return lens, make_requests(lens, cfg.vocab_size, seed=PROMPT_SEED)
 
 
-def _stream_requests(cfg: ModelConfig) -> list[Request]:
-    """The stream's requests that fit the budget, asking for every final hidden row."""
-    lens, prompts = stream_prompts(cfg)
-    budget = ENGINE_STREAM["max_num_batched_tokens"]
-    return [Request(i, p, return_hidden=True) for i, p in enumerate(prompts) if lens[i] <= budget]
-
-
-def _serve_stream(attn_backend="auto", dtype: torch.dtype = torch.float32) -> tuple[dict, list]:
-    """``({request_id: hidden [L, d]}, [BatchStats])``: the stream served on the CPU with ``attn_backend``."""
-    cfg = ModelConfig()
-    engine = Engine(cfg, weights=init_weights(cfg, 0), attn_backend=attn_backend, device="cpu", dtype=dtype,
-                    max_num_batched_tokens=ENGINE_STREAM["max_num_batched_tokens"], compute_logits=False)
-    outputs = engine.prefill(_stream_requests(cfg))
-    return {o.request_id: o.hidden for o in outputs}, engine.stats
-
-
-_ENGINE_RUNS: dict = {}  # {dtype: (hidden by request id, [BatchStats])}: the engine's own varlen runs of the stream
-
-
-def _engine_run(dtype: torch.dtype = torch.float32) -> tuple[dict, list]:
-    if dtype not in _ENGINE_RUNS:
-        _ENGINE_RUNS[dtype] = _serve_stream("auto", dtype)
-    return _ENGINE_RUNS[dtype]
-
-
+@functools.cache
 def stream_reference(dtype: torch.dtype = torch.float32) -> dict:
-    """The engine's own varlen answer on lesson 06's stream (``init_weights(ModelConfig(), 0)``, CPU):
-    ``{request_id: final hidden rows [L, d_model]}`` in ``dtype``. Computed once per dtype; float64
-    is the truth of the tolerance rule, float32 the trusted computation beside it."""
-    return _engine_run(dtype)[0]
+    """The engine's own varlen answer on lesson 06's stream (``init_weights(ModelConfig(), 0)``, CPU, the requests
+    within the budget): ``{request_id: final hidden rows [L, d_model]}`` in ``dtype``, computed once per dtype;
+    float64 is the truth of the tolerance rule."""
+    cfg, budget = ModelConfig(), ENGINE_STREAM["max_num_batched_tokens"]
+    lens, prompts = stream_prompts(cfg)
+    engine = Engine(cfg, weights=init_weights(cfg, 0), device="cpu", dtype=dtype, max_num_batched_tokens=budget,
+                    compute_logits=False)
+    outputs = engine.prefill([Request(i, p, return_hidden=True) for i, p in enumerate(prompts) if lens[i] <= budget])
+    return {o.request_id: o.hidden for o in outputs}
 
 
 def stack(outputs: Mapping) -> Tensor:
@@ -109,17 +104,16 @@ def stack(outputs: Mapping) -> Tensor:
 class BatchRecord:
     """What one forward of ``Engine(method=...)`` EXECUTED, read by ``OpRecorder`` (not predicted).
 
-    linear_rows: the rows ``m`` of every linear-layer matmul of the forward (one per linear layer:
-    4 per block); cells: attention score cells computed, per head per layer (every score matrix
-    the softmax or a fused kernel saw, all heads and layers, divided by ``n_heads · n_layers``);
-    score_shapes: those score matrices' shapes, in order."""
+    linear_rows: the rows ``m`` of every linear-layer matmul (4 per block); cells: score cells computed per
+    head per layer (every score matrix the softmax or a fused kernel saw, over ``n_heads · n_layers``);
+    score_shapes: those score matrices' shapes, in order; wall_s: the forward's wall-clock, recorder included."""
 
     method: str
     request_ids: tuple
     linear_rows: tuple
     cells: float
     score_shapes: tuple
-    wall_s: float = 0.0  # the forward's wall-clock, the recorder's overhead included (shown, never asserted)
+    wall_s: float = 0.0
 
     @property
     def rows(self) -> int:
@@ -151,34 +145,22 @@ def run_recorded(cfg: ModelConfig, weights: dict, method: str, batches: Sequence
     return outputs, records
 
 
-def recorded_totals(records: Sequence[BatchRecord]) -> dict:
-    """``{"rows", "cells"}`` summed over a method's ``BatchRecord``s: what it executed on the stream."""
-    return {"rows": sum(r.rows for r in records), "cells": sum(r.cells for r in records)}
-
-
 # ---- counts per method, one convention --------------------------------------------------------------
 
-def whole_block_flops(cfg: ModelConfig, s) -> int:
-    """FLOPs a batch executes, counted like its cells: whole blocks (``flops.forward_flops(causal=False)``),
-    i.e. the ``BatchStats``' own ``flops_whole_executed`` (``cfg`` kept for the callers)."""
-    return s.flops_whole_executed
-
-
-def _totals(cfg: ModelConfig, stats: Sequence) -> dict:
+def _totals(stats: Sequence) -> dict:
     """``method_totals``'s counts for one method, summed over its ``BatchStats`` (whole blocks)."""
     return {"rows": sum(s.executed_rows for s in stats), "pad_rows": sum(s.padding_rows for s in stats),
             "cells_computed": sum(s.cells_whole_computed for s in stats),
             "cells_useful": sum(s.cells_whole_useful for s in stats),
-            "flops_executed": sum(whole_block_flops(cfg, s) for s in stats),
+            "flops_executed": sum(s.flops_whole_executed for s in stats),
             "flops_useful": sum(s.flops_whole_useful for s in stats)}
 
 
 def method_totals(cfg: ModelConfig, batches: Sequence[Sequence[int]]) -> dict:
     """``{method: {"rows", "pad_rows", "cells_computed", "cells_useful", "flops_executed", "flops_useful"}}``
-    over ``batches`` (lists of request lengths), analytic. One convention for every number: whole
-    blocks, cells per head per layer and FLOPs of the whole forward (``forward_flops(causal=False)``:
-    ``BatchStats``' ``cells_whole_*`` and ``flops_whole_*``; its ``flops_causal_*`` count the other way)."""
-    return {m: _totals(cfg, [batch_stats(cfg, b, m) for b in batches]) for m in METHODS}
+    over ``batches`` (lists of request lengths), analytic (``batch_stats``), every number by whole blocks:
+    cells per head per layer, FLOPs of the whole forward (``BatchStats``' ``cells_whole_*``, ``flops_whole_*``)."""
+    return {m: _totals([batch_stats(cfg, b, m) for b in batches]) for m in METHODS}
 
 
 def totals_text(totals: Mapping[str, Mapping]) -> str:
@@ -347,72 +329,57 @@ RECORD_LIMIT = 1_000_000  # score cells per head per layer above which the explo
 
 def record_scale(lens: Sequence[int], method: str) -> int:
     """The smallest integer ``k >= 1`` such that the batch ``[ceil(L / k) for L in lens]`` computes at most
-    ``RECORD_LIMIT`` score cells per head per layer under ``method`` (``batch_stats``): 1 when ``lens`` fits."""
-    k = 1
-    while batch_stats(TINY, [-(-n // k) for n in lens], method).cells_whole_computed > RECORD_LIMIT:
-        k += 1
-    return k
-
-
-def record_one_batch(seq_lens: Sequence[int], ids: Sequence[int], max_num_batched_tokens: int) -> dict:
-    """Batch ``ids`` of a stream of ``seq_lens`` run as one forward of ``Engine(TINY, method=m)`` for each method,
-    under ``OpRecorder``: ``{method: (BatchRecord, k)}``. ``k`` is the largest ``record_scale(lengths, m)`` over
-    the methods, the same for all three: when the batch would compute more than ``RECORD_LIMIT`` cells under some
-    method (too slow here), every method runs the same copy, every length divided by ``k``, rounded up (the same
-    mix of lengths, the same layout; compare the rows with each other and with that copy's prediction)."""
-    return dict(_record_batch(tuple(ids), tuple(seq_lens[i] for i in ids), max_num_batched_tokens))
+    ``RECORD_LIMIT`` score cells per head per layer under ``method`` (``batch_stats``): 1 when ``lens`` fits,
+    ``max(lens)`` when no ``k`` does."""
+    def fits(k):
+        return batch_stats(TINY, [-(-n // k) for n in lens], method).cells_whole_computed <= RECORD_LIMIT
+    return first_where(fits, 1, max(lens)) or max(lens)
 
 
 @functools.lru_cache(maxsize=256)
-def _record_batch(ids: tuple, lens: tuple, max_num_batched_tokens: int) -> tuple:
-    """``record_one_batch`` for the batch of request ``ids`` of lengths ``lens``, kept: an explorer move re-records
-    only the batches it has not run before."""
+def record_batch(lens: tuple, max_num_batched_tokens: int) -> dict:
+    """A batch of lengths ``lens`` run as one forward of ``Engine(TINY, method=m)`` per method under ``OpRecorder``:
+    ``{method: (BatchRecord, k)}``. ``k``, the largest ``record_scale(lens, m)``, is the same for all three: a batch
+    over ``RECORD_LIMIT`` cells under some method runs as one copy with every length divided by ``k``, rounded up
+    (the same mix, the same layout). Kept: an explorer move records only the batches it has not run before."""
     k = max(record_scale(lens, m) for m in METHODS)
     scaled = [-(-n // k) for n in lens]
-    out = {}
-    for m in METHODS:
-        reqs = [Request(i, p) for i, p in zip(ids, make_requests(scaled, TINY.vocab_size, seed=PROMPT_SEED))]
-        out[m] = (run_recorded(TINY, _tiny_weights(), m, [reqs], max(max_num_batched_tokens, sum(scaled)))[1][0], k)
-    return tuple(out.items())
+    reqs = [Request(i, p) for i, p in enumerate(make_requests(scaled, TINY.vocab_size, seed=PROMPT_SEED))]
+    budget = max(max_num_batched_tokens, sum(scaled))
+    return {m: (run_recorded(TINY, _tiny_weights(), m, [reqs], budget)[1][0], k) for m in METHODS}
 
 
 def record_stream(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int) -> dict:
-    """Every batch of ``batches`` (request ids into ``seq_lens``) recorded by ``record_one_batch``: ``{method:
-    [(BatchRecord, k) per batch]}``, what ``Engine(TINY)`` EXECUTED for the whole stream."""
-    out: dict = {m: [] for m in METHODS}
-    for ids in batches:
-        for m, rec in record_one_batch(seq_lens, ids, max_num_batched_tokens).items():
-            out[m].append(rec)
-    return out
+    """Every batch of ``batches`` (request ids into ``seq_lens``) by ``record_batch``: ``{method: [(BatchRecord, k)
+    per batch]}``, what ``Engine(TINY)`` EXECUTED for the whole stream."""
+    runs = [record_batch(tuple(seq_lens[i] for i in ids), max_num_batched_tokens) for ids in batches]
+    return {m: [run[m] for run in runs] for m in METHODS}
 
 
 def stream_counts(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], recorded: Mapping[str, Sequence],
                   cfg: ModelConfig | None = None) -> dict:
     """Per method, the stream's rows and score cells per head per layer as RECORDED (``record_stream``), beside
     ``batch_stats``' prediction: ``{method: {"rows", "cells", "useful_rows", "useful_cells", "checked", "scaled",
-    "differs"}}``. A batch recorded at scale 1 counts its recorded rows and cells; a batch recorded as a scaled
-    copy (``k > 1``) counts the prediction for its full lengths (``scaled`` batches). Every batch's record is
-    compared with the prediction for the lengths it ran: ``checked`` batches agreed, ``differs`` lists the others."""
+    "differs"}}``. A batch recorded as a scaled copy (``k > 1``, counted in ``scaled``) counts the prediction for
+    its full lengths. ``checked``: batches whose record equals the prediction for the lengths they ran;
+    ``differs``: the indices of the others."""
     cfg = cfg or TINY
     out = {}
     for m in METHODS:
-        rows = cells = checked = scaled = 0
-        differs = []
+        c = {"rows": 0, "cells": 0, "useful_rows": 0, "useful_cells": 0, "checked": 0, "scaled": 0, "differs": []}
         for b, (ids, (rec, k)) in enumerate(zip(batches, recorded[m])):
             lens = [seq_lens[i] for i in ids]
-            ran = batch_stats(cfg, [-(-n // k) for n in lens], m)
+            ran, full = batch_stats(cfg, [-(-n // k) for n in lens], m), batch_stats(cfg, lens, m)
             if (rec.rows, rec.cells) == (ran.executed_rows, ran.cells_whole_computed):
-                checked += 1
+                c["checked"] += 1
             else:
-                differs.append(b)
-            full = batch_stats(cfg, lens, m)
-            rows += rec.rows if k == 1 else full.executed_rows
-            cells += rec.cells if k == 1 else full.cells_whole_computed
-            scaled += k > 1
-        useful = [batch_stats(cfg, [seq_lens[i] for i in ids], m) for ids in batches]
-        out[m] = {"rows": rows, "cells": cells, "useful_rows": sum(s.num_tokens for s in useful),
-                  "useful_cells": sum(s.cells_whole_useful for s in useful), "checked": checked, "scaled": scaled,
-                  "differs": differs}
+                c["differs"].append(b)
+            c["rows"] += rec.rows if k == 1 else full.executed_rows
+            c["cells"] += rec.cells if k == 1 else full.cells_whole_computed
+            c["useful_rows"] += full.num_tokens
+            c["useful_cells"] += full.cells_whole_useful
+            c["scaled"] += k > 1
+        out[m] = c
     return out
 
 
@@ -420,18 +387,13 @@ EXPLORER_SCHEDULERS = ("FCFS", "shortest first")  # plan_batches, sorted_batches
 
 
 def _schedule(scheduler: str, lens: Sequence[int], budget: int) -> tuple[list[list[int]], dict]:
-    """``(batches of request ids, schedule_measures)`` for the requests of ``lens`` that fit ``budget``
-    (the others are refused, S3), under ``scheduler`` (one of ``EXPLORER_SCHEDULERS``); the delays are
-    counted against FCFS on the same requests."""
+    """``(batches of request ids, schedule_measures)`` for the requests of ``lens`` that fit ``budget`` (the others
+    are refused, S3) under ``scheduler``; ``delays`` become ``(request id, batches later than under FCFS)``."""
     kept = [i for i, n in enumerate(lens) if n <= budget]
     sub = [lens[i] for i in kept]
-    if not sub:
-        return [], {"batches": 0, "pad_rows": 0, "masked_wasted": 0, "max_delay": 0, "overtakes": 0, "delays": []}
     local = plan_batches(sub, budget) if scheduler == "FCFS" else sorted_batches(sub, budget)
     measures = schedule_measures(sub, local, budget)
-    at = {i: b for b, ids in enumerate(local) for i in ids}
-    at_fcfs = {i: b for b, ids in enumerate(plan_batches(sub, budget)) for i in ids}
-    measures["delays"] = [(kept[i], at[i] - at_fcfs[i]) for i in range(len(sub))]  # (request id, batches later)
+    measures["delays"] = [(kept[i], d) for i, d in enumerate(measures["delays"])]
     return [[kept[i] for i in ids] for ids in local], measures
 
 
@@ -441,15 +403,11 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     (``EXPLORER_SCHEDULERS``: FCFS = ``plan_batches``, shortest first = ``sorted_batches``), costed per method.
 
     Keys: ``workload``, ``seq_lens``, ``batches`` (lists of request ids), ``rejected`` (ids),
-    ``max_num_batched_tokens``, ``stats`` ({method: [engine.BatchStats]}, analytic:
-    ``engine.batch_stats``) and ``totals`` (``method_totals``: rows, pad rows, cells and FLOPs, all
-    counted by whole blocks); ``counts`` (``{scheduler: stream_counts}``, and FCFS's beside another scheduler:
-    every batch of the stream run once per method on ``Engine(TINY)`` under ``OpRecorder`` by ``record_stream``,
-    rows and cells as EXECUTED); ``batch`` (the index shown, clipped to the last batch; None: none) and
-    ``recorded`` (that batch's records: ``{method: (BatchRecord, k)}``, what the engine EXECUTED on the batch, or
-    on its lengths divided by ``k``; ``{}`` when none); ``scheduler``
-    and ``measures`` (``schedule_measures`` of the served requests, with ``delays``: ``(request id, batches
-    served later than under FCFS)``); ``readout`` (``prefill_plan_readout``: the tables the widget shows).
+    ``max_num_batched_tokens``, ``scheduler``; ``stats`` ({method: [BatchStats]}, ``batch_stats``) and ``totals``
+    (``method_totals``' counts); ``measures`` and ``counts`` ({schedule: ``schedule_measures`` with ``delays``} and
+    {schedule: ``stream_counts``} for the scheduler and, beside another one, FCFS: every batch recorded per method);
+    ``batch`` (the index shown, clipped to the last batch; None: none) and ``recorded`` (that batch's
+    ``{method: (BatchRecord, k)}``, ``{}`` when none); ``readout`` (``prefill_plan_readout``).
     """
     if scheduler not in EXPLORER_SCHEDULERS:
         raise ValueError(f"scheduler must be one of {EXPLORER_SCHEDULERS}, got {scheduler!r}")
@@ -459,44 +417,33 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     budget = check_int("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 20)
     lens = workload_lengths(workload, n, seed, **WORKLOAD_PRESETS[workload])
     batches, measures = _schedule(scheduler, lens, budget)
-    rejected = [i for i, n in enumerate(lens) if n > budget]  # S3: a request runs whole or not at all
     cfg = ModelConfig()
     stats = {m: [batch_stats(cfg, [lens[i] for i in ids], m, b, request_ids=ids) for b, ids in enumerate(batches)]
              for m in METHODS}
-    totals = {m: _totals(cfg, stats[m]) for m in METHODS}
     pick = None if batch is None or not batches else min(check_int("batch", batch, 0), len(batches) - 1)
     stream = record_stream(lens, batches, budget)
-    counts = {scheduler: stream_counts(lens, batches, stream)}
+    schedules = {scheduler: (batches, measures, stream)}
     if scheduler != "FCFS" and batches:
-        fcfs, _ = _schedule("FCFS", lens, budget)
-        counts["FCFS"] = stream_counts(lens, fcfs, record_stream(lens, fcfs, budget))
-    recorded = {} if pick is None else {m: stream[m][pick] for m in METHODS}
-    state = {"workload": workload, "seq_lens": lens, "batches": batches, "rejected": rejected, "stats": stats,
-             "totals": totals, "max_num_batched_tokens": budget, "batch": pick, "recorded": recorded,
-             "counts": counts, "scheduler": scheduler, "measures": measures}
+        fcfs, fcfs_measures = _schedule("FCFS", lens, budget)
+        schedules = {"FCFS": (fcfs, fcfs_measures, record_stream(lens, fcfs, budget)), **schedules}
+    state = {"workload": workload, "seq_lens": lens, "batches": batches, "scheduler": scheduler,
+             "rejected": [i for i, n in enumerate(lens) if n > budget], "max_num_batched_tokens": budget,
+             "stats": stats, "totals": {m: _totals(stats[m]) for m in METHODS},
+             "measures": {k: v[1] for k, v in schedules.items()},
+             "counts": {k: stream_counts(lens, v[0], v[2]) for k, v in schedules.items()},
+             "batch": pick, "recorded": {} if pick is None else {m: stream[m][pick] for m in METHODS}}
     state["readout"] = prefill_plan_readout(state)
     return state
-
-
-def _fairness_row(name: str, m: dict, counts: dict) -> list[str]:
-    """One scheduler's row: its batches and delays from the schedule, its pad rows and masked cells wasted as
-    recorded (``stream_counts``: padded's rows less varlen's, masked's cells less varlen's)."""
-    later = [d for _, d in m["delays"] if d > 0]
-    pad = counts["padded"]["rows"] - counts["varlen"]["rows"]
-    wasted = counts["masked"]["cells"] - counts["varlen"]["cells"]
-    return [name, f"{m['batches']:,}", f"{pad:,}", f"{wasted:,}", f"{len(later):,}", f"{m['max_delay']:,}",
-            f"{m['overtakes']:,}"]
 
 
 def prefill_plan_readout(state: dict) -> dict:
     """The explorer's readout as data, so that the widget only renders it (``prefill_plan_html``).
 
-    ``{"title": str, "tables": [{"name", "caption", "header", "rows"}], "notes": [str]}``, every cell a
-    string. Tables: ``backends`` (the whole stream per method: rows and attention cells computed against
-    useful, whole blocks, and executed / useful FLOPs, from ``totals``); ``fairness`` (FCFS, and the chosen
-    scheduler beside it, from ``schedule_measures``); ``delays`` (how many requests are served how many
-    batches later than under FCFS, from ``measures["delays"]``); ``recorded`` (the recorded batch, what
-    ``OpRecorder`` saw each method execute beside ``batch_stats``' prediction). Notes: the refused requests.
+    ``{"title": str, "tables": [{"name", "caption", "header", "rows"}], "notes": [str]}``, every cell a string.
+    Tables: ``backends`` (the whole stream per method as recorded, against useful, and executed / useful FLOPs);
+    ``fairness`` (each schedule's waste as recorded and its delays); ``delays`` (how many requests are served how
+    many batches later than under FCFS); ``recorded`` (the chosen batch per method beside ``batch_stats``'
+    prediction). Notes: the refused requests.
     """
     lens, budget, sched = state["seq_lens"], state["max_num_batched_tokens"], state["scheduler"]
     served, nb, rej = sum(len(b) for b in state["batches"]), len(state["batches"]), state["rejected"]
@@ -504,9 +451,8 @@ def prefill_plan_readout(state: dict) -> dict:
              f"max_num_batched_tokens = {budget}, {sched}: "
              f"{nb} batch{'es' if nb != 1 else ''}, {served} request{'s' if served != 1 else ''} served, "
              f"{len(rej)} refused")
-    tables = []
-    rows = []
     counts = state["counts"][sched]
+    rows = []
     for m, t in state["totals"].items():
         c = counts[m]
         ratio = f"{t['flops_executed'] / t['flops_useful']:.2f}x" if t["flops_useful"] else "-"
@@ -515,43 +461,39 @@ def prefill_plan_readout(state: dict) -> dict:
         rows.append([m, f"{c['rows']:,}", f"{c['useful_rows']:,}", f"{c['cells']:,}", f"{c['useful_cells']:,}",
                      f"{c['cells'] - c['useful_cells']:,}", ratio, check])
     scaled = counts["varlen"]["scaled"]
-    tables.append({"name": "backends", "caption": "whole stream, per backend, as EXECUTED: every batch run once per "
-                   "backend on Engine(L.TINY) under OpRecorder (cells per head per layer, whole L x L blocks), beside "
-                   "the useful counts; FLOPs are counted for the S1 model"
-                   + (f"; {scaled} batch{'es' if scaled != 1 else ''} over {RECORD_LIMIT:,} cells ran as a scaled "
-                      "copy (checked against its own prediction; counted here at full length by batch_stats)"
-                      if scaled else ""),
-                   "header": ["backend", "rows computed", "rows useful", "cells computed", "cells useful",
-                              "cells wasted", "FLOPs computed / useful", "recorded vs predicted"], "rows": rows})
+    tables = [{"name": "backends", "caption": "whole stream, per backend, as EXECUTED: every batch run once per "
+               "backend on Engine(L.TINY) under OpRecorder (cells per head per layer, whole L x L blocks), beside "
+               "the useful counts; FLOPs are counted for the S1 model"
+               + (f"; {scaled} batch{'es' if scaled != 1 else ''} over {RECORD_LIMIT:,} cells ran as a scaled "
+                  "copy (checked against its own prediction; counted here at full length by batch_stats)"
+                  if scaled else ""),
+               "header": ["backend", "rows computed", "rows useful", "cells computed", "cells useful",
+                          "cells wasted", "FLOPs computed / useful", "recorded vs predicted"], "rows": rows}]
     if state["batches"]:
-        ms = state["measures"]
         fair = []
-        if sched != "FCFS":
-            kept = [i for i, n in enumerate(lens) if n <= budget]
-            sub = [lens[i] for i in kept]
-            fcfs = schedule_measures(sub, plan_batches(sub, budget), budget)
-            fair.append(_fairness_row("FCFS", {**fcfs, "delays": []}, state["counts"]["FCFS"]))
-        fair.append(_fairness_row(sched, ms, counts))
+        for name, ms in state["measures"].items():
+            c = state["counts"][name]
+            later = sum(d > 0 for _, d in ms["delays"])
+            fair.append([name, f"{ms['batches']:,}", f"{c['padded']['rows'] - c['varlen']['rows']:,}",
+                         f"{c['masked']['cells'] - c['varlen']['cells']:,}", f"{later:,}", f"{ms['max_delay']:,}",
+                         f"{ms['overtakes']:,}"])
         tables.append({"name": "fairness", "caption": "the scheduler's trade: waste as recorded (pad rows: padded's "
                        "rows less varlen's; masked cells wasted: masked's cells less varlen's) against fairness (delay: "
                        "batches later than under FCFS; overtakes: pairs where a later arrival runs first)",
                        "header": ["scheduler", "batches", "pad rows", "masked cells wasted", "served later",
                                   "max delay", "overtakes"], "rows": fair})
-        hist = {}
-        for _, d in ms["delays"]:
-            hist[d] = hist.get(d, 0) + 1
-        keys = sorted(hist)
-        worst = max(((d, i) for i, d in ms["delays"]), default=(0, None))
+        delays = state["measures"][sched]["delays"]
+        hist = Counter(d for _, d in delays)
+        worst = max(((d, i) for i, d in delays), default=(0, None))
         tables.append({"name": "delays", "caption": "per request: batches later than under FCFS"
                        + (f" (most delayed: request {worst[1]}, {lens[worst[1]]} tokens)" if worst[0] > 0 else ""),
-                       "header": ["batches later"] + [f"{d:+d}" if d else "0" for d in keys],
-                       "rows": [["requests"] + [f"{hist[d]:,}" for d in keys]]})
-    b = state.get("batch")
+                       "header": ["batches later"] + [f"{d:+d}" if d else "0" for d in sorted(hist)],
+                       "rows": [["requests"] + [f"{hist[d]:,}" for d in sorted(hist)]]})
+    b = state["batch"]
     if b is not None:
         rec_rows = []
         for m, (rec, k) in state["recorded"].items():
-            pred = state["stats"][m][b] if k == 1 else batch_stats(
-                TINY, [-(-state["seq_lens"][i] // k) for i in state["batches"][b]], m)
+            pred = batch_stats(TINY, [-(-lens[i] // k) for i in state["batches"][b]], m)
             sides = sorted({sh[-1] for sh in rec.score_shapes})
             ok = (rec.rows, rec.cells) == (pred.executed_rows, pred.cells_whole_computed)
             rec_rows.append([m, "as scheduled" if k == 1 else f"each / {k}, rounded up", f"{rec.rows:,}",
@@ -570,17 +512,7 @@ def prefill_plan_readout(state: dict) -> dict:
     return {"title": title, "tables": tables, "notes": notes}
 
 
-def readout_cells(readout: dict) -> list[str]:
-    """Every text of ``readout`` in the order ``prefill_plan_html`` lays it out (title, then per table its
-    caption, header and cells, then the notes): what the browser test reads off the page."""
-    out = [readout["title"]]
-    for t in readout["tables"]:
-        out += [t["caption"], *t["header"], *(c for r in t["rows"] for c in r)]
-    return out + list(readout["notes"])
-
-
-_TABLE_CSS = ("border-collapse:collapse;margin:4px 0;font-variant-numeric:tabular-nums;"
-              "font-size:12px")
+_TABLE_CSS = "border-collapse:collapse;margin:4px 0;font-variant-numeric:tabular-nums;font-size:12px"
 
 
 def prefill_plan_html(state: dict) -> str:
@@ -600,29 +532,20 @@ def prefill_plan_html(state: dict) -> str:
     return "".join(out)
 
 
-def workload_controls(prefix: str, workload: str, num_requests: int, max_requests: int, budget: int, max_budget: int,
-                      budget_label: str = "token budget") -> tuple:
-    """The controls of a stream explorer: Dropdown ``{prefix}-workload``, IntSliders ``{prefix}-num-requests``
-    (1..max_requests) and ``{prefix}-budget`` (16..max_budget, steps of 16), HTML ``{prefix}-counts``, Output
-    ``{prefix}-figure``. Used by lesson 06's and lesson 08's explorers."""
-    w = ipywidgets_module()
-    kind = tagged(w.Dropdown(options=list(WORKLOAD_PRESETS), value=workload, description="workload"), f"{prefix}-workload")
-    reqs = tagged(w.IntSlider(value=num_requests, min=1, max=max_requests, description="requests"),
-                  f"{prefix}-num-requests")
-    slider = tagged(w.IntSlider(value=budget, min=16, max=max_budget, step=16, description=budget_label), f"{prefix}-budget")
-    return kind, reqs, slider, tagged(w.HTML(), f"{prefix}-counts"), tagged(w.Output(), f"{prefix}-figure")
-
-
 def prefill_plan_explorer(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 768,
                           scheduler: str = "FCFS"):
     """VBox class ``ppx``: Dropdowns ``ppx-workload`` and ``ppx-scheduler``, IntSliders ``ppx-num-requests`` (1..256),
-    ``ppx-budget`` (max_num_batched_tokens, 16..8192) and ``ppx-batch`` (the batch run under the recorder,
-    clipped to the last one), HTML ``ppx-counts`` (``prefill_plan_html``),
-    Output ``ppx-figure`` (``batch_waste``; empty when every request was refused)."""
-    kind, reqs, budget, text, out = workload_controls("ppx", workload, num_requests, 256, max_num_batched_tokens, 8192)
-    pick = tagged(ipywidgets_module().IntSlider(value=0, min=0, max=64, description="record batch"), "ppx-batch")
-    sched = tagged(ipywidgets_module().Dropdown(options=list(EXPLORER_SCHEDULERS), value=scheduler,
-                                                description="scheduler"), "ppx-scheduler")
+    ``ppx-budget`` (max_num_batched_tokens, 16..8192, steps of 16) and ``ppx-batch`` (the batch shown as recorded,
+    clipped to the last one), HTML ``ppx-counts`` (``prefill_plan_html``), Output ``ppx-figure`` (``batch_waste``;
+    empty when every request was refused)."""
+    w = ipywidgets_module()
+    kind = tagged(w.Dropdown(options=list(WORKLOAD_PRESETS), value=workload, description="workload"), "ppx-workload")
+    sched = tagged(w.Dropdown(options=list(EXPLORER_SCHEDULERS), value=scheduler, description="scheduler"), "ppx-scheduler")
+    reqs = tagged(w.IntSlider(value=num_requests, min=1, max=256, description="requests"), "ppx-num-requests")
+    budget = tagged(w.IntSlider(value=max_num_batched_tokens, min=16, max=8192, step=16, description="token budget"),
+                    "ppx-budget")
+    pick = tagged(w.IntSlider(value=0, min=0, max=64, description="record batch"), "ppx-batch")
+    text, out = tagged(w.HTML(), "ppx-counts"), tagged(w.Output(), "ppx-figure")
 
     def update(change=None):
         text.value = "<div>running...</div>" + text.value
@@ -669,29 +592,24 @@ def schedule_problem(batches, seq_lens: Sequence[int], max_num_batched_tokens: i
             return f"batch {b} holds {len(ids)} requests > max_num_seqs={max_num_seqs}: the budget counts requests too"
     return None
 
-
 def schedule_measures(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int,
-                      max_num_seqs: int = 256, cfg: ModelConfig | None = None) -> dict:
-    """The three measures of a valid schedule, against FCFS (``plan_batches``) on the same stream.
+                      max_num_seqs: int = 256) -> dict:
+    """The measures of a valid schedule, against FCFS (``plan_batches``) on the same stream.
 
-    ``pad_rows``: rows a padded engine adds (``batch_stats(..., "padded").padding_rows``);
-    ``masked_wasted``: cross-request score cells a masked engine computes and throws away, per
-    head per layer (``flops.attention_cells(..., "masked").wasted``); fairness: ``max_delay`` = the
-    most batches a request is served after its FCFS batch (0 = nobody later than FCFS),
-    ``overtakes`` = pairs where a later arrival is served in an earlier batch. Also
-    ``batches`` (forwards) and ``flops_ratio`` (executed / useful FLOPs of the padded engine, whole blocks).
+    ``pad_rows``: rows a padded engine adds (``batch_stats``); ``masked_wasted``: cross-request score cells a
+    masked engine computes and throws away, per head per layer (``flops.attention_cells``); ``delays``: per
+    request, the batches it is served after its FCFS batch, ``max_delay`` their largest (0 at least);
+    ``overtakes``: pairs where a later arrival is served in an earlier batch; ``batches``: forwards.
     """
-    cfg = cfg or ModelConfig()
     fcfs = plan_batches(seq_lens, max_num_batched_tokens, max_num_seqs)
     at = {i: b for b, ids in enumerate(batches) for i in ids}
     at_fcfs = {i: b for b, ids in enumerate(fcfs) for i in ids}
-    padded = [batch_stats(cfg, [seq_lens[i] for i in ids], "padded") for ids in batches]
+    delays = [at[i] - at_fcfs[i] for i in range(len(seq_lens))]
+    padded = [batch_stats(TINY, [seq_lens[i] for i in ids], "padded") for ids in batches]  # rows: any model
     return {"batches": len(batches), "pad_rows": sum(s.padding_rows for s in padded),
             "masked_wasted": sum(attention_cells([seq_lens[i] for i in ids], "masked").wasted for ids in batches),
-            "max_delay": max([0] + [at[i] - at_fcfs[i] for i in at]),
-            "overtakes": sum(at[j] < at[i] for i in range(len(seq_lens)) for j in range(i + 1, len(seq_lens))),
-            "flops_ratio": sum(whole_block_flops(cfg, s) for s in padded)
-            / sum(forward_flops(cfg, [seq_lens[i] for i in ids], "padded", useful_only=True).total for ids in batches)}
+            "delays": delays, "max_delay": max([0] + delays),
+            "overtakes": sum(at[j] < at[i] for i in range(len(seq_lens)) for j in range(i + 1, len(seq_lens)))}
 
 
 def schedule_table(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int,
@@ -729,7 +647,7 @@ def timing_verdict(times: Mapping[str, Sequence[float]], flops: Mapping[str, int
     """``time_methods``' repeats as lines: each method's median and its fastest to slowest repeat, the order of
     the medians, and a verdict: which neighbours in that order the repeats separate (the slower one's fastest repeat
     slower than the faster one's slowest), and whether a separated order is the one of ``flops`` (executed FLOPs
-    per method, e.g. ``whole_block_flops`` summed)."""
+    per method, e.g. ``BatchStats.flops_whole_executed`` summed)."""
     med = {m: float(np.median(t)) for m, t in times.items()}
     order = sorted(med, key=med.get)
     lines = [f"{m:7s} median {med[m] * 1e3:8,.0f} ms | repeats {min(times[m]) * 1e3:,.0f} to {max(times[m]) * 1e3:,.0f} ms"
@@ -751,14 +669,10 @@ def timing_verdict(times: Mapping[str, Sequence[float]], flops: Mapping[str, int
 def causal_vs_full_seconds(length: int = 2048, heads: int = 8, d_head: int = 64, repeats: int = 3,
                            device=None, dtype: torch.dtype = torch.float32) -> dict:
     """One request's attention, ``[1, heads, length, d_head]``, through ``F.scaled_dot_product_attention`` (the
-    call the CPU ``sdpa`` varlen backend makes per length group) with ``is_causal=True`` and with
-    ``is_causal=False``, timed side by side in this one run, interleaved, best of ``repeats`` each (after one
-    warm-up call each): ``{"causal": s, "full": s}``. Both calls have the same ``L x L`` shape, so the op
-    recorder counts the same cells for both; a fused kernel that skips the key tiles lying wholly above the
-    diagonal shows it only here, in time. Shown, never asserted."""
-    import time
-
-    import torch.nn.functional as F
+    call the CPU ``sdpa`` varlen backend makes per length group) with ``is_causal=True`` and ``False``, timed side
+    by side, interleaved, best of ``repeats`` each after a warm-up: ``{"causal": s, "full": s}``. Both have the
+    same ``L x L`` shape, so the op recorder counts the same cells: a fused kernel that skips the key tiles above
+    the diagonal shows it only here, in time. Shown, never asserted."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, length, d_head, generator=gen).to(device or "cpu", dtype) for _ in range(3))
     best = {"causal": math.inf, "full": math.inf}
@@ -774,10 +688,9 @@ def causal_vs_full_seconds(length: int = 2048, heads: int = 8, d_head: int = 64,
 
 
 def masked_waste_sweep(length: int = 32, requests: Sequence[int] = (1, 2, 4, 8)) -> dict[int, float]:
-    """C9 measured: for each ``R`` in ``requests``, ``R`` requests of ``length`` tokens each run as ONE forward of
-    ``Engine(TINY, method="masked")`` and of ``Engine(TINY, method="varlen")`` under the op recorder;
-    ``{R: (masked cells - varlen cells) / varlen cells}``, both counts recorded (score-matrix shapes the calls
-    computed), the waste per useful cell of masking R equal lengths."""
+    """C9 measured: for each ``R`` in ``requests``, ``R`` requests of ``length`` tokens run as ONE forward of
+    ``Engine(TINY)`` masked and varlen under the op recorder: ``{R: (masked cells - varlen cells) / varlen cells}``,
+    both counts recorded, the waste per useful cell of masking R equal lengths."""
     out = {}
     for r in requests:
         reqs = [Request(i, p) for i, p in enumerate(make_requests([length] * r, TINY.vocab_size, seed=PROMPT_SEED))]
@@ -791,41 +704,9 @@ def masked_waste_sweep(length: int = 32, requests: Sequence[int] = (1, 2, 4, 8))
 TP_BATCH = 1  # the stream's batch drawn under TP=2: ten requests
 
 
-def tp_batch_record(engine: Engine, prompts: Sequence[Sequence[int]]):
-    """One more TP forward of a batch (token-id lists) on the workers an ``Engine(tp_size=2)`` has already
-    started (its ``tp.runtime.TPRuntime``, after a ``prefill``): the ``TPResult``, with every rank's
-    collective trace (``traces``), QKV output shapes (``qkv_shapes``), collectives counted inside attention
-    (``attn_collectives``) and the attention backend the workers ran (``attn_backend``)."""
-    from ..core.batch import pack
-    runtime = getattr(engine, "_runtime", None)
-    if engine.tp_size < 2 or runtime is None:
-        raise ValueError("give an Engine(tp_size=2) that has already served a prefill (its workers are running)")
-    if not prompts:
-        raise ValueError("prompts is empty: give the batch's requests as token-id lists")
-    return runtime.forward(pack([list(p) for p in prompts]))
-
-
-def tp_trace_figure(traces: Sequence[Sequence], seq_lens: Sequence[int], cfg: ModelConfig | None = None,
-                    source: str = "TPRuntime") -> Figure:
-    """Lesson 04's rank timeline (``l04_tp.tp_trace_timeline``) for one batch: ``traces[r]`` is rank r's
-    ``CollectiveRecord`` list for the batch of ``seq_lens``; ``source`` says where the traces came from."""
-    from .l04_tp import tp_trace_timeline
-    fig = tp_trace_timeline([[list(t) for t in traces]], [list(seq_lens)], cfg or ModelConfig(), source=source)
-    ax = fig.axes[0]
-    cu_x = next(t.get_position()[0] for t in ax.texts if t.get_text().startswith("cu_seqlens ="))
-    for text in ax.texts:  # lesson 04's note compares several packings; here there is one batch
-        if text.get_text().startswith("These "):   # one line under cu_seqlens, clear of the layer numbers
-            text.set_text(f"The same trace, record for record, on both ranks ({source}).")
-            text.set_position((cu_x, text.get_position()[1] - 0.5))
-        elif text.get_text().endswith("by cu_seqlens"):  # one line each, so it clears its neighbours' labels
-            text.set_text(text.get_text().replace("by cu_seqlens", "by\ncu_seqlens"))
-    return fig
-
-
 def tp_dry_traces(cfg: ModelConfig, seq_lens: Sequence[int]) -> list[list]:
     """Each rank's collective trace for a batch of ``seq_lens`` at TP=2 by ``tp.dryrun.record_trace``
     (the same forward on local stand-in groups: no workers)."""
-    from ..tp.dryrun import record_trace
     return [record_trace(cfg, list(seq_lens), rank, 2) for rank in range(2)]
 
 
@@ -847,24 +728,29 @@ def _batch_waste() -> Figure:
     return batch_waste(state["stats"], state["max_num_batched_tokens"])
 
 
+@register("06_tp_trace", lesson="06",
+          caption="Batch 1 of lesson 06's stream (ten requests) under TP=2, each rank's collective trace: "
+                  "16 all-reduces, attention on each rank's own 4 heads with no collective (C11, C12)")
+def _tp_trace() -> Figure:
+    cfg = ModelConfig()
+    lens, _ = stream_prompts(cfg)
+    ids = plan_batches(lens, ENGINE_STREAM["max_num_batched_tokens"], skip_oversize=True)[TP_BATCH]
+    sizes = [lens[i] for i in ids]
+    return tp_trace_timeline([tp_dry_traces(cfg, sizes)], [sizes], cfg, source="dry run; TPRuntime's checked equal")
+
+
 # ---- exercise 06.1: a budget-aware bucketing scheduler, plugged into the engine ---------------------
 
 MAX_PASSED_OVER = 2  # 06.1's fairness bound: a request may see at most this many batches serve later arrivals first
-TINY = ModelConfig(n_layers=1, d_model=8, n_heads=1, d_head=8, d_ffn=16, vocab_size=97, max_position=8192)
-_TINY_WEIGHTS: dict = {}
-
-
-def _tiny_weights() -> dict:
-    """``init_weights(TINY, 0)``, made once (the recorded runs count rows and cells: any weights do)."""
-    if not _TINY_WEIGHTS:
-        _TINY_WEIGHTS.update(init_weights(TINY, 0))
-    return _TINY_WEIGHTS
 
 
 def _steady_trickle() -> list[list[int]]:
     """One 400-token request, then 6 short ones arriving at every step for 12 steps (a starvation probe)."""
     rng = np.random.default_rng(5)
     return [[400] + rng.integers(8, 40, 6).tolist()] + [rng.integers(8, 40, 6).tolist() for _ in range(11)]
+
+
+IN_ENGINE = "lesson 06's stream served by Engine(TINY, method='padded') with your scheduler, under OpRecorder"
 
 
 def _bucket_cases() -> list[tuple]:
@@ -877,12 +763,11 @@ def _bucket_cases() -> list[tuple]:
             ("long-tail, at most 6 requests per batch", [workload_lengths("long-tail", 48, 1, median=64, sigma=1.0,
                                                                           max_len=1024)], 1024, 6),
             ("a 400-token request, then 6 short ones arriving at every step", _steady_trickle(), 512, 256),
-            ("lesson 06's stream served by Engine(TINY, method='padded') with your scheduler, under OpRecorder",
-             [kept], budget, 256)]
+            (IN_ENGINE, [kept], budget, 256)]
 
 
-def drive_scheduler(make: Callable[[int, int], object], arrivals: Sequence[Sequence[int]], max_num_batched_tokens: int,
-                    max_num_seqs: int, max_steps: int = 10_000) -> list[list[int]]:
+def drive_scheduler(make: Callable[[int, int], Scheduler], arrivals: Sequence[Sequence[int]],
+                    max_num_batched_tokens: int, max_num_seqs: int, max_steps: int = 10_000) -> list[list[int]]:
     """Drive a scheduler step by step: at step s the requests of ``arrivals[s]`` (lengths) are added (ids
     numbered in arrival order), then ``schedule()`` forms one batch. Returns the batches as request ids.
     ValueError when a step returns an empty batch while requests wait, or a request it was never given."""
@@ -912,19 +797,10 @@ def drive_scheduler(make: Callable[[int, int], object], arrivals: Sequence[Seque
     return batches
 
 
-def _arrival_step(arrivals: Sequence[Sequence[int]]) -> dict[int, int]:
-    out, rid = {}, 0
-    for s, wave in enumerate(arrivals):
-        for _ in wave:
-            out[rid] = s
-            rid += 1
-    return out
-
-
 def _passed_over_timed(batches, arrivals) -> dict[int, int]:
-    """``passed_over`` when requests arrive over time: batch b (formed at step b) passes over i only if i had
-    arrived by then (the driver forms one batch per step while anything waits)."""
-    arrived = _arrival_step(arrivals)
+    """``{request id: batches that served a later arrival before it}``, counting only batches formed after it
+    arrived (the driver forms batch b at step b while anything waits)."""
+    arrived = dict(enumerate(s for s, wave in enumerate(arrivals) for _ in wave))
     served_at = {i: b for b, ids in enumerate(batches) for i in ids}
     return {i: sum(1 for b in range(served_at[i]) if arrived[i] <= b and any(j > i for j in batches[b]))
             for i in served_at}
@@ -954,90 +830,73 @@ def _bucket_problem(batches, arrivals, budget, max_seqs) -> str | None:
     return None
 
 
-def _engine_problem(make, lens, budget, max_seqs) -> str | None:
-    """Serve ``lens`` with ``Engine(TINY, method='padded')`` and the reader's scheduler, under the recorder."""
+def _serve_in_engine(cls: type, lens: Sequence[int], budget: int, max_seqs: int) -> dict:
+    """``lens`` served by ``Engine(TINY, method='padded', scheduler=cls(budget, max_seqs))`` under the recorder:
+    ``{"served": request ids, "batches": request ids per forward, "rows": rows through the linear layers}``."""
     engine = Engine(TINY, weights=_tiny_weights(), method="padded", device="cpu", dtype=torch.float32,
-                    compute_logits=False, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
-    engine.scheduler = make(budget, max_seqs)
-    reqs = make_requests(lens, TINY.vocab_size, seed=PROMPT_SEED)
+                    compute_logits=False, scheduler=cls(budget, max_seqs))
     with OpRecorder() as rec:
-        outputs = engine.prefill(reqs)
-    served = sorted(o.request_id for o in outputs)
-    if served != list(range(len(lens))):
-        return f"the engine served requests {served[:10]}..., not each of the {len(lens)} exactly once"
-    batches = [list(s.request_ids) for s in engine.stats]
-    problem = _bucket_problem(batches, [lens], budget, max_seqs)
+        outputs = engine.prefill(make_requests(lens, TINY.vocab_size, seed=PROMPT_SEED))
+    rows = sum(m.m for m in rec.matmuls if m.kind == "linear") // (4 * TINY.n_layers)
+    return {"served": sorted(o.request_id for o in outputs), "batches": [list(s.request_ids) for s in engine.stats],
+            "rows": rows}
+
+
+def _engine_problem(got: dict, lens: Sequence[int], budget: int, max_seqs: int) -> str | None:
+    if got["served"] != list(range(len(lens))):
+        return f"the engine served requests {got['served'][:10]}..., not each of the {len(lens)} exactly once"
+    problem = _bucket_problem(got["batches"], [lens], budget, max_seqs)
     if problem:
         return "inside the engine: " + problem
-    linears = 4 * TINY.n_layers
-    rows = [m.m for m in rec.matmuls if m.kind == "linear"]
-    executed = sum(rows) // linears
     fcfs = sum(len(b) * max(lens[i] for i in b) for b in plan_batches(lens, budget, max_seqs))
-    if executed >= fcfs:
-        return (f"the padded engine ran {executed:,} rows through its linear layers with your scheduler, "
+    if got["rows"] >= fcfs:
+        return (f"the padded engine ran {got['rows']:,} rows through its linear layers with your scheduler, "
                 f"{fcfs:,} with FCFS's batches: no saving where it counts")
-    _ENGINE_ROWS["last"] = (executed, fcfs)
     return None
-
-
-_ENGINE_ROWS: dict = {}
 
 
 def with_schedule(schedule: Callable) -> type:
     """A ``Scheduler`` subclass whose ``schedule(self)`` is ``schedule``: ``Engine`` takes it as
-    ``engine.scheduler = with_schedule(fn)(max_num_batched_tokens, max_num_seqs)``."""
-    from ..serve.scheduler import Scheduler
+    ``Engine(..., scheduler=with_schedule(fn)(max_num_batched_tokens, max_num_seqs))``."""
     if not callable(schedule):
         raise ValueError(f"with_schedule takes a function schedule(self), got {schedule!r}"[:200])
     return type(f"Scheduler_{getattr(schedule, '__name__', 'yours')}", (Scheduler,), {"schedule": schedule})
-
-
-def _scheduler_factory(answer) -> Callable[[int, int], object]:
-    """``answer``: a function ``schedule(self)`` or a ``Scheduler`` subclass → ``make(budget, max_num_seqs)``."""
-    from ..serve.scheduler import Scheduler
-    if isinstance(answer, type):
-        if not issubclass(answer, Scheduler):
-            raise WrongAnswer(f"bucket_scheduler: expected schedule(self) or a subclass of Scheduler, got {answer!r}"[:200])
-        cls = answer
-    elif callable(answer):
-        cls = with_schedule(answer)
-    else:
-        raise WrongAnswer(f"bucket_scheduler: expected schedule(self) or a subclass of Scheduler, got {answer!r}"[:200])
-    return lambda budget, seqs: cls(budget, seqs)
 
 
 def check_bucket_scheduler(answer) -> bool:
     """Exercise 06.1: ``answer`` is a function ``schedule(self)`` (made a ``Scheduler`` method by
     ``with_schedule``) or a ``Scheduler`` subclass; ``schedule`` returns the next batch, a list of
     ``Request`` taken out of ``self.waiting``. Probed on 4 generated streams (``drive_scheduler``: one
-    ``schedule()`` per step, new arrivals between steps) and once inside ``Engine``:
-
-    valid (``schedule_problem``: every request once, whole, both budgets); fair (no request passed over
-    by more than ``MAX_PASSED_OVER`` batches, ``_passed_over_timed``); worth it (fewer pad rows than FCFS
-    when everything waits at once; inside the engine fewer rows RECORDED through the padded linears)."""
-    make = _scheduler_factory(answer)
-    cases = _bucket_cases()
+    ``schedule()`` per step, new arrivals between steps) and once inside ``Engine``: valid
+    (``schedule_problem``), fair (nobody passed over by more than ``MAX_PASSED_OVER`` batches), worth it (fewer
+    pad rows than FCFS when everything waits at once; inside the engine fewer rows RECORDED through the linears)."""
+    if isinstance(answer, type) and issubclass(answer, Scheduler):
+        cls = answer
+    elif callable(answer) and not isinstance(answer, type):
+        cls = with_schedule(answer)
+    else:
+        raise WrongAnswer(f"bucket_scheduler: expected schedule(self) or a subclass of Scheduler, got {answer!r}"[:200])
+    cases, in_engine = _bucket_cases(), {}
 
     def run(what, arrivals, budget, seqs):
-        if what.startswith("lesson 06's stream served by Engine"):
-            return _engine_problem(make, arrivals[0], budget, seqs) or "ok"
-        return drive_scheduler(make, arrivals, budget, seqs)
+        if what == IN_ENGINE:
+            in_engine.update(_serve_in_engine(cls, arrivals[0], budget, seqs))
+            return in_engine
+        return drive_scheduler(cls, arrivals, budget, seqs)
 
     def judge(got, what, arrivals, budget, seqs):
-        if what.startswith("lesson 06's stream served by Engine"):
-            return None if got == "ok" else got
+        if what == IN_ENGINE:
+            return _engine_problem(got, arrivals[0], budget, seqs)
         return _bucket_problem(got, arrivals, budget, seqs)
 
     ok = grade("bucket_scheduler", run, cases, judge,
                f"valid batches, nobody passed over more than {MAX_PASSED_OVER} times, fewer pad rows than FCFS on 4 "
                "streams, and fewer rows recorded through the padded engine's linear layers")
     if ok:
-        lens = cases[0][1][0]
-        mine = drive_scheduler(make, [lens], cases[0][2], cases[0][3])
-        print("lesson 06's stream:\n" + schedule_table(lens, mine, cases[0][2], cases[0][3]))
-        if "last" in _ENGINE_ROWS:
-            print("rows recorded through the padded engine's linear layers: yours {:,}, FCFS {:,}".format(
-                *_ENGINE_ROWS["last"]))
+        lens, budget, seqs = cases[0][1][0], cases[0][2], cases[0][3]
+        print("lesson 06's stream:\n" + schedule_table(lens, drive_scheduler(cls, [lens], budget, seqs), budget, seqs))
+        fcfs = sum(len(b) * max(lens[i] for i in b) for b in plan_batches(lens, budget, seqs))
+        print(f"rows recorded through the padded engine's linear layers: yours {in_engine['rows']:,}, FCFS {fcfs:,}")
     return ok
 
 
@@ -1060,13 +919,16 @@ def measure_schedule(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], 
     """Run ``batches`` through ``Engine(TINY)`` padded and masked, one forward each, under ``OpRecorder``:
     ``{"padded_rows", "masked_cells"}`` as EXECUTED (rows through the linears, score cells per head per layer)."""
     reqs = [Request(i, p) for i, p in enumerate(make_requests(list(seq_lens), TINY.vocab_size, seed=PROMPT_SEED))]
-    weights = _tiny_weights()
-    out = {}
-    for method, key in (("padded", "padded_rows"), ("masked", "masked_cells")):
-        _, recs = run_recorded(TINY, weights, method, [[reqs[i] for i in b] for b in batches], max_num_batched_tokens)
-        tot = recorded_totals(recs)
-        out[key] = tot["rows"] if method == "padded" else tot["cells"]
-    return out
+    runs = {m: run_recorded(TINY, _tiny_weights(), m, [[reqs[i] for i in b] for b in batches], max_num_batched_tokens)[1]
+            for m in ("padded", "masked")}
+    return {"padded_rows": sum(r.rows for r in runs["padded"]), "masked_cells": sum(r.cells for r in runs["masked"])}
+
+
+@functools.lru_cache(maxsize=16)
+def _both_schedules(lens: tuple, budget: int) -> tuple:
+    """``(FCFS's batches, shortest first's, measure_schedule of each)`` for a stream, kept per stream."""
+    fcfs, srt = plan_batches(list(lens), budget), sorted_batches(lens, budget)
+    return fcfs, srt, measure_schedule(lens, fcfs, budget), measure_schedule(lens, srt, budget)
 
 
 _CE_CASES = [("a valid stream: 1 to 12 requests, none over the budget, budget 1..256",),
@@ -1074,20 +936,17 @@ _CE_CASES = [("a valid stream: 1 to 12 requests, none over the budget, budget 1.
              ("shortest first makes the masked engine compute more score cells (recorded)",)]
 
 
-def _ce_measures(lens: tuple, budget: int) -> tuple:
-    key = (lens, budget)
-    if _CE.get("key") != key:
-        fcfs, srt = plan_batches(list(lens), budget), sorted_batches(lens, budget)
-        _CE.update(key=key, last=(list(lens), budget, fcfs, srt, measure_schedule(lens, fcfs, budget),
-                                  measure_schedule(lens, srt, budget)))
-    return _CE["last"][4:]
-
-
 def check_masked_counterexample(fn: Callable[[], tuple]) -> bool:
     """Exercise 06.2: ``fn() -> (seq_lens, max_num_batched_tokens)``: at most 12 requests, each at most the
     budget, budget at most 256. Both schedules, FCFS (``plan_batches``) and shortest-first (``sorted_batches``),
     are RUN through the padded and the masked engine under the recorder (``measure_schedule``); three checks,
     one point each: a valid stream, sorting pads fewer rows, and sorting makes masked compute MORE cells."""
+    answers = []
+
+    def run(what):
+        answers.append(fn())
+        return answers[-1]
+
     def judge(got, what):
         if not (isinstance(got, tuple) and len(got) == 2):
             return f"expected (seq_lens, max_num_batched_tokens), got {got!r}"[:200]
@@ -1099,7 +958,7 @@ def check_masked_counterexample(fn: Callable[[], tuple]) -> bool:
             return f"seq_lens must be 1 to 12 ints, each in 1..{budget} (no request over the budget), got {lens!r}"[:200]
         if what == _CE_CASES[0][0]:
             return None
-        a, b = _ce_measures(tuple(lens), budget)
+        _, _, a, b = _both_schedules(tuple(lens), budget)
         if what == _CE_CASES[1][0]:
             if b["padded_rows"] < a["padded_rows"]:
                 return None
@@ -1112,25 +971,12 @@ def check_masked_counterexample(fn: Callable[[], tuple]) -> bool:
                 "they sit in few, full batches: find lengths where FCFS leaves batches half empty and sorting packs "
                 "the short requests together")
 
-    ok = grade("masked_counterexample", lambda what: fn(), _CE_CASES, judge,
+    ok = grade("masked_counterexample", run, _CE_CASES, judge,
                "a stream on which sorting by length pads fewer rows but makes masked compute more cells (recorded)")
-    if ok and "last" in _CE:
-        lens, budget, fcfs, srt, a, b = _CE["last"]
-        print(f"stream {lens}, budget {budget}\n  FCFS    {[[lens[i] for i in x] for x in fcfs]}: padded rows "
+    if ok:
+        lens, budget = answers[-1]
+        fcfs, srt, a, b = _both_schedules(tuple(lens), budget)
+        print(f"stream {list(lens)}, budget {budget}\n  FCFS    {[[lens[i] for i in x] for x in fcfs]}: padded rows "
               f"{a['padded_rows']}, masked cells {a['masked_cells']:,}\n  sorted  {[[lens[i] for i in x] for x in srt]}: "
               f"padded rows {b['padded_rows']}, masked cells {b['masked_cells']:,}")
     return ok
-
-
-_CE: dict = {}
-
-
-@register("06_tp_trace", lesson="06",
-          caption="Batch 1 of lesson 06's stream (ten requests) under TP=2, each rank's collective trace: "
-                  "16 all-reduces, attention on each rank's own 4 heads with no collective (C11, C12)")
-def _tp_trace() -> Figure:
-    cfg = ModelConfig()
-    lens, _ = stream_prompts(cfg)
-    ids = plan_batches(lens, ENGINE_STREAM["max_num_batched_tokens"], skip_oversize=True)[TP_BATCH]
-    sizes = [lens[i] for i in ids]
-    return tp_trace_figure(tp_dry_traces(cfg, sizes), sizes, cfg, source="dry run; TPRuntime's checked equal")

@@ -41,11 +41,20 @@ def _int(s: str) -> int:
     return int(s.replace(",", ""))
 
 
+def readout_cells(readout: dict) -> list[str]:
+    """Every text of the readout in the order ``prefill_plan_html`` lays it out (title, then per table its
+    caption, header and cells, then the notes): what the page must show."""
+    out = [readout["title"]]
+    for t in readout["tables"]:
+        out += [t["caption"], *t["header"], *(c for r in t["rows"] for c in r)]
+    return out + list(readout["notes"])
+
+
 def _check(page) -> dict:
     """The readout on the page equals a direct call of the library for the knobs on screen, cell by cell."""
     knobs = _knobs(page)
     state = L.prefill_plan_state(**knobs)
-    want = L.readout_cells(state["readout"])
+    want = readout_cells(state["readout"])
     wait_text(page, ".ppx-counts", f"t => JSON.stringify({CELLS_JS}) === JSON.stringify({json.dumps(want)})")
     assert _cells(page) == want
     b = state["batch"]
