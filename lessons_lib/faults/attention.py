@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fault, swap_function, swap_item
+from .registry import fault, swap_function, swap_item
 
 AREA = "attention"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fault, swap_function
+from .registry import fault, swap_function
 
 AREA = "batch"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import fault, swap_attr
+from .registry import fault, swap_attr
 
 AREA = "kernel"
 KERNEL_FILE = Path(__file__).resolve().parents[1] / "ops" / "triton_varlen.py"

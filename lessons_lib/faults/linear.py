@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import fault, swap_attr
+from .registry import fault, swap_attr
 
 AREA = "linear"
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import fault, swap_attr
+from .registry import fault, swap_attr
 
 AREA = "model"
 

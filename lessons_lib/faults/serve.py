@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fault, swap_attr, swap_function
+from .registry import fault, swap_attr, swap_function
 
 AREA = "serve"
 
