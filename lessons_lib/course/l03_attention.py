@@ -303,20 +303,19 @@ def measured_sweep(rs: Sequence[int], runs: dict, length: int, where: str) -> Fi
 
 # ---- the 128-row tile -------------------------------------------------------------------------------
 
-def _draw_tiles(ax, n: int, tile: int, causal: bool, x0: float = 0.0) -> None:
+def _draw_tiles(ax, n: int, tile: int, x0: float = 0.0) -> None:
     """One request of ``n`` tokens on a ``tile x tile`` grid at ``x0``: computed tiles vermillion (computed, then
     masked and thrown away, as in the causal picture) with an ink edge, skipped tiles white with an ink hatch, the
     cells the causal mask keeps blue on top, the request's end a dashed ink line."""
     side = -(-n // tile) * tile
     for m in range(0, n, tile):
-        computed, _ = key_tiles(n, n, m, tile, tile, causal)
+        computed, _ = key_tiles(n, n, m, tile, tile, causal=True)
         for j in range(side // tile):
             done = j < computed
             ax.add_patch(Rectangle((x0 + j * tile, m), tile, tile, facecolor=WASTE if done else NEVER,
                                    edgecolor=TEXT, linewidth=0.8,
                                    hatch=None if done else "///", gid="tile-computed" if done else "tile-skipped"))
-    kept = [(x0, 0), (x0, n), (x0 + n, n)] if causal else [(x0, 0), (x0, n), (x0 + n, n), (x0 + n, 0)]
-    ax.add_patch(Polygon(kept, closed=True, facecolor=ATTENTION, edgecolor="none", gid="cells-kept"))
+    ax.add_patch(Polygon([(x0, 0), (x0, n), (x0 + n, n)], closed=True, facecolor=ATTENTION, edgecolor="none", gid="cells-kept"))
     for t in range(0, side + 1, tile):  # the tile grid, in ink
         ax.plot([x0 + t, x0 + t], [0, side], color=TEXT, linewidth=0.8)
         ax.plot([x0, x0 + side], [t, t], color=TEXT, linewidth=0.8)
@@ -325,25 +324,25 @@ def _draw_tiles(ax, n: int, tile: int, causal: bool, x0: float = 0.0) -> None:
         ax.plot([x0, x0 + side], [n, n], color=TEXT, linewidth=1.0, linestyle="--")
 
 
-def tile_grid(tile: int = 128, short: Sequence[int] = ARTICLE_LENS, long: int = 1000, causal: bool = True) -> Figure:
+def tile_grid(tile: int = 128, short: Sequence[int] = ARTICLE_LENS, long: int = 1000) -> Figure:
     """The 128-row tile of a FlashAttention-style kernel: A's and B's blocks each inside one whole tile, and a
     ``long``-token causal request on its tile grid with the tiles wholly above the diagonal skipped. Counts in the
     titles from ``tiling.predict_work`` (one head)."""
     lens = check_lengths(short)
     n_long = check_int("long", long, 1)
-    ws, wl = (predict_work(x, n_heads=1, block_m=tile, block_n=tile, causal=causal) for x in (lens, [n_long]))
+    ws, wl = (predict_work(x, n_heads=1, block_m=tile, block_n=tile, causal=True) for x in (lens, [n_long]))
     fig = Figure(figsize=(9.6, 4.6))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [len(lens), 2.2]})
     for i, n in enumerate(lens):
-        _draw_tiles(left, n, tile, causal, x0=i * (tile + tile // 4))
+        _draw_tiles(left, n, tile, x0=i * (tile + tile // 4))
     left.set_xlim(-4, len(lens) * (tile + tile // 4) - tile // 4 + 4)
     left.set_ylim(tile + 4, -4)
     left.set_xticks([i * (tile + tile // 4) + tile / 2 for i in range(len(lens))],
                     [f"request of {n}" for n in lens], fontsize=MIN_FONT)
     left.set_yticks([0, tile])
     left.set_title(f"lengths {short_lens(lens)}: {ws.tiles} tiles computed,\n{ws.executed_cells} cells executed "
-                   f"for {attention_cells(lens, 'varlen', causal).useful} kept", fontsize=MIN_FONT + 1)
-    _draw_tiles(right, n_long, tile, causal)
+                   f"for {attention_cells(lens, 'varlen', causal=True).useful} kept", fontsize=MIN_FONT + 1)
+    _draw_tiles(right, n_long, tile)
     side = -(-n_long // tile) * tile
     right.set_xlim(-8, side + 8)
     right.set_ylim(side + 8, -8)
@@ -371,7 +370,7 @@ def tile_grid(tile: int = 128, short: Sequence[int] = ARTICLE_LENS, long: int = 
 
 RUN_BACKENDS = ("loop", "masked", "padded", "varlen")
 RUN_MAX_REQUESTS, RUN_MAX_LENGTH, RUN_MAX_TOKENS = 16, 512, 1024
-RUN_HEADS, RUN_D_HEAD, RUN_TILE = 8, 64, 128
+RUN_HEADS, RUN_D_HEAD, RUN_TILE, RUN_REPEATS = 8, 64, 128, 2
 RUN_DEFAULT = "10, 30"
 
 
@@ -395,21 +394,20 @@ def predicted_cells(seq_lens: Sequence[int], name: str, causal: bool) -> int:
     return attention_cells(seq_lens, method, causal=causal and method != "varlen").computed
 
 
-def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0, repeats: int = 2) -> dict:
+def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True) -> dict:
     """Each of ``RUN_BACKENDS`` run once under ``OpRecorder`` on ``random_qkv`` (8 heads of 64, float32, CPU, one thread).
 
     Returns ``{"seq_lens", "causal", "useful", "in_blocks", "bound", "wasted", "causal_masked", "tiled", "rows"}``;
     ``rows[name]``: ``{"backend", "cells"`` (per head, recorded; sdpa: handed in), ``"predicted"``
     (``predicted_cells``), ``"scores"`` (score matrices made), ``"largest_bytes"`` (the largest score tensor handed
     to a softmax; None: a fused kernel), ``"error"`` (max |out - fp64 reference|, against ``bound``), ``"ms"``
-    (fastest of ``repeats``; noisy, never asserted)``}``. ``in_blocks``: the loop's cells, the requests' own
+    (fastest of ``RUN_REPEATS``; noisy, never asserted)``}``. ``in_blocks``: the loop's cells, the requests' own
     blocks; ``wasted["masked" | "padded"]``: the cells each computed outside them; ``causal_masked``: ``in_blocks -
     useful``, above the causal diagonal; ``tiled``: ``tiling.predict_work`` for 128 x 128 tiles, one head.
     """
     lens = run_lengths(lengths)
-    check_int("repeats", repeats, 1, 100)
     causal = bool(causal)
-    q, k, v, cu = random_qkv(lens, RUN_HEADS, RUN_D_HEAD, seed=seed)
+    q, k, v, cu = random_qkv(lens, RUN_HEADS, RUN_D_HEAD, seed=0)
     rows = {}
     with threads(1):  # steadier times, and the same rounding in every process
         ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
@@ -421,7 +419,7 @@ def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True, seed: int = 0,
             softmaxed = [math.prod(op.args[0].shape) for op in rec.named(*SOFTMAX_OPS)]
             rows[name] = {"backend": backend, "cells": rec.cells // RUN_HEADS, "predicted": predicted_cells(lens, name, causal),
                           "scores": len(rec.scores), "largest_bytes": max(softmaxed) * q.element_size() if softmaxed else None,
-                          "error": max_abs_diff(out, ref64), "ms": time_call(call, repeats=repeats, warmup=0) * 1e3}
+                          "error": max_abs_diff(out, ref64), "ms": time_call(call, repeats=RUN_REPEATS, warmup=0) * 1e3}
     useful, in_blocks = attention_cells(lens, "varlen", causal).useful, rows["loop"]["cells"]
     return {"seq_lens": lens, "causal": causal, "useful": useful, "in_blocks": in_blocks, "bound": tolerance(ref, ref64),
             "rows": rows, "wasted": {name: rows[name]["cells"] - in_blocks for name in ("masked", "padded")},
@@ -464,9 +462,10 @@ def attention_run_summary_html(state: dict) -> str:
     mask = "the causal mask keeps" if state["causal"] else "useful (whole blocks)"
     verdict = "a tie" if m == p else f"{'masking' if m > p else 'padding'} wastes more here"
     html = (f"<div>lengths {lens} | T = {sum(lens)} rows | {RUN_HEADS} heads of {RUN_D_HEAD}, float32 | cells per head | "
-            f"{mask}: {state['useful']} | error bound {state['bound']:.2e} | time: this CPU, one thread, fastest of 2 "
-            f"calls, noisy</div><div>a tiled kernel (128 x 128 tiles, predicted by tiling.predict_work, not run here): "
-            f"{t.tiles} tiles, {t.executed_cells} cells executed, {t.cells} in-bounds cells of computed tiles</div>"
+            f"{mask}: {state['useful']} | error bound {state['bound']:.2e} | time: this CPU, one thread, fastest of "
+            f"{RUN_REPEATS} calls, noisy</div><div>a tiled kernel (128 x 128 tiles, predicted by tiling.predict_work, "
+            f"not run here): {t.tiles} tiles, {t.executed_cells} cells executed, {t.cells} in-bounds cells of computed "
+            "tiles</div>"
             f"<div>measured waste outside the requests' blocks (cells computed minus the loop's {state['in_blocks']}): "
             f"masked {m} cross-request cells, padded {p} pad cells per head: {verdict}</div>")
     if not state["causal"]:
