@@ -84,12 +84,11 @@ def _varlen_fwd_kernel(Q, K, V, Out, LSE, CU_Q, CU_K, COUNTS, qk_scale,
     k_start = tl.load(CU_K + req)
     len_k = tl.load(CU_K + req + 1) - k_start
     rows_q = len_q * GROUP if PACK_GQA else len_q          # PACK_GQA: a row is a (token, query head of the group) pair
-    if COUNT:
-        tl.atomic_add(COUNTS + 0, 1)                       # programs launched
+    if COUNT:                                              # count_work: programs launched
+        tl.atomic_add(COUNTS + 0, 1)
     if m_block * BLOCK_M >= rows_q:                        # the grid is sized by the longest request
-        if COUNT:
-            tl.atomic_add(COUNTS + 1, 1)                   # returned at once
-            tl.store(COUNTS + 6 + m_block + tl.num_programs(0) * (head + tl.num_programs(1) * req), -1)
+        if COUNT:                                          # count_work: returned at once (its own slot stays -1)
+            tl.atomic_add(COUNTS + 1, 1)
         return
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)     # rows of this tile, within the request
@@ -131,9 +130,7 @@ def _varlen_fwd_kernel(Q, K, V, Out, LSE, CU_Q, CU_K, COUNTS, qk_scale,
     V += kv_head * stride_vh
     k_offs = offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd   # [BLOCK_D, BLOCK_N]: K tile, transposed
     v_offs = offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd   # [BLOCK_N, BLOCK_D]
-    tiles = 0
-    cells = 0
-    masked = 0
+    tiles, cells, masked = 0, 0, 0                         # count_work: key tiles, in-bounds cells, masked tiles
     for stage in tl.static_range(2):  # 0: tiles below the diagonal, no mask; 1: the diagonal and a last partial tile
         for start_n in range(0 if stage == 0 else lo, lo if stage == 0 else hi, BLOCK_N):
             cols = start_n + offs_n
@@ -158,7 +155,7 @@ def _varlen_fwd_kernel(Q, K, V, Out, LSE, CU_Q, CU_K, COUNTS, qk_scale,
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-            if COUNT:                                                     # score tiles, in-bounds cells, masked tiles
+            if COUNT:                                                     # count_work: this key tile
                 tiles += 1
                 cells += tl.sum((row_ok[:, None] & col_ok[None, :]).to(tl.int32))
                 masked += stage
@@ -169,12 +166,12 @@ def _varlen_fwd_kernel(Q, K, V, Out, LSE, CU_Q, CU_K, COUNTS, qk_scale,
              mask=row_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:                                                        # natural log; -inf for a row with no key
         tl.store(LSE + q_head.to(tl.int64) * stride_lh + q_start + tok, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
-    if COUNT:
+    if COUNT:                                                             # count_work: the launch's totals (FIELDS)
         tl.atomic_add(COUNTS + 2, tiles)
         tl.atomic_add(COUNTS + 3, tl.cdiv(len_k, BLOCK_N) - tiles)       # key tiles skipped above the diagonal
         tl.atomic_add(COUNTS + 4, cells)
         tl.atomic_add(COUNTS + 5, masked)
-        tl.store(COUNTS + 6 + m_block + tl.num_programs(0) * (head + tl.num_programs(1) * req), tiles)  # its own
+        tl.store(COUNTS + 6 + m_block + tl.num_programs(0) * (head + tl.num_programs(1) * req), tiles)  # its own slot
 
 
 class _Counter:
@@ -331,8 +328,9 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     else:      # one program per (query tile, query head, request)
         grid = (triton.cdiv(max_seqlen_q, block_m), h, r)
     counting = bool(_ACTIVE)
-    # counting: the totals, then one slot per program (its key tiles, -1 if it returned at once)
-    counts = torch.zeros(len(FIELDS) + grid[0] * grid[1] * grid[2], dtype=torch.int64, device=q.device) \
+    # counting: the totals (zeros), then one slot per program (its key tiles; -1 stays if it returned at once)
+    counts = torch.cat([torch.zeros(len(FIELDS), dtype=torch.int64, device=q.device),
+                        torch.full((grid[0] * grid[1] * grid[2],), -1, dtype=torch.int64, device=q.device)]) \
         if counting else cu_seqlens_q
     _varlen_fwd_kernel[grid](q, k, v, out, cu_seqlens_q if lse is None else lse, cu_seqlens_q, cu_seqlens_k, counts,
                              scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
