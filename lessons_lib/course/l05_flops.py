@@ -166,6 +166,10 @@ def recorded_flops(cfg: ModelConfig, seq_lens: Sequence[int], attn_backend: str 
     return ForwardFlops(sum(m.flops for m in of_kind(mm, "linear")), sum(m.flops for m in of_kind(mm, "attention")))
 
 
+# ---------------------------------------------------------------------------------------------
+# The rules the claims hold the record to: the crossover, a block's linear intensity, a decode step part by part
+
+
 def crossover_length(cfg: ModelConfig, causal: bool = False) -> int:
     """The smallest request length L at which attention's FLOPs reach the linear layers' (``forward_flops`` of
     one request; the share does not depend on how many requests of that length)."""
@@ -181,6 +185,51 @@ def block_linear_intensity(cfg: ModelConfig, rows: int, nbytes: int = BF16) -> f
     r = check_int("rows", rows, 1)
     return intensity([Matmul("linear", 1, r, a, b) for a, b in linear_shapes(cfg)], nbytes)
 
+
+
+def _part(flops: int, nbytes: int, machine: Machine) -> dict:
+    return {"flops": flops, "bytes": nbytes, "intensity": flops / nbytes, "seconds": machine.roofline_seconds(flops, nbytes),
+            "bound": "compute-bound" if flops / nbytes >= machine.ridge else "memory-bound"}
+
+
+def _linear_terms(cfg: ModelConfig) -> tuple[int, int]:
+    """(weight numbers, activation numbers per row) of one block's four linear layers (``linear_shapes``)."""
+    shapes = linear_shapes(cfg)
+    return sum(a * b for a, b in shapes), sum(a + b for a, b in shapes)
+
+
+def min_decode_batch(cfg: ModelConfig, ridge: float, nbytes: int = BF16) -> int | None:
+    """The smallest R whose decode step's linear layers (``block_linear_intensity``, rows = R) reach ``ridge``, or
+    None: the intensity only approaches ``2W / (nbytes · A)``."""
+    return first_where(lambda r: block_linear_intensity(cfg, r, nbytes) >= ridge, 1, 1 << 40)
+
+
+def decode_step_parts(cfg: ModelConfig, requests: int, kv_len: int, nbytes: int = BF16,
+                      machine: Machine = H200) -> dict:
+    """Per layer, a decode step of R requests with ``kv_len`` cached tokens each (no GQA), each part on its own
+    roofline on ``machine``: ``"linear"`` (``2RW`` FLOPs, ``nbytes (W + RA)`` bytes) and ``"attention"`` (per
+    request ``4k kv_len`` FLOPs over ``nbytes 2k (1 + kv_len)`` bytes: query, output, cached K and V), each
+    ``{"flops", "bytes", "intensity", "seconds", "bound"}``; ``"seconds"`` their sum, ``"longer"`` the longer part."""
+    r, n = check_int("requests", requests, 1), check_int("kv_len", kv_len, 1)
+    w, a = _linear_terms(cfg)
+    k = cfg.qkv_dim
+    lin = _part(2 * r * w, nbytes * (w + r * a), machine)
+    att = _part(r * 4 * k * n, nbytes * r * (2 * k + 2 * k * n), machine)
+    return {"linear": lin, "attention": att, "seconds": lin["seconds"] + att["seconds"],
+            "longer": "attention" if att["seconds"] > lin["seconds"] else "linear"}
+
+
+def decode_parts_table(cfg: ModelConfig, kv_lens: Sequence[int], requests: Sequence[int]) -> list[str]:
+    """One line per (cache length, R) on the H200: each part's roofline time in µs and its bound."""
+    out = []
+    for n in kv_lens:
+        for r in requests:
+            p = decode_step_parts(cfg, r, n)
+            lin, att = p["linear"], p["attention"]
+            out.append(f"{n:5d} cached, R = {r:5d}: linear {lin['seconds'] * 1e6:9.4g} us ({lin['bound']}, "
+                       f"{lin['intensity']:5.1f} FLOP/B) | attention {att['seconds'] * 1e6:9.4g} us ({att['bound']}, "
+                       f"{att['intensity']:.2f} FLOP/B) | longer: {p['longer']}")
+    return out
 
 # ---------------------------------------------------------------------------------------------
 # Figures
@@ -541,11 +590,6 @@ def packing_lengths(total: int, requests: int) -> list[int]:
         raise ValueError(f"requests R = {r} is more than the tokens T = {t}: every request needs a token")
     return [t // r + (i < t % r) for i in range(r)]
 
-def _part(flops: int, nbytes: int, machine: Machine) -> dict:
-    return {"flops": flops, "bytes": nbytes, "intensity": flops / nbytes, "seconds": machine.roofline_seconds(flops, nbytes),
-            "bound": "compute-bound" if flops / nbytes >= machine.ridge else "memory-bound"}
-
-
 def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads: int = 8, n_layers: int = 8,
                    nbytes: int = BF16, machine: Machine = H200, total: int = 1000, requests: int = 10,
                    lengths: Sequence[int] | str = "700, 200, 100", here: dict | None = None) -> dict:
@@ -882,46 +926,6 @@ def check_packing(fn: Callable[[int, int], Sequence[int] | None]) -> bool:
         return None
     return grade("packing", fn, list(_PACK_CASES), judge,
                  "5 cases: 512 to 8,192 tokens, 1 to 8 K/V heads, one where no packing works")
-
-
-def _linear_terms(cfg: ModelConfig) -> tuple[int, int]:
-    """(weight numbers, activation numbers per row) of one block's four linear layers (``linear_shapes``)."""
-    shapes = linear_shapes(cfg)
-    return sum(a * b for a, b in shapes), sum(a + b for a, b in shapes)
-
-
-def min_decode_batch(cfg: ModelConfig, ridge: float, nbytes: int = BF16) -> int | None:
-    """The smallest R whose decode step's linear layers (``block_linear_intensity``, rows = R) reach ``ridge``, or
-    None: the intensity only approaches ``2W / (nbytes · A)``."""
-    return first_where(lambda r: block_linear_intensity(cfg, r, nbytes) >= ridge, 1, 1 << 40)
-
-
-def decode_step_parts(cfg: ModelConfig, requests: int, kv_len: int, nbytes: int = BF16,
-                      machine: Machine = H200) -> dict:
-    """Per layer, a decode step of R requests with ``kv_len`` cached tokens each (no GQA), each part on its own
-    roofline on ``machine``: ``"linear"`` (``2RW`` FLOPs, ``nbytes (W + RA)`` bytes) and ``"attention"`` (per
-    request ``4k kv_len`` FLOPs over ``nbytes 2k (1 + kv_len)`` bytes: query, output, cached K and V), each
-    ``{"flops", "bytes", "intensity", "seconds", "bound"}``; ``"seconds"`` their sum, ``"longer"`` the longer part."""
-    r, n = check_int("requests", requests, 1), check_int("kv_len", kv_len, 1)
-    w, a = _linear_terms(cfg)
-    k = cfg.qkv_dim
-    lin = _part(2 * r * w, nbytes * (w + r * a), machine)
-    att = _part(r * 4 * k * n, nbytes * r * (2 * k + 2 * k * n), machine)
-    return {"linear": lin, "attention": att, "seconds": lin["seconds"] + att["seconds"],
-            "longer": "attention" if att["seconds"] > lin["seconds"] else "linear"}
-
-
-def decode_parts_table(cfg: ModelConfig, kv_lens: Sequence[int], requests: Sequence[int]) -> list[str]:
-    """One line per (cache length, R) on the H200: each part's roofline time in µs and its bound."""
-    out = []
-    for n in kv_lens:
-        for r in requests:
-            p = decode_step_parts(cfg, r, n)
-            lin, att = p["linear"], p["attention"]
-            out.append(f"{n:5d} cached, R = {r:5d}: linear {lin['seconds'] * 1e6:9.4g} us ({lin['bound']}, "
-                       f"{lin['intensity']:5.1f} FLOP/B) | attention {att['seconds'] * 1e6:9.4g} us ({att['bound']}, "
-                       f"{att['intensity']:.2f} FLOP/B) | longer: {p['longer']}")
-    return out
 
 
 def kv_read_overtakes_from(cfg: ModelConfig, ridge: float, nbytes: int, kv_len: int) -> int | None:
