@@ -186,7 +186,6 @@ def block_linear_intensity(cfg: ModelConfig, rows: int, nbytes: int = BF16) -> f
     return intensity([Matmul("linear", 1, r, a, b) for a, b in linear_shapes(cfg)], nbytes)
 
 
-
 def _part(flops: int, nbytes: int, machine: Machine) -> dict:
     return {"flops": flops, "bytes": nbytes, "intensity": flops / nbytes, "seconds": machine.roofline_seconds(flops, nbytes),
             "bound": "compute-bound" if flops / nbytes >= machine.ridge else "memory-bound"}
