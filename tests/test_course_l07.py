@@ -11,12 +11,15 @@ import pytest
 import torch
 from helpers import attempt
 
+from lessons_lib import faults
 from lessons_lib.core.attention import attention_ref
 from lessons_lib.course import l07_kernel as L
 from lessons_lib.course.grading import WrongAnswer, score
+from lessons_lib.faults import kernel as kernel_faults
 from lessons_lib.measure.profile import random_qkv
 from lessons_lib.measure.tolerance import assert_close, max_abs_diff, tolerance
 from lessons_lib.ops import tiling
+from lessons_lib.ops.tiling import WorkCounts
 
 needs_kernel = pytest.mark.skipif(L.kernel_module() is None, reason="triton not installed (Linux wheels only)")
 
@@ -48,7 +51,8 @@ def test_k2_the_kernels_counters_equal_the_picture_for_a_long_and_short_mix():
 
 
 def test_program_cells_colours_each_cell_by_what_the_kernel_does_with_it():
-    pic = L.program_cells(20, 20, grid_m=2, block_m=16, block_n=16, causal=True)
+    assert L.program_tiles([20], [20], block_m=16, block_n=16, causal=True) == [[1, 2]]
+    pic = L.program_cells(20, 20, [1, 2], block_m=16, block_n=16, causal=True)
     assert pic.shape == (32, 32)
     assert not (pic[16:] == L.RETURNED).any()  # band 1 holds rows 16..19 of the request: it works
     rows, cols = np.indices((20, 20))
@@ -56,7 +60,7 @@ def test_program_cells_colours_each_cell_by_what_the_kernel_does_with_it():
     assert np.array_equal(useful, cols <= rows)  # exactly the causal lower triangle of the request
     assert (pic[:16, 16:] == L.SKIPPED).all()  # band 0's second key tile is wholly above the diagonal
     assert (pic[20:32, :32][pic[20:32, :32] != L.SKIPPED] == L.WASTED).all()  # rows past the end: computed, thrown away
-    short = L.program_cells(5, 5, grid_m=3, block_m=16, block_n=16, causal=False)
+    short = L.program_cells(5, 5, [1, -1, -1], block_m=16, block_n=16, causal=False)
     assert (short[16:] == L.RETURNED).all() and int((short == L.USEFUL).sum()) == 25
 
 
@@ -73,7 +77,7 @@ def test_k3_causal_computes_n_plus_1_over_2n_of_the_tiles():
 
 
 def test_k4_a_short_request_uses_a_sliver_of_its_tile():
-    pic = L.program_cells(10, 10, grid_m=1, block_m=64, block_n=64, causal=False)
+    pic = L.program_cells(10, 10, [1], block_m=64, block_n=64, causal=False)
     assert int((pic == L.USEFUL).sum()) == 100 and int((pic == L.WASTED).sum()) == 4096 - 100
     w = tiling.predict_work([10], block_m=64, block_n=64, causal=False)
     assert (w.cells, w.executed_cells) == (100, 4096)
@@ -87,13 +91,15 @@ def test_k4_a_short_request_uses_a_sliver_of_its_tile():
 def test_launch_picture_says_whether_the_kernels_counters_agree():
     lens = [100, 20, 60]
     total = tiling.predict_work(lens, block_m=32, block_n=32, causal=True)
-    fig = L.launch_picture(lens, block_m=32, block_n=32, causal=True, measured=total)
+    tiles = L.program_tiles(lens, lens, block_m=32, block_n=32, causal=True)
+    same = WorkCounts(program_tiles=(tuple(t for request in tiles for t in request),))   # one head: m + 4 r
+    fig = L.launch_picture(lens, block_m=32, block_n=32, causal=True, measured=same)
     text = " ".join(t.get_text() for t in fig.texts)
     assert "12 programs: 5 return at once" in text and "the same" in text
-    useful = sum(int((L.program_cells(n, n, 4, 32, 32, True) == L.USEFUL).sum()) for n in lens)
+    useful = sum(int((L.program_cells(n, n, t, 32, 32, True) == L.USEFUL).sum()) for n, t in zip(lens, tiles))
     assert useful == sum(n * (n + 1) // 2 for n in lens)  # the causal triangles: blue, counted apart from in-bounds
     assert f"{useful} useful (blue)" in text and f"in-bounds (masked ones included): {total.cells}" in text
-    off = tiling.predict_work(lens, block_m=32, block_n=32, causal=False)
+    off = WorkCounts(program_tiles=(tuple(max(t, 1) for request in tiles for t in request),))  # no program returns
     fig = L.launch_picture(lens, block_m=32, block_n=32, causal=True, measured=off)
     assert "DIFFER" in " ".join(t.get_text() for t in fig.texts)
 
@@ -126,76 +132,61 @@ def test_k5_the_online_softmax_replay_is_the_softmax_and_the_bug_is_not():
     assert float((one_tile - exact).abs().max()) < 1e-14
 
 
-def test_growing_max_row_picks_the_row_whose_max_grows_most():
-    scores = torch.tensor([[5.0, 0, 0, 0], [0, 1, 2, 3], [3, 2, 1, 0]])
-    assert L.growing_max_row(scores, 1) == 1
+def test_max_growths_counts_the_key_tiles_after_the_first_where_a_rows_max_grows():
+    scores = torch.tensor([[5.0, 0, 0, 0], [0, 1, 2, 3], [3, 2, 1, 0], [0, 1, 0, 2]])
+    assert L.max_growths(scores, 1) == [0, 3, 0, 2] and L.max_growths(scores, 2) == [0, 1, 0, 1]
+    _, _, _, _, row, full = L.softmax_example()
+    assert L.max_growths(full, 16)[row] == max(L.max_growths(full, 16))
 
 
 # ---- the kernel's source, and one line of it changed -------------------------------------------------------
 
 def test_kernel_source_is_the_files_text_with_its_line_numbers():
     heading, code = L.kernel_source()
-    lines = L.KERNEL_FILE.read_text().splitlines()
+    lines = kernel_faults.KERNEL_FILE.read_text().splitlines()
     first, last = (int(x) for x in heading.split("lines ")[1].split(":")[0].split("-"))
     assert code.splitlines() == lines[first - 1:last]
     assert code.startswith("@triton.jit\ndef _varlen_fwd_kernel(")
     part = L.kernel_source(start="m_new = tl.maximum", stop="if COUNT:")[1]
     assert part.strip().startswith("m_new = tl.maximum") and "l_i = l_i * alpha" in part and "tiles += 1" not in part
-    assert "triton.cdiv(max_seqlen_q, block_m)" in L.kernel_source(name="varlen_fwd")[1]
-    with pytest.raises(ValueError, match="is not in the source"):
+    with pytest.raises(ValueError, match="is not in the kernel's source"):
         L.kernel_source(start="no such line")
-
-
-def test_changed_source_changes_exactly_one_line_and_refuses_an_ambiguous_one():
-    _, code = L.kernel_source()
-    for old, new in L.KERNEL_BUGS.values():
-        changed = L.changed_source(old, new)
-        diff = [(a, b) for a, b in zip(code.splitlines(), changed.splitlines()) if a != b]
-        assert len(diff) == 1 and new in diff[0][1] and old.strip() in diff[0][0]
-    with pytest.raises(ValueError, match="lines whose code is"):
-        L.changed_source("if COUNT:", "if False:")  # several lines: name exactly one
-    with pytest.raises(ValueError, match="0 lines"):
-        L.changed_source("no such line", "x = 1")
 
 
 @needs_kernel
 def test_each_kernel_bug_moves_a_counter_or_the_output_and_the_real_kernel_comes_back():
-    tv = L.kernel_module()
-    real = tv._varlen_fwd_kernel
     lens = [40, 5]
     q, k, v, cu = L.kernel_qkv(lens, 1, 16, seed=9)
     effects = {}
     for bug in L.KERNEL_BUGS:
-        causal = bug != "columns past the end kept"
+        causal = bug != "kernel_columns_past_end_kept"
         want = tiling.predict_work(lens, block_m=16, block_n=16, causal=causal)
-        with L.kernel_with(bug):
-            assert tv._varlen_fwd_kernel is not real
+        with faults.injected(bug):
             out, counts = L.run_kernel(q, k, v, cu, causal=causal, block_m=16, block_n=16)
-        assert tv._varlen_fwd_kernel is real
         ref, ref64 = L.kernel_refs(q, k, v, cu, causal=causal)
         wrong = max_abs_diff(out, ref64) > tolerance(ref, ref64)
         effects[bug] = (counts.tiles != want.tiles, counts.masked_tiles != want.masked_tiles, wrong)
-    assert effects == {"no early return": (True, True, False), "causal bound one tile late": (True, True, False),
-                       "sum not rescaled": (False, False, True), "columns past the end kept": (False, False, True),
-                       "every key tile masked": (False, True, False), "diagonal tile unmasked": (False, True, True),
-                       "causal diagonal top-left": (False, False, False)}   # a prefill: L_k = L_q hides the alignment
+        out, counts = L.run_kernel(q, k, v, cu, causal=causal, block_m=16, block_n=16)   # the real kernel is back
+        assert counts.as_dict() == want.as_dict() and max_abs_diff(out, ref64) <= tolerance(ref, ref64)
+    assert effects == {"kernel_no_early_return": (True, True, False), "kernel_causal_bound_one_tile_late": (True, True, False),
+                       "kernel_sum_not_rescaled": (False, False, True), "kernel_columns_past_end_kept": (False, False, True),
+                       "kernel_every_key_tile_masked": (False, True, False),
+                       "kernel_diagonal_tile_unmasked": (False, True, True),
+                       "kernel_causal_diagonal_top_left": (False, False, False)}   # a prefill: L_k = L_q hides it
     (lens_q, lens_k) = L.CHUNK_MIX   # a chunk after cached keys shows it
     q, _, _, cu_q = L.kernel_qkv(lens_q, 1, 16, seed=30)
     _, k, v, cu_k = L.kernel_qkv(lens_k, 1, 16, seed=31)
     ref, ref64 = L.kernel_refs(q, k, v, cu_q, cu_k)
     assert_close(L.run_kernel(q, k, v, cu_q, cu_k, block_m=16, block_n=16)[0], ref, ref64, "a chunk after cached keys")
-    with L.kernel_with("causal diagonal top-left"):
+    with faults.injected("kernel_causal_diagonal_top_left"):
         assert max_abs_diff(L.run_kernel(q, k, v, cu_q, cu_k, block_m=16, block_n=16)[0], ref64) > tolerance(ref, ref64)
-    with pytest.raises(ValueError, match="unknown kernel bug"):
-        with L.kernel_with("no such bug"):
-            pass
-    assert tv._varlen_fwd_kernel is real
 
 
-def test_every_kernel_bug_names_one_line_of_the_current_kernel():
-    for old, new in L.KERNEL_BUGS.values():   # the claim breakages depend on it: the source changes under them
-        assert "# CHANGED, was: " + old in L.changed_source(old, new)
-    assert set(L.BUG_EFFECTS) == set(L.KERNEL_BUGS)
+def test_the_lessons_bugs_are_the_engines_kernel_faults():
+    assert set(L.KERNEL_BUGS) == {name for name, f in faults.FAULTS.items() if f.area == "kernel"}
+    for bug in L.KERNEL_BUGS:   # each names one line of the current kernel, shown by the break-it cell
+        old, new = kernel_faults.LINE_CHANGES[bug]
+        assert "# CHANGED, was: " + old in kernel_faults.changed_source(old, new)
 
 
 # ---- the fast paths, the compiler, grouped-query attention -----------------------------------------------------
@@ -254,7 +245,7 @@ def test_exp2_with_the_folded_scale_has_no_multiply_by_log2e_and_tl_exp_one_per_
 def test_count_launches_sees_through_a_swapped_kernel():
     tv = L.kernel_module()
     q, k, v, cu = L.kernel_qkv([3, 5, 2], 1, 16, seed=1)
-    with L.kernel_with("no early return"), tv.count_launches() as grids:
+    with faults.injected("kernel_no_early_return"), tv.count_launches() as grids:
         tv.triton_varlen_attention(q, k, v, cu, block_m=16, block_n=16)
     assert grids == [(1, 1, 3)]
 
@@ -294,20 +285,20 @@ def test_the_explorer_takes_a_chunk_as_query_and_key_lengths():
     assert state["predicted"] == tiling.predict_work([20, 10], [50, 10], block_m=16, block_n=16, causal=True)
     if state["ran"]:
         assert state["measured"] == state["predicted"] and state["error"] <= state["bound"]
-        broken = L.kernel_state("20:50, 10", 16, 16, True, "causal diagonal top-left")
+        broken = L.kernel_state("20:50, 10", 16, 16, True, "kernel_causal_diagonal_top_left")
         assert broken["error"] > broken["bound"]          # the chunk's rows lose their cached keys' offset
 
 
 @needs_kernel
 def test_kernel_state_with_a_bug_runs_the_broken_kernel():
-    late = L.kernel_state("70, 5", 16, 16, True, bug="no early return")
+    late = L.kernel_state("70, 5", 16, 16, True, bug="kernel_no_early_return")
     assert late["ran"] and late["measured"] != late["predicted"] and late["error"] <= late["bound"]
     assert late["measured"].tiles > late["predicted"].tiles and late["measured"].cells == late["predicted"].cells
-    assert "with the bug 'no early return'" in L.kernel_status_html(late)
-    wrong = L.kernel_state("70, 5", 16, 16, True, bug="sum not rescaled")
+    assert "with the bug 'kernel_no_early_return'" in L.kernel_status_html(late)
+    wrong = L.kernel_state("70, 5", 16, 16, True, bug="kernel_sum_not_rescaled")
     assert wrong["measured"] == wrong["predicted"] and wrong["error"] > wrong["bound"]
     assert "OUTSIDE" in L.kernel_status_html(wrong)
-    assert L.kernel_module()._varlen_fwd_kernel is not None and L.kernel_state("70, 5")["error"] <= late["bound"]
+    assert not faults.active() and L.kernel_state("70, 5")["error"] <= late["bound"]
 
 
 @needs_kernel
@@ -316,24 +307,24 @@ def test_the_explorer_picture_is_drawn_from_the_kernels_per_program_counts():
     real = L.kernel_state("100, 5, 20", 32, 32, True)
     predicted = [p.tiles if p.status != "returned" else -1 for p in
                  L.program_table([100, 5, 20], block_m=32, block_n=32, causal=True)]
-    assert list(real["program_tiles"]) == predicted and real["measured"].tiles == sum(t for t in predicted if t > 0)
+    assert list(real["measured"].program_tiles[0]) == predicted and real["measured"].tiles == sum(t for t in predicted if t > 0)
     # the bug: the 6 programs past an end compute a tile each; the picture draws 18 tiles, the prediction 12
-    late = L.kernel_state("100, 5, 20", 32, 32, True, bug="no early return")
-    assert -1 not in late["program_tiles"] and L.table_totals(late["table"], 1, 32, 32).tiles == 18
+    late = L.kernel_state("100, 5, 20", 32, 32, True, bug="kernel_no_early_return")
+    assert -1 not in late["measured"].program_tiles[0] and L.table_totals(late["table"], 1, 32, 32).tiles == 18
     assert late["predicted"].tiles == 12 and "tiles: measured 18 | predicted 12 | picture 18" in L.kernel_counts_html(late)
     # the executed-cells footer shows the kernel's 18 tiles x 32 x 32, the prediction's 12 x 32 x 32 beside it
     cells = late["predicted"].cells
     assert (f"measured {18 * 32 * 32} for {cells} inside the requests" in L.kernel_counts_html(late)
             and f"predicted {12 * 32 * 32} for {cells}" in L.kernel_counts_html(late))
-    fig = L.launch_picture([100, 5, 20], block_m=32, block_n=32, causal=True, measured=late["measured"],
-                           program_tiles=late["program_tiles"])
+    fig = L.launch_picture([100, 5, 20], block_m=32, block_n=32, causal=True, measured=late["measured"])
     text = " ".join(t.get_text() for t in fig.texts)
     assert "drawn from the kernel's own" in text and "DIFFER: 12 tiles" in text
     assert not [p for ax in fig.axes for p in ax.patches if (p.get_gid() or "").startswith("returned")]
 
 
 def test_without_triton_the_state_and_the_checkers_fall_back_to_the_prediction(monkeypatch):
-    monkeypatch.setattr(L, "_load", lambda: (None, "ModuleNotFoundError: No module named 'triton'"))
+    why = "the Triton kernel does not run here (ModuleNotFoundError: No module named 'triton')"
+    monkeypatch.setattr(L, "_load", lambda: (None, why))
     state = L.kernel_state("10, 30")
     assert not state["ran"] and "Linux wheels only" in state["why"] and state["predicted"].programs == 4
     assert "No module named 'triton'" in L.kernel_missing()
@@ -543,7 +534,7 @@ def test_every_kernel_run_of_the_lesson_takes_bfloat16_on_cuda_and_float32_on_th
 
     monkeypatch.setattr(L, "KERNEL_DEVICE", torch.device("cuda"))   # as on a GPU machine, without one
     monkeypatch.setattr(L, "random_qkv", record)
-    helpers = {"kernel_qkv": lambda: L.kernel_qkv([3], 1, 16), "gqa_inputs": lambda: L.gqa_inputs(*L.GQA_DECODE),
+    helpers = {"kernel_qkv": lambda: L.kernel_qkv([3], 1, 16),
                "the explorer": lambda: L._explorer_inputs.__wrapped__((3,), (5,), True)}
     if L.kernel_module() is not None:   # without Triton these fall back to the prediction and build nothing
         helpers.update({"run_gqa": lambda: L.run_gqa(*L.GQA_DECODE, None),

@@ -1,41 +1,24 @@
 """What lesson 07 (inside the kernel) draws, explores, breaks and checks.
 
-- ``kernel_module`` / ``KERNEL_MISSING``: the engine's Triton kernel (``ops.triton_varlen``), or why it
-  cannot run here (Triton publishes Linux wheels only); everything else in this module runs without it;
-- ``kernel_dtype`` / ``KERNEL_DTYPE`` / ``kernel_qkv`` / ``kernel_refs``: the one dtype rule of the lesson's kernel runs
-  (bfloat16 on CUDA, float32 on the CPU's interpreter), their inputs and the same-dtype and float64 references;
-- ``program_cells`` / ``program_table`` / ``launch_picture``: the launch grid, one program per
-  (query tile, head, request), each program's key tiles coloured computed, partly thrown away,
-  skipped above the diagonal, or the whole program returned at once (predicted by ``ops.tiling``;
-  ``table_totals`` gives the totals the kernel's own counters must equal);
-- ``online_softmax`` / ``online_softmax_picture``: FlashAttention's running max and sum, replayed
-  tile by tile, with and without the rescale;
-- ``kernel_source`` / ``show_kernel``: the kernel's code as it is in its file;
-- ``KERNEL_BUGS`` / ``broken_kernel`` / ``kernel_with`` / ``install``: the kernel rebuilt from its real
-  source with ONE line changed (a Triton kernel cannot be monkeypatched line by line); the lesson's
-  break-it cells and ``tests/breakages_l07.py`` use the same helper;
-- ``compiler_reports`` / ``compiler_table``: the kernel compiled natively for sm_80 and sm_90 (``ops.compile_report``),
-  registers, spills and shared memory beside each target's limits; ``exp_instructions``: ``ex2`` and multiplies in
-  the PTX, with ``tl.exp2`` and with ``tl.exp``;
-- ``reference_lse``: the float64 log-sum-exp the kernel's ``return_lse`` is checked against;
-- ``run_gqa``: grouped-query attention in either layout, under the kernel's counters;
-- the kernel explorer (``kernel_state`` + ``kernel_explorer``): lengths you type (``L_q:L_k`` for a chunk), tile
-  sizes, causal, a bug;
-- the checkers of exercises 07.1-07.3.
+The kernel is the engine's (``ops.triton_varlen``), its predictions ``ops.tiling``'s and its one-line bugs the engine's
+named faults (``faults.kernel``). Here: the lesson's kernel runs (``kernel_qkv``, ``run_kernel``, ``run_gqa``), the
+launch picture program by program, the online-softmax replay, the kernel's code cut for display, what the compiler
+made of it, the kernel explorer, and the checkers of exercises 07.1-07.3.
 
 Taught in notebooks/07_inside_the_kernel.ipynb.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
+import json
+import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +27,10 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from .. import faults
 from ..core.attention import attention_ref
+from ..faults import kernel as kernel_faults
+from ..measure.machines import H200
 from ..measure.profile import random_qkv
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..ops import tiling
@@ -56,8 +42,6 @@ from .figures import ARTICLE_LENS, register
 from .grading import grade, int_tuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-KERNEL_FILE = ROOT / "lessons_lib" / "ops" / "triton_varlen.py"
-KERNEL_NAME = "_varlen_fwd_kernel"
 TILE_SIZES = (16, 32, 64, 128)
 
 
@@ -66,10 +50,9 @@ TILE_SIZES = (16, 32, 64, 128)
 @functools.cache
 def _load():
     try:
-        from ..ops import triton_varlen
-    except Exception as exc:  # ImportError without Triton (macOS, Windows), or Triton imported too early
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}"
-    return triton_varlen, None
+        return kernel_faults.kernel_module(), None
+    except RuntimeError as exc:
+        return None, str(exc)
 
 
 def kernel_module():
@@ -79,20 +62,16 @@ def kernel_module():
 
 def kernel_missing() -> str | None:
     """None where the kernel runs; else one sentence saying why not."""
-    mod, why = _load()
-    if mod is not None:
-        return None
-    return ("the Triton kernel does not run here: Triton publishes Linux wheels only (and needs an NVIDIA GPU "
-            f"or its CPU interpreter); the import said {why}. The pictures and predictions below still run.")
+    why = _load()[1]
+    return None if why is None else (f"{why}: Triton publishes Linux wheels only (and needs an NVIDIA GPU or its CPU "
+                                     "interpreter). The pictures and predictions below still run.")
 
 
-# Where the kernel runs: the GPU when there is one (Triton compiles it), else the CPU (its interpreter).
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def kernel_dtype(device) -> torch.dtype:
-    """The dtype the lesson runs the kernel in on ``device``: bfloat16 on CUDA (the compiled kernel takes fp16 /
-    bf16 only, as FlashAttention), float32 elsewhere (Triton's CPU interpreter)."""
+    """bfloat16 on CUDA (the compiled kernel takes fp16 / bf16 only), float32 elsewhere (Triton's CPU interpreter)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
@@ -102,7 +81,7 @@ KERNEL_DTYPE = kernel_dtype(KERNEL_DEVICE)
 def kernel_qkv(seq_lens: Sequence[int], n_heads: int, d_head: int, *, seq_lens_k: Sequence[int] | None = None,
                seed: int = 0, device=None) -> tuple:
     """``random_qkv`` on ``device`` (default ``KERNEL_DEVICE``) in ``kernel_dtype(device)``: q, k, v ``[T, H, D]`` and
-    int32 cu_seqlens (five values with ``seq_lens_k``), the inputs of every kernel run of the lesson."""
+    int32 cu_seqlens (five values with ``seq_lens_k``)."""
     device = KERNEL_DEVICE if device is None else device
     return random_qkv(list(seq_lens), n_heads, d_head, seq_lens_k=None if seq_lens_k is None else list(seq_lens_k),
                       seed=seed, device=device, dtype=kernel_dtype(device))
@@ -114,8 +93,8 @@ def kernel_refs(q, k, v, cu_q, cu_k=None, *, causal=True) -> tuple:
 
 
 def run_kernel(q, k, v, cu_q, cu_k=None, *, causal=True, block_m=64, block_n=64):
-    """``triton_varlen_attention`` under ``count_work`` on ``KERNEL_DEVICE`` (inputs moved there, dtype kept: build
-    them with ``kernel_qkv``): ``(out [T_q, H, D] in q's dtype on q's device, WorkCounts)``."""
+    """``triton_varlen_attention`` under ``count_work`` on ``KERNEL_DEVICE``: ``(out [T_q, H, D] in q's dtype on q's
+    device, WorkCounts)``."""
     tv = kernel_module()
     if tv is None:
         raise RuntimeError(kernel_missing())
@@ -125,11 +104,16 @@ def run_kernel(q, k, v, cu_q, cu_k=None, *, causal=True, block_m=64, block_n=64)
     return out.to(q.device), counts
 
 
+def counters_text(w: WorkCounts) -> str:
+    """A launch's counters on one line (``masked_tiles`` included, which ``==`` on ``WorkCounts`` leaves out)."""
+    return (f"{w.programs} programs, {w.early_exits} exits, {w.tiles} tiles, {w.tiles_skipped} skipped, "
+            f"{w.cells:,} cells, {w.masked_tiles} masked")
+
+
 # ---- the launch grid, program by program ---------------------------------------------------------------
 
-# Cell codes of the launch picture. The colours keep the palette's meanings: blue useful attention work,
-# vermillion computed then thrown away, white never computed; a program that returned at once did
-# nothing either, so it is white too, told apart by an ink hatch (``RETURNED_HATCH``).
+# Cell codes of the launch picture: blue useful, vermillion computed then thrown away, white never computed; a
+# program that returned at once is white too, hatched in ink.
 SKIPPED, USEFUL, WASTED, RETURNED = 0, 1, 2, 3
 CODE_COLORS = {SKIPPED: NEVER, USEFUL: ATTENTION, WASTED: WASTE, RETURNED: NEVER}
 RETURNED_HATCH = "///"
@@ -137,35 +121,33 @@ CODE_LABELS = {USEFUL: "computed, useful", WASTED: "computed, thrown away (maske
                SKIPPED: "key tile skipped (above the diagonal)", RETURNED: "program returned at once"}
 
 
-def program_cells(len_q: int, len_k: int, grid_m: int, block_m: int, block_n: int, causal: bool,
-                  measured: Sequence[int] | None = None) -> np.ndarray:
-    """One request's programs as a ``[grid_m · block_m, key_tiles · block_n]`` picture of codes.
+def program_tiles(lens_q: Sequence[int], lens_k: Sequence[int], *, block_m: int, block_n: int, causal: bool,
+                  measured: Sequence[int] | None = None, n_heads: int = 1) -> list[list[int]]:
+    """Key tiles of each program of head 0, per request, per query tile (-1: returned at once): from ``measured`` (a
+    launch's ``WorkCounts.program_tiles[0]`` over ``n_heads`` heads) or predicted by ``tiling.key_tiles``."""
+    grid_m = cdiv(max(lens_q, default=0), block_m)
+    if measured is not None:
+        return [[int(t) for t in measured[grid_m * n_heads * r:grid_m * (n_heads * r + 1)]] for r in range(len(lens_q))]
+    return [[-1 if m * block_m >= nq else key_tiles(nq, nk, m * block_m, block_m, block_n, causal)[0]
+             for m in range(grid_m)] for nq, nk in zip(lens_q, lens_k)]
 
-    Row band m is program (m, h, r) of every head h: RETURNED where its tile starts at or past the
-    request's end; else each key tile it computes (``tiling.key_tiles``) is USEFUL where the cell
-    is a real (query, key) pair the causal mask keeps and WASTED elsewhere in the tile, and the key
-    tiles it skips are SKIPPED. Counting codes gives the kernel's counters: see ``table_totals``.
 
-    ``measured``: the kernel's own key tiles per program of this request (``WorkCounts.program_tiles``, -1 for
-    a program that returned): the bands are then drawn from what the kernel did, not from ``key_tiles``.
-    """
+def program_cells(len_q: int, len_k: int, tiles: Sequence[int], block_m: int, block_n: int, causal: bool) -> np.ndarray:
+    """One request's programs (``tiles``: each one's key tiles, -1 returned) as a ``[len(tiles) · block_m,
+    key_tiles · block_n]`` picture of codes: each computed key tile USEFUL where the cell is a real (query, key) pair
+    the mask keeps, WASTED elsewhere; key tiles not computed SKIPPED; a returned program's band RETURNED."""
     nq, nk = check_int("len_q", len_q, 0), check_int("len_k", len_k, 0)
     width = max(1, cdiv(nk, block_n)) * block_n
-    pic = np.full((grid_m * block_m, width), SKIPPED, dtype=np.uint8)
-    rows, cols = np.arange(block_m)[:, None], np.arange(width)[None, :]
-    for m in range(grid_m):
+    pic = np.full((len(tiles) * block_m, width), SKIPPED, dtype=np.uint8)
+    cols = np.arange(width)[None, :]
+    for m, computed in enumerate(tiles):
         band = pic[m * block_m:(m + 1) * block_m]
-        start = m * block_m
-        if (measured is None and start >= nq) or (measured is not None and measured[m] < 0):
+        if computed < 0:
             band[:] = RETURNED
             continue
-        computed = key_tiles(nq, nk, start, block_m, block_n, causal)[0] if measured is None else int(measured[m])
-        r = start + rows
-        keep = (r < nq) & (cols < nk)
-        if causal:
-            keep &= cols <= r + nk - nq
-        in_tiles = cols < computed * block_n
-        band[:] = np.where(in_tiles, np.where(keep, USEFUL, WASTED), SKIPPED)
+        rows = m * block_m + np.arange(block_m)[:, None]
+        keep = (rows < nq) & (cols < nk) & ((cols <= rows + nk - nq) if causal else True)
+        band[:] = np.where(cols < computed * block_n, np.where(keep, USEFUL, WASTED), SKIPPED)
     return pic
 
 
@@ -175,37 +157,30 @@ class Program:
 
     request: int
     m_block: int
-    status: str         # "returned" (at once), "computed" (every computed cell useful) or "partly masked"
+    status: str         # "returned" (at once), "computed" (every computed cell useful), "partly masked", "past the end"
     tiles: int          # key tiles computed
     skipped: int        # key tiles skipped above the diagonal
     cells: int          # computed cells inside the request's [L_q x L_k] block (the kernel's "cells")
 
 
 def program_table(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = None, *, block_m: int, block_n: int,
-                  causal: bool, program_tiles: Sequence[int] | None = None, n_heads: int = 1) -> list[Program]:
-    """Every program of one head, request by request, query tile by query tile: predicted by ``key_tiles``, or,
-    with ``program_tiles`` (a launch's ``WorkCounts.program_tiles``), what head 0's programs measured."""
+                  causal: bool, measured: Sequence[int] | None = None, n_heads: int = 1) -> list[Program]:
+    """Every program of head 0, request by request, query tile by query tile, read from its ``program_cells``
+    band (``measured``: a launch's ``WorkCounts.program_tiles[0]``; None: predicted)."""
     lq = check_lengths(seqlens_q, minimum=0, name="seqlens_q")
     lk = lq if seqlens_k is None else check_lengths(seqlens_k, minimum=0, name="seqlens_k")
-    grid_m = cdiv(max(lq, default=0), block_m)
     table = []
-    for r, (nq, nk) in enumerate(zip(lq, lk)):
-        mine = None if program_tiles is None else program_tiles[grid_m * n_heads * r:grid_m * (n_heads * r + 1)]
-        pic = program_cells(nq, nk, grid_m, block_m, block_n, causal, mine)
-        for m in range(grid_m):
-            band = pic[m * block_m:(m + 1) * block_m]
-            if band[0, 0] == RETURNED:
+    for r, (nq, nk, tiles) in enumerate(zip(lq, lk, program_tiles(lq, lk, block_m=block_m, block_n=block_n,
+                                                                    causal=causal, measured=measured, n_heads=n_heads))):
+        pic = program_cells(nq, nk, tiles, block_m, block_n, causal)
+        for m, computed in enumerate(tiles):
+            if computed < 0:
                 table.append(Program(r, m, "returned", 0, 0, 0))
                 continue
-            tiles, skipped = key_tiles(nq, nk, m * block_m, block_m, block_n, causal)
-            if mine is not None:
-                tiles, skipped = int(mine[m]), cdiv(nk, block_n) - int(mine[m])
-            rows = max(0, min(block_m, nq - m * block_m))
-            inside = band[:rows, :nk]
-            cells = int(((inside == USEFUL) | (inside == WASTED)).sum())
-            status = ("past the end" if m * block_m >= nq else "partly masked" if (band == WASTED).any()
-                      else "computed")
-            table.append(Program(r, m, status, tiles, skipped, cells))
+            band = pic[m * block_m:(m + 1) * block_m]
+            inside = band[:max(0, min(block_m, nq - m * block_m)), :nk]
+            status = ("past the end" if m * block_m >= nq else "partly masked" if (band == WASTED).any() else "computed")
+            table.append(Program(r, m, status, computed, cdiv(nk, block_n) - computed, int((inside != SKIPPED).sum())))
     return table
 
 
@@ -219,73 +194,60 @@ def table_totals(table: Sequence[Program], n_heads: int, block_m: int, block_n: 
 
 def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = None, *, block_m: int, block_n: int,
                    causal: bool, n_heads: int = 1, title: str | None = None, measured: WorkCounts | None = None,
-                   figsize=None, program_tiles: Sequence[int] | None = None,
-                   names: Sequence[str] | None = None) -> Figure:
-    """The launch grid of one head: a panel per request (its programs stacked as row bands), cells
-    coloured by ``program_cells``; the request's own ``[L_q x L_k]`` block framed in black.
-
-    The footer gives the grid and the totals of the picture; with ``measured`` (the kernel's own
-    counters) it says whether they agree. With ``program_tiles`` (``measured.program_tiles[0]``) the bands are
-    drawn from the kernel's own per-program tile counts, head 0, and the footer compares them with the prediction.
-    """
+                   figsize=None, names: Sequence[str] | None = None) -> Figure:
+    """The launch grid of one head: a panel per request, its programs stacked as row bands coloured by
+    ``program_cells``, the request's ``[L_q x L_k]`` block framed. With ``measured`` (the kernel's counters) the
+    bands are drawn from its own per-program key tiles and the footer compares the totals with the prediction."""
     lq = check_lengths(seqlens_q, minimum=0, name="seqlens_q")
     lk = lq if seqlens_k is None else check_lengths(seqlens_k, minimum=0, name="seqlens_k")
+    own = None if measured is None else measured.program_tiles[0]
+    tiles = program_tiles(lq, lk, block_m=block_m, block_n=block_n, causal=causal, measured=own, n_heads=n_heads)
     grid_m = cdiv(max(lq, default=0), block_m)
     widths = [max(1, cdiv(n, block_n)) for n in lk]
     fig = Figure(figsize=figsize or (min(2.0 + 1.6 * sum(widths) ** 0.8 + 0.9 * len(lq), 11.0), 4.3))
     axes = np.atleast_1d(fig.subplots(1, len(lq), gridspec_kw={"width_ratios": widths}))
     cmap = ListedColormap([CODE_COLORS[c] for c in (SKIPPED, USEFUL, WASTED, RETURNED)])
-    table = program_table(lq, lk, block_m=block_m, block_n=block_n, causal=causal, program_tiles=program_tiles,
-                          n_heads=n_heads)
-    pics = [program_cells(nq, nk, grid_m, block_m, block_n, causal, None if program_tiles is None else
-                          program_tiles[grid_m * n_heads * r:grid_m * (n_heads * r + 1)])
-            for r, (nq, nk) in enumerate(zip(lq, lk))]
-    for r, (ax, nq, nk) in enumerate(zip(axes, lq, lk)):
-        pic = pics[r]
+    pics = [program_cells(nq, nk, t, block_m, block_n, causal) for nq, nk, t in zip(lq, lk, tiles)]
+    for r, (ax, nq, nk, pic) in enumerate(zip(axes, lq, lk, pics)):
         h, w = pic.shape
         ax.imshow(pic, cmap=cmap, vmin=0, vmax=3, interpolation="nearest", extent=(0, w, h, 0), aspect="auto")
         for y in range(0, h + 1, block_m):
             ax.axhline(y, color=TEXT, linewidth=0.8)
         for x in range(0, w + 1, block_n):
             ax.axvline(x, color=TEXT, linewidth=0.6, linestyle=":")
-        for m in range(grid_m):  # a program that returned at once: white, hatched in ink
-            if pic[m * block_m, 0] == RETURNED:
+        for m in range(grid_m):
+            if tiles[r][m] < 0:
                 ax.add_patch(Rectangle((0, m * block_m), w, block_m, facecolor=NEVER, edgecolor=TEXT, linewidth=0,
                                        hatch=RETURNED_HATCH, gid=f"returned-{r}-{m}"))
         ax.add_patch(Rectangle((0, 0), nk, nq, fill=False, edgecolor=TEXT, linewidth=1.0, gid=f"request-{r}"))
-        ax.set_yticks([(m + 0.5) * block_m for m in range(grid_m)], [f"m={m}" for m in range(grid_m)] if r == 0 else
-                      [""] * grid_m)
+        ax.set_yticks([(m + 0.5) * block_m for m in range(grid_m)],
+                      [f"m={m}" for m in range(grid_m)] if r == 0 else [""] * grid_m)
         ax.set_xticks([])
-        mine = [p for p in table if p.request == r]
-        busy = sum(p.status != "returned" for p in mine)
+        busy = sum(t >= 0 for t in tiles[r])
         name = request_name(r) if names is None else names[r]
-        ax.set_title(f"{name}: {nq} tokens\n{busy} work, {len(mine) - busy} return", fontsize=MIN_FONT)
-        ax.set_xlabel(f"{nk} keys: {w // block_n} key tile{'s' if w > block_n else ''} of {block_n}",
-                      fontsize=MIN_FONT)
+        ax.set_title(f"{name}: {nq} tokens\n{busy} work, {grid_m - busy} return", fontsize=MIN_FONT)
+        ax.set_xlabel(f"{nk} keys: {w // block_n} key tile{'s' if w > block_n else ''} of {block_n}", fontsize=MIN_FONT)
         ax.tick_params(labelsize=MIN_FONT, length=0)
     axes[0].set_ylabel(f"query tile m ({block_m} rows each)", fontsize=MIN_FONT)
-    total = table_totals(table, n_heads, block_m, block_n)
+    total = table_totals(program_table(lq, lk, block_m=block_m, block_n=block_n, causal=causal, measured=own,
+                                       n_heads=n_heads), n_heads, block_m, block_n)
     useful = n_heads * sum(int((pic == USEFUL).sum()) for pic in pics)
     foot = (f"grid ({grid_m}, {n_heads}, {len(lq)}) = {total.programs} programs: {total.early_exits} return at once | "
             f"{total.tiles} tiles computed, {total.tiles_skipped} skipped\n"
             f"{total.executed_cells} executed cells: {useful} useful (blue); the kernel's cells counter, "
             f"in-bounds (masked ones included): {total.cells}")
-    if program_tiles is not None:
+    if measured is not None:
         pred = tiling.predict_work(lq, lk, n_heads=n_heads, block_m=block_m, block_n=block_n, causal=causal)
         foot = ("drawn from the kernel's own per-program key tiles (head 0) | " + foot + "\nprediction: "
                 + ("the same" if pred == total else f"DIFFER: {pred.tiles} tiles, {pred.cells} cells predicted"))
-    elif measured is not None:
-        foot = "predicted (tiling.key_tiles) | " + foot
-        foot += " | kernel's counters: " + ("the same" if measured == total else f"DIFFER {measured.as_dict()}")
     fig.legend(handles=[Patch(facecolor=CODE_COLORS[c], edgecolor=TEXT, linewidth=0.6, label=CODE_LABELS[c],
                               hatch=RETURNED_HATCH if c == RETURNED else None)
                         for c in (USEFUL, WASTED, SKIPPED, RETURNED)], loc="lower center", ncol=2, fontsize=MIN_FONT,
                frameon=False)
     fig.text(0.5, 0.14, foot, ha="center", fontsize=MIN_FONT, color=TEXT)
-    kind = "causal" if causal else "non-causal"
-    what = "measured by the kernel" if program_tiles is not None else "predicted"
-    fig.suptitle(title or f"one launch ({what}), {kind}, BLOCK_M = {block_m}, BLOCK_N = {block_n}: each band is one "
-                 f"program (query tile m, head, request)", fontsize=MIN_FONT + 1)
+    what = "measured by the kernel" if measured is not None else "predicted"
+    fig.suptitle(title or f"one launch ({what}), {'causal' if causal else 'non-causal'}, BLOCK_M = {block_m}, "
+                 f"BLOCK_N = {block_n}: each band is one program (query tile m, head, request)", fontsize=MIN_FONT + 1)
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.3, top=0.8, wspace=0.15)
     return fig
 
@@ -294,8 +256,8 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
 
 @dataclass(frozen=True)
 class SoftmaxStep:
-    """After key tile ``tile``: the running max ``m``, sum ``l``, and how far ``acc / l`` is from the
-    exact softmax-weighted sum over the keys seen so far."""
+    """After key tile ``tile``: the running max ``m``, sum ``l_sum``, and how far ``acc / l`` is from the exact
+    softmax-weighted sum over the keys seen so far."""
 
     tile: int
     keys_seen: int
@@ -307,73 +269,46 @@ class SoftmaxStep:
 
 def online_softmax(scores: torch.Tensor, values: torch.Tensor, block_n: int, rescale: bool = True
                    ) -> tuple[torch.Tensor, list[SoftmaxStep]]:
-    """One query row's ``softmax(scores) @ values`` the way the kernel computes it: keys ``block_n`` at
-    a time, keeping a running max ``m``, a running sum ``l_sum`` of ``exp(s - m)`` and ``acc`` = Σ
-    ``exp(s - m) · v``; when the max grows both are multiplied by ``alpha = exp(m_old - m_new)``.
-    ``rescale=False`` forgets that multiplication for ``l`` (the bug of ``KERNEL_BUGS["sum not rescaled"]``).
-
-    ``scores [n]``, ``values [n, d]``, any float dtype (computed in it). Returns the final output and
-    one ``SoftmaxStep`` per tile (errors against the exact answer, in float64).
-    """
-    n = scores.shape[0]
+    """One query row's ``softmax(scores) @ values`` the kernel's way, ``block_n`` keys at a time (running max,
+    running sum, ``acc``; ``rescale=False``: the sum not rescaled when the max grows, the fault
+    ``kernel_sum_not_rescaled``). ``scores [n]``, ``values [n, d]``, computed in their dtype. Returns the output and
+    one ``SoftmaxStep`` per tile (errors in float64)."""
     check_int("block_n", block_n, 1)
     m = torch.tensor(float("-inf"), dtype=scores.dtype)
     l_sum = torch.zeros((), dtype=scores.dtype)
     acc = torch.zeros(values.shape[1], dtype=scores.dtype)
     steps = []
-    for t, start in enumerate(range(0, n, block_n)):
+    for t, start in enumerate(range(0, scores.shape[0], block_n)):
         s, v = scores[start:start + block_n], values[start:start + block_n]
         m_new = torch.maximum(m, s.max())
-        p = torch.exp(s - m_new)
-        alpha = torch.exp(m - m_new)
+        p, alpha = torch.exp(s - m_new), torch.exp(m - m_new)
         l_sum = (l_sum * alpha if rescale else l_sum) + p.sum()
         acc = acc * alpha + p @ v
-        grew = bool(m_new > m) and t > 0
-        m = m_new
-        seen = min(n, start + block_n)
+        grew, m = bool(m_new > m) and t > 0, m_new
+        seen = min(scores.shape[0], start + block_n)
         exact = torch.softmax(scores[:seen].double(), 0) @ values[:seen].double()
         steps.append(SoftmaxStep(t, seen, float(m), float(l_sum), grew, max_abs_diff(acc / l_sum, exact)))
     return acc / l_sum, steps
 
 
-def growing_max_row(scores: torch.Tensor, block_n: int) -> int:
-    """The query row (of ``scores [n_q, n_k]``) whose running max grows in the most key tiles after the
-    first (ties: the lowest row): the row where forgetting the rescale shows most."""
-    best, best_row = -1, 0
-    for i in range(scores.shape[0]):
-        tile_max = torch.stack([scores[i, s:s + block_n].max() for s in range(0, scores.shape[1], block_n)])
-        grew = int((tile_max[1:] > torch.cummax(tile_max, 0).values[:-1]).sum())
-        if grew > best:
-            best, best_row = grew, i
-    return best_row
+def max_growths(scores: torch.Tensor, block_n: int) -> list[int]:
+    """Per query row of ``scores [n_q, n_k]``: in how many key tiles after the first its running max grows."""
+    tile_max = torch.stack([scores[:, s:s + block_n].max(1).values for s in range(0, scores.shape[1], block_n)], 1)
+    return (tile_max[:, 1:] > torch.cummax(tile_max, 1).values[:, :-1]).sum(1).tolist()
 
 
 def softmax_example(n_keys: int = 64, d_head: int = 16, seed: int = 3):
-    """The lesson's example: one request of ``n_keys`` tokens, one head (``random_qkv``), its scores
-    ``q k^T / sqrt(d)`` and the row whose max grows most often (the picture's row; the claim's rule is checked on
-    every row, ``online_softmax_rows``). Returns ``q, k, v, cu, row, scores``."""
+    """One request of ``n_keys`` tokens, one head (``random_qkv``), its scores ``q k^T / sqrt(d)`` and the row whose
+    max grows in the most key tiles of 16 (ties: the lowest). Returns ``q, k, v, cu, row, scores``."""
     q, k, v, cu = random_qkv([n_keys], n_heads=1, d_head=d_head, seed=seed)
     scores = (q[:, 0] @ k[:, 0].T) / d_head ** 0.5
-    return q, k, v, cu, growing_max_row(scores, 16), scores
-
-
-def online_softmax_rows(scores: torch.Tensor, values: torch.Tensor, block_n: int) -> list[tuple[int, float, float]]:
-    """Every query row of ``scores [n_q, n_k]`` replayed by ``online_softmax`` in float64, with and without the
-    rescale: ``(key tiles after the first where its running max grew, |error| with, |error| without)``, the errors
-    after the last tile against the softmax over all the row's keys."""
-    vals, out = values.double(), []
-    for row in scores.double():
-        exact = torch.softmax(row, 0) @ vals
-        good, steps = online_softmax(row, vals, block_n, rescale=True)
-        bad, _ = online_softmax(row, vals, block_n, rescale=False)
-        out.append((sum(st.max_grew for st in steps), max_abs_diff(good, exact), max_abs_diff(bad, exact)))
-    return out
+    growths = max_growths(scores, 16)
+    return q, k, v, cu, growths.index(max(growths)), scores
 
 
 def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block_n: int) -> Figure:
-    """Left: one query's scores against its keys, the key tiles shaded, the running max ``m`` as a step.
-    Right: after each tile, how far the running output is from the exact softmax over the keys
-    seen so far, with the rescale (the kernel) and without it (the bug)."""
+    """Left: one query's scores, the key tiles, the running max as a step. Right: after each tile, the error of the
+    running output against the softmax over the keys seen so far, with the rescale and without."""
     scores_row, values = scores_row.double(), values.double()
     _, good = online_softmax(scores_row, values, block_n, rescale=True)
     _, bad = online_softmax(scores_row, values, block_n, rescale=False)
@@ -382,14 +317,14 @@ def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.5, 1]})
     top, bottom = float(scores_row.max()), float(scores_row.min())
     for t, start in enumerate(range(0, n, block_n)):
-        if t:  # the boundary between two key tiles
+        if t:
             left.axvline(start - 0.5, color=TEXT, linewidth=0.8, linestyle=":")
         left.text(start + block_n / 2 - 0.5, top + 1.9, f"tile {t}", ha="center", fontsize=MIN_FONT, color=TEXT)
     left.plot(range(n), scores_row.tolist(), "o", color=ATTENTION, markersize=3.5, label="score s_j of key j")
     xs = [x for st in good for x in (st.tile * block_n - 0.5, st.keys_seen - 0.5)]
-    ys = [st.m for st in good for _ in (0, 1)]
-    left.plot(xs, ys, "-", color=TEXT, linewidth=1.6, label="running max m after each tile")
-    for st in good:  # above every score and the step line, under the tile's name
+    left.plot(xs, [st.m for st in good for _ in (0, 1)], "-", color=TEXT, linewidth=1.6,
+              label="running max m after each tile")
+    for st in good:
         if st.max_grew:
             left.text(st.tile * block_n + block_n / 2 - 0.5, top + 0.35, "max grows:\nrescale", fontsize=MIN_FONT,
                       color=TEXT, ha="center", va="bottom")
@@ -400,16 +335,16 @@ def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block
     left.set_title("the kernel sees the keys one tile at a time", fontsize=MIN_FONT + 1)
     floor = 1e-17
     tiles = [st.tile for st in good]
-    # errors are not work: both curves in ink, told apart by marker and line style (the colours keep their meanings)
+    # errors are not work: both curves in ink, told apart by marker and line style
     right.plot(tiles, [max(st.error, floor) for st in good], "o-", color=TEXT, label="with the rescale (the kernel)")
     right.plot(tiles, [max(st.error, floor) for st in bad], "s--", color=TEXT, markerfacecolor="white",
                label="sum l not rescaled (the bug)")
     right.set_yscale("log")
-    right.set_ylim(floor / 3, 1e6)                       # room above both curves for the legend
+    right.set_ylim(floor / 3, 1e6)
     right.set_xticks(tiles, [f"after\ntile {t}" for t in tiles])
     right.set_xlim(-0.4, tiles[-1] + 0.4)
     right.set_ylabel("max |acc / l - softmax so far|", fontsize=MIN_FONT)
-    right.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")   # above both lines (errors stay below 10)
+    right.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
     right.set_title("error of acc / l after each key tile vs the\nsoftmax over the keys seen so far (float64)",
                     fontsize=MIN_FONT + 1)
     for ax in (left, right):
@@ -418,66 +353,37 @@ def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block
     return fig
 
 
-# ---- the kernel's code, and the kernel with one line changed ---------------------------------------------
+# ---- the kernel's code, and its one-line bugs ---------------------------------------------------------------
 
-def kernel_source(start: str | None = None, stop: str | None = None, name: str = KERNEL_NAME) -> tuple[str, str]:
-    """``(heading, code)`` of a function of the kernel's file (default: the kernel itself, with its
-    ``@triton.jit``) as it is in the file, readable without Triton; ``start``/``stop`` cut it as
-    ``course.source.source_text`` does: from the first line containing ``start`` up to (not
-    including) the first later line containing ``stop``."""
-    lines = KERNEL_FILE.read_text().splitlines()
-    first = next((i for i, line in enumerate(lines) if line.startswith(f"def {name}(")), None)
-    if first is None:
-        raise ValueError(f"no function {name!r} in {KERNEL_FILE.name}")
-    while first > 0 and lines[first - 1].startswith("@"):
-        first -= 1
-    end = next((i for i in range(first + 2, len(lines)) if lines[i] and not lines[i][0].isspace()
-                and not lines[i].startswith(")")), len(lines))
-    body = lines[first:end]
-    while body and not body[-1].strip():
-        body.pop()
+def kernel_source(start: str | None = None, stop: str | None = None) -> tuple[str, str]:
+    """``(heading, code)`` of the kernel as it is in its file (``faults.kernel.kernel_source``), cut from the first
+    line containing ``start`` up to (not including) the first later line containing ``stop``."""
+    body = kernel_faults.kernel_source().rstrip().splitlines()
+    first = kernel_faults.KERNEL_FILE.read_text().splitlines().index(body[0])
     lo = next((i for i, line in enumerate(body) if start in line), None) if start else 0
     if lo is None:
-        raise ValueError(f"{start!r} is not in the source of {name}")
+        raise ValueError(f"{start!r} is not in the kernel's source")
     hi = next((i for i in range(lo + 1, len(body)) if stop in body[i]), len(body)) if stop else len(body)
-    where = KERNEL_FILE.relative_to(ROOT)
-    return f"{where}, lines {first + lo + 1}-{first + hi}: {name}", "\n".join(body[lo:hi])
+    where = kernel_faults.KERNEL_FILE.relative_to(ROOT)
+    return f"{where}, lines {first + lo + 1}-{first + hi}: {kernel_faults.KERNEL_NAME}", "\n".join(body[lo:hi])
 
 
-def show_kernel(start: str | None = None, stop: str | None = None, name: str = KERNEL_NAME):
-    """Display (part of) the kernel's code (or of another function of its file) as a Markdown code block."""
+def show_kernel(start: str | None = None, stop: str | None = None):
+    """Display (part of) the kernel's code as a Markdown code block."""
     from IPython.display import Markdown
-    heading, code = kernel_source(start, stop, name)
+    heading, code = kernel_source(start, stop)
     return Markdown(f"`{heading}`\n\n```python\n{code}\n```")
 
 
-def _code(line: str) -> str:
-    return line.split("#", 1)[0].strip()
-
-
-# Each bug: (the kernel's line, as code without its comment) -> (what it becomes). The lesson breaks the
-# kernel with these in its break-it cells, tests/breakages_l07.py with the same entries.
-KERNEL_BUGS: dict[str, tuple[str, str]] = {
-    "no early return": ("return", "pass"),
-    "causal bound one tile late": (
-        "hi = tl.minimum(len_k, tl.minimum((m_block + 1) * BLOCK_M, len_q) + len_k - len_q)",
-        "hi = tl.minimum(len_k, tl.minimum((m_block + 1) * BLOCK_M, len_q) + len_k - len_q + BLOCK_N)"),
-    "sum not rescaled": ("l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)"),
-    "columns past the end kept": ("allowed = col_ok[None, :]", "allowed = cols[None, :] >= 0"),
-    "every key tile masked": ("lo = lo // BLOCK_N * BLOCK_N", "lo = 0"),
-    "diagonal tile unmasked": ("lo = lo // BLOCK_N * BLOCK_N", "lo = hi"),
-    "causal diagonal top-left": ("allowed = allowed & (cols[None, :] <= tok[:, None] + (len_k - len_q))",
-                                 "allowed = allowed & (cols[None, :] <= tok[:, None])"),
-}
+# The engine's kernel faults, in the lesson's order, and what each does on K2's mix (prefill: L_k = L_q):
+# (the counters that move, whether the output leaves the tolerance). The break-it cell checks the table.
+BUG_EFFECTS = {"kernel_no_early_return": ("tiles, masked_tiles", "no"),
+               "kernel_causal_bound_one_tile_late": ("tiles, tiles_skipped, cells, masked_tiles", "no"),
+               "kernel_sum_not_rescaled": ("none", "yes"), "kernel_columns_past_end_kept": ("none", "yes"),
+               "kernel_every_key_tile_masked": ("masked_tiles", "no"), "kernel_diagonal_tile_unmasked": ("masked_tiles", "yes"),
+               "kernel_causal_diagonal_top_left": ("none", "no")}
+KERNEL_BUGS = tuple(BUG_EFFECTS)
 BUG_COUNTERS = ("early_exits", "tiles", "tiles_skipped", "cells", "masked_tiles")   # what the break-it cell compares
-
-
-# What each bug does on K2's mix (prefill: L_k = L_q): (the counters that move, whether the output leaves the tolerance).
-BUG_EFFECTS = {"no early return": ("tiles, masked_tiles", "no"),
-               "causal bound one tile late": ("tiles, tiles_skipped, cells, masked_tiles", "no"),
-               "sum not rescaled": ("none", "yes"), "columns past the end kept": ("none", "yes"),
-               "every key tile masked": ("masked_tiles", "no"), "diagonal tile unmasked": ("masked_tiles", "yes"),
-               "causal diagonal top-left": ("none", "no")}
 
 
 def guess_report(guess: dict, seen: dict) -> str:
@@ -490,70 +396,11 @@ def guess_report(guess: dict, seen: dict) -> str:
     return "\n".join(lines)
 
 
-def changed_source(old: str, new: str) -> str:
-    """The kernel's source with the one line whose code is ``old`` replaced by ``new`` (its indentation kept)."""
-    _, code = kernel_source()
-    lines = code.splitlines()
-    hits = [i for i, line in enumerate(lines) if _code(line) == old.strip()]
-    if len(hits) != 1:
-        raise ValueError(f"the kernel has {len(hits)} lines whose code is {old!r}; name exactly one")
-    i = hits[0]
-    indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
-    lines[i] = f"{indent}{new.strip()}  # CHANGED, was: {old.strip()}"
-    return "\n".join(lines) + "\n"
-
-
-@functools.cache
-def broken_kernel(old: str, new: str):
-    """The kernel rebuilt from its real source with one line changed: a new ``@triton.jit`` function,
-    imported from a file of its own (Triton reads a kernel's source from its file)."""
-    if kernel_module() is None:
-        raise RuntimeError(kernel_missing())
-    text = "import triton\nimport triton.language as tl\n\n\n" + changed_source(old, new)
-    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
-    path = pathlib.Path(tempfile.mkdtemp(prefix="l07_kernel_")) / f"kernel_{digest}.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location(f"_l07_kernel_{digest}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, KERNEL_NAME)
-
-
-def _bug(name_or_pair) -> tuple[str, str]:
-    if isinstance(name_or_pair, str):
-        if name_or_pair not in KERNEL_BUGS:
-            raise ValueError(f"unknown kernel bug {name_or_pair!r}; choose one of {sorted(KERNEL_BUGS)}")
-        return KERNEL_BUGS[name_or_pair]
-    old, new = name_or_pair
-    return old, new
-
-
-def install(bug) -> None:
-    """Swap the engine's kernel for the broken one for good (the launcher looks it up at call time)."""
-    kernel_module()._varlen_fwd_kernel = broken_kernel(*_bug(bug))
-
-
-@contextmanager
-def kernel_with(bug) -> Iterator[None]:
-    """Inside the block the engine runs the kernel with one line changed: a name of ``KERNEL_BUGS``,
-    or an ``(old line, new line)`` pair of your own. The real kernel is back afterwards."""
-    tv = kernel_module()
-    if tv is None:
-        raise RuntimeError(kernel_missing())
-    real = tv._varlen_fwd_kernel
-    tv._varlen_fwd_kernel = broken_kernel(*_bug(bug))
-    try:
-        yield
-    finally:
-        tv._varlen_fwd_kernel = real
-
-
 # ---- what the compiler made of the loop (native builds, no GPU needed) ---------------------------------------
 
-# The launcher's builds the lesson compiles: sm_80 (A100) and sm_90 (H100, H200), bf16, causal, head dims 64 and 128.
+# The launcher's builds the lesson compiles: sm_80 (A100) and sm_90 (H100, H200), bf16, causal, head dims 64 and 128;
+# and launches it does NOT make on an A100: 64 keys a tile at head dim 128, 4 warps at head dim 64.
 COMPILE_ARCHS, COMPILE_HEAD_DIMS = (80, 90), (64, 128)
-# Launches the launcher does NOT make on an A100, tried beside its own: 64 keys a tile at head dim 128 (its table
-# takes 32), 4 warps at head dim 64 (its table takes 8).
 TRIED_TILES = {80: {128: (128, 64, 8, 3), 64: (128, 64, 4, 3)}}
 
 
@@ -564,9 +411,8 @@ def _compile_report():
 
 @functools.cache
 def compiler_reports() -> tuple[list, list]:
-    """``(launcher's, tried)``: ``ops.compile_report.compile_builds`` of the launcher's bf16 causal per-head builds
-    for ``COMPILE_ARCHS`` x ``COMPILE_HEAD_DIMS``, and of ``TRIED_TILES``' builds (fresh subprocesses, native
-    Triton → PTX → ptxas, no GPU; about 20 s on two CPU cores; cached for the process)."""
+    """``(launcher's, tried)``: ``compile_report.compile_builds`` of the launcher's bf16 causal per-head builds for
+    ``COMPILE_ARCHS`` x ``COMPILE_HEAD_DIMS`` and of ``TRIED_TILES``' (fresh subprocesses, no GPU; cached)."""
     cr = _compile_report()
     mine = [cr.Build(a, "bfloat16", d, True, False) for a in COMPILE_ARCHS for d in COMPILE_HEAD_DIMS]
     tried = [cr.Build(a, "bfloat16", d, True, False) for a, by_d in TRIED_TILES.items() for d in by_d]
@@ -577,8 +423,7 @@ def compiler_reports() -> tuple[list, list]:
 
 
 def compiler_table(reports: Sequence) -> str:
-    """``compile_report.format_table`` with each target's limits beside it: registers of ``MAX_REGISTERS``, shared
-    memory of the target's ``max_shared``, and whether the build fits (no spill, shared memory within the limit)."""
+    """``compile_report.format_table`` with each target's register and shared-memory limits and whether it fits."""
     cr = _compile_report()
     lines = cr.format_table(reports).splitlines()
     head = f"{lines[0]}  {'max regs':>8}  {'max shared':>10}  fits"
@@ -586,54 +431,46 @@ def compiler_table(reports: Sequence) -> str:
                                for line, r in zip(lines[1:], reports)])
 
 
-# The kernel's exponential, and the line an unfolded kernel would have (only compiled, never run: it exponentiates
-# in base e scores already scaled for base 2, so its numbers are wrong; its instructions are what tl.exp costs).
+# The kernel's exponential, and the line an unfolded kernel would have (compiled only, never run).
 EXP_LINE = ("p = tl.exp2(s - m_safe[:, None])", "p = tl.exp(s - m_safe[:, None])")
 LOG2E_PTX = "0f3FB8AA3B"   # log2(e) as a float32 immediate in PTX
+_PTX_PROGRAM = ("import runpy, sys\nfrom lessons_lib.faults.kernel import line_changed\n"
+                "if len(sys.argv) > 1:\n    line_changed(sys.argv[1], sys.argv[2])\n"
+                "runpy.run_module('lessons_lib.ops.compile_report', run_name='__main__')\n")
 
 
 @dataclass(frozen=True)
 class ExpCount:
-    """Instructions of one native build's PTX (the whole kernel, per thread: the key loop holds every exponential)."""
+    """Instructions of one native build's PTX (per thread, the whole kernel)."""
 
     ex2: int          # ex2.approx: the GPU's only exponential instruction (base 2)
     mul_log2e: int    # multiplies by log2(e): what tl.exp adds before each ex2
     mul_f32: int      # all fp32 multiplies
 
 
-@functools.cache
-def exp_instructions(arch: int = 80, head_dim: int = 64) -> dict[str, ExpCount]:
-    """Compile the kernel natively (``python -m lessons_lib.ops.compile_report`` in a fresh process, bf16, causal,
-    per-head) as it is and with ``EXP_LINE`` swapped in, and count in each PTX the ``ex2.approx`` instructions and
-    the fp32 multiplies (by ``log2(e)``, and all). Returns ``{"tl.exp2 (the kernel)": ..., "tl.exp": ...}``."""
-    import json
-    import os
-    import subprocess
-    import sys
-
+def _ptx_counts(arch: int, head_dim: int, line: Sequence[str]) -> ExpCount:
     payload = json.dumps({"builds": [{"arch": arch, "dtype": "bfloat16", "head_dim": head_dim, "causal": True,
                                       "pack_gqa": False}], "tiles": None})
-    program = ("import runpy, sys\nfrom lessons_lib.course import l07_kernel as L\n"
-               "if len(sys.argv) > 1:\n    L.install((sys.argv[1], sys.argv[2]))\n"
-               "runpy.run_module('lessons_lib.ops.compile_report', run_name='__main__')\n")
+    with tempfile.TemporaryDirectory(prefix="l07_ptx_") as cache:
+        env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DUMP_PTXAS_LOG="1", TRITON_ALWAYS_COMPILE="1",
+                   TRITON_CACHE_DIR=cache)
+        done = subprocess.run([sys.executable, "-c", _PTX_PROGRAM, *line], input=payload, text=True,
+                              capture_output=True, env=env, cwd=ROOT, timeout=600)
+        if done.returncode:
+            raise RuntimeError(f"native compile failed:\n{done.stderr[-3000:]}")
+        ptx = "\n".join(p.read_text() for p in pathlib.Path(cache).glob(f"*/{kernel_faults.KERNEL_NAME}.ptx"))
+    code = [line.split() for line in ptx.splitlines() if line.strip() and not line.lstrip().startswith(".")]
+    return ExpCount(sum(op[0].startswith("ex2.") for op in code),
+                    sum(op[0].startswith("mul") and LOG2E_PTX in " ".join(op) for op in code),
+                    sum(op[0].startswith("mul.") and op[0].endswith("f32") for op in code))
 
-    def build(extra: list[str]) -> ExpCount:
-        with tempfile.TemporaryDirectory(prefix="l07_ptx_") as cache:
-            env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DUMP_PTXAS_LOG="1", TRITON_ALWAYS_COMPILE="1",
-                       TRITON_CACHE_DIR=cache)
-            done = subprocess.run([sys.executable, "-c", program, *extra], input=payload, text=True,
-                                  capture_output=True, env=env, cwd=ROOT, timeout=600)
-            if done.returncode:
-                raise RuntimeError(f"native compile failed:\n{done.stderr[-3000:]}")
-            ptx = "\n".join(p.read_text() for p in pathlib.Path(cache).glob(f"*/{KERNEL_NAME}.ptx"))
-        ops = [line.split()[0] for line in ptx.splitlines() if line.strip() and not line.lstrip().startswith(".")]
-        return ExpCount(sum(op.startswith("ex2.") for op in ops),
-                        sum(line.split()[0].startswith("mul") and LOG2E_PTX in line for line in ptx.splitlines()
-                            if line.strip()),
-                        sum(op.startswith("mul.") and op.endswith("f32") for op in ops))
 
+@functools.cache
+def exp_instructions(arch: int = 80, head_dim: int = 64) -> dict[str, ExpCount]:
+    """The kernel compiled natively (bf16, causal, per head, fresh processes) as it is and with ``EXP_LINE`` swapped
+    in (``faults.kernel.line_changed``): ``{"tl.exp2 (the kernel)": ExpCount, "tl.exp": ExpCount}``."""
     with ThreadPoolExecutor(2) as pool:
-        real, unfolded = pool.map(build, ([], list(EXP_LINE)))
+        real, unfolded = pool.map(lambda line: _ptx_counts(arch, head_dim, line), ((), EXP_LINE))
     return {"tl.exp2 (the kernel)": real, "tl.exp": unfolded}
 
 
@@ -641,9 +478,8 @@ def exp_instructions(arch: int = 80, head_dim: int = 64) -> dict[str, ExpCount]:
 
 def reference_lse(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor | None = None, *,
                   causal: bool = True, softmax_scale: float | None = None, dtype=torch.float64) -> torch.Tensor:
-    """``log Σ_j exp(scale · q_i · k_j)`` over the keys row i sees, from the definition, in ``dtype``: ``[H, T_q]``
-    (-inf for a row that sees no key). q ``[T_q, H, D]``, k ``[T_k, H_kv, D]`` (query head h reads K/V head
-    ``h // (H / H_kv)``), causal bottom-right as the kernel; CPU."""
+    """``log Σ_j exp(scale · q_i · k_j)`` over the keys row i sees, from the definition, in ``dtype``: ``[H, T_q]`` on
+    the CPU (-inf for a row that sees no key). q ``[T_q, H, D]``, k ``[T_k, H_kv, D]``, causal bottom-right."""
     cu_k = cu_q if cu_k is None else cu_k
     group = q.shape[1] // k.shape[1]
     q, k = q.detach().cpu().to(dtype), k.detach().cpu().to(dtype).repeat_interleave(group, dim=1)
@@ -660,12 +496,6 @@ def reference_lse(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor, cu_k: to
     return out
 
 
-def counters_text(w: WorkCounts) -> str:
-    """A launch's counters on one line (``masked_tiles`` included, which ``==`` on ``WorkCounts`` leaves out)."""
-    return (f"{w.programs} programs, {w.early_exits} exits, {w.tiles} tiles, {w.tiles_skipped} skipped, "
-            f"{w.cells:,} cells, {w.masked_tiles} masked")
-
-
 # ---- grouped-query attention: the two layouts -------------------------------------------------------------------
 
 GQA_HEADS, GQA_KV_HEADS = 8, 2          # G = 4 query heads per K/V head
@@ -673,23 +503,16 @@ GQA_DECODE = ([1, 1, 4], [100, 40, 64])   # (L_q, L_k): two decode steps and a 4
 GQA_PREFILL = ([64], [64])              # one prefill of whole tiles
 
 
-def gqa_inputs(lens_q: Sequence[int], lens_k: Sequence[int], n_heads: int = GQA_HEADS, n_kv_heads: int = GQA_KV_HEADS,
-               d_head: int = 16, seed: int = 0, device=None):
-    """q ``[T_q, n_heads, d_head]``, k, v ``[T_k, n_kv_heads, d_head]`` (``kernel_qkv``: on ``device``, default
-    ``KERNEL_DEVICE``, in its ``kernel_dtype``), cu_q, cu_k."""
-    q, k, v, cu_q, cu_k = kernel_qkv(lens_q, n_heads, d_head, seq_lens_k=lens_k, seed=seed, device=device)
-    return q, k[:, :n_kv_heads].contiguous(), v[:, :n_kv_heads].contiguous(), cu_q, cu_k
-
-
 def run_gqa(lens_q: Sequence[int], lens_k: Sequence[int], pack_gqa: bool | None, *, block_m: int = 16,
             block_n: int = 16, causal: bool = True) -> dict:
-    """Run the engine's kernel on ``gqa_inputs`` in one layout (``pack_gqa``; None: the launcher's pick) under
-    ``count_work`` and ``count_launches``: ``{"grid", "counts", "predicted", "error", "bound"}`` (error of the
-    output against the float64 reference, bound by the course's tolerance rule)."""
+    """The kernel on ``GQA_HEADS`` query heads of 16 over ``GQA_KV_HEADS`` K/V heads in one layout (None: the
+    launcher's pick) under ``count_work`` and ``count_launches``: ``{"grid", "packed", "counts", "predicted",
+    "error", "bound"}`` (the output's error against float64, and the tolerance rule's bound)."""
     tv = kernel_module()
     if tv is None:
         raise RuntimeError(kernel_missing())
-    q, k, v, cu_q, cu_k = gqa_inputs(lens_q, lens_k)
+    q, k, v, cu_q, cu_k = kernel_qkv(lens_q, GQA_HEADS, 16, seq_lens_k=lens_k)
+    k, v = k[:, :GQA_KV_HEADS].contiguous(), v[:, :GQA_KV_HEADS].contiguous()
     with tv.count_launches() as grids, tv.count_work() as counts:
         out = tv.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, block_m=block_m, block_n=block_n,
                                          pack_gqa=pack_gqa)
@@ -701,18 +524,130 @@ def run_gqa(lens_q: Sequence[int], lens_k: Sequence[int], pack_gqa: bool | None,
             "error": max_abs_diff(out.cpu(), ref64), "bound": tolerance(ref, ref64)}
 
 
+# ---- figures --------------------------------------------------------------------------------------------------
+
+GRID_LENS = [100, 20, 60]
+GRID_NAMES = ("C", "D", "E")   # not the course's A (10 tokens) and B (30)
+
+
+@register("07_launch_grid", lesson="07",
+          caption="one causal launch over requests of 100, 20 and 60 tokens at 32 x 32 tiles: 12 programs, each a band "
+                  "of key tiles computed, partly thrown away, skipped above the diagonal, or returned at once")
+def _launch_grid() -> Figure:
+    fig = launch_picture(GRID_LENS, block_m=32, block_n=32, causal=True, figsize=(9.0, 5.0), names=GRID_NAMES)
+    a = fig.axes[0]  # C's last program: rows 96-127 of its tile, of which only 96-99 exist
+    a.annotate("rows 96-99: C's only\n4 real rows here", xy=(64, 98), xytext=(64, 116), ha="center", va="center",
+               fontsize=MIN_FONT, color=TEXT, arrowprops={"arrowstyle": "->", "color": TEXT},
+               bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": TEXT})
+    return fig
+
+
+@register("07_online_softmax", lesson="07",
+          caption="one query's keys in four tiles of 16: the running max grows, the rescale keeps the running "
+                  "answer exact; without it the sum is wrong")
+def _online_softmax() -> Figure:
+    _, _, v, _, row, scores = softmax_example()
+    return online_softmax_picture(scores[row], v[:, 0], 16)
+
+
+@register("07_short_request_tile", lesson="07",
+          caption="A's 10 tokens in one 64 x 64 tile beside a 250-token request: whole tiles either way")
+def _short_tile() -> Figure:
+    return launch_picture([ARTICLE_LENS[0], 250], block_m=64, block_n=64, causal=False, figsize=(9.0, 4.4), names=("A", "F"),
+                          title="non-causal, 64 x 64 tiles: a 10-token request still executes a whole tile")
+
+
+def is_view_op(name: str) -> bool:
+    """Whether the aten op ``name`` (as ``OpRecorder`` records it) returns a view of an argument (``OpOverload.is_view``),
+    or is ``_unsafe_view`` (a reshape whose schema does not say it aliases): a view launches no kernel."""
+    packet = getattr(torch.ops.aten, name)
+    return name == "_unsafe_view" or getattr(packet, packet.overloads()[0]).is_view
+
+
+def loop_ops(seq_lens: Sequence[int], *, causal: bool = True) -> list[str]:
+    """The ops lesson 03's loop (``varlen_attention(..., backend="loop")``, one head of 16) dispatches for
+    requests of ``seq_lens``, recorded by ``OpRecorder``, views left out: each op left runs on the device
+    (on a GPU a kernel launch, or, ``_local_scalar_dense``, a read back to the host), one after the other."""
+    from ..core.attention import varlen_attention
+    from ..measure.recorder import OpRecorder
+
+    q, k, v, cu = random_qkv(list(seq_lens), n_heads=1, d_head=16, seed=0)
+    with OpRecorder() as rec:
+        varlen_attention(q, k, v, cu, causal=causal, backend="loop")
+    return [op.name for op in rec.ops if not is_view_op(op.name)]
+
+
+def loop_ops_per_request(*, causal: bool = True) -> list[str]:
+    """The ops the loop adds for one more request: those of two requests past those of one (in order)."""
+    one, two = loop_ops([6], causal=causal), loop_ops([6, 13], causal=causal)
+    extra = list(two)
+    for name in one:
+        extra.remove(name)
+    return extra
+
+
+def launches_picture(n_requests: int = 50) -> Figure:
+    """Lesson 03's loop against the kernel, as launches: the loop's ``n_requests`` launches of grid
+    ``(1, 1, 1)``, one after the other, each preceded by the host's launch cost; the kernel's one launch of
+    grid ``tiling.launch_grid(13, 1, n_requests)``, its programs side by side. Schematic: time is not to scale."""
+    grid = tiling.launch_grid(13, 1, n_requests)
+    fig = Figure(figsize=(9.0, 2.9))
+    ax = fig.subplots()
+    cost, work = 1.0, 0.5
+    for i in range(n_requests):
+        x = i * (cost + work)
+        ax.add_patch(Rectangle((x, 1.55), cost, 0.5, facecolor=OTHER, edgecolor="white", linewidth=0.4))
+        ax.add_patch(Rectangle((x + cost, 1.55), work, 0.5, facecolor=ATTENTION, edgecolor="white", linewidth=0.4))
+    ax.add_patch(Rectangle((0, 0.1), cost, 0.5, facecolor=OTHER, edgecolor="white", linewidth=0.4))
+    ax.add_patch(Rectangle((cost, 0.1), work, 0.5, facecolor=ATTENTION, edgecolor="white", linewidth=0.4))
+    # the kernel's programs, zoomed: one small square each, in rows, all running during the same short interval
+    cols, x0, side = 25, 6.0, 0.9
+    rows_n = cdiv(grid[2], cols)
+    h = 0.5 / rows_n
+    for r in range(grid[2]):
+        ax.add_patch(Rectangle((x0 + (r % cols) * side, 0.1 + (r // cols) * h), side * 0.85, h * 0.8,
+                               facecolor=ATTENTION, edgecolor=TEXT, linewidth=0.3))
+    for y in (0.1, 0.6):  # guide lines from the kernel's work bar to its zoom
+        ax.plot([cost + work, x0 - 0.2], [y, y], color=TEXT, linewidth=0.6, linestyle=":")
+    end = n_requests * (cost + work)
+    ax.text(0, 2.2, f"lesson 03's loop as one launch per request: {n_requests} launches, one after the other "
+            f"(the real loop, causal, launches {len(loop_ops_per_request())} kernels each)", fontsize=MIN_FONT, color=TEXT,
+            va="bottom")
+    ax.text(x0 + cols * side + 0.8, 0.35, f"the kernel: 1 launch of grid {grid},\nits {grid[2]} programs side by "
+            "side (zoomed)", fontsize=MIN_FONT, color=TEXT, va="center")
+    ax.set_xlim(-0.5, end + 0.5)
+    ax.set_ylim(-0.35, 2.75)
+    ax.set_yticks([])
+    ax.set_xticks([])
+    ax.set_xlabel("time (schematic, not to scale)", fontsize=MIN_FONT)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    fig.legend(handles=[Patch(facecolor=OTHER, label="a launch (host cost)"),
+                        Patch(facecolor=ATTENTION, label="the programs' work")], loc="upper right", ncol=2,
+               fontsize=MIN_FONT, frameon=False)
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.14, top=0.86)
+    return fig
+
+
+@register("07_fifty_launches", lesson="07",
+          caption="50 requests served one launch per request (each paying the launch cost; lesson 03's causal loop "
+                  "launches 9 kernels per request, loop_ops_per_request) and by the kernel (one launch, 50 programs side "
+                  "by side); schematic")
+def _fifty_launches() -> Figure:
+    return launches_picture(50)
+
+
 # ---- the kernel explorer ----------------------------------------------------------------------------------
 
 MAX_PROGRAMS = 48     # ~10-30 ms each under the interpreter: an update stays well under a second
 EXPLORER_HEADS, EXPLORER_D = 1, 16
-
-
 NO_BUG = "none (the real kernel)"
+COUNTER_FIELDS = ("programs", "early_exits", "tiles", "tiles_skipped", "cells")
 
 
 def parse_query_key_lengths(text: str, max_requests: int = 8, max_length: int = 512) -> tuple[list[int], list[int]]:
-    """``"20:50, 10"`` → ``([20, 10], [50, 10])``: each request ``L`` (a prompt: L queries, L keys) or ``L_q:L_k``
-    (a chunk of L_q queries after ``L_k − L_q`` cached keys; ``L_k >= L_q``), commas or spaces between requests."""
+    """``"20:50, 10"`` → ``([20, 10], [50, 10])``: each request ``L`` (a prompt) or ``L_q:L_k`` (a chunk of L_q
+    queries after ``L_k − L_q`` cached keys; ``L_k >= L_q``), commas or spaces between requests."""
     if not isinstance(text, str):
         raise ValueError(f"lengths must be a string like '10, 30' or '20:50, 10', got {type(text).__name__}")
     items = text.replace(",", " ").split()
@@ -729,82 +664,54 @@ def parse_query_key_lengths(text: str, max_requests: int = 8, max_length: int = 
 
 @functools.lru_cache(maxsize=16)
 def _explorer_inputs(lens_q: tuple, lens_k: tuple, causal: bool):
-    """q, k, v, cu_seqlens_q, cu_seqlens_k for the typed lengths (``kernel_qkv``) and ``kernel_refs``: they do not
-    depend on the tile sizes or the bug, so a slider move reuses them and only the kernel runs again."""
+    """``kernel_qkv`` and ``kernel_refs`` for the typed lengths: a slider move reuses them."""
     q, k, v, cu_q, cu_k = kernel_qkv(lens_q, EXPLORER_HEADS, EXPLORER_D, seq_lens_k=lens_k,
                                      seed=sum(lens_q) + 7 * (sum(lens_k) - sum(lens_q)))
-    ref, ref64 = kernel_refs(q, k, v, cu_q, cu_k, causal=causal)
-    return q, k, v, cu_q, cu_k, ref, ref64
+    return (q, k, v, cu_q, cu_k, *kernel_refs(q, k, v, cu_q, cu_k, causal=causal))
 
 
 def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: bool = True, bug: str = NO_BUG) -> dict:
-    """Run the engine's kernel once on random q, k, v for the typed lengths (one head of 16) and return
-    ``{"seq_lens", "seq_lens_k", "grid", "bug", "measured", "predicted", "table", "error", "bound", "ran", "why",
-    "ms"}``.
-
-    ``lengths``: ``parse_query_key_lengths``' text: ``"10, 30"``, or ``"20:50, 10"`` for a chunk of 20 queries
-    after 30 cached keys (``seq_lens`` the query lengths, ``seq_lens_k`` the key lengths).
-    ``bug``: ``NO_BUG`` or a name of ``KERNEL_BUGS``: the kernel then runs with that one line changed
-    (``kernel_with``), so its counters can differ from the prediction and its error jump.
-
-    ``measured`` is the kernel's own counters (``count_work``), ``predicted`` ``tiling.predict_work``,
-    ``program_tiles`` the key tiles each program measured (-1: returned at once), ``table`` the program-by-program
-    picture drawn from them (from ``key_tiles``, the prediction, where the kernel did not run). Without Triton, or for a grid
-    of more than ``MAX_PROGRAMS`` programs under the interpreter, the kernel does not run (``ran`` False,
-    ``why`` says why) and the picture is the prediction alone.
-    """
+    """Run the kernel once (one head of 16; ``bug``: ``NO_BUG`` or a fault of ``KERNEL_BUGS``, injected for the run)
+    on the typed lengths (``parse_query_key_lengths``): ``{"seq_lens", "seq_lens_k", "grid", "block_m", "block_n",
+    "causal", "bug", "predicted", "measured", "table", "error", "bound", "ran", "why", "ms"}``. ``table`` is drawn
+    from the kernel's own per-program counts where it ran, else predicted; without Triton, or over ``MAX_PROGRAMS``
+    programs under the interpreter, it does not run (``ran`` False, ``why`` says why)."""
     lens, lens_k = parse_query_key_lengths(lengths)
     bm, bn = (check_int(n, b, 16, 128) for n, b in (("block_m", block_m), ("block_n", block_n)))
     if bug != NO_BUG and bug not in KERNEL_BUGS:
         raise ValueError(f"unknown kernel bug {bug!r}; choose one of {sorted(KERNEL_BUGS)}")
     predicted = tiling.predict_work(lens, lens_k, n_heads=EXPLORER_HEADS, block_m=bm, block_n=bn, causal=causal)
-    table = program_table(lens, lens_k, block_m=bm, block_n=bn, causal=causal)
     state = {"seq_lens": lens, "seq_lens_k": lens_k, "grid": tiling.launch_grid(max(lens), EXPLORER_HEADS, len(lens), bm),
              "block_m": bm, "block_n": bn, "causal": bool(causal), "bug": bug, "predicted": predicted,
-             "table": table, "program_tiles": None,
-             "measured": None, "error": None, "bound": None, "ran": False, "why": None, "ms": None}
-    tv = kernel_module()
-    if tv is None:
-        state["why"] = kernel_missing()
+             "table": program_table(lens, lens_k, block_m=bm, block_n=bn, causal=causal),
+             "measured": None, "error": None, "bound": None, "ran": False, "why": kernel_missing(), "ms": None}
+    if kernel_module() is None:
         return state
-    if tv.INTERPRETED and predicted.programs > MAX_PROGRAMS:
+    if kernel_module().INTERPRETED and predicted.programs > MAX_PROGRAMS:
         state["why"] = (f"{predicted.programs} programs: more than {MAX_PROGRAMS} under the CPU interpreter "
                         "(~10-30 ms each); shorter lengths or bigger tiles")
         return state
     q, k, v, cu_q, cu_k, ref, ref64 = _explorer_inputs(tuple(lens), tuple(lens_k), bool(causal))
     t0 = time.perf_counter()
-    if bug == NO_BUG:
+    with faults.injected(*([] if bug == NO_BUG else [bug])):
         out, measured = run_kernel(q, k, v, cu_q, cu_k, causal=causal, block_m=bm, block_n=bn)
-    else:
-        with kernel_with(bug):
-            out, measured = run_kernel(q, k, v, cu_q, cu_k, causal=causal, block_m=bm, block_n=bn)
-    state["ms"] = (time.perf_counter() - t0) * 1e3
-    state.update(measured=measured, error=max_abs_diff(out, ref64), bound=tolerance(ref, ref64), ran=True,
-                 program_tiles=measured.program_tiles[0],
+    state.update(ms=(time.perf_counter() - t0) * 1e3, measured=measured, error=max_abs_diff(out, ref64),
+                 bound=tolerance(ref, ref64), ran=True,
                  table=program_table(lens, lens_k, block_m=bm, block_n=bn, causal=causal,
-                                     program_tiles=measured.program_tiles[0]))
+                                     measured=measured.program_tiles[0]))
     return state
 
 
-_FIELDS = ("programs", "early_exits", "tiles", "tiles_skipped", "cells")
-
-
 def kernel_counts_html(state: dict) -> str:
-    """One ``<div>`` per counter: ``programs: measured 4 | predicted 4 | picture 4`` (the picture's totals: from
-    the kernel's per-program counts where it ran, else the prediction), then executed cells."""
+    """One ``<div>`` per counter: ``programs: measured 4 | predicted 4 | picture 4``, then the executed cells."""
     pic = table_totals(state["table"], EXPLORER_HEADS, state["block_m"], state["block_n"])
-    rows = []
-    for f in _FIELDS:
-        measured = "not run" if state["measured"] is None else getattr(state["measured"], f)
-        rows.append(f"<div>{f}: measured {measured} | predicted {getattr(state['predicted'], f)} | "
-                    f"picture {getattr(pic, f)}</div>")
     p, m = state["predicted"], state["measured"]
-    pred = f"{p.executed_cells} for {p.cells} inside the requests ({p.cells / max(1, p.executed_cells):.0%})"
-    if m is None:
-        rows.append(f"<div>executed cells (tiles x {p.block_m} x {p.block_n}): not run | predicted {pred}</div>")
-    else:  # the kernel's own tiles counter: a bug (no early return) moves it away from the prediction
-        rows.append(f"<div>executed cells (tiles x {p.block_m} x {p.block_n}): measured {m.executed_cells} for "
-                    f"{m.cells} inside the requests ({m.cells / max(1, m.executed_cells):.0%}) | predicted {pred}</div>")
+    rows = [f"<div>{f}: measured {'not run' if m is None else getattr(m, f)} | predicted {getattr(p, f)} | "
+            f"picture {getattr(pic, f)}</div>" for f in COUNTER_FIELDS]
+    share = [f"{w.executed_cells} for {w.cells} inside the requests ({w.cells / max(1, w.executed_cells):.0%})"
+             for w in (m, p) if w is not None]
+    rows.append(f"<div>executed cells (tiles x {p.block_m} x {p.block_n}): measured "
+                f"{'not run' if m is None else share[0]} | predicted {share[-1]}</div>")
     return "".join(rows)
 
 
@@ -812,18 +719,16 @@ def kernel_status_html(state: dict) -> str:
     if not state["ran"]:
         return f"<div>kernel not run: {state['why']}</div>"
     ok = "within" if state["error"] <= state["bound"] else "OUTSIDE"
-    which = "" if state.get("bug", NO_BUG) == NO_BUG else f" with the bug '{state['bug']}'"
+    which = "" if state["bug"] == NO_BUG else f" with the bug '{state['bug']}'"
     return (f"<div>kernel ran{which}: grid {state['grid']} in {state['ms']:.0f} ms | max |out - fp64 reference| = "
             f"{state['error']:.2e}, {ok} the bound {state['bound']:.2e}</div>")
 
 
 def kernel_explorer(lengths: str = "10, 30", block_m: int = 16, block_n: int = 16, causal: bool = True,
                     bug: str = NO_BUG):
-    """VBox class ``k7x``: Text ``k7x-lengths`` (lengths, ``L`` or ``L_q:L_k`` for a chunk, Enter to run),
-    SelectionSliders ``k7x-block-m`` and ``k7x-block-n`` (16..128), Checkbox ``k7x-causal``, Dropdown ``k7x-bug``
-    (the real kernel or one of ``KERNEL_BUGS``); HTML ``k7x-status`` (running / ran / why not,
-    the error vs the reference), HTML ``k7x-counts`` (measured, predicted, picture), Output
-    ``k7x-figure`` (the launch picture drawn from the program table, checked against the counters)."""
+    """VBox class ``k7x``: Text ``k7x-lengths`` (``L`` or ``L_q:L_k``, Enter to run), SelectionSliders ``k7x-block-m``
+    and ``k7x-block-n``, Checkbox ``k7x-causal``, Dropdown ``k7x-bug``; HTML ``k7x-status`` and ``k7x-counts``,
+    Output ``k7x-figure`` (the launch picture of ``kernel_state``)."""
     w = ipywidgets_module()
     text = tagged(w.Text(value=lengths, description="lengths", continuous_update=False), "k7x-lengths")
     bm = tagged(w.SelectionSlider(options=list(TILE_SIZES), value=block_m, description="BLOCK_M"), "k7x-block-m")
@@ -843,7 +748,7 @@ def kernel_explorer(lengths: str = "10, 30", block_m: int = 16, block_n: int = 1
         counts.value = kernel_counts_html(state)
         show_figure(out, launch_picture(state["seq_lens"], state["seq_lens_k"], block_m=state["block_m"],
                                         block_n=state["block_n"], causal=state["causal"], measured=state["measured"],
-                                        program_tiles=state["program_tiles"], figsize=(8.6, 4.4)))
+                                        figsize=(8.6, 4.4)))
 
     return explorer("k7x", [text, bm, bn, causal_box, bug_box], [status, counts, out], update)
 
@@ -1046,11 +951,10 @@ def check_flat_worse(fn: Callable[[], tuple]) -> bool:
 
 # ---- exercise 07.3: tile size, K/V traffic and occupancy -------------------------------------------------
 
-H200_SMS = 132            # streaming multiprocessors of an H200
 TILE_D, TILE_BYTES, TILE_BN = 64, 2, 64   # d_head, bf16, BLOCK_N held fixed in exercise 07.3
-TILE_CASES = [([300, 20, 20, 20], 8, H200_SMS), ([4096], 8, H200_SMS), ([10] * 12, 8, H200_SMS),
-              ([2000], 1, H200_SMS), ([500, 3], 16, H200_SMS), ([1000, 50, 50, 50], 4, H200_SMS),
-              ([700] + [20] * 7, 4, H200_SMS), ([1000, 50], 32, H200_SMS)]
+TILE_CASES = [([300, 20, 20, 20], 8, H200.n_sms), ([4096], 8, H200.n_sms), ([10] * 12, 8, H200.n_sms),
+              ([2000], 1, H200.n_sms), ([500, 3], 16, H200.n_sms), ([1000, 50, 50, 50], 4, H200.n_sms),
+              ([700] + [20] * 7, 4, H200.n_sms), ([1000, 50], 32, H200.n_sms)]
 
 
 def tile_work(lens, n_heads, block_m) -> WorkCounts:
@@ -1145,7 +1049,7 @@ TRAP_MAX_TOKENS, TRAP_MAX_HEADS = 16384, 64
 def check_grid_trap(fn: Callable[[], tuple]) -> bool:
     """Exercise 07.3, the counter-example: ``fn() -> (seq_lens, n_heads)``, a mix (not one of ``TILE_CASES``) for
     which counting the grid's programs picks another BLOCK_M than counting the SMs kept busy (``busy_sms``), on
-    ``H200_SMS`` SMs."""
+    ``H200.n_sms`` SMs."""
     def judge(got):
         try:
             lens, heads = [int(n) for n in got[0]], int(got[1])
@@ -1156,132 +1060,15 @@ def check_grid_trap(fn: Callable[[], tuple]) -> bool:
                     "heads")[:300]
         if any(sorted(lens) == sorted(c[0]) and heads == c[1] for c in TILE_CASES):
             return "that mix is one of the checker's cases above: find one of your own"
-        naive, real = best_block_m(lens, heads, H200_SMS, busy=False), best_block_m(lens, heads, H200_SMS)
+        naive, real = best_block_m(lens, heads, H200.n_sms, busy=False), best_block_m(lens, heads, H200.n_sms)
         rows = ", ".join(f"{bm}: {tile_work(lens, heads, bm).programs} programs, "
                          f"{tile_costs(lens, heads, bm)[0]:.1f} SMs busy" for bm in TILE_SIZES)
         print(f"  {lens[:8]}{' ...' if len(lens) > 8 else ''} x {heads} heads: {rows}")
         if naive == real:
-            return (f"both counts pick BLOCK_M = {real} here. A trap needs a tile size whose grid reaches {H200_SMS} "
+            return (f"both counts pick BLOCK_M = {real} here. A trap needs a tile size whose grid reaches {H200.n_sms} "
                     "programs while its work keeps far fewer SMs busy (programs that return at once, or walk one key "
                     "tile while the longest walks many): one long request sizes every request's slots, so put short "
                     "ones beside it")
         print(f"  counting the grid picks BLOCK_M = {naive}, counting the SMs kept busy {real}")
         return None
     return grade("grid_trap", fn, [()], judge, "a mix where the grid's program count misleads the choice of BLOCK_M")
-
-
-# ---- figures --------------------------------------------------------------------------------------------------
-
-GRID_LENS = [100, 20, 60]
-GRID_NAMES = ("C", "D", "E")   # not the course's A (10 tokens) and B (30)
-
-
-@register("07_launch_grid", lesson="07",
-          caption="one causal launch over requests of 100, 20 and 60 tokens at 32 x 32 tiles: 12 programs, each a band "
-                  "of key tiles computed, partly thrown away, skipped above the diagonal, or returned at once")
-def _launch_grid() -> Figure:
-    fig = launch_picture(GRID_LENS, block_m=32, block_n=32, causal=True, figsize=(9.0, 5.0), names=GRID_NAMES)
-    a = fig.axes[0]  # C's last program: rows 96-127 of its tile, of which only 96-99 exist
-    a.annotate("rows 96-99: C's only\n4 real rows here", xy=(64, 98), xytext=(64, 116), ha="center", va="center",
-               fontsize=MIN_FONT, color=TEXT, arrowprops={"arrowstyle": "->", "color": TEXT},
-               bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": TEXT})
-    return fig
-
-
-@register("07_online_softmax", lesson="07",
-          caption="one query's keys in four tiles of 16: the running max grows, the rescale keeps the running "
-                  "answer exact; without it the sum is wrong")
-def _online_softmax() -> Figure:
-    _, _, v, _, row, scores = softmax_example()
-    return online_softmax_picture(scores[row], v[:, 0], 16)
-
-
-@register("07_short_request_tile", lesson="07",
-          caption="A's 10 tokens in one 64 x 64 tile beside a 250-token request: whole tiles either way")
-def _short_tile() -> Figure:
-    return launch_picture([ARTICLE_LENS[0], 250], block_m=64, block_n=64, causal=False, figsize=(9.0, 4.4), names=("A", "F"),
-                          title="non-causal, 64 x 64 tiles: a 10-token request still executes a whole tile")
-
-
-def is_view_op(name: str) -> bool:
-    """Whether the aten op ``name`` (as ``OpRecorder`` records it) returns a view of an argument, read from its
-    schema (a return that aliases an argument without writing it), or ``_unsafe_view`` (a reshape whose schema
-    does not say it aliases): a view launches no kernel."""
-    if name == "_unsafe_view":
-        return True
-    packet = getattr(torch.ops.aten, name)
-    schema = getattr(packet, packet.overloads()[0])._schema
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-
-
-def loop_ops(seq_lens: Sequence[int], *, causal: bool = True) -> list[str]:
-    """The ops lesson 03's loop (``varlen_attention(..., backend="loop")``, one head of 16) dispatches for
-    requests of ``seq_lens``, recorded by ``OpRecorder``, views left out: each op left runs on the device
-    (on a GPU a kernel launch, or, ``_local_scalar_dense``, a read back to the host), one after the other."""
-    from ..core.attention import varlen_attention
-    from ..measure.recorder import OpRecorder
-
-    q, k, v, cu = random_qkv(list(seq_lens), n_heads=1, d_head=16, seed=0)
-    with OpRecorder() as rec:
-        varlen_attention(q, k, v, cu, causal=causal, backend="loop")
-    return [op.name for op in rec.ops if not is_view_op(op.name)]
-
-
-def loop_ops_per_request(*, causal: bool = True) -> list[str]:
-    """The ops the loop adds for one more request: those of two requests past those of one (in order)."""
-    one, two = loop_ops([6], causal=causal), loop_ops([6, 13], causal=causal)
-    extra = list(two)
-    for name in one:
-        extra.remove(name)
-    return extra
-
-
-def launches_picture(n_requests: int = 50) -> Figure:
-    """Lesson 03's loop against the kernel, as launches: the loop's ``n_requests`` launches of grid
-    ``(1, 1, 1)``, one after the other, each preceded by the host's launch cost; the kernel's one launch of
-    grid ``tiling.launch_grid(13, 1, n_requests)``, its programs side by side. Schematic: time is not to scale."""
-    grid = tiling.launch_grid(13, 1, n_requests)
-    fig = Figure(figsize=(9.0, 2.9))
-    ax = fig.subplots()
-    cost, work = 1.0, 0.5
-    for i in range(n_requests):
-        x = i * (cost + work)
-        ax.add_patch(Rectangle((x, 1.55), cost, 0.5, facecolor=OTHER, edgecolor="white", linewidth=0.4))
-        ax.add_patch(Rectangle((x + cost, 1.55), work, 0.5, facecolor=ATTENTION, edgecolor="white", linewidth=0.4))
-    ax.add_patch(Rectangle((0, 0.1), cost, 0.5, facecolor=OTHER, edgecolor="white", linewidth=0.4))
-    ax.add_patch(Rectangle((cost, 0.1), work, 0.5, facecolor=ATTENTION, edgecolor="white", linewidth=0.4))
-    # the kernel's programs, zoomed: one small square each, in rows, all running during the same short interval
-    cols, x0, side = 25, 6.0, 0.9
-    rows_n = cdiv(grid[2], cols)
-    h = 0.5 / rows_n
-    for r in range(grid[2]):
-        ax.add_patch(Rectangle((x0 + (r % cols) * side, 0.1 + (r // cols) * h), side * 0.85, h * 0.8,
-                               facecolor=ATTENTION, edgecolor=TEXT, linewidth=0.3))
-    for y in (0.1, 0.6):  # guide lines from the kernel's work bar to its zoom
-        ax.plot([cost + work, x0 - 0.2], [y, y], color=TEXT, linewidth=0.6, linestyle=":")
-    end = n_requests * (cost + work)
-    ax.text(0, 2.2, f"lesson 03's loop as one launch per request: {n_requests} launches, one after the other "
-            f"(the real loop, causal, launches {len(loop_ops_per_request())} kernels each)", fontsize=MIN_FONT, color=TEXT,
-            va="bottom")
-    ax.text(x0 + cols * side + 0.8, 0.35, f"the kernel: 1 launch of grid {grid},\nits {grid[2]} programs side by "
-            "side (zoomed)", fontsize=MIN_FONT, color=TEXT, va="center")
-    ax.set_xlim(-0.5, end + 0.5)
-    ax.set_ylim(-0.35, 2.75)
-    ax.set_yticks([])
-    ax.set_xticks([])
-    ax.set_xlabel("time (schematic, not to scale)", fontsize=MIN_FONT)
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
-    fig.legend(handles=[Patch(facecolor=OTHER, label="a launch (host cost)"),
-                        Patch(facecolor=ATTENTION, label="the programs' work")], loc="upper right", ncol=2,
-               fontsize=MIN_FONT, frameon=False)
-    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.14, top=0.86)
-    return fig
-
-
-@register("07_fifty_launches", lesson="07",
-          caption="50 requests served one launch per request (each paying the launch cost; lesson 03's causal loop "
-                  "launches 9 kernels per request, loop_ops_per_request) and by the kernel (one launch, 50 programs side "
-                  "by side); schematic")
-def _fifty_launches() -> Figure:
-    return launches_picture(50)

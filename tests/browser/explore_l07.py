@@ -73,12 +73,12 @@ def test_lesson07_kernel_explorer(lab_server, browser_context, capsys):
     assert int(_k7_numbers(page)["early_exits"][1]) > 0
 
     # Pick a bug: the kernel runs with one line changed and its tiles leave the prediction
-    page.locator(".k7x-bug select").select_option(label="no early return")
-    _k7_check(page, "100, 5, 20", block_m, block_n, causal, "no early return")
+    page.locator(".k7x-bug select").select_option(label="kernel_no_early_return")
+    _k7_check(page, "100, 5, 20", block_m, block_n, causal, "kernel_no_early_return")
     tiles = _k7_numbers(page)["tiles"]
     if tiles[0] != "not run":
         assert int(tiles[0]) > tiles[1], f"no early return, yet the kernel's tiles equal the prediction: {tiles}"
-        assert "with the bug 'no early return'" in inner_text(page, ".k7x-status")
+        assert "with the bug 'kernel_no_early_return'" in inner_text(page, ".k7x-status")
 
     # A chunk after cached keys (L_q:L_k), the real kernel: the counters follow the key lengths too
     page.locator(".k7x-bug select").select_option(label=l07_kernel.NO_BUG)
