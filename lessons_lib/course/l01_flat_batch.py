@@ -538,10 +538,11 @@ def wrong_requests(seq_lens: tuple[int, ...], bug: str, k: int) -> tuple[frozens
 
 
 def sampled_rows(model: Transformer, requests: Sequence, bug: str, k: int) -> dict:
-    """What a server trusting ``broken_pack(requests, bug, k)`` samples: request i's next token from
-    row ``last_token_indices[i]`` of ``model``'s output, compared with the last row of two requests run
-    alone (``model``'s float64 twin; bounds by the tolerance rule): request i itself, and the request
-    the moved boundary made of it (``moved``: e.g. late, A plus B's first token and B without it).
+    """What a server trusting ``broken_pack(requests, bug, k)`` samples (requests: token ids ``[L_i]``, int64, on
+    ``model``'s device): request i's next token from row ``last_token_indices[i]`` of ``model``'s output, compared
+    with the last row of two requests run alone (``model``'s float64 twin; bounds by the tolerance rule): request i
+    itself, and the request the moved boundary made of it (``moved``: e.g. late, A plus B's first token and B
+    without it).
 
     Keys: ``cu_seqlens`` (the broken one, a list), ``rows`` (per request; None for one the bug emptied),
     ``diff`` / ``bound`` against request i, ``moved_diff`` / ``moved_bound`` against the moved request
