@@ -181,7 +181,7 @@ def test_roofline_state_packings_machine_and_bad_input():
     assert L.packing_lengths(10, 4) == [3, 3, 2, 2]
     with pytest.raises(ValueError, match="n_heads must divide d_model"):
         L.roofline_state(n_heads=3)
-    with pytest.raises(ValueError, match="n_kv_heads must divide n_heads"):
+    with pytest.raises(ValueError, match="n_kv_heads=3 must divide n_heads=8"):
         L.roofline_state(n_kv_heads=3)
     with pytest.raises(ValueError, match="lengths"):
         L.roofline_state(lengths="10, 0")

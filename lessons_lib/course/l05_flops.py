@@ -34,7 +34,6 @@ from ..measure.flops import (
     decode_attention_intensity,
     forward_bytes,
     forward_flops,
-    kv_heads,
     linear_intensity,
     linear_shapes,
 )
@@ -44,7 +43,7 @@ from ..measure.recorder import BF16, FUSED_ATTENTION_OPS, Matmul, OpRecorder, re
 from ..measure.search import first_where
 from ..serve.kv_cache import PrefillKVCache
 from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE
-from ..validate import check_int, check_lengths
+from ..validate import check_int, check_lengths, check_n_kv_heads
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import register
 from .grading import grade
@@ -605,7 +604,7 @@ def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv
                       d_ffn=check_int("d_ffn", d_ffn, 1, 1 << 18))
     if not isinstance(machine, Machine):
         raise ValueError(f"machine must be a measure.machines.Machine, got {machine!r}")
-    kv = kv_heads(cfg, n_kv_heads)
+    kv = check_n_kv_heads("n_kv_heads", n_kv_heads, cfg.n_heads)
     typed = parse_lengths(lengths, max_requests=256, max_length=1 << 16) if isinstance(lengths, str) \
         else check_lengths(lengths)
     if not typed:

@@ -68,18 +68,6 @@ def executed_tokens(seq_lens: Sequence[int], method: str) -> int:
     return len(lens) * max(lens, default=0) if _method(method) == "padded" else sum(lens)
 
 
-def kv_heads(cfg: ModelConfig, n_kv_heads: int | None = None) -> int:
-    """The K/V head count: ``n_kv_heads`` (must divide ``cfg.n_heads``), or the config's ``cfg.n_kv_heads`` when None."""
-    if n_kv_heads is None:
-        return cfg.n_kv_heads
-    if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or not 1 <= n_kv_heads <= cfg.n_heads:
-        raise ValueError(f"n_kv_heads must be a whole number in 1..n_heads = {cfg.n_heads}, got {n_kv_heads!r}")
-    if cfg.n_heads % n_kv_heads:
-        raise ValueError(f"n_kv_heads must divide n_heads = {cfg.n_heads} (each K/V head serves a whole group of "
-                         f"query heads), got {n_kv_heads}")
-    return n_kv_heads
-
-
 def _with_kv_heads(cfg: ModelConfig, n_kv_heads: int | None) -> ModelConfig:
     """``cfg`` with ``n_kv_heads`` K/V heads (a positive int dividing ``cfg.n_heads``), or ``cfg`` itself when None."""
     if n_kv_heads is None:
