@@ -5,7 +5,8 @@
   trace    traced_forward: the collectives, QKV shapes and attention window of one forward; Fault
   dryrun   the expected trace from the formula, or recorded in this process (no workers)
   threads  ThreadRank / tp_ranks_in_threads: a TP group whose ranks are threads (real sums and gathers)
-  vocab    VocabParallelEmbedding and ParallelLMHead: the vocabulary split over the ranks
+  vocab    VocabParallelEmbedding, ParallelLMHead (the vocabulary split over the ranks, padded by pad_vocab_size)
+           and vocab_parallel_logits (the model's forward with both)
   demo     python -m torch.distributed.run ... -m lessons_lib.tp.demo
 
 Taught in notebooks/00_setup_one_request.ipynb and notebooks/04_tp2_invariance.ipynb.
