@@ -6,7 +6,8 @@ The package is laid out by role; read ``core`` first, it is the engine:
   validate every argument check of the public entry points, run once at the boundary
   tp       tensor parallelism on real processes: workers, TPRuntime / tp_forward, traces, dry runs
   serve    the prefill scheduler and engine, request workloads
-  measure  FLOP accounting, timing and memory, the benchmark
+  measure  FLOP accounting, timing and memory, machines, the all-reduce model, the benchmark
+  faults   the engine's named breakages, turned on in a ``with faults.injected(name):`` block
   course   figures, widgets, exercise checkers, claim cells
 
 The engine's names a learner uses most are importable from here (loaded on first use, so that

@@ -34,7 +34,7 @@ from ..serve.workloads import long_tail_lengths
 from ..validate import dtype_name
 from .dryrun import expected_layers
 from .trace import format_trace, summarize_trace, traced_forward
-from .workers import _rank_device, _threads_per_worker, resolve_dist_backend
+from .workers import _rank_device, resolve_dist_backend, threads_per_worker
 
 
 def demo_batches(cfg: ModelConfig, seed: int = 0) -> dict[str, list[int]]:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":  # the rank's own GPU on this node (NCCL), or the one the ranks share (gloo)
         device, _ = _rank_device(local_rank, backend, device.type)
     else:
-        torch.set_num_threads(_threads_per_worker(max(1, local_world)))
+        torch.set_num_threads(threads_per_worker(max(1, local_world)))
     dist.init_process_group(backend)  # env:// from torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT
     group = DistGroup(device=device)
     cfg = ModelConfig()
