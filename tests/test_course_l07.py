@@ -26,19 +26,23 @@ needs_kernel = pytest.mark.skipif(L.kernel_module() is None, reason="triton not 
 
 # ---- the picture and its totals -----------------------------------------------------------------------
 
-def test_k2_the_program_table_adds_up_to_the_kernels_counters():
+def picture(lens, block_m, block_n, causal, n_heads=1):
+    """The counters read off the predicted launch picture of prompts of ``lens``."""
+    tiles = L.program_tiles(lens, lens, block_m=block_m, block_n=block_n, causal=causal)
+    return L.picture_totals(lens, lens, tiles, block_m=block_m, block_n=block_n, causal=causal, n_heads=n_heads)
+
+
+def test_k2_the_picture_adds_up_to_the_kernels_counters():
     rng = random.Random(7)
     for _ in range(200):  # the pure picture against the pure predictor, on many mixes
         lens = [rng.randint(0, 90) for _ in range(rng.randint(1, 5))]
         if not max(lens):
             continue
         bm, bn, causal = rng.choice([16, 32, 64]), rng.choice([16, 32, 64]), rng.random() < 0.5
-        table = L.program_table(lens, block_m=bm, block_n=bn, causal=causal)
-        assert L.table_totals(table, 2, bm, bn) == tiling.predict_work(lens, n_heads=2, block_m=bm, block_n=bn,
-                                                                       causal=causal), (lens, bm, bn, causal)
-    table = L.program_table([70, 5, 20], block_m=16, block_n=16, causal=True)
-    assert [p.status for p in table if p.request == 1] == ["partly masked", "returned", "returned", "returned", "returned"]
-    assert sum(p.status == "returned" for p in table) * 2 == 14
+        assert picture(lens, bm, bn, causal, n_heads=2) == tiling.predict_work(lens, n_heads=2, block_m=bm, block_n=bn,
+                                                                               causal=causal), (lens, bm, bn, causal)
+    tiles = L.program_tiles([70, 5, 20], [70, 5, 20], block_m=16, block_n=16, causal=True)
+    assert tiles[1] == [1, -1, -1, -1, -1] and sum(t < 0 for r in tiles for t in r) * 2 == 14
 
 
 @needs_kernel
@@ -46,7 +50,7 @@ def test_k2_the_kernels_counters_equal_the_picture_for_a_long_and_short_mix():
     lens = [70, 5, 20]
     q, k, v, cu = L.kernel_qkv(lens, 2, 16, seed=2)
     _, measured = L.run_kernel(q, k, v, cu, block_m=16, block_n=16)
-    assert measured == L.table_totals(L.program_table(lens, block_m=16, block_n=16, causal=True), 2, 16, 16)
+    assert measured == picture(lens, 16, 16, True, n_heads=2)
     assert measured.early_exits == 14
 
 
@@ -69,8 +73,7 @@ def test_k3_causal_computes_n_plus_1_over_2n_of_the_tiles():
         n = 256 // block
         causal = tiling.predict_work([256], block_m=block, block_n=block, causal=True)
         full = tiling.predict_work([256], block_m=block, block_n=block, causal=False)
-        picture = L.table_totals(L.program_table([256], block_m=block, block_n=block, causal=True), 1, block, block)
-        assert picture == causal and Fraction(causal.tiles, full.tiles) == Fraction(n + 1, 2 * n)
+        assert picture([256], block, block, True) == causal and Fraction(causal.tiles, full.tiles) == Fraction(n + 1, 2 * n)
     if L.kernel_module() is not None:
         q, k, v, cu = L.kernel_qkv([128], 1, 16, seed=3)
         assert L.run_kernel(q, k, v, cu, block_m=32, block_n=32)[1].tiles == 10  # 1 + 2 + 3 + 4
@@ -256,7 +259,7 @@ def test_kernel_state_runs_the_kernel_and_its_numbers_follow_the_input():
     a = L.kernel_state("10, 30", 16, 16, True)
     assert a["seq_lens"] == [10, 30] and a["grid"] == (2, 1, 2)
     assert a["predicted"] == tiling.predict_work([10, 30], block_m=16, block_n=16, causal=True)
-    assert L.table_totals(a["table"], 1, 16, 16) == a["predicted"]
+    assert L.picture_totals([10, 30], [10, 30], a["tiles"], block_m=16, block_n=16, causal=True) == a["predicted"]
     if L.kernel_module() is not None:
         assert a["ran"] and a["measured"] == a["predicted"] and a["error"] <= a["bound"]
     b = L.kernel_state("10 30 64", 32, 16, False)
@@ -305,12 +308,11 @@ def test_kernel_state_with_a_bug_runs_the_broken_kernel():
 def test_the_explorer_picture_is_drawn_from_the_kernels_per_program_counts():
     # the real kernel: its per-program tiles are the prediction's, program by program
     real = L.kernel_state("100, 5, 20", 32, 32, True)
-    predicted = [p.tiles if p.status != "returned" else -1 for p in
-                 L.program_table([100, 5, 20], block_m=32, block_n=32, causal=True)]
+    predicted = [t for r in L.program_tiles([100, 5, 20], [100, 5, 20], block_m=32, block_n=32, causal=True) for t in r]
     assert list(real["measured"].program_tiles[0]) == predicted and real["measured"].tiles == sum(t for t in predicted if t > 0)
     # the bug: the 6 programs past an end compute a tile each; the picture draws 18 tiles, the prediction 12
     late = L.kernel_state("100, 5, 20", 32, 32, True, bug="kernel_no_early_return")
-    assert -1 not in late["measured"].program_tiles[0] and L.table_totals(late["table"], 1, 32, 32).tiles == 18
+    assert -1 not in late["measured"].program_tiles[0] and sum(map(sum, late["tiles"])) == 18
     assert late["predicted"].tiles == 12 and "tiles: measured 18 | predicted 12 | picture 18" in L.kernel_counts_html(late)
     # the executed-cells footer shows the kernel's 18 tiles x 32 x 32, the prediction's 12 x 32 x 32 beside it
     cells = late["predicted"].cells
@@ -441,7 +443,7 @@ def test_window_checker_explains_a_wrong_range(wrong, phrase):
 
 def test_window_checker_compares_with_the_kernels_count_on_a_chunk():
     # right on every tile it is shown, wrong only where L_k > L_q and the tile is not the first: the kernel catches it
-    assert L._chunk_kernel_tiles(*L.CHUNK_MIX, 16, 16) == tiling.predict_work(*L.CHUNK_MIX, block_m=16, block_n=16).tiles
+    assert L.kernel_counts(*L.CHUNK_MIX, 16, 16) == tiling.predict_work(*L.CHUNK_MIX, block_m=16, block_n=16)
 
 
 def test_tiles_checker_explains_the_grid_count_and_the_re_reads():
@@ -481,7 +483,8 @@ def test_flat_grid_checker_prints_the_kernels_rectangular_early_exits(capsys):
     out = capsys.readouterr().out
     # [300, 20, 20, 20] at 64: the rectangle (5, 1, 4) leaves 12 programs empty, the flat grid of 9 programs one
     assert "flat grid 9 programs, 1 return at once; the rectangular grid 20, 12 return at once" in out
-    assert L.rect_early_exits([100, 5, 20], 32) == (12, 6)
+    rect = L.kernel_counts([100, 5, 20], [100, 5, 20], 32, 64, max_programs=24)
+    assert (rect.programs, rect.early_exits) == (12, 6)
 
 
 def test_kv_bytes_read_grow_as_block_m_shrinks():
@@ -538,8 +541,7 @@ def test_every_kernel_run_of_the_lesson_takes_bfloat16_on_cuda_and_float32_on_th
                "the explorer": lambda: L._explorer_inputs.__wrapped__((3,), (5,), True)}
     if L.kernel_module() is not None:   # without Triton these fall back to the prediction and build nothing
         helpers.update({"run_gqa": lambda: L.run_gqa(*L.GQA_DECODE, None),
-                        "the chunk checker": lambda: L._chunk_kernel_tiles([3], [5], 16, 16),
-                        "the flat-grid checker": lambda: L.rect_early_exits([3, 5], 16)})
+                        "the checkers' kernel runs": lambda: L.kernel_counts([3], [5], 16, 16)})
     for name, build in helpers.items():
         with pytest.raises(Built) as built:
             build()

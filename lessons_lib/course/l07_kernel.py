@@ -34,7 +34,7 @@ from ..measure.machines import H200
 from ..measure.profile import random_qkv
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..ops import tiling
-from ..ops.tiling import WorkCounts, cdiv, key_tiles
+from ..ops.tiling import WorkCounts, cdiv
 from ..style import ATTENTION, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_name
 from ..validate import check_int, check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
@@ -124,12 +124,11 @@ CODE_LABELS = {USEFUL: "computed, useful", WASTED: "computed, thrown away (maske
 def program_tiles(lens_q: Sequence[int], lens_k: Sequence[int], *, block_m: int, block_n: int, causal: bool,
                   measured: Sequence[int] | None = None, n_heads: int = 1) -> list[list[int]]:
     """Key tiles of each program of head 0, per request, per query tile (-1: returned at once): from ``measured`` (a
-    launch's ``WorkCounts.program_tiles[0]`` over ``n_heads`` heads) or predicted by ``tiling.key_tiles``."""
+    launch's ``WorkCounts.program_tiles[0]`` over ``n_heads`` heads) or predicted (``tiling.program_key_tiles``)."""
     grid_m = cdiv(max(lens_q, default=0), block_m)
     if measured is not None:
         return [[int(t) for t in measured[grid_m * n_heads * r:grid_m * (n_heads * r + 1)]] for r in range(len(lens_q))]
-    return [[-1 if m * block_m >= nq else key_tiles(nq, nk, m * block_m, block_m, block_n, causal)[0]
-             for m in range(grid_m)] for nq, nk in zip(lens_q, lens_k)]
+    return [tiling.program_key_tiles(nq, nk, grid_m, block_m, block_n, causal) for nq, nk in zip(lens_q, lens_k)]
 
 
 def program_cells(len_q: int, len_k: int, tiles: Sequence[int], block_m: int, block_n: int, causal: bool) -> np.ndarray:
@@ -151,45 +150,18 @@ def program_cells(len_q: int, len_k: int, tiles: Sequence[int], block_m: int, bl
     return pic
 
 
-@dataclass(frozen=True)
-class Program:
-    """One program of the grid (for one head): what it did."""
-
-    request: int
-    m_block: int
-    status: str         # "returned" (at once), "computed" (every computed cell useful), "partly masked", "past the end"
-    tiles: int          # key tiles computed
-    skipped: int        # key tiles skipped above the diagonal
-    cells: int          # computed cells inside the request's [L_q x L_k] block (the kernel's "cells")
-
-
-def program_table(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = None, *, block_m: int, block_n: int,
-                  causal: bool, measured: Sequence[int] | None = None, n_heads: int = 1) -> list[Program]:
-    """Every program of head 0, request by request, query tile by query tile, read from its ``program_cells``
-    band (``measured``: a launch's ``WorkCounts.program_tiles[0]``; None: predicted)."""
-    lq = check_lengths(seqlens_q, minimum=0, name="seqlens_q")
-    lk = lq if seqlens_k is None else check_lengths(seqlens_k, minimum=0, name="seqlens_k")
-    table = []
-    for r, (nq, nk, tiles) in enumerate(zip(lq, lk, program_tiles(lq, lk, block_m=block_m, block_n=block_n,
-                                                                    causal=causal, measured=measured, n_heads=n_heads))):
-        pic = program_cells(nq, nk, tiles, block_m, block_n, causal)
-        for m, computed in enumerate(tiles):
-            if computed < 0:
-                table.append(Program(r, m, "returned", 0, 0, 0))
-                continue
-            band = pic[m * block_m:(m + 1) * block_m]
-            inside = band[:max(0, min(block_m, nq - m * block_m)), :nk]
-            status = ("past the end" if m * block_m >= nq else "partly masked" if (band == WASTED).any() else "computed")
-            table.append(Program(r, m, status, computed, cdiv(nk, block_n) - computed, int((inside != SKIPPED).sum())))
-    return table
-
-
-def table_totals(table: Sequence[Program], n_heads: int, block_m: int, block_n: int) -> WorkCounts:
-    """The kernel's counters summed from a program table (every head does the same)."""
-    exits = sum(p.status in ("returned", "past the end") for p in table)   # the kernel's test counts both
-    return WorkCounts(programs=n_heads * len(table), early_exits=n_heads * exits,
-                      tiles=n_heads * sum(p.tiles for p in table), tiles_skipped=n_heads * sum(p.skipped for p in table),
-                      cells=n_heads * sum(p.cells for p in table), block_m=block_m, block_n=block_n)
+def picture_totals(lens_q: Sequence[int], lens_k: Sequence[int], tiles: Sequence[Sequence[int]], *, block_m: int,
+                   block_n: int, causal: bool, n_heads: int = 1) -> WorkCounts:
+    """The kernel's counters read off the picture of ``tiles`` (``program_tiles``; every head does the same): a band
+    past its request's end counts as an early exit even if it computed (the kernel's test still counts it), cells
+    are the picture's computed cells inside each request's ``[L_q x L_k]`` block."""
+    exits = sum(m * block_m >= nq for nq, mine in zip(lens_q, tiles) for m in range(len(mine)))
+    skipped = sum(cdiv(nk, block_n) - t for nk, mine in zip(lens_k, tiles) for t in mine if t >= 0)
+    pics = [program_cells(nq, nk, mine, block_m, block_n, causal)[:nq, :nk] for nq, nk, mine in zip(lens_q, lens_k, tiles)]
+    cells = sum(int(((pic == USEFUL) | (pic == WASTED)).sum()) for pic in pics)
+    return WorkCounts(programs=n_heads * sum(map(len, tiles)), early_exits=n_heads * exits,
+                      tiles=n_heads * sum(max(t, 0) for mine in tiles for t in mine), tiles_skipped=n_heads * skipped,
+                      cells=n_heads * cells, block_m=block_m, block_n=block_n)
 
 
 def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = None, *, block_m: int, block_n: int,
@@ -229,8 +201,7 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
         ax.set_xlabel(f"{nk} keys: {w // block_n} key tile{'s' if w > block_n else ''} of {block_n}", fontsize=MIN_FONT)
         ax.tick_params(labelsize=MIN_FONT, length=0)
     axes[0].set_ylabel(f"query tile m ({block_m} rows each)", fontsize=MIN_FONT)
-    total = table_totals(program_table(lq, lk, block_m=block_m, block_n=block_n, causal=causal, measured=own,
-                                       n_heads=n_heads), n_heads, block_m, block_n)
+    total = picture_totals(lq, lk, tiles, block_m=block_m, block_n=block_n, causal=causal, n_heads=n_heads)
     useful = n_heads * sum(int((pic == USEFUL).sum()) for pic in pics)
     foot = (f"grid ({grid_m}, {n_heads}, {len(lq)}) = {total.programs} programs: {total.early_exits} return at once | "
             f"{total.tiles} tiles computed, {total.tiles_skipped} skipped\n"
@@ -673,7 +644,7 @@ def _explorer_inputs(lens_q: tuple, lens_k: tuple, causal: bool):
 def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: bool = True, bug: str = NO_BUG) -> dict:
     """Run the kernel once (one head of 16; ``bug``: ``NO_BUG`` or a fault of ``KERNEL_BUGS``, injected for the run)
     on the typed lengths (``parse_query_key_lengths``): ``{"seq_lens", "seq_lens_k", "grid", "block_m", "block_n",
-    "causal", "bug", "predicted", "measured", "table", "error", "bound", "ran", "why", "ms"}``. ``table`` is drawn
+    "causal", "bug", "predicted", "measured", "tiles", "error", "bound", "ran", "why", "ms"}``. ``tiles`` are drawn
     from the kernel's own per-program counts where it ran, else predicted; without Triton, or over ``MAX_PROGRAMS``
     programs under the interpreter, it does not run (``ran`` False, ``why`` says why)."""
     lens, lens_k = parse_query_key_lengths(lengths)
@@ -683,7 +654,7 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
     predicted = tiling.predict_work(lens, lens_k, n_heads=EXPLORER_HEADS, block_m=bm, block_n=bn, causal=causal)
     state = {"seq_lens": lens, "seq_lens_k": lens_k, "grid": tiling.launch_grid(max(lens), EXPLORER_HEADS, len(lens), bm),
              "block_m": bm, "block_n": bn, "causal": bool(causal), "bug": bug, "predicted": predicted,
-             "table": program_table(lens, lens_k, block_m=bm, block_n=bn, causal=causal),
+             "tiles": program_tiles(lens, lens_k, block_m=bm, block_n=bn, causal=causal),
              "measured": None, "error": None, "bound": None, "ran": False, "why": kernel_missing(), "ms": None}
     if kernel_module() is None:
         return state
@@ -697,14 +668,15 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
         out, measured = run_kernel(q, k, v, cu_q, cu_k, causal=causal, block_m=bm, block_n=bn)
     state.update(ms=(time.perf_counter() - t0) * 1e3, measured=measured, error=max_abs_diff(out, ref64),
                  bound=tolerance(ref, ref64), ran=True,
-                 table=program_table(lens, lens_k, block_m=bm, block_n=bn, causal=causal,
+                 tiles=program_tiles(lens, lens_k, block_m=bm, block_n=bn, causal=causal,
                                      measured=measured.program_tiles[0]))
     return state
 
 
 def kernel_counts_html(state: dict) -> str:
     """One ``<div>`` per counter: ``programs: measured 4 | predicted 4 | picture 4``, then the executed cells."""
-    pic = table_totals(state["table"], EXPLORER_HEADS, state["block_m"], state["block_n"])
+    pic = picture_totals(state["seq_lens"], state["seq_lens_k"], state["tiles"], block_m=state["block_m"],
+                         block_n=state["block_n"], causal=state["causal"])
     p, m = state["predicted"], state["measured"]
     rows = [f"<div>{f}: measured {'not run' if m is None else getattr(m, f)} | predicted {getattr(p, f)} | "
             f"picture {getattr(pic, f)}</div>" for f in COUNTER_FIELDS]
@@ -817,7 +789,7 @@ def check_window_tiles(fn: Callable[[int, int, int, int, int, int | None], tuple
                 "kernel computes tiles that are wholly masked)")
 
     def tiles_judge(got, lens_q, lens_k, block_m, block_n):
-        want = _chunk_kernel_tiles(lens_q, lens_k, block_m, block_n)
+        want = kernel_counts(lens_q, lens_k, block_m, block_n).tiles
         return None if got == want else (
             f"your ranges add up to {got} key tiles for L_q = {lens_q}, L_k = {lens_k} (BLOCK {block_m} x "
             f"{block_n}, causal); the engine's kernel counts {want}")
@@ -847,15 +819,15 @@ def check_window_tiles(fn: Callable[[int, int, int, int, int, int | None], tuple
                  "count for a chunk mix")
 
 
-def _chunk_kernel_tiles(lens_q, lens_k, block_m, block_n) -> int:
-    """Key tiles computed for a causal launch with ``L_k`` per request: the kernel's own count where it
-    runs, else the prediction."""
-    tv = kernel_module()
-    if tv is None:
-        return tiling.predict_work(lens_q, lens_k, block_m=block_m, block_n=block_n, causal=True).tiles
+def kernel_counts(lens_q, lens_k, block_m: int, block_n: int, max_programs: int = MAX_PROGRAMS) -> WorkCounts:
+    """The counters of a causal launch, one head of 16: the kernel's own where it runs a launch of at most
+    ``max_programs`` programs, else ``tiling.predict_work``'s (which K2 checks against the kernel)."""
+    predicted = tiling.predict_work(lens_q, lens_k, block_m=block_m, block_n=block_n, causal=True)
+    if kernel_module() is None or predicted.programs > max_programs:
+        return predicted
     q, _, _, cu_q = kernel_qkv(lens_q, 1, 16, seed=0)
     _, k, v, cu_k = kernel_qkv(lens_k, 1, 16, seed=1)
-    return run_kernel(q, k, v, cu_q, cu_k, causal=True, block_m=block_m, block_n=block_n)[1].tiles
+    return run_kernel(q, k, v, cu_q, cu_k, causal=True, block_m=block_m, block_n=block_n)[1]
 
 
 # ---- exercise 07.2: vLLM's flat grid -------------------------------------------------------------------
@@ -868,18 +840,6 @@ def flat_grid_size(seq_lens, block_q) -> int:
     """``⌊T / BLOCK_Q⌋ + R``: programs of a flat grid per K/V head (vLLM's ``kernel_unified_attention_2d``), from the
     token count T and the request count R alone; a tile holds ``BLOCK_Q`` tokens x the group's query heads."""
     return sum(seq_lens) // block_q + len(seq_lens)
-
-
-def rect_early_exits(lens, block_m) -> tuple[int, int]:
-    """(programs, early exits) of the kernel's rectangular grid, one head: the kernel's own counters where it runs
-    (small launches), else ``tiling.predict_work``."""
-    tv = kernel_module()
-    predicted = tiling.predict_work(lens, n_heads=1, block_m=block_m, block_n=64, causal=True)
-    if tv is None or predicted.programs > 24:
-        return predicted.programs, predicted.early_exits
-    q, k, v, cu = kernel_qkv(lens, 1, 16, seed=1)
-    counts = run_kernel(q, k, v, cu, block_m=block_m, block_n=64)[1]
-    return counts.programs, counts.early_exits
 
 
 def check_flat_grid(fn: Callable[[list, int], list]) -> bool:
@@ -915,9 +875,9 @@ def check_flat_grid(fn: Callable[[list, int], list]) -> bool:
                         "per query head) rounds down: a request "
                         "whose start is not a multiple of BLOCK_Q needs one extra slot for its ragged tile (the + r)")
         flat_exits = size - sum(cdiv(n, block_m) for n in lens)
-        programs, exits = rect_early_exits(lens, block_m)
-        print(f"  {lens} at BLOCK_Q = {block_m}: flat grid {size} programs, {flat_exits} return at once; the "
-              f"rectangular grid {programs}, {exits} return at once (the kernel's counters, one head, BLOCK_M = BLOCK_Q)")
+        rect = kernel_counts(lens, lens, block_m, 64, max_programs=24)
+        print(f"  {lens} at BLOCK_Q = {block_m}: flat grid {size} programs, {flat_exits} return at once; the rectangular "
+              f"grid {rect.programs}, {rect.early_exits} return at once (the kernel's counters, one head, BLOCK_M = BLOCK_Q)")
         return None
     return grade("flat_grid", fn, FLAT_CASES, judge,
                  f"a flat grid for {len(FLAT_CASES)} mixes, every real query tile once, in request order")
@@ -965,29 +925,22 @@ def tile_work(lens, n_heads, block_m) -> WorkCounts:
 
 def longest_program(lens, block_m) -> int:
     """Key tiles the busiest program of a causal launch at ``block_m`` x ``TILE_BN`` walks, one after the other
-    (``tiling.key_tiles`` of every query tile): no launch ends before that program does."""
-    return max(tiling.key_tiles(n, n, m * block_m, block_m, TILE_BN, True)[0]
-               for n in lens for m in range(cdiv(n, block_m)))
-
-
-def busy_sms(lens, n_heads, block_m) -> float:
-    """Exercise 07.3's occupancy model: the SMs a launch keeps busy on average while it runs, its key tiles over
-    those of its longest program (work over span; all tiles of a launch cost the same). A program that returns at
-    once adds nothing; a short request's program that walks one key tile keeps its SM busy for one tile-time only."""
-    return tile_work(lens, n_heads, block_m).tiles / longest_program(lens, block_m)
+    (``tiling.program_key_tiles``): no launch ends before that program does."""
+    return max(max(tiling.program_key_tiles(n, n, cdiv(n, block_m), block_m, TILE_BN, True)) for n in lens)
 
 
 def tile_costs(lens, n_heads, block_m, busy: bool = True) -> tuple[float, int, int]:
-    """(SMs the launch keeps busy, ``busy_sms``, K/V bytes read, executed cells) at ``block_m``; ``busy=False``
-    counts every program of the grid as a busy SM, the early exits too (the naive count)."""
+    """(SMs the launch keeps busy, K/V bytes read, executed cells) at ``block_m``. Exercise 07.3's occupancy model:
+    the SMs kept busy on average are the launch's key tiles over its longest program's (work over span, every tile
+    costing the same); ``busy=False`` counts every program of the grid as a busy SM, early exits too (the naive count)."""
     w = tile_work(lens, n_heads, block_m)
-    return (busy_sms(lens, n_heads, block_m) if busy else w.programs), w.kv_bytes_read(TILE_D, TILE_BYTES), \
+    return (w.tiles / longest_program(lens, block_m) if busy else w.programs), w.kv_bytes_read(TILE_D, TILE_BYTES), \
         w.executed_cells
 
 
 def best_block_m(lens, n_heads, n_sms, busy: bool = True) -> int:
     """The BLOCK_M of ``TILE_SIZES`` reading the fewest K/V bytes among those that keep at least ``n_sms`` SMs busy
-    (``busy_sms``; ``busy=False``: all the grid's programs counted); if none, the most busy SMs; ties: fewest
+    (``tile_costs``; ``busy=False``: all the grid's programs counted); if none, the most busy SMs; ties: fewest
     executed cells."""
     costs = {bm: tile_costs(lens, n_heads, bm, busy) for bm in TILE_SIZES}
     full = [bm for bm in TILE_SIZES if costs[bm][0] >= n_sms]
@@ -1003,7 +956,7 @@ def _mib(n: int) -> str:
 def check_tiles(fn: Callable[[list, int, int], int]) -> bool:
     """Exercise 07.3: ``fn(seq_lens, n_heads, n_sms) -> block_m`` from ``TILE_SIZES`` (BLOCK_N = 64, causal,
     d = 64, bf16): the fewest K/V bytes read among the choices that keep ``n_sms`` SMs busy on average while the
-    launch runs (``busy_sms``: its key tiles over its longest program's); if none does, the most busy SMs; ties
+    launch runs (``tile_costs``: its key tiles over its longest program's); if none does, the most busy SMs; ties
     broken by fewest executed cells."""
     def judge(got, lens, heads, n_sms):
         try:
@@ -1048,7 +1001,7 @@ TRAP_MAX_TOKENS, TRAP_MAX_HEADS = 16384, 64
 
 def check_grid_trap(fn: Callable[[], tuple]) -> bool:
     """Exercise 07.3, the counter-example: ``fn() -> (seq_lens, n_heads)``, a mix (not one of ``TILE_CASES``) for
-    which counting the grid's programs picks another BLOCK_M than counting the SMs kept busy (``busy_sms``), on
+    which counting the grid's programs picks another BLOCK_M than counting the SMs kept busy (``tile_costs``), on
     ``H200.n_sms`` SMs."""
     def judge(got):
         try:

@@ -59,7 +59,7 @@ class WorkCounts:
     block_m: int = field(default=0, compare=False)  # a launch-free call (no tokens) records no tile size
     block_n: int = field(default=0, compare=False)
     # per launch, per program (index m + grid_m · (h + H · r)): its key tiles, -1 if it returned at once;
-    # filled only by the kernel's count_work, never predicted
+    # filled by the kernel's count_work (program_key_tiles predicts one request's)
     program_tiles: tuple = field(default=(), compare=False, repr=False)
 
     @property
@@ -143,17 +143,24 @@ def predict_work(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = Non
     grid_m = cdiv(longest * rows, bm)
     w = WorkCounts(programs=grid_m * heads * len(lq), block_m=bm, block_n=bn)
     for nq, nk in zip(lq, lk):
-        for m in range(grid_m):
-            start = m * bm
-            if start >= nq * rows:
+        for m, computed in enumerate(program_key_tiles(nq, nk, grid_m, bm, bn, causal, rows)):
+            if computed < 0:
                 w.early_exits += heads
                 continue
-            computed, skipped = key_tiles(nq, nk, start, bm, bn, causal, rows)
             w.tiles += heads * computed
-            w.tiles_skipped += heads * skipped
-            w.cells += heads * min(bm, nq * rows - start) * min(computed * bn, nk)
-            w.masked_tiles += heads * masked_key_tiles(nq, nk, start, bm, bn, causal, rows)
+            w.tiles_skipped += heads * (cdiv(nk, bn) - computed)
+            w.cells += heads * min(bm, nq * rows - m * bm) * min(computed * bn, nk)
+            w.masked_tiles += heads * masked_key_tiles(nq, nk, m * bm, bm, bn, causal, rows)
     return w
+
+
+def program_key_tiles(len_q: int, len_k: int, grid_m: int, block_m: int, block_n: int, causal: bool,
+                      group: int = 1) -> list[int]:
+    """One request's ``grid_m`` programs of one head, query tile by query tile: the key tiles each computes, -1 for
+    one that returns at once (its tile starts at or past the request's ``len_q · group`` rows). What
+    ``count_work``'s ``program_tiles`` holds for that request and head, predicted."""
+    return [-1 if m * block_m >= len_q * group else key_tiles(len_q, len_k, m * block_m, block_m, block_n, causal, group)[0]
+            for m in range(grid_m)]
 
 
 @functools.lru_cache(maxsize=256)
