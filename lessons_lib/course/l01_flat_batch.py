@@ -565,26 +565,23 @@ def sampled_rows(model: Transformer, requests: Sequence, bug: str, k: int) -> di
     return got
 
 
+# Why request i is (or is not) changed by boundary k moved one row: the causal argument, keyed by (bug, i - k);
+# "early one token" is request k-1 when it has a single token; any other request does not touch the boundary.
+WHY = {("late", -1): "{r}'s own rows, cut at the true boundaries, are unchanged: it gains request {k}'s first token AFTER "
+                     "them, and causal attention lets each row see only the rows before it (a server trusting the broken "
+                     "cu_seqlens would still sample it from that extra row: see below the exercise)",
+       ("late", 0): "{r} lost its first token: its other rows no longer see it, and their positions start one lower",
+       ("early", -1): "{r} handed its last token to request {k}: that row now has position 0 and sees only itself, and "
+                      "the last row is the one a server samples from",
+       ("early one token", -1): "{r} has one token: handed to request {k} it becomes that request's first row, "
+                                "position 0, seeing only itself - exactly what it is alone",
+       ("early", 0): "{r} gained a foreign first row: every one of its rows sees it, at shifted positions",
+       "untouched": "{r} does not touch boundary {k}: its rows, keys and positions are all its own"}
+
+
 def _why(i: int, lens: list[int], bug: str, k: int) -> str:
-    """Why request i is (or is not) changed by boundary k moved ``bug``: the causal argument."""
-    name = request_name(i)
-    if bug == "late" and i == k - 1:
-        return (f"request {i} ({name})'s own rows, cut at the true boundaries, are unchanged: it gains request "
-                f"{k}'s first token AFTER them, and causal attention lets each row see only the rows before it "
-                "(a server trusting the broken cu_seqlens would still sample it from that extra row: see below the "
-                "exercise)")
-    if bug == "late" and i == k:
-        return (f"request {i} ({name}) lost its first token: its other rows no longer see it, and their "
-                "positions start one lower")
-    if bug == "early" and i == k - 1:
-        if lens[i] == 1:
-            return (f"request {i} ({name}) has one token: handed to request {k} it becomes that request's first "
-                    "row, position 0, seeing only itself - exactly what it is alone")
-        return (f"request {i} ({name}) handed its last token to request {k}: that row now has position 0 and "
-                "sees only itself, and the last row is the one a server samples from")
-    if bug == "early" and i == k:
-        return f"request {i} ({name}) gained a foreign first row: every one of its rows sees it, at shifted positions"
-    return f"request {i} ({name}) does not touch boundary {k}: its rows, keys and positions are all its own"
+    key = (bug, i - k) if (bug, i - k, lens[i]) != ("early", -1, 1) else ("early one token", -1)
+    return WHY.get(key, WHY["untouched"]).format(r=f"request {i} ({request_name(i)})", k=k)
 
 
 def check_wrong_requests(fn: Callable[[list, str, int], object]) -> bool:
