@@ -27,11 +27,17 @@ Taught in notebooks/03_masked_vs_varlen_attention.ipynb and notebooks/05_flop_re
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..core.config import ModelConfig
 from ..validate import check_choice, check_int, check_lengths, check_n_kv_heads, check_tp_divides
+from .search import first_where
+
+if TYPE_CHECKING:
+    from .machines import Machine
 
 METHODS = ("padded", "masked", "varlen")
 
@@ -92,6 +98,13 @@ def linear_shapes(cfg: ModelConfig, tp_size: int = 1) -> tuple[tuple[int, int], 
     return ((d, q + 2 * kv), (q, d), (d, f // tp), (f // tp, d))
 
 
+def linear_terms(cfg: ModelConfig, tp_size: int = 1) -> tuple[int, int]:
+    """``(W, A)`` of one block's four linear layers on one rank (``linear_shapes``): ``W = Σ d_in·d_out`` weight
+    numbers, ``A = Σ (d_in + d_out)`` input and output numbers per row."""
+    shapes = linear_shapes(cfg, tp_size)
+    return sum(a * b for a, b in shapes), sum(a + b for a, b in shapes)
+
+
 def linear_flops_per_token(cfg: ModelConfig, n_kv_heads: int | None = None) -> int:
     """FLOPs of the four matmuls of all layers for ONE token (whole model, all ranks): 2 per weight,
     ``2 · (d·3k + k·d + d·f + f·d)`` per layer without grouped-query attention."""
@@ -149,15 +162,15 @@ def linear_intensity(num_tokens: int, d_in: int, d_out: int, bytes_per_element: 
     return flops / (bytes_per_element * (d_in * d_out + num_tokens * d_in + num_tokens * d_out))
 
 
-def decode_attention_intensity(kv_len: int, d_head: int, bytes_per_element: int = 2) -> float:
-    """FLOP per byte of one decode step's ``q K^T`` for one head: ``[1, D] @ [D, L_kv]`` (C15).
+def decode_attention_intensity(kv_len: int, d_head: int, bytes_per_element: int = 2, group: int = 1) -> float:
+    """FLOP per byte of one request's decode attention on one K/V head, ``group`` query heads as the rows of
+    each matmul (``Q K^T`` ``[G, D] @ [D, L_kv]``, ``P V`` ``[G, L_kv] @ [L_kv, D]``) (C15).
 
-    ``2·L·D`` FLOPs over ``bytes·(L·D + D + L)`` bytes: about 1 FLOP/byte in bf16, whatever L is.
+    ``2·G·L·D`` FLOPs over ``bytes·(G·D + L·D + G·L)`` bytes per matmul: about 1 FLOP/byte in bf16 without
+    grouped-query attention (G = 1), whatever L is; a little under G with one K/V head per G query heads.
     """
-    if kv_len < 1:
-        raise ValueError(f"kv_len must be >= 1, got {kv_len}")
-    return 2 * kv_len * d_head / (bytes_per_element * (kv_len * d_head + d_head + kv_len))
-
+    n, d, g = (check_int(name, x, 1) for name, x in (("kv_len", kv_len), ("d_head", d_head), ("group", group)))
+    return 2 * g * n * d / (_bytes_per_element(bytes_per_element) * (g * d + n * d + g * n))
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,3 +222,75 @@ def roofline_seconds(flops: float, nbytes: float, peak_flops: float, bytes_per_s
     if flops < 0 or nbytes < 0:
         raise ValueError(f"flops and nbytes must be >= 0, got {flops!r}, {nbytes!r}")
     return max(flops / peak_flops, nbytes / bytes_per_s)
+
+
+@dataclass(frozen=True, slots=True)
+class RooflinePart:
+    """One part of a step (a kernel, or a group of them) on a machine's roofline: ``flops``, ``bytes`` moved,
+    ``intensity`` (FLOP/byte), ``seconds`` (``roofline_seconds``) and ``bound``: ``"compute-bound"`` when the
+    intensity reaches the machine's ridge, else ``"memory-bound"``."""
+
+    flops: float
+    bytes: float
+    intensity: float
+    seconds: float
+    bound: str
+
+
+def roofline_part(flops: float, nbytes: float, peak_flops: float, bytes_per_s: float) -> RooflinePart:
+    """``flops`` over ``nbytes`` (> 0) on the roofline of ``peak_flops`` FLOP/s and ``bytes_per_s``."""
+    if not nbytes > 0:
+        raise ValueError(f"nbytes must be > 0 (intensity is FLOPs per byte), got {nbytes!r}")
+    seconds = roofline_seconds(flops, nbytes, peak_flops, bytes_per_s)
+    intensity = flops / nbytes
+    bound = "compute-bound" if intensity >= peak_flops / bytes_per_s else "memory-bound"
+    return RooflinePart(flops, nbytes, intensity, seconds, bound)
+
+
+def block_linear_intensity(cfg: ModelConfig, rows: int, bytes_per_element: int = 2) -> float:
+    """FLOP per byte of one block's four linear layers on ``rows`` rows, weights, input rows and output rows each
+    moved once (C13, C15): ``2·rows·W / (bytes·(W + rows·A))`` (``linear_terms``). Prefill: rows = T flat tokens;
+    a decode step: rows = R requests."""
+    r = check_int("rows", rows, 1)
+    w, a = linear_terms(cfg)
+    return 2 * r * w / (_bytes_per_element(bytes_per_element) * (w + r * a))
+
+
+def min_decode_batch(cfg: ModelConfig, ridge: float, bytes_per_element: int = 2) -> int | None:
+    """The smallest number of requests R whose decode step's linear layers (``block_linear_intensity``, rows = R)
+    reach ``ridge`` FLOP/byte, or None: the intensity only approaches ``2W / (bytes·A)``."""
+    if not 0 < ridge < math.inf:
+        raise ValueError(f"ridge must be a positive finite FLOP/byte, got {ridge!r}")
+    return first_where(lambda r: block_linear_intensity(cfg, r, bytes_per_element) >= ridge, 1, 1 << 40)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    """One layer of a decode step, each part on its own roofline (``decode_step_parts``)."""
+
+    linear: RooflinePart
+    attention: RooflinePart
+
+    @property
+    def seconds(self) -> float:
+        """The two parts one after the other."""
+        return self.linear.seconds + self.attention.seconds
+
+    @property
+    def longer(self) -> str:
+        """``"attention"`` when the KV read takes longer than the linear layers, else ``"linear"``."""
+        return "attention" if self.attention.seconds > self.linear.seconds else "linear"
+
+
+def decode_step_parts(cfg: ModelConfig, requests: int, kv_len: int, machine: Machine,
+                      bytes_per_element: int = 2) -> DecodeStep:
+    """Per layer, a decode step of R = ``requests`` requests with ``kv_len`` cached tokens each (no grouped-query
+    attention), each part on ``machine``'s roofline (``Machine.roofline_part``): the linear layers, ``2·R·W``
+    FLOPs over ``bytes·(W + R·A)`` (``linear_terms``); attention, per request ``4·k·kv_len`` FLOPs (k =
+    ``cfg.qkv_dim``) over ``bytes·2k·(1 + kv_len)``: the query and output, the cached K and V."""
+    r, n = check_int("requests", requests, 1), check_int("kv_len", kv_len, 1)
+    nb = _bytes_per_element(bytes_per_element)
+    w, a = linear_terms(cfg)
+    k = cfg.qkv_dim
+    return DecodeStep(machine.roofline_part(2 * r * w, nb * (w + r * a)),
+                      machine.roofline_part(r * 4 * k * n, nb * r * 2 * k * (1 + n)))

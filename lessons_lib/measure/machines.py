@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..validate import check_int
-from .flops import roofline_seconds
+from .flops import RooflinePart, roofline_part, roofline_seconds
 from .profile import matmul_throughput, time_call
 
 
@@ -76,6 +76,17 @@ class Machine:
     def roofline_seconds(self, flops: float, nbytes: float) -> float:
         """The roofline's time of one kernel on this machine: ``max(flops / peak_flops, nbytes / bytes_per_s)``."""
         return roofline_seconds(flops, nbytes, self.peak_flops, self.bytes_per_s)
+
+    def roofline_part(self, flops: float, nbytes: float) -> RooflinePart:
+        """``flops`` over ``nbytes`` on this machine's roofline: intensity, seconds, and compute- or memory-bound
+        (intensity at or above ``ridge``)."""
+        return roofline_part(flops, nbytes, self.peak_flops, self.bytes_per_s)
+
+    def attainable_flops(self, intensity: float) -> float:
+        """FLOP/s the roofline allows a kernel of ``intensity`` FLOP/byte: ``min(peak_flops, intensity · bytes_per_s)``."""
+        if not 0 <= intensity < math.inf:
+            raise ValueError(f"intensity must be a finite FLOP/byte >= 0, got {intensity!r}")
+        return min(self.peak_flops, intensity * self.bytes_per_s)
 
 
 # NVIDIA H200 SXM: 989 TFLOP/s dense bf16 (1,979 with 2:4 sparsity), 4.8 TB/s HBM3e, 132 SMs, NVLink 4 at 900 GB/s

@@ -6,6 +6,7 @@ of ``flops``; tests never assert a timing.
 
 - ``time_call`` / ``peak_bytes``: fastest-of-N wall time; bytes allocated at the peak of one
   call (``torch.profiler`` memory events on the CPU, ``torch.cuda`` statistics on a GPU).
+- ``interleaved_best``: the fastest time of several calls timed in turn; ``cpu_threads``: a block on n threads.
 - ``measure_attention``: one varlen backend on random q, k, v (claim C9's masked vs varlen).
 - ``forward_time_split``: a model forward split into linear layers, attention and the rest,
   on the model's device (claim C14's measured counterpart).
@@ -20,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from ..core.attention import varlen_attention
 from ..core.batch import PackedBatch, seq_lens_to_cu_seqlens
 from ..core.kernels import synchronize
 from ..core.linear import ColumnParallelLinear
-from ..validate import check_lengths
+from ..validate import check_int, check_lengths
 
 Tensor = torch.Tensor
 
@@ -48,6 +49,36 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, devic
         fn()
         synchronize(device)
         best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int | None):
+    """Run the block on ``n`` CPU threads (``torch.set_num_threads``; None: leave PyTorch's setting), the count
+    restored after: on a shared machine a multi-threaded op waits for its slowest thread, often descheduled."""
+    saved = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(check_int("cpu_threads", n, 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def interleaved_best(calls: Mapping[Hashable, Callable[[], object]], rounds: int = 5,
+                     device="cpu") -> dict[Hashable, float]:
+    """Fastest seconds of each of ``calls`` (key -> a call with no arguments): a warm-up round, then ``rounds``
+    rounds that call every one once, in order, synchronizing ``device`` after each. Interleaved, a burst of load
+    on a shared machine slows one call of each, not a whole series of one."""
+    n = check_int("rounds", rounds, 1)
+    best = dict.fromkeys(calls, float("inf"))
+    for round_ in range(n + 1):
+        for key, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            synchronize(device)
+            if round_:  # round 0 warms up
+                best[key] = min(best[key], time.perf_counter() - t0)
     return best
 
 
