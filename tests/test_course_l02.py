@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from helpers import attempt, by_class, min_font, png_of, stub, texts
 from matplotlib.figure import Figure
 
-from lessons_lib import ModelConfig, Transformer, init_weights
+from lessons_lib import ModelConfig, Transformer, faults, init_weights
 from lessons_lib.core.attention import VarlenMetadata
 from lessons_lib.core.model import AttentionContext
 from lessons_lib.course import l02_linear as L
@@ -48,28 +48,28 @@ def test_forward_walk_figure_is_a_figure_with_readable_text():
 @pytest.fixture(scope="module")
 def block_run():
     cfg = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=50, max_position=32)
-    block = Transformer(cfg, init_weights(cfg, seed=3)).layers[0]
+    model = Transformer(cfg, init_weights(cfg, seed=3))
     x = torch.randn(12, 64, generator=torch.Generator().manual_seed(4))
-    return block, x, [3, 9]
+    return model, x, [3, 9]
 
 
 def test_c4_c5_block_steps_chain_to_the_block_itself_bit_for_bit(block_run):
-    block, x, lens = block_run
-    steps = L.block_steps(block, x, lens)
+    model, x, lens = block_run
+    steps = L.block_steps(model, x, lens)
     assert [s.kind for s in steps].count("linear") == 4 and [s.kind for s in steps].count("attention") == 1
-    block.attn.core.context = AttentionContext(VarlenMetadata.build([0, 3, 12]), "loop")
+    model.set_context(AttentionContext(VarlenMetadata.build([0, 3, 12]), "loop"))
     try:
-        want = block(x)
+        want = model.layers[0](x)
     finally:
-        block.attn.core.context = None
+        model.set_context(None)
     assert torch.equal(steps[-1].out, want)
     for a, b in zip(steps, steps[1:]):  # each step's input is the previous step's output
         assert b.inp is a.out
 
 
 def test_c4_c5_measure_steps_finds_the_identity_except_in_attention(block_run):
-    block, x, lens = block_run
-    reports = L.measure_steps(L.block_steps(block, x, lens), lens)
+    model, x, lens = block_run
+    reports = L.measure_steps(L.block_steps(model, x, lens), lens)
     for r in reports:
         assert r.err <= r.bound, r
         if r.kind == "attention":
@@ -79,7 +79,7 @@ def test_c4_c5_measure_steps_finds_the_identity_except_in_attention(block_run):
             assert r.off_diagonal == 0 and r.reads == "row i only"
     assert "row i only" in L.format_reports(reports) and "A: numbers differ" in L.rounding_lines(reports, lens)
     for r in reports:
-        assert sum(r.differ_per_request) == r.bits_differ and len(r.differ_per_request) == len(lens)
+        assert len(r.differ_per_request) == len(lens)
         # bit-identical by construction: an add is one correctly rounded operation per number (IEEE 754), and the
         # loop backend runs each request's attention with the same shapes alone as in the batch. LayerNorm's row
         # sum and GeLU's code paths are the kernel's choice: not asserted here (C4 holds them to the tolerance)
@@ -87,15 +87,10 @@ def test_c4_c5_measure_steps_finds_the_identity_except_in_attention(block_run):
             assert r.differ_per_request == (0, 0) and r.padded_differ == 0, r
 
 
-def test_c4_the_residual_adds_are_measured_on_the_engines_block(block_run, monkeypatch):
-    block, x, lens = block_run
-    from lessons_lib.core import model
-
-    def off_by_one(self, t):  # the engine's adds, each taking the sublayer output of the row before
-        t = t + torch.roll(self.attn(self.ln_1(t)), 1, dims=0)
-        return t + torch.roll(self.mlp(self.ln_2(t)), 1, dims=0)
-    monkeypatch.setattr(model.Block, "forward", off_by_one)
-    reports = {r.name: r for r in L.measure_steps(L.block_steps(block, x, lens), lens)}
+def test_c4_the_residual_adds_are_measured_on_the_engines_block(block_run):
+    model, x, lens = block_run
+    with faults.injected("residual_add_off_by_one_row"):  # each add takes the sublayer output of the row before
+        reports = {r.name: r for r in L.measure_steps(L.block_steps(model, x, lens), lens)}
     for name in ("residual add 1", "residual add 2"):  # row i reads row i - 1 (row 0 row 11): twice across A | B
         assert reports[name].off_diagonal == 12 and reports[name].cross_request == 2, reports[name]
     assert reports["LayerNorm 1"].off_diagonal == 0  # the modules themselves are whole
@@ -110,7 +105,7 @@ def test_ulp32_is_the_gap_to_the_next_float32():
 
 
 def test_c5_measure_steps_catches_a_layer_that_mixes_rows(block_run):
-    block, x, lens = block_run
+    _, x, lens = block_run
     def centre(t, rows=slice(None)):  # a "layer" with statistics over the tokens
         return t - t.mean(dim=0)
     mixed = L.measure_steps([L.BlockStep("centre", "per token", centre, centre, x, centre(x))], lens)[0]
@@ -118,9 +113,9 @@ def test_c5_measure_steps_catches_a_layer_that_mixes_rows(block_run):
 
 
 def test_block_steps_rejects_rows_that_do_not_match(block_run):
-    block, x, _ = block_run
+    model, x, _ = block_run
     with pytest.raises(ValueError, match="rows"):
-        L.block_steps(block, x, [3, 8])
+        L.block_steps(model, x, [3, 8])
     with pytest.raises(ValueError, match="whole requests"):
         L._cu_of([0, 3, 12], slice(2, 12))
 

@@ -1,21 +1,18 @@
 """What lesson 02 (linear layers work token by token) draws, explores and checks.
 
-- ``forward_walk`` / ``forward_walk_figure``: the steps of one block with their shapes on the
-  flat batch and on one TP rank, and which rows each step lets a row read (C4, C5, C6);
-- ``block_steps`` / ``measure_steps``: the same steps run on a real ``Block`` of the engine, one
-  at a time, with ``probe.row_dependency`` and the flat-vs-alone rounding of every step;
-- ``qkv_shards``: the QKV weight's rows (its feature extractors) and the rank that owns each (C6);
-- the module-reach explorer (``module_reach_state`` + ``module_reach_explorer``): ``probe.row_dependency``
-  live on a module of the engine, a BatchNorm1d or one of the learner's, for the lengths typed, and its verdict;
-- exercise 02.2's ``RowParallelSuspect`` layers (the engine's ``RowParallelLinear`` and three bugs on top of it);
-- exercise 02.1's per-request norm and its typical slips, 02.3's int8 scales (``fake_int8``, ``batching_free``);
-- the checkers of exercises 02.1-02.3.
+- claims helpers: ``forward_walk`` (the steps of a block and their shapes, C4-C6), ``block_steps`` /
+  ``measure_steps`` (the steps of an engine ``Block`` run one at a time: ``probe.row_dependency`` and the
+  flat-vs-alone rounding, C4, C5), ``run_row_parallel`` and ``all_reduce_counts`` (C6's collectives);
+- figures: the walk, the who-reads-whom maps (``dependency_maps``), the QKV shards per rank (``qkv_shards``, C6);
+- the module-reach explorer (``module_reach_state`` + ``module_reach_explorer``): the two tests live on a module
+  of the engine, a BatchNorm1d or one of the learner's;
+- exercises 02.1 (a per-request norm), 02.2 (``RowParallelSuspect``: the engine's ``RowParallelLinear``, some
+  under one of its named faults) and 02.3 (int8 scales: ``fake_int8``, ``batching_free``).
 
 Taught in notebooks/02_linear_is_per_token.ipynb.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import textwrap
@@ -31,21 +28,22 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from .. import faults
 from ..core.attention import VarlenMetadata
 from ..core.batch import cumulative, pack
 from ..core.config import ModelConfig
 from ..core.groups import LocalGroup
 from ..core.linear import QKVParallelLinear, RowParallelLinear
 from ..core.model import AttentionContext, Transformer, init_weights
+from ..measure.flops import linear_shapes
 from ..measure.recorder import module_io
-from ..measure.tolerance import max_abs_diff, tolerance
+from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
 from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_name
 from ..tp.threads import tp_ranks_in_threads
 from ..validate import check_choice, check_int, check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade, matches, tensor_problem
-from .l00_setup import consecutive_runs
 from .probe import row_dependency
 
 Tensor = torch.Tensor
@@ -72,78 +70,45 @@ class WalkStep:
 
 
 def forward_walk(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int = 2) -> list[WalkStep]:
-    """The embedding and the ten steps of a pre-LN block, with shapes computed from ``cfg``.
+    """The embedding and the ten steps of a pre-LN block on the ``T = sum(seq_lens)`` flat rows, the four
+    linear layers' shapes from the engine's cut (``measure.flops.linear_shapes``, at TP=1 and on one rank of
+    ``tp_size``); attention as the block calls it, the fused QKV output in, the out proj's input out."""
+    t, d = sum(check_lengths(seq_lens)), cfg.d_model
+    (qkv, out, up, down), (qkv_r, out_r, up_r, down_r) = linear_shapes(cfg), linear_shapes(cfg, tp_size)
 
-    Shapes are for the ``T = sum(seq_lens)`` flat rows (attention as the block calls it: the fused
-    ``[T x 3·H·D]`` QKV in, ``[T x H·D]`` out); ``per_rank`` is one rank of
-    ``tp_size`` (column-parallel QKV and FFN-up keep a slice of the outputs, row-parallel
-    out proj and FFN-down a slice of the inputs and all-reduce a partial ``[T x d]``).
-    """
-    t = sum(check_lengths(seq_lens))
-    d, k, f, tp = cfg.d_model, cfg.qkv_dim, cfg.d_ffn, tp_size
-    h, hr, dh = cfg.n_heads, cfg.heads_per_rank(tp_size), cfg.d_head
+    def arrow(a: int, b: int, all_reduce: bool = False) -> str:
+        return f"[{t} x {a}] -> [{t} x {b}]" + (" + all-reduce" if all_reduce else "")
 
-    def s(*dims):
-        return "[" + " x ".join(str(x) for x in dims) + "]"
-
-    same = f"{s(t, d)} -> {s(t, d)}"
+    embed = f"[{t}] ids -> [{t} x {d}]"
     own, itself = "rows ≤ i of its own request", "row i only"
     return [
-        WalkStep("embed (token + position)", "per token", f"{s(t)} ids -> {s(t, d)}", f"{s(t)} ids -> {s(t, d)}", itself),
-        WalkStep("LayerNorm", "per token", same, same, itself),
-        WalkStep("QKV proj", "linear", f"{s(t, d)} -> {s(t, 3 * k)}", f"{s(t, d)} -> {s(t, 3 * hr * dh)}", itself),
-        WalkStep("attention", "attention", f"{s(t, 3 * h * dh)} -> {s(t, h * dh)}", f"{s(t, 3 * hr * dh)} -> {s(t, hr * dh)}",
-                 own),
-        WalkStep("out proj", "linear", f"{s(t, k)} -> {s(t, d)}", f"{s(t, k // tp)} -> {s(t, d)} + all-reduce", itself),
-        WalkStep("residual add", "per token", same, same, itself),
-        WalkStep("LayerNorm", "per token", same, same, itself),
-        WalkStep("FFN-up", "linear", f"{s(t, d)} -> {s(t, f)}", f"{s(t, d)} -> {s(t, f // tp)}", itself),
-        WalkStep("GeLU", "per token", f"{s(t, f)} -> {s(t, f)}", f"{s(t, f // tp)} -> {s(t, f // tp)}", itself),
-        WalkStep("FFN-down", "linear", f"{s(t, f)} -> {s(t, d)}", f"{s(t, f // tp)} -> {s(t, d)} + all-reduce", itself),
-        WalkStep("residual add", "per token", same, same, itself),
+        WalkStep("embed (token + position)", "per token", embed, embed, itself),
+        WalkStep("LayerNorm", "per token", arrow(d, d), arrow(d, d), itself),
+        WalkStep("QKV proj", "linear", arrow(*qkv), arrow(*qkv_r), itself),
+        WalkStep("attention", "attention", arrow(qkv[1], out[0]), arrow(qkv_r[1], out_r[0]), own),
+        WalkStep("out proj", "linear", arrow(*out), arrow(*out_r, all_reduce=True), itself),
+        WalkStep("residual add", "per token", arrow(d, d), arrow(d, d), itself),
+        WalkStep("LayerNorm", "per token", arrow(d, d), arrow(d, d), itself),
+        WalkStep("FFN-up", "linear", arrow(*up), arrow(*up_r), itself),
+        WalkStep("GeLU", "per token", arrow(up[1], up[1]), arrow(up_r[1], up_r[1]), itself),
+        WalkStep("FFN-down", "linear", arrow(*down), arrow(*down_r, all_reduce=True), itself),
+        WalkStep("residual add", "per token", arrow(d, d), arrow(d, d), itself),
     ]
 
 
-def _requests_phrase(seq_lens: Sequence[int]) -> str:
-    """``A = 10 and B = 30 tokens`` (the first four requests by name, then how many more)."""
-    lens = list(seq_lens)
-    named = [f"{request_name(i)} = {n}" for i, n in enumerate(lens[:4])]
-    text = (", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0]) + " tokens"
-    more = len(lens) - len(named)
-    return text + (f", and {more} more request{'s' if more > 1 else ''}" if more else "")
-
-
-def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int = 2) -> Figure:
-    """Claims C4-C6 as a table: one row per step of ``forward_walk``, coloured by kind."""
-    steps = forward_walk(cfg, seq_lens, tp_size)
-    n = len(steps)
-    fig = Figure(figsize=(11.6, 0.42 * n + 1.3))
-    ax = fig.add_axes((0.01, 0.1, 0.98, 0.8))
-    ax.set_xlim(0, 11.6)
-    ax.set_ylim(n + 0.6, -0.1)
-    ax.axis("off")
-    cols = [(0.0, "step"), (2.55, f"on the flat batch (TP=1, T={sum(seq_lens)})"), (5.45, f"on one rank (TP={tp_size})"),
-            (9.15, "row i reads")]
-    for x, head in cols:
-        ax.text(x + 0.05, 0.35, head, fontsize=MIN_FONT + 1, fontweight="bold", va="center", color=TEXT)
-    for i, st in enumerate(steps):
-        y = i + 1
-        ax.add_patch(Rectangle((0.0, y - 0.42), 2.45, 0.84, facecolor=KIND_COLORS[st.kind], edgecolor="white"))
-        dark = st.kind != "per token"
-        ax.text(0.08, y, f"{i}. {st.name}" if i else st.name, fontsize=MIN_FONT + 1, va="center",
-                color="white" if dark else TEXT, fontweight="bold")
-        ax.text(2.6, y, st.flat, fontsize=MIN_FONT + 1, va="center", family="DejaVu Sans Mono", color=TEXT)
-        ax.text(5.5, y, st.per_rank, fontsize=MIN_FONT + 1, va="center", family="DejaVu Sans Mono", color=TEXT)
-        ax.text(9.2, y, st.reads, fontsize=MIN_FONT + 1, va="center", color=ATTENTION if st.kind == "attention" else TEXT,
-                fontweight="bold" if st.kind == "attention" else "normal")
-    fig.legend(handles=[Patch(facecolor=c, label=lab) for lab, c in
-                        (("per token: each row alone (C4; embed: a lookup)", OTHER),
-                         ("linear: Y = X W^T + b, row by row (C5)", LINEAR),
-                         ("attention: mixes rows, needs cu_seqlens (lesson 03)", ATTENTION))],
-               loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
-    fig.suptitle(f"One block on the flat batch of {_requests_phrase(seq_lens)}: shapes at every step, and the one "
-                 "step that mixes rows", fontsize=MIN_FONT + 2, y=0.97)
-    return fig
+def reach_counts(dep: np.ndarray, seq_lens: Sequence[int]) -> dict:
+    """What a bool ``[T, T]`` map of ``row_dependency`` on the flat batch of ``seq_lens`` shows: pairs on the
+    ``diagonal``, ``own_request`` (row i changed by another row of its request), ``other_requests``, ``later``
+    (changed by a later row j > i of its request: not causal), and ``reads`` in words."""
+    dep = np.asarray(dep, dtype=bool)
+    owner = np.repeat(np.arange(len(seq_lens)), list(seq_lens))
+    same = owner[:, None] == owner[None, :]
+    diagonal = int(np.trace(dep))
+    own, other = int((dep & same).sum()) - diagonal, int((dep & ~same).sum())
+    later = int(np.triu(dep & same, k=1).sum())
+    reads = ("other requests too" if other else "row i only" if not own
+             else "rows of its own request" if later else "rows ≤ i of its own request")
+    return {"diagonal": diagonal, "own_request": own, "other_requests": other, "later": later, "reads": reads}
 
 
 # ---- the same steps on a real block of the engine --------------------------------------------------
@@ -171,6 +136,16 @@ def _cu_of(cu: list[int], rows: slice) -> list[int]:
     return inside
 
 
+def in_forward(model: Transformer, cu_seqlens: list[int], backend, run: Callable, device=None):
+    """``run()`` with every layer of ``model`` handed the attention context of a flat batch with these
+    ``cu_seqlens`` (``Transformer.set_context``, as its forward does), cleared again after."""
+    model.set_context(AttentionContext(VarlenMetadata.build(cu_seqlens, device=device or model.device), backend))
+    try:
+        return run()
+    finally:
+        model.set_context(None)  # a context never outlives its forward
+
+
 # The ten steps of a block: (name, kind, the module that runs it; None: a residual add, no module of its own)
 BLOCK_STEPS = (("LayerNorm 1", "per token", "ln_1"), ("QKV proj", "linear", "attn.qkv"),
                ("attention", "attention", "attn.core"), ("out proj", "linear", "attn.out_proj"),
@@ -184,53 +159,46 @@ _READ = {"ln_1": ("attn.qkv", "in"), "attn.qkv": ("attn.qkv", "out"), "attn.core
 
 
 @torch.no_grad()
-def block_steps(block, x: Tensor, seq_lens: Sequence[int], backend: str = "loop") -> list[BlockStep]:
-    """Run ``block`` (a ``model.Block``) on the flat rows ``x [T, d]`` and read its ten steps off it.
+def block_steps(model: Transformer, x: Tensor, seq_lens: Sequence[int], backend: str = "loop") -> list[BlockStep]:
+    """The ten steps of the first block of ``model`` (a ``Transformer``) on the flat rows ``x [T, d]``.
 
-    One real ``block(x)`` (attention varlen, causal, ``backend``) runs under forward hooks on the
-    block's own modules (``measure.recorder.module_io``): each step's output is what the NEXT step
-    read in that forward (the first residual is ``ln_2``'s input, the second the block's output),
-    so ``Block.forward`` decides every value shown. Each step's ``fn`` is the module alone; a residual
-    add has no module, so its ``fn`` runs the whole block on the rows with the output of the module
-    it adds (``attn.out_proj``, ``mlp.fc_down``) replaced by ``t`` (and the out proj's, for the second
-    add, by the flat run's rows) and reads the sum where the block leaves it (``ln_2``'s input, the
-    block's output): ``Block.forward``'s own add. ``fn64`` is the
-    same on a float64 twin, for ``measure_steps`` to run a request alone. The last output is
-    ``block(x)``, bit for bit.
+    One real ``block(x)`` (varlen causal attention, ``backend``) runs under forward hooks
+    (``measure.recorder.module_io``), so ``Block.forward`` decides every value: each step's output is what the
+    next step read (the residual sums: ``ln_2``'s input, the block's output), the last one ``block(x)`` bit for
+    bit. ``fn`` is the step's module alone; a residual add has no module, so its ``fn`` runs the block with the
+    added module's output replaced by ``t`` (the out proj's, for the second add, by the flat run's rows) and
+    reads the sum where the block leaves it. ``fn64``: the same on the model's float64 twin.
     """
     lens = check_lengths(seq_lens)
     cu = cumulative(lens)
     if x.shape[0] != cu[-1]:
         raise ValueError(f"x has {x.shape[0]} rows, seq_lens add up to {cu[-1]}")
-    twin = copy.deepcopy(block).double()
-    whole = slice(None)
+    twin, whole = float64_twin(model), slice(None)
 
-    def with_context(b, rows, run):
-        b.attn.core.context = AttentionContext(VarlenMetadata.build(_cu_of(cu, rows), device=x.device), backend)
-        try:
-            return run()
-        finally:
-            b.attn.core.context = None  # a context never outlives its forward
+    def context(m, rows, run):
+        return in_forward(m, _cu_of(cu, rows), backend, run, x.device)
 
     paths = sorted({reader for reader, _ in _READ.values()} | {"ln_2", ""})  # the modules whose inputs/outputs we read
-    io = with_context(block, whole, lambda: module_io(block, paths, lambda: block(x)))
+    block = model.layers[0]
+    io = context(model, whole, lambda: module_io(block, paths, lambda: block(x)))
     missing = [p for p in paths if p not in io]
     if missing:
         raise RuntimeError(f"Block.forward did not run {missing}: block_steps reads the steps off those modules")
 
-    def fn_of(b, path):
+    def fn_of(m, path):
+        b = m.layers[0]
         if path == "attn.core":  # [T, 3·H·D] -> q, k, v [T, H, D] -> [T, H·D]
-            return lambda t, rows=whole: with_context(b, rows, lambda: b.attn.core(*b.attn.qkv.split(t)).flatten(1))
-        m = b.get_submodule(path)
-        return lambda t, rows=whole: m(t)
+            return lambda t, rows=whole: context(m, rows, lambda: b.attn.core(*b.attn.qkv.split(t)).flatten(1))
+        return lambda t, rows=whole: b.get_submodule(path)(t)
 
-    def residual(b, inject, read):  # the block's own add: b on its rows, the added module's output replaced by t
+    def residual(m, inject, read):  # the block's own add: the block on its rows, the added module's output is t
+        b = m.layers[0]
+
         def fn(t, rows=whole):
-            # the out proj's output is pinned to the flat run's rows, so the second add's skip is the flat run's
             outputs = {"attn.out_proj": io["attn.out_proj"][1][rows].to(t.dtype), inject: t}
             handles = [b.get_submodule(p).register_forward_hook(lambda _m, _args, _out, y=y: y) for p, y in outputs.items()]
             try:
-                seen = with_context(b, rows, lambda: module_io(b, [read], lambda: b(x[rows].to(t.dtype))))
+                seen = context(m, rows, lambda: module_io(b, [read], lambda: b(x[rows].to(t.dtype))))
             finally:
                 for h in handles:
                     h.remove()
@@ -244,9 +212,9 @@ def block_steps(block, x: Tensor, seq_lens: Sequence[int], backend: str = "loop"
     for name, kind, path in BLOCK_STEPS:
         if path is None:
             inject, read, out = next(residuals)
-            fn, fn64 = residual(block, inject, read), residual(twin, inject, read)
+            fn, fn64 = residual(model, inject, read), residual(twin, inject, read)
         else:
-            fn, fn64 = fn_of(block, path), fn_of(twin, path)
+            fn, fn64 = fn_of(model, path), fn_of(twin, path)
             reader, side = _READ[path]
             out = io[reader][0][0] if side == "in" else io[reader][1]
         steps.append(BlockStep(name, kind, fn, fn64, inp, out))
@@ -264,22 +232,13 @@ class StepReport:
     shape_out: tuple
     off_diagonal: int        # pairs (i, j != i): changing input row j changed output row i (bitwise)
     cross_request: int       # of those, pairs where i and j belong to different requests
+    reads: str               # which rows row i reads (``reach_counts``)
     err: float               # max |flat - fp64 alone| over every request's rows
     bound: float             # the tolerance rule's bound for it (2·|alone - fp64| + 2 eps · scale)
     flat_vs_alone: float     # max |flat - alone| (both float32)
-    bits_differ: int         # how many of the output numbers differ (in any bit), flat vs alone, all requests
-    differ_per_request: tuple = ()   # the same count for each request's rows
-    padded_differ: int = 0   # the first request alone but padded with zero rows to T rows: its numbers that differ
-    scale: float = 0.0       # max |output| of the flat run: the scale the rounding is measured at
-    later_rows: int = 0      # pairs where output row i changed with a later row j > i (0: causal)
-
-    @property
-    def reads(self) -> str:
-        if self.off_diagonal == 0:
-            return "row i only"
-        if self.cross_request:
-            return "other requests too"
-        return "rows of its own request" if self.later_rows else "rows ≤ i of its own request"
+    differ_per_request: tuple  # per request: its output numbers that differ in any bit, flat vs alone
+    padded_differ: int       # the first request alone but padded with zero rows to T rows: its numbers that differ
+    scale: float             # max |output| of the flat run: the scale the rounding is measured at
 
 
 @torch.no_grad()
@@ -288,23 +247,19 @@ def measure_steps(steps: Sequence[BlockStep], seq_lens: Sequence[int]) -> list[S
     the flat run (float32) and against the float64 twin alone (the tolerance rule)."""
     lens = check_lengths(seq_lens)
     cu = cumulative(lens)
-    owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    same = owner[:, None] == owner[None, :]
+    spans = list(zip(cu[:-1], cu[1:]))
     out = []
     for st in steps:
-        dep = row_dependency(lambda t, st=st: st.fn(t), st.inp)
-        off = dep & ~torch.eye(dep.shape[0], dtype=torch.bool)
-        alone = torch.cat([st.fn(st.inp[s:e], slice(s, e)) for s, e in zip(cu[:-1], cu[1:])])
-        alone64 = torch.cat([st.fn64(st.inp[s:e].double(), slice(s, e)) for s, e in zip(cu[:-1], cu[1:])])
+        seen = reach_counts(row_dependency(st.fn, st.inp).numpy(), lens)
+        alone = torch.cat([st.fn(st.inp[s:e], slice(s, e)) for s, e in spans])
+        alone64 = torch.cat([st.fn64(st.inp[s:e].double(), slice(s, e)) for s, e in spans])
         padded = torch.zeros_like(st.inp)  # request 0's rows, then zero rows: the flat batch's shape, no B in it
         padded[:lens[0]] = st.inp[:lens[0]]
-        padded_out = st.fn(padded)
-        per_request = tuple(int((st.out[s:e] != alone[s:e]).sum()) for s, e in zip(cu[:-1], cu[1:]))
-        out.append(StepReport(st.name, st.kind, tuple(st.inp.shape), tuple(st.out.shape), int(off.sum()),
-                              int((off & ~same).sum()), max_abs_diff(st.out, alone64), tolerance(alone, alone64),
-                              max_abs_diff(st.out, alone), int((st.out != alone).sum()), per_request,
-                              int((padded_out[:lens[0]] != st.out[:lens[0]]).sum()), float(st.out.abs().max()),
-                              int(torch.triu(off, diagonal=1).sum())))
+        out.append(StepReport(st.name, st.kind, tuple(st.inp.shape), tuple(st.out.shape),
+                              seen["own_request"] + seen["other_requests"], seen["other_requests"], seen["reads"],
+                              max_abs_diff(st.out, alone64), tolerance(alone, alone64), max_abs_diff(st.out, alone),
+                              tuple(int((st.out[s:e] != alone[s:e]).sum()) for s, e in spans),
+                              int((st.fn(padded)[:lens[0]] != st.out[:lens[0]]).sum()), float(st.out.abs().max())))
     return out
 
 
@@ -371,21 +326,17 @@ def rows_alone_lines(rows: Sequence[tuple[int, int, int]], name: str = "QKV proj
 
 
 def summation_orders(n: int = 512, seed: int = 0) -> tuple[float, float, float]:
-    """The same ``n`` float32 products summed in two orders (forward, backward), and in float64.
-
-    Float addition is not associative: the two float32 sums usually differ in the last bits,
-    both within rounding of the float64 value. This is why a matmul whose library picks a
-    different blocking for ``[10 x k]`` than for ``[40 x k]`` can give A's rows other bits.
-    """
+    """The same ``n`` random float32 products (``seed``) summed one by one forwards and backwards, and in float64:
+    ``(forward, backward, float64)``."""
     g = torch.Generator().manual_seed(seed)
     prods = (torch.randn(n, generator=g) * torch.randn(n, generator=g)).float()
-    fwd = torch.zeros((), dtype=torch.float32)
-    for p in prods:
-        fwd = fwd + p
-    bwd = torch.zeros((), dtype=torch.float32)
-    for p in prods.flip(0):
-        bwd = bwd + p
-    return fwd.item(), bwd.item(), prods.double().sum().item()
+    sums = []
+    for order in (prods, prods.flip(0)):
+        total = torch.zeros((), dtype=torch.float32)
+        for p in order:  # one float32 addition at a time, in this order
+            total = total + p
+        sums.append(total.item())
+    return sums[0], sums[1], prods.double().sum().item()
 
 
 @torch.no_grad()
@@ -401,7 +352,68 @@ def all_reduce_counts(model, ids: Tensor, packings: Mapping[str, Sequence[int]])
     return out
 
 
-# ---- who reads whom, and the QKV extractors per rank -------------------------------------------------
+@torch.no_grad()
+def run_row_parallel(weight: Tensor, bias: Tensor | None, x: Tensor, tp: int = 2,
+                     fault_names: Sequence[str] = ()) -> tuple[list[Tensor], list[list]]:
+    """The engine's ``RowParallelLinear`` holding the full ``weight [out, in]`` and ``bias [out]``, cut over
+    ``tp`` ranks that are threads of this process and really all-reduce (``tp.threads``), with the engine's
+    named faults ``fault_names`` on; rank r gets its slice of the input features of ``x [T, in]``.
+    Returns each rank's output ``[T, out]`` and each rank's list of collectives."""
+    n = check_int("in_features", weight.shape[1], 1) // check_int("tp", tp, 1, 16)
+
+    def rank(group):
+        layer = RowParallelLinear(weight.shape[1], weight.shape[0], bias is not None, group=group, dtype=weight.dtype,
+                                  name="row_parallel").load_full_(weight, bias)
+        return layer(x[:, group.rank * n:(group.rank + 1) * n].contiguous())
+
+    with faults.injected(*fault_names):
+        results = tp_ranks_in_threads(tp, rank)
+    return [y for y, _ in results], [list(trace) for _, trace in results]
+
+
+# ---- figures: the walk, who reads whom, the QKV extractors per rank ---------------------------------
+
+def _requests_phrase(seq_lens: Sequence[int]) -> str:
+    """``A = 10 and B = 30 tokens`` (the first four requests by name, then how many more)."""
+    lens = list(seq_lens)
+    named = [f"{request_name(i)} = {n}" for i, n in enumerate(lens[:4])]
+    text = (", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0]) + " tokens"
+    more = len(lens) - len(named)
+    return text + (f", and {more} more request{'s' if more > 1 else ''}" if more else "")
+
+
+def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int = 2) -> Figure:
+    """Claims C4-C6 as a table: one row per step of ``forward_walk``, coloured by kind."""
+    steps = forward_walk(cfg, seq_lens, tp_size)
+    n = len(steps)
+    fig = Figure(figsize=(11.6, 0.42 * n + 1.3))
+    ax = fig.add_axes((0.01, 0.1, 0.98, 0.8))
+    ax.set_xlim(0, 11.6)
+    ax.set_ylim(n + 0.6, -0.1)
+    ax.axis("off")
+    cols = [(0.0, "step"), (2.55, f"on the flat batch (TP=1, T={sum(seq_lens)})"), (5.45, f"on one rank (TP={tp_size})"),
+            (9.15, "row i reads")]
+    for x, head in cols:
+        ax.text(x + 0.05, 0.35, head, fontsize=MIN_FONT + 1, fontweight="bold", va="center", color=TEXT)
+    for i, st in enumerate(steps):
+        y = i + 1
+        ax.add_patch(Rectangle((0.0, y - 0.42), 2.45, 0.84, facecolor=KIND_COLORS[st.kind], edgecolor="white"))
+        dark = st.kind != "per token"
+        ax.text(0.08, y, f"{i}. {st.name}" if i else st.name, fontsize=MIN_FONT + 1, va="center",
+                color="white" if dark else TEXT, fontweight="bold")
+        ax.text(2.6, y, st.flat, fontsize=MIN_FONT + 1, va="center", family="DejaVu Sans Mono", color=TEXT)
+        ax.text(5.5, y, st.per_rank, fontsize=MIN_FONT + 1, va="center", family="DejaVu Sans Mono", color=TEXT)
+        ax.text(9.2, y, st.reads, fontsize=MIN_FONT + 1, va="center", color=ATTENTION if st.kind == "attention" else TEXT,
+                fontweight="bold" if st.kind == "attention" else "normal")
+    fig.legend(handles=[Patch(facecolor=c, label=lab) for lab, c in
+                        (("per token: each row alone (C4; embed: a lookup)", OTHER),
+                         ("linear: Y = X W^T + b, row by row (C5)", LINEAR),
+                         ("attention: mixes rows, needs cu_seqlens (lesson 03)", ATTENTION))],
+               loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
+    fig.suptitle(f"One block on the flat batch of {_requests_phrase(seq_lens)}: shapes at every step, and the one "
+                 "step that mixes rows", fontsize=MIN_FONT + 2, y=0.97)
+    return fig
+
 
 def dependency_maps(panels: Mapping[str, np.ndarray], seq_lens: Sequence[int],
                     colors: Mapping[str, str] | None = None) -> Figure:
@@ -443,15 +455,12 @@ def dependency_maps(panels: Mapping[str, np.ndarray], seq_lens: Sequence[int],
 
 
 def qkv_row_owners(cfg: ModelConfig, tp_size: int = 2) -> np.ndarray:
-    """``int [3·H·D]``: which of ``tp_size`` TP ranks holds each output row (feature extractor) of the full QKV weight.
-
-    Computed by ``QKVParallelLinear.shard_rows`` on one-process stand-in groups, not by hand.
-    """
+    """``int [3·H·D]``: which of ``tp_size`` TP ranks holds each output row (feature extractor) of the full QKV
+    weight, from ``QKVParallelLinear.shard_rows`` on one-process stand-in groups."""
     n = 3 * cfg.qkv_dim
     owner = np.full(n, -1, dtype=np.int64)
     ids = torch.arange(n)
     for rank in range(tp_size):
-        # A linear layer only reads rank and world_size from its group to cut its shard.
         layer = QKVParallelLinear(cfg.d_model, cfg.n_heads, cfg.d_head, bias=False, group=LocalGroup(rank, tp_size))
         owner[layer.shard_rows(ids).numpy()] = rank
     return owner
@@ -467,7 +476,9 @@ def qkv_shards(cfg: ModelConfig, tokens: int = 40, tp_size: int = 2) -> Figure:
     fig = Figure(figsize=(10, 2.9))
     ax = fig.add_axes((0.03, 0.36, 0.94, 0.42))
     for rank in range(tp_size):
-        for start, stop in consecutive_runs(np.flatnonzero(owner == rank)):
+        rows = np.flatnonzero(owner == rank)
+        breaks = np.diff(rows) != 1  # the rank's rows as runs of consecutive rows, one rectangle each
+        for start, stop in zip(rows[np.r_[True, breaks]], rows[np.r_[breaks, True]] + 1):
             ax.add_patch(Rectangle((start, 0), stop - start, 1, facecolor=shades[rank % 2], hatch=hatches[rank % 2],
                                    edgecolor="white", linewidth=0.0))
     for h in range(3 * cfg.n_heads + 1):
@@ -517,24 +528,18 @@ class ReachModule:
     width: int
 
 
-@functools.lru_cache(maxsize=1)
-def _reach_block():
-    """One block of the engine at ``REACH_CFG`` (fixed seed): the maps are bools, they do not depend on the sizes."""
-    return Transformer(REACH_CFG, init_weights(REACH_CFG, seed=0)).layers[0]
+@functools.cache
+def reach_model() -> Transformer:
+    """A one-block model of the engine at ``REACH_CFG`` (fixed seed): the maps are bools, they do not depend on the sizes."""
+    return Transformer(REACH_CFG, init_weights(REACH_CFG, seed=0))
 
 
 def _engine_modules() -> dict[str, ReachModule]:
-    b, cfg = _reach_block(), REACH_CFG
-    d, k, f = cfg.d_model, cfg.qkv_dim, cfg.d_ffn
+    model, cfg = reach_model(), REACH_CFG
+    b, d, k, f = model.layers[0], cfg.d_model, cfg.qkv_dim, cfg.d_ffn
 
     def attention(cu_of):
-        def run(t, cu):
-            b.attn.core.context = AttentionContext(VarlenMetadata.build(cu_of(cu)), "masked")
-            try:
-                return b.attn.core(*b.attn.qkv.split(t)).flatten(1)
-            finally:
-                b.attn.core.context = None
-        return run
+        return lambda t, cu: in_forward(model, cu_of(cu), "masked", lambda: b.attn.core(*b.attn.qkv.split(t)).flatten(1))
 
     train_bn, eval_bn = torch.nn.BatchNorm1d(d), torch.nn.BatchNorm1d(d)
     eval_bn.running_mean.normal_(generator=torch.Generator().manual_seed(12))
@@ -603,9 +608,8 @@ def alone_vs_batched(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_l
     """Run each request's rows of ``x`` ALONE through ``fn(t, cu_seqlens)`` and compare with its rows
     of the flat run. Returns ``{"max_diff", "bound", "differ" (names of the requests whose rows differ
     by more than the bound), "flat", "row_diff" (float64 [T]: each row's max |alone - flat|)}``;
-    the bound allows float rounding only: ``ALONE_RTOL`` times the
-    largest |number| of the flat output, with no absolute floor (a module whose outputs are all tiny
-    gets a tiny bound; one whose outputs are all 0 must give 0 alone too)."""
+    the bound allows float rounding only: ``ALONE_RTOL`` times the largest |number| of the flat output,
+    with no absolute floor (a module whose outputs are all 0 must give 0 alone too)."""
     lens = check_lengths(seq_lens)
     cu = cumulative(lens)
     flat = fn(x, cu)
@@ -628,19 +632,22 @@ def alone_vs_batched(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_l
     return {"max_diff": worst, "bound": bound, "differ": differ, "flat": flat, "row_diff": row_diff}
 
 
+@torch.no_grad()
+def two_tests(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_lens: Sequence[int]) -> tuple[np.ndarray, dict]:
+    """The explorer's two tests of ``fn(t, cu_seqlens)`` on the flat rows ``x [T, ...]`` of ``seq_lens``: the map
+    ``row_dependency`` measures (bool ``[T, T]``) and ``alone_vs_batched``."""
+    cu = cumulative(check_lengths(seq_lens))
+    return row_dependency(lambda t: fn(t, cu), x).numpy(), alone_vs_batched(fn, x, seq_lens)
+
+
 def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> dict:
-    """The two tests a module must pass to be batched flat, for the flat batch of ``seq_lens``
-    (random input rows, fixed seed):
+    """The two tests a module must pass to be batched flat, on random rows (fixed seed) of ``seq_lens``:
+    1. reach: no pair (i, j) of ``row_dependency`` across a request boundary; 2. alone vs batched
+    (``alone_vs_batched``). A module can pass 1 and fail 2 (``t / T``, positions from the flat row index).
 
-    1. reach: ``probe.row_dependency`` on the flat rows; no pair (i, j) across a request boundary;
-    2. alone vs batched (``alone_vs_batched``): each request run alone gives its rows of the flat
-       result, up to rounding. A module can pass 1 and fail 2: ``t / T`` or positions taken from the
-       flat row index read no other row, yet change with the batch around them.
-
-    Returns ``{"module", "kind", "seq_lens", "cu_seqlens", "dep" (bool [T, T]), "pairs", "diagonal",
-    "own_request", "other_requests", "reads", "reach_ok", "alone_max_diff", "alone_bound",
-    "alone_differ", "alone_row_diff" (each row's max |alone - flat|), "alone_ok",
-    "verdict"}``: the verdict is ``SAFE`` only when both tests pass.
+    Returns ``{"module", "kind", "seq_lens", "cu_seqlens", "dep" (bool [T, T]), "pairs"}``, ``reach_counts``'
+    keys, ``"reach_ok", "alone_max_diff", "alone_bound", "alone_differ", "alone_row_diff" (each row's
+    max |alone - flat|), "alone_ok", "verdict"``: ``SAFE`` only when both tests pass.
     """
     modules = reach_modules()
     check_choice("module", module, tuple(modules))
@@ -651,37 +658,25 @@ def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> d
     m, cu = modules[module], cumulative(lens)
     x = torch.randn(cu[-1], m.width, generator=torch.Generator().manual_seed(5))
     try:
-        with torch.no_grad():
-            dep = row_dependency(lambda t: m.fn(t, cu), x)
-            alone = alone_vs_batched(m.fn, x, lens)
+        dep, alone = two_tests(m.fn, x, lens)
     except Exception as exc:  # a learner's module, or BatchNorm on one token: say so, never a wrong map
         if "Expected more than 1 value per channel" in str(exc):
             raise ValueError(f"{module} on lengths {lens}: a request of one token is run alone as a one-token "
                              "batch, and a one-token batch has no variance: BatchNorm cannot even run on it") from None
         raise ValueError(f"{module} failed on {cu[-1]} rows: {type(exc).__name__}: {exc}") from None
-    if dep.shape != (cu[-1], cu[-1]):
-        raise ValueError(f"{module} must return one row per input row: {cu[-1]} rows in, {dep.shape[0]} out")
-    dep = dep.numpy()
-    owner = np.repeat(np.arange(len(lens)), lens)
-    same = owner[:, None] == owner[None, :]
-    diag = int(np.trace(dep))
-    own = int((dep & same).sum()) - diag
-    other = int((dep & ~same).sum())
-    later = int(np.triu(dep & same, k=1).sum())  # pairs (i, j > i) in one request: not causal
-    reads = ("other requests too" if other else "row i only" if not own
-             else "rows of its own request" if later else "rows ≤ i of its own request")
+    seen = reach_counts(dep, lens)
     alone_ok = not alone["differ"]
-    verdict = SAFE if other == 0 and alone_ok else MIXES
+    verdict = SAFE if seen["other_requests"] == 0 and alone_ok else MIXES
     if verdict == MIXES:  # the colour follows the verdict, whatever the module's kind
         kind = MIXES_ROWS
     elif m.kind in (None, MIXES_ROWS):  # a learner's module, or BatchNorm in training mode on one request
-        kind = OWN_REQUEST if own else "per token"
+        kind = OWN_REQUEST if seen["own_request"] else "per token"
     else:
         kind = m.kind
     return {"module": module, "kind": kind, "seq_lens": lens, "cu_seqlens": cu, "dep": dep, "pairs": int(dep.sum()),
-            "diagonal": diag, "own_request": own, "other_requests": other, "reads": reads, "reach_ok": other == 0,
-            "alone_max_diff": alone["max_diff"], "alone_bound": alone["bound"], "alone_differ": alone["differ"],
-            "alone_row_diff": alone["row_diff"], "alone_ok": alone_ok, "verdict": verdict}
+            **seen, "reach_ok": seen["other_requests"] == 0, "alone_max_diff": alone["max_diff"],
+            "alone_bound": alone["bound"], "alone_differ": alone["differ"], "alone_row_diff": alone["row_diff"],
+            "alone_ok": alone_ok, "verdict": verdict}
 
 
 def module_reach_text(state: dict) -> str:
@@ -776,18 +771,28 @@ def _flat(seq_lens: Sequence[int], d: int, seed: int) -> Tensor:
     return torch.randn(sum(seq_lens), d, generator=torch.Generator().manual_seed(seed)) * 2 + 0.5
 
 
+def _stats_norm(x: Tensor, spans, eps: float, unbiased: bool = False, eps_outside: bool = False) -> Tensor:
+    """Rows ``s:e`` of ``x [T, d]`` normalised feature by feature with the mean and variance of the rows ``a:b``
+    (clipped to ``x``), for each ``(s, e, a, b)`` of ``spans``: exercise 02.1's norms and its slips."""
+    out = torch.empty_like(x)
+    for s, e, a, b in spans:
+        rows = x[max(a, 0):min(b, len(x))]
+        mean, var = rows.mean(0), rows.var(0, unbiased=unbiased)
+        out[s:e] = (x[s:e] - mean) / ((var.sqrt() + eps) if eps_outside else torch.sqrt(var + eps))
+    return out
+
+
 def batch_norm_rows(x: Tensor, eps: float) -> Tensor:
     """BatchNorm (training mode, no scale or shift) over the flat rows: each FEATURE is normalised
     with its mean and biased variance over all T tokens. ``[T, d] -> [T, d]``."""
-    mean = x.mean(dim=0, keepdim=True)                                   # [1, d]: over every token of the batch
-    return (x - mean) / torch.sqrt(x.var(dim=0, unbiased=False, keepdim=True) + eps)
+    return _stats_norm(x, [(0, len(x), 0, len(x))], eps)
 
 
 def request_norm(x: Tensor, cu_seqlens: Sequence[int], eps: float) -> Tensor:
     """BatchNorm's statistics taken per REQUEST: each feature of request r is normalised with its mean and
     biased variance over the rows ``cu_seqlens[r]:cu_seqlens[r+1]`` only. ``[T, d] -> [T, d]``."""
     cu = list(cu_seqlens)
-    return torch.cat([batch_norm_rows(x[s:e], eps) for s, e in zip(cu[:-1], cu[1:])])
+    return _stats_norm(x, [(s, e, s, e) for s, e in zip(cu[:-1], cu[1:])], eps)
 
 
 def _same(got, want: Tensor, atol: float = 1e-4) -> bool:
@@ -796,67 +801,47 @@ def _same(got, want: Tensor, atol: float = 1e-4) -> bool:
         torch.allclose(got.double(), want.double(), atol=atol, equal_nan=True))
 
 
-def _stats_norm(x: Tensor, spans, eps: float, var=lambda r: r.var(0, unbiased=False), outside: bool = False) -> Tensor:
-    """Rows ``s:e`` of every request normalised with the statistics of the rows ``a:b`` (``spans``:
-    ``(s, e, a, b)``): the reference and the typical slips of exercise 02.1 (NaN where a slip gives NaN)."""
-    out = torch.empty_like(x)
-    for s, e, a, b in spans:
-        rows = x[max(a, 0):min(b, len(x))]
-        mean, v = rows.mean(0), var(rows)
-        out[s:e] = (x[s:e] - mean) / ((v.sqrt() + eps) if outside else torch.sqrt(v + eps))
-    return out
+BOUNDARY_SLIPS = (  # exercise 02.1's off-by-ones: which rows request r's statistics take, shifts of start and stop
+    ("one row too many: rows cu[r]:cu[r+1] + 1 take the next request's first row", 0, 1),
+    ("one row too early: rows cu[r] - 1:cu[r+1] take the previous request's last row", -1, 0),
+    ("one row too few: rows cu[r] + 1:cu[r+1] drop the request's first row", 1, 0),
+    ("one row too few: rows cu[r]:cu[r+1] - 1 drop the request's last row", 0, -1))
 
 
 def _request_norm_slips(x: Tensor, cu: list[int], eps: float) -> list[tuple[Tensor, str]]:
     """What the typical wrong answers of exercise 02.1 give on ``(x, cu, eps)``, each with its explanation."""
+    spans = list(zip(cu[:-1], cu[1:]))
+    own = [(s, e, s, e) for s, e in spans]
+    longest = max(e - s for s, e in spans)
+    padded = [torch.cat([x[s:e], x.new_zeros(longest - (e - s), x.shape[1])]) for s, e in spans]  # [longest, d] each
     with warnings.catch_warnings():  # a slip's variance of one row (or none) warns: the slip, not the learner's
         warnings.simplefilter("ignore")
-        return _slips(x, cu, eps)
-
-
-def _slips(x: Tensor, cu: list[int], eps: float) -> list[tuple[Tensor, str]]:
-    own = [(s, e, s, e) for s, e in zip(cu[:-1], cu[1:])]
-    longest = max(e - s for s, e in zip(cu[:-1], cu[1:]))
-
-    def padded(s, e):  # the request padded with zero rows to the longest: [longest, d], pads included
-        return torch.cat([x[s:e], x.new_zeros(longest - (e - s), x.shape[1])])
-
-    pad = torch.cat([(x[s:e] - padded(s, e).mean(0)) / torch.sqrt(padded(s, e).var(0, unbiased=False) + eps)
-                     for s, e in zip(cu[:-1], cu[1:])])
-    slips = [
-        (batch_norm_rows(x, eps), "statistics over ALL the tokens of the flat batch: that is plain BatchNorm, and A's "
-         "numbers depend on B's. Which rows are request r's, and only its?"),
-        (pad, f"statistics over the padded layout: a shorter request's pad rows of zeros enter its mean and variance "
-         f"(both divide by the longest length, {longest}, not by the request's own), so its numbers depend on the "
-         "longest request beside it"),
-        (F.layer_norm(x, (x.shape[1],), eps=eps), "you normalised each ROW over its features (LayerNorm): that was safe "
-         "already; BatchNorm normalises each FEATURE over tokens, and that is what the model was trained with"),
-        (_stats_norm(x, own, eps, var=lambda r: r.var(0, unbiased=True)), "the unbiased variance (divide by n - 1): "
-         "F.batch_norm normalises with the biased one (divide by n), and n - 1 = 0 for a one-token request"),
-        (_stats_norm(x, own, eps, outside=True), "eps added outside the square root: F.batch_norm computes "
-         "(x - mean) / sqrt(var + eps)"),
-        (_stats_norm(x, own, 0.0), "no eps: a one-token request has variance 0, and 0 / 0 is NaN"),
-    ]
-    for name, shift in (("one row too many: rows cu[r]:cu[r+1] + 1 take the next request's first row",
-                         lambda s, e: (s, e + 1)),
-                        ("one row too early: rows cu[r] - 1:cu[r+1] take the previous request's last row",
-                         lambda s, e: (s - 1, e)),
-                        ("one row too few: rows cu[r] + 1:cu[r+1] drop the request's first row",
-                         lambda s, e: (s + 1, e)),
-                        ("one row too few: rows cu[r]:cu[r+1] - 1 drop the request's last row",
-                         lambda s, e: (s, e - 1))):
-        slips.append((_stats_norm(x, [(s, e, *shift(s, e)) for s, e in zip(cu[:-1], cu[1:])], eps),
-                      f"off by one at a request boundary ({name}); request r is exactly the rows cu[r] to cu[r+1] - 1"))
-    return slips
+        return [
+            (batch_norm_rows(x, eps), "statistics over ALL the tokens of the flat batch: that is plain BatchNorm, and "
+             "A's numbers depend on B's. Which rows are request r's, and only its?"),
+            (torch.cat([(x[s:e] - p.mean(0)) / torch.sqrt(p.var(0, unbiased=False) + eps) for (s, e), p in
+                        zip(spans, padded)]),
+             f"statistics over the padded layout: a shorter request's pad rows of zeros enter its mean and variance "
+             f"(both divide by the longest length, {longest}, not by the request's own), so its numbers depend on the "
+             "longest request beside it"),
+            (F.layer_norm(x, (x.shape[1],), eps=eps), "you normalised each ROW over its features (LayerNorm): that was "
+             "safe already; BatchNorm normalises each FEATURE over tokens, and that is what the model was trained with"),
+            (_stats_norm(x, own, eps, unbiased=True), "the unbiased variance (divide by n - 1): F.batch_norm normalises "
+             "with the biased one (divide by n), and n - 1 = 0 for a one-token request"),
+            (_stats_norm(x, own, eps, eps_outside=True), "eps added outside the square root: F.batch_norm computes "
+             "(x - mean) / sqrt(var + eps)"),
+            (_stats_norm(x, own, 0.0), "no eps: a one-token request has variance 0, and 0 / 0 is NaN"),
+        ] + [(_stats_norm(x, [(s, e, s + start, e + stop) for s, e in spans], eps),
+              f"off by one at a request boundary ({name}); request r is exactly the rows cu[r] to cu[r+1] - 1")
+             for name, start, stop in BOUNDARY_SLIPS]
 
 
 def check_request_norm(fn: Callable[[Tensor, list, float], Tensor]) -> bool:
     """Exercise 02.1: ``fn(x [T, d], cu_seqlens, eps) -> [T, d]``: on a batch of one request exactly
     ``F.batch_norm(x, None, None, training=True, eps=eps)``, and safe to batch flat. Checked on values
     (one request; A, B with B far from A; three requests with a one-token one in the middle; one-token
-    requests at both ends), each wrong value matched against the typical slips (``_request_norm_slips``),
-    then with the explorer's two tests on the flat A, B batch: ``row_dependency`` (no pair across requests)
-    and each request alone vs its rows of the flat run."""
+    requests at both ends), each wrong value matched against the typical slips, then with the explorer's
+    two tests (``two_tests``) on the flat A, B batch."""
     lens = list(ARTICLE_LENS)
     dep_x, cu_ab = _flat(lens, 16, 7), cumulative(lens)
     ab = _flat(lens, 16, 2)
@@ -867,7 +852,7 @@ def check_request_norm(fn: Callable[[Tensor, list, float], Tensor]) -> bool:
 
     def judge(got, x, cu, eps):
         if x is dep_x:  # the explorer's two tests, on the learner's layer
-            dep = row_dependency(lambda t: fn(t, cu, eps), x).numpy()
+            dep, alone = two_tests(lambda t, c: fn(t, c, eps), x, lens)
             owner = np.repeat(np.arange(len(lens)), lens)
             cross = dep & (owner[:, None] != owner[None, :])
             if cross.any():
@@ -877,7 +862,6 @@ def check_request_norm(fn: Callable[[Tensor, list, float], Tensor]) -> bool:
                          readers[0] in (lens[0] - 1, lens[0]) else
                          f"{len(readers)} input rows reach the other request: the statistics read across the boundary")
                 return f"row_dependency: {int(cross.sum())} pairs across requests - {where}"
-            alone = alone_vs_batched(lambda t, c: fn(t, c, eps), x, lens)
             if alone["differ"]:
                 return (f"row_dependency finds no pair across requests, but request(s) {', '.join(alone['differ'])} run "
                         f"alone get other numbers than in the batch (max |diff| {alone['max_diff']:.2g}): the layer "
@@ -908,47 +892,12 @@ def check_request_norm(fn: Callable[[Tensor, list, float], Tensor]) -> bool:
                  "gets its rows of the flat batch: BatchNorm's idea made safe to batch flat")
 
 
-@torch.no_grad()
-def run_row_parallel(weight: Tensor, bias: Tensor | None, x: Tensor, tp: int = 2,
-                     cls: type = RowParallelLinear) -> tuple[list[Tensor], list[list]]:
-    """The row-parallel layer ``cls`` (default: the engine's ``RowParallelLinear``) holding the full
-    ``weight [out, in]`` and ``bias [out]``, cut over ``tp`` ranks that are threads of this process and
-    really all-reduce (``tp.threads``); rank r gets its slice of the input features of ``x [T, in]``.
-    Returns each rank's output ``[T, out]`` and each rank's list of collectives."""
-    n = check_int("in_features", weight.shape[1], 1) // check_int("tp", tp, 1, 16)
-
-    def rank(group):
-        layer = cls(weight.shape[1], weight.shape[0], bias is not None, group=group, dtype=weight.dtype,
-                    name="row_parallel").load_full_(weight, bias)
-        return layer(x[:, group.rank * n:(group.rank + 1) * n].contiguous())
-
-    results = tp_ranks_in_threads(tp, rank)
-    return [y for y, _ in results], [list(trace) for _, trace in results]
-
-
-# Exercise 02.2: four row-parallel layers, one of them right. The bugs are written here, on top of the
-# engine's RowParallelLinear (the right one IS the engine's class); the learner sees outputs and traces only.
-ROW_PARALLEL_VERDICTS = ("correct", "bias on every rank", "all-reduce before the matmul", "no all-reduce")
-
-
-class _BiasOnEveryRank(RowParallelLinear):
-    def forward(self, x: Tensor) -> Tensor:
-        return self.group.all_reduce(F.linear(x, self.weight, self.bias), layer=self.name)  # b summed tp times
-
-
-class _ReduceBeforeMatmul(RowParallelLinear):
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.group.all_reduce(x.clone(), layer=self.name)  # sums the ranks' INPUT slices [T, in/tp]
-        return F.linear(x, self.weight, self.bias)
-
-
-class _NoAllReduce(RowParallelLinear):
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)  # each rank keeps its partial
-
-
-_SUSPECT_CLASSES = {"correct": RowParallelLinear, "bias on every rank": _BiasOnEveryRank,
-                    "all-reduce before the matmul": _ReduceBeforeMatmul, "no all-reduce": _NoAllReduce}
+# Exercise 02.2: four row-parallel layers, each the engine's RowParallelLinear under one of its named faults (or
+# none); the learner sees outputs and traces only.
+ROW_PARALLEL_FAULTS = {"correct": (), "bias on every rank": ("row_parallel_bias_on_every_rank",),
+                       "all-reduce before the matmul": ("row_parallel_all_reduce_before_matmul",),
+                       "no all-reduce": ("row_parallel_no_all_reduce",)}
+ROW_PARALLEL_VERDICTS = tuple(ROW_PARALLEL_FAULTS)
 
 
 class RowParallelSuspect:
@@ -963,7 +912,7 @@ class RowParallelSuspect:
 
     def __init__(self, verdict: str, in_features: int, out_features: int, world_size: int, seed: int = 0):
         check_choice("verdict", verdict, ROW_PARALLEL_VERDICTS)
-        self._verdict = verdict
+        self._faults = ROW_PARALLEL_FAULTS[verdict]
         self.in_features = check_int("in_features", in_features, 1)
         self.out_features = check_int("out_features", out_features, 1)
         self.world_size = check_int("world_size", world_size, 2, 8)
@@ -977,7 +926,7 @@ class RowParallelSuspect:
         if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.in_features or not x.is_floating_point():
             got = f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x must be a float tensor [T, {self.in_features}], got {got}")
-        return run_row_parallel(self._weight, self.bias, x.float(), self.world_size, _SUSPECT_CLASSES[self._verdict])
+        return run_row_parallel(self._weight, self.bias, x.float(), self.world_size, self._faults)
 
     def __repr__(self) -> str:
         return (f"RowParallelSuspect(in_features={self.in_features}, out_features={self.out_features}, "
@@ -1005,14 +954,14 @@ def _evidence(s: RowParallelSuspect) -> str:
 def check_row_parallel_diagnosis(fn: Callable[[RowParallelSuspect], str]) -> bool:
     """Exercise 02.2: ``fn(suspect) -> one of ROW_PARALLEL_VERDICTS``, found by running the suspect
     (``suspect.run(x)``) on inputs of your choice: its outputs and its collective trace, nothing else."""
-    cases = [(RowParallelSuspect(v, i, o, tp, seed=10 + k),) for k, (v, i, o, tp) in enumerate((
+    truth = {RowParallelSuspect(v, i, o, tp, seed=10 + k): v for k, (v, i, o, tp) in enumerate((
         ("bias on every rank", 16, 6, 2), ("correct", 16, 6, 2), ("no all-reduce", 12, 5, 3),
         ("all-reduce before the matmul", 16, 6, 2), ("bias on every rank", 12, 4, 4), ("correct", 8, 3, 4),
         ("all-reduce before the matmul", 16, 8, 2),   # in/tp = out: the payload shape alone cannot tell
-        ("no all-reduce", 16, 8, 2)))]
+        ("no all-reduce", 16, 8, 2)))}
 
     def judge(got, s):
-        want = s._verdict
+        want = truth[s]
         if got == want:
             return None
         if got not in ROW_PARALLEL_VERDICTS:
@@ -1026,7 +975,7 @@ def check_row_parallel_diagnosis(fn: Callable[[RowParallelSuspect], str]) -> boo
                  "no all-reduce": "no collective at all: each rank returns its own partial plus b, and they disagree"}
         return f"not '{got}': {_evidence(s)}. What fits is: {hints[want]}"
 
-    return grade("row_parallel_diagnosis", fn, cases, judge,
+    return grade("row_parallel_diagnosis", fn, [(s,) for s in truth], judge,
                  "each suspect named from its outputs and its trace, for TP = 2, 3 and 4")
 
 
@@ -1054,14 +1003,11 @@ def batching_free(quantize: Callable[[Tensor], Tensor], seq_lens: Sequence[int] 
     the explorer's two tests on a flat batch whose requests differ in size (B's numbers 30 times A's):
     ``{"across" (row_dependency pairs across requests), "differ" (requests whose rows alone differ), "free"}``."""
     lens = check_lengths(seq_lens)
-    qkv = _reach_block().attn.qkv
+    qkv = reach_model().layers[0].attn.qkv
     x = torch.randn(sum(lens), REACH_CFG.d_model, generator=torch.Generator().manual_seed(13))
     x[lens[0]:] *= 30
-    with torch.no_grad():
-        dep = row_dependency(lambda t: qkv(quantize(t)), x).numpy()
-        alone = alone_vs_batched(lambda t, cu: qkv(quantize(t)), x, lens)
-    owner = np.repeat(np.arange(len(lens)), lens)
-    across = int((dep & (owner[:, None] != owner[None, :])).sum())
+    dep, alone = two_tests(lambda t, cu: qkv(quantize(t)), x, lens)
+    across = reach_counts(dep, lens)["other_requests"]
     return {"across": across, "differ": alone["differ"], "max_diff": alone["max_diff"],
             "free": across == 0 and not alone["differ"]}
 
