@@ -19,6 +19,7 @@ from lessons_lib.core.model import Transformer, VarlenAttention, init_weights
 from lessons_lib.course import claim
 from lessons_lib.course import l04_tp as L
 from lessons_lib.course.grading import score
+from lessons_lib.course.trace_figures import tp_trace_timeline
 from lessons_lib.measure.flops import attention_cells
 from lessons_lib.measure.recorder import module_io
 from lessons_lib.measure.tolerance import max_abs_diff, tolerance
@@ -26,6 +27,7 @@ from lessons_lib.serve.kv_cache import PrefillKVCache
 from lessons_lib.style import COMM, MIN_FONT
 from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
 from lessons_lib.tp.threads import tp_ranks_in_threads
+from lessons_lib.tp.vocab import vocab_parallel_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +80,7 @@ def test_c11_c12_two_axes_draws_one_block_per_request_and_head_and_no_trace_coun
 
 def test_c12_trace_timeline_draws_one_purple_bar_per_all_reduce_at_readable_size():
     runs = [[record_trace(SMALL, lens, rank, 2) for rank in (0, 1)] for lens in ([8], [3, 5])]
-    fig = L.tp_trace_timeline(runs, [[8], [3, 5]], SMALL, source="a test")
+    fig = tp_trace_timeline(runs, [[8], [3, 5]], SMALL, source="a test")
     bars = [p for p in fig.axes[0].patches if (p.get_gid() or "").startswith("allreduce-")]
     assert len(bars) == 2 * SMALL.n_layers and {p.get_facecolor()[:3] for p in bars} == {
         tuple(int(COMM[i:i + 2], 16) / 255 for i in (1, 3, 5))}
@@ -90,13 +92,13 @@ def test_c12_trace_timeline_draws_one_purple_bar_per_all_reduce_at_readable_size
 def test_trace_timeline_refuses_ranks_or_packings_that_disagree():
     traces = [record_trace(SMALL, [8], rank, 2) for rank in (0, 1)]
     with pytest.raises(ValueError, match="differs"):
-        L.tp_trace_timeline([[traces[0], traces[1][:-1]]], [[8]], SMALL)
+        tp_trace_timeline([[traces[0], traces[1][:-1]]], [[8]], SMALL)
     with pytest.raises(ValueError, match="differs"):  # another T: another trace
-        L.tp_trace_timeline([traces, [record_trace(SMALL, [9], r, 2) for r in (0, 1)]], [[8], [9]], SMALL)
+        tp_trace_timeline([traces, [record_trace(SMALL, [9], r, 2) for r in (0, 1)]], [[8], [9]], SMALL)
     with pytest.raises(ValueError, match="one list of per-rank traces per packing"):
-        L.tp_trace_timeline([traces], [], SMALL)
+        tp_trace_timeline([traces], [], SMALL)
     with pytest.raises(ValueError, match="at least one"):
-        L.tp_trace_timeline([[[]]], [[8]], SMALL)
+        tp_trace_timeline([[[]]], [[8]], SMALL)
 
 
 # --- the explorer ------------------------------------------------------------------------------------------
@@ -198,7 +200,7 @@ def test_c12_rank_partials_of_a_request_ignore_a_request_before_it_but_not_a_cut
 def test_packing_state_sum_check_can_fail():
     """A rank that sent twice its partial sums would be caught by the sum row."""
     s = L.tp_packing_state(40, 2)
-    rank0 = L._explorer_models(ModelConfig(vocab_size=1000, max_position=2048), 2)["ranks"][0]
+    rank0 = L._explorer_models(ModelConfig(vocab_size=1000, max_position=2048), 2, L.ENGINE_CUT)["ranks"][0]
     layer = rank0.layers[0].attn.out_proj
     with torch.no_grad():
         layer.weight.mul_(2)
@@ -340,32 +342,15 @@ def test_c12_a_tp2_model_on_threads_equals_tp1():
 VOCAB = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=100, max_position=32)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_vocab_parallel_forward_on_real_ranks_gives_the_tp1_logits(tp):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_parallel_trace_is_what_real_ranks_record(tp):
+    """The checker's dry run on a stand-in rank asks for exactly what a real rank of the engine's forward did."""
     w = init_weights(VOCAB, seed=1)
     batch = pack([torch.arange(n) * 13 % 100 for n in (5, 9, 2)])
-    tp1 = Transformer(VOCAB, w)
-    exact = Transformer(VOCAB, w, dtype=torch.float64)
-    ref, ref64 = tp1.compute_logits(tp1(batch)), exact.compute_logits(exact(batch))
-    outs = tp_ranks_in_threads(tp, lambda g: L.vocab_parallel_forward(Transformer(VOCAB, w, group=g), batch))
-    for logits, trace in outs:
-        assert logits.shape == (16, 100) and max_abs_diff(logits, ref64) <= tolerance(ref, ref64)
-        assert len(trace) == 2 + 2 * VOCAB.n_layers  # a real group records even alone (DistGroup does too)
-    if tp > 1:  # the dry run on a stand-in rank asks for exactly what a real rank did
-        got = [(r.op, r.layer, r.shape) for r in outs[0][1]]
-        assert got == [(r.op, r.layer, r.shape) for r in L.vocab_parallel_trace(VOCAB, [5, 9, 2], tp)]
-        assert got[0] == ("all_reduce", "wte", (16, 64)) and got[-1] == ("all_gather", "lm_head", (16, 100 // tp))
-
-
-def test_vocab_parallel_forward_needs_each_rank_s_rows():
-    """Without the embedding's all-reduce a token whose id the rank does not keep has no embedding: the
-    check can fail."""
-    w = init_weights(VOCAB, seed=1)
-    batch = pack([torch.arange(12) * 13 % 100])
-    tp1 = Transformer(VOCAB, w)
-    ref = tp1.compute_logits(tp1(batch))
-    rank0 = L.vocab_parallel_forward(Transformer(VOCAB, w, group=LocalGroup(0, 2)), batch)
-    assert max_abs_diff(rank0, ref) > 1e-3
+    outs = tp_ranks_in_threads(tp, lambda g: vocab_parallel_logits(Transformer(VOCAB, w, group=g), batch))
+    got = [(r.op, r.layer, r.shape) for r in outs[0][1]]
+    assert got == [(r.op, r.layer, r.shape) for r in L.vocab_parallel_trace(VOCAB, [5, 9, 2], tp)]
+    assert got[0] == ("all_reduce", "wte", (16, 64)) and got[-1] == ("all_gather", "lm_head", (16, 100 // tp))
 
 
 def _vocab(cfg, lens, tp, *, blocks_per_layer=2, layers=None, wte=("all_reduce", None), head=("all_gather", None),

@@ -1,29 +1,25 @@
 """What lesson 04 (TP=2 does not care how the tokens are packed) draws, explores and checks.
 
-Figures: ``04_two_axes`` (the idea: requests cut the flat rows, TP cuts the heads and features;
-attention is one independent problem per (request, head), the all-reduce carries every row) and
-``04_trace_timeline`` (one TP=2 forward per rank, all-reduces in purple, the same for 1, 2 and
-40 requests; the lesson draws it from the real ranks' records with ``tp_trace_timeline``).
-Explorer ``tp_packing_explorer`` wraps ``tp_packing_state``: pack T tokens as R requests, run
-them on two real ranks (threads that really add), and watch the trace stay while attention's
-inputs and each rank's own partial sums change.
-Helpers the notebook calls: ``rank_layers`` (what each rank's four linear layers compute),
-``layer0_attention`` (one layer's attention output on a rank), ``rank_partials`` (what each rank
-hands to layer 0's out-proj all-reduce). ``vocab_parallel_forward``: the
-model with ``tp.vocab``'s vocab-parallel embedding and tied LM head around its blocks, as a real
-deployment runs it (on ``tp.threads`` ranks, or dry-run on a ``LocalGroup`` stand-in). Exercise checkers: ``check_vocab_trace``
-(04.1, the trace of that forward), ``check_kv_plan`` (04.2, a grouped-query model under TP: which
-K/V heads each rank holds and what a token costs in its cache, measured on the engine's ranks by
-``engine_kv_plan``), ``check_cut_diagnosis``
-(04.3, name a broken cut from one layer's error, ``cut_evidence``).
+Claims helpers: ``rank_layers`` (what each rank's four linear layers compute), ``layer0_attention``
+(one layer's attention output on a rank), ``rank_partials`` (what each rank hands to layer 0's
+out-proj all-reduce), ``threaded_forward`` (a forward on thread ranks that really add), the broken
+cuts as the engine's named faults (``CUTS``, ``cut_faults``). Figures: ``04_two_axes`` (requests cut
+the flat rows, TP cuts the heads and features), ``04_trace_timeline`` (one TP=2 forward per rank, the
+same for 1, 2 and 40 requests; the kit's ``trace_figures.tp_trace_timeline``), ``04_gqa_replicas``.
+Explorer ``tp_packing_explorer`` wraps ``tp_packing_state``: pack T tokens as R requests, run them on
+real thread ranks, and watch the trace stay while attention's inputs and each rank's partial sums change.
+Exercise checkers: ``check_vocab_trace`` (04.1, the trace of ``tp.vocab.vocab_parallel_logits``),
+``check_kv_plan`` (04.2, which K/V heads a rank holds and its cache, ``engine_kv_plan``),
+``check_cut_diagnosis`` (04.3, name a broken cut from one layer's error, ``cut_evidence``),
+``check_layout`` (04.4, a server's tp x pp x dp layout, ``layout_cache_bytes``).
 
 Taught in notebooks/04_tp2_invariance.ipynb.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,25 +27,26 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Polygon, Rectangle
 
+from .. import faults
 from ..core.batch import PackedBatch, cumulative, pack
 from ..core.config import ModelConfig
 from ..core.groups import CollectiveRecord, LocalGroup
-from ..core.linear import ColumnParallelLinear
 from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
 from ..measure.recorder import module_io
 from ..measure.tolerance import tolerance
 from ..serve.kv_cache import PrefillKVCache
-from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, request_color, request_name
+from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, TEXT, request_color, request_name
 from ..tp.dryrun import record_trace, trace_signature
 from ..tp.threads import tp_ranks_in_threads
 from ..tp.trace import summarize_trace
-from ..tp.vocab import ParallelLMHead, VocabParallelEmbedding
+from ..tp.vocab import pad_vocab_size, vocab_parallel_logits
 from ..validate import check_choice, check_int, check_lengths
 from .check import Bound
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade
+from .trace_figures import short_cu, tp_trace_timeline
 
 Tensor = torch.Tensor
 
@@ -188,8 +185,7 @@ def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | N
     xa = tp * 3.4 - 0.4
     ax.add_patch(Rectangle((xa, 0), 0.8, t, facecolor=COMM, edgecolor="white", gid="allreduce"))
     ax.text(xa + 0.4, t + 1.2, "all-reduce", ha="center", va="bottom", fontsize=MIN_FONT + 1, color=TEXT)
-    _box(ax, xa + 1.2, 0, 2.6, t, COMM, "the sum,\n+ bias once:\nthe same on\nevery rank", text_color=TEXT,
-         fontsize=MIN_FONT + 1)
+    _box(ax, xa + 1.2, 0, 2.6, t, LINEAR, "the sum,\n+ bias once:\nthe same on\nevery rank", fontsize=MIN_FONT + 1)
     ax.set_title("A row-parallel layer (out proj, FFN-down): one all-reduce\n"
                  "adds the ranks' partial sums of ALL the rows at once.", fontsize=MIN_FONT + 1, pad=26)
     ax.text(-0.9, -1.0, "It never asks which request a row belongs to.", va="top", fontsize=MIN_FONT + 1, color=TEXT)
@@ -206,127 +202,7 @@ def _two_axes() -> Figure:
 
 
 # ---------------------------------------------------------------------------------------------
-# The trace of one forward on two ranks
-
-def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings: Sequence[Sequence[int]],
-                      cfg: ModelConfig | None = None, source: str = "the ranks' records") -> Figure:
-    """Claims C11, C12: one TP forward, one row per rank, from the ranks' collective traces.
-
-    ``traces_by_packing[i][r]``: rank r's ``CollectiveRecord`` list for the batch of request
-    lengths ``packings[i]`` (a real ``TPResult.traces`` or a dry run per rank). All must be the
-    same, record for record, on every rank and for every packing (else ValueError: real ranks
-    would wait forever, or the trace would depend on the packing). Layer 0 is drawn in detail
-    (green linear layers with each rank's shapes, blue attention on the rank's own heads), the
-    other layers compactly; every all-reduce is one purple bar across all ranks (gid
-    ``allreduce-k``), numbered; the replicated embedding and LayerNorms (two per block, the final one) are grey, the
-    replicated LM head green (a linear layer). The packings are drawn underneath; ``source`` says where the traces came from.
-    """
-    cfg = cfg or ModelConfig()
-    runs = [[list(t) for t in traces] for traces in traces_by_packing]
-    packs = [check_lengths(p) for p in packings]
-    if not packs or len(packs) != len(runs):
-        raise ValueError(f"give one list of per-rank traces per packing: {len(runs)} traces for {len(packs)} packings")
-    traces = runs[0]
-    if not traces or not traces[0]:
-        raise ValueError("traces must hold at least one rank with at least one collective")
-    sig = trace_signature(traces[0])
-    for i, run in enumerate(runs):
-        for r, t in enumerate(run):
-            if trace_signature(t) != sig:
-                raise ValueError(f"packing {packs[i]}, rank {r}: the trace differs from rank 0's of {packs[0]}")
-    n_ranks, first = len(traces), traces[0][0]
-    t, d, hl, dh = first.shape[0], cfg.d_model, cfg.n_heads // n_ranks, cfg.d_head
-    fl = cfg.d_ffn // n_ranks
-    row_h, gap = 1.0, 0.3
-    top = n_ranks * (row_h + gap)
-    fig = Figure(figsize=(14, 2.5 + 1.0 * n_ranks + 0.42 * len(packs)))
-    ax = fig.add_axes((0.075, 0.01, 0.92, 0.97))
-    ax.axis("off")
-    # (label on rank 0, shapes above rank 0, colour, width); "AR" = an all-reduce
-    detail = [("LN", "", OTHER, 0.42), ("QKV", f"[T,{d}]\n→[T,{3 * hl * dh}]", LINEAR, 1.45),
-              ("attention", f"[T,{hl},{dh}]\nby cu_seqlens", ATTENTION, 1.55),
-              ("out proj", f"[T,{hl * dh}]\n→[T,{d}]\npartial", LINEAR, 1.45), ("AR", "", COMM, 0.32),
-              ("LN", "", OTHER, 0.42), ("FFN-up", f"[T,{d}]\n→[T,{fl}]", LINEAR, 1.45),
-              ("FFN-down", f"[T,{fl}]\n→[T,{d}]\npartial", LINEAR, 1.45), ("AR", "", COMM, 0.32)]
-    compact = [("", "", OTHER, 0.06), ("", "", LINEAR, 0.16), ("", "", ATTENTION, 0.2), ("", "", LINEAR, 0.16),
-               ("AR", "", COMM, 0.2), ("", "", OTHER, 0.06), ("", "", LINEAR, 0.16), ("", "", LINEAR, 0.16),
-               ("AR", "", COMM, 0.2)]
-
-    def rank_y(r):
-        return (n_ranks - 1 - r) * (row_h + gap) + gap / 2
-
-    def replicated(x, text):
-        for r in range(n_ranks):
-            _box(ax, x, rank_y(r), 0.75, row_h, OTHER, text, text_color=TEXT)
-        return x + 0.8
-
-    x = replicated(0.0, "emb")
-    k = 0
-    for layer in range((len(traces[0]) + 1) // 2):
-        x0 = x
-        for label, shapes, color, w in (detail if layer == 0 else compact):
-            if label == "AR":
-                _box(ax, x, 0.05, w, top - 0.1, COMM, gid=f"allreduce-{k}")
-                ax.text(x + w / 2, top + 0.05 + (0.45 if layer == 0 else 0), str(k + 1), ha="center", va="bottom",
-                        fontsize=MIN_FONT, color=TEXT)
-                k += 1
-            else:
-                for r in range(n_ranks):
-                    text = label if r == 0 or label == "LN" else (
-                        f"heads {r * hl}-{(r + 1) * hl - 1}" if color == ATTENTION and label else "")
-                    if r == 0 and color == ATTENTION and label:
-                        text = f"attention\nheads 0-{hl - 1}"
-                    _box(ax, x, rank_y(r), w, row_h, color, text, text_color=TEXT if color == OTHER else "white",
-                         gid=f"local-{r}-{layer}")
-                if shapes:
-                    ax.text(x + w / 2, top + 0.05, shapes, ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
-            x += w + 0.04
-        ax.text((x0 + x) / 2, -0.08, f"layer {layer}" if layer in (0, 1) else str(layer), ha="center", va="top",
-                fontsize=MIN_FONT, color=TEXT)
-        x += 0.1
-    x = replicated(x, "LN")
-    for r in range(n_ranks):  # the LM head is a linear layer (replicated here)
-        _box(ax, x, rank_y(r), 0.55, row_h, LINEAR, "LM")
-    x += 0.6
-    for r in range(n_ranks):
-        ax.text(-0.12, rank_y(r) + row_h / 2, f"rank {r}", ha="right", va="center", fontsize=MIN_FONT + 1, color=TEXT)
-    shape = f"[{', '.join(map(str, first.shape))}]"
-    ax.text(-1.3, top + 0.95,
-            f"One forward at TP={n_ranks}: {len(sig)} all-reduces (purple, numbered), each of {shape} {first.dtype}, "
-            f"{first.bytes:,} B per rank. Layers 1-{len(sig) // 2 - 1} repeat layer 0, drawn compact."
-            f"\nGreen: linear layers (shapes per rank above); blue: attention on the rank's own heads, no collective;"
-            f"\ngrey: the embedding and the LayerNorms, whole on every rank; the LM head (green) is replicated too.",
-            fontsize=MIN_FONT + 1, color=TEXT, va="bottom")
-    # The packings that all produced exactly this trace, as token strips.
-    width = 8.0
-    for i, lens in enumerate(packs):
-        y = -0.75 - 0.48 * i
-        scale = width / sum(lens)
-        ax.text(-0.12, y + 0.17, _packing_label(lens), ha="right", va="center", fontsize=MIN_FONT, color=TEXT)
-        cu = cumulative(lens)
-        for j, n in enumerate(lens):
-            ax.add_patch(Rectangle((cu[j] * scale, y), n * scale, 0.34, facecolor=request_color(j),
-                                   edgecolor="white", linewidth=0.4))
-        ax.text(width + 0.2, y + 0.17, f"cu_seqlens = {short_cu(cu)}", va="center", fontsize=MIN_FONT, color=TEXT)
-    ax.text(width + 5.2, -0.75 - 0.24 * (len(packs) - 1) + 0.17,
-            f"These {len(packs)} packings of the same {t} tokens\ngave exactly this trace, record for record,\n"
-            f"on every rank ({source}).", va="center", fontsize=MIN_FONT + 1, color=TEXT)
-    ax.set_xlim(-1.3, x + 0.1)
-    ax.set_ylim(-0.75 - 0.48 * len(packs), top + 2.1)
-    return fig
-
-
-def _packing_label(lens: list[int]) -> str:
-    if len(set(lens)) == 1:
-        return f"{len(lens)} x {lens[0]}"
-    if len(lens) <= 3:
-        return " + ".join(f"{request_name(i)}={n}" for i, n in enumerate(lens))
-    return f"{len(lens)} requests"
-
-
-def short_cu(cu: list[int]) -> str:
-    return str(cu) if len(cu) <= 6 else f"[{cu[0]}, {cu[1]}, {cu[2]}, ..., {cu[-1]}] ({len(cu) - 1} requests)"
-
+# The trace of one forward on two ranks (drawn by the kit's ``trace_figures.tp_trace_timeline``)
 
 TP_PACKINGS = ([40], ARTICLE_LENS, [1] * 40)  # the same 40 tokens as 1, 2 and 40 requests
 
@@ -349,46 +225,28 @@ TP_SIZES = (1, 2, 4, 8)                   # the explorer's tp dropdown: 8 heads,
 CAUGHT = Bound("> 1: fails the bound (✗ expected)", lambda v: v > 1)  # a control row: a broken variant is caught
 
 
-def _bias_before_sum(self, x: Tensor) -> Tensor:
-    """A row-parallel forward that adds the bias on every rank, BEFORE the all-reduce: tp biases in the sum."""
-    return self.group.all_reduce(torch.nn.functional.linear(x, self.weight, self.bias), layer=self.name)
+# The engine's named faults behind each broken cut (``faults.FAULTS[name].what`` says the bug)
+CUT_FAULTS = {ENGINE_CUT: (), NAIVE_CUT: ("qkv_sharded_as_one_block",), BIAS_CUT: ("row_parallel_bias_on_every_rank",)}
 
 
-@torch.no_grad()
-def apply_cut(model: Transformer, weights: dict, cut: str) -> Transformer:
-    """Turn one rank's ``model`` (built with the engine's cut from the full ``weights``) into ``cut``, in place.
-
-    ``ENGINE_CUT`` leaves it as it is. ``NAIVE_CUT`` re-loads every layer's QKV with the plain
-    column-parallel cut (rank r: rows ``[r·3HD/tp, (r+1)·3HD/tp)`` of the fused ``[Q | K | V]``
-    weight): the same shapes and trace, the wrong heads. ``BIAS_CUT`` makes every row-parallel
-    layer add its bias on every rank before the all-reduce. Used by the lesson's control rows and
-    the explorer, to show that the checks can fail."""
+def cut_faults(cut: str):
+    """A context manager that turns on ``cut``'s faults (``CUT_FAULTS``), for the models built and the
+    forwards run inside it: the lesson's control rows and the explorer's "cut" show that the checks can fail."""
     check_choice("cut", cut, CUTS)
-    for i, layer in enumerate(model.layers):
-        if cut == NAIVE_CUT:
-            qkv = layer.attn.qkv
-            qkv.weight.copy_(ColumnParallelLinear.shard_rows(qkv, weights[f"layers.{i}.attn.qkv.weight"]))
-            qkv.bias.copy_(ColumnParallelLinear.shard_rows(qkv, weights[f"layers.{i}.attn.qkv.bias"]))
-        elif cut == BIAS_CUT:
-            for lin in (layer.attn.out_proj, layer.mlp.fc_down):
-                lin.forward = types.MethodType(_bias_before_sum, lin)
-    return model
+    return faults.injected(*CUT_FAULTS[cut])
 
 
 def threaded_forward(cfg: ModelConfig, weights: dict, batch: PackedBatch, tp: int, cut: str = ENGINE_CUT,
                      device="cpu", dtype=torch.float32) -> Tensor:
-    """The whole forward of ``batch`` on ``tp`` thread ranks (``tp.threads``, which really add) whose
-    models are cut by ``cut`` (``apply_cut``); rank 0's output ``[T, d_model]`` on the CPU."""
-    ranks = [apply_cut(Transformer(cfg, weights, group=LocalGroup(r, tp), device=device, dtype=dtype), weights, cut)
-             for r in range(tp)]
-
+    """The whole forward of ``batch`` on ``tp`` thread ranks (``tp.threads``, which really add), each
+    rank's model built from the full ``weights`` and run under ``cut_faults(cut)``; rank 0's output
+    ``[T, d_model]`` on the CPU."""
     def run(group):
-        model = ranks[group.rank]
-        for m in model.modules():
-            if hasattr(m, "group"):
-                m.group = group
-        return model(batch.to(device)).cpu()
-    return tp_ranks_in_threads(tp, run)[0][0]
+        return Transformer(cfg, weights, group=group, device=device, dtype=dtype)(batch.to(device)).cpu()
+    with cut_faults(cut), torch.no_grad():
+        return tp_ranks_in_threads(tp, run)[0][0]
+
+
 MAX_TOKENS = 160  # the explorer's T slider
 TAPPED = "layers.0.attn.out_proj"  # the all-reduce whose inputs (each rank's partial sums) the explorer shows
 SHOWN = 6  # numbers of one token's partial sums printed per rank (of d_model)
@@ -422,13 +280,21 @@ def packing_lens(total_tokens: int, num_requests: int, pattern: str = "equal") -
 
 
 class _TapGroup:
-    """Rank ``rank``'s group in the explorer's models, built once: each collective goes to the
-    ``tp.threads.ThreadRank`` of the forward in flight (``inner``, which really sums over the
-    threads and records), and the tensor this rank hands to the all-reduce ``TAPPED`` is kept in
-    ``sent``: its own partial sums, before they are added to the other ranks'."""
+    """Rank ``rank``'s group in the explorer's models, built once: while ``serving(inner)`` is open each
+    collective goes to ``inner``, the ``tp.threads`` rank of the forward in flight (which really sums
+    over the threads and records), and the tensor this rank hands to the all-reduce ``TAPPED`` is
+    kept in ``sent``: its own partial sums, before they are added to the other ranks'."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size, self.inner, self.sent = rank, world_size, None, None
+
+    @contextlib.contextmanager
+    def serving(self, inner):
+        self.inner = inner
+        try:
+            yield self
+        finally:
+            self.inner = None
 
     def all_reduce(self, tensor: Tensor, *, layer: str = "") -> Tensor:
         if layer == TAPPED:
@@ -441,30 +307,27 @@ class _TapGroup:
         return self.inner.all_gather(tensor, layer=layer)
 
 
-_EXPLORER_MODELS: dict = {}
+@functools.lru_cache(maxsize=1)
+def _explorer_weights(cfg: ModelConfig) -> dict:
+    return init_weights(cfg, seed=0)
 
 
-_WEIGHTS: dict = {}
+def _layer0(cfg: ModelConfig, weights: dict) -> tuple[ModelConfig, dict]:
+    """Layer 0 of ``cfg`` alone, and its weights."""
+    return (dataclasses.replace(cfg, n_layers=1),
+            {k: v for k, v in weights.items() if not k.startswith("layers.") or k.startswith("layers.0.")})
 
 
+@functools.lru_cache(maxsize=6)  # a few (tp, cut) pairs: going back to one costs no rebuild
 def _explorer_models(cfg: ModelConfig, tp: int, cut: str = ENGINE_CUT) -> dict:
-    """Built once per (cfg, tp, cut): the weights (``init_weights(cfg, seed=0)``, kept), one model per
-    rank on a ``_TapGroup`` cut by ``apply_cut``, layer 0 alone at TP=1 in float32 and float64 (the
-    reference of the sum)."""
-    key = (repr(cfg), tp, cut)
-    if key not in _EXPLORER_MODELS:
-        if len(_EXPLORER_MODELS) >= 6:  # a few (tp, cut) pairs: going back to one costs no rebuild
-            _EXPLORER_MODELS.clear()
-        if repr(cfg) not in _WEIGHTS:
-            _WEIGHTS.clear()
-            _WEIGHTS[repr(cfg)] = init_weights(cfg, seed=0)
-        weights = _WEIGHTS[repr(cfg)]
-        ranks = [apply_cut(Transformer(cfg, weights, group=_TapGroup(r, tp)), weights, cut) for r in range(tp)]
-        one = dataclasses.replace(cfg, n_layers=1)
-        w1 = {k: v for k, v in weights.items() if not k.startswith("layers.") or k.startswith("layers.0.")}
-        _EXPLORER_MODELS[key] = {"ranks": ranks, "tp1": Transformer(one, w1),
-                                 "fp64": Transformer(one, w1, dtype=torch.float64, attn_backend="loop")}
-    return _EXPLORER_MODELS[key]
+    """Built once per (cfg, tp, cut): one model per rank on a ``_TapGroup``, built under ``cut_faults(cut)``
+    from ``init_weights(cfg, seed=0)``; layer 0 alone at TP=1 in float32 and float64 (the reference of the sum)."""
+    weights = _explorer_weights(cfg)
+    with cut_faults(cut):
+        ranks = [Transformer(cfg, weights, group=_TapGroup(r, tp)) for r in range(tp)]
+    one, w1 = _layer0(cfg, weights)
+    return {"ranks": ranks, "tp1": Transformer(one, w1),
+            "fp64": Transformer(one, w1, dtype=torch.float64, attn_backend="loop")}
 
 
 def explorer_batch(cfg: ModelConfig, seq_lens: Sequence[int]) -> PackedBatch:
@@ -492,8 +355,7 @@ def rank_partials(cfg: ModelConfig, weights: dict, batch: PackedBatch, tp: int =
     stand-in). Layer 0's input, the embedding, is whole on every rank, so a stand-in sends exactly
     what a real rank sends. Only layer 0 of ``weights`` is built; float64 runs the loop attention."""
     tp = check_int("tp", tp, 1, cfg.n_heads)
-    one = dataclasses.replace(cfg, n_layers=1)
-    w1 = {k: v for k, v in weights.items() if not k.startswith("layers.") or k.startswith("layers.0.")}
+    one, w1 = _layer0(cfg, weights)
     backend = "loop" if dtype == torch.float64 else "auto"
     with torch.no_grad():
         return [out_proj_partials(Transformer(one, w1, group=LocalGroup(r, tp), attn_backend=backend, device=device,
@@ -502,27 +364,16 @@ def rank_partials(cfg: ModelConfig, weights: dict, batch: PackedBatch, tp: int =
 
 def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal",
                      cfg: ModelConfig | None = None, tp_size: int = 2, cut: str = ENGINE_CUT) -> dict:
-    """The same T tokens packed as R requests, run through the model on ``tp_size`` real ranks whose
-    weights are cut by ``cut`` (``CUTS``: the engine's head-wise cut, or one of two broken ones).
-
-    The ranks are threads of this process (``tp.threads.tp_ranks_in_threads``): each runs the whole
-    forward on its shard and really adds its partial sums to the others'. Keys: ``seq_lens``,
-    ``cu_seqlens``, ``positions`` (restarting per request), ``max_seqlen``; ``traces`` (each rank's
-    record of its collectives), ``trace_text`` (``summarize_trace`` per rank), ``same_as_one_request``
-    (per rank: the trace equals a dry run of ONE request of the same T tokens, on rank 0: a signature
-    carries no rank); ``heads`` (per rank:
-    first, last head), ``cells`` (score cells per head per layer, whole blocks: sum L_i^2; the
-    same on every rank and head), ``cells_per_rank`` (x heads per rank x layers); ``token`` (the
-    flat row shown: T - 1, the last token) with ``token_request`` and ``token_position``;
-    ``partials`` (per rank, the first ``SHOWN`` numbers that rank handed to layer 0's out-proj
-    all-reduce for that token) and ``partial_norms`` (their whole row's norm, d_model numbers);
-    ``sum_err`` (max over all T rows of |sum of the ranks' partials, plus the bias once unless the
-    cut added it on every rank - TP=1's out proj in float64|) and ``sum_allowed`` (the tolerance
-    rule's bound for TP=1's float32 result); ``token_errors`` (per flat token, max over its d_model numbers of
-    that same difference: ``sum_err`` is their maximum); ``extra_bias`` ((tp - 1)·max|bias| of layer 0's
-    out proj: what the bias cut adds to every token's worst number); ``cut``, ``tp``, ``d_model``;
-    ``outputs_equal`` (every rank ended the forward with the same hidden states).
-    """
+    """The same T tokens packed as R requests (``packing_lens``), run on ``tp_size`` thread ranks that really
+    add, built and run under ``cut_faults(cut)``. Keys: ``seq_lens``, ``cu_seqlens``, ``positions``, ``max_seqlen``;
+    ``traces`` (each rank's collectives), ``trace_text``, ``same_as_one_request`` (per rank: the trace equals a dry
+    run of one request of T tokens); ``heads`` (per rank: first, last), ``cells`` (score cells per head per layer,
+    whole blocks), ``cells_per_rank`` (per forward); ``token`` (T - 1), ``token_request``, ``token_position``;
+    ``partials`` (per rank, the first ``SHOWN`` numbers it handed to layer 0's out-proj all-reduce for that token),
+    ``partial_norms``; ``token_errors`` (per token, max |the ranks' sum, plus the bias once unless the cut added it
+    on every rank, - TP=1's out proj in float64|), ``sum_err`` (their max), ``sum_allowed`` (the tolerance rule's
+    bound), ``extra_bias`` ((tp - 1)·max|bias|); ``cut``, ``tp``, ``d_model``; ``outputs_equal`` (every rank ended
+    with the same hidden states)."""
     cfg = cfg or ModelConfig(vocab_size=1000, max_position=2048)
     lens = packing_lens(total_tokens, num_requests, pattern)
     tp = check_int("tp_size", tp_size, 1, 16)
@@ -533,12 +384,10 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
 
     def rank_forward(group):
         model = models["ranks"][group.rank]
-        model.group.inner = group
-        try:
-            return model(batch), model.group.sent
-        finally:
-            model.group.inner = None
-    runs = tp_ranks_in_threads(tp, rank_forward)
+        with model.group.serving(group) as tap:
+            return model(batch), tap.sent
+    with cut_faults(cut), torch.no_grad():
+        runs = tp_ranks_in_threads(tp, rank_forward)
     traces = [trace for _, trace in runs]
     partials = [sent for (_, sent), _ in runs]
     with torch.no_grad():
@@ -551,7 +400,7 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     token = sum(lens) - 1
     return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "positions": batch.positions.tolist(),
             "max_seqlen": max(lens), "traces": traces, "trace_text": [summarize_trace(t) for t in traces],
-            "same_as_one_request": [trace_signature(t) == one for t in traces],
+            "same_as_one_request": [tuple(trace_signature(t)) == one for t in traces],
             "heads": [(r * hl, (r + 1) * hl - 1) for r in range(tp)], "cells": cells,
             "cells_per_rank": cells * hl * cfg.n_layers, "token": token, "token_request": len(lens) - 1,
             "token_position": lens[-1] - 1, "partials": [p[token, :SHOWN].tolist() for p in partials],
@@ -568,17 +417,11 @@ def trace_shapes(records: Sequence[CollectiveRecord]) -> list[tuple]:
     return [(r.op, tuple(r.shape), r.layer) for r in records]
 
 
-_ONE_REQUEST: dict = {}
-
-
-def _one_request_signature(cfg: ModelConfig, total: int, tp_size: int) -> list:
-    """The trace signature of a dry run of ONE request of ``total`` tokens on rank 0 of ``tp_size``.
-    A signature has no rank in it (``trace_signature``), so rank 0's stands for every rank's: one dry
-    model per tp instead of tp of them (the dry run's cache holds four)."""
-    key = (repr(cfg), total, tp_size)
-    if key not in _ONE_REQUEST:  # the reference does not change while the requests slider moves
-        _ONE_REQUEST[key] = trace_signature(record_trace(cfg, [total], 0, tp_size))
-    return _ONE_REQUEST[key]
+@functools.lru_cache(maxsize=16)  # the reference does not change while the requests slider moves
+def _one_request_signature(cfg: ModelConfig, total: int, tp_size: int) -> tuple:
+    """The trace signature of a dry run of ONE request of ``total`` tokens on rank 0 of ``tp_size``:
+    a signature has no rank in it (``trace_signature``), so rank 0's stands for every rank's."""
+    return tuple(trace_signature(record_trace(cfg, [total], 0, tp_size)))
 
 
 def _positions_text(lens: list[int]) -> str:
@@ -630,17 +473,11 @@ def tp_ranks_html(state: dict) -> str:
 
 
 def tp_packing_figure(state: dict) -> Figure:
-    """Top: the all-reduces of one forward (purple, the same for every packing). Middle: the flat
-    tokens coloured by request, a 0 under each request's first token (positions restart). Bottom:
-    per rank, the first ``SHOWN`` numbers of the partial sums it sent to layer 0's out-proj
-    all-reduce for the last token (green, a linear layer's output), and their sum after the
-    all-reduce (purple). At tp = 1 the trace is empty: the top row is one white box "no collectives"
-    and the bottom shows the one rank's out-proj output, with no sum. One axes in figure units (the
-    explorer redraws it on every move). Underneath: every token's error after the all-reduce,
-    ``token_errors`` / ``sum_allowed`` on a log scale (ink stems, the bound dashed, ``extra_bias`` dotted
-    at tp > 1), its least and worst value in the title: rounding stays
-    under the line; a bias on every rank lifts every token alike; the wrong heads give each token
-    its own error."""
+    """The explorer's picture of ``tp_packing_state``: top, the all-reduces of one forward (purple; "no
+    collectives" at tp = 1); middle, the flat tokens by request, a 0 under each request's first token; bottom, per
+    rank the first ``SHOWN`` numbers it sent to layer 0's out-proj all-reduce for the last token (green) and their
+    sum (purple); underneath, every token's error / allowed on a log scale, the bound dashed, ``extra_bias``
+    dotted at tp > 1."""
     lens, tp = state["seq_lens"], len(state["traces"])
     t, n_ar, d_model = sum(lens), len(state["traces"][0]), state["d_model"]
     fig = Figure(figsize=(8.4, 6.4))
@@ -774,43 +611,22 @@ def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: 
 
 
 # ---------------------------------------------------------------------------------------------
-# The model with a vocab-parallel embedding and LM head around its blocks (tp.vocab), and Exercise 04.1
+# Exercise 04.1: the trace of the model with a vocab-parallel embedding and LM head (tp.vocab)
 
-def vocab_parallel_forward(model: Transformer, batch: PackedBatch) -> Tensor:
-    """The model's forward with its token embedding and tied LM head split by vocabulary over
-    ``model.group`` (``tp.vocab.VocabParallelEmbedding`` and ``ParallelLMHead``, cut from the
-    model's ``wte``): logits ``[T, V]`` on every rank, equal to ``model.compute_logits(model(batch))``
-    at TP=1. Collectives: the embedding's all-reduce ("wte"), the blocks' two per layer, the
-    head's all-gather ("lm_head"). The position table stays whole (it is small)."""
-    cfg = model.cfg
-    embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group=model.group, dtype=model.dtype)
-    embedding = embedding.to(model.device).load_full_(model.wte)
-    x = embedding(batch.input_ids) + model.wpe[batch.positions]              # [T, d], every token, every rank
-    hidden = model(pack(list(x.split(batch.seq_lens)), device=model.device))  # the blocks and the final LayerNorm
-    return ParallelLMHead.tied_to(embedding)(hidden)                          # [T, V/tp] per rank -> [T, V]
-
-
-_STAND_INS: dict = {}
-
-
+@functools.lru_cache(maxsize=8)  # the weights do not change a trace; building the article's model is the slow part
 def _stand_in_model(cfg: ModelConfig, rank: int, world_size: int) -> Transformer:
-    key = (repr(cfg), rank, world_size)
-    if key not in _STAND_INS:  # the weights do not change a trace; building the article's model is the slow part
-        if len(_STAND_INS) >= 8:
-            _STAND_INS.clear()
-        zeros = {name: torch.zeros(shape, dtype=cfg.dtype) for name, shape in cfg.weight_shapes().items()}
-        _STAND_INS[key] = Transformer(cfg, zeros, group=LocalGroup(rank, world_size), attn_backend="masked")
-    return _STAND_INS[key]
+    zeros = {name: torch.zeros(shape, dtype=cfg.dtype) for name, shape in cfg.weight_shapes().items()}
+    return Transformer(cfg, zeros, group=LocalGroup(rank, world_size), attn_backend="masked")
 
 
 def vocab_parallel_trace(cfg: ModelConfig, seq_lens: Sequence[int], world_size: int, rank: int = 0) -> list:
-    """The collectives rank ``rank`` makes in one ``vocab_parallel_forward`` of requests of
+    """The collectives rank ``rank`` makes in one ``tp.vocab.vocab_parallel_logits`` of requests of
     ``seq_lens`` tokens, dry-run on a stand-in rank (``LocalGroup``): ``[CollectiveRecord, ...]`` in call order."""
     lens = check_lengths(seq_lens)
     model = _stand_in_model(cfg, rank, world_size)
     ids = torch.arange(sum(lens)) * 7 % cfg.vocab_size                 # ids spread over every rank's share
     model.group.trace.clear()
-    vocab_parallel_forward(model, pack(list(ids.split(lens))))
+    vocab_parallel_logits(model, pack(list(ids.split(lens))))
     return list(model.group.trace)
 
 
@@ -829,6 +645,7 @@ def _triples(got) -> list | None:
 
 def _vocab_problem(got: list, want: list, cfg: ModelConfig, lens: list, tp: int) -> str:
     t, d, v, n = sum(lens), cfg.d_model, cfg.vocab_size, 2 * cfg.n_layers
+    vl = pad_vocab_size(v, tp) // tp  # the logits a rank computes: its share of the padded vocabulary
     if tp == 1:
         return (f"got {len(got)} records, expected none: at tp = 1 there is no other rank, so nothing to add up "
                 f"or gather")
@@ -866,7 +683,7 @@ def _vocab_problem(got: list, want: list, cfg: ModelConfig, lens: list, tp: int)
         return f"the embedding's all-reduce carries {wte[0][2]}, expected {(t, d)}: every flat token, d_model wide"
     if not head:
         return (f"no collective for the LM head: it is tied to the split table, so rank r computes only the logits of "
-                f"its own ids, [T, V/tp] = {(t, v // tp)}; every rank needs all {v}")
+                f"its own ids, [T, V/tp] = {(t, vl)}; every rank needs all {v}")
     if head[0][0] == "all_reduce":
         if head[0][2] == (t, v):
             return ("an all-reduce of [T, V] with zeros outside each rank's columns gives the right logits, but a ring "
@@ -877,9 +694,9 @@ def _vocab_problem(got: list, want: list, cfg: ModelConfig, lens: list, tp: int)
                     "(all_gather of [T, V/tp])")
         return "the LM head's pieces are different columns (different ids), not partial sums: gather them (all_gather)"
     if head[0][2] == (t, v):
-        return f"record what this rank contributes to the all-gather: its own logits, {(t, v // tp)}, not the gathered {(t, v)}"
-    if head[0][2] != (t, v // tp):
-        return f"the LM head's all-gather carries {head[0][2]}, expected {(t, v // tp)}: every flat token, V/tp columns"
+        return f"record what this rank contributes to the all-gather: its own logits, {(t, vl)}, not the gathered {(t, v)}"
+    if head[0][2] != (t, vl):
+        return f"the LM head's all-gather carries {head[0][2]}, expected {(t, vl)}: every flat token, V/tp columns"
     shapes = {g[2] for g in blocks}
     if shapes != {(t, d)}:
         if (max(lens), d) in shapes:
@@ -895,7 +712,7 @@ def _vocab_problem(got: list, want: list, cfg: ModelConfig, lens: list, tp: int)
 def check_vocab_trace(fn: Callable[[ModelConfig, list, int], list]) -> bool:
     """Exercise 04.1: ``fn(cfg, seq_lens, tp) -> [(op, layer, shape), ...]``, the collectives rank 0
     makes in one forward when the embedding and the tied LM head are split by vocabulary over
-    ``tp`` ranks (``vocab_parallel_forward``), in call order; ``op`` is "all_reduce" or
+    ``tp`` ranks (``tp.vocab.vocab_parallel_logits``), in call order; ``op`` is "all_reduce" or
     "all_gather", ``shape`` what the rank sends. Compared with a dry run of that forward on a
     stand-in rank (``vocab_parallel_trace``): the article's model, a 3-layer model at tp = 3, a
     2-layer one at tp = 4, and tp = 1."""
@@ -951,17 +768,12 @@ def _prefill_bytes(model: Transformer, num_tokens: int) -> int:
 def engine_kv_plan(n_heads: int, n_kv_heads: int, d_head: int, n_layers: int, tp: int, bytes_per_number: int,
                    num_tokens: int = 3) -> KVPlan:
     """A grouped-query model (``n_kv_heads`` K/V heads for ``n_heads`` query heads) split over ``tp``
-    ranks, MEASURED on the engine: each rank r is the engine's model built with
-    ``ModelConfig(n_heads, n_kv_heads, d_head, ...)`` on a stand-in rank ``LocalGroup(r, tp)``.
-
-    Its heads are the rows of an index tensor that its layer-0 ``QKVParallelLinear.shard_rows`` keeps
-    (query head i owns rows ``[i·D, (i+1)·D)`` of Q, K/V head j rows ``[j·D, (j+1)·D)`` of K). Its cache
-    is what a prefill of ``num_tokens`` tokens leaves in its ``serve.kv_cache.PrefillKVCache``:
-    every rank is measured with one layer (the same on every rank, else RuntimeError), rank 0 also at
-    the full ``n_layers``, which gives ``bytes_per_token``. The models are as small as the question
-    allows (d_model 8, zero weights, a vocabulary of 8): neither the width nor the weights change which rows
-    a rank keeps or how many numbers it caches per head. ``bytes_per_number``: 2 (bfloat16) or 4
-    (float32). A tp the engine cannot split raises the engine's ValueError."""
+    ranks, MEASURED on the engine's model on stand-in ranks ``LocalGroup(r, tp)``: each rank's heads are
+    the rows of an index tensor its layer-0 ``QKVParallelLinear.shard_rows`` keeps; ``bytes_per_token`` is
+    what a prefill of ``num_tokens`` tokens leaves in rank 0's ``PrefillKVCache`` (all layers; every
+    rank's one-layer cache must agree, else RuntimeError). The models are tiny (d_model 8, zero weights):
+    neither changes which rows a rank keeps or what it caches per head. ``bytes_per_number``: 2 (bfloat16)
+    or 4 (float32). A tp the engine cannot split raises the engine's ValueError."""
     check_choice("bytes_per_number", bytes_per_number, tuple(_DTYPE_OF_BYTES))
     n = check_int("num_tokens", num_tokens, 1)
     cfg = ModelConfig(n_layers=n_layers, d_model=8, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head,
@@ -1254,8 +1066,8 @@ _CFG_CUT = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=128, 
 
 
 def cut_evidence(cut: str, tp: int, seq_lens: Sequence[int], cfg: ModelConfig | None = None) -> tuple:
-    """What a doctor of a TP forward sees, for ranks cut by ``cut`` (``apply_cut``) on ``tp`` thread
-    ranks that really add: ``(error, bias, allowed, tp)``. ``error`` ``[T, d_model]``, float64: rank
+    """What a doctor of a TP forward sees, for ranks built and run under ``cut_faults(cut)`` on ``tp``
+    thread ranks that really add: ``(error, bias, allowed, tp)``. ``error`` ``[T, d_model]``, float64: rank
     0's layer-0 out proj output (after its all-reduce and bias, as the engine's forward produced it)
     minus the one-process out proj in float64; ``bias`` the out proj's bias; ``allowed`` the
     tolerance rule's bound of the one-process float32 result."""
@@ -1265,16 +1077,13 @@ def cut_evidence(cut: str, tp: int, seq_lens: Sequence[int], cfg: ModelConfig | 
     weights = init_weights(cfg, seed=0)
     ids = torch.randint(0, cfg.vocab_size, (sum(check_lengths(seq_lens)),), generator=torch.Generator().manual_seed(0))
     batch = pack(list(ids.split(list(seq_lens))))
-    ranks = [apply_cut(Transformer(cfg, weights, group=LocalGroup(r, tp)), weights, cut) for r in range(tp)]
 
     def run(group):
-        model = ranks[group.rank]
-        for m in model.modules():
-            if hasattr(m, "group"):
-                m.group = group
+        model = Transformer(cfg, weights, group=group)
         return module_io(model, [TAPPED], lambda: model(batch))[TAPPED][1]
     with torch.no_grad():
-        got = tp_ranks_in_threads(tp, run)[0][0]
+        with cut_faults(cut):
+            got = tp_ranks_in_threads(tp, run)[0][0]
         tp1, fp64 = Transformer(cfg, weights), Transformer(cfg, weights, dtype=torch.float64, attn_backend="loop")
         ref = module_io(tp1, [TAPPED], lambda: tp1(batch))[TAPPED][1]
         ref64 = module_io(fp64, [TAPPED], lambda: fp64(batch))[TAPPED][1]
@@ -1330,11 +1139,10 @@ def check_cut_diagnosis(fn: Callable[[Tensor, Tensor, float, int], str]) -> bool
     return grade("cut_diagnosis", fn=run, cases=cases, judge=judge,
                  done="the engine's cut, the naive QKV cut and the bias on every rank, at tp = 1, 2 and 4")
 
-__all__ = ["RankLayer", "rank_layers", "layer0_attention", "two_axes_figure", "tp_trace_timeline", "packing_lens",
-           "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_packing_figure", "tp_packing_explorer",
-           "trace_shapes", "vocab_parallel_forward",
-           "vocab_parallel_trace", "check_vocab_trace", "KVPlan", "engine_kv_plan", "kv_heads_for_budget", "check_kv_plan",
-           "gqa_replicas_figure", "GiB", "layout_cache_bytes", "check_layout",
-           "explorer_batch", "out_proj_partials", "tp_ranks_html", "apply_cut", "threaded_forward", "CUTS",
-           "ENGINE_CUT", "NAIVE_CUT", "BIAS_CUT", "TP_SIZES", "CAUGHT", "rank_partials", "cut_evidence",
-           "check_cut_diagnosis"]
+__all__ = ["RankLayer", "rank_layers", "layer0_attention", "ENGINE_CUT", "NAIVE_CUT", "BIAS_CUT", "CUTS", "CUT_FAULTS",
+           "cut_faults", "threaded_forward", "CAUGHT", "rank_partials", "out_proj_partials", "trace_shapes",
+           "two_axes_figure", "TP_SIZES", "PATTERNS", "MAX_TOKENS", "SHOWN", "packing_lens", "explorer_batch",
+           "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_ranks_html", "tp_packing_figure",
+           "tp_packing_explorer", "vocab_parallel_trace", "check_vocab_trace", "KVPlan", "engine_kv_plan",
+           "kv_heads_for_budget", "check_kv_plan", "gqa_replicas_figure", "GiB", "layout_cache_bytes", "check_layout",
+           "cut_evidence", "check_cut_diagnosis"]

@@ -14,6 +14,7 @@ from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.groups import LocalGroup
 from lessons_lib.core.model import Transformer, init_weights
 from lessons_lib.course import l04_tp
+from lessons_lib.course.trace_figures import short_cu
 from lessons_lib.measure import flops
 from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
 from lessons_lib.tp.trace import summarize_trace
@@ -34,7 +35,8 @@ def _partials(lens: list[int], rank: int, tp: int = 2, cut: str = l04_tp.ENGINE_
     key = (rank, tp, cut)
     if key not in _STAND_INS:
         w = _STAND_INS.setdefault("weights", init_weights(CFG, seed=0))
-        _STAND_INS[key] = l04_tp.apply_cut(Transformer(CFG, w, group=LocalGroup(rank, tp)), w, cut)
+        with l04_tp.cut_faults(cut):  # the naive cut is built with the fault on; the bias cut is added below
+            _STAND_INS[key] = Transformer(CFG, w, group=LocalGroup(rank, tp))
     model = _STAND_INS[key]
     sent = l04_tp.out_proj_partials(model, l04_tp.explorer_batch(CFG, lens))
     return sent + model.layers[0].attn.out_proj.bias if cut == l04_tp.BIAS_CUT else sent
@@ -61,7 +63,7 @@ def _check(page, want: dict) -> list[list[float]]:
     """The attention line and the per-rank lines equal the direct computation; returns the shown partials."""
     head = ATTN_RE.search(inner_text(page, ".tpx-attention"))
     assert head, f"attention readout not in the documented format: {inner_text(page, '.tpx-attention')!r}"
-    assert int(head[1]) == want["R"] and head[2] == l04_tp.short_cu(want["cu"]) and int(head[4]) == want["max_seqlen"]
+    assert int(head[1]) == want["R"] and head[2] == short_cu(want["cu"]) and int(head[4]) == want["max_seqlen"]
     text = inner_text(page, ".tpx-ranks")
     ranks = RANK_RE.findall(text)
     tp, hl = want["tp"], 8 // want["tp"]
