@@ -22,10 +22,13 @@ from lessons_lib.course import l05_flops as L
 from lessons_lib.course.grading import score
 from lessons_lib.measure.flops import (
     attention_cells,
+    block_linear_intensity,
     decode_attention_intensity,
+    decode_step_parts,
     forward_flops,
     kv_cache_bytes,
     linear_intensity,
+    min_decode_batch,
 )
 from lessons_lib.measure.machines import H200, REFERENCE_CPU, Machine
 from lessons_lib.measure.recorder import FUSED_ATTENTION_OPS, Matmul, record_matmuls, record_ops
@@ -112,10 +115,10 @@ def test_decode_attention_matmuls_run_the_real_kernel_on_what_they_record():
 def test_c13_c15_block_linear_intensity_is_rows_over_one_plus_rows_over_384():
     cfg = ModelConfig()
     for r in (1, 32, 256, 4096):
-        assert L.block_linear_intensity(cfg, r) == pytest.approx(r / (1 + r / 384))
-    values = [L.block_linear_intensity(cfg, r) for r in (1, 2, 10, 100, 1000, 10**6)]
+        assert block_linear_intensity(cfg, r) == pytest.approx(r / (1 + r / 384))
+    values = [block_linear_intensity(cfg, r) for r in (1, 2, 10, 100, 1000, 10**6)]
     assert values == sorted(values) and values[-1] < 384
-    assert L.block_linear_intensity(cfg, 64, nbytes=4) == pytest.approx(L.block_linear_intensity(cfg, 64) / 2)
+    assert block_linear_intensity(cfg, 64, 4) == pytest.approx(block_linear_intensity(cfg, 64) / 2)
 
 
 def test_c14_crossover_is_six_d_whole_blocks_and_twelve_d_minus_one_causal():
@@ -131,12 +134,12 @@ def test_c14_crossover_is_six_d_whole_blocks_and_twelve_d_minus_one_causal():
 @pytest.mark.parametrize("cfg", L._CFGS)
 @pytest.mark.parametrize("ridge, nbytes", [(206.0, 2), (9.0, 4), (100.0, 2), (1.0, 2), (383.0, 2), (400.0, 2)])
 def test_c15_min_decode_batch_is_the_smallest_r_reaching_the_ridge(cfg, ridge, nbytes):
-    r = L.min_decode_batch(cfg, ridge, nbytes)
+    r = min_decode_batch(cfg, ridge, nbytes)
     if r is None:
-        assert L.block_linear_intensity(cfg, 10**9, nbytes) < ridge
+        assert block_linear_intensity(cfg, 10**9, nbytes) < ridge
     else:
-        assert L.block_linear_intensity(cfg, r, nbytes) >= ridge - 1e-9
-        assert r == 1 or L.block_linear_intensity(cfg, r - 1, nbytes) < ridge
+        assert block_linear_intensity(cfg, r, nbytes) >= ridge - 1e-9
+        assert r == 1 or block_linear_intensity(cfg, r - 1, nbytes) < ridge
 
 
 # --- the roofline explorer ----------------------------------------------------------------------------------
@@ -152,25 +155,25 @@ def test_roofline_state_counts_by_hand_on_the_h200():
     w, a = 3 * 512 * 512 + 512 * 512 + 2 * 512 * 2048, 8192             # weights, row numbers per layer
     for row in s["rows"]:
         lin, att = row["linear"], row["attention"]
-        assert lin["flops"] == 8 * 1000 * 2 * w                          # the same T = 1000 rows every time
-        assert lin["bytes"] == 8 * 2 * (w + 1000 * a)
-        assert att["bytes"] == 8 * 2 * 1000 * 4 * 512                     # Q, K, V, O once
+        assert lin.flops == 8 * 1000 * 2 * w                          # the same T = 1000 rows every time
+        assert lin.bytes == 8 * 2 * (w + 1000 * a)
+        assert att.bytes == 8 * 2 * 1000 * 4 * 512                     # Q, K, V, O once
         cells = sum(n * (n + 1) // 2 for n in row["seq_lens"])
-        assert att["flops"] == 8 * 8 * cells * 4 * 64
+        assert att.flops == 8 * 8 * cells * 4 * 64
         for part in (lin, att):
-            assert part["intensity"] == part["flops"] / part["bytes"]
-            assert part["seconds"] == max(part["flops"] / 989e12, part["bytes"] / 4.8e12)
-            assert part["bound"] == ("compute-bound" if part["intensity"] >= 989e12 / 4.8e12 else "memory-bound")
-    assert [r["attention"]["bound"] for r in s["rows"]] == ["compute-bound", "memory-bound", "memory-bound"]
-    assert s["rows"][0]["linear"]["bound"] == "compute-bound" and s["measured"] is None
+            assert part.intensity == part.flops / part.bytes
+            assert part.seconds == max(part.flops / 989e12, part.bytes / 4.8e12)
+            assert part.bound == ("compute-bound" if part.intensity >= 989e12 / 4.8e12 else "memory-bound")
+    assert [r["attention"].bound for r in s["rows"]] == ["compute-bound", "memory-bound", "memory-bound"]
+    assert s["rows"][0]["linear"].bound == "compute-bound" and s["measured"] is None
 
 
 def test_roofline_state_gqa_shrinks_kv_bytes_and_qkv_not_attention_flops():
     full, grouped = L.roofline_state(n_kv_heads=8), L.roofline_state(n_kv_heads=2)
     for f, g in zip(full["rows"], grouped["rows"]):
-        assert g["attention"]["flops"] == f["attention"]["flops"]
-        assert f["attention"]["bytes"] - g["attention"]["bytes"] == 8 * 2 * 1000 * 2 * (512 - 128)
-        assert f["linear"]["flops"] - g["linear"]["flops"] == 8 * 1000 * 2 * 512 * 2 * (512 - 128)
+        assert g["attention"].flops == f["attention"].flops
+        assert f["attention"].bytes - g["attention"].bytes == 8 * 2 * 1000 * 2 * (512 - 128)
+        assert f["linear"].flops - g["linear"].flops == 8 * 1000 * 2 * 512 * 2 * (512 - 128)
 
 
 def test_roofline_state_packings_machine_and_bad_input():
@@ -287,7 +290,7 @@ def test_intensity_figure_plots_the_library_formula_and_the_ridges():
     ax = fig.axes[0]
     bf16 = ax.lines[0]
     xs, ys = bf16.get_xdata(), bf16.get_ydata()
-    assert all(y == pytest.approx(L.block_linear_intensity(ModelConfig(), int(x))) for x, y in zip(xs, ys))
+    assert all(y == pytest.approx(block_linear_intensity(ModelConfig(), int(x))) for x, y in zip(xs, ys))
     labels = " ".join(t.get_text() for t in ax.texts)
     assert "206" in labels and "ridge" in labels and "R = 32: 29.5" in labels
     assert "measured when this course was built" in labels and f"{REFERENCE_CPU.ridge:.3g} FLOP/byte" in labels
@@ -400,20 +403,20 @@ def test_gqa_checker_partial_marks(capsys):
 def test_c15_decode_step_part_by_part_on_the_h200():
     cfg, ridge = ModelConfig(), H200.ridge
     # the KV read is memory-bound for every R and cache; the linear layers turn compute-bound from min_decode_batch
-    r = L.min_decode_batch(cfg, ridge)
-    assert L.decode_step_parts(cfg, r - 1, 8)["linear"]["bound"] == "memory-bound"
-    assert L.decode_step_parts(cfg, r, 8)["linear"]["bound"] == "compute-bound"
-    assert all(L.decode_step_parts(cfg, rr, n)["attention"]["bound"] == "memory-bound"
+    r = min_decode_batch(cfg, ridge)
+    assert decode_step_parts(cfg, r - 1, 8, H200).linear.bound == "memory-bound"
+    assert decode_step_parts(cfg, r, 8, H200).linear.bound == "compute-bound"
+    assert all(decode_step_parts(cfg, rr, n, H200).attention.bound == "memory-bound"
                for rr in (1, 256, 4096) for n in (1, 8, 128, 1000))
     # 8 cached tokens, R = 4096: linear 26.1 us (its FLOPs at peak; its bytes need 15.3), the KV read 15.7 us
-    p = L.decode_step_parts(cfg, 4096, 8)
-    assert p["linear"]["seconds"] == pytest.approx(26.06e-6, rel=1e-3)
-    assert p["attention"]["seconds"] == pytest.approx(15.73e-6, rel=1e-3) and p["longer"] == "linear"
-    assert L.decode_step_parts(cfg, 4096, 128)["longer"] == "attention"
-    assert L.decode_step_parts(cfg, 1, 1000)["longer"] == "linear"          # one request: the weight read
+    p = decode_step_parts(cfg, 4096, 8, H200)
+    assert p.linear.seconds == pytest.approx(26.06e-6, rel=1e-3)
+    assert p.attention.seconds == pytest.approx(15.73e-6, rel=1e-3) and p.longer == "linear"
+    assert decode_step_parts(cfg, 4096, 128, H200).longer == "attention"
+    assert decode_step_parts(cfg, 1, 1000, H200).longer == "linear"          # one request: the weight read
     # the step's time is the sum of the parts' roofline times, each max(compute, memory)
-    assert p["seconds"] == pytest.approx(max(p["linear"]["flops"] / 989e12, p["linear"]["bytes"] / 4.8e12)
-                                         + p["attention"]["bytes"] / 4.8e12)
+    assert p.seconds == pytest.approx(max(p.linear.flops / 989e12, p.linear.bytes / 4.8e12)
+                                         + p.attention.bytes / 4.8e12)
 
 
 def test_c15_decode_step_parts_count_the_recorded_matmuls():
@@ -421,10 +424,10 @@ def test_c15_decode_step_parts_count_the_recorded_matmuls():
     layer = Transformer(dataclasses.replace(cfg, n_layers=1, vocab_size=1000, max_position=256), seed=0)
     lin = L.of_kind(L.forward_matmuls(layer, pack([[7]] * r), "sdpa"), "linear")
     att = L.decode_attention_matmuls(r, kv_len=kv)
-    p = L.decode_step_parts(cfg, r, kv)
-    assert p["linear"]["flops"] == sum(m.flops for m in lin) and p["linear"]["bytes"] == sum(m.bytes(2) for m in lin)
-    assert p["attention"]["flops"] == sum(m.flops for m in att)
-    assert p["attention"]["bytes"] == sum(m.bytes(2) for m in att) - 2 * 2 * cfg.n_heads * r * kv   # less the scores
+    p = decode_step_parts(cfg, r, kv, H200)
+    assert p.linear.flops == sum(m.flops for m in lin) and p.linear.bytes == sum(m.bytes(2) for m in lin)
+    assert p.attention.flops == sum(m.flops for m in att)
+    assert p.attention.bytes == sum(m.bytes(2) for m in att) - 2 * 2 * cfg.n_heads * r * kv   # less the scores
 
 
 def test_c15_engine_decode_step_runs_the_recorded_decode_shapes():
@@ -470,12 +473,12 @@ def test_c15_gqa_decode_packs_a_group_as_rows_of_one_matmul():
 
 def test_c15_packed_decode_attention_intensity_by_hand():
     # G = 2, D = 4, L = 8, bf16: 4·2·4·8 = 256 FLOPs over 2 · 2 · (8 + 32 + 16) = 224 bytes
-    assert L.packed_decode_attention_intensity(8, 4, 2) == pytest.approx(256 / 224)
-    assert L.packed_decode_attention_intensity(128, 64, 1) == pytest.approx(decode_attention_intensity(128, 64, 2))
+    assert decode_attention_intensity(8, 4, 2, group=2) == pytest.approx(256 / 224)
+    assert decode_attention_intensity(128, 64, 2, group=1) == pytest.approx(decode_attention_intensity(128, 64, 2))
     att = L.of_kind(L.gqa_decode_matmuls(SMALL, 2, 1, 8), "attention")   # recorded: G = 2, D = 16, L = 8
     assert L.intensity(att) == pytest.approx(4 * 2 * 16 * 8 / (2 * 2 * (2 * 16 + 16 * 8 + 2 * 8)))
     with pytest.raises(ValueError, match="group"):
-        L.packed_decode_attention_intensity(8, 4, 0)
+        decode_attention_intensity(8, 4, group=0)
 
 
 def test_c15_engine_kv_cache_bytes_control_repeats_k_v_per_query_head():
@@ -487,7 +490,7 @@ def test_c15_engine_kv_cache_bytes_control_repeats_k_v_per_query_head():
 def test_c15_kv_read_overtakes_from_is_the_first_r_by_roofline_search(case):
     cfg, ridge, nbytes, kv = case
     machine = Machine("m", ridge * 1e9, 1e9)
-    first = next((r for r in range(1, 20_000) if L.decode_step_parts(cfg, r, kv, nbytes, machine)["longer"] == "attention"),
+    first = next((r for r in range(1, 20_000) if decode_step_parts(cfg, r, kv, machine, nbytes).longer == "attention"),
                  None)
     assert L.kv_read_overtakes_from(cfg, ridge, nbytes, kv) == first
 
@@ -531,8 +534,8 @@ def test_roofline_figure_keeps_text_on_the_canvas_ink_lines_and_points_on_the_ro
     roof = ax.get_lines()[0]
     assert roof.get_color() == TEXT and max(roof.get_ydata()) == 100e9          # the peak, flat past the ridge
     points = {(line.get_marker(), line.get_color()): line.get_xdata()[0] for line in ax.get_lines()[2:8]}
-    assert points[("o", LINEAR)] == s["rows"][0]["linear"]["intensity"]
-    assert points[("s", ATTENTION)] == s["rows"][1]["attention"]["intensity"]
+    assert points[("o", LINEAR)] == s["rows"][0]["linear"].intensity
+    assert points[("s", ATTENTION)] == s["rows"][1]["attention"].intensity
 
 
 def _packing_by_hand(total, kv):

@@ -31,14 +31,17 @@ from ..core.config import ModelConfig
 from ..core.model import Transformer
 from ..measure.flops import (
     ForwardFlops,
+    block_linear_intensity,
     decode_attention_intensity,
+    decode_step_parts,
     forward_bytes,
     forward_flops,
     linear_intensity,
-    linear_shapes,
+    linear_terms,
+    min_decode_batch,
 )
 from ..measure.machines import H200, REFERENCE_CPU, Machine
-from ..measure.profile import forward_time_split, matmul_throughput, time_call
+from ..measure.profile import cpu_threads, forward_time_split, matmul_throughput, time_call
 from ..measure.recorder import BF16, FUSED_ATTENTION_OPS, Matmul, OpRecorder, record_matmuls
 from ..measure.search import first_where
 from ..serve.kv_cache import PrefillKVCache
@@ -122,13 +125,6 @@ def gqa_decode_matmuls(cfg: ModelConfig, n_kv_heads: int, num_requests: int, kv_
         return engine_decode_matmuls(_zero_model(cfg, n_kv_heads, kv_len), num_requests, kv_len)
 
 
-def packed_decode_attention_intensity(kv_len: int, d_head: int, group: int, nbytes: int = BF16) -> float:
-    """FLOP/byte of one request's decode attention on one K/V head with ``group`` query heads as rows, per
-    matmul (``Q K^T`` ``[G, D] @ [D, L]``, ``P V`` ``[G, L] @ [L, D]``): ``4GDL / (nbytes·2(GD + DL + GL))``."""
-    n, d, g = (check_int(name, x, 1, 1 << 20) for name, x in (("kv_len", kv_len), ("d_head", d_head), ("group", group)))
-    return 4 * g * d * n / (nbytes * 2 * (g * d + d * n + g * n))
-
-
 def of_kind(matmuls: Sequence[Matmul], kind: str) -> list[Matmul]:
     return [mm for mm in matmuls if mm.kind == kind]
 
@@ -166,7 +162,7 @@ def recorded_flops(cfg: ModelConfig, seq_lens: Sequence[int], attn_backend: str 
 
 
 # ---------------------------------------------------------------------------------------------
-# The rules the claims hold the record to: the crossover, a block's linear intensity, a decode step part by part
+# The rules the claims hold the record to: the crossover, a decode step part by part (measure.flops)
 
 
 def crossover_length(cfg: ModelConfig, causal: bool = False) -> int:
@@ -178,55 +174,17 @@ def crossover_length(cfg: ModelConfig, causal: bool = False) -> int:
     return first_where(reached, 1, 1 << 40)
 
 
-def block_linear_intensity(cfg: ModelConfig, rows: int, nbytes: int = BF16) -> float:
-    """FLOP per byte of a block's four linear layers (``linear_shapes``) on ``rows`` rows: weights, input rows
-    and output rows each moved once. Prefill: rows = T flat tokens; a decode step: rows = R requests."""
-    r = check_int("rows", rows, 1)
-    return intensity([Matmul("linear", 1, r, a, b) for a, b in linear_shapes(cfg)], nbytes)
-
-
-def _part(flops: int, nbytes: int, machine: Machine) -> dict:
-    return {"flops": flops, "bytes": nbytes, "intensity": flops / nbytes, "seconds": machine.roofline_seconds(flops, nbytes),
-            "bound": "compute-bound" if flops / nbytes >= machine.ridge else "memory-bound"}
-
-
-def _linear_terms(cfg: ModelConfig) -> tuple[int, int]:
-    """(weight numbers, activation numbers per row) of one block's four linear layers (``linear_shapes``)."""
-    shapes = linear_shapes(cfg)
-    return sum(a * b for a, b in shapes), sum(a + b for a, b in shapes)
-
-
-def min_decode_batch(cfg: ModelConfig, ridge: float, nbytes: int = BF16) -> int | None:
-    """The smallest R whose decode step's linear layers (``block_linear_intensity``, rows = R) reach ``ridge``, or
-    None: the intensity only approaches ``2W / (nbytes · A)``."""
-    return first_where(lambda r: block_linear_intensity(cfg, r, nbytes) >= ridge, 1, 1 << 40)
-
-
-def decode_step_parts(cfg: ModelConfig, requests: int, kv_len: int, nbytes: int = BF16,
-                      machine: Machine = H200) -> dict:
-    """Per layer, a decode step of R requests with ``kv_len`` cached tokens each (no GQA), each part on its own
-    roofline on ``machine``: ``"linear"`` (``2RW`` FLOPs, ``nbytes (W + RA)`` bytes) and ``"attention"`` (per
-    request ``4k kv_len`` FLOPs over ``nbytes 2k (1 + kv_len)`` bytes: query, output, cached K and V), each
-    ``{"flops", "bytes", "intensity", "seconds", "bound"}``; ``"seconds"`` their sum, ``"longer"`` the longer part."""
-    r, n = check_int("requests", requests, 1), check_int("kv_len", kv_len, 1)
-    w, a = _linear_terms(cfg)
-    k = cfg.qkv_dim
-    lin = _part(2 * r * w, nbytes * (w + r * a), machine)
-    att = _part(r * 4 * k * n, nbytes * r * (2 * k + 2 * k * n), machine)
-    return {"linear": lin, "attention": att, "seconds": lin["seconds"] + att["seconds"],
-            "longer": "attention" if att["seconds"] > lin["seconds"] else "linear"}
-
-
 def decode_parts_table(cfg: ModelConfig, kv_lens: Sequence[int], requests: Sequence[int]) -> list[str]:
-    """One line per (cache length, R) on the H200: each part's roofline time in µs and its bound."""
+    """One line per (cache length, R) on the H200 (``measure.flops.decode_step_parts``): each part's roofline time
+    in µs and its bound."""
     out = []
     for n in kv_lens:
         for r in requests:
-            p = decode_step_parts(cfg, r, n)
-            lin, att = p["linear"], p["attention"]
-            out.append(f"{n:5d} cached, R = {r:5d}: linear {lin['seconds'] * 1e6:9.4g} us ({lin['bound']}, "
-                       f"{lin['intensity']:5.1f} FLOP/B) | attention {att['seconds'] * 1e6:9.4g} us ({att['bound']}, "
-                       f"{att['intensity']:.2f} FLOP/B) | longer: {p['longer']}")
+            p = decode_step_parts(cfg, r, n, H200)
+            lin, att = p.linear, p.attention
+            out.append(f"{n:5d} cached, R = {r:5d}: linear {lin.seconds * 1e6:9.4g} us ({lin.bound}, "
+                       f"{lin.intensity:5.1f} FLOP/B) | attention {att.seconds * 1e6:9.4g} us ({att.bound}, "
+                       f"{att.intensity:.2f} FLOP/B) | longer: {p.longer}")
     return out
 
 # ---------------------------------------------------------------------------------------------
@@ -474,25 +432,19 @@ def time_split_figure(splits: Mapping[str, Mapping[str, float]], flops: Mapping[
 
 
 def throughput_sweep(tokens: Sequence[int], d_in: int = 512, d_out: int = 2048, device="cpu",
-                     dtype: torch.dtype = torch.float32, repeats: int = 10, cpu_threads: int | None = 1) -> list[float]:
+                     dtype: torch.dtype = torch.float32, repeats: int = 10, threads: int | None = 1) -> list[float]:
     """GFLOP/s of ``F.linear`` on ``[T, d_in] @ [d_in, d_out]`` for each T (``matmul_throughput``, fastest of
-    ``repeats``); on the CPU with ``cpu_threads`` threads (the count restored after): two threads on shared
-    cores make each small product wait for the slower one."""
-    before = torch.get_num_threads()
-    if torch.device(device).type == "cpu" and cpu_threads:
-        torch.set_num_threads(cpu_threads)
-    try:
+    ``repeats``); on the CPU on ``threads`` threads (``profile.cpu_threads``)."""
+    with cpu_threads(threads if torch.device(device).type == "cpu" else None):
         return [matmul_throughput(check_int("tokens", t, 1), d_in, d_out, repeats=repeats, device=device, dtype=dtype)
                 for t in tokens]
-    finally:
-        torch.set_num_threads(before)
 
 
 def throughput_roof(tokens: Sequence[int], d_in: int, d_out: int, machine: Machine) -> list[float]:
-    """The roofline's GFLOP/s for ``[T, d_in] @ [d_in, d_out]`` at each T on ``machine``, in its dtype:
-    ``min(peak, linear_intensity x bandwidth)``."""
-    return [min(machine.peak_flops, linear_intensity(check_int("tokens", t, 1), d_in, d_out, machine.itemsize)
-                * machine.bytes_per_s) / 1e9 for t in tokens]
+    """The roofline's GFLOP/s for ``[T, d_in] @ [d_in, d_out]`` at each T on ``machine``, in its dtype
+    (``Machine.attainable_flops`` of ``linear_intensity``)."""
+    return [machine.attainable_flops(linear_intensity(check_int("tokens", t, 1), d_in, d_out, machine.itemsize)) / 1e9
+            for t in tokens]
 
 
 def sweep_verdict(tokens: Sequence[int], gflops: Sequence[float], roof: Sequence[float], peak: float,
@@ -588,13 +540,14 @@ def packing_lengths(total: int, requests: int) -> list[int]:
         raise ValueError(f"requests R = {r} is more than the tokens T = {t}: every request needs a token")
     return [t // r + (i < t % r) for i in range(r)]
 
+
 def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads: int = 8, n_layers: int = 8,
                    nbytes: int = BF16, machine: Machine = H200, total: int = 1000, requests: int = 10,
                    lengths: Sequence[int] | str = "700, 200, 100", here: dict | None = None) -> dict:
     """Per packing (``1 x T``, ``R x T/R``, the ``lengths`` typed; d_head = d_model / n_heads) the linear and
-    attention parts on ``machine``: ``{"flops"`` (``forward_flops``, causal), ``"bytes"`` (``forward_bytes``),
-    ``"intensity", "seconds"`` (the roofline's), ``"bound"}``. ``here`` = ``{"machine", "forward"}``
-    (``forward_here``'s point) adds ``measured``: that forward beside its roofline time. Keys: ``cfg``,
+    attention parts on ``machine`` (``Machine.roofline_part`` of ``forward_flops``, causal, over
+    ``forward_bytes``). ``here`` = ``{"machine", "forward"}`` (``forward_here``'s point) adds ``measured``: that
+    forward beside its roofline time. Keys: ``cfg``,
     ``n_kv_heads``, ``nbytes``, ``machine``, ``rows`` (``{"label", "seq_lens", "linear", "attention",
     "seconds"}``), ``measured`` (or None)."""
     d, h = check_int("d_model", d_model, 8, 1 << 16), check_int("n_heads", n_heads, 1, 1024)
@@ -617,9 +570,8 @@ def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv
     for label, lens in packs:
         f = forward_flops(cfg, lens, "varlen", causal=True, n_kv_heads=kv)
         b = forward_bytes(cfg, lens, n_kv_heads=kv, bytes_per_element=nbytes)
-        lin, att = _part(f.linear, b.linear, machine), _part(f.attention, b.attention, machine)
-        rows.append({"label": label, "seq_lens": lens, "linear": lin, "attention": att,
-                     "seconds": lin["seconds"] + att["seconds"]})
+        lin, att = machine.roofline_part(f.linear, b.linear), machine.roofline_part(f.attention, b.attention)
+        rows.append({"label": label, "seq_lens": lens, "linear": lin, "attention": att, "seconds": lin.seconds + att.seconds})
     measured = None
     if here and here.get("forward"):
         hm, fw = here["machine"], here["forward"]
@@ -644,8 +596,8 @@ def roofline_lines(state: dict) -> list[str]:
     attention 8.20 GFLOP 32.77 MB 250.2 FLOP/B compute-bound 0.008292 ms | predicted 0.05918 ms``."""
     out = []
     for row in state["rows"]:
-        parts = [f"{p} {_num(row[p]['flops'])}FLOP {_num(row[p]['bytes'])}B {row[p]['intensity']:.1f} FLOP/B "
-                 f"{row[p]['bound']} {row[p]['seconds'] * 1e3:.4g} ms" for p in ("linear", "attention")]
+        parts = [f"{p} {_num(row[p].flops)}FLOP {_num(row[p].bytes)}B {row[p].intensity:.1f} FLOP/B "
+                 f"{row[p].bound} {row[p].seconds * 1e3:.4g} ms" for p in ("linear", "attention")]
         out.append(f"{row['label']}: " + " | ".join(parts) + f" | predicted {row['seconds'] * 1e3:.4g} ms")
     return out
 
@@ -678,7 +630,7 @@ def roofline_figure(state: dict) -> Figure:
     name, peak, bw, ridge = machine.name, machine.peak_flops, machine.bytes_per_s, machine.ridge
     fig = Figure(figsize=(7.6, 4.2))
     ax = fig.add_subplot()
-    pts = [row[p]["intensity"] for row in state["rows"] for p in ("linear", "attention")]
+    pts = [row[p].intensity for row in state["rows"] for p in ("linear", "attention")]
     m = state["measured"]
     if m is not None and m["machine"] == machine:
         pts.append(m["flops"] / m["bytes"])
@@ -690,7 +642,7 @@ def roofline_figure(state: dict) -> Figure:
     markers = ("o", "s", "^")                          # one shape per packing, one colour per part
     for i, (row, mk) in enumerate(zip(state["rows"], markers)):
         for part, color in (("linear", LINEAR), ("attention", ATTENTION)):
-            x = row[part]["intensity"]
+            x = row[part].intensity
             ax.plot([x], [min(peak, x * bw)], mk, color=color, markersize=8,
                     label=("linear layers" if part == "linear" else "attention") if i == 0 else None)
     fig.text(0.62, 0.3, "packings (marker shapes):\n" + "\n".join(
@@ -931,7 +883,7 @@ def kv_read_overtakes_from(cfg: ModelConfig, ridge: float, nbytes: int, kv_len: 
     layers, each part on its own roofline of ridge ``ridge`` (time in bytes / bandwidth: ``max(FLOPs / ridge,
     bytes)``), or None. Attention, per request ``a = max(4kn / ridge, nbytes 2k (n + 1))``, is longer iff
     ``a > 2W / ridge`` (the linear layers' compute time per request) and ``R (a - nbytes A) > nbytes W``."""
-    w, a_rows = _linear_terms(cfg)
+    w, a_rows = linear_terms(cfg)
     k, n = cfg.qkv_dim, check_int("kv_len", kv_len, 1)
     rho = Fraction(ridge).limit_denominator(10**6)
     a = max(Fraction(4 * k * n) / rho, Fraction(nbytes * 2 * k * (n + 1)))
@@ -957,18 +909,18 @@ def check_kv_overtakes(fn: Callable[[ModelConfig, float, int, int], int | None])
             return f"expected a positive int (or None), got {got!r}"
         unit = Machine("ridge", ridge, 1.0)                 # time in units of bytes / bandwidth
         if want is None and got is not None:
-            p = decode_step_parts(cfg, got, kv_len, nbytes, unit)
+            p = decode_step_parts(cfg, got, kv_len, unit, nbytes)
             why = ""
-            if p["linear"]["bound"] == "compute-bound":
+            if p.linear.bound == "compute-bound":
                 why = (f" - at R = {got} the linear layers are compute-bound (from R = "
                        f"{min_decode_batch(cfg, ridge, nbytes)}): their time is their FLOPs at peak, 2 R W, and grows "
-                       f"with R exactly as fast as the KV read, which stays shorter ({p['attention']['seconds']:.4g} "
-                       f"against {p['linear']['seconds']:.4g} byte-times)")
+                       f"with R exactly as fast as the KV read, which stays shorter ({p.attention.seconds:.4g} "
+                       f"against {p.linear.seconds:.4g} byte-times)")
             return f"got {got}, expected None{why}"
         if got is None:
-            p = decode_step_parts(cfg, want, kv_len, nbytes, unit)
-            return (f"got None, expected {want} - at R = {want} attention takes {p['attention']['seconds']:.4g} "
-                    f"byte-times, the linear layers {p['linear']['seconds']:.4g}")
+            p = decode_step_parts(cfg, want, kv_len, unit, nbytes)
+            return (f"got None, expected {want} - at R = {want} attention takes {p.attention.seconds:.4g} "
+                    f"byte-times, the linear layers {p.linear.seconds:.4g}")
         if abs(got - want) == 1:
             return f"got {got}, expected {want} - off by one: the smallest R at which attention takes longer"
         return f"got {got}, expected {want}"

@@ -41,7 +41,7 @@ def _expected(knobs: dict, machine=H200) -> tuple[list[str], dict]:
     state = l05_flops.roofline_state(machine=machine, **knobs)
     for row in state["rows"]:
         f = flops.forward_flops(state["cfg"], row["seq_lens"], causal=True, n_kv_heads=knobs["n_kv_heads"])
-        assert (row["linear"]["flops"], row["attention"]["flops"]) == (f.linear, f.attention)
+        assert (row["linear"].flops, row["attention"].flops) == (f.linear, f.attention)
     return l05_flops.roofline_lines(state), state
 
 
