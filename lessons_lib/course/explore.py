@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import html
+from collections.abc import Iterable, Sequence
 
 from ..style import to_png
 
@@ -52,3 +54,15 @@ def parse_lengths(text: str, max_requests: int = 64, max_length: int = 4096) -> 
     if len(lens) > max_requests:
         raise ValueError(f"lengths: at most {max_requests} requests, got {len(lens)}")
     return lens
+
+def html_table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A ``<table>``: a header row of ``columns``, then one row per item of ``rows``, each value as ``str``,
+    HTML-escaped; every row must have one value per column."""
+    def row(values, tag, style):
+        return "<tr>" + "".join(f"<{tag} style='{style}'>{html.escape(str(v))}</{tag}>" for v in values) + "</tr>"
+    body = []
+    for values in rows:
+        if len(values) != len(columns):
+            raise ValueError(f"html_table: a row has {len(values)} values for {len(columns)} columns: {list(values)!r}")
+        body.append(row(values, "td", "padding:0 8px"))
+    return f"<table>{row(columns, 'th', 'padding:0 8px;text-align:left')}{''.join(body)}</table>"

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..core.config import ModelConfig
 from ..validate import check_choice, check_int, check_lengths, check_n_kv_heads, check_tp_divides
 from .search import first_where
@@ -66,6 +68,32 @@ def attention_cells(seq_lens: Sequence[int], method: str, causal: bool = False) 
     else:
         computed = len(lens) * max(lens) ** 2 if lens else 0
     return AttentionCells(computed, useful, computed - useful)
+
+
+def attention_cell_grid(seq_lens: Sequence[int], method: str, causal: bool = False,
+                        whole_blocks: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Cell by cell, what ``attention_cells`` counts: bool ``(useful, computed)``, each ``[n, n]``, one head's score
+    matrix in one layer (query rows down, key rows across). ``masked`` and ``varlen``: ``n = T = Σ L_i``, the flat
+    rows; ``padded``: ``n = R·Lmax``, the R ``[Lmax, Lmax]`` matrices along the diagonal. ``whole_blocks`` (causal
+    varlen only): each request's whole block computed, its upper triangle masked (a per-request loop) instead of
+    the lower triangles only (an ideal causal kernel)."""
+    lens = np.asarray(check_lengths(seq_lens), dtype=np.int64)
+    _method(method)
+    if method == "padded":
+        lmax = int(lens.max())
+        idx = np.arange(len(lens) * lmax)
+        rid, pos = idx // lmax, idx % lmax
+        real = pos < lens[rid]
+    else:
+        rid = np.repeat(np.arange(len(lens)), lens)
+        pos = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        real = np.ones_like(rid, dtype=bool)
+    same = rid[:, None] == rid[None, :]
+    useful = same & real[:, None] & real[None, :]
+    if causal:
+        useful &= pos[:, None] >= pos[None, :]
+    computed = {"padded": same, "masked": np.ones_like(same), "varlen": same if whole_blocks else useful}[method]
+    return useful, computed
 
 
 def executed_tokens(seq_lens: Sequence[int], method: str) -> int:
