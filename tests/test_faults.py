@@ -168,6 +168,7 @@ PROBES = {
     "pad_mask_all_true": lambda: flat.pad(ids((5, 9)))[1],
     "positions_do_not_restart": lambda: flat.pack(ids((5, 9))).positions,
     "pack_refused": lambda: outcome(lambda: flat.pack(ids((5, 9))).cu_seqlens),
+    "last_token_indices_off_by_one": lambda: flat.pack(ids((5, 9))).last_token_indices,
     "embedding_without_positions": forward,
     "layer_norm_over_the_batch": forward,
     "mlp_exact_gelu": forward,

@@ -106,23 +106,30 @@ def unpack(x: Tensor, cu_seqlens: Tensor) -> list[Tensor]:
     return [x[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
 
 
-def pad(requests: Sequence, pad_value=0) -> tuple[Tensor, Tensor]:
-    """Right-pad requests to the longest: ``(padded [R, Lmax, ...], mask [R, Lmax] bool)``.
+def pad(requests: Sequence, pad_value=0, pad_to: int | None = None, side: str = "right") -> tuple[Tensor, Tensor]:
+    """Pad requests to ``pad_to`` rows (default: the longest): ``(padded [R, S, ...], mask [R, S] bool)``.
 
-    ``mask[r, j]`` is True where row j of request r is a real token. This is the naive layout
-    of claim C2: every request carries ``Lmax - L_r`` pad rows.
+    ``mask[r, j]`` is True where row j of request r is a real token. ``side`` is Hugging Face's
+    ``padding_side``: "right" puts each request's pad rows after its tokens, "left" before them.
+    This is the naive layout of claim C2: every request carries ``S - L_r`` pad rows.
     """
     tensors = request_tensors(requests, empty="requests must be a non-empty list of requests")
     kinds = {(tuple(t.shape[1:]), t.is_floating_point()) for t in tensors}
     if len(kinds) != 1:
         raise ValueError(f"requests must all be token ids or all hidden rows of one width, got "
                          f"(row shape, floating) = {sorted(kinds)}")
+    if side not in ("right", "left"):
+        raise ValueError(f"side must be 'right' or 'left', got {side!r}")
     lmax, first = max(t.shape[0] for t in tensors), tensors[0]
-    out = torch.full((len(tensors), lmax, *first.shape[1:]), pad_value, dtype=first.dtype, device=first.device)
-    mask = torch.zeros(len(tensors), lmax, dtype=torch.bool, device=first.device)
+    if pad_to is not None and (isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < lmax):
+        raise ValueError(f"pad_to must be an int >= the longest request ({lmax}), got {pad_to!r}")
+    s = lmax if pad_to is None else pad_to
+    out = torch.full((len(tensors), s, *first.shape[1:]), pad_value, dtype=first.dtype, device=first.device)
+    mask = torch.zeros(len(tensors), s, dtype=torch.bool, device=first.device)
     for r, t in enumerate(tensors):
-        out[r, :t.shape[0]] = t
-        mask[r, :t.shape[0]] = True
+        rows = slice(0, t.shape[0]) if side == "right" else slice(s - t.shape[0], s)
+        out[r, rows] = t
+        mask[r, rows] = True
     return out, mask
 
 

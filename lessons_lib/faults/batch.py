@@ -1,9 +1,9 @@
-"""Faults of the flat batch (``core.batch``): pack, pad."""
+"""Faults of the flat batch (``core.batch``): pack, pad, last_token_indices."""
 from __future__ import annotations
 
 import torch
 
-from .registry import fault, swap_function
+from .registry import fault, swap_attr, swap_function
 
 AREA = "batch"
 
@@ -13,8 +13,8 @@ def _pad_mask_all_true():
     from ..core import batch
     real = batch.pad
 
-    def pad(requests, pad_value=0):
-        out, mask = real(requests, pad_value)
+    def pad(requests, pad_value=0, **kw):
+        out, mask = real(requests, pad_value, **kw)
         return out, torch.ones_like(mask)
     return [swap_function(batch, "pad", pad)]
 
@@ -41,3 +41,10 @@ def _pack_refused():
         raise RuntimeError("pack is switched off here (fault 'pack_refused'): build input_ids, positions and "
                            "cu_seqlens yourself")
     return [swap_function(batch, "pack", pack)]
+
+
+@fault("last_token_indices_off_by_one", "PackedBatch.last_token_indices is one row early (cu_seqlens[1:] - 2): a "
+       "server samples each request's next token from its second-to-last row", AREA)
+def _last_token_indices_off_by_one():
+    from ..core import batch
+    return [swap_attr(batch.PackedBatch, "last_token_indices", property(lambda self: self.cu_seqlens[1:].long() - 2))]

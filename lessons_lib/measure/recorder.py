@@ -9,6 +9,8 @@ the shapes it read and wrote). From that one record it derives what the lessons 
             scores, one per request block of a fused attention kernel (masked cells count,
             they were computed)
   cells     the score cells of all of them, every head included
+  linear_rows  the rows every linear layer ran on (one ``m`` for all of them)
+  flops_by_kind  the matmuls' FLOPs, {"linear", "attention"}
   outputs   (op name, shape) of every tensor any op created, temporaries included
 
 The op names live in one table each: ``MATMUL_OPS``, ``SOFTMAX_OPS``, ``FUSED_ATTENTION_OPS``.
@@ -167,6 +169,19 @@ class OpRecorder(TorchDispatchMode):
     def cells(self) -> int:
         """Score cells computed, all heads together (divide by the head count for per head)."""
         return sum(math.prod(s) for s in self.scores)
+
+    @property
+    def linear_rows(self) -> int:
+        """The rows (``m``) every linear layer ran on; ValueError if the layers ran on different row counts."""
+        rows = {m.m for m in self.matmuls if m.kind == "linear"}
+        if len(rows) != 1:
+            raise ValueError(f"expected one row count for every linear layer, got {sorted(rows)}")
+        return rows.pop()
+
+    @property
+    def flops_by_kind(self) -> dict[str, int]:
+        """FLOPs of the recorded matmuls: ``{"linear": ..., "attention": ...}``."""
+        return {kind: sum(m.flops for m in self.matmuls if m.kind == kind) for kind in ("linear", "attention")}
 
     @property
     def outputs(self) -> list[tuple[str, tuple]]:

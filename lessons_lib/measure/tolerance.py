@@ -13,7 +13,8 @@ twice as far from the truth as ``ref`` is, plus ``k`` units of rounding at the o
 7.8e-3 in bfloat16, 9.8e-4 in float16.
 
 Used by ``course.check.close`` (the lessons), the tests and ``tp.demo``. ``float64_twin(model)``
-builds the float64 truth of a model: the same weights, upcast.
+builds the float64 truth of a model: the same weights, upcast; ``each_alone(model, requests)`` runs each
+request alone through both and gives its bound (the trusted reference of a batched run).
 """
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def float64_twin(model):
     from ..core.model import Transformer  # here, so that the rule itself needs nothing but torch
 
     return Transformer(model.cfg, {k: v.detach().cpu() for k, v in model.state_dict().items()}, dtype=torch.float64)
+
+
+def each_alone(model, requests, twin=None) -> list[tuple[Tensor, Tensor, float]]:
+    """Each request (token ids ``[L_i]``, int64, on ``model``'s device) run alone through ``model`` and its
+    float64 twin (``float64_twin(model)`` unless ``twin`` is given): per request ``(out [L_i, d] in the
+    model's dtype, out64 [L_i, d] float64 on the CPU, bound)``, the rule's bound for a result in that dtype."""
+    twin = float64_twin(model) if twin is None else twin
+    return [(r, r64, tolerance(r, r64)) for r, r64 in zip(model.forward_each(requests), twin.forward_each(requests))]
 
 
 def max_abs_diff(a: Tensor, b: Tensor) -> float:
