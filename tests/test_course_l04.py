@@ -200,7 +200,7 @@ def test_c12_rank_partials_of_a_request_ignore_a_request_before_it_but_not_a_cut
 def test_packing_state_sum_check_can_fail():
     """A rank that sent twice its partial sums would be caught by the sum row."""
     s = L.tp_packing_state(40, 2)
-    rank0 = L._explorer_models(ModelConfig(vocab_size=1000, max_position=2048), 2, L.ENGINE_CUT)["ranks"][0]
+    rank0 = L._explorer_ranks(ModelConfig(vocab_size=1000, max_position=2048), 2, L.ENGINE_CUT)[0]
     layer = rank0.layers[0].attn.out_proj
     with torch.no_grad():
         layer.weight.mul_(2)

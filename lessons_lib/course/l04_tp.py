@@ -319,15 +319,10 @@ def _layer0(cfg: ModelConfig, weights: dict) -> tuple[ModelConfig, dict]:
 
 
 @functools.lru_cache(maxsize=6)  # a few (tp, cut) pairs: going back to one costs no rebuild
-def _explorer_models(cfg: ModelConfig, tp: int, cut: str = ENGINE_CUT) -> dict:
-    """Built once per (cfg, tp, cut): one model per rank on a ``_TapGroup``, built under ``cut_faults(cut)``
-    from ``init_weights(cfg, seed=0)``; layer 0 alone at TP=1 in float32 and float64 (the reference of the sum)."""
-    weights = _explorer_weights(cfg)
+def _explorer_ranks(cfg: ModelConfig, tp: int, cut: str) -> list[Transformer]:
+    """One model per rank on a ``_TapGroup``, built once per (cfg, tp, cut) under ``cut_faults(cut)``."""
     with cut_faults(cut):
-        ranks = [Transformer(cfg, weights, group=_TapGroup(r, tp)) for r in range(tp)]
-    one, w1 = _layer0(cfg, weights)
-    return {"ranks": ranks, "tp1": Transformer(one, w1),
-            "fp64": Transformer(one, w1, dtype=torch.float64, attn_backend="loop")}
+        return [Transformer(cfg, _explorer_weights(cfg), group=_TapGroup(r, tp)) for r in range(tp)]
 
 
 def explorer_batch(cfg: ModelConfig, seq_lens: Sequence[int]) -> PackedBatch:
@@ -379,21 +374,19 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     tp = check_int("tp_size", tp_size, 1, 16)
     check_choice("cut", cut, CUTS)
     hl = cfg.heads_per_rank(tp)
-    models = _explorer_models(cfg, tp, cut)
+    ranks, weights = _explorer_ranks(cfg, tp, cut), _explorer_weights(cfg)
     batch = explorer_batch(cfg, lens)
 
     def rank_forward(group):
-        model = models["ranks"][group.rank]
+        model = ranks[group.rank]
         with model.group.serving(group) as tap:
             return model(batch), tap.sent
     with cut_faults(cut), torch.no_grad():
         runs = tp_ranks_in_threads(tp, rank_forward)
     traces = [trace for _, trace in runs]
     partials = [sent for (_, sent), _ in runs]
-    with torch.no_grad():
-        bias = models["tp1"].layers[0].attn.out_proj.bias
-        ref = out_proj_partials(models["tp1"], batch) + bias
-        ref64 = out_proj_partials(models["fp64"], batch) + models["fp64"].layers[0].attn.out_proj.bias
+    bias = weights["layers.0.attn.out_proj.bias"]  # TP=1's layer 0 out proj, in float32 and float64:
+    ref, ref64 = (rank_partials(cfg, weights, batch, 1, dtype=d)[0] + bias.to(d) for d in (torch.float32, torch.float64))
     total = torch.stack([p.double() for p in partials]).sum(0) + (0 if cut == BIAS_CUT else bias.double())
     one = _one_request_signature(cfg, sum(lens), tp)  # a signature carries no rank: rank 0's dry run for all
     cells = attention_cells(lens, "varlen").computed
