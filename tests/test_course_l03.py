@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 from lessons_lib.core.attention import VarlenMetadata, attention_forward, block_diag_mask, causal_mask, varlen_attention
 from lessons_lib.core.batch import seq_lens_to_cu_seqlens
 from lessons_lib.course import l03_attention as L
+from lessons_lib.course.explore import html_table
 from lessons_lib.course.grading import score
 from lessons_lib.measure.flops import attention_cells
 from lessons_lib.measure.profile import random_qkv
@@ -536,3 +537,10 @@ def test_kernel_work_counts_the_triton_kernel_and_matches_the_prediction(tile):
     # by hand: A and B each in one tile, one head, causal: no tile above a diagonal, no program returns at once
     assert (counted.programs, counted.early_exits, counted.tiles, counted.tiles_skipped) == (2, 0, 2, 0)
     assert counted.executed_cells == 2 * tile * tile and counted.cells == 10 * 10 + 30 * 30
+
+
+def test_kit_html_table_escapes_and_refuses_ragged_rows():
+    table = html_table(("a", "b"), [(1, "x < y")])
+    assert table.count("<tr>") == 2 and "<td style='padding:0 8px'>x &lt; y</td>" in table and ">a</th>" in table
+    with pytest.raises(ValueError, match="1 values for 2 columns"):
+        html_table(("a", "b"), [(1,)])

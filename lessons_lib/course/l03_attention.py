@@ -13,11 +13,9 @@ Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -32,10 +30,10 @@ from ..core import attention
 from ..core.attention import attention_ref, block_diag_mask, dense_attention, plain_attention, varlen_attention
 from ..core.batch import cumulative, pack, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
-from ..core.kernels import resolve_backend, synchronize
+from ..core.kernels import resolve_backend
 from ..core.model import Transformer, init_weights
-from ..measure.flops import METHODS, attention_cells
-from ..measure.profile import peak_bytes, random_qkv, time_call
+from ..measure.flops import METHODS, attention_cell_grid, attention_cells
+from ..measure.profile import cpu_threads, interleaved_best, peak_bytes, random_qkv, time_call
 from ..measure.recorder import SOFTMAX_OPS, OpRecorder
 from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
 from ..ops.tiling import key_tiles, predict_work
@@ -53,8 +51,8 @@ from ..style import (
     WASTED,
     short_lens,
 )
-from ..validate import check_choice, check_int, check_lengths, lengths
-from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
+from ..validate import check_int, check_lengths, lengths
+from .explore import explorer, html_table, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import Tensor, grade, matches, tensor_problem
 from .probe import row_dependency
@@ -69,39 +67,17 @@ BATCHES = [[10, 30], [5], [1, 1, 1], [7, 1, 12, 3], [30, 10]]
 
 # ---- claims helpers: what the engine computes, measured ---------------------------------------------
 
-@contextlib.contextmanager
-def threads(n: int | None):
-    """Run the block on ``n`` CPU threads (None: PyTorch's setting), the count restored after: on a shared machine
-    a multi-threaded op waits for its slowest thread, often descheduled."""
-    saved = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(check_int("cpu_threads", n, 1))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
-
-
 def sweep_attention(rs: Sequence[int], backends: Sequence[str], length: int = 64, n_heads: int = 8, d_head: int = 64,
-                    rounds: int = 5, device="cpu", dtype: torch.dtype = torch.float32, cpu_threads: int | None = 1) -> dict:
+                    rounds: int = 5, device="cpu", dtype: torch.dtype = torch.float32, threads: int | None = 1) -> dict:
     """``{backend: {"ms": [...], "mib": [...]}}`` in the order of ``rs``: one attention call on R requests of
-    ``length`` tokens, its fastest time and its peak memory. After a warm-up round, ``rounds`` rounds call every
-    (R, backend) pair once, interleaved, so that a burst of load slows one call of each pair, not a series; on a
-    CPU on ``cpu_threads`` threads. Shown in lesson 03, never asserted."""
-    check_int("rounds", rounds, 1)
+    ``length`` tokens, its fastest time (``profile.interleaved_best`` over every (R, backend) pair) and its peak
+    memory; on a CPU on ``threads`` threads. Shown in lesson 03, never asserted."""
     calls = {}
     for r in rs:
         q, k, v, cu = random_qkv([length] * r, n_heads, d_head, seed=r, device=device, dtype=dtype)
         calls |= {(r, b): functools.partial(varlen_attention, q, k, v, cu, causal=False, backend=b) for b in backends}
-    best = dict.fromkeys(calls, float("inf"))
-    with threads(cpu_threads if torch.device(device).type == "cpu" else None):
-        for round_ in range(rounds + 1):
-            for key, call in calls.items():
-                t0 = time.perf_counter()
-                call()
-                synchronize(device)
-                if round_:  # round 0 warms up
-                    best[key] = min(best[key], time.perf_counter() - t0)
+    with cpu_threads(threads if torch.device(device).type == "cpu" else None):
+        best = interleaved_best(calls, rounds, device)
         return {b: {"ms": [best[r, b] * 1e3 for r in rs], "mib": [peak_bytes(calls[r, b], device) / 2**20 for r in rs]}
                 for b in backends}
 
@@ -152,34 +128,9 @@ def kernel_work(seq_lens: Sequence[int], tile: int, causal: bool = True, seed: i
 # ---- the three pictures -----------------------------------------------------------------------------
 
 def attention_categories(seq_lens: Sequence[int], method: str, causal: bool = False, whole_blocks: bool = False) -> np.ndarray:
-    """The score matrix of one head in one layer, ``uint8 [n, n]``, one code per cell (SKIPPED, USEFUL, WASTED).
-
-    ``masked`` and ``varlen``: ``[T, T]`` over the flat rows; ``padded``: its R ``[Lmax, Lmax]`` matrices along
-    the diagonal of ``[R·Lmax, R·Lmax]``. The codes count ``flops.attention_cells(seq_lens, method, causal)``
-    (causal varlen: an ideal kernel, lower triangles only); ``whole_blocks=True`` (causal varlen): the engine's
-    loop, whole blocks with the upper triangles computed and thrown away.
-    """
-    lens = check_lengths(seq_lens)
-    check_choice("method", method, METHODS)
-    lens_a = np.asarray(lens, dtype=np.int64)
-    if method == "padded":
-        lmax = int(lens_a.max())
-        idx = np.arange(len(lens) * lmax)
-        rid, pos = idx // lmax, idx % lmax
-        real = pos < lens_a[rid]
-    else:
-        idx = np.arange(int(lens_a.sum()))
-        owner = np.repeat(np.arange(len(lens)), lens_a)
-        starts = np.concatenate([[0], np.cumsum(lens_a)[:-1]])
-        rid = owner[idx]
-        pos = idx - starts[rid]
-        real = np.ones_like(idx, dtype=bool)
-    same = rid[:, None] == rid[None, :]
-    need = same & real[:, None] & real[None, :]
-    if causal:
-        need &= pos[:, None] >= pos[None, :]
-    computed = {"padded": same, "masked": np.ones_like(same), "varlen": same if whole_blocks else need}[method]
-    return np.where(need, USEFUL, np.where(computed, WASTED, SKIPPED)).astype(np.uint8)
+    """``flops.attention_cell_grid`` as one code per cell (SKIPPED, USEFUL, WASTED), ``uint8 [n, n]``."""
+    useful, computed = attention_cell_grid(seq_lens, method, causal, whole_blocks)
+    return np.where(useful, USEFUL, np.where(computed, WASTED, SKIPPED)).astype(np.uint8)
 
 
 CAUSAL_VARLEN_TITLES = {True: "varlen: our loop\n(whole blocks, upper half masked)",
@@ -409,7 +360,7 @@ def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True) -> dict:
     causal = bool(causal)
     q, k, v, cu = random_qkv(lens, RUN_HEADS, RUN_D_HEAD, seed=0)
     rows = {}
-    with threads(1):  # steadier times, and the same rounding in every process
+    with cpu_threads(1):  # steadier times, and the same rounding in every process
         ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
         for name in RUN_BACKENDS:
             backend = resolve_backend("auto", "cpu", torch.float32, RUN_D_HEAD) if name == "varlen" else name
@@ -445,13 +396,8 @@ RUN_COLUMNS = ("backend", "cells computed (sdpa: handed in)", "predicted", "scor
 def attention_run_html(state: dict) -> str:
     """A ``<table>``: a header row of ``RUN_COLUMNS``, then one row per backend, e.g. ``loop (one call per
     request) | 1000 | 1000 | 2 | 28.1 KiB | 6.87e-07 | 0.16``."""
-    head = "".join(f"<th style='padding:0 8px;text-align:left'>{c}</th>" for c in RUN_COLUMNS)
-    rows = [f"<tr>{head}</tr>"]
-    for name, r in state["rows"].items():
-        cells = (run_label(state, name), r["cells"], r["predicted"], r["scores"], _kib(r["largest_bytes"]),
-                 f"{r['error']:.2e}", f"{r['ms']:.2f}")
-        rows.append("<tr>" + "".join(f"<td style='padding:0 8px'>{c}</td>" for c in cells) + "</tr>")
-    return f"<table>{''.join(rows)}</table>"
+    return html_table(RUN_COLUMNS, [(run_label(state, name), r["cells"], r["predicted"], r["scores"], _kib(r["largest_bytes"]),
+                                     f"{r['error']:.2e}", f"{r['ms']:.2f}") for name, r in state["rows"].items()])
 
 
 def attention_run_summary_html(state: dict) -> str:
