@@ -40,7 +40,7 @@ from ..measure.recorder import OpRecorder
 from ..measure.search import first_where
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..serve.engine import Engine
-from ..serve.scheduler import Request, Scheduler, plan_batches
+from ..serve.scheduler import DEFAULT_MAX_NUM_SEQS, Request, Scheduler, plan_batches
 from ..serve.workloads import make_requests, workload_lengths
 from ..style import ATTENTION, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE, request_color
 from ..validate import check_int, is_int
@@ -59,7 +59,6 @@ STREAM = {"workload": "long-tail", "num_requests": 24, "seed": 3}
 PROMPT_SEED = 1       # the prompts' token ids: make_requests(lengths, vocab_size, seed=PROMPT_SEED)
 BUDGET = 512          # lesson 06's max_num_batched_tokens
 WHOLE_BUDGET = 2048   # the smallest power of two that admits the 1,776-token draft whole
-MAX_NUM_SEQS = 256    # vLLM's default, and the engine's
 
 
 def workload(name: str, num_requests: int, seed: int, vocab_size: int) -> tuple[list[int], list[list[int]]]:
@@ -164,7 +163,7 @@ def error_and_bound(out: Tensor, ref: Tensor, ref64: Tensor) -> tuple[float, flo
 
 def serve(prompts: Sequence[Sequence[int]], max_num_batched_tokens: int, chunked: bool, cfg: ModelConfig | None = None,
           weights: dict | None = None, *, tp_size: int = 1, dtype: torch.dtype = torch.float32,
-          max_num_seqs: int = MAX_NUM_SEQS, compute_logits: bool = True, requests: Sequence[int] | None = None,
+          max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, compute_logits: bool = True, requests: Sequence[int] | None = None,
           record: bool = False, return_hidden: bool = False, scheduler: Scheduler | None = None,
           engine_class: type[Engine] = Engine) -> dict:
     """Serve ``prompts`` (request i = ``prompts[i]``; only ``requests`` if given) on the CPU with ``engine_class``
@@ -191,7 +190,7 @@ def timeline(stats: Sequence) -> list[list[tuple]]:
 
 
 def planned_timeline(seq_lens: Sequence[int], max_num_batched_tokens: int, chunked: bool,
-                     max_num_seqs: int = MAX_NUM_SEQS) -> list[list[tuple]]:
+                     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> list[list[tuple]]:
     """The engine scheduler's forwards for bare lengths (``plan_batches``), as ``timeline`` gives a run's."""
     plan = plan_batches(seq_lens, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill=chunked)
     return [[(i, n) for i, _, n in fwd] if chunked else [(i, seq_lens[i]) for i in fwd] for fwd in plan]
@@ -598,6 +597,7 @@ def _whole_runs(name: str, n: int, seed: int) -> tuple:
 
 
 def _run_summary(run: dict, budget: int, after: list) -> dict:
+    """One run's keys of ``chunked_plan_state`` from its ``BatchStats``; ``after``: the requests whose wait counts."""
     steps = timeline(run["stats"])
     waits = request_waits(steps)
     return {"timeline": steps, "waits": waits, "budget": budget,
@@ -611,22 +611,21 @@ def _run_summary(run: dict, budget: int, after: list) -> dict:
 
 
 def chunked_plan_state(workload: str = "long-tail", num_requests: int = 16, max_num_batched_tokens: int = 512,
-                       seed: int = 3, max_num_seqs: int = MAX_NUM_SEQS, bug: str = "none") -> dict:
+                       seed: int = 3, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, bug: str = "none") -> dict:
     """A seeded stream of ``workload`` served by ``Engine`` on ``EXPLORE_RUN_CFG``, chunked under
     ``max_num_batched_tokens`` with ``bug`` (one of ``EXPLORER_BUGS``) on, and whole (float32 and float64).
 
     Keys: ``seq_lens``, ``longest``, ``behind``, ``whole_budget``, ``bug``, ``chunks`` and ``errors`` (``{request:
     (max |chunked last hidden - fp64 whole|, bound)}``) of the requests cut into chunks, and per run (``"chunked"``,
-    ``"whole"``) ``_run_summary``'s keys, from the engine's ``BatchStats``; the chunked run also
-    ``cells_causal_masks`` (``causal_cells_from_masks`` with the bug still on: a mask bug shows there only).
+    ``"whole"``), from the engine's ``BatchStats``: ``timeline``, ``waits``, ``mean_behind`` (forwards, tokens),
+    ``max_forward``, ``cells_whole``, ``cells_causal``, ``cached_tokens``, ``kv_cache_peak_bytes``, ``forward_ms``
+    (measured); the chunked run also ``cells_causal_masks`` (``causal_cells_from_masks`` with the bug still on).
     """
     if bug not in EXPLORER_BUGS:
         raise ValueError(f"bug must be one of {EXPLORER_BUGS}, got {bug!r}")
     n = check_int("num_requests", num_requests, 1, 256)
     budget = check_int("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 16)
-    if workload not in WORKLOAD_PRESETS:
-        raise ValueError(f"workload must be one of {tuple(WORKLOAD_PRESETS)}, got {workload!r}")
-    lens, prompts, whole_budget, whole = _whole_runs(workload, n, seed)
+    lens, prompts, whole_budget, whole = _whole_runs(workload, n, seed)   # checks the workload
     longest = max(range(n), key=lambda i: (lens[i], -i))
     after = list(range(longest + 1, n))
     with contextlib.nullcontext() if bug == "none" else broken(bug):
@@ -775,7 +774,7 @@ def capped_finish(fn, cap: int, max_num_batched_tokens: int = BUDGET) -> dict:
     """The stream under ``fn``'s capped scheduler: ``{"draft": forward its last chunk runs in, "before": how many
     of the questions behind it finish in an earlier forward, "forwards": how many forwards}`` (counted from 1)."""
     lens = stream_lengths()
-    waits = request_waits(fn(lens, max_num_batched_tokens, MAX_NUM_SEQS, cap))
+    waits = request_waits(fn(lens, max_num_batched_tokens, DEFAULT_MAX_NUM_SEQS, cap))
     d = draft_index()
     return {"draft": waits[d][0], "forwards": max(w[0] for w in waits.values()),
             "before": sum(waits[i][0] < waits[d][0] for i in behind(lens))}
@@ -784,7 +783,7 @@ def capped_finish(fn, cap: int, max_num_batched_tokens: int = BUDGET) -> dict:
 def engine_capped_finish(cap: int, max_num_batched_tokens: int = BUDGET) -> dict:
     """``capped_finish`` of the stream as ``Engine`` serves it with ``Scheduler(long_prefill_token_threshold=cap)``
     (cap 0: none), on the small model: the engine's own forwards (``BatchStats``)."""
-    sched = Scheduler(max_num_batched_tokens, MAX_NUM_SEQS, enable_chunked_prefill=True,
+    sched = Scheduler(max_num_batched_tokens, DEFAULT_MAX_NUM_SEQS, enable_chunked_prefill=True,
                       long_prefill_token_threshold=cap or None)
     run = serve(stream(EXPLORER_CFG)[1], max_num_batched_tokens, True, EXPLORER_CFG, weights_of(EXPLORER_CFG),
                 compute_logits=False, scheduler=sched)
