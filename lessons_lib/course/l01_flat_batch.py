@@ -29,7 +29,7 @@ from ..core.model import Transformer
 from ..measure.flops import flops_of, forward_flops, linear_flops_per_token
 from ..measure.recorder import OpRecorder
 from ..measure.search import first_where
-from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
+from ..measure.tolerance import each_alone, float64_twin, max_abs_diff
 from ..style import ATTENTION, LINEAR, MIN_FONT, TEXT, WASTE, cu_ticks, draw_strip, request_color, request_name
 from ..validate import check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
@@ -267,29 +267,10 @@ def request_ids(seq_lens: Sequence[int]) -> list[Tensor]:
             for i, n in enumerate(check_lengths(seq_lens))]
 
 
-def pad_ids(requests: Sequence[Tensor], pad_to: int | None = None, side: str = "right") -> tuple[Tensor, Tensor]:
-    """``pad`` (right, to the longest), widened to ``pad_to`` columns and, for ``side="left"``, each
-    row's real tokens moved to its end: ``(ids [R, S], mask [R, S] bool)``."""
-    if side not in PAD_SIDES:
-        raise ValueError(f"side must be one of {PAD_SIDES}, got {side!r}")
-    ids, mask = pad(requests)
-    lmax = ids.shape[1]
-    if pad_to is not None:
-        if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < lmax:
-            raise ValueError(f"pad_to must be an int >= the longest request ({lmax}), got {pad_to!r}")
-        ids = torch.nn.functional.pad(ids, (0, pad_to - lmax))
-        mask = torch.nn.functional.pad(mask, (0, pad_to - lmax))
-    if side == "left":  # a row's real tokens end at the last column: roll each row by its pad count
-        ids = torch.stack([row.roll(int((~m).sum())) for row, m in zip(ids, mask)])
-        mask = torch.stack([m.roll(int((~m).sum())) for m in mask])
-    return ids, mask
-
-
 def _alone_runs(model: Transformer, twin: Transformer, requests: Sequence) -> list[tuple[Tensor, Tensor, float]]:
-    """Each request run alone: ``model``'s output ``[L, d]``, ``twin``'s (float64) and the tolerance rule's bound."""
+    """``each_alone`` on one CPU thread."""
     with one_thread():
-        return [(r, r64, tolerance(r, r64, torch.float32))
-                for r, r64 in zip(model.forward_each(requests), twin.forward_each(requests))]
+        return each_alone(model, requests, twin)
 
 
 @functools.lru_cache(maxsize=256)  # request i of length n has the same ids every time: run it alone once
@@ -298,20 +279,8 @@ def _alone(i: int, n: int) -> tuple[Tensor, Tensor, float]:
     return _alone_runs(*explorer_models(), [request_ids([1] * i + [n])[i]])[0]
 
 
-def _linear_rows(rec: OpRecorder) -> int:
-    """The rows every linear layer ran on, as the recorder saw them (one m for all of them)."""
-    rows = {m.m for m in rec.matmuls if m.kind == "linear"}
-    if len(rows) != 1:
-        raise AssertionError(f"the linear layers ran on different row counts: {sorted(rows)}")
-    return rows.pop()
-
-
 def _nbytes(*tensors: Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _recorded_flops(rec: OpRecorder) -> dict[str, int]:
-    return {kind: sum(m.flops for m in rec.matmuls if m.kind == kind) for kind in ("linear", "attention")}
 
 
 def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str = "right") -> dict:
@@ -336,7 +305,7 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
         raise ValueError(f"at most {EXPLORER_MAX_TOKENS} tokens in all for the explorer, got {sum(lens)}")
     model = explorer_models()[0]
     requests = request_ids(lens)
-    ids, mask = pad_ids(requests, pad_to, side)
+    ids, mask = pad(requests, pad_to=pad_to, side=side)
     batch = pack(requests)
     with one_thread():
         with OpRecorder() as rec_flat:
@@ -347,8 +316,8 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
     alone = [_alone(i, n) for i, n in enumerate(lens)]
     diff = {k: [max_abs_diff(o, r64) for o, (_, r64, _) in zip(v, alone)] for k, v in got.items()}
     bound = [b for *_, b in alone]
-    rows = {"padded": _linear_rows(rec_pad), "flat": _linear_rows(rec_flat)}
-    flops = {"padded": _recorded_flops(rec_pad), "flat": _recorded_flops(rec_flat)}
+    rows = {"padded": rec_pad.linear_rows, "flat": rec_flat.linear_rows}
+    flops = {"padded": rec_pad.flops_by_kind, "flat": rec_flat.flops_by_kind}
     per_head_layer = cfg.n_heads * cfg.n_layers
     return {"seq_lens": lens, "side": side, "padded_shape": list(ids.shape),
             "flat": {"input_ids": batch.input_ids.tolist(), "positions": batch.positions.tolist(),
@@ -679,9 +648,9 @@ def _unpad_id_cases() -> list[tuple[Tensor, Tensor]]:
                                ([6, 1, 3], 7, "left"), ([4, 4], 6, "left")):
         requests = request_ids(lens)
         requests[0][0] = 0  # a real token whose id is the pad value
-        cases.append(pad_ids(requests, pad_to, side))
-    ids, mask = pad_ids(request_ids([5, 2, 4]), 6, "right")  # one request right-padded, one left, one full
-    left_ids, left_mask = pad_ids(request_ids([5, 2, 4]), 6, "left")
+        cases.append(pad(requests, pad_to=pad_to, side=side))
+    ids, mask = pad(request_ids([5, 2, 4]), pad_to=6)  # one request right-padded, one left, one full
+    left_ids, left_mask = pad(request_ids([5, 2, 4]), pad_to=6, side="left")
     ids[1], mask[1] = left_ids[1], left_mask[1]
     cases.append((ids, mask))
     return cases
