@@ -1,26 +1,28 @@
 """What lesson 00 (the setup, one request) draws, explores and checks.
 
 Figures: the course map (``00_course_map``), how tensor parallelism cuts a block's four linear
-layers (``00_tp_split``), and the all-reduces of one request against its length and the TP size
+layers (``00_tp_split``), the all-reduces of one request against its length and the TP size
 (``00_allreduce_growth``), and the alpha-beta model of one all-reduce before any measurement
-(``00_alpha_beta_model``).
-Helpers the notebook calls: ``shard_table``, ``heads_held``, ``follow_request``,
-``time_forward``, ``machine_report``. What the all-reduces cost: ``measure_all_reduces`` (real ones on
-two spawned ranks), ``fit_alpha_beta`` (the alpha-beta ring model fitted to them), ``comm_cost_state``
-and its explorer ``comm_cost_explorer``. Exercise checkers: ``check_tp_plan`` (00.1, on
-``rank_params``: what rank 0's real shard holds) and ``check_packing_factor`` (00.2, on ``packing_saving``).
+(``00_alpha_beta_model``; the model itself is ``measure.comm``).
+What the all-reduces cost: ``AllReduceBench`` (real ones timed on two spawned ranks),
+``fit_misses``, ``comm_cost_state`` and its explorer ``comm_cost_explorer``. Helpers the notebook calls:
+``shard_table``, ``heads_held``, ``row_spans``, ``follow_request``, ``time_forward``, ``machine_report``.
+Exercise checkers: ``check_tp_plan`` (00.1, on ``rank_params``: what rank 0's real shard holds) and
+``check_packing_factor`` (00.2, on ``packing_saving``).
 
 Taught in notebooks/00_setup_one_request.ipynb.
 """
 from __future__ import annotations
 
+import functools
 import os
+import textwrap
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 from matplotlib.ticker import FuncFormatter, NullLocator
@@ -29,13 +31,242 @@ from ..core.config import ModelConfig
 from ..core.groups import LocalGroup
 from ..core.kernels import available_backends, placement, resolve_backend
 from ..core.model import Transformer
+from ..measure.comm import NVLINK, AlphaBeta, all_reduce_seconds, crossover_tokens, ring_bytes_sent, ring_time_terms
 from ..measure.profile import time_call
+from ..measure.recorder import module_io
 from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, REQUEST, TEXT
 from ..tp.dryrun import expected_trace, record_trace, trace_signature
+from ..tp.vocab import VocabParallelEmbedding
+from ..tp.workers import WorkerPool, commands, resolve_dist_backend
 from ..validate import check_int, dtype_name
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import grade
+
+# ---------------------------------------------------------------------------------------------
+# What the notebook reads off the model (S1, C1) and this machine
+
+def _cut(full: tuple, shard: tuple) -> str:
+    if full == shard:
+        return "whole (replicated)"
+    if full[0] != shard[0]:
+        return "split: output features"
+    return "split: input features"
+
+
+def shard_table(full: Transformer, shard: Transformer, layer: int = 0) -> list[tuple[str, list, list, str]]:
+    """``(parameter, TP=1 shape, shape on the shard's rank, how it is cut)`` for one block's parameters."""
+    mine = dict(shard.layers[layer].named_parameters())
+    return [(name, list(p.shape), list(mine[name].shape), _cut(tuple(p.shape), tuple(mine[name].shape)))
+            for name, p in full.layers[layer].named_parameters()]
+
+
+def format_table(rows: Sequence[tuple], headers: Sequence[str]) -> str:
+    """A plain-text table, columns padded to their widest cell."""
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def heads_held(weights: Mapping[str, torch.Tensor], shard: Transformer, layer: int = 0) -> dict[str, list[int]]:
+    """Which heads of Q, K and V a rank's fused QKV weight holds, found by matching each
+    ``d_head``-row block of the shard against the full weight: ``{"Q": [0, 1, 2, 3], "K": ..., "V": ...}``."""
+    cfg = shard.cfg
+    full = weights[f"layers.{layer}.attn.qkv.weight"].to(shard.dtype)       # [3·H·D, d]: Q heads | K heads | V heads
+    mine = shard.layers[layer].attn.qkv.weight.detach().cpu()              # [3·H_local·D, d]
+    blocks = {(part, h): full[(i * cfg.n_heads + h) * cfg.d_head:(i * cfg.n_heads + h + 1) * cfg.d_head]
+              for i, part in enumerate("QKV") for h in range(cfg.n_heads)}
+    found: dict[str, list[int]] = {"Q": [], "K": [], "V": []}
+    for j in range(mine.shape[0] // cfg.d_head):
+        block = mine[j * cfg.d_head:(j + 1) * cfg.d_head]
+        match = next((key for key, b in blocks.items() if torch.equal(b, block)), None)
+        if match is not None:
+            found[match[0]].append(match[1])
+    return found
+
+
+def row_spans(layer) -> list[tuple[int, int]]:
+    """The rows of the full weight a column-parallel ``layer`` keeps on its rank, as ``(start, stop)`` runs,
+    read off the layer's own ``shard_rows`` (e.g. ``[(0, 256), (512, 768), (1024, 1280)]`` for rank 0's QKV)."""
+    return consecutive_runs(layer.shard_rows(torch.arange(layer.out_features)).tolist())
+
+
+def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive integers (each one more than the last), as ``(start, stop)``:
+    ``[0, 1, 2, 5, 6]`` → ``[(0, 3), (5, 7)]``."""
+    idx = np.asarray(values, dtype=np.int64)
+    if idx.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(idx) != 1)
+    starts = np.concatenate([[idx[0]], idx[breaks + 1]])
+    stops = np.concatenate([idx[breaks], [idx[-1]]]) + 1
+    return list(zip(starts.tolist(), stops.tolist()))
+
+
+BLOCK_PARTS = ("ln_1", "attn.qkv", "attn.core", "attn.out_proj", "ln_2", "mlp.fc_up", "mlp.act", "mlp.fc_down")
+
+
+def follow_request(model: Transformer, batch) -> tuple[list, list, torch.Tensor]:
+    """``model(batch)`` watched by ``measure.recorder.module_io``: ``(calls, block_outputs, hidden)``, where
+    ``calls`` are ``(part, output shape)`` of block 0's ``BLOCK_PARTS`` in the order they first ran,
+    ``block_outputs`` every block's output shape, ``hidden`` the model's output ``[T, d_model]``."""
+    blocks = [f"layers.{i}" for i in range(len(model.layers))]
+    seen = module_io(model, [f"layers.0.{p}" for p in BLOCK_PARTS] + blocks + [""], lambda: model(batch))
+    calls = [(path.removeprefix("layers.0."), list(out.shape)) for path, (_, out) in seen.items()
+             if path.startswith("layers.0.")]
+    return calls, [list(seen[b][1].shape) for b in blocks], seen[""][1]
+
+
+def time_forward(model: Transformer, batch, repeats: int = 3, warmup: int = 1, threads: int | None = None) -> float:
+    """Seconds of the fastest of ``repeats`` forwards of ``model`` on ``batch`` after ``warmup`` untimed ones
+    (no gradients): a wall-clock time to show, never to assert. ``threads``: run on that many torch threads
+    (``torch.set_num_threads``), restored afterwards; None keeps this process's setting."""
+    repeats, warmup = check_int("repeats", repeats, 1), check_int("warmup", warmup, 0)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(check_int("threads", threads, 1))
+    try:
+        with torch.no_grad():
+            return time_call(lambda: model(batch), repeats=repeats, warmup=warmup, device=model.device)
+    finally:
+        torch.set_num_threads(before)
+
+
+def backend_rows(device, dtype: torch.dtype, head_dim: int | None = None) -> list[tuple[str, str, str]]:
+    """``(backend, "yes"/"no", reason)`` for every attention backend on ``device`` in ``dtype``."""
+    return [(name, "yes" if s.available else "no", s.reason)
+            for name, s in available_backends(device, dtype, head_dim).items()]
+
+
+def machine_report(head_dim: int = 64) -> str:
+    """The appendix of lesson 00: device and dtype the engine picks, every attention backend with
+    why (not) for the CPU and, with a GPU, CUDA in float16 / bfloat16 / float32, the TP backend
+    for two ranks, and the cores."""
+    device, dtype = placement()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    lines = [f"device: {device.type} | dtype: {dtype_name(dtype)} | torch {torch.__version__} | "
+             f"CPU cores: {cores} | torch threads: {torch.get_num_threads()} | GPUs: {gpus}"]
+    places = [("cpu", torch.float32)] + ([("cuda", t) for t in (torch.float16, torch.bfloat16, torch.float32)] if gpus else [])
+    for dev, dt in places:
+        name = dtype_name(dt)
+        lines += ["", f"attention backends on {dev}, {name}, head dim {head_dim}: "
+                  f"auto -> {resolve_backend('auto', dev, dt, head_dim)}"]
+        lines.append(format_table(backend_rows(dev, dt, head_dim), ("backend", "runs", "why (not)")))
+    tp = resolve_dist_backend("auto", 2, device)
+    lines += ["", f"TP=2 collectives: {tp}" + ("" if tp == "nccl" else " (NCCL needs one GPU per rank)")]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the 16 all-reduces cost on this machine: real ones timed on spawned ranks (C1)
+
+AR_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)  # the [N, 512] float32 payloads AllReduceBench.measure times
+AR_REPEATS = 9
+
+
+def fit_misses(fit: AlphaBeta, measured: Mapping) -> list[float]:
+    """Measured / modelled time of each payload of ``measured`` (``AllReduceBench.measure``'s dict) under ``fit``,
+    at the TP size it was measured at: 1 where the line goes through the point; how far the fit misses its own
+    points, hence how many digits of alpha, beta and N* mean anything."""
+    return [t / all_reduce_seconds(fit, b, measured["world_size"]) for b, t in zip(measured["bytes"], measured["seconds"])]
+
+
+def about(x: float, digits: int = 1) -> str:
+    """``x`` to ``digits`` significant digits, written out with thousands separators: one digit is an order of
+    magnitude (``about(259.3)`` is ``"300"``, ``about(1836.2, 2)`` is ``"1,800"``, ``about(0.0412)`` is ``"0.04"``)."""
+    if isinstance(x, bool) or not (isinstance(x, (int, float)) and np.isfinite(x) and x >= 0):
+        raise ValueError(f"about() takes a non-negative finite number, got {x!r}")
+    v = float(f"{x:.{check_int('digits', digits, 1, 6)}g}")
+    if v == 0:  # a fit with no latency (alpha = 0) has N* = 0
+        return "0"
+    return f"{v:,.{max(0, digits - 1 - int(np.floor(np.log10(v))))}f}"
+
+
+def time_all_reduces(group, sizes: Sequence[int], repeats: int = AR_REPEATS, warmup: int = 2,
+                     first_warmup: int = 20) -> list[list[float]]:
+    """On one rank: for each element count in ``sizes``, the seconds of ``repeats`` all-reduces of a float32
+    tensor through the rank's ``DistGroup``, each started right after a barrier (no rank times its wait for the
+    other), after ``warmup`` untimed ones (``first_warmup`` for the first size: a fresh group's setup)."""
+    out = []
+    for j, numel in enumerate(sizes):
+        x = torch.ones(int(numel), device=group.device)
+        times = []
+        skip = first_warmup if j == 0 else warmup
+        for i in range(skip + repeats):
+            x.fill_(1.0)
+            dist.barrier(group=group.process_group)
+            t0 = time.perf_counter()
+            group.all_reduce(x, layer="timing")
+            if i >= skip:
+                times.append(time.perf_counter() - t0)
+        out.append(times)
+    return out
+
+
+def _timing_loop(group, channel) -> None:
+    """Worker loop of ``AllReduceBench``: one ``time_all_reduces`` per command, until "close" or EOF."""
+    for _, sizes, repeats, warmup, first_warmup in commands(channel):
+        group.trace.clear()
+        times = time_all_reduces(group, sizes, repeats, warmup, first_warmup)
+        channel.send((times, list(dict.fromkeys(rec.bytes for rec in group.trace))))
+
+
+MAX_MEASURE_ELEMENTS = 1 << 22  # 16 MiB of float32: one timing of a few all-reduces stays well under 2 s here
+
+
+class AllReduceBench:
+    """``world_size`` spawned ranks kept alive to time real all-reduces (through ``DistGroup.all_reduce``)
+    on request: spawned once, on the first ``measure``; ``close()`` (or the end of the kernel) ends them."""
+
+    def __init__(self, world_size: int = 2, timeout: float = 60.0):
+        self.world_size = check_int("world_size", world_size, 2, 8)
+        self.timeout = timeout
+        self.pool = None
+        self.backend = None
+
+    def _ranks(self):
+        if self.pool is None or self.pool.closed:
+            self.pool = WorkerPool(self.world_size, timeout=self.timeout, verbose=False, name="allreduce-bench")
+            self.pool.start(_timing_loop)
+            self.backend = self.pool.backend
+        return self.pool
+
+    def measure(self, tokens: Sequence[int] = AR_TOKENS, d_model: int = 512, repeats: int = AR_REPEATS,
+                warmup: int = 2, first_warmup: int = 20) -> dict:
+        """Time real all-reduces of ``[N, d_model]`` float32 payloads for each N of ``tokens``.
+
+        Returns ``{"tokens", "bytes" (each payload, as the ranks' traces recorded it), "seconds" (per payload:
+        the median over ``repeats`` of the slower rank), "backend", "world_size"}``. A wall-clock measurement:
+        shown and fitted, never asserted.
+        """
+        ns = [check_int("tokens", n, 1, 1 << 16) for n in tokens]
+        d = check_int("d_model", d_model, 1, 1 << 14)
+        reps = check_int("repeats", repeats, 1, 100)
+        if not ns or len(set(ns)) != len(ns):
+            raise ValueError(f"tokens must be distinct positive integers, got {list(tokens)}")
+        if max(ns) * d > MAX_MEASURE_ELEMENTS:
+            raise ValueError(f"N x d_model = {max(ns) * d:,} elements is too large to time here: at most "
+                             f"{MAX_MEASURE_ELEMENTS:,} (16 MiB of float32)")
+        pool = self._ranks()
+        pool.broadcast(("time", [n * d for n in ns], reps, check_int("warmup", warmup, 0, 100),
+                        check_int("first_warmup", first_warmup, 0, 100)))
+        out = pool.collect("result", what="timing all-reduces")
+        medians = [[float(np.median(ts)) for ts in times] for times, _ in out]
+        return {"tokens": ns, "bytes": out[0][1], "seconds": [max(col) for col in zip(*medians)],
+                "backend": self.backend, "world_size": self.world_size}
+
+    def close(self) -> None:
+        if self.pool is not None and not self.pool.closed:
+            self.pool.broadcast(("close",))
+            self.pool.close()
+
+    def __enter__(self) -> AllReduceBench:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 # ---------------------------------------------------------------------------------------------
 # The course map
@@ -64,25 +295,12 @@ _TOPIC = {"00": (COMM,), "01": (REQUEST[0],), "02": (LINEAR,), "03": (ATTENTION,
           "08": (REQUEST[0], ATTENTION)}
 
 
-def _wrap(text: str, width: int) -> str:
-    lines, line = [], ""
-    for word in text.split():
-        if line and len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}".strip()
-    return "\n".join(lines + [line])
-
-
 @register("00_course_map", lesson="00", caption="the lessons, what each shows and the claims it proves")
 def course_map() -> Figure:
-    """One box per lesson, in reading order: title, what it shows, the claim ids it proves.
-
-    A coloured stripe on top of each box says what the lesson is about, in the palette's
-    meanings (orange requests, green linear layers, blue attention, purple communication).
-    """
+    """One box per lesson of ``LESSONS``, in reading order: title, what it shows, the claim ids it proves, and a
+    stripe on top in the palette's colours of what the lesson is about (``_TOPIC``)."""
     w, h, gap, row_gap, per_row = 1.66, 2.45, 0.12, 0.3, 5  # two rows, so that the text stays readable
+    wrap = functools.partial(textwrap.fill, break_long_words=False, break_on_hyphens=False)
     rows = -(-len(LESSONS) // per_row)
     width = 0.24 + per_row * (w + gap) - gap
     height = 0.2 + rows * (h + row_gap) - row_gap + 0.65
@@ -102,9 +320,9 @@ def course_map() -> Figure:
                                    edgecolor="none"))
         ax.text(x + 0.08, y + h - 0.3, f"{num}", ha="left", va="top", fontsize=12, fontweight="bold", color=TEXT)
         ax.text(x + w - 0.08, y + h - 0.32, f"~{minutes} min", ha="right", va="top", fontsize=MIN_FONT, color=TEXT)
-        ax.text(x + 0.08, y + h - 0.68, _wrap(title, 16), ha="left", va="top", fontsize=MIN_FONT + 1,
+        ax.text(x + 0.08, y + h - 0.68, wrap(title, 16), ha="left", va="top", fontsize=MIN_FONT + 1,
                 fontweight="bold", color=TEXT)
-        ax.text(x + 0.08, y + h - 1.2, _wrap(shows, 19), ha="left", va="top", fontsize=MIN_FONT, color=TEXT)
+        ax.text(x + 0.08, y + h - 1.2, wrap(shows, 19), ha="left", va="top", fontsize=MIN_FONT, color=TEXT)
         ax.text(x + 0.08, y + 0.1, claims, ha="left", va="bottom", fontsize=MIN_FONT, color=TEXT, style="italic")
         if col:
             ax.add_patch(FancyArrowPatch((x - gap + 0.01, y + h / 2), (x - 0.01, y + h / 2), arrowstyle="-|>",
@@ -142,16 +360,10 @@ def _arrow(ax, a, b, colour=TEXT):
           caption="TP=2: QKV and FFN-up cut by output features (bias split), out proj and FFN-down by input "
                   "features (partial sums, one all-reduce, bias whole and added once) (S1)")
 def tp_split(cfg: ModelConfig | None = None) -> Figure:
-    """How TP cuts a block's linear layers (claim S1).
-
-    Left: a column-parallel layer (QKV, FFN-up) is cut by OUTPUT features; each rank computes
-    its own output columns from the whole input, and the bias is split with them: no
-    communication. Right: a row-parallel layer (out proj, FFN-down) is cut by INPUT features;
-    each rank makes a full-width partial sum, one all-reduce adds them, and the bias, whole on
-    every rank, is added once, after the sum. Rank 0 plain, rank 1 hatched; green = linear
-    work, purple = communication, white (ink outline) = activations. Patches carry gids (``col-w-r``,
-    ``col-b-r``, ``row-w-r``, ``all-reduce``, ``row-b``).
-    """
+    """How TP=2 cuts a block's linear layers (claim S1), with ``cfg``'s sizes: left, column-parallel (QKV, FFN-up)
+    by output features, the bias split with them; right, row-parallel (out proj, FFN-down) by input features,
+    partial sums, one all-reduce, the bias whole and added once. Rank 0 plain, rank 1 hatched. Patch gids:
+    ``col-w-r``, ``col-b-r``, ``row-w-r``, ``all-reduce``, ``row-b``."""
     cfg = cfg or ModelConfig()
     d, k, f, tp = cfg.d_model, cfg.qkv_dim, cfg.d_ffn, 2  # the figure draws two ranks
     fig = Figure(figsize=(13, 5.6))
@@ -223,50 +435,30 @@ def tp_split(cfg: ModelConfig | None = None) -> Figure:
 # ---------------------------------------------------------------------------------------------
 # The all-reduces of one request (C1)
 
-DTYPES = ("float32", "bfloat16", "float16")
-WORLD_SIZES = (1, 2, 4, 8)
-_STYLES = {2: "--", 4: "-.", 8: ":"}
-
-
-def ring_bytes_sent(payload: int, world_size: int) -> int:
-    """Bytes ONE rank sends in one ring all-reduce of ``payload`` bytes: ``2·(p−1)/p · payload``
-    (reduce-scatter, then all-gather, each moving ``(p−1)/p`` of the buffer). 0 at ``p = 1``."""
-    check_int("world_size", world_size, 1)
-    return 2 * (world_size - 1) * payload // world_size
-
-
 @register("00_allreduce_growth", lesson="00",
           caption="one request of N tokens: 16 all-reduces per forward for every N at TP >= 2 (0 at TP=1); the "
                   "payload grows with N, the ring traffic also with TP (C1)")
-def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | None = None, mark: int | None = None,
-                     measured: Mapping[int, Sequence] | None = None, world_size: int = 2) -> Figure:
-    """Claim C1: what the 16 all-reduces of one forward move, against the tokens N of one request.
+def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | None = None,
+                     measured: Mapping[int, Sequence] | None = None) -> Figure:
+    """Claim C1: what the ``cfg.all_reduces_per_forward`` all-reduces of one forward move, against the tokens N.
 
-    The count, ``2·n_layers`` (``cfg.all_reduces_per_forward``, what ``tp.dryrun.expected_trace``
-    records) at any TP ≥ 2 and 0 at TP=1, is in the title. Left, per all-reduce: the payload on
-    each rank, ``N·d_model·itemsize``, the same for every TP ≥ 2. Right, per forward: the bytes all ranks together send with a
-    ring all-reduce, ``count · 2·(p−1) · payload``, for TP = 2, 4, 8 (gids ``ring-p``; the one
-    of ``world_size`` drawn thicker). ``measured``: ``{N: trace}`` of real ranks, drawn as black
-    markers on the left (gids ``measured-bytes-N``). ``mark``: one N to highlight (the explorer's
-    slider): a square on the payload (gid ``mark``) and on the line of ``world_size`` (gid
-    ``mark-ring``).
+    Left, per all-reduce: the payload on each rank, ``N·d_model·itemsize``, the same at every TP ≥ 2, and
+    ``measured`` (``{N: a real rank's trace}``) as black dots (gids ``measured-bytes-N``). Right, per forward:
+    what all ranks together send in a ring, ``count · p · ring_bytes_sent(payload, p)``, for TP = 2, 4, 8
+    (gids ``ring-p``; TP=2, the lesson's, drawn thicker).
     """
     cfg = cfg or ModelConfig()
-    if world_size not in WORLD_SIZES:
-        raise ValueError(f"world_size must be one of {WORLD_SIZES}, got {world_size!r}")
     tokens = list(tokens) if tokens is not None else sorted({int(v) for v in np.logspace(0, np.log10(16384), 60)})
-    item = cfg.dtype.itemsize
-    dtype = dtype_name(cfg.dtype)
-    count = cfg.all_reduces_per_forward
+    item, dtype, count = cfg.dtype.itemsize, dtype_name(cfg.dtype), cfg.all_reduces_per_forward
     payload = [n * cfg.d_model * item for n in tokens]
     fig = Figure(figsize=(9.6, 4.1))
     left, right = fig.subplots(1, 2)
     left.plot(tokens, payload, color=COMM, linewidth=2.5, label=f"N x {cfg.d_model} x {item} B (TP = 2, 4 or 8)")
     left.set_ylabel(f"bytes of one all-reduce, each rank ({dtype})")
     left.set_title("per all-reduce: the payload on each rank", fontsize=MIN_FONT + 1)
-    for p, style in _STYLES.items():
+    for p, style in {2: "--", 4: "-.", 8: ":"}.items():
         sent = [count * p * ring_bytes_sent(b, p) for b in payload]
-        right.plot(tokens, sent, style, color=COMM, linewidth=2.5 if p == world_size else 1.0, gid=f"ring-{p}",
+        right.plot(tokens, sent, style, color=COMM, linewidth=2.5 if p == 2 else 1.0, gid=f"ring-{p}",
                    label=f"TP={p}: {count} all-reduces x {2 * (p - 1)} payloads")
     right.set_ylabel(f"bytes per forward, all ranks together ({dtype})")
     right.set_title("per forward: what all ranks send together (ring)", fontsize=MIN_FONT + 1)
@@ -276,90 +468,15 @@ def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | Non
         ax.set_xlabel("tokens N in the request")
         ax.tick_params(labelsize=MIN_FONT)
     for n, trace in sorted((measured or {}).items()):
-        trace = list(trace)
-        left.plot([n], [trace[0].bytes if trace else 0], "o", color=TEXT, gid=f"measured-bytes-{n}")
+        left.plot([n], [trace[0].bytes], "o", color=TEXT, gid=f"measured-bytes-{n}")
     if measured:
         left.plot([], [], "o", color=TEXT, label="measured, real TP=2 ranks")
-    title = f"One request of N tokens: {count} all-reduces per forward for every N at TP >= 2, none at TP = 1"
-    if mark is not None:
-        each = int(mark) * cfg.d_model * item
-        for ax in (left, right):
-            ax.axvline(mark, color=TEXT, linestyle=":", linewidth=1)
-        if world_size > 1:
-            left.plot([mark], [each], "s", color=COMM, markeredgecolor=TEXT, gid="mark")
-            right.plot([mark], [count * world_size * ring_bytes_sent(each, world_size)], "s", color=COMM,
-                       markeredgecolor=TEXT, gid="mark-ring")
-            title = (f"N = {mark}, TP = {world_size}: {count} all-reduces of [{mark} x {cfg.d_model}] {dtype}, "
-                     f"{each:,} B each")
-        else:
-            title = f"N = {mark}, TP = 1: no all-reduce (one rank holds every weight)"
-    fig.suptitle(title, fontsize=MIN_FONT + 2)
+    fig.suptitle(f"One request of N tokens: {count} all-reduces per forward for every N at TP >= 2, none at TP = 1",
+                 fontsize=MIN_FONT + 2)
     left.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
     right.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
     fig.subplots_adjust(left=0.09, right=0.98, bottom=0.14, top=0.84, wspace=0.3)
     return fig
-
-
-# ---------------------------------------------------------------------------------------------
-# What the 16 all-reduces cost: an alpha-beta model fitted to real all-reduces (C1)
-
-AR_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)  # the [N, 512] float32 payloads measure_all_reduces times
-AR_REPEATS = 9
-# A datasheet-like fast link, for comparison: NVLink 4 on an H100 SXM moves 900 GB/s per GPU counting both
-# directions, so 450 GB/s one way; the 5 us per ring step is an assumed order of magnitude, not a datasheet value.
-NVLINK = {"alpha_s": 5e-6, "beta": 450e9}
-NETWORK_NAMES = {"measured": "this machine, fitted to the all-reduces timed above",
-                 "nvlink": "NVLink 4 (H100), datasheet-like: 450 GB/s one way, 5 us per step assumed"}
-
-
-@dataclass(frozen=True)
-class AlphaBeta:
-    """The alpha-beta model of a ring all-reduce: ``alpha_s`` seconds of latency per step, ``beta`` bytes per
-    second of one link in one direction; ``source`` says where the two numbers come from.
-
-    A ring all-reduce of S bytes over p ranks takes 2(p-1) steps (p-1 to reduce-scatter, p-1 to all-gather);
-    in each step every rank sends S/p bytes to its neighbour, which costs ``alpha + (S/p)/beta``. So
-
-        t(S) = 2(p-1)·alpha  +  2(p-1)/p · S/beta      (latency term + bandwidth term)
-    """
-
-    alpha_s: float
-    beta: float
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        for name, value, low in (("alpha_s", self.alpha_s, 0.0), ("beta", self.beta, None)):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
-            if not ok or value < 0 or (low is None and value == 0):
-                raise ValueError(f"AlphaBeta.{name} must be a finite {'non-negative' if low == 0 else 'positive'} "
-                                 f"number, got {value!r}")
-
-
-def _ring_size(world_size: int) -> int:
-    return check_int("world_size", world_size, 2, 1024)
-
-
-def ring_time_terms(fit: AlphaBeta, payload_bytes: float, world_size: int = 2) -> tuple[float, float]:
-    """``(latency, bandwidth)`` seconds of ONE ring all-reduce of ``payload_bytes`` on each rank:
-    ``2(p-1)·alpha`` and ``2(p-1)/p · S/beta`` (see ``AlphaBeta``)."""
-    p = _ring_size(world_size)
-    if isinstance(payload_bytes, bool) or not isinstance(payload_bytes, (int, float)) or not payload_bytes >= 0:
-        raise ValueError(f"payload_bytes must be a non-negative number, got {payload_bytes!r}")
-    return 2 * (p - 1) * fit.alpha_s, 2 * (p - 1) * payload_bytes / (p * fit.beta)
-
-
-def all_reduce_seconds(fit: AlphaBeta, payload_bytes: float, world_size: int = 2) -> float:
-    """The alpha-beta model's time of one ring all-reduce of ``payload_bytes`` per rank: latency + bandwidth."""
-    return sum(ring_time_terms(fit, payload_bytes, world_size))
-
-
-def crossover_tokens(fit: AlphaBeta, d_model: int, itemsize: int, world_size: int = 2) -> float:
-    """The N at which one all-reduce of ``[N, d_model]`` spends as long on bandwidth as on latency:
-    ``2(p-1)/p · N·d·s/beta = 2(p-1)·alpha``, so ``N* = p·alpha·beta / (d·s)``. Below N* latency dominates.
-    It does not depend on the number of layers (both terms are paid 2·n_layers times per forward)."""
-    p = _ring_size(world_size)
-    d, s = check_int("d_model", d_model, 1), check_int("itemsize", itemsize, 1, 16)
-    return p * fit.alpha_s * fit.beta / (d * s)
 
 
 @register("00_alpha_beta_model", lesson="00",
@@ -368,7 +485,7 @@ def crossover_tokens(fit: AlphaBeta, d_model: int, itemsize: int, world_size: in
                   "as far out in bfloat16 as in float32 (C1)")
 def alpha_beta_model(fit: AlphaBeta | None = None, d_model: int = 512, world_size: int = 2) -> Figure:
     """The picture of the alpha-beta model before any measurement: ``ring_time_terms`` of one all-reduce of
-    ``[N, d_model]`` against N, under ``fit`` (default: the lesson's stated NVLink-like pair, ``NVLINK``).
+    ``[N, d_model]`` against N, under ``fit`` (default: ``measure.comm.NVLINK``, an assumed NVLink-like link).
 
     The latency term ``2(p-1)·alpha`` (dashed, gid ``latency``), the bandwidth term ``2(p-1)/p · S/beta`` in
     float32 (dotted, gid ``bandwidth-float32``) and bfloat16 (dash-dot, gid ``bandwidth-bfloat16``), the
@@ -376,8 +493,7 @@ def alpha_beta_model(fit: AlphaBeta | None = None, d_model: int = 512, world_siz
     and each dtype's crossover N* (``crossover_tokens``, vertical ink lines, gids ``crossover-float32`` /
     ``crossover-bfloat16``).
     """
-    fit = fit or AlphaBeta(NVLINK["alpha_s"], NVLINK["beta"], NETWORK_NAMES["nvlink"])
-    p = _ring_size(world_size)
+    fit, p = fit or NVLINK, world_size
     ns = np.unique(np.logspace(0, np.log10(65536), 120).astype(int))
     fig = Figure(figsize=(9.6, 4.6))
     ax = fig.subplots()
@@ -416,170 +532,10 @@ def alpha_beta_model(fit: AlphaBeta | None = None, d_model: int = 512, world_siz
     return fig
 
 
-def _sig(x: float, digits: int) -> float:
-    return float(f"{x:.{digits}g}")
+# ---------------------------------------------------------------------------------------------
+# The explorer: what the all-reduces of a forward cost, packed or one request per forward (C1)
 
-
-def fit_alpha_beta(payload_bytes: Sequence[float], seconds: Sequence[float], world_size: int = 2,
-                   source: str = "fitted", digits: int = 3) -> AlphaBeta:
-    """Fit the ring model ``t = a + b·S`` to measured all-reduce times, then read alpha and beta off it:
-    ``alpha = a / 2(p-1)``, ``beta = 2(p-1) / (p·b)``.
-
-    Least squares on RELATIVE errors (each point weighs 1/t: the sizes span three orders of magnitude, and a
-    plain fit would ignore the small ones, which are the ones that show the latency). A negative intercept
-    (noise on a machine with almost no latency) is refitted through the origin: alpha = 0. Both results are
-    rounded to ``digits`` significant digits, no more than the measurement supports (and what the lesson shows).
-    Raises ValueError if the inputs are ragged, non-positive, fewer than two distinct sizes, or if the times do
-    not grow with the payload.
-    """
-    p = _ring_size(world_size)
-    s, t = np.asarray(payload_bytes, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
-    if s.ndim != 1 or s.shape != t.shape:
-        raise ValueError(f"payload_bytes and seconds must be two lists of the same length, got {s.shape} and {t.shape}")
-    if not (np.all(np.isfinite(s)) and np.all(s > 0) and np.all(np.isfinite(t)) and np.all(t > 0)):
-        raise ValueError("payload_bytes and seconds must be positive finite numbers")
-    if len(set(s.tolist())) < 2:
-        raise ValueError(f"need at least two distinct payload sizes to fit a line, got {sorted(set(s.tolist()))}")
-    w = 1.0 / t
-    (a, b), *_ = np.linalg.lstsq(np.stack([w, s * w], axis=1), np.ones_like(t), rcond=None)
-    if a < 0:
-        a, b = 0.0, float(np.sum(s * w) / np.sum((s * w) ** 2))
-    if not b > 0:
-        raise ValueError("the measured times do not grow with the payload: no bandwidth can be fitted "
-                         f"(slope {b:.3g} s per byte); measure larger payloads")
-    return AlphaBeta(_sig(a / (2 * (p - 1)), digits), _sig(2 * (p - 1) / (p * b), digits), source)
-
-
-def fit_misses(fit: AlphaBeta, measured: Mapping) -> list[float]:
-    """Measured / modelled time of each payload of ``measured`` (``measure_all_reduces``' dict) under ``fit``,
-    at the TP size it was measured at: 1 where the line goes through the point; how far the fit misses its own
-    points, hence how many digits of alpha, beta and N* mean anything."""
-    return [t / all_reduce_seconds(fit, b, measured["world_size"]) for b, t in zip(measured["bytes"], measured["seconds"])]
-
-
-def about(x: float, digits: int = 1) -> str:
-    """``x`` to ``digits`` significant digits, written out with thousands separators: one digit is an order of
-    magnitude (``about(259.3)`` is ``"300"``, ``about(1836.2, 2)`` is ``"1,800"``, ``about(0.0412)`` is ``"0.04"``)."""
-    if isinstance(x, bool) or not (isinstance(x, (int, float)) and np.isfinite(x) and x >= 0):
-        raise ValueError(f"about() takes a non-negative finite number, got {x!r}")
-    v = float(f"{x:.{check_int('digits', digits, 1, 6)}g}")
-    if v == 0:  # a fit with no latency (alpha = 0) has N* = 0
-        return "0"
-    return f"{v:,.{max(0, digits - 1 - int(np.floor(np.log10(v))))}f}"
-
-
-def time_all_reduces(group, sizes: Sequence[int], repeats: int = AR_REPEATS, warmup: int = 2,
-                     first_warmup: int = 20) -> list[list[float]]:
-    """A worker for ``tp.workers.launch``: for each element count in ``sizes``, the seconds of ``repeats``
-    all-reduces (after ``warmup`` untimed ones, ``first_warmup`` for the first size: the first collectives of a
-    fresh process group pay for its connection setup) of a float32 tensor through the rank's ``DistGroup``,
-    each started right after a barrier so that no rank times its wait for the other."""
-    import torch.distributed as dist
-
-    out = []
-    for j, numel in enumerate(sizes):
-        x = torch.ones(int(numel), device=group.device)
-        times = []
-        skip = first_warmup if j == 0 else warmup
-        for i in range(skip + repeats):
-            x.fill_(1.0)
-            dist.barrier(group=group.process_group)
-            t0 = time.perf_counter()
-            group.all_reduce(x, layer="timing")
-            if i >= skip:
-                times.append(time.perf_counter() - t0)
-        out.append(times)
-    return out
-
-
-def _timing_loop(group, channel) -> None:
-    """Worker loop of ``AllReduceBench``: one ``time_all_reduces`` per command, until "close" or EOF."""
-    from ..tp.workers import commands
-
-    for _, sizes, repeats, warmup, first_warmup in commands(channel):  # until "close" or EOF
-        group.trace.clear()
-        times = time_all_reduces(group, sizes, repeats, warmup, first_warmup)
-        channel.send((times, list(dict.fromkeys(rec.bytes for rec in group.trace))))
-
-
-MAX_MEASURE_ELEMENTS = 1 << 22  # 16 MiB of float32: one timing of a few all-reduces stays well under 2 s here
-
-
-class AllReduceBench:
-    """``world_size`` spawned ranks kept alive to time real all-reduces (through ``DistGroup.all_reduce``)
-    on request: spawned once, on the first ``measure``; ``close()`` (or the end of the kernel) ends them."""
-
-    def __init__(self, world_size: int = 2, timeout: float = 60.0):
-        self.world_size = check_int("world_size", world_size, 2, 8)
-        self.timeout = timeout
-        self.pool = None
-        self.backend = None
-
-    def _ranks(self):
-        if self.pool is None or self.pool.closed:
-            from ..tp.workers import WorkerPool
-
-            self.pool = WorkerPool(self.world_size, timeout=self.timeout, verbose=False, name="allreduce-bench")
-            self.pool.start(_timing_loop)
-            self.backend = self.pool.backend
-        return self.pool
-
-    def measure(self, tokens: Sequence[int] = AR_TOKENS, d_model: int = 512, repeats: int = AR_REPEATS,
-                warmup: int = 2, first_warmup: int = 20) -> dict:
-        """Time real all-reduces of ``[N, d_model]`` float32 payloads for each N of ``tokens``.
-
-        Returns ``{"tokens", "bytes" (each payload, as the ranks' traces recorded it), "seconds" (per payload:
-        the median over ``repeats`` of the slower rank), "backend", "world_size"}``. A wall-clock measurement:
-        shown and fitted, never asserted.
-        """
-        ns = [check_int("tokens", n, 1, 1 << 16) for n in tokens]
-        d = check_int("d_model", d_model, 1, 1 << 14)
-        reps = check_int("repeats", repeats, 1, 100)
-        if not ns or len(set(ns)) != len(ns):
-            raise ValueError(f"tokens must be distinct positive integers, got {list(tokens)}")
-        if max(ns) * d > MAX_MEASURE_ELEMENTS:
-            raise ValueError(f"N x d_model = {max(ns) * d:,} elements is too large to time here: at most "
-                             f"{MAX_MEASURE_ELEMENTS:,} (16 MiB of float32)")
-        pool = self._ranks()
-        pool.broadcast(("time", [n * d for n in ns], reps, check_int("warmup", warmup, 0, 100),
-                        check_int("first_warmup", first_warmup, 0, 100)))
-        out = pool.collect("result", what="timing all-reduces")
-        medians = [[float(np.median(ts)) for ts in times] for times, _ in out]
-        return {"tokens": ns, "bytes": out[0][1], "seconds": [max(col) for col in zip(*medians)],
-                "backend": self.backend, "world_size": self.world_size}
-
-    def close(self) -> None:
-        if self.pool is not None and not self.pool.closed:
-            self.pool.broadcast(("close",))
-            self.pool.close()
-
-    def __enter__(self) -> AllReduceBench:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def measure_all_reduces(tokens: Sequence[int] = AR_TOKENS, d_model: int = 512, repeats: int = AR_REPEATS,
-                        world_size: int = 2, bench: AllReduceBench | None = None) -> dict:
-    """Time real all-reduces of ``[N, d_model]`` float32 payloads on ``world_size`` spawned ranks (gloo here):
-    ``AllReduceBench.measure`` on ``bench`` (kept open, for the explorer's "measure"), else on ranks spawned
-    for this call only."""
-    if bench is not None:
-        return bench.measure(tokens, d_model, repeats)
-    with AllReduceBench(world_size) as fresh:
-        return fresh.measure(tokens, d_model, repeats)
-
-
-def network_fit(network: str, measured_fit: AlphaBeta | None = None) -> AlphaBeta:
-    """The alpha-beta pair of ``network``: ``"measured"`` (``measured_fit``) or ``"nvlink"`` (``NVLINK``)."""
-    if network == "nvlink":
-        return AlphaBeta(NVLINK["alpha_s"], NVLINK["beta"], NETWORK_NAMES["nvlink"])
-    if network == "measured":
-        if measured_fit is None:
-            raise ValueError("network='measured' needs the fit of this machine's all-reduces (measured_fit)")
-        return measured_fit
-    raise ValueError(f"network must be one of {tuple(NETWORK_NAMES)}, got {network!r}")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -606,8 +562,8 @@ def comm_cost_state(num_tokens: int, fit: AlphaBeta, d_model: int = 512, dtype: 
                          f"requests={r} > num_tokens={n}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    p = _ring_size(world_size)
-    fitted = None if fitted_world_size is None else _ring_size(fitted_world_size)
+    p = check_int("world_size", world_size, 2, 1024)
+    fitted = None if fitted_world_size is None else check_int("fitted_world_size", fitted_world_size, 2, 1024)
     cfg = ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 256), d_model=check_int("d_model", d_model, 1, 1 << 15),
                       dtype=getattr(torch, dtype))
     trace = expected_trace(cfg, n, 0, p)
@@ -655,7 +611,7 @@ def comm_cost_text(state: dict) -> str:
 def comm_cost_figure(state: dict, measured: Mapping | None = None, probe: Mapping | None = None) -> Figure:
     """Left: all-reduce time per forward against N (log-log) under the state's alpha and beta: the model (purple),
     its latency term (dashed) and bandwidth term (dotted), the crossover N* (dash-dot), the chosen N (square),
-    and ``measured`` (``measure_all_reduces``' dict) as black dots at the N whose payload they carried, x count,
+    and ``measured`` (``AllReduceBench.measure``'s dict) as black dots at the N whose payload they carried, x count,
     and ``probe`` (``measure_point``'s dict) as a star (gid ``probe``); both only at their own TP size and d_model.
     Right: the state's tokens packed in one forward vs one forward per request, latency (hatched) + bandwidth."""
     s = state
@@ -733,17 +689,15 @@ RECORD_MAX_TOKENS = 1024
 
 def record_point(num_tokens: int, requests: int = 1, n_layers: int = 8, dtype: str = "float32",
                  world_size: int = 2) -> dict:
-    """Run the engine's forward on the learner's requests and record what rank 0 sends: ``tp.dryrun.record_trace``
-    (the real ``Transformer`` on ``LocalGroup(0, world_size)``, which records every all-reduce a real rank makes)
-    once for the ``requests`` packed into one forward and once per request, at the recorder's width
-    (``RECORD_D_MODEL``; the learner's layers, dtype and TP size), beside the calculator ``expected_trace`` of the
-    same forwards. Keys: ``lens``, ``n_layers``, ``dtype``, ``world_size``, ``d_model``, ``packed`` and
-    ``separate`` (the recorded traces: a list, a list of lists), ``agrees`` (record by record, both)."""
+    """The all-reduces rank 0 of TP=``world_size`` makes in the engine's forward (``tp.dryrun.record_trace``, at
+    width ``RECORD_D_MODEL``) for ``requests`` requests of ``num_tokens`` tokens in all, packed into one forward and
+    one forward each. Keys: ``lens``, ``n_layers``, ``dtype``, ``world_size``, ``d_model``, ``packed`` (a trace),
+    ``separate`` (one per request), ``agrees`` (all equal the calculator ``expected_trace``, record by record)."""
     n = check_int("num_tokens", num_tokens, 1, RECORD_MAX_TOKENS)
     r = check_int("requests", requests, 1, n)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    p = _ring_size(world_size)
+    p = check_int("world_size", world_size, 2, 1024)
     cfg = ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 256), d_model=RECORD_D_MODEL, n_heads=8,
                       d_ffn=4 * RECORD_D_MODEL, vocab_size=1, max_position=n, dtype=getattr(torch, dtype))
     lens = _split(n, r)
@@ -774,8 +728,8 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
     the calculator; "running..." while it runs), HTML ``abx-recorded`` (``record_text``);
     Button ``abx-measure`` (times real all-reduces at the chosen N and d_model on ``bench``'s ranks: "running..."
     while it runs), HTML ``abx-measured`` (``measure_text``), HTML ``abx-text`` (``comm_cost_text``, one div per
-    line), Output ``abx-figure`` (``comm_cost_figure``). ``measured``: ``measure_all_reduces``' dict, drawn while
-    the network is "measured"."""
+    line), Output ``abx-figure`` (``comm_cost_figure``). ``measured``: ``AllReduceBench.measure``'s dict, drawn
+    while the network is this machine's (``measured_fit``; the other: ``measure.comm.NVLINK``)."""
     w = ipywidgets_module()
     tokens = tagged(w.IntSlider(value=num_tokens, min=1, max=16384, description="tokens N"), "abx-tokens")
     reqs = tagged(w.IntSlider(value=1, min=1, max=64, description="requests"), "abx-requests")
@@ -783,8 +737,8 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
     kind = tagged(w.Dropdown(options=list(DTYPES), value="float32", description="dtype"), "abx-dtype")
     layers = tagged(w.Dropdown(options=[8, 32, 80], value=8, description="layers"), "abx-layers")
     tp = tagged(w.Dropdown(options=[2, 4, 8], value=2, description="TP size"), "abx-tp")
-    net = tagged(w.Dropdown(options=[("this machine (fitted)", "measured"), ("NVLink 4 (datasheet-like)", "nvlink")],
-                            value="measured", description="network"), "abx-network")
+    net = tagged(w.Dropdown(options=[("this machine (fitted)", measured_fit), ("NVLink 4 (datasheet-like)", NVLINK)],
+                            value=measured_fit, description="network"), "abx-network")
     button = tagged(w.Button(description="measure at this N"), "abx-measure")
     rec_button = tagged(w.Button(description="record this forward"), "abx-record")
     rec_text = tagged(w.HTML("<div>record: runs the engine's forward on these requests and shows the all-reduces "
@@ -795,15 +749,15 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
     last: dict = {}
 
     def update(change=None):
-        fit = network_fit(net.value, measured_fit)
+        here = net.value is measured_fit
         try:
-            state = comm_cost_state(tokens.value, fit, d_model.value, kind.value, layers.value, reqs.value, tp.value,
-                                    measured.get("world_size", 2) if net.value == "measured" else None)
+            state = comm_cost_state(tokens.value, net.value, d_model.value, kind.value, layers.value, reqs.value,
+                                    tp.value, measured["world_size"] if here else None)
         except ValueError as exc:  # e.g. more requests than tokens
             text.value = f"<div>{exc}</div>"
             return
         text.value = "<div>" + "</div><div>".join(comm_cost_text(state).splitlines()) + "</div>"
-        show_figure(out, comm_cost_figure(state, measured if net.value == "measured" else None, last.get("probe")))
+        show_figure(out, comm_cost_figure(state, measured if here else None, last.get("probe")))
 
     def measure(_=None):
         if bench is None:
@@ -811,7 +765,7 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
             return
         probe_text.value = "<div>running...</div>"
         try:
-            last["probe"] = measure_point(bench, tokens.value, d_model.value, network_fit(net.value, measured_fit))
+            last["probe"] = measure_point(bench, tokens.value, d_model.value, net.value)
         except ValueError as exc:  # too large a payload
             probe_text.value = f"<div>{exc}</div>"
             return
@@ -834,133 +788,6 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
 
 
 # ---------------------------------------------------------------------------------------------
-# What the notebook reads off the model
-
-def _cut(full: tuple, shard: tuple) -> str:
-    if full == shard:
-        return "whole (replicated)"
-    if full[0] != shard[0]:
-        return "split: output features"
-    return "split: input features"
-
-
-def shard_table(full: Transformer, shard: Transformer, layer: int = 0) -> list[tuple[str, list, list, str]]:
-    """``(parameter, TP=1 shape, shape on the shard's rank, how it is cut)`` for one block's parameters."""
-    mine = dict(shard.layers[layer].named_parameters())
-    return [(name, list(p.shape), list(mine[name].shape), _cut(tuple(p.shape), tuple(mine[name].shape)))
-            for name, p in full.layers[layer].named_parameters()]
-
-
-def format_table(rows: Sequence[tuple], headers: Sequence[str]) -> str:
-    """A plain-text table, columns padded to their widest cell."""
-    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
-
-
-def heads_held(weights: Mapping[str, torch.Tensor], shard: Transformer, layer: int = 0) -> dict[str, list[int]]:
-    """Which heads of Q, K and V a rank's fused QKV weight holds, found by matching each
-    ``d_head``-row block of the shard against the full weight: ``{"Q": [0, 1, 2, 3], "K": ..., "V": ...}``."""
-    cfg = shard.cfg
-    full = weights[f"layers.{layer}.attn.qkv.weight"].to(shard.dtype)       # [3·H·D, d]: Q heads | K heads | V heads
-    mine = shard.layers[layer].attn.qkv.weight.detach().cpu()              # [3·H_local·D, d]
-    blocks = {(part, h): full[(i * cfg.n_heads + h) * cfg.d_head:(i * cfg.n_heads + h + 1) * cfg.d_head]
-              for i, part in enumerate("QKV") for h in range(cfg.n_heads)}
-    found: dict[str, list[int]] = {"Q": [], "K": [], "V": []}
-    for j in range(mine.shape[0] // cfg.d_head):
-        block = mine[j * cfg.d_head:(j + 1) * cfg.d_head]
-        match = next((key for key, b in blocks.items() if torch.equal(b, block)), None)
-        if match is not None:
-            found[match[0]].append(match[1])
-    return found
-
-
-def row_spans(layer) -> list[tuple[int, int]]:
-    """The rows of the full weight a column-parallel ``layer`` keeps on its rank, as ``(start, stop)`` runs,
-    read off the layer's own ``shard_rows`` (e.g. ``[(0, 256), (512, 768), (1024, 1280)]`` for rank 0's QKV)."""
-    return consecutive_runs(layer.shard_rows(torch.arange(layer.out_features)).tolist())
-
-
-def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive integers (each one more than the last), as ``(start, stop)``:
-    ``[0, 1, 2, 5, 6]`` → ``[(0, 3), (5, 7)]``."""
-    idx = np.asarray(values, dtype=np.int64)
-    if idx.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(idx) != 1)
-    starts = np.concatenate([[idx[0]], idx[breaks + 1]])
-    stops = np.concatenate([idx[breaks], [idx[-1]]]) + 1
-    return list(zip(starts.tolist(), stops.tolist()))
-
-
-def follow_request(model: Transformer, run: Callable[[], object]) -> tuple[list, list, object]:
-    """Run ``run()`` with hooks on ``model``: ``(calls, block_outputs, result)`` where ``calls``
-    lists ``(part, output shape)`` of layer 0's parts in call order, ``block_outputs`` the output
-    shape of every block, and ``result`` what ``run()`` returned."""
-    calls, block_out = [], []
-    blk0 = model.layers[0]
-    parts = ("ln_1", "attn.qkv", "attn.core", "attn.out_proj", "ln_2", "mlp.fc_up", "mlp.act", "mlp.fc_down")
-    hooks = [blk0.get_submodule(p).register_forward_hook(lambda m, i, o, p=p: calls.append((p, list(o.shape))))
-             for p in parts]
-    hooks += [b.register_forward_hook(lambda m, i, o: block_out.append(list(o.shape))) for b in model.layers]
-    try:
-        result = run()
-    finally:
-        for h in hooks:
-            h.remove()
-    return calls, block_out, result
-
-
-def time_forward(model: Transformer, batch, repeats: int = 3, warmup: int = 1, threads: int | None = None) -> float:
-    """Seconds of the fastest of ``repeats`` forwards of ``model`` on ``batch`` after ``warmup`` untimed ones
-    (no gradients): a wall-clock time to show, never to assert. ``threads``: run on that many torch threads
-    (``torch.set_num_threads``), restored afterwards; None keeps this process's setting."""
-    repeats, warmup = check_int("repeats", repeats, 1), check_int("warmup", warmup, 0)
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(check_int("threads", threads, 1))
-    try:
-        with torch.no_grad():
-            return time_call(lambda: model(batch), repeats=repeats, warmup=warmup, device=model.device)
-    finally:
-        torch.set_num_threads(before)
-
-
-def rank_threads(world_size: int = 2) -> int:
-    """The torch threads each CPU rank of a ``TPRuntime`` of ``world_size`` ranks runs on: this machine's
-    cores divided among the ranks (at least one), the number ``WorkerPool`` gives every worker."""
-    from ..tp.workers import _threads_per_worker
-    return _threads_per_worker(check_int("world_size", world_size, 1))
-
-
-def backend_rows(device, dtype: torch.dtype, head_dim: int | None = None) -> list[tuple[str, str, str]]:
-    """``(backend, "yes"/"no", reason)`` for every attention backend on ``device`` in ``dtype``."""
-    return [(name, "yes" if s.available else "no", s.reason)
-            for name, s in available_backends(device, dtype, head_dim).items()]
-
-
-def machine_report(head_dim: int = 64) -> str:
-    """The appendix of lesson 00: device and dtype the engine picks, every attention backend with
-    why (not) for the CPU and, with a GPU, CUDA in float16 / bfloat16 / float32, the TP backend
-    for two ranks, and the cores."""
-    from ..tp.workers import resolve_dist_backend
-    device, dtype = placement()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    lines = [f"device: {device.type} | dtype: {dtype_name(dtype)} | torch {torch.__version__} | "
-             f"CPU cores: {cores} | torch threads: {torch.get_num_threads()} | GPUs: {gpus}"]
-    places = [("cpu", torch.float32)] + ([("cuda", t) for t in (torch.float16, torch.bfloat16, torch.float32)] if gpus else [])
-    for dev, dt in places:
-        name = dtype_name(dt)
-        lines += ["", f"attention backends on {dev}, {name}, head dim {head_dim}: "
-                  f"auto -> {resolve_backend('auto', dev, dt, head_dim)}"]
-        lines.append(format_table(backend_rows(dev, dt, head_dim), ("backend", "runs", "why (not)")))
-    tp = resolve_dist_backend("auto", 2, device)
-    lines += ["", f"TP=2 collectives: {tp}" + ("" if tp == "nccl" else " (NCCL needs one GPU per rank)")]
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
 # Exercises
 
 _SMALL_CFGS = [ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128),
@@ -968,47 +795,22 @@ _SMALL_CFGS = [ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=2
                ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=32, d_ffn=128, vocab_size=50, max_position=16)]
 
 
-def _parts(cfg: ModelConfig, tp_size: int = 1) -> dict[str, int]:
-    """Parameters rank 0 really holds, by kind: built from the model's own classes (one-process stand-in group).
-
-    Kinds: ``wte``, ``wpe``, ``ln`` (ln_1 and ln_2 of every block), ``ln_f``, ``col_w`` / ``col_b`` (QKV and
-    FFN-up), ``row_w`` / ``row_b`` (out proj and FFN-down).
-    """
+@functools.cache
+def _held(cfg: ModelConfig, tp_size: int) -> dict[str, int]:
+    """Parameters of rank 0's real shard under TP=``tp_size``, by name (the model on a one-process stand-in group)."""
     model = Transformer(cfg, seed=0, group=LocalGroup(0, tp_size))
-    parts = dict.fromkeys(("wte", "wpe", "ln", "ln_f", "col_w", "col_b", "row_w", "row_b"), 0)
-    for name, p in model.named_parameters():
-        if name in ("wte", "wpe"):
-            kind = name
-        elif name.startswith("ln_f."):
-            kind = "ln_f"
-        elif ".ln_" in name:
-            kind = "ln"
-        else:
-            kind = ("col_" if (".qkv." in name or ".fc_up." in name) else "row_") + name.rsplit(".", 1)[1][0]
-        parts[kind] += p.numel()
-    return parts
+    return {name: p.numel() for name, p in model.named_parameters()}
 
 
 def rank_params(cfg: ModelConfig, tp_size: int, vocab_parallel: bool = False) -> int:
-    """Parameters rank 0 holds under TP=``tp_size``, counted on its real shard (``_parts``). With
-    ``vocab_parallel`` the token table ``wte`` (and so the tied LM head) is cut by vocabulary as well: each
-    rank keeps ``ceil(vocab_size / tp_size)`` rows (vLLM's ``VocabParallelEmbedding`` pads the vocabulary to a
-    multiple of the TP size); everything else as in the engine."""
-    check_int("tp_size", tp_size, 1)
-    parts = dict(_parts_cached(cfg, tp_size))
+    """Parameters rank 0 holds under TP=``tp_size``, counted on its real shard. With ``vocab_parallel`` its token
+    table ``wte`` (and so the tied LM head) is the engine's ``tp.vocab.VocabParallelEmbedding`` shard instead:
+    ``pad_vocab_size(vocab_size, tp_size) / tp_size`` rows; everything else as in the engine."""
+    held = dict(_held(cfg, check_int("tp_size", tp_size, 1)))
     if vocab_parallel:
-        parts["wte"] = -(-cfg.vocab_size // tp_size) * cfg.d_model
-    return sum(parts.values())
-
-
-_PARTS: dict[tuple, dict[str, int]] = {}
-
-
-def _parts_cached(cfg: ModelConfig, tp_size: int) -> dict[str, int]:
-    key = (repr(cfg), tp_size)  # ModelConfig is not hashable; its repr names every field
-    if key not in _PARTS:
-        _PARTS[key] = _parts(cfg, tp_size)
-    return _PARTS[key]
+        with torch.device("meta"):  # the shard's shape, nothing allocated
+            held["wte"] = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group=LocalGroup(0, tp_size)).weight.numel()
+    return sum(held.values())
 
 
 def tp_sizes(cfg: ModelConfig) -> list[int]:
@@ -1016,18 +818,18 @@ def tp_sizes(cfg: ModelConfig) -> list[int]:
     return [p for p in range(1, cfg.n_heads + 1) if cfg.n_heads % p == 0 and cfg.d_ffn % p == 0]
 
 
-def smallest_tp(cfg: ModelConfig, budget: int, vocab_parallel: bool = False, count=None) -> int | None:
-    """The smallest TP size (one of ``tp_sizes(cfg)``) at which one rank holds at most ``budget`` parameters,
-    or None when none does. ``count(cfg, tp, vocab_parallel)`` defaults to ``rank_params`` (the real shard)."""
+def smallest_tp(cfg: ModelConfig, budget: int, vocab_parallel: bool = False) -> int | None:
+    """The smallest TP size (one of ``tp_sizes(cfg)``) at which rank 0 holds at most ``budget`` parameters
+    (``rank_params``), or None when none does."""
     check_int("budget", budget, 1)
-    count = count or rank_params
-    return next((p for p in tp_sizes(cfg) if count(cfg, p, vocab_parallel) <= budget), None)
+    return next((p for p in tp_sizes(cfg) if rank_params(cfg, p, vocab_parallel) <= budget), None)
 
 
 def tp_plan(cfg: ModelConfig, budget: int, count=None) -> tuple[int, bool] | None:
     """Exercise 00.1's answer: the plan ``(tp_size, vocab_parallel)`` with the fewest ranks at which one rank holds
     at most ``budget`` parameters, and among those the one WITHOUT a vocab-parallel embedding (it only adds
-    collectives outside the blocks); None when no plan fits. ``count`` as in ``smallest_tp``."""
+    collectives outside the blocks); None when no plan fits. ``count(cfg, tp, vocab_parallel)``: ``rank_params``
+    by default (a slip's count, for the hints)."""
     check_int("budget", budget, 1)
     count = count or rank_params
     return next(((p, vp) for p in tp_sizes(cfg) for vp in (False, True) if count(cfg, p, vp) <= budget), None)
@@ -1035,12 +837,12 @@ def tp_plan(cfg: ModelConfig, budget: int, count=None) -> tuple[int, bool] | Non
 
 def _all_split(cfg: ModelConfig, tp_size: int, vocab_parallel: bool) -> float:
     """The usual slip: every parameter cut ``tp_size`` ways."""
-    return sum(_parts_cached(cfg, 1).values()) / tp_size
+    return sum(_held(cfg, 1).values()) / tp_size
 
 
 def _wpe_cut_too(cfg: ModelConfig, tp_size: int, vocab_parallel: bool) -> int:
     """The other slip: a vocab-parallel embedding that cuts the position table as well."""
-    return rank_params(cfg, tp_size, vocab_parallel) - (_parts_cached(cfg, 1)["wpe"] * (tp_size - 1) // tp_size
+    return rank_params(cfg, tp_size, vocab_parallel) - (_held(cfg, 1)["wpe"] * (tp_size - 1) // tp_size
                                                         if vocab_parallel else 0)
 
 
@@ -1160,7 +962,7 @@ def check_packing_factor(fn: Callable[[AlphaBeta, int, int, float, int], float |
     each cost exactly ``target`` times more all-reduce time as separate forwards than packed into one (the
     article's model, float32, a ring of ``world_size`` ranks); None at ``world_size = 1`` (no all-reduce).
     Checked by running ``comm_cost_state`` on the scaled networks (``packing_saving``), to a relative 1e-6."""
-    here, nvlink, mid = AlphaBeta(40e-6, 1.3e9), AlphaBeta(NVLINK["alpha_s"], NVLINK["beta"]), AlphaBeta(20e-6, 10e9)
+    here, nvlink, mid = AlphaBeta(40e-6, 1.3e9), NVLINK, AlphaBeta(20e-6, 10e9)
     cases = [(here, 64, 8, 2.0, 2), (here, 10, 8, 2.0, 2), (nvlink, 1000, 8, 2.0, 2), (here, 64, 4, 3.0, 2),
              (mid, 200, 8, 2.0, 4), (nvlink, 500, 16, 4.0, 8), (here, 64, 8, 2.0, 1)]
 
@@ -1179,11 +981,3 @@ def check_packing_factor(fn: Callable[[AlphaBeta, int, int, float, int], float |
         return _packing_hint(got, fit, n, k, target, p)
     return grade("packing_factor", fn, cases, judge,
                  f"on {len(cases)} cases, alpha or beta scaled by your factor makes packing save exactly the target")
-
-
-def show(fig: Figure):
-    """Inline image of ``fig`` in a notebook (for a figure drawn from this run's data, not a registered one)."""
-    from IPython.display import Image
-
-    from ..style import to_png
-    return Image(data=to_png(fig))

@@ -5,7 +5,7 @@ significant digits, or the NVLink preset); the test reads them off the page and 
 number with a direct call of ``lessons_lib``, before and after moving the tokens, the requests, the TP size and
 the network. "record this forward" runs the engine's forward on the requests shown (``record_point``); its line
 must equal a direct call. "measure" times real all-reduces on the notebook's two ranks: the time itself cannot be recomputed,
-but the model's time printed beside it must equal ``all_reduce_seconds`` for the payload and network shown.
+but the model's time printed beside it must equal ``measure.comm.all_reduce_seconds`` for the payload and network shown.
 """
 from __future__ import annotations
 
@@ -14,17 +14,18 @@ import re
 from widget_driver import MOVES, finish, inner_text, move, open_explorer, readout, slider_max, wait_text
 
 from lessons_lib.course import l00_setup
+from lessons_lib.measure.comm import AlphaBeta, all_reduce_seconds
 
 HEAD_RE = re.compile(r"alpha = ([\d.e+-]+) us per step, beta = ([\d.e+-]+) GB/s \((.+)\)")
 PROBE_RE = re.compile(r"measured now over (\w+) \(TP=2\): one all-reduce of \[(\d+), (\d+)\] float32 = ([\d,]+) B "
                       r"took ([\d,.]+) us \| the model says ([\d,.]+) us")
 
 
-def _fit(page) -> l00_setup.AlphaBeta:
+def _fit(page) -> AlphaBeta:
     text = inner_text(page, ".abx-text")
     head = HEAD_RE.match(text.splitlines()[0])
     assert head, f"the first readout line is not in the documented format: {text!r}"
-    return l00_setup.AlphaBeta(float(f"{head[1]}e-6"), float(f"{head[2]}e9"), head[3])
+    return AlphaBeta(float(f"{head[1]}e-6"), float(f"{head[2]}e9"), head[3])
 
 
 def _expected(page) -> str:
@@ -84,7 +85,7 @@ def test_lesson00_comm_cost_explorer(lab_server, browser_context, capsys):
     probe = PROBE_RE.search(inner_text(page, ".abx-measured"))
     assert probe, inner_text(page, ".abx-measured")
     assert int(probe[2]) == readout(page, "abx-tokens") and int(probe[4].replace(",", "")) == int(probe[2]) * 512 * 4
-    model_us = l00_setup.all_reduce_seconds(_fit(page), int(probe[4].replace(",", ""))) * 1e6
+    model_us = all_reduce_seconds(_fit(page), int(probe[4].replace(",", ""))) * 1e6
     assert probe[6] == f"{model_us:,.1f}", (probe[6], model_us)
     assert float(probe[5].replace(",", "")) > 0
     # TP = 4: the ring has more steps, every number follows.
