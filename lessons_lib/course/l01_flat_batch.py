@@ -10,7 +10,6 @@ Taught in notebooks/01_flat_batch.ipynb.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import html
@@ -27,6 +26,7 @@ from ..core.batch import PackedBatch, cumulative, pack, pad, unpack
 from ..core.config import ModelConfig
 from ..core.model import Transformer
 from ..measure.flops import flops_of, forward_flops, linear_flops_per_token
+from ..measure.profile import cpu_threads
 from ..measure.recorder import OpRecorder
 from ..measure.search import first_where
 from ..measure.tolerance import each_alone, float64_twin, max_abs_diff
@@ -234,23 +234,12 @@ def waste_crossover_figure(cfg: ModelConfig, lens: Sequence[int] = (10, 1100), l
 # Explorer
 
 # The explorer's model: the course's architecture at a tiny width, so that a forward of a few
-# hundred tokens takes milliseconds (the batching does not depend on the width).
+# hundred tokens takes milliseconds (the batching does not depend on the width). It runs on one CPU thread
+# (cpu_threads(1)): its matmuls are too small to share (measured: ~40 ms vs ~400 ms an update on a busy machine).
 EXPLORER_CONFIG = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=1000,
                               max_position=512)
 PAD_SIDES = ("right", "left")
 EXPLORER_MAX_TOKENS = 1024  # all requests together: the explorer stays interactive
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Run the tiny model on one CPU thread: its matmuls are too small to share, and on a busy machine
-    two threads waiting for each other cost ten times the work (measured: ~40 ms vs ~400 ms an update)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @functools.lru_cache(maxsize=1)
@@ -269,7 +258,7 @@ def request_ids(seq_lens: Sequence[int]) -> list[Tensor]:
 
 def _alone_runs(model: Transformer, twin: Transformer, requests: Sequence) -> list[tuple[Tensor, Tensor, float]]:
     """``each_alone`` on one CPU thread."""
-    with one_thread():
+    with cpu_threads(1):
         return each_alone(model, requests, twin)
 
 
@@ -307,7 +296,7 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
     requests = request_ids(lens)
     ids, mask = pad(requests, pad_to=pad_to, side=side)
     batch = pack(requests)
-    with one_thread():
+    with cpu_threads(1):
         with OpRecorder() as rec_flat:
             out_flat = model.forward(batch)
         with OpRecorder() as rec_pad:
@@ -498,7 +487,7 @@ def wrong_requests(seq_lens: tuple[int, ...], bug: str, k: int) -> tuple[frozens
     max |diff| from it."""
     model, twin = explorer_models()
     requests = request_ids(seq_lens)
-    with one_thread():
+    with cpu_threads(1):
         out = model.forward(broken_pack(requests, bug, k))
     alone = _alone_runs(model, twin, requests)
     parts = unpack(out, torch.tensor(cumulative(seq_lens), dtype=torch.int32))  # cut at the TRUE boundaries
@@ -521,7 +510,7 @@ def sampled_rows(model: Transformer, requests: Sequence, bug: str, k: int) -> di
     tensors = [torch.as_tensor(r) for r in requests]
     cu = batch.cu_seqlens.tolist()
     moved = [torch.cat(tensors)[a:b] for a, b in zip(cu, cu[1:])]
-    with one_thread():
+    with cpu_threads(1):
         out = model.forward(batch)
     rows = [int(r) if b > a else None for r, a, b in zip(batch.last_token_indices.tolist(), cu, cu[1:])]
     twin, got = float64_twin(model), {"cu_seqlens": cu, "rows": rows}
@@ -675,7 +664,7 @@ def check_unpad_ids(fn: Callable[[Tensor, Tensor], tuple]) -> bool:
         got_lens = [int(b) - int(a) for a, b in zip(g_cu.tolist(), g_cu.tolist()[1:])]
         try:
             batch = PackedBatch(g_ids, None, g_pos, g_cu, max(got_lens + [0]), got_lens)
-            with one_thread():
+            with cpu_threads(1):
                 out = explorer_models()[0].forward(batch)
         except ValueError as exc:  # the engine's own batch check: say what it refused
             by_id = int((ids != 0).sum())
