@@ -425,6 +425,7 @@ def test_row_parallel_suspects_behave_as_named():
     assert {n: _diagnose(s) for n, s in L.row_parallel_suspects().items()} == {
         "layer_1": "bias on every rank", "layer_2": "correct", "layer_3": "no all-reduce",
         "layer_4": "all-reduce before the matmul"}
+    assert faults.active() == ()   # each suspect's fault is on only while it runs
     with pytest.raises(ValueError, match="x must be"):
         want.run(torch.randn(4, 11))
     with pytest.raises(ValueError, match="divisible"):

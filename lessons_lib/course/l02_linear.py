@@ -518,10 +518,8 @@ SAFE, MIXES = "safe to batch flat", "mixes requests"
 
 @dataclass(frozen=True)
 class ReachModule:
-    """A module for the explorer: ``fn(t [T, width], cu_seqlens) -> [T, ...]``, its palette kind
-    ("per token", "linear", "attention", ``MIXES_ROWS``; None for a learner's module: the measured map
-    decides) and its input width. Whatever the kind, a module whose verdict is ``MIXES`` is drawn as
-    ``MIXES_ROWS``: the colour follows the verdict."""
+    """A module for the explorer: ``fn(t [T, width], cu_seqlens) -> [T, ...]``, its palette kind ("per token",
+    "linear", "attention", ``MIXES_ROWS``; None for a learner's: the measured map decides) and its input width."""
 
     fn: Callable
     kind: str
@@ -605,11 +603,9 @@ ALONE_RTOL = 1e-5  # alone vs in the batch: rounding allowed, relative to the la
 
 @torch.no_grad()
 def alone_vs_batched(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_lens: Sequence[int]) -> dict:
-    """Run each request's rows of ``x`` ALONE through ``fn(t, cu_seqlens)`` and compare with its rows
-    of the flat run. Returns ``{"max_diff", "bound", "differ" (names of the requests whose rows differ
-    by more than the bound), "flat", "row_diff" (float64 [T]: each row's max |alone - flat|)}``;
-    the bound allows float rounding only: ``ALONE_RTOL`` times the largest |number| of the flat output,
-    with no absolute floor (a module whose outputs are all 0 must give 0 alone too)."""
+    """Each request's rows of ``x`` run ALONE through ``fn(t, cu_seqlens)`` against its rows of the flat run:
+    ``{"max_diff", "bound" (``ALONE_RTOL`` x the flat output's largest |number|, no floor), "differ" (the requests
+    beyond it), "flat", "row_diff" (float64 [T]: each row's max |alone - flat|)}``."""
     lens = check_lengths(seq_lens)
     cu = cumulative(lens)
     flat = fn(x, cu)
