@@ -22,6 +22,7 @@ from lessons_lib.course import l05_flops as L
 from lessons_lib.course.grading import score
 from lessons_lib.measure.flops import (
     attention_cells,
+    attention_crossover_length,
     block_linear_intensity,
     decode_attention_intensity,
     decode_step_parts,
@@ -123,10 +124,10 @@ def test_c13_c15_block_linear_intensity_is_rows_over_one_plus_rows_over_384():
 
 def test_c14_crossover_is_six_d_whole_blocks_and_twelve_d_minus_one_causal():
     cfg = ModelConfig()
-    assert L.crossover_length(cfg) == 6 * 512 and L.crossover_length(cfg, causal=True) == 12 * 512 - 1
+    assert attention_crossover_length(cfg) == 6 * 512 and attention_crossover_length(cfg, causal=True) == 12 * 512 - 1
     for c in (SMALL, ModelConfig(n_layers=1, d_model=96, n_heads=2, d_head=16, d_ffn=200)):
         for causal in (False, True):
-            n = L.crossover_length(c, causal)
+            n = attention_crossover_length(c, causal)
             f, g = forward_flops(c, [n], "varlen", causal), forward_flops(c, [n - 1], "varlen", causal)
             assert f.attention >= f.linear and g.attention < g.linear
 

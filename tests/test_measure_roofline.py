@@ -8,9 +8,11 @@ import torch
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.measure import profile
 from lessons_lib.measure.flops import (
+    attention_crossover_length,
     block_linear_intensity,
     decode_attention_intensity,
     decode_step_parts,
+    forward_flops,
     linear_terms,
     min_decode_batch,
     roofline_part,
@@ -116,3 +118,13 @@ def test_interleaved_best_calls_in_turn_and_keeps_each_fastest_after_the_warm_up
     assert order == ["a", "b"] * 4
     with pytest.raises(ValueError, match="rounds"):
         profile.interleaved_best({"a": call("a")}, rounds=0)
+
+
+@pytest.mark.parametrize("cfg", [CFG, ModelConfig(n_layers=1, d_model=96, n_heads=2, d_head=48, d_ffn=200)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_crossover_length_is_where_attention_first_reaches_linear(cfg, causal):
+    n = attention_crossover_length(cfg, causal)
+    above, below = forward_flops(cfg, [n], causal=causal), forward_flops(cfg, [n - 1], causal=causal)
+    assert above.attention >= above.linear and below.attention < below.linear
+    if cfg is CFG:                                   # by hand: 24 d² per token against 4 d L (whole blocks)
+        assert n == (12 * 512 - 1 if causal else 6 * 512)

@@ -31,6 +31,7 @@ from ..core.config import ModelConfig
 from ..core.model import Transformer
 from ..measure.flops import (
     ForwardFlops,
+    attention_crossover_length,
     block_linear_intensity,
     decode_attention_intensity,
     decode_step_parts,
@@ -43,7 +44,6 @@ from ..measure.flops import (
 from ..measure.machines import H200, REFERENCE_CPU, Machine
 from ..measure.profile import cpu_threads, forward_time_split, matmul_throughput, time_call
 from ..measure.recorder import BF16, FUSED_ATTENTION_OPS, Matmul, OpRecorder, record_matmuls
-from ..measure.search import first_where
 from ..serve.kv_cache import PrefillKVCache
 from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE
 from ..validate import check_int, check_lengths, check_n_kv_heads
@@ -162,16 +162,7 @@ def recorded_flops(cfg: ModelConfig, seq_lens: Sequence[int], attn_backend: str 
 
 
 # ---------------------------------------------------------------------------------------------
-# The rules the claims hold the record to: the crossover, a decode step part by part (measure.flops)
-
-
-def crossover_length(cfg: ModelConfig, causal: bool = False) -> int:
-    """The smallest request length L at which attention's FLOPs reach the linear layers' (``forward_flops`` of
-    one request; the share does not depend on how many requests of that length)."""
-    def reached(n: int) -> bool:
-        f = forward_flops(cfg, [n], "varlen", causal)
-        return f.attention >= f.linear
-    return first_where(reached, 1, 1 << 40)
+# A decode step part by part on the H200 (measure.flops.decode_step_parts)
 
 
 def decode_parts_table(cfg: ModelConfig, kv_lens: Sequence[int], requests: Sequence[int]) -> list[str]:
@@ -255,7 +246,7 @@ def same_tokens_figure(cfg: ModelConfig | None = None, total: int = 1000, mix: S
 def attention_share_curve(cfg: ModelConfig | None = None, lengths: Sequence[int] | None = None,
                           marks: Sequence[int] = (100, 1000, 8000)) -> Figure:
     """Claim C14: attention's share of a forward's FLOPs against request length L (any number of requests of
-    that length), whole blocks (solid) and causal (dashed), the crossovers (``crossover_length``) marked."""
+    that length), whole blocks (solid) and causal (dashed), the crossovers (``flops.attention_crossover_length``) marked."""
     cfg = cfg or ModelConfig()
     lengths = list(lengths) if lengths is not None else sorted({int(v) for v in np.logspace(1, 5, 160)})
     fig = Figure(figsize=(8, 4.2))
@@ -264,7 +255,7 @@ def attention_share_curve(cfg: ModelConfig | None = None, lengths: Sequence[int]
         share = [100 * forward_flops(cfg, [n], "varlen", causal).attention_fraction for n in lengths]
         ax.plot(lengths, share, style, color=ATTENTION, label="causal (useful cells only)" if causal
                 else "whole blocks (the article's count)")
-        cross = crossover_length(cfg, causal)
+        cross = attention_crossover_length(cfg, causal)
         ax.axvline(cross, color=TEXT, linestyle=style, linewidth=1)
         ax.text(cross * (1.08 if causal else 0.93), 3, f"L = {cross:,}\n({'12' if causal else '6'} x d_model"
                 f"{' - 1' if causal else ''})", fontsize=MIN_FONT, color=TEXT, ha="left" if causal else "right")

@@ -178,6 +178,16 @@ def flops_of(cfg: ModelConfig, rows: int, cells: int, n_kv_heads: int | None = N
     return ForwardFlops(linear, attention)
 
 
+def attention_crossover_length(cfg: ModelConfig, causal: bool = False) -> int:
+    """The smallest request length L at which attention's FLOPs reach the linear layers' in one forward
+    (``forward_flops``, varlen; the share does not depend on how many requests of that length): 6·d_model whole
+    blocks, 12·d_model - 1 causal, for a block of 4·d_model² + 2·d_model·d_ffn weights with d_ffn = 4·d_model."""
+    def reached(n: int) -> bool:
+        f = forward_flops(cfg, [n], "varlen", causal)
+        return f.attention >= f.linear
+    return first_where(reached, 1, 1 << 40)
+
+
 def linear_intensity(num_tokens: int, d_in: int, d_out: int, bytes_per_element: int = 4) -> float:
     """FLOP per byte of ``[T, d_in] @ [d_in, d_out]``: the weight is read once for all T tokens (C13).
 
