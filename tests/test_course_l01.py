@@ -128,11 +128,13 @@ def test_flat_run_state_pads_to_a_length_and_on_the_left():
     assert "padded A, B, C | flat none" in L.flat_run_text(wide_left)["alone"]
     assert "padded none | flat none" in L.flat_run_text(wide)["alone"]
     for bad, match in ((dict(pad_to=10), "pad_to must be an int >= the longest request"),
-                       (dict(side="middle"), "side must be"), (dict(pad_to=600), "at most 512 tokens")):
+                       (dict(side="middle"), "side must be"), (dict(pad_to=600), "padded length 600 exceeds max_position=512")):
         with pytest.raises(ValueError, match=match):
             L.flat_run_state([3, 17, 5], **bad)
     with pytest.raises(ValueError, match="at most 1024 tokens in all"):
         L.flat_run_state([500, 500, 100])
+    with pytest.raises(ValueError, match="a request of 600 tokens exceeds max_position=512"):
+        L.flat_run_state([600, 3])
 
 
 def test_flat_batch_explorer_follows_the_inputs_and_reports_bad_input():

@@ -287,9 +287,6 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
     """
     lens = _nonempty(seq_lens)
     cfg = EXPLORER_CONFIG
-    if max(lens) > cfg.max_position or (pad_to or 0) > cfg.max_position:
-        raise ValueError(f"the explorer's model takes requests of at most {cfg.max_position} tokens, "
-                         f"got {max(max(lens), pad_to or 0)}")
     if sum(lens) > EXPLORER_MAX_TOKENS:
         raise ValueError(f"at most {EXPLORER_MAX_TOKENS} tokens in all for the explorer, got {sum(lens)}")
     model = explorer_models()[0]
@@ -423,8 +420,8 @@ def flat_batch_explorer(lengths: str = "3, 17, 5", pad_to: str = "longest", side
     memory), ``fbx-alone`` (each request's max |diff| from itself alone, under the tolerance rule);
     Output ``fbx-figure`` (``flat_run_figure``).
 
-    Every change packs and pads the typed requests and runs the explorer's model (``EXPLORER_CONFIG``)
-    both ways. Bad input shows the error in ``fbx-counts`` (class ``fbx-error``) instead of raising.
+    Every change runs the typed requests through the explorer's model both ways (``flat_run_state``);
+    bad input shows its error in ``fbx-counts`` (class ``fbx-error``).
     """
     w = ipywidgets_module()
     text = tagged(w.Text(value=lengths, description="lengths", continuous_update=False), "fbx-lengths")
@@ -459,11 +456,9 @@ WRONG_CASES = [([10, 30], "late", 1), ([10, 30], "early", 1), ([4, 6, 5], "late"
 
 
 def broken_pack(requests: Sequence, bug: str, k: int) -> PackedBatch:
-    """What a packer that miscounts one boundary builds: the same flat token stream, but boundary
-    ``k`` of ``cu_seqlens`` one row later (``bug="late"``: request k's first token is handed to
-    request k-1) or earlier (``"early"``: request k-1's last token is handed to request k), with
-    positions consistent with the wrong boundaries (so the engine's batch check cannot tell). A
-    one-token request that loses its token stays in the batch, empty."""
+    """What a packer that miscounts one boundary builds: the same flat tokens, boundary ``k`` one row
+    ``bug`` ("late": request k's first token goes to request k-1; "early": k-1's last token goes to k),
+    positions numbered from the wrong boundaries (the batch check passes); an emptied request stays, empty."""
     if bug not in BOUNDARY_BUGS:
         raise ValueError(f"bug must be one of {BOUNDARY_BUGS}, got {bug!r}")
     tensors = [torch.as_tensor(r) for r in requests]
@@ -497,14 +492,12 @@ def wrong_requests(seq_lens: tuple[int, ...], bug: str, k: int) -> tuple[frozens
 
 def sampled_rows(model: Transformer, requests: Sequence, bug: str, k: int) -> dict:
     """What a server trusting ``broken_pack(requests, bug, k)`` samples (requests: token ids ``[L_i]``, int64, on
-    ``model``'s device): request i's next token from row ``last_token_indices[i]`` of ``model``'s output, compared
-    with the last row of two requests run alone (``model``'s float64 twin; bounds by the tolerance rule): request i
-    itself, and the request the moved boundary made of it (``moved``: e.g. late, A plus B's first token and B
-    without it).
+    ``model``'s device): row ``last_token_indices[i]`` of ``model``'s output against the last row, run alone,
+    of request i and of the request the moved boundary made of it (``moved``); bounds by the tolerance rule.
 
-    Keys: ``cu_seqlens`` (the broken one, a list), ``rows`` (per request; None for one the bug emptied),
-    ``diff`` / ``bound`` against request i, ``moved_diff`` / ``moved_bound`` against the moved request
-    (diffs None when emptied), ``wrong`` (indices beyond their bound of request i, or with no row).
+    Keys: ``cu_seqlens`` (the broken one, a list), ``rows`` (None for a request the bug emptied), ``diff`` /
+    ``bound`` against request i, ``moved_diff`` / ``moved_bound`` against the moved request, ``wrong`` (the
+    indices beyond their bound of request i, or with no row).
     """
     batch = broken_pack(requests, bug, k)
     tensors = [torch.as_tensor(r) for r in requests]
