@@ -345,7 +345,7 @@ class Bucket(Scheduler):
     bound = L.MAX_PASSED_OVER
 
     def schedule(self):
-        passes = self.__dict__.setdefault("passes", {})
+        passes = self.passes = getattr(self, "passes", {})
         queue = list(self.waiting)
         due = [r for r in queue if passes.get(r.request_id, 0) >= getattr(self, "bound", L.MAX_PASSED_OVER)]
         batch, used = [], 0
