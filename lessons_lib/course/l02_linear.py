@@ -509,6 +509,42 @@ def qkv_shards(cfg: ModelConfig, tokens: int = 40, tp_size: int = 2) -> Figure:
     return fig
 
 
+def who_reads_whom_panels(seq_lens: Sequence[int] = ARTICLE_LENS) -> tuple[dict, dict]:
+    """The lesson figure's four measured maps (``module_reach_state``) and the colour of each: the colour
+    of the module's kind (the kind of work it is), not of the explorer's verdict."""
+    modules = reach_modules()
+    picks = {"LayerNorm (per token)": "LayerNorm (block.ln_1)", "QKV linear": "QKV linear (block.attn.qkv)",
+             "attention told one sequence": "attention told one sequence, cu = [0, T]",
+             "attention with cu_seqlens": "attention with cu_seqlens (block.attn.core)"}
+    states = {title: module_reach_state(name, seq_lens) for title, name in picks.items()}
+    return ({t: s["dep"] for t, s in states.items()},
+            {t: KIND_COLORS[modules[picks[t]].kind] for t in states})
+
+
+@register("02_forward_walk", lesson="02",
+          caption="the embedding and the ten steps of a block on [40 x 512]: shapes at TP=1 and per rank, who row i reads")
+def _forward_walk() -> Figure:
+    return forward_walk_figure(ModelConfig(), ARTICLE_LENS)
+
+
+@register("02_who_reads_whom", lesson="02",
+          caption="which input rows change which output rows, measured on the engine's block: LayerNorm (grey), "
+                  "QKV (green), attention without and with cu_seqlens (blue) (C4, C5, C7, C10)")
+def _who_reads_whom() -> Figure:
+    panels, colors = who_reads_whom_panels(ARTICLE_LENS)
+    fig = dependency_maps(panels, ARTICLE_LENS, colors)
+    fig.suptitle("Pairs (i, j) where perturbing input row j changed output row i, measured by row_dependency on "
+                 "the engine's block (A = 10, B = 30 tokens)", fontsize=MIN_FONT + 2, color=TEXT)
+    fig.subplots_adjust(top=0.76)
+    return fig
+
+
+@register("02_qkv_shards", lesson="02",
+          caption="TP=2: each rank owns the Q, K, V extractors of its 4 heads, [40 x 512] -> [40 x 768] (C6)")
+def _qkv_shards() -> Figure:
+    return qkv_shards(ModelConfig(), tokens=sum(ARTICLE_LENS))
+
+
 # ---- the module-reach explorer: which rows does a module let a row read? -------------------------------
 
 REACH_CFG = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=50, max_position=64)
@@ -747,18 +783,6 @@ def module_reach_explorer(module: str = "yours: cumsum over the tokens", lengths
         show_figure(out, module_reach_figure(state))
 
     return explorer("mrx", [pick, text], [verdict, out], update)
-
-
-def who_reads_whom_panels(seq_lens: Sequence[int] = ARTICLE_LENS) -> tuple[dict, dict]:
-    """The lesson figure's four measured maps (``module_reach_state``) and the colour of each: the colour
-    of the module's kind (the kind of work it is), not of the explorer's verdict."""
-    modules = reach_modules()
-    picks = {"LayerNorm (per token)": "LayerNorm (block.ln_1)", "QKV linear": "QKV linear (block.attn.qkv)",
-             "attention told one sequence": "attention told one sequence, cu = [0, T]",
-             "attention with cu_seqlens": "attention with cu_seqlens (block.attn.core)"}
-    states = {title: module_reach_state(name, seq_lens) for title, name in picks.items()}
-    return ({t: s["dep"] for t, s in states.items()},
-            {t: KIND_COLORS[modules[picks[t]].kind] for t in states})
 
 
 # ---- exercises -------------------------------------------------------------------------------------
@@ -1077,30 +1101,3 @@ def check_int8_quantizer(fn: Callable[[Tensor], Tensor]) -> bool:
 
     return grade("int8_quantizer", fn, cases, judge, "a scale per token, from its own features: the int32 sum can take it "
                  "out, no request sets another's grid, nothing is clamped, and the grid is the finest that allows")
-
-
-# ---- figures ----------------------------------------------------------------------------------------
-
-@register("02_forward_walk", lesson="02",
-          caption="the embedding and the ten steps of a block on [40 x 512]: shapes at TP=1 and per rank, who row i reads")
-def _forward_walk() -> Figure:
-    return forward_walk_figure(ModelConfig(), ARTICLE_LENS)
-
-
-@register("02_who_reads_whom", lesson="02",
-          caption="which input rows change which output rows, measured on the engine's block: LayerNorm (grey), "
-                  "QKV (green), attention without and with cu_seqlens (blue) (C4, C5, C7, C10)")
-def _who_reads_whom() -> Figure:
-    panels, colors = who_reads_whom_panels(ARTICLE_LENS)
-    fig = dependency_maps(panels, ARTICLE_LENS, colors)
-    fig.suptitle("Pairs (i, j) where perturbing input row j changed output row i, measured by row_dependency on "
-                 "the engine's block (A = 10, B = 30 tokens)", fontsize=MIN_FONT + 2, color=TEXT)
-    fig.subplots_adjust(top=0.76)
-    return fig
-
-
-@register("02_qkv_shards", lesson="02",
-          caption="TP=2: each rank owns the Q, K, V extractors of its 4 heads, [40 x 512] -> [40 x 768] (C6)")
-def _qkv_shards() -> Figure:
-    return qkv_shards(ModelConfig(), tokens=sum(ARTICLE_LENS))
-
