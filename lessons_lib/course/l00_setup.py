@@ -86,21 +86,16 @@ def heads_held(weights: Mapping[str, torch.Tensor], shard: Transformer, layer: i
 
 
 def row_spans(layer) -> list[tuple[int, int]]:
-    """The rows of the full weight a column-parallel ``layer`` keeps on its rank, as ``(start, stop)`` runs,
-    read off the layer's own ``shard_rows`` (e.g. ``[(0, 256), (512, 768), (1024, 1280)]`` for rank 0's QKV)."""
-    return consecutive_runs(layer.shard_rows(torch.arange(layer.out_features)).tolist())
-
-
-def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive integers (each one more than the last), as ``(start, stop)``:
-    ``[0, 1, 2, 5, 6]`` → ``[(0, 3), (5, 7)]``."""
-    idx = np.asarray(values, dtype=np.int64)
-    if idx.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(idx) != 1)
-    starts = np.concatenate([[idx[0]], idx[breaks + 1]])
-    stops = np.concatenate([idx[breaks], [idx[-1]]]) + 1
-    return list(zip(starts.tolist(), stops.tolist()))
+    """The rows of the full weight a column-parallel ``layer`` keeps on its rank, read off the layer's own
+    ``shard_rows``, as ``(start, stop)`` runs of consecutive rows (``[(0, 256), (512, 768), (1024, 1280)]``
+    for rank 0's QKV at TP=2)."""
+    spans: list[list[int]] = []
+    for row in layer.shard_rows(torch.arange(layer.out_features)).tolist():
+        if spans and spans[-1][1] == row:
+            spans[-1][1] = row + 1
+        else:
+            spans.append([row, row + 1])
+    return [(start, stop) for start, stop in spans]
 
 
 BLOCK_PARTS = ("ln_1", "attn.qkv", "attn.core", "attn.out_proj", "ln_2", "mlp.fc_up", "mlp.act", "mlp.fc_down")
@@ -260,12 +255,6 @@ class AllReduceBench:
         if self.pool is not None and not self.pool.closed:
             self.pool.broadcast(("close",))
             self.pool.close()
-
-    def __enter__(self) -> AllReduceBench:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,17 +472,12 @@ def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | Non
           caption="the alpha-beta model (not a measurement) of ONE ring all-reduce of [N x 512] at TP=2 on an assumed "
                   "NVLink-like link: the latency term is flat, the bandwidth term grows with N; they cross at N*, twice "
                   "as far out in bfloat16 as in float32 (C1)")
-def alpha_beta_model(fit: AlphaBeta | None = None, d_model: int = 512, world_size: int = 2) -> Figure:
-    """The picture of the alpha-beta model before any measurement: ``ring_time_terms`` of one all-reduce of
-    ``[N, d_model]`` against N, under ``fit`` (default: ``measure.comm.NVLINK``, an assumed NVLink-like link).
-
-    The latency term ``2(p-1)·alpha`` (dashed, gid ``latency``), the bandwidth term ``2(p-1)/p · S/beta`` in
-    float32 (dotted, gid ``bandwidth-float32``) and bfloat16 (dash-dot, gid ``bandwidth-bfloat16``), the
-    float32 total (purple, gid ``total-float32``), the bfloat16 total (purple dash-dot, gid ``total-bfloat16``),
-    and each dtype's crossover N* (``crossover_tokens``, vertical ink lines, gids ``crossover-float32`` /
-    ``crossover-bfloat16``).
-    """
-    fit, p = fit or NVLINK, world_size
+def alpha_beta_model() -> Figure:
+    """The alpha-beta model before any measurement: ``ring_time_terms`` of one TP=2 all-reduce of ``[N, 512]``
+    against N on ``measure.comm.NVLINK`` (an assumed NVLink-like link). Gids: ``latency``, ``bandwidth-float32``,
+    ``bandwidth-bfloat16``, ``total-float32``, ``total-bfloat16`` and each dtype's N* (``crossover_tokens``),
+    ``crossover-float32``, ``crossover-bfloat16``."""
+    fit, p, d_model = NVLINK, 2, 512
     ns = np.unique(np.logspace(0, np.log10(65536), 120).astype(int))
     fig = Figure(figsize=(9.6, 4.6))
     ax = fig.subplots()
