@@ -325,6 +325,13 @@ def _explorer_ranks(cfg: ModelConfig, tp: int, cut: str) -> list[Transformer]:
         return [Transformer(cfg, _explorer_weights(cfg), group=_TapGroup(r, tp)) for r in range(tp)]
 
 
+@functools.lru_cache(maxsize=2)
+def _explorer_tp1(cfg: ModelConfig, dtype: torch.dtype) -> Transformer:
+    """Layer 0 alone at TP=1, the reference of the ranks' sum, built once per (cfg, dtype); float64 runs the loop."""
+    one, w1 = _layer0(cfg, _explorer_weights(cfg))
+    return Transformer(one, w1, dtype=dtype, attn_backend="loop" if dtype == torch.float64 else "auto")
+
+
 def explorer_batch(cfg: ModelConfig, seq_lens: Sequence[int]) -> PackedBatch:
     """The explorer's batch: the first T of its fixed token ids (seed 0), cut into ``seq_lens``."""
     lens = check_lengths(seq_lens)
@@ -386,7 +393,8 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     traces = [trace for _, trace in runs]
     partials = [sent for (_, sent), _ in runs]
     bias = weights["layers.0.attn.out_proj.bias"]  # TP=1's layer 0 out proj, in float32 and float64:
-    ref, ref64 = (rank_partials(cfg, weights, batch, 1, dtype=d)[0] + bias.to(d) for d in (torch.float32, torch.float64))
+    with torch.no_grad():
+        ref, ref64 = (out_proj_partials(_explorer_tp1(cfg, d), batch) + bias.to(d) for d in (torch.float32, torch.float64))
     total = torch.stack([p.double() for p in partials]).sum(0) + (0 if cut == BIAS_CUT else bias.double())
     one = _one_request_signature(cfg, sum(lens), tp)  # a signature carries no rank: rank 0's dry run for all
     cells = attention_cells(lens, "varlen").computed
