@@ -348,20 +348,6 @@ def test_c1_packing_factor_checker(capsys):
     assert 0 < earned < 7
 
 
-def test_time_forward_is_a_positive_time(tiny_cfg):
-    model = Transformer(tiny_cfg, seed=0)
-    assert L.time_forward(model, pack([torch.arange(5)]), repeats=2) > 0
-    with pytest.raises(ValueError):
-        L.time_forward(model, pack([torch.arange(5)]), repeats=0)
-
-
-def test_time_forward_runs_on_the_threads_asked_and_restores_them(tiny_cfg, monkeypatch):
-    model, seen, before = Transformer(tiny_cfg, seed=0), [], torch.get_num_threads()
-    monkeypatch.setattr(L, "time_call", lambda fn, **kw: (seen.append(torch.get_num_threads()), 1.0)[1])
-    assert L.time_forward(model, pack([torch.arange(5)]), threads=1) == 1.0
-    assert seen == [1] and torch.get_num_threads() == before
-
-
 class _FakeBench:
     """Stands in for AllReduceBench's ranks: a fixed time per payload, no processes."""
     world_size = 2

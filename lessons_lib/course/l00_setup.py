@@ -6,7 +6,7 @@ layers (``00_tp_split``), the all-reduces of one request against its length and 
 (``00_alpha_beta_model``; the model itself is ``measure.comm``).
 What the all-reduces cost: ``AllReduceBench`` (real ones timed on two spawned ranks),
 ``fit_misses``, ``comm_cost_state`` and its explorer ``comm_cost_explorer``. Helpers the notebook calls:
-``shard_table``, ``heads_held``, ``row_spans``, ``follow_request``, ``time_forward``, ``machine_report``.
+``shard_table``, ``heads_held``, ``row_spans``, ``follow_request``, ``machine_report``.
 Exercise checkers: ``check_tp_plan`` (00.1, on ``rank_params``: what rank 0's real shard holds) and
 ``check_packing_factor`` (00.2, on ``packing_saving``).
 
@@ -32,7 +32,6 @@ from ..core.groups import LocalGroup
 from ..core.kernels import available_backends, placement, resolve_backend
 from ..core.model import Transformer
 from ..measure.comm import NVLINK, AlphaBeta, all_reduce_seconds, crossover_tokens, ring_bytes_sent, ring_time_terms
-from ..measure.profile import time_call
 from ..measure.recorder import module_io
 from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, REQUEST, TEXT
 from ..tp.dryrun import expected_trace, record_trace, trace_signature
@@ -110,21 +109,6 @@ def follow_request(model: Transformer, batch) -> tuple[list, list, torch.Tensor]
     calls = [(path.removeprefix("layers.0."), list(out.shape)) for path, (_, out) in seen.items()
              if path.startswith("layers.0.")]
     return calls, [list(seen[b][1].shape) for b in blocks], seen[""][1]
-
-
-def time_forward(model: Transformer, batch, repeats: int = 3, warmup: int = 1, threads: int | None = None) -> float:
-    """Seconds of the fastest of ``repeats`` forwards of ``model`` on ``batch`` after ``warmup`` untimed ones
-    (no gradients): a wall-clock time to show, never to assert. ``threads``: run on that many torch threads
-    (``torch.set_num_threads``), restored afterwards; None keeps this process's setting."""
-    repeats, warmup = check_int("repeats", repeats, 1), check_int("warmup", warmup, 0)
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(check_int("threads", threads, 1))
-    try:
-        with torch.no_grad():
-            return time_call(lambda: model(batch), repeats=repeats, warmup=warmup, device=model.device)
-    finally:
-        torch.set_num_threads(before)
 
 
 def backend_rows(device, dtype: torch.dtype, head_dim: int | None = None) -> list[tuple[str, str, str]]:
@@ -528,17 +512,13 @@ def _split(total: int, parts: int) -> list[int]:
 
 def comm_cost_state(num_tokens: int, fit: AlphaBeta, d_model: int = 512, dtype: str = "float32", n_layers: int = 8,
                     requests: int = 1, world_size: int = 2, fitted_world_size: int | None = None) -> dict:
-    """What the all-reduces of one TP forward of ``num_tokens`` tokens cost under ``fit``, and what the same
-    tokens cost as ``requests`` separate forwards (requests as equal as possible).
+    """What the all-reduces of one TP forward of ``num_tokens`` tokens cost under ``fit`` (count and payloads from
+    ``tp.dryrun.expected_trace``, times from ``ring_time_terms``), and the same tokens as ``requests`` forwards.
 
-    The count and each payload come from ``tp.dryrun.expected_trace`` (the model's 2·n_layers row-parallel
-    outputs); the times from ``ring_time_terms``. Keys: ``num_tokens``, ``d_model``, ``dtype``, ``n_layers``,
-    ``requests``, ``world_size``, ``alpha_s``, ``beta``, ``count``, ``bytes_each``, ``latency_s``,
-    ``bandwidth_s``, ``one_s`` (one all-reduce), ``forward_s`` (count · one), ``dominated`` ("latency" or
-    "bandwidth"), ``crossover`` (N*), ``lens`` (the separate requests), ``separate_count``, ``separate_s``,
-    ``extrapolated`` (the TP size ``fit`` was fitted at when it differs from ``world_size``, else None: the
-    model then carries a fit of a p-rank ring to another ring, which nothing here measured).
-    """
+    Keys: the inputs, ``alpha_s``, ``beta``, ``source``, ``count``, ``bytes_each``, ``latency_s``, ``bandwidth_s``,
+    ``one_s`` (one all-reduce), ``forward_s``, ``dominated``, ``crossover`` (N*), ``lens`` (the requests, as equal as
+    possible), ``separate_count``, ``separate_s``, ``extrapolated`` (``fitted_world_size`` when it is not
+    ``world_size``: a fit carried to another ring, else None)."""
     n = check_int("num_tokens", num_tokens, 1, 1 << 20)
     r = check_int("requests", requests, 1, 4096)
     if r > n:
