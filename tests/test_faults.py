@@ -169,6 +169,7 @@ PROBES = {
     "positions_do_not_restart": lambda: flat.pack(ids((5, 9))).positions,
     "pack_refused": lambda: outcome(lambda: flat.pack(ids((5, 9))).cu_seqlens),
     "last_token_indices_off_by_one": lambda: flat.pack(ids((5, 9))).last_token_indices,
+    "max_seqlen_is_num_tokens": lambda: flat.pack(ids((5, 9))).max_seqlen,
     "embedding_without_positions": forward,
     "layer_norm_over_the_batch": forward,
     "mlp_exact_gelu": forward,

@@ -1,4 +1,4 @@
-"""Faults of the flat batch (``core.batch``): pack, pad, last_token_indices."""
+"""Faults of the flat batch (``core.batch``): pack, pad, last_token_indices, max_seqlen."""
 from __future__ import annotations
 
 import torch
@@ -48,3 +48,17 @@ def _pack_refused():
 def _last_token_indices_off_by_one():
     from ..core import batch
     return [swap_attr(batch.PackedBatch, "last_token_indices", property(lambda self: self.cu_seqlens[1:].long() - 2))]
+
+
+@fault("max_seqlen_is_num_tokens", "pack sets max_seqlen to the batch's token count instead of its longest request: "
+       "the batch check passes (it is an upper bound), and a varlen kernel sizes its launch grid for one T-token request",
+       AREA)
+def _max_seqlen_is_num_tokens():
+    from ..core import batch
+    real = batch.pack
+
+    def pack(requests, device=None, **kw):
+        out = real(requests, device, **kw)
+        out.max_seqlen = out.num_tokens
+        return out
+    return [swap_function(batch, "pack", pack)]
