@@ -1,5 +1,7 @@
-"""Exact work accounting: attention score cells, forward FLOPs and bytes, arithmetic intensity, and
-the block's linear layers' shapes on one rank (``linear_shapes``: one function for every lesson).
+"""Exact work accounting: attention score cells (counted, ``attention_cells``, and cell by cell,
+``attention_cell_grid``), forward FLOPs and bytes, arithmetic intensity, the block's linear layers' shapes
+on one rank (``linear_shapes``: one function for every lesson), and a decode step part by part on a
+machine's roofline (``decode_step_parts``, ``min_decode_batch``).
 
 Conventions (stated once, used everywhere):
 - A "cell" is one entry of one head's ``Q K^T`` score matrix in one layer. Counts are per
