@@ -11,10 +11,10 @@ import torch
 from helpers import attempt, by_class, min_font, png_of, stub, texts
 from matplotlib.figure import Figure
 
+from lessons_lib import faults
 from lessons_lib.core.batch import cumulative, pack
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.groups import LocalGroup
-from lessons_lib.core.linear import QKVParallelLinear
 from lessons_lib.core.model import Transformer, VarlenAttention, init_weights
 from lessons_lib.course import claim
 from lessons_lib.course import l04_tp as L
@@ -518,18 +518,15 @@ def _gqa_claim_cell() -> str:
     return cells[0].source
 
 
-def test_c11_gqa_claim_cell_holds_and_fails_with_round_robin_replicas(monkeypatch, capsys):
+def test_c11_gqa_claim_cell_holds_and_fails_with_round_robin_replicas(capsys):
     """Lesson 04's grouped-query C11 cell, run as it is: it holds on the engine, and fails when replicated K/V
     heads are dealt round-robin (shapes, bytes and replica count unchanged: only the heads-read rows catch it)."""
-    from breakages_l04 import kv_replicas_round_robin
-
     source = _gqa_claim_cell()
     L.engine_kv_plan.cache_clear()
     exec(source, {"L": L, "claim": claim})
-    monkeypatch.setattr(QKVParallelLinear, "shard_rows", kv_replicas_round_robin)
     L.engine_kv_plan.cache_clear()
     try:
-        with pytest.raises(AssertionError, match="C11 FAILED"):
+        with faults.injected("kv_replicas_dealt_round_robin"), pytest.raises(AssertionError, match="C11 FAILED"):
             exec(source, {"L": L, "claim": claim})
     finally:
         L.engine_kv_plan.cache_clear()
