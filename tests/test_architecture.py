@@ -32,11 +32,18 @@ MODULES = {_module(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
 def _imports(path: Path) -> set[str]:
-    """lessons_lib modules ``path`` imports (module level or inside functions), as absolute names."""
+    """lessons_lib modules ``path`` imports (module level or inside functions, not under ``if TYPE_CHECKING:``),
+    as absolute names."""
     me = _module(path)
     package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                   for n in ast.walk(block)}  # imports for annotations only: no edge at run time
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("lessons_lib")}
         elif isinstance(node, ast.ImportFrom):
