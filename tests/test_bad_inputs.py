@@ -201,6 +201,10 @@ ROWS = [
         "requests[1] has length 0"),
     Row("pad-mixed", "pad", "token ids and hidden rows mixed", lambda: pad([[1, 2], torch.randn(2, 3)]), ValueError,
         "requests must all be token ids or all hidden rows of one width"),
+    Row("pad-side", "pad", "`side='middle'`", lambda: pad([[1, 2, 3]], side="middle"), ValueError,
+        "side must be 'right' or 'left', got 'middle'"),
+    Row("pad-to-short", "pad", "`pad_to` below the longest request", lambda: pad([[1, 2, 3]], pad_to=2), ValueError,
+        "pad_to must be an int >= the longest request (3), got 2"),
     # ---- lengths (seq_lens_to_cu_seqlens, attention_cells) ---------------------------------
     Row("lens-negative", "seq_lens_to_cu_seqlens", "negative length `[3, -1]`",
         lambda: seq_lens_to_cu_seqlens([3, -1]), ValueError, "seq_lens[1] must be >= 0, got -1"),
