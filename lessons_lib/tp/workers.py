@@ -115,9 +115,6 @@ def threads_per_worker(world_size: int) -> int:
     return max(1, cores // world_size)
 
 
-_threads_per_worker = threads_per_worker  # the old name, until lesson 00 and tp/demo.py import the public one
-
-
 class Channel:
     """A worker's end of its two pipes. ``send(obj)`` returns ``obj`` to the caller; ``recv()``
     waits for the caller's next command (EOFError when the caller is gone)."""
