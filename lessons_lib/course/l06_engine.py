@@ -39,7 +39,7 @@ from ..measure.recorder import OpRecorder
 from ..measure.search import first_where
 from ..serve.engine import Engine, batch_stats
 from ..serve.scheduler import Request, Scheduler, plan_batches
-from ..serve.workloads import make_requests, workload_lengths
+from ..serve.workloads import WORKLOAD_PRESETS, make_requests, workload_lengths
 from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, REQUEST, TEXT, WASTE, request_color
 from ..tp.dryrun import record_trace
 from ..validate import check_int
@@ -54,12 +54,6 @@ Tensor = torch.Tensor
 
 ENGINE_STREAM = dict(workload="long-tail", num_requests=24, max_num_batched_tokens=512, seed=3)  # lesson 06's stream
 PROMPT_SEED = 1  # the token ids of the stream's prompts: make_requests(lens, vocab, seed=PROMPT_SEED)
-
-WORKLOAD_PRESETS = {
-    "long-tail": {"median": 64, "sigma": 1.0, "max_len": 2048},
-    "bimodal": {"short": 50, "long": 5000, "p_long": 0.1},  # the article's 50-token questions beside 5,000-token drafts
-    "uniform": {"low": 16, "high": 512},
-}
 
 
 # The recorded runs' model: one layer, width 8 (rows and score cells do not depend on the width).

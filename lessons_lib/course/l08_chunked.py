@@ -41,7 +41,7 @@ from ..measure.search import first_where
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..serve.engine import Engine
 from ..serve.scheduler import DEFAULT_MAX_NUM_SEQS, Request, Scheduler, plan_batches
-from ..serve.workloads import make_requests, workload_lengths
+from ..serve.workloads import WORKLOAD_PRESETS, make_requests, workload_lengths
 from ..style import ATTENTION, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE, request_color
 from ..validate import check_int, is_int
 from .explore import explorer, ipywidgets_module, show_figure, tagged
@@ -52,9 +52,6 @@ Tensor = torch.Tensor
 
 # ---- lesson 06's stream: 24 long-tail prompts under 512 prompt tokens per forward ---------------------------
 
-WORKLOAD_PRESETS = {"long-tail": {"median": 64, "sigma": 1.0, "max_len": 2048},
-                    "bimodal": {"short": 50, "long": 5000, "p_long": 0.1},
-                    "uniform": {"low": 16, "high": 512}}
 STREAM = {"workload": "long-tail", "num_requests": 24, "seed": 3}
 PROMPT_SEED = 1       # the prompts' token ids: make_requests(lengths, vocab_size, seed=PROMPT_SEED)
 BUDGET = 512          # lesson 06's max_num_batched_tokens

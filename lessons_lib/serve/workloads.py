@@ -27,6 +27,12 @@ import numpy as np
 from ..validate import check_int
 
 WORKLOADS = ("constant", "uniform", "long-tail", "bimodal")
+# The generators' settings the lessons' streams and explorers use: workload_lengths(name, n, seed, **WORKLOAD_PRESETS[name]).
+WORKLOAD_PRESETS = {
+    "long-tail": {"median": 64, "sigma": 1.0, "max_len": 2048},
+    "bimodal": {"short": 50, "long": 5000, "p_long": 0.1},  # the article's 50-token questions beside 5,000-token drafts
+    "uniform": {"low": 16, "high": 512},
+}
 
 
 def constant_lengths(n: int, length: int = 256) -> list[int]:
