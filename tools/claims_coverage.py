@@ -132,6 +132,8 @@ def main(argv=None) -> int:
     parser.add_argument("--all", action="store_true", help="every fault against every lesson (the full product)")
     parser.add_argument("--jobs", type=int, default=1, help="lessons run at a time (one kernel each)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    parser.add_argument("--faults", default="", help="comma-separated fault names: only these runs (and the run without "
+                        "faults); the lesson's other fault runs are kept from the JSON")
     parser.add_argument("--out", type=Path, default=OUT, help="the Markdown report; the JSON goes beside it")
     args = parser.parse_args(argv)
     if args.jobs < 1:
@@ -143,21 +145,27 @@ def main(argv=None) -> int:
         parser.error(f"no lesson {unknown}; lessons: {', '.join(n[:2] for n in notebooks)}")
     notebooks = [n for n in notebooks if not wanted or n[:2] in wanted]
     by_fault = declared()
+    only = [x.strip() for x in args.faults.split(",") if x.strip()]
+    if [f for f in only if f not in by_fault]:
+        parser.error(f"unknown faults {[f for f in only if f not in by_fault]}; known: {', '.join(sorted(by_fault))}")
     plan = [(n, ()) for n in notebooks] + [(n, (f,)) for f, where in sorted(by_fault.items()) for n in notebooks
-                                          if args.all or n in where]
+                                          if (args.all or n in where or f in only) and (not only or f in only)]
     print(f"{len(plan)} lesson runs ({len(notebooks)} lessons without faults, {len(plan) - len(notebooks)} under one)")
     json_path = args.out.with_suffix(".json")
-    data = json.loads(json_path.read_text()) if json_path.exists() else {"lessons": {}}
-    for n in notebooks:
-        data["lessons"][n] = {"runs": {}}
+    runs: dict[str, dict] = {n: {} for n in notebooks}
     t0 = time.perf_counter()
     with ProcessPoolExecutor(args.jobs) as pool:
         futures = [(n, f, pool.submit(run_lesson, n, f, args.timeout)) for n, f in plan]
         for n, f, fut in futures:
             run = fut.result()
-            data["lessons"][n]["runs"][",".join(f)] = run
+            runs[n][",".join(f)] = run
             print(f"{n} {','.join(f) or 'no fault'}: {run['seconds']} s, {len(run['rows'])} rows, "
                   f"{sum(not ok for ok in run['rows'].values())} failing, {len(run['errors'])} cell errors", flush=True)
+    # read the JSON only now: another run may have written other lessons meanwhile
+    data = json.loads(json_path.read_text()) if json_path.exists() else {"lessons": {}}
+    for n in notebooks:
+        kept = data["lessons"].get(n, {}).get("runs", {}) if only else {}
+        data["lessons"][n] = {"runs": {**{k: v for k, v in kept.items() if k}, **runs[n]}}
     data["last_run"] = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `{' '.join(argv or sys.argv[1:]) or 'no flags'}`"
                         f": {len(plan)} lesson runs in {time.perf_counter() - t0:,.0f} s, {args.jobs} at a time")
     json_path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
