@@ -315,9 +315,9 @@ def test_tp2_engine_serves_chunks_like_tp1_also_after_a_failed_run(monkeypatch):
 # ---- the headline: lesson 06's capstone stream under 512 tokens --------------------------------------------
 
 def test_lesson_06_stream_with_its_1776_token_draft_under_512_tokens():
-    from lessons_lib.course.l06_engine import ENGINE_STREAM, stream_prompts
-    lens, ps = stream_prompts(CFG)
-    assert max(lens) == 1776 and ENGINE_STREAM["max_num_batched_tokens"] == 512
+    from lessons_lib.serve.workloads import PREFILL_STREAM_BUDGET, prefill_stream
+    lens, ps = prefill_stream(CFG.vocab_size)
+    assert max(lens) == 1776 and PREFILL_STREAM_BUDGET == 512
     with pytest.raises(ValueError, match="more than max_num_batched_tokens=512"):
         Engine(CFG, weights=WEIGHTS, device="cpu", max_num_batched_tokens=512).prefill(ps)
     eng, outs = serve(ps, 512, return_hidden=False)

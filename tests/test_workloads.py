@@ -62,3 +62,19 @@ def test_fixed_total_mixes_and_make_requests():
 def test_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_prefill_stream_is_the_preset_long_tail_with_one_draft_over_the_budget():
+    lens, prompts = W.prefill_stream(vocab_size=97)
+    assert len(lens) == W.PREFILL_STREAM["num_requests"] == len(prompts)
+    assert lens == W.long_tail_lengths(24, median=64, sigma=1.0, max_len=2048, seed=3)
+    assert [len(p) for p in prompts] == lens and all(0 <= t < 97 for p in prompts for t in p)
+    over = [n for n in lens if n > W.PREFILL_STREAM_BUDGET]
+    assert len(over) == 1 and over[0] > 3 * W.PREFILL_STREAM_BUDGET  # one draft the budget refuses whole
+    assert (lens, prompts) == W.prefill_stream(vocab_size=97)
+    assert W.preset_stream("long-tail", 24, 3, 97, prompt_seed=2)[1] != prompts  # the prompt seed draws the ids
+
+
+def test_preset_stream_refuses_a_workload_without_preset():
+    with pytest.raises(ValueError, match="workload must be one of"):
+        W.preset_stream("constant", 4, 0)

@@ -126,3 +126,33 @@ def workload_lengths(name: str, n: int, seed: int = 0, **kw) -> list[int]:
 def generate(name: str, n: int, seed: int = 0, vocab_size: int = 50257, **kw) -> list[list[int]]:
     """``n`` token-id requests of workload ``name``; ``kw`` go to the length generator."""
     return make_requests(workload_lengths(name, n, seed, **kw), vocab_size, seed + 1)
+
+
+# ---- the prefill stream lessons 06 and 08 serve -----------------------------------------------------------
+
+# 24 long-tail requests (WORKLOAD_PRESETS["long-tail"], length seed 3), their token ids drawn with seed 1, served
+# under a budget of 512 prompt tokens per forward: 23 fit, one 1,776-token draft does not.
+PREFILL_STREAM = {"workload": "long-tail", "num_requests": 24, "seed": 3}
+PREFILL_STREAM_PROMPT_SEED = 1
+PREFILL_STREAM_BUDGET = 512  # max_num_batched_tokens the lessons serve the stream under
+
+
+def preset_stream(name: str, num_requests: int, seed: int, vocab_size: int = 50257,
+                  prompt_seed: int = PREFILL_STREAM_PROMPT_SEED) -> tuple[list[int], list[list[int]]]:
+    """A seeded stream of workload ``name`` under its ``WORKLOAD_PRESETS`` settings: ``(lengths in arrival order,
+    token-id prompts)``, prompt ``i`` a list of ``lengths[i]`` Python ints in ``[0, vocab_size)`` drawn with
+    ``prompt_seed``. ValueError for a workload with no preset."""
+    if name not in WORKLOAD_PRESETS:
+        raise ValueError(f"workload must be one of {tuple(WORKLOAD_PRESETS)}, got {name!r}")
+    lens = workload_lengths(name, num_requests, seed, **WORKLOAD_PRESETS[name])
+    return lens, make_requests(lens, vocab_size, seed=prompt_seed)
+
+
+def prefill_stream(vocab_size: int = 50257) -> tuple[list[int], list[list[int]]]:
+    """The prefill stream of lessons 06 and 08 (``PREFILL_STREAM``, prompts by ``PREFILL_STREAM_PROMPT_SEED``):
+    ``(lengths in arrival order, token-id prompts)``, the request longer than ``PREFILL_STREAM_BUDGET`` included.
+
+    Taught in notebooks/06_prefill_engine.ipynb and notebooks/08_chunked_prefill.ipynb.
+    """
+    return preset_stream(PREFILL_STREAM["workload"], PREFILL_STREAM["num_requests"], PREFILL_STREAM["seed"],
+                         vocab_size)
