@@ -14,7 +14,7 @@ from lessons_lib.course.grading import score
 from lessons_lib.course.trace_figures import tp_trace_timeline
 from lessons_lib.serve.engine import batch_stats
 from lessons_lib.serve.scheduler import Request, Scheduler, plan_batches
-from lessons_lib.serve.workloads import workload_lengths
+from lessons_lib.serve.workloads import prefill_stream, workload_lengths
 from lessons_lib.style import MIN_FONT
 
 
@@ -33,7 +33,7 @@ def fcfs(lens, budget):
 # ---- the stream --------------------------------------------------------------------------------------
 
 def test_s3_lesson_stream_is_24_long_tailed_prompts_with_one_over_the_budget():
-    lens, prompts = L.stream_prompts()
+    lens, prompts = prefill_stream()
     assert len(lens) == 24 and [len(p) for p in prompts] == lens
     assert [i for i, n in enumerate(lens) if n > 512] == [9] and lens[9] == 1776
     kept = [n for n in lens if n <= 512]
@@ -392,7 +392,7 @@ def test_bucket_scheduler_checker_passes_a_bounded_design_and_prints_the_trade_o
     assert re.search(r"^FCFS\s+5\s+2,095", out, re.M) and "max delay" in out
     m = re.search(r"padded engine's linear layers: yours ([\d,]+), FCFS ([\d,]+)", out)
     assert m and int(m[1].replace(",", "")) < int(m[2].replace(",", "")) == 4064  # FCFS: sum of R x Lmax, by hand below
-    kept = [n for n in L.stream_prompts()[0] if n <= 512]
+    kept = [n for n in prefill_stream()[0] if n <= 512]
     assert sum(len(b) * max(kept[i] for i in b) for b in fcfs(kept, 512)) == 4064
     assert L.check_bucket_scheduler(Stub) is False and "not attempted" in capsys.readouterr().out
 

@@ -1,6 +1,6 @@
 """What lesson 06 (the prefill engine, the capstone) draws, explores and checks.
 
-  the stream   ``ENGINE_STREAM``, ``stream_prompts``, ``stream_reference`` (the engine's varlen answer; float64: the truth)
+  the stream   ``serve.workloads.prefill_stream`` under ``BUDGET``; ``stream_reference`` (its varlen answer)
   executed     ``run_recorded`` / ``BatchRecord``: each batch one forward under ``OpRecorder``
   counts       ``method_totals`` / ``totals_text``: rows, cells and FLOPs per method, whole blocks (predicted)
   figures      ``fcfs_batches`` (06_fcfs_batches), ``batch_waste`` (06_batch_waste), 06_tp_trace
@@ -39,7 +39,15 @@ from ..measure.recorder import OpRecorder
 from ..measure.search import first_where
 from ..serve.engine import Engine, batch_stats
 from ..serve.scheduler import Request, Scheduler, plan_batches
-from ..serve.workloads import WORKLOAD_PRESETS, make_requests, workload_lengths
+from ..serve.workloads import (
+    PREFILL_STREAM,
+    PREFILL_STREAM_BUDGET,
+    WORKLOAD_PRESETS,
+    make_requests,
+    prefill_stream,
+    workload_lengths,
+)
+from ..serve.workloads import PREFILL_STREAM_PROMPT_SEED as PROMPT_SEED
 from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, REQUEST, TEXT, WASTE, request_color
 from ..tp.dryrun import record_trace
 from ..validate import check_int
@@ -52,8 +60,7 @@ Tensor = torch.Tensor
 
 # ---- the lesson's stream ---------------------------------------------------------------------------
 
-ENGINE_STREAM = dict(workload="long-tail", num_requests=24, max_num_batched_tokens=512, seed=3)  # lesson 06's stream
-PROMPT_SEED = 1  # the token ids of the stream's prompts: make_requests(lens, vocab, seed=PROMPT_SEED)
+BUDGET = PREFILL_STREAM_BUDGET  # lesson 06's stream (serve.workloads.prefill_stream) is served under 512 tokens
 
 
 # The recorded runs' model: one layer, width 8 (rows and score cells do not depend on the width).
@@ -66,24 +73,16 @@ def _tiny_weights() -> dict:
     return init_weights(TINY, 0)
 
 
-def stream_prompts(cfg: ModelConfig | None = None) -> tuple[list[int], list[list[int]]]:
-    """Lesson 06's stream: ``(lengths in arrival order, token-id prompts)``, oversize ones included."""
-    cfg = cfg or ModelConfig()
-    lens = workload_lengths(ENGINE_STREAM["workload"], ENGINE_STREAM["num_requests"], ENGINE_STREAM["seed"],
-                            **WORKLOAD_PRESETS[ENGINE_STREAM["workload"]])
-    return lens, make_requests(lens, cfg.vocab_size, seed=PROMPT_SEED)
-
-
 @functools.cache
 def stream_reference(dtype: torch.dtype = torch.float32) -> dict:
     """The engine's own varlen answer on lesson 06's stream (``init_weights(ModelConfig(), 0)``, CPU, the requests
     within the budget): ``{request_id: final hidden rows [L, d_model]}`` in ``dtype``, computed once per dtype;
     float64 is the truth of the tolerance rule."""
-    cfg, budget = ModelConfig(), ENGINE_STREAM["max_num_batched_tokens"]
-    lens, prompts = stream_prompts(cfg)
-    engine = Engine(cfg, weights=init_weights(cfg, 0), device="cpu", dtype=dtype, max_num_batched_tokens=budget,
+    cfg = ModelConfig()
+    lens, prompts = prefill_stream(cfg.vocab_size)
+    engine = Engine(cfg, weights=init_weights(cfg, 0), device="cpu", dtype=dtype, max_num_batched_tokens=BUDGET,
                     compute_logits=False)
-    outputs = engine.prefill([Request(i, p, return_hidden=True) for i, p in enumerate(prompts) if lens[i] <= budget])
+    outputs = engine.prefill([Request(i, p, return_hidden=True) for i, p in enumerate(prompts) if lens[i] <= BUDGET])
     return {o.request_id: o.hidden for o in outputs}
 
 
@@ -710,15 +709,14 @@ def tp_dry_traces(cfg: ModelConfig, seq_lens: Sequence[int]) -> list[list]:
           caption="Lesson 06's 24 long-tailed requests under FCFS and a 512-token budget: 23 in 5 batches, the "
                   "1,776-token one refused whole (S3)")
 def _fcfs_batches() -> Figure:
-    lens, _ = stream_prompts()
-    return fcfs_batches(lens, ENGINE_STREAM["max_num_batched_tokens"])
+    return fcfs_batches(prefill_stream()[0], BUDGET)
 
 
 @register("06_batch_waste", lesson="06",
           caption="The same 5 batches run padded, masked and varlen: rows through the linear layers and attention "
                   "cells per batch, useful vs thrown away (C2, C8, C10)")
 def _batch_waste() -> Figure:
-    state = prefill_plan_state(**ENGINE_STREAM, batch=None)
+    state = prefill_plan_state(**PREFILL_STREAM, max_num_batched_tokens=BUDGET, batch=None)
     return batch_waste(state["stats"], state["max_num_batched_tokens"])
 
 
@@ -727,8 +725,8 @@ def _batch_waste() -> Figure:
                   "16 all-reduces, attention on each rank's own 4 heads with no collective (C11, C12)")
 def _tp_trace() -> Figure:
     cfg = ModelConfig()
-    lens, _ = stream_prompts(cfg)
-    ids = plan_batches(lens, ENGINE_STREAM["max_num_batched_tokens"], skip_oversize=True)[TP_BATCH]
+    lens, _ = prefill_stream(cfg.vocab_size)
+    ids = plan_batches(lens, BUDGET, skip_oversize=True)[TP_BATCH]
     sizes = [lens[i] for i in ids]
     return tp_trace_timeline([tp_dry_traces(cfg, sizes)], [sizes], cfg, source="dry run; TPRuntime's checked equal")
 
@@ -748,8 +746,7 @@ IN_ENGINE = "lesson 06's stream served by Engine(TINY, method='padded') with you
 
 
 def _bucket_cases() -> list[tuple]:
-    lens, _ = stream_prompts()
-    budget = ENGINE_STREAM["max_num_batched_tokens"]
+    lens, budget = prefill_stream()[0], BUDGET
     kept = [n for n in lens if n <= budget]
     return [("lesson 06's stream, all waiting at once", [kept], budget, 256),
             ("bimodal: 50-token questions beside 1,500-token drafts", [workload_lengths(
