@@ -112,3 +112,25 @@ def fit_alpha_beta(payload_bytes: Sequence[float], seconds: Sequence[float], wor
         raise ValueError("the measured times do not grow with the payload: no bandwidth can be fitted "
                          f"(slope {b:.3g} s per byte); measure larger payloads")
     return AlphaBeta(_significant(a / (2 * (p - 1)), digits), _significant(2 * (p - 1) / (p * b), digits), source)
+
+
+def tp_forward_parts(cfg, num_tokens: int, all_reduces: int | None = None, launches: int = 0, machine=H200,
+                     link: AlphaBeta = NVLINK, tp_size: int = 2) -> dict:
+    """One forward of ``num_tokens`` tokens of model ``cfg`` (a ``ModelConfig``) on one rank of ``machine`` under
+    TP=``tp_size``, numbers of ``machine.itemsize`` bytes, part by part in seconds: ``arithmetic_s`` (every block's
+    linear layers, ``measure.flops.linear_shapes``, at ``peak_flops``), ``memory_s`` (their weights read once plus
+    their rows in and out, at ``bytes_per_s``), ``weight_pass_s`` (the weights alone), ``all_reduce_latency_s`` and
+    ``all_reduce_bandwidth_s`` (one all-reduce of ``[num_tokens, d_model]`` on ``link``, ``ring_time_terms``),
+    ``all_reduces_s`` (``all_reduces`` of them; default 2 per block, after its two row-parallel layers) and
+    ``launches_s`` (``launches`` kernel launches at ``machine.launch_s``, 0 when the machine has none)."""
+    from .flops import linear_shapes
+    n, nb = check_int("num_tokens", num_tokens, 1), machine.itemsize
+    ar = 2 * cfg.n_layers if all_reduces is None else check_int("all_reduces", all_reduces, 0)
+    shapes = linear_shapes(cfg, tp_size)
+    latency, bandwidth = ring_time_terms(link, n * cfg.d_model * nb, tp_size)
+    return {"arithmetic_s": cfg.n_layers * sum(2 * n * a * b for a, b in shapes) / machine.peak_flops,
+            "memory_s": cfg.n_layers * nb * sum(a * b + n * (a + b) for a, b in shapes) / machine.bytes_per_s,
+            "weight_pass_s": cfg.n_layers * nb * sum(a * b for a, b in shapes) / machine.bytes_per_s,
+            "all_reduce_latency_s": latency, "all_reduce_bandwidth_s": bandwidth,
+            "all_reduces_s": ar * (latency + bandwidth),
+            "launches_s": check_int("launches", launches, 0) * (machine.launch_s or 0.0)}

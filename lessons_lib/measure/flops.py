@@ -304,6 +304,18 @@ def min_decode_batch(cfg: ModelConfig, ridge: float, bytes_per_element: int = 2)
     return first_where(lambda r: block_linear_intensity(cfg, r, bytes_per_element) >= ridge, 1, 1 << 40)
 
 
+def linear_ridge_tokens(cfg: ModelConfig, ridge: float, tp_size: int = 1, bytes_per_element: int = 2,
+                        limit: int = 1 << 16) -> dict[str, int | None]:
+    """For each of one rank's linear layers (``LINEAR_LAYERS``, ``linear_shapes`` under TP=``tp_size``): the fewest
+    tokens a forward needs for its ``linear_intensity`` to reach ``ridge`` FLOP/byte, or None if it does not up to
+    ``limit`` tokens (a layer with a small side saturates below the ridge, whatever the tokens)."""
+    if not 0 < ridge < math.inf:
+        raise ValueError(f"ridge must be a positive finite FLOP/byte, got {ridge!r}")
+    nb, top = _bytes_per_element(bytes_per_element), check_int("limit", limit, 1)
+    return {name: first_where(lambda n, a=a, b=b: linear_intensity(n, a, b, nb) >= ridge, 1, top)
+            for name, (a, b) in zip(LINEAR_LAYERS, linear_shapes(cfg, tp_size))}
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeStep:
     """One layer of a decode step, each part on its own roofline (``decode_step_parts``)."""

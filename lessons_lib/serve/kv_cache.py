@@ -154,3 +154,21 @@ class KVCacheStep:
 
 def _bytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def cache_rows_held(forwards: Sequence, seq_lens: Sequence[int]) -> dict:
+    """Token rows per layer (K and V together) a prefill KV cache holds at its peak, for forwards given as chunks
+    ``(request, start, length)`` (``BatchStats`` objects, their ``chunks``, or a chunked ``plan_batches`` plan) of
+    requests with prompt lengths ``seq_lens``. ``copy``: ``KVCacheStep``'s (the cached rows read beside their
+    ``torch.cat`` copies with the chunks of the requests that continue; ``PrefillKVCache.peak_bytes`` in rows);
+    ``in_place``: a cache written in place, between forwards (the rows of the requests not finished), with
+    ``held_by`` (the request holding most of them) and ``held_after`` (the forward after which, from 0);
+    ``in_forward``: that cache while a forward runs (every scheduled token's K and V written before attention)."""
+    out = {"copy": 0, "in_place": 0, "in_forward": 0, "held_by": None, "held_after": None}
+    for f, fwd in enumerate(getattr(x, "chunks", x) for x in forwards):
+        kept = [(s + n, i) for i, s, n in fwd if s + n < seq_lens[i]]
+        out["copy"] = max(out["copy"], sum(s for _, s, _ in fwd) + sum(r for r, _ in kept))
+        out["in_forward"] = max(out["in_forward"], sum(s + n for _, s, n in fwd))
+        if sum(r for r, _ in kept) > out["in_place"]:
+            out.update(in_place=sum(r for r, _ in kept), held_by=max(kept)[1], held_after=f)
+    return out

@@ -191,3 +191,76 @@ def plan_batches(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_s
         else:
             batches.append([r.request_id for r in sched.schedule()])
     return batches
+
+
+def prefill_waits(forwards: Sequence[Sequence[tuple]]) -> dict:
+    """``{request: (forwards, tokens)}`` of a run's forwards, each a list of ``(request, num_tokens)`` pairs or
+    ``(request, start, num_tokens)`` chunks (a chunked ``plan_batches`` plan, ``BatchStats.chunks``): the forwards
+    run until the one that holds the request's last chunk (that one included, counted from 1), and the prompt
+    tokens those forwards ran. A wait ends with the request's last chunk, whichever forward it is in."""
+    out, tokens = {}, 0
+    for f, fwd in enumerate(forwards):
+        tokens += sum(c[-1] for c in fwd)
+        for c in fwd:
+            out[c[0]] = (f + 1, tokens)
+    return out
+
+
+def mean_prefill_wait(waits: dict, requests: Sequence) -> tuple[float, float]:
+    """Mean ``(forwards, tokens)`` of ``prefill_waits`` over ``requests`` (a non-empty sequence of its keys)."""
+    rs = list(requests)
+    if not rs or any(i not in waits for i in rs):
+        raise ValueError(f"requests must be a non-empty list of requests the run served, got {rs[:8]!r}")
+    return sum(waits[i][0] for i in rs) / len(rs), sum(waits[i][1] for i in rs) / len(rs)
+
+
+def chunked_schedule_problem(forwards, seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_seqs: int,
+                             long_prefill_token_threshold: int = 0) -> str | None:
+    """The first rule of a chunked prefill (vLLM's, ``Scheduler`` with ``enable_chunked_prefill=True``) that
+    ``forwards`` (each a list of ``(request index, num_tokens)`` pairs, in the order they run) breaks, in words, or
+    None. Any schedule keeping the rules passes, not only ``Scheduler``'s: each forward runs the first unfinished
+    requests in arrival order, each once, 1 .. min(its rest, ``long_prefill_token_threshold``) tokens (0: no cap),
+    within both budgets; it closes with room left and fewer than ``max_num_seqs`` requests only when every
+    unfinished request runs all the cap allows; every prompt's tokens run exactly once."""
+    budget, cap = max_num_batched_tokens, long_prefill_token_threshold
+    if not isinstance(forwards, (list, tuple)) or not all(isinstance(f, (list, tuple)) for f in forwards):
+        return f"expected a list of forwards, each a list of (request, num_tokens) pairs, got {forwards!r}"[:300]
+    if not all(isinstance(c, (list, tuple)) and len(c) == 2 and all(map(is_int, c)) for f in forwards for c in f):
+        return ("each chunk is a pair (request index, num_tokens) of ints: a chunked forward says how many tokens "
+                "each request runs")
+    left, limit = list(seq_lens), cap or budget
+    for f, fwd in enumerate(forwards):
+        waiting = [i for i, n in enumerate(left) if n]
+        ids, tokens = [i for i, _ in fwd], sum(t for _, t in fwd)
+        if not waiting:
+            return f"{len(forwards)} forwards, but every prompt is finished after forward {f - 1}: forward {f} should not exist"
+        if not fwd:
+            return f"forward {f} is empty: every forward carries at least one chunk"
+        if sorted(ids) != waiting[:len(ids)]:
+            return (f"forward {f} runs requests {ids} while the first unfinished ones are {waiting[:len(ids)]}: a "
+                    "forward takes the unfinished requests in arrival order, each once")
+        for i, t in fwd:
+            if not 1 <= t <= left[i]:
+                return (f"forward {f}: request {i} gets {t} tokens with {left[i]} of its {seq_lens[i]} left: a chunk "
+                        "holds at least one token and continues where the cache ends, never past the prompt")
+            if cap and t > cap:
+                return (f"forward {f}: request {i} runs {t} tokens > long_prefill_token_threshold={cap}: no chunk may "
+                        "exceed the cap")
+        if tokens > budget:
+            return (f"forward {f} holds {tokens} tokens > max_num_batched_tokens={budget}: the chunk of the request "
+                    "that does not fit is the room LEFT in this forward, not a whole budget")
+        if len(fwd) > max_num_seqs:
+            return f"forward {f} holds {len(fwd)} requests > max_num_seqs={max_num_seqs}: the budget counts requests too"
+        short = [(i, t) for i, t in fwd if t < min(left[i], limit)]
+        if tokens < budget and short:
+            why = " - long_prefill_token_threshold=0 means no cap (vLLM's default)" if cap == 0 else ""
+            return (f"forward {f} has {budget - tokens} tokens of room, yet request {short[0][0]} gets only "
+                    f"{short[0][1]} of the {min(left[short[0][0]], limit)} it may run{why}")
+        if tokens < budget and len(fwd) < min(max_num_seqs, len(waiting)):
+            return (f"forward {f} closes with {budget - tokens} tokens of room while request {waiting[len(fwd)]} "
+                    "waits: a capped chunk does not end the forward, the room left goes to the requests behind it "
+                    "(that is the point of the cap)")
+        for i, t in fwd:
+            left[i] -= t
+    missing = [i for i, n in enumerate(left) if n][:8]
+    return f"requests {missing} are not finished: {[left[i] for i in missing]} tokens never scheduled" if missing else None
