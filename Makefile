@@ -15,9 +15,13 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 course: setup
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 $(ALLOW_ROOT) notebooks/
 
+# make test runs the tests in TEST_WORKERS processes (pytest-xdist), one test file per process at a time, so a
+# file's shared fixtures (the classroom's grading, the browser's JupyterLab) are built once. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 unit: setup
 	$(PY) -m pytest tests
