@@ -32,6 +32,7 @@ from lessons_lib.measure.recorder import record_matmuls, record_ops
 from lessons_lib.serve import scheduler
 from lessons_lib.serve.engine import Engine
 from lessons_lib.serve.scheduler import Request
+from lessons_lib.tp.dryrun import record_trace
 from lessons_lib.tp.threads import tp_ranks_in_threads
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,6 +180,9 @@ PROBES = {
     "kv_repeated_before_cache": lambda: score_shapes(GQA_CFG),
     "qkv_sharded_as_one_block": lambda: qkv_shard(0, 2, CFG),
     "kv_replicas_dealt_round_robin": lambda: qkv_shard(1, 4, GQA_CFG),
+    "kv_block_rank_mod_replicas": lambda: qkv_shard(2, 4, GQA_CFG),
+    "qkv_computed_whole_on_every_rank": lambda: qkv_shard(0, 2, CFG),
+    "attention_gathers_every_head": lambda: [(r.op, r.shape) for r in record_trace(CFG, [3, 4], 0, 2)],
     "activations_int8_per_tensor": forward,
     "row_parallel_bias_on_every_rank": row_parallel_outputs,
     "row_parallel_all_reduce_before_matmul": row_parallel_outputs,

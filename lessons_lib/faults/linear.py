@@ -112,3 +112,46 @@ def _linear_in_chunks_of_16():
         return y if self.bias is None else y + self.bias
     return [swap_attr(linear.ColumnParallelLinear, "forward", column),
             swap_attr(linear.RowParallelLinear, "forward", row)]
+
+
+@fault("qkv_computed_whole_on_every_rank", "QKVParallelLinear is not cut: every rank computes Q, K and V of ALL heads "
+       "([T, (H + 2 H_kv) D]), then keeps its own heads' columns for attention: the result is right, the QKV output "
+       "is tp times as wide and its FLOPs are not split (models built while the fault is on)", AREA)
+def _qkv_computed_whole():
+    from ..core import linear
+    cls = linear.QKVParallelLinear
+    real_shard, real_split = cls.shard_rows, cls.split
+
+    def split(self, qkv):
+        return real_split(self, real_shard(self, qkv.T).T)   # the rank's heads, picked out of every head's columns
+    return [swap_attr(cls, "output_size_per_partition", property(lambda self: self.out_features)),
+            swap_attr(cls, "shard_rows", lambda self, full: full), swap_attr(cls, "split", split)]
+
+
+@fault("attention_gathers_every_head", "Attention all-gathers every rank's attention output before its out proj and "
+       "keeps its own heads' columns again: the result is right, but each layer makes one more collective, between "
+       "QKV and out proj, of [T, H_local D]", AREA)
+def _attention_gathers_every_head():
+    from ..core import model
+
+    def forward(self, x):
+        q, k, v = self.qkv.split(self.qkv(x))
+        o = self.core(q, k, v).flatten(1)                                   # [T, H_local D]
+        every = self.qkv.group.all_gather(o, layer=self.out_proj.name.replace("out_proj", "core"))
+        n, r = o.shape[1], self.qkv.group.rank
+        return self.out_proj(every[:, r * n:(r + 1) * n] if every.shape[1] > n else o)
+    return [swap_attr(model.Attention, "forward", forward)]
+
+
+@fault("kv_block_rank_mod_replicas", "QKVParallelLinear picks a replicated K/V head as rank % num_kv_head_replicas "
+       "instead of rank // num_kv_head_replicas (past tp = n_kv_heads): shapes and cache bytes stay right, but only "
+       "the first K/V heads are ever held, on too many ranks (models built while the fault is on)", AREA)
+def _kv_block_rank_mod_replicas():
+    from ..core import linear
+
+    def shard_rows(self, full):
+        r, (nq, nkv, _) = self.group.rank, self.local_sizes
+        s = r % self.num_kv_head_replicas if self.num_kv_head_replicas > 1 else r   # the bug: % for //
+        q, k, v = full.split([self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head])
+        return torch.cat([q[r * nq:(r + 1) * nq], k[s * nkv:(s + 1) * nkv], v[s * nkv:(s + 1) * nkv]])
+    return [swap_attr(linear.QKVParallelLinear, "shard_rows", shard_rows)]
