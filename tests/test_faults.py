@@ -28,6 +28,7 @@ from lessons_lib.core.kernels import resolve_backend
 from lessons_lib.core.linear import QKVParallelLinear, RowParallelLinear
 from lessons_lib.core.model import Transformer
 from lessons_lib.course.check import at_most, claim
+from lessons_lib.measure import profile
 from lessons_lib.measure.recorder import record_matmuls, record_ops
 from lessons_lib.serve import scheduler
 from lessons_lib.serve.engine import Engine
@@ -87,6 +88,13 @@ def chunk_attention(backend="loop") -> torch.Tensor:
     q, (k, v) = torch.randn(5, 2, 8, generator=g), torch.randn(2, 9, 2, 8, generator=g)
     cu_q, cu_k = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
     return varlen_attention(q, k, v, cu_q, cu_k, backend=backend)
+
+
+def attend(backend: str, causal: bool = True) -> torch.Tensor:
+    """Self-attention of two requests (3 and 5 tokens, 2 heads of 8) through one backend: ``[8, 2, 8]``."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(8, 2, 8, generator=g) for _ in range(3))
+    return varlen_attention(q, k, v, torch.tensor([0, 3, 8], dtype=torch.int32), causal=causal, backend=backend)
 
 
 def triton_launches() -> int:
@@ -166,6 +174,10 @@ PROBES = {
     "loop_repeats_kv_per_query_head": lambda: score_shapes(GQA_CFG),
     "causal_mask_top_left": chunk_attention,
     "triton_backend_launches_per_request": triton_launches,
+    "sdpa_causal_whenever_square": lambda: attend("sdpa", causal=False),
+    "sdpa_output_heads_not_transposed": lambda: attend("sdpa"),
+    "padded_unpad_keeps_pad_rows": lambda: attend("padded"),
+    "random_qkv_rows_all_equal": lambda: profile.random_qkv([3, 5], 2, 8)[:3],
     "pad_mask_all_true": lambda: flat.pad(ids((5, 9)))[1],
     "positions_do_not_restart": lambda: flat.pack(ids((5, 9))).positions,
     "pack_refused": lambda: outcome(lambda: flat.pack(ids((5, 9))).cu_seqlens),

@@ -15,10 +15,10 @@ restores the variable. Nested blocks add faults; a fault already on stays on (an
 the inner block). Unknown names raise ValueError listing the known ones.
 
 The faults live by engine area: ``attention``, ``model``, ``batch``, ``linear`` (and TP),
-``serve``, ``kernel`` (the Triton kernel rebuilt with one line changed). A worker fault that kills
-or hangs a rank mid-forward is ``tp.trace.Fault`` (``TPRuntime.forward(..., fault=...)``).
+``serve``, ``kernel`` (the Triton kernel rebuilt with one line changed), ``measure`` (the measuring tools).
+A worker fault that kills or hangs a rank mid-forward is ``tp.trace.Fault`` (``TPRuntime.forward(..., fault=...)``).
 """
-from . import attention, batch, kernel, linear, model, serve  # noqa: F401  (each registers its area's faults)
+from . import attention, batch, kernel, linear, measure, model, serve  # noqa: F401  (each registers its area's faults)
 from .registry import ENV, FAULTS, Fault, active, apply_from_env, fault, injected, swap_attr, swap_function, swap_item
 
 __all__ = ["ENV", "FAULTS", "Fault", "active", "apply_from_env", "fault", "injected", "swap_attr", "swap_function",

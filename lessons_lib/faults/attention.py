@@ -127,3 +127,60 @@ def _one_launch_per_request():
             out[qs:qe] = real(q[qs:qe], k[ks:ke], v[ks:ke], _one_request(qe - qs, ke - ks, q.device), causal, scale)
         return out
     return [swap_item(attention.IMPLS, "triton", triton)]
+
+
+def _sdpa_with(is_causal, unpermute):
+    """The sdpa backend rebuilt with its ``is_causal`` flag from ``is_causal(causal, lq, lk)`` and its output
+    ``[n, H, L, D]`` turned back into rows by ``unpermute`` before the reshape to ``[n·L, H, D]``."""
+    import torch.nn.functional as F
+
+    from ..core import attention
+
+    def sdpa(q, k, v, meta, causal, scale):
+        out, (h, d), h_kv = torch.empty_like(q), q.shape[1:], k.shape[1]
+        gqa = {"enable_gqa": True} if h_kv != h else {}
+        for lq, lk, n, rows_q, rows_k in attention._length_groups(meta):
+            qg = q[rows_q].view(n, lq, h, d).transpose(1, 2)
+            kg, vg = (x[rows_k].view(n, lk, h_kv, d).transpose(1, 2) for x in (k, v))
+            mask = attention.causal_mask(lq, lk, q.device) if causal and lq != lk else None
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=is_causal(causal, lq, lk),
+                                               scale=scale, **gqa)
+            out[rows_q] = unpermute(o).reshape(n * lq, h, d)
+        return out
+    return [swap_item(attention.IMPLS, "sdpa", sdpa)]
+
+
+@fault("sdpa_causal_whenever_square", "the sdpa backend passes is_causal whenever a request has as many keys as "
+       "queries (is_causal=lq == lk, the call's causal flag dropped): a non-causal call comes out causal", AREA)
+def _sdpa_causal_whenever_square():
+    return _sdpa_with(lambda causal, lq, lk: lq == lk, lambda o: o.transpose(1, 2))
+
+
+@fault("sdpa_output_heads_not_transposed", "the sdpa backend reshapes its output [n, H, L, D] straight to rows "
+       "[n·L, H, D] without moving the head axis back: rows and heads are scrambled", AREA)
+def _sdpa_output_heads_not_transposed():
+    return _sdpa_with(lambda causal, lq, lk: causal and lq == lk, lambda o: o)
+
+
+@fault("padded_unpad_keeps_pad_rows", "the padded backend unpads by flattening its [R, L_max] rows and keeping the "
+       "first T (the pad rows not dropped): every request after a shorter one gets shifted rows", AREA)
+def _padded_unpad_keeps_pad_rows():
+    from ..core import attention
+    from ..validate import lengths
+
+    def padded(q, k, v, meta, causal, scale):
+        lens_q, lens_k = lengths(meta.cu_q), lengths(meta.cu_k)
+        allowed = torch.zeros(len(lens_q), max(lens_q), max(lens_k), dtype=torch.bool, device=q.device)
+        for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+            allowed[i, :nq, :nk] = attention.causal_mask(nq, nk, q.device) if causal else True
+
+        def pad(x, cu, lens):                                     # [T, H, D] -> [R, H, Lmax, D]
+            out = x.new_zeros(len(lens), max(lens), *x.shape[1:])
+            for i, n in enumerate(lens):
+                out[i, :n] = x[cu[i]:cu[i + 1]]
+            return out.transpose(1, 2)
+
+        qp, kp, vp = pad(q, meta.cu_q, lens_q), pad(k, meta.cu_k, lens_k), pad(v, meta.cu_k, lens_k)
+        outp = attention.dense_attention(qp, kp, vp, allowed[:, None], scale).transpose(1, 2)  # [R, Lq, H, D]
+        return outp.flatten(0, 1)[:q.shape[0]].contiguous()   # the bug: pad rows kept, the batch cut at T
+    return [swap_item(attention.IMPLS, "padded", padded)]

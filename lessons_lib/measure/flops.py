@@ -72,6 +72,29 @@ def attention_cells(seq_lens: Sequence[int], method: str, causal: bool = False) 
     return AttentionCells(computed, useful, computed - useful)
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionWaste:
+    """Score cells per head per layer by why they were computed: ``useful`` (the mask keeps them), ``causal``
+    (inside a request's own block, above its causal diagonal: computed, then masked), ``outside`` (outside every
+    request's block: padding's pad cells, masking's cross-request cells); ``computed`` is their sum."""
+    computed: int
+    useful: int
+    causal: int
+    outside: int
+
+
+def attention_waste(seq_lens: Sequence[int], method: str, causal: bool = False,
+                    whole_blocks: bool = False) -> AttentionWaste:
+    """``attention_cells``' computed cells split into useful, causally masked and outside the blocks.
+    ``whole_blocks`` (causal varlen only): each request's whole block computed and its upper triangle masked
+    (a per-request loop), not the lower triangles only (an ideal causal kernel), as in ``attention_cell_grid``."""
+    lens = check_lengths(seq_lens)
+    useful = attention_cells(lens, method, causal).useful
+    inside = useful if method == "varlen" and causal and not whole_blocks else sum(n * n for n in lens)
+    computed = inside if method == "varlen" else attention_cells(lens, method).computed
+    return AttentionWaste(computed, useful, inside - useful, computed - inside)
+
+
 def attention_cell_grid(seq_lens: Sequence[int], method: str, causal: bool = False,
                         whole_blocks: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Cell by cell, what ``attention_cells`` counts: bool ``(useful, computed)``, each ``[n, n]``, one head's score
