@@ -137,3 +137,20 @@ def claim_cells(nb, claim_id: str) -> list[int]:
     """Indices of the code cells whose first line is a ``# claim`` comment naming ``claim_id``."""
     return [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
             and re.match(rf"#\s*claim\b.*\b{claim_id}\b", c.source.split("\n", 1)[0])]
+
+
+def run_cells(client, nb, last: int | None = None) -> dict[int, list[dict]]:
+    """Execute ``nb``'s code cells in ``client``'s kernel (an nbclient ``NotebookClient`` inside
+    ``setup_kernel()``), one at a time up to and including cell ``last`` (default: all). A cell that raises
+    does not stop the next. Returns, per code cell index run, its error outputs (empty list: it ran)."""
+    from nbclient.exceptions import CellExecutionError
+    errors: dict[int, list[dict]] = {}
+    for i, cell in enumerate(nb.cells[:None if last is None else last + 1]):
+        if cell.cell_type != "code":
+            continue
+        try:
+            client.execute_cell(cell, i)
+        except CellExecutionError:
+            pass
+        errors[i] = [o for o in cell.outputs if o.output_type == "error"]
+    return errors

@@ -17,9 +17,8 @@ from pathlib import Path
 import nbformat
 import pytest
 from breakages import BREAKS
-from helpers import claim_cells, install_in_children
+from helpers import claim_cells, install_in_children, run_cells
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
 
 REPO = Path(__file__).resolve().parents[1]
 CLAIM_IDS = (["S1", "S2", "S3"] + [f"C{i}" for i in range(1, 16)] + [f"K{i}" for i in range(1, 6)]
@@ -47,17 +46,9 @@ def test_claim_cell_fails_with_the_engine_broken(claim_id, monkeypatch, tmp_path
     monkeypatch.setenv("MPLBACKEND", "Agg")
     client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(REPO / "notebooks")}})
-    errors = {}
     with client.setup_kernel():
-        for i, cell in enumerate(nb.cells[:target + 1]):
-            if cell.cell_type != "code":
-                continue
-            try:
-                client.execute_cell(cell, i)
-            except CellExecutionError:
-                pass
-            errors[i] = "\n".join("\n".join(o.get("traceback", [])) + o.get("evalue", "")
-                                  for o in cell.outputs if o.output_type == "error")
+        errors = {i: "\n".join("\n".join(o.get("traceback", [])) + o.get("evalue", "") for o in outs)
+                  for i, outs in run_cells(client, nb, last=target).items()}
     failure = re.sub(r"\x1b\[[0-9;]*m", "", errors.get(target, ""))
     assert f"✗ {claim} FAILED" in failure, (
         f"with '{b.what}', the claim cell {target} of {b.notebook} should fail with '✗ {claim} FAILED'; "

@@ -35,8 +35,8 @@ START = "from lessons_lib import faults\nfaults.apply_from_env()"  # the kernel'
 def run_lesson(notebook: str, fault_names: tuple[str, ...], timeout: int) -> dict:
     """Run ``notebook`` whole with ``fault_names`` on; the rows it recorded, the cells that raised, seconds."""
     import nbformat
+    from helpers import run_cells  # tests/helpers.py: the cell-by-cell runner test_claims_can_fail uses too
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
 
     nb = nbformat.read(NOTEBOOKS / f"{notebook}.ipynb", as_version=4)
     with tempfile.TemporaryDirectory(prefix="claims_coverage_") as tmp:
@@ -45,21 +45,14 @@ def run_lesson(notebook: str, fault_names: tuple[str, ...], timeout: int) -> dic
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # the kernel inherits this process's environment
         t0 = time.perf_counter()
-        errors = []
+        errors: list[str] = []
         try:
             client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
             with client.setup_kernel():
                 client.execute_cell(nbformat.v4.new_code_cell(START), 0)
-                for i, cell in enumerate(nb.cells):
-                    if cell.cell_type != "code":
-                        continue
-                    try:
-                        client.execute_cell(cell, i)
-                    except CellExecutionError:
-                        pass
-                    errors += [f"cell {i}: {o.get('ename')}: {str(o.get('evalue'))[:160]}" for o in cell.outputs
-                               if o.output_type == "error"]
+                errors = [f"cell {i}: {o.get('ename')}: {str(o.get('evalue'))[:160]}"
+                          for i, outs in run_cells(client, nb).items() for o in outs]
         finally:
             for k, v in old.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -171,7 +164,7 @@ def main(argv=None) -> int:
     json_path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     args.out.write_text(report(data))
     failing = [(n, r["row"]) for n in notebooks for r in coverage(data["lessons"][n]) if not r["holds"]]
-    print(f"wrote {args.out.relative_to(ROOT)} and {json_path.relative_to(ROOT)}")
+    print(f"wrote {args.out} and {json_path}")
     if failing:
         print(f"rows failing WITHOUT faults: {failing}")
     return 1 if failing else 0
