@@ -187,6 +187,8 @@ PROBES = {
     "layer_norm_over_the_batch": forward,
     "mlp_exact_gelu": forward,
     "residual_add_off_by_one_row": forward,
+    "gelu_output_int8_per_tensor": forward,
+    "block_layers_without_tp_group": lambda: [tuple(p.shape) for p in Transformer(CFG, group=LocalGroup(0, 2)).parameters()],
     "padded_forward_skips_pad_rows": padded_forward,
     "model_runs_requests_one_at_a_time": matmul_shapes,
     "kv_repeated_before_cache": lambda: score_shapes(GQA_CFG),

@@ -100,3 +100,37 @@ def _kv_repeated_before_cache():
         g = q.shape[1] // k.shape[1]
         return real(self, q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
     return [swap_attr(model.VarlenAttention, "forward", forward)]
+
+
+@fault("block_layers_without_tp_group", "Block builds its attention and MLP without the rank's TP group: every rank holds "
+       "and computes the whole layers (no TP saving) and no all-reduce is ever asked for (models built while the "
+       "fault is on)", AREA)
+def _block_layers_without_tp_group():
+    from ..core import model
+    from ..core.groups import LocalGroup
+
+    def init(self, cfg, index, group):
+        nn.Module.__init__(self)
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, dtype=cfg.dtype)
+        self.attn = model.Attention(cfg, index, LocalGroup())  # the bug: group not passed on (TP=1 layers)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, dtype=cfg.dtype)
+        self.mlp = model.MLP(cfg, index, LocalGroup())
+    return [swap_attr(model.Block, "__init__", init)]
+
+
+class _GeluInt8PerTensor(nn.GELU):
+    def forward(self, x):
+        y = super().forward(x)
+        scale = y.abs().max() / 127  # the bug: the largest activation of ANY request sets every row's grid
+        return torch.round(y / scale) * scale
+
+
+@fault("gelu_output_int8_per_tensor", "the MLP's GeLU rounds its output to int8 with ONE scale for the whole flat "
+       "batch (a fused GeLU + quantise feeding an int8 FFN-down), so one request's activations change another's "
+       "(models built while the fault is on)", AREA)
+def _gelu_output_int8_per_tensor():
+    from ..core import model
+    broken_nn = types.ModuleType("torch.nn")  # model.py's `nn`, with the broken GELU in it
+    broken_nn.__dict__.update(vars(nn))
+    broken_nn.GELU = _GeluInt8PerTensor
+    return [swap_attr(model, "nn", broken_nn)]

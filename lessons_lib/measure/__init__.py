@@ -6,6 +6,7 @@
   search        first_where: the smallest n where a monotone predicate turns true (every "first length where X crosses")
   recorder      the one op recorder: what a call ran (matmuls, score matrices, every tensor made)
   tolerance     the one rule for comparing two float computations (against float64)
+  batch_invariance  does a step give each request what it gets alone: a block cut into its steps, alone vs flat
   hf            Hugging Face GPT-2: the reference model the engine is checked and benchmarked against
   profile       wall time, peak memory, GEMM throughput, a forward's time split (measured: shown, never asserted)
   bench         python -m lessons_lib.measure.bench: varlen vs masked vs padded vs Hugging Face

@@ -63,3 +63,24 @@ def assert_close(out: Tensor, ref: Tensor, ref64: Tensor, what: str, k: float = 
         raise AssertionError(f"{what}: max |out - ref64| = {err:.3e} exceeds the bound {bound:.3e} "
                              f"(2 x |ref - ref64| = {2 * max_abs_diff(ref, ref64):.3e} + {k:g} eps({out.dtype}))")
     return err, bound
+
+
+def ulp32(v: float) -> float:
+    """One unit in the last place of the float32 number nearest ``v``: the gap from ``|v|`` to the next
+    larger float32 (between half of ``eps · |v|`` and all of it, eps = 2**-23: ``eps · |v|`` is not one ULP)."""
+    a = torch.tensor(abs(v), dtype=torch.float32)
+    return float(torch.nextafter(a, torch.tensor(float("inf"))) - a)
+
+
+def summation_orders(n: int = 512, seed: int = 0) -> tuple[float, float, float]:
+    """The same ``n`` random float32 products (``seed``) summed one by one forwards and backwards, and in float64:
+    ``(forward, backward, float64)``: float addition is not associative."""
+    g = torch.Generator().manual_seed(seed)
+    prods = (torch.randn(n, generator=g) * torch.randn(n, generator=g)).float()
+    sums = []
+    for order in (prods, prods.flip(0)):
+        total = torch.zeros((), dtype=torch.float32)
+        for p in order:  # one float32 addition at a time, in this order
+            total = total + p
+        sums.append(total.item())
+    return sums[0], sums[1], prods.double().sum().item()

@@ -82,3 +82,22 @@ def tp_ranks_in_threads(world_size: int, fn: Callable[[ThreadRank], object], tim
     if failed:  # the root cause first: the other ranks only saw the broken barrier
         raise next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)), failed[0])
     return [(res, g.trace) for res, g in zip(results, groups)]
+
+
+@torch.no_grad()
+def row_parallel_in_threads(weight: Tensor, bias: Tensor | None, x: Tensor, tp: int = 2) -> tuple[list[Tensor], list[list]]:
+    """The engine's ``RowParallelLinear`` holding the full ``weight [out, in]`` and ``bias [out]``, cut over
+    ``tp`` ranks that are threads of this process and really all-reduce; rank r gets its slice of the input
+    features of ``x [T, in]`` (``in`` divisible by ``tp``). Returns each rank's output ``[T, out]`` and each
+    rank's list of collectives (``CollectiveRecord``). Faults on in this process (``faults.injected``) apply."""
+    from ..core.linear import RowParallelLinear
+
+    n = check_int("in_features", weight.shape[1], 1) // check_int("tp", tp, 1, 16)
+
+    def rank(group):
+        layer = RowParallelLinear(weight.shape[1], weight.shape[0], bias is not None, group=group, dtype=weight.dtype,
+                                  name="row_parallel").load_full_(weight, bias)
+        return layer(x[:, group.rank * n:(group.rank + 1) * n].contiguous())
+
+    results = tp_ranks_in_threads(tp, rank)
+    return [y for y, _ in results], [list(trace) for _, trace in results]
