@@ -1,8 +1,8 @@
 """What lesson 02 (linear layers work token by token) draws, explores and checks.
 
-- claims helpers: ``forward_walk`` (the steps of a block and their shapes, C4-C6), ``block_steps`` /
-  ``measure_steps`` (the steps of an engine ``Block`` run one at a time: ``probe.row_dependency`` and the
-  flat-vs-alone rounding, C4, C5), ``run_row_parallel`` and ``all_reduce_counts`` (C6's collectives);
+- claims helpers: ``forward_walk`` (the steps of a block and their shapes, C4-C6), ``measure_steps`` (each step
+  of the engine's ``Block``, cut by ``measure.batch_invariance.block_steps``, under ``probe.row_dependency`` and
+  its ``step_report``: C4, C5) and the printouts of what it found (``format_reports``, ``rounding_lines``);
 - figures: the walk, the who-reads-whom maps (``dependency_maps``), the QKV shards per rank (``qkv_shards``, C6);
 - the module-reach explorer (``module_reach_state`` + ``module_reach_explorer``): the two tests live on a module
   of the engine, a BatchNorm1d or one of the learner's;
@@ -29,17 +29,16 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from .. import faults
-from ..core.attention import VarlenMetadata
-from ..core.batch import cumulative, pack
+from ..core.batch import cumulative
 from ..core.config import ModelConfig
 from ..core.groups import LocalGroup
-from ..core.linear import QKVParallelLinear, RowParallelLinear
-from ..core.model import AttentionContext, Transformer, init_weights
+from ..core.linear import QKVParallelLinear
+from ..core.model import Transformer, init_weights
+from ..measure import batch_invariance as bi
 from ..measure.flops import linear_shapes
-from ..measure.recorder import module_io
-from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
+from ..measure.tolerance import ulp32
 from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_name
-from ..tp.threads import tp_ranks_in_threads
+from ..tp.threads import row_parallel_in_threads
 from ..validate import check_choice, check_int, check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
@@ -96,174 +95,15 @@ def forward_walk(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int = 2) ->
     ]
 
 
-def reach_counts(dep: np.ndarray, seq_lens: Sequence[int]) -> dict:
-    """What a bool ``[T, T]`` map of ``row_dependency`` on the flat batch of ``seq_lens`` shows: pairs on the
-    ``diagonal``, ``own_request`` (row i changed by another row of its request), ``other_requests``, ``later``
-    (changed by a later row j > i of its request: not causal), and ``reads`` in words."""
-    dep = np.asarray(dep, dtype=bool)
-    owner = np.repeat(np.arange(len(seq_lens)), list(seq_lens))
-    same = owner[:, None] == owner[None, :]
-    diagonal = int(np.trace(dep))
-    own, other = int((dep & same).sum()) - diagonal, int((dep & ~same).sum())
-    later = int(np.triu(dep & same, k=1).sum())
-    reads = ("other requests too" if other else "row i only" if not own
-             else "rows of its own request" if later else "rows ≤ i of its own request")
-    return {"diagonal": diagonal, "own_request": own, "other_requests": other, "later": later, "reads": reads}
+# ---- the same steps on a real block of the engine (measure.batch_invariance) ----------------------
+
+def measure_steps(steps: Sequence[bi.BlockStep], seq_lens: Sequence[int]) -> list[bi.StepReport]:
+    """For each of ``block_steps``' steps: its who-reads-whom map (``row_dependency``) and ``step_report``
+    (each request alone against the flat run, and against the float64 twin alone)."""
+    return [bi.step_report(st, seq_lens, row_dependency(st.fn, st.inp).numpy()) for st in steps]
 
 
-# ---- the same steps on a real block of the engine --------------------------------------------------
-
-@dataclass
-class BlockStep:
-    """One step of a real block: ``fn(t, rows)`` maps the rows ``t`` of the flat batch at ``rows``
-    (a slice that cuts whole requests) like the block does; ``fn64`` is the same step of a float64
-    twin of the block. ``inp`` / ``out``: what the step got and gave in the whole flat forward."""
-
-    name: str
-    kind: str
-    fn: Callable
-    fn64: Callable
-    inp: Tensor
-    out: Tensor
-
-
-def _cu_of(cu: list[int], rows: slice) -> list[int]:
-    start = rows.start or 0
-    stop = cu[-1] if rows.stop is None else rows.stop
-    inside = [c - start for c in cu if start <= c <= stop]
-    if inside[0] != 0 or inside[-1] != stop - start:
-        raise ValueError(f"rows {rows} do not cut whole requests of cu_seqlens {cu}")
-    return inside
-
-
-def in_forward(model: Transformer, cu_seqlens: list[int], backend, run: Callable, device=None):
-    """``run()`` with every layer of ``model`` handed the attention context of a flat batch with these
-    ``cu_seqlens`` (``Transformer.set_context``, as its forward does), cleared again after."""
-    model.set_context(AttentionContext(VarlenMetadata.build(cu_seqlens, device=device or model.device), backend))
-    try:
-        return run()
-    finally:
-        model.set_context(None)  # a context never outlives its forward
-
-
-# The ten steps of a block: (name, kind, the module that runs it; None: a residual add, no module of its own)
-BLOCK_STEPS = (("LayerNorm 1", "per token", "ln_1"), ("QKV proj", "linear", "attn.qkv"),
-               ("attention", "attention", "attn.core"), ("out proj", "linear", "attn.out_proj"),
-               ("residual add 1", "per token", None), ("LayerNorm 2", "per token", "ln_2"),
-               ("FFN-up", "linear", "mlp.fc_up"), ("GeLU", "per token", "mlp.act"),
-               ("FFN-down", "linear", "mlp.fc_down"), ("residual add 2", "per token", None))
-# what the step after each one reads, in the block's own forward: its input ("in") or its output ("out")
-_READ = {"ln_1": ("attn.qkv", "in"), "attn.qkv": ("attn.qkv", "out"), "attn.core": ("attn.out_proj", "in"),
-         "attn.out_proj": ("attn.out_proj", "out"), "ln_2": ("mlp.fc_up", "in"), "mlp.fc_up": ("mlp.fc_up", "out"),
-         "mlp.act": ("mlp.fc_down", "in"), "mlp.fc_down": ("mlp.fc_down", "out")}
-
-
-@torch.no_grad()
-def block_steps(model: Transformer, x: Tensor, seq_lens: Sequence[int], backend: str = "loop") -> list[BlockStep]:
-    """The ten steps of the first block of ``model`` (a ``Transformer``) on the flat rows ``x [T, d]``.
-
-    One real ``block(x)`` (varlen causal attention, ``backend``) runs under forward hooks
-    (``measure.recorder.module_io``), so ``Block.forward`` decides every value: each step's output is what the
-    next step read (the residual sums: ``ln_2``'s input, the block's output), the last one ``block(x)`` bit for
-    bit. ``fn`` is the step's module alone; a residual add has no module, so its ``fn`` runs the block with the
-    added module's output replaced by ``t`` (the out proj's, for the second add, by the flat run's rows) and
-    reads the sum where the block leaves it. ``fn64``: the same on the model's float64 twin.
-    """
-    lens = check_lengths(seq_lens)
-    cu = cumulative(lens)
-    if x.shape[0] != cu[-1]:
-        raise ValueError(f"x has {x.shape[0]} rows, seq_lens add up to {cu[-1]}")
-    twin, whole = float64_twin(model), slice(None)
-
-    def context(m, rows, run):
-        return in_forward(m, _cu_of(cu, rows), backend, run, x.device)
-
-    paths = sorted({reader for reader, _ in _READ.values()} | {"ln_2", ""})  # the modules whose inputs/outputs we read
-    block = model.layers[0]
-    io = context(model, whole, lambda: module_io(block, paths, lambda: block(x)))
-    missing = [p for p in paths if p not in io]
-    if missing:
-        raise RuntimeError(f"Block.forward did not run {missing}: block_steps reads the steps off those modules")
-
-    def fn_of(m, path):
-        b = m.layers[0]
-        if path == "attn.core":  # [T, 3·H·D] -> q, k, v [T, H, D] -> [T, H·D]
-            return lambda t, rows=whole: context(m, rows, lambda: b.attn.core(*b.attn.qkv.split(t)).flatten(1))
-        return lambda t, rows=whole: b.get_submodule(path)(t)
-
-    def residual(m, inject, read):  # the block's own add: the block on its rows, the added module's output is t
-        b = m.layers[0]
-
-        def fn(t, rows=whole):
-            outputs = {"attn.out_proj": io["attn.out_proj"][1][rows].to(t.dtype), inject: t}
-            handles = [b.get_submodule(p).register_forward_hook(lambda _m, _args, _out, y=y: y) for p, y in outputs.items()]
-            try:
-                seen = context(m, rows, lambda: module_io(b, [read], lambda: b(x[rows].to(t.dtype))))
-            finally:
-                for h in handles:
-                    h.remove()
-            return seen[read][0][0] if read else seen[read][1]
-        return fn
-
-    # (module whose output the add adds, where its sum is read, the sum in the whole forward) of the two residual adds
-    residuals = iter([("attn.out_proj", "ln_2", io["ln_2"][0][0]), ("mlp.fc_down", "", io[""][1])])
-    steps: list[BlockStep] = []
-    inp = x
-    for name, kind, path in BLOCK_STEPS:
-        if path is None:
-            inject, read, out = next(residuals)
-            fn, fn64 = residual(model, inject, read), residual(twin, inject, read)
-        else:
-            fn, fn64 = fn_of(model, path), fn_of(twin, path)
-            reader, side = _READ[path]
-            out = io[reader][0][0] if side == "in" else io[reader][1]
-        steps.append(BlockStep(name, kind, fn, fn64, inp, out))
-        inp = out
-    return steps
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What ``measure_steps`` found for one step (all measured, nothing drawn by hand)."""
-
-    name: str
-    kind: str
-    shape_in: tuple
-    shape_out: tuple
-    off_diagonal: int        # pairs (i, j != i): changing input row j changed output row i (bitwise)
-    cross_request: int       # of those, pairs where i and j belong to different requests
-    reads: str               # which rows row i reads (``reach_counts``)
-    err: float               # max |flat - fp64 alone| over every request's rows
-    bound: float             # the tolerance rule's bound for it (2·|alone - fp64| + 2 eps · scale)
-    flat_vs_alone: float     # max |flat - alone| (both float32)
-    differ_per_request: tuple  # per request: its output numbers that differ in any bit, flat vs alone
-    padded_differ: int       # the first request alone but padded with zero rows to T rows: its numbers that differ
-    scale: float             # max |output| of the flat run: the scale the rounding is measured at
-
-
-@torch.no_grad()
-def measure_steps(steps: Sequence[BlockStep], seq_lens: Sequence[int]) -> list[StepReport]:
-    """For each step: ``row_dependency`` on the flat batch, and every request run alone against
-    the flat run (float32) and against the float64 twin alone (the tolerance rule)."""
-    lens = check_lengths(seq_lens)
-    cu = cumulative(lens)
-    spans = list(zip(cu[:-1], cu[1:]))
-    out = []
-    for st in steps:
-        seen = reach_counts(row_dependency(st.fn, st.inp).numpy(), lens)
-        alone = torch.cat([st.fn(st.inp[s:e], slice(s, e)) for s, e in spans])
-        alone64 = torch.cat([st.fn64(st.inp[s:e].double(), slice(s, e)) for s, e in spans])
-        padded = torch.zeros_like(st.inp)  # request 0's rows, then zero rows: the flat batch's shape, no B in it
-        padded[:lens[0]] = st.inp[:lens[0]]
-        out.append(StepReport(st.name, st.kind, tuple(st.inp.shape), tuple(st.out.shape),
-                              seen["own_request"] + seen["other_requests"], seen["other_requests"], seen["reads"],
-                              max_abs_diff(st.out, alone64), tolerance(alone, alone64), max_abs_diff(st.out, alone),
-                              tuple(int((st.out[s:e] != alone[s:e]).sum()) for s, e in spans),
-                              int((st.fn(padded)[:lens[0]] != st.out[:lens[0]]).sum()), float(st.out.abs().max())))
-    return out
-
-
-def format_reports(reports: Sequence[StepReport]) -> str:
+def format_reports(reports: Sequence[bi.StepReport]) -> str:
     """One line per step: shapes and who row i reads (counts only: stable across machines)."""
     lines = [f"{'step':15s} {'input':>14s} {'output':>14s}  row i reads"]
     for r in reports:
@@ -272,7 +112,7 @@ def format_reports(reports: Sequence[StepReport]) -> str:
     return "\n".join(lines)
 
 
-def rounding_lines(reports: Sequence[StepReport], seq_lens: Sequence[int] = ARTICLE_LENS) -> str:
+def rounding_lines(reports: Sequence[bi.StepReport], seq_lens: Sequence[int] = ARTICLE_LENS) -> str:
     """Per step: how many of each request's output numbers differ (in any bit) flat vs alone, the same
     for request 0 alone padded with zero rows to the flat batch's row count, max |flat - alone| (also in
     float32 ULPs of the step's largest output number, ``ulp32(max|y|)``) and both against float64
@@ -293,29 +133,6 @@ def rounding_lines(reports: Sequence[StepReport], seq_lens: Sequence[int] = ARTI
     return "\n".join(lines)
 
 
-def ulp32(v: float) -> float:
-    """One unit in the last place of the float32 number nearest ``v``: the gap from ``|v|`` to the next
-    larger float32 (between half of ``eps · |v|`` and all of it, eps = 2**-23: ``eps · |v|`` is not one ULP)."""
-    a = torch.tensor(abs(v), dtype=torch.float32)
-    return float(torch.nextafter(a, torch.tensor(float("inf"))) - a)
-
-
-@torch.no_grad()
-def rows_alone_bits(fn: Callable[[Tensor], Tensor], x: Tensor, counts: Sequence[int]) -> list[tuple[int, int, int]]:
-    """For each ``m`` in ``counts``: run the first ``m`` rows of ``x`` alone through ``fn`` and count the
-    output numbers that differ in any bit from the same rows of ``fn(x)``. Returns ``[(m, differ, of)]``.
-
-    Which shapes share a kernel path is the math library's choice: an observation of this machine, to
-    print, never to assert (both results are within rounding of the exact value)."""
-    full = fn(x)
-    out = []
-    for m in counts:
-        m = check_int("m", m, minimum=1, maximum=x.shape[0])
-        alone = fn(x[:m])
-        out.append((m, int((alone != full[:m]).sum()), alone.numel()))
-    return out
-
-
 def rows_alone_lines(rows: Sequence[tuple[int, int, int]], name: str = "QKV proj") -> str:
     """``rows_alone_bits`` as one line per row count (``QKV proj on rows 0..m-1 alone: d of n numbers differ``),
     then which row counts gave other bits than the flat run and which gave its bits."""
@@ -323,52 +140,6 @@ def rows_alone_lines(rows: Sequence[tuple[int, int, int]], name: str = "QKV proj
              for m, d, n in rows]
     other, same = ([m for m, d, _ in rows if (d > 0) == differ] for differ in (True, False))
     return "\n".join(lines + [f"row counts that gave other bits: {other or 'none'}; the flat run's bits: {same or 'none'}"])
-
-
-def summation_orders(n: int = 512, seed: int = 0) -> tuple[float, float, float]:
-    """The same ``n`` random float32 products (``seed``) summed one by one forwards and backwards, and in float64:
-    ``(forward, backward, float64)``."""
-    g = torch.Generator().manual_seed(seed)
-    prods = (torch.randn(n, generator=g) * torch.randn(n, generator=g)).float()
-    sums = []
-    for order in (prods, prods.flip(0)):
-        total = torch.zeros((), dtype=torch.float32)
-        for p in order:  # one float32 addition at a time, in this order
-            total = total + p
-        sums.append(total.item())
-    return sums[0], sums[1], prods.double().sum().item()
-
-
-@torch.no_grad()
-def all_reduce_counts(model, ids: Tensor, packings: Mapping[str, Sequence[int]]) -> dict[str, tuple]:
-    """``{name: (number of all-reduces, sorted payload shapes)}`` of one forward of ``model`` (its group
-    must record a ``trace``, e.g. ``LocalGroup(0, 2)``) on the token ids ``ids [T]`` split into requests
-    of the lengths of each packing."""
-    out = {}
-    for name, lens in packings.items():
-        model.group.trace.clear()
-        model.forward(pack(list(ids.split(list(lens)))))
-        out[name] = (len(model.group.trace), sorted({tuple(rec.shape) for rec in model.group.trace}))
-    return out
-
-
-@torch.no_grad()
-def run_row_parallel(weight: Tensor, bias: Tensor | None, x: Tensor, tp: int = 2,
-                     fault_names: Sequence[str] = ()) -> tuple[list[Tensor], list[list]]:
-    """The engine's ``RowParallelLinear`` holding the full ``weight [out, in]`` and ``bias [out]``, cut over
-    ``tp`` ranks that are threads of this process and really all-reduce (``tp.threads``), with the engine's
-    named faults ``fault_names`` on; rank r gets its slice of the input features of ``x [T, in]``.
-    Returns each rank's output ``[T, out]`` and each rank's list of collectives."""
-    n = check_int("in_features", weight.shape[1], 1) // check_int("tp", tp, 1, 16)
-
-    def rank(group):
-        layer = RowParallelLinear(weight.shape[1], weight.shape[0], bias is not None, group=group, dtype=weight.dtype,
-                                  name="row_parallel").load_full_(weight, bias)
-        return layer(x[:, group.rank * n:(group.rank + 1) * n].contiguous())
-
-    with faults.injected(*fault_names):
-        results = tp_ranks_in_threads(tp, rank)
-    return [y for y, _ in results], [list(trace) for _, trace in results]
 
 
 # ---- figures: the walk, who reads whom, the QKV extractors per rank ---------------------------------
@@ -573,7 +344,14 @@ def _engine_modules() -> dict[str, ReachModule]:
     b, d, k, f = model.layers[0], cfg.d_model, cfg.qkv_dim, cfg.d_ffn
 
     def attention(cu_of):
-        return lambda t, cu: in_forward(model, cu_of(cu), "masked", lambda: b.attn.core(*b.attn.qkv.split(t)).flatten(1))
+        def run(t, cu):
+            with bi.attention_context(model, cu_of(cu), "masked"):
+                return b.attn.core(*b.attn.qkv.split(t)).flatten(1)
+        return run
+
+    def residual_adds(t, cu):  # the Block's own two adds, with attention's output (out proj) zeroed: t + mlp(ln_2(t))
+        with bi.attention_context(model, cu, "masked"):
+            return bi.block_sum(b, t, {"attn.out_proj": torch.zeros_like(t)}, "")
 
     train_bn, eval_bn = torch.nn.BatchNorm1d(d), torch.nn.BatchNorm1d(d)
     eval_bn.running_mean.normal_(generator=torch.Generator().manual_seed(12))
@@ -586,7 +364,7 @@ def _engine_modules() -> dict[str, ReachModule]:
         "out proj (block.attn.out_proj)": ReachModule(lambda t, cu: b.attn.out_proj(t), "linear", k),
         "GeLU (block.mlp.act)": ReachModule(lambda t, cu: b.mlp.act(t), "per token", f),
         "FFN: up, GeLU, down (block.mlp)": ReachModule(lambda t, cu: b.mlp(t), "linear", d),
-        "residual add (t + block.mlp(t))": ReachModule(lambda t, cu: t + b.mlp(t), "per token", d),
+        "residual adds (block, attention's output zeroed)": ReachModule(residual_adds, "per token", d),
         "BatchNorm1d, training mode": ReachModule(lambda t, cu: train_bn(t), MIXES_ROWS, d),
         "BatchNorm1d, eval mode (running stats)": ReachModule(lambda t, cu: eval_bn(t), "per token", d),
     }
@@ -634,42 +412,12 @@ def reach_modules() -> dict[str, ReachModule]:
     return {**_engine_modules(), **own}
 
 
-ALONE_RTOL = 1e-5  # alone vs in the batch: rounding allowed, relative to the largest output number (no floor)
-
-
-@torch.no_grad()
-def alone_vs_batched(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_lens: Sequence[int]) -> dict:
-    """Each request's rows of ``x`` run ALONE through ``fn(t, cu_seqlens)`` against its rows of the flat run:
-    ``{"max_diff", "bound" (``ALONE_RTOL`` x the flat output's largest |number|, no floor), "differ" (the requests
-    beyond it), "flat", "row_diff" (float64 [T]: each row's max |alone - flat|)}``."""
-    lens = check_lengths(seq_lens)
-    cu = cumulative(lens)
-    flat = fn(x, cu)
-    if not isinstance(flat, Tensor) or flat.dim() < 1 or flat.shape[0] != cu[-1]:
-        got = list(flat.shape) if isinstance(flat, Tensor) else type(flat).__name__
-        raise ValueError(f"the module must return one row per input row: {cu[-1]} rows in, got {got}")
-    bound = ALONE_RTOL * float(flat.double().abs().max())
-    worst, differ, row_diff = 0.0, [], np.zeros(cu[-1])
-    for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
-        alone = fn(x[s:e], [0, e - s])
-        if not isinstance(alone, Tensor) or alone.shape != flat[s:e].shape:
-            got = list(alone.shape) if isinstance(alone, Tensor) else type(alone).__name__
-            raise ValueError(f"request {request_name(i)} alone ({e - s} rows) gave {got}, not {list(flat[s:e].shape)}")
-        gap = (alone.double() - flat[s:e].double()).abs().reshape(e - s, -1)
-        row_diff[s:e] = gap.amax(dim=1).numpy() if gap.shape[1] else 0.0
-        d = float(gap.max()) if gap.numel() else 0.0
-        worst = max(worst, d)
-        if not d <= bound:  # a NaN differs too
-            differ.append(request_name(i))
-    return {"max_diff": worst, "bound": bound, "differ": differ, "flat": flat, "row_diff": row_diff}
-
-
 @torch.no_grad()
 def two_tests(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_lens: Sequence[int]) -> tuple[np.ndarray, dict]:
     """The explorer's two tests of ``fn(t, cu_seqlens)`` on the flat rows ``x [T, ...]`` of ``seq_lens``: the map
     ``row_dependency`` measures (bool ``[T, T]``) and ``alone_vs_batched``."""
     cu = cumulative(check_lengths(seq_lens))
-    return row_dependency(lambda t: fn(t, cu), x).numpy(), alone_vs_batched(fn, x, seq_lens)
+    return row_dependency(lambda t: fn(t, cu), x).numpy(), bi.alone_vs_batched(fn, x, seq_lens)
 
 
 def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> dict:
@@ -696,7 +444,7 @@ def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> d
             raise ValueError(f"{module} on lengths {lens}: a request of one token is run alone as a one-token "
                              "batch, and a one-token batch has no variance: BatchNorm cannot even run on it") from None
         raise ValueError(f"{module} failed on {cu[-1]} rows: {type(exc).__name__}: {exc}") from None
-    seen = reach_counts(dep, lens)
+    seen = bi.reach_counts(dep, lens)
     alone_ok = not alone["differ"]
     verdict = SAFE if seen["other_requests"] == 0 and alone_ok else MIXES
     if verdict == MIXES:  # the colour follows the verdict, whatever the module's kind
@@ -946,7 +694,8 @@ class RowParallelSuspect:
         if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.in_features or not x.is_floating_point():
             got = f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x must be a float tensor [T, {self.in_features}], got {got}")
-        return run_row_parallel(self._weight, self.bias, x.float(), self.world_size, self._faults)
+        with faults.injected(*self._faults):
+            return row_parallel_in_threads(self._weight, self.bias, x.float(), self.world_size)
 
     def __repr__(self) -> str:
         return (f"RowParallelSuspect(in_features={self.in_features}, out_features={self.out_features}, "
@@ -1027,7 +776,7 @@ def batching_free(quantize: Callable[[Tensor], Tensor], seq_lens: Sequence[int] 
     x = torch.randn(sum(lens), REACH_CFG.d_model, generator=torch.Generator().manual_seed(13))
     x[lens[0]:] *= 30
     dep, alone = two_tests(lambda t, cu: qkv(quantize(t)), x, lens)
-    across = reach_counts(dep, lens)["other_requests"]
+    across = bi.reach_counts(dep, lens)["other_requests"]
     return {"across": across, "differ": alone["differ"], "max_diff": alone["max_diff"],
             "free": across == 0 and not alone["differ"]}
 
