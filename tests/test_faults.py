@@ -207,6 +207,8 @@ PROBES = {
     "chunk_takes_whole_budget": plan,
     "chunk_ignores_cached_keys": chunked_engine,
     "chunked_request_to_the_back": plan,
+    "chunked_scheduler_ignores_max_num_seqs": lambda: outcome(lambda: scheduler.plan_batches(
+        [10, 3, 2, 1], 16, 2, enable_chunked_prefill=True)),
     "scheduler_refused": plan,
 } | {name: kernel_runs for name in faults.FAULTS if name.startswith("kernel_")}
 

@@ -115,3 +115,21 @@ def _scheduler_refused():
         raise RuntimeError("the scheduler is switched off here (fault 'scheduler_refused'): work the plan out yourself")
     return [swap_function(scheduler, "plan_batches", refuse), swap_attr(scheduler.Scheduler, "schedule_chunks", refuse),
             swap_attr(scheduler.Scheduler, "schedule", refuse)]
+
+
+@fault("chunked_scheduler_ignores_max_num_seqs", "the chunked scheduler forgets max_num_seqs: it fills every forward "
+       "to max_num_batched_tokens with as many requests as fit (only the unchunked path counts requests)", AREA)
+def _chunked_ignores_max_num_seqs():
+    from ..serve import scheduler
+    real = scheduler.Scheduler.schedule_chunks
+
+    def schedule_chunks(self):
+        if not self.enable_chunked_prefill:
+            return real(self)
+        limit = self.max_num_seqs
+        self.max_num_seqs = max(limit, len(self.waiting))   # the bug: the request count never closes a forward
+        try:
+            return real(self)
+        finally:
+            self.max_num_seqs = limit
+    return [swap_attr(scheduler.Scheduler, "schedule_chunks", schedule_chunks)]
