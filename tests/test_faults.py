@@ -30,6 +30,7 @@ from lessons_lib.core.model import Transformer
 from lessons_lib.course.check import at_most, claim
 from lessons_lib.measure import profile
 from lessons_lib.measure.recorder import record_matmuls, record_ops
+from lessons_lib.ops import tiling
 from lessons_lib.serve import scheduler
 from lessons_lib.serve.engine import Engine
 from lessons_lib.serve.scheduler import Request
@@ -210,6 +211,8 @@ PROBES = {
     "chunked_scheduler_ignores_max_num_seqs": lambda: outcome(lambda: scheduler.plan_batches(
         [10, 3, 2, 1], 16, 2, enable_chunked_prefill=True)),
     "scheduler_refused": plan,
+    "tiling_tiles_rounded_down": lambda: (tiling.predict_work([70, 5, 20], n_heads=2, block_m=16, block_n=16).as_dict(),
+                                          tiling.launch_grid(20, 2, 3, 16)),
 } | {name: kernel_runs for name in faults.FAULTS if name.startswith("kernel_")}
 
 

@@ -55,6 +55,24 @@ def parse_lengths(text: str, max_requests: int = 64, max_length: int = 4096) -> 
         raise ValueError(f"lengths: at most {max_requests} requests, got {len(lens)}")
     return lens
 
+
+def parse_query_key_lengths(text: str, max_requests: int = 8, max_length: int = 512) -> tuple[list[int], list[int]]:
+    """``"20:50, 10"`` → ``([20, 10], [50, 10])``: each request ``L`` (a prompt) or ``L_q:L_k`` (a chunk of L_q
+    queries after ``L_k − L_q`` cached keys; ``L_k >= L_q``), commas or spaces between requests (``parse_lengths``'
+    limits on each side)."""
+    if not isinstance(text, str):
+        raise ValueError(f"lengths must be a string like '10, 30' or '20:50, 10', got {type(text).__name__}")
+    items = text.replace(",", " ").split()
+    lens_q = parse_lengths(" ".join(item.split(":")[0] for item in items), max_requests, max_length)
+    lens_k = parse_lengths(" ".join(item.split(":")[-1] for item in items), max_requests, max_length)
+    for item, nq, nk in zip(items, lens_q, lens_k):
+        if item.count(":") > 1:
+            raise ValueError(f"lengths: {item!r} has more than one ':'; write a request as L or L_q:L_k")
+        if nk < nq:
+            raise ValueError(f"lengths: {item!r} has fewer keys than queries; a chunk sees its own tokens "
+                             "and the cached ones, L_k >= L_q")
+    return lens_q, lens_k
+
 def html_table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A ``<table>``: a header row of ``columns``, then one row per item of ``rows``, each value as ``str``,
     HTML-escaped; every row must have one value per column."""

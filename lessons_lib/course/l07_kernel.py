@@ -10,16 +10,10 @@ Taught in notebooks/07_inside_the_kernel.ipynb.
 from __future__ import annotations
 
 import functools
-import json
-import os
 import pathlib
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,11 +27,12 @@ from ..faults import kernel as kernel_faults
 from ..measure.machines import H200
 from ..measure.profile import random_qkv
 from ..measure.tolerance import max_abs_diff, tolerance
-from ..ops import tiling
+from ..ops import compile_report, tiling
+from ..ops.online_softmax import max_growths, online_softmax
 from ..ops.tiling import WorkCounts, cdiv
 from ..style import ATTENTION, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_name
 from ..validate import check_int, check_lengths
-from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
+from .explore import explorer, ipywidgets_module, parse_query_key_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import grade, int_tuple
 
@@ -225,49 +220,6 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
 
 # ---- online softmax, replayed --------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class SoftmaxStep:
-    """After key tile ``tile``: the running max ``m``, sum ``l_sum``, and how far ``acc / l`` is from the exact
-    softmax-weighted sum over the keys seen so far."""
-
-    tile: int
-    keys_seen: int
-    m: float
-    l_sum: float
-    max_grew: bool
-    error: float
-
-
-def online_softmax(scores: torch.Tensor, values: torch.Tensor, block_n: int, rescale: bool = True
-                   ) -> tuple[torch.Tensor, list[SoftmaxStep]]:
-    """One query row's ``softmax(scores) @ values`` the kernel's way, ``block_n`` keys at a time (running max,
-    running sum, ``acc``; ``rescale=False``: the sum not rescaled when the max grows, the fault
-    ``kernel_sum_not_rescaled``). ``scores [n]``, ``values [n, d]``, computed in their dtype. Returns the output and
-    one ``SoftmaxStep`` per tile (errors in float64)."""
-    check_int("block_n", block_n, 1)
-    m = torch.tensor(float("-inf"), dtype=scores.dtype)
-    l_sum = torch.zeros((), dtype=scores.dtype)
-    acc = torch.zeros(values.shape[1], dtype=scores.dtype)
-    steps = []
-    for t, start in enumerate(range(0, scores.shape[0], block_n)):
-        s, v = scores[start:start + block_n], values[start:start + block_n]
-        m_new = torch.maximum(m, s.max())
-        p, alpha = torch.exp(s - m_new), torch.exp(m - m_new)
-        l_sum = (l_sum * alpha if rescale else l_sum) + p.sum()
-        acc = acc * alpha + p @ v
-        grew, m = bool(m_new > m) and t > 0, m_new
-        seen = min(scores.shape[0], start + block_n)
-        exact = torch.softmax(scores[:seen].double(), 0) @ values[:seen].double()
-        steps.append(SoftmaxStep(t, seen, float(m), float(l_sum), grew, max_abs_diff(acc / l_sum, exact)))
-    return acc / l_sum, steps
-
-
-def max_growths(scores: torch.Tensor, block_n: int) -> list[int]:
-    """Per query row of ``scores [n_q, n_k]``: in how many key tiles after the first its running max grows."""
-    tile_max = torch.stack([scores[:, s:s + block_n].max(1).values for s in range(0, scores.shape[1], block_n)], 1)
-    return (tile_max[:, 1:] > torch.cummax(tile_max, 1).values[:, :-1]).sum(1).tolist()
-
-
 def softmax_example(n_keys: int = 64, d_head: int = 16, seed: int = 3):
     """One request of ``n_keys`` tokens, one head (``random_qkv``), its scores ``q k^T / sqrt(d)`` and the row whose
     max grows in the most key tiles of 16 (ties: the lowest). Returns ``q, k, v, cu, row, scores``."""
@@ -352,7 +304,8 @@ BUG_EFFECTS = {"kernel_no_early_return": ("tiles, masked_tiles", "no"),
                "kernel_causal_bound_one_tile_late": ("tiles, tiles_skipped, cells, masked_tiles", "no"),
                "kernel_sum_not_rescaled": ("none", "yes"), "kernel_columns_past_end_kept": ("none", "yes"),
                "kernel_every_key_tile_masked": ("masked_tiles", "no"), "kernel_diagonal_tile_unmasked": ("masked_tiles", "yes"),
-               "kernel_causal_diagonal_top_left": ("none", "no")}
+               "kernel_causal_diagonal_top_left": ("none", "no"), "kernel_cells_counted_whole_tile": ("cells", "no"),
+               "kernel_exp_in_base_e": ("none", "yes")}
 KERNEL_BUGS = tuple(BUG_EFFECTS)
 BUG_COUNTERS = ("early_exits", "tiles", "tiles_skipped", "cells", "masked_tiles")   # what the break-it cell compares
 
@@ -375,96 +328,16 @@ COMPILE_ARCHS, COMPILE_HEAD_DIMS = (80, 90), (64, 128)
 TRIED_TILES = {80: {128: (128, 64, 8, 3), 64: (128, 64, 4, 3)}}
 
 
-def _compile_report():
-    from ..ops import compile_report
-    return compile_report
-
-
 @functools.cache
 def compiler_reports() -> tuple[list, list]:
     """``(launcher's, tried)``: ``compile_report.compile_builds`` of the launcher's bf16 causal per-head builds for
     ``COMPILE_ARCHS`` x ``COMPILE_HEAD_DIMS`` and of ``TRIED_TILES``' (fresh subprocesses, no GPU; cached)."""
-    cr = _compile_report()
-    mine = [cr.Build(a, "bfloat16", d, True, False) for a in COMPILE_ARCHS for d in COMPILE_HEAD_DIMS]
-    tried = [cr.Build(a, "bfloat16", d, True, False) for a, by_d in TRIED_TILES.items() for d in by_d]
+    mine = [compile_report.Build(a, "bfloat16", d, True, False) for a in COMPILE_ARCHS for d in COMPILE_HEAD_DIMS]
+    tried = [compile_report.Build(a, "bfloat16", d, True, False) for a, by_d in TRIED_TILES.items() for d in by_d]
     with ThreadPoolExecutor(2) as pool:
-        ours = pool.submit(cr.compile_builds, mine, 2)
-        other = pool.submit(cr.compile_builds, tried, 1, 600, TRIED_TILES)
+        ours = pool.submit(compile_report.compile_builds, mine, 2)
+        other = pool.submit(compile_report.compile_builds, tried, 1, 600, TRIED_TILES)
         return ours.result(), other.result()
-
-
-def compiler_table(reports: Sequence) -> str:
-    """``compile_report.format_table`` with each target's register and shared-memory limits and whether it fits."""
-    cr = _compile_report()
-    lines = cr.format_table(reports).splitlines()
-    head = f"{lines[0]}  {'max regs':>8}  {'max shared':>10}  fits"
-    return "\n".join([head] + [f"{line}  {cr.MAX_REGISTERS:>8}  {r.max_shared:>10}  {'yes' if r.fits else 'NO'}"
-                               for line, r in zip(lines[1:], reports)])
-
-
-# The kernel's exponential, and the line an unfolded kernel would have (compiled only, never run).
-EXP_LINE = ("p = tl.exp2(s - m_safe[:, None])", "p = tl.exp(s - m_safe[:, None])")
-LOG2E_PTX = "0f3FB8AA3B"   # log2(e) as a float32 immediate in PTX
-_PTX_PROGRAM = ("import runpy, sys\nfrom lessons_lib.faults.kernel import line_changed\n"
-                "if len(sys.argv) > 1:\n    line_changed(sys.argv[1], sys.argv[2])\n"
-                "runpy.run_module('lessons_lib.ops.compile_report', run_name='__main__')\n")
-
-
-@dataclass(frozen=True)
-class ExpCount:
-    """Instructions of one native build's PTX (per thread, the whole kernel)."""
-
-    ex2: int          # ex2.approx: the GPU's only exponential instruction (base 2)
-    mul_log2e: int    # multiplies by log2(e): what tl.exp adds before each ex2
-    mul_f32: int      # all fp32 multiplies
-
-
-def _ptx_counts(arch: int, head_dim: int, line: Sequence[str]) -> ExpCount:
-    payload = json.dumps({"builds": [{"arch": arch, "dtype": "bfloat16", "head_dim": head_dim, "causal": True,
-                                      "pack_gqa": False}], "tiles": None})
-    with tempfile.TemporaryDirectory(prefix="l07_ptx_") as cache:
-        env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DUMP_PTXAS_LOG="1", TRITON_ALWAYS_COMPILE="1",
-                   TRITON_CACHE_DIR=cache)
-        done = subprocess.run([sys.executable, "-c", _PTX_PROGRAM, *line], input=payload, text=True,
-                              capture_output=True, env=env, cwd=ROOT, timeout=600)
-        if done.returncode:
-            raise RuntimeError(f"native compile failed:\n{done.stderr[-3000:]}")
-        ptx = "\n".join(p.read_text() for p in pathlib.Path(cache).glob(f"*/{kernel_faults.KERNEL_NAME}.ptx"))
-    code = [line.split() for line in ptx.splitlines() if line.strip() and not line.lstrip().startswith(".")]
-    return ExpCount(sum(op[0].startswith("ex2.") for op in code),
-                    sum(op[0].startswith("mul") and LOG2E_PTX in " ".join(op) for op in code),
-                    sum(op[0].startswith("mul.") and op[0].endswith("f32") for op in code))
-
-
-@functools.cache
-def exp_instructions(arch: int = 80, head_dim: int = 64) -> dict[str, ExpCount]:
-    """The kernel compiled natively (bf16, causal, per head, fresh processes) as it is and with ``EXP_LINE`` swapped
-    in (``faults.kernel.line_changed``): ``{"tl.exp2 (the kernel)": ExpCount, "tl.exp": ExpCount}``."""
-    with ThreadPoolExecutor(2) as pool:
-        real, unfolded = pool.map(lambda line: _ptx_counts(arch, head_dim, line), ((), EXP_LINE))
-    return {"tl.exp2 (the kernel)": real, "tl.exp": unfolded}
-
-
-# ---- the log-sum-exp the kernel returns -----------------------------------------------------------------------
-
-def reference_lse(q: torch.Tensor, k: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor | None = None, *,
-                  causal: bool = True, softmax_scale: float | None = None, dtype=torch.float64) -> torch.Tensor:
-    """``log Σ_j exp(scale · q_i · k_j)`` over the keys row i sees, from the definition, in ``dtype``: ``[H, T_q]`` on
-    the CPU (-inf for a row that sees no key). q ``[T_q, H, D]``, k ``[T_k, H_kv, D]``, causal bottom-right."""
-    cu_k = cu_q if cu_k is None else cu_k
-    group = q.shape[1] // k.shape[1]
-    q, k = q.detach().cpu().to(dtype), k.detach().cpu().to(dtype).repeat_interleave(group, dim=1)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=dtype)
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    for qs, qe, ks, ke in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
-        s = torch.einsum("ihd,jhd->hij", q[qs:qe], k[ks:ke]) * scale      # [H, L_q, L_k]
-        if causal:
-            i, j = torch.arange(qe - qs)[:, None], torch.arange(ke - ks)[None, :]
-            s = s.masked_fill(j > i + (ke - ks) - (qe - qs), float("-inf"))
-        if ke > ks:
-            out[:, qs:qe] = torch.logsumexp(s, dim=-1)
-    return out
 
 
 # ---- grouped-query attention: the two layouts -------------------------------------------------------------------
@@ -528,13 +401,6 @@ def _short_tile() -> Figure:
                           title="non-causal, 64 x 64 tiles: a 10-token request still executes a whole tile")
 
 
-def is_view_op(name: str) -> bool:
-    """Whether the aten op ``name`` (as ``OpRecorder`` records it) returns a view of an argument (``OpOverload.is_view``),
-    or is ``_unsafe_view`` (a reshape whose schema does not say it aliases): a view launches no kernel."""
-    packet = getattr(torch.ops.aten, name)
-    return name == "_unsafe_view" or getattr(packet, packet.overloads()[0]).is_view
-
-
 def loop_ops(seq_lens: Sequence[int], *, causal: bool = True) -> list[str]:
     """The ops lesson 03's loop (``varlen_attention(..., backend="loop")``, one head of 16) dispatches for
     requests of ``seq_lens``, recorded by ``OpRecorder``, views left out: each op left runs on the device
@@ -545,7 +411,7 @@ def loop_ops(seq_lens: Sequence[int], *, causal: bool = True) -> list[str]:
     q, k, v, cu = random_qkv(list(seq_lens), n_heads=1, d_head=16, seed=0)
     with OpRecorder() as rec:
         varlen_attention(q, k, v, cu, causal=causal, backend="loop")
-    return [op.name for op in rec.ops if not is_view_op(op.name)]
+    return rec.launched()
 
 
 def loop_ops_per_request(*, causal: bool = True) -> list[str]:
@@ -614,23 +480,6 @@ MAX_PROGRAMS = 48     # ~10-30 ms each under the interpreter: an update stays we
 EXPLORER_HEADS, EXPLORER_D = 1, 16
 NO_BUG = "none (the real kernel)"
 COUNTER_FIELDS = ("programs", "early_exits", "tiles", "tiles_skipped", "cells")
-
-
-def parse_query_key_lengths(text: str, max_requests: int = 8, max_length: int = 512) -> tuple[list[int], list[int]]:
-    """``"20:50, 10"`` → ``([20, 10], [50, 10])``: each request ``L`` (a prompt) or ``L_q:L_k`` (a chunk of L_q
-    queries after ``L_k − L_q`` cached keys; ``L_k >= L_q``), commas or spaces between requests."""
-    if not isinstance(text, str):
-        raise ValueError(f"lengths must be a string like '10, 30' or '20:50, 10', got {type(text).__name__}")
-    items = text.replace(",", " ").split()
-    lens_q = parse_lengths(" ".join(item.split(":")[0] for item in items), max_requests, max_length)
-    lens_k = parse_lengths(" ".join(item.split(":")[-1] for item in items), max_requests, max_length)
-    for item, nq, nk in zip(items, lens_q, lens_k):
-        if item.count(":") > 1:
-            raise ValueError(f"lengths: {item!r} has more than one ':'; write a request as L or L_q:L_k")
-        if nk < nq:
-            raise ValueError(f"lengths: {item!r} has fewer keys than queries; a chunk sees its own tokens "
-                             "and the cached ones, L_k >= L_q")
-    return lens_q, lens_k
 
 
 @functools.lru_cache(maxsize=16)
@@ -727,20 +576,6 @@ def kernel_explorer(lengths: str = "10, 30", block_m: int = 16, block_n: int = 1
 
 # ---- exercises ---------------------------------------------------------------------------------------------
 
-def window_tiles_needed(len_q: int, len_k: int, tile_start: int, block_m: int, block_n: int,
-                        window: int | None) -> tuple[int, int]:
-    """The truth for exercise 07.1, by brute force over the mask: ``(first, end)``, the key tiles
-    ``[first, end)`` a query tile must compute when row i sees keys j with
-    ``i + L_k - L_q - W < j <= i + L_k - L_q`` (``window=None``: plain causal, no lower edge);
-    ``(0, 0)`` when no real row of the tile sees a key."""
-    seen = set()
-    for row in range(tile_start, min(tile_start + block_m, len_q)):
-        top = row + len_k - len_q
-        low = -1 if window is None else top - window
-        seen.update(j // block_n for j in range(max(0, low + 1), min(len_k, top + 1)))
-    return (min(seen), max(seen) + 1) if seen else (0, 0)
-
-
 # (len_q, len_k, tile_start, block_m, block_n, window): chunks with more keys than queries, tiles hanging past
 # the end, windows narrower and wider than a tile, and plain causal (window None)
 WINDOW_CASES = [(64, 64, 32, 16, 16, None), (20, 50, 16, 16, 16, None), (10, 10, 0, 64, 64, None),
@@ -757,18 +592,18 @@ def check_window_tiles(fn: Callable[[int, int, int, int, int, int | None], tuple
         ans, problem = int_tuple(got, "first, end")
         if problem:
             return problem
-        want = window_tiles_needed(len_q, len_k, start, block_m, block_n, window)
+        want = tiling.window_key_tiles(len_q, len_k, start, block_m, block_n, window)
         if ans == want:
             return None
         off, last = len_k - len_q, min(start + block_m, len_q) - 1
-        if len_k != len_q and ans == window_tiles_needed(len_q, len_q, start, block_m, block_n, window):
+        if len_k != len_q and ans == tiling.window_key_tiles(len_q, len_q, start, block_m, block_n, window):
             return (f"got {ans}, expected {want}: with more keys than queries the diagonal is bottom-right aligned: "
                     f"row i sees keys up to i + L_k - L_q = i + {off}")
-        if ans[1] != want[1] and ans[1] == window_tiles_needed(len_q, len_k, start, 1, block_n, window)[1]:
+        if ans[1] != want[1] and ans[1] == tiling.window_key_tiles(len_q, len_k, start, 1, block_n, window)[1]:
             return (f"got {ans}, expected {want}: your end is what the tile's FIRST row needs; the LAST real row, "
                     f"min(tile_start + BLOCK_M, L_q) - 1 = {last}, sees the furthest key")
         if window is not None and ans[0] != want[0]:
-            last_first = window_tiles_needed(len_q, len_k, last, 1, block_n, window)[0]
+            last_first = tiling.window_key_tiles(len_q, len_k, last, 1, block_n, window)[0]
             lo = max(0, start + off - window + 1)
             hints = []  # several mistakes can give the same tile: name each that fits
             if ans[0] == last_first:
@@ -836,18 +671,12 @@ FLAT_CASES = [([10, 30], 16), ([100, 5, 20], 32), ([64, 64], 64), ([65, 3], 64),
               ([300, 20, 20, 20], 64), ([7], 16), ([32, 32, 32], 16)]
 
 
-def flat_grid_size(seq_lens, block_q) -> int:
-    """``⌊T / BLOCK_Q⌋ + R``: programs of a flat grid per K/V head (vLLM's ``kernel_unified_attention_2d``), from the
-    token count T and the request count R alone; a tile holds ``BLOCK_Q`` tokens x the group's query heads."""
-    return sum(seq_lens) // block_q + len(seq_lens)
-
-
 def check_flat_grid(fn: Callable[[list, int], list]) -> bool:
     """Exercise 07.2: ``fn(seq_lens, block_q) -> [(request, q_block), ...]``, one pair per program of one K/V head's
     column of vLLM's flat grid, ``⌊T / BLOCK_Q⌋ + R`` programs: each request's programs contiguous, in request order,
     its token tiles 0, 1, 2, ... in order, every real tile exactly once (the rest return at once)."""
     def judge(got, lens, block_m):
-        size = flat_grid_size(lens, block_m)
+        size = tiling.flat_grid_size(lens, block_m)
         try:
             pairs = [tuple(int(x) for x in p) for p in got]
         except (TypeError, ValueError):
@@ -896,7 +725,7 @@ def check_flat_worse(fn: Callable[[], tuple]) -> bool:
             return f"got {got!r}: 1 to 64 lengths >= 1, at most 16384 tokens, BLOCK_Q one of {TILE_SIZES}"[:300]
         if any(lens == c[0] and block_m == c[1] for c in FLAT_CASES):
             return "that mix is one of the checker's cases above: find one of your own"
-        flat = flat_grid_size(lens, block_m)
+        flat = tiling.flat_grid_size(lens, block_m)
         rect = tiling.predict_work(lens, n_heads=1, block_m=block_m, block_n=64, causal=True)
         need = sum(cdiv(n, block_m) for n in lens)
         print(f"  {lens[:8]}{' ...' if len(lens) > 8 else ''} at BLOCK_Q = {block_m}: {need} real token tiles; flat "
@@ -924,9 +753,9 @@ def tile_work(lens, n_heads, block_m) -> WorkCounts:
 
 
 def longest_program(lens, block_m) -> int:
-    """Key tiles the busiest program of a causal launch at ``block_m`` x ``TILE_BN`` walks, one after the other
-    (``tiling.program_key_tiles``): no launch ends before that program does."""
-    return max(max(tiling.program_key_tiles(n, n, cdiv(n, block_m), block_m, TILE_BN, True)) for n in lens)
+    """``tiling.longest_program`` of a causal launch at ``block_m`` x ``TILE_BN``: the key tiles its busiest program
+    walks."""
+    return tiling.longest_program(lens, block_m, TILE_BN)
 
 
 def tile_costs(lens, n_heads, block_m, busy: bool = True) -> tuple[float, int, int]:
@@ -934,8 +763,8 @@ def tile_costs(lens, n_heads, block_m, busy: bool = True) -> tuple[float, int, i
     the SMs kept busy on average are the launch's key tiles over its longest program's (work over span, every tile
     costing the same); ``busy=False`` counts every program of the grid as a busy SM, early exits too (the naive count)."""
     w = tile_work(lens, n_heads, block_m)
-    return (w.tiles / longest_program(lens, block_m) if busy else w.programs), w.kv_bytes_read(TILE_D, TILE_BYTES), \
-        w.executed_cells
+    sms = tiling.busy_sms(w, longest_program(lens, block_m)) if busy else w.programs
+    return sms, w.kv_bytes_read(TILE_D, TILE_BYTES), w.executed_cells
 
 
 def best_block_m(lens, n_heads, n_sms, busy: bool = True) -> int:

@@ -36,6 +36,9 @@ LINE_CHANGES: dict[str, tuple[str, str]] = {
     "kernel_diagonal_tile_unmasked": ("lo = lo // BLOCK_N * BLOCK_N", "lo = hi"),
     "kernel_causal_diagonal_top_left": ("allowed = allowed & (cols[None, :] <= tok[:, None] + (len_k - len_q))",
                                         "allowed = allowed & (cols[None, :] <= tok[:, None])"),
+    "kernel_cells_counted_whole_tile": ("cells += tl.sum((row_ok[:, None] & col_ok[None, :]).to(tl.int32))",
+                                        "cells += BLOCK_M * BLOCK_N"),
+    "kernel_exp_in_base_e": ("p = tl.exp2(s - m_safe[:, None])", "p = tl.exp(s - m_safe[:, None])"),
 }
 _WHAT = {
     "kernel_no_early_return": "the kernel's early return removed: programs past their request's end walk its keys anyway",
@@ -50,6 +53,11 @@ _WHAT = {
                                      "masked (keys above it seen)",
     "kernel_causal_diagonal_top_left": "the kernel's causal mask aligned top-left (j <= i): a chunk after cached keys "
                                        "loses their offset",
+    "kernel_cells_counted_whole_tile": "count_work's cells counter adds every cell of a computed tile, the rows and "
+                                       "key columns past the request's end included (the in-bounds test dropped)",
+    "kernel_exp_in_base_e": "the kernel's exponential is tl.exp while its scores and running max are in base 2 "
+                            "(log2(e) folded into the scale): the probabilities are wrong, and the PTX multiplies by "
+                            "log2(e) again",
 }
 
 
@@ -125,3 +133,16 @@ def _register(name: str) -> None:
 
 for _name in LINE_CHANGES:
     _register(_name)
+
+
+def _cdiv_rounded_down(a: int, b: int) -> int:
+    return a // b
+
+
+@fault("tiling_tiles_rounded_down", "ops.tiling's cdiv rounds down (a // b where it needs the ceiling): the predictor "
+       "and launch_grid lose every partial tile (a request shorter than a tile gets no program)", "tiling")
+def _tiles_rounded_down():
+    from ..ops import tiling
+    tiling.choose_pack_gqa.cache_clear()
+    undo = swap_attr(tiling, "cdiv", _cdiv_rounded_down)
+    return [undo, tiling.choose_pack_gqa.cache_clear]

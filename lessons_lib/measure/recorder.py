@@ -122,6 +122,16 @@ def fused_attention_blocks(op: Op) -> list[tuple[int, int, int, int]]:
             for i in range(len(starts_q) - 1)]
 
 
+def is_view_op(name: str) -> bool:
+    """Whether the aten op ``name`` (as ``OpRecorder`` records it) returns a view of an argument (its schema's
+    ``OpOverload.is_view``), or is ``_unsafe_view`` (a reshape whose schema does not say it aliases): a view launches
+    no kernel. ValueError for a name that is not an aten op."""
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None or not hasattr(packet, "overloads"):
+        raise ValueError(f"{name!r} is not an aten op")
+    return name == "_unsafe_view" or getattr(packet, packet.overloads()[0]).is_view
+
+
 class OpRecorder(TorchDispatchMode):
     """Run and record every op of the block: ``with OpRecorder() as rec: ...`` (see the module)."""
 
@@ -141,6 +151,11 @@ class OpRecorder(TorchDispatchMode):
 
     def named(self, *names: str) -> list[Op]:
         return [op for op in self.ops if op.name in names]
+
+    def launched(self) -> list[str]:
+        """The names of the recorded ops that are not views (``is_view_op``), in order: on a GPU each launches a
+        kernel (or, ``_local_scalar_dense``, reads a value back to the host), one after the other."""
+        return [op.name for op in self.ops if not is_view_op(op.name)]
 
     @property
     def matmuls(self) -> list[Matmul]:

@@ -65,6 +65,32 @@ def assert_close(out: Tensor, ref: Tensor, ref64: Tensor, what: str, k: float = 
     return err, bound
 
 
+def reference_lse(q: Tensor, k: Tensor, cu_q: Tensor, cu_k: Tensor | None = None, *, causal: bool = True,
+                  softmax_scale: float | None = None, dtype: torch.dtype = torch.float64) -> Tensor:
+    """The log-sum-exp of each row's scaled scores from the definition, ``log Σ_j exp(scale · q_i · k_j)`` over the
+    keys row i sees, computed in ``dtype`` (float64: the truth a kernel's ``return_lse`` is held to; float32: the
+    trusted reference of the rule). q ``[T_q, H, D]``, k ``[T_k, H_kv, D]`` (``H % H_kv == 0``), int cu_seqlens
+    ``[R+1]``; causal bottom-right (``j ≤ i + L_k − L_q``). Returns ``[H, T_q]`` on the CPU, -inf for a row that sees
+    no key."""
+    cu_k = cu_q if cu_k is None else cu_k
+    if q.dim() != 3 or k.dim() != 3 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"reference_lse: q [T_q, H, D] and k [T_k, H_kv, D] with H % H_kv == 0, got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    group = q.shape[1] // k.shape[1]
+    q, k = q.detach().cpu().to(dtype), k.detach().cpu().to(dtype).repeat_interleave(group, dim=1)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=dtype)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for qs, qe, ks, ke in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
+        s = torch.einsum("ihd,jhd->hij", q[qs:qe], k[ks:ke]) * scale      # [H, L_q, L_k]
+        if causal:
+            i, j = torch.arange(qe - qs)[:, None], torch.arange(ke - ks)[None, :]
+            s = s.masked_fill(j > i + (ke - ks) - (qe - qs), float("-inf"))
+        if ke > ks:
+            out[:, qs:qe] = torch.logsumexp(s, dim=-1)
+    return out
+
+
 def ulp32(v: float) -> float:
     """One unit in the last place of the float32 number nearest ``v``: the gap from ``|v|`` to the next
     larger float32 (between half of ``eps · |v|`` and all of it, eps = 2**-23: ``eps · |v|`` is not one ULP)."""

@@ -137,6 +137,62 @@ def format_table(reports: Sequence[BuildReport]) -> str:
     return "\n".join(lines)
 
 
+def limits_table(reports: Sequence[BuildReport]) -> str:
+    """``format_table`` with each target's register and shared-memory limits and whether the build fits."""
+    lines = format_table(reports).splitlines()
+    head = f"{lines[0]}  {'max regs':>8}  {'max shared':>10}  fits"
+    return "\n".join([head] + [f"{line}  {MAX_REGISTERS:>8}  {r.max_shared:>10}  {'yes' if r.fits else 'NO'}"
+                               for line, r in zip(lines[1:], reports)])
+
+
+# The kernel's exponential, and the line an unfolded kernel would have (compiled only, never run).
+EXP_LINE = ("p = tl.exp2(s - m_safe[:, None])", "p = tl.exp(s - m_safe[:, None])")
+LOG2E_PTX = "0f3FB8AA3B"   # log2(e) as a float32 immediate in PTX
+# The subprocess: the faults named in LESSONS_FAULTS on, or (argv) one line of the kernel changed, then the build.
+_PTX_PROGRAM = ("import runpy, sys\nfrom lessons_lib import faults\nfrom lessons_lib.faults.kernel import line_changed\n"
+                "line_changed(sys.argv[1], sys.argv[2]) if len(sys.argv) > 1 else faults.apply_from_env()\n"
+                "runpy.run_module('lessons_lib.ops.compile_report', run_name='__main__')\n")
+
+
+@dataclass(frozen=True)
+class ExpCount:
+    """Instructions of one native build's PTX (per thread, the whole kernel)."""
+
+    ex2: int          # ex2.approx: the GPU's only exponential instruction (base 2)
+    mul_log2e: int    # multiplies by log2(e): what tl.exp adds before each ex2
+    mul_f32: int      # all fp32 multiplies
+
+
+def ptx_counts(arch: int, head_dim: int, line: Sequence[str] = ()) -> ExpCount:
+    """The launcher's bf16 causal per-head build for ``arch`` and ``head_dim`` compiled natively in a fresh
+    subprocess (the faults of ``LESSONS_FAULTS`` on there; ``line``: ``(old, new)``, that one kernel line changed
+    instead, ``faults.kernel.line_changed``), its PTX's ``ExpCount``. No GPU needed."""
+    import tempfile
+    payload = json.dumps({"builds": [asdict(Build(arch, "bfloat16", head_dim, True, False))], "tiles": None})
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory(prefix="ptx_") as cache:
+        env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DUMP_PTXAS_LOG="1", TRITON_ALWAYS_COMPILE="1",
+                   TRITON_CACHE_DIR=cache)
+        done = subprocess.run([sys.executable, "-c", _PTX_PROGRAM, *line], input=payload, text=True,
+                              capture_output=True, env=env, cwd=root, timeout=600)
+        if done.returncode:
+            raise RuntimeError(f"native compile failed:\n{done.stderr[-3000:]}")
+        ptx = "\n".join(open(os.path.join(d, f)).read() for d, _, files in os.walk(cache) for f in files
+                        if f == "_varlen_fwd_kernel.ptx")
+    code = [op.split() for op in ptx.splitlines() if op.strip() and not op.lstrip().startswith(".")]
+    return ExpCount(sum(op[0].startswith("ex2.") for op in code),
+                    sum(op[0].startswith("mul") and LOG2E_PTX in " ".join(op) for op in code),
+                    sum(op[0].startswith("mul.") and op[0].endswith("f32") for op in code))
+
+
+def exp_instructions(arch: int = 80, head_dim: int = 64) -> dict[str, ExpCount]:
+    """``ptx_counts`` of the kernel as it is and with ``EXP_LINE`` swapped in (two builds side by side):
+    ``{"tl.exp2 (the kernel)": ExpCount, "tl.exp": ExpCount}``."""
+    with ThreadPoolExecutor(2) as pool:
+        real, unfolded = pool.map(lambda line: ptx_counts(arch, head_dim, line), ((), EXP_LINE))
+    return {"tl.exp2 (the kernel)": real, "tl.exp": unfolded}
+
+
 # ---- inside the subprocess (TRITON_INTERPRET=0) ------------------------------------------------------------
 
 def _resources(log: str) -> tuple[int, int, int]:

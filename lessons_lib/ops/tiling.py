@@ -184,3 +184,43 @@ def launch_grid(max_seqlen_q: int, n_heads: int, num_seqs: int, block_m: int = 6
     (with ``pack_gqa``: ``launch_grid(max_seqlen_q · G, H_kv, R)``)."""
     return cdiv(check_int("max_seqlen_q", max_seqlen_q, 0), check_int("block_m", block_m, 1)), \
         check_int("n_heads", n_heads, 1), check_int("num_seqs", num_seqs, 0)
+
+
+def window_key_tiles(len_q: int, len_k: int, tile_start: int, block_m: int, block_n: int,
+                     window: int | None) -> tuple[int, int]:
+    """``(first, end)``: the key tiles ``[first, end)`` the query tile starting at row ``tile_start`` must compute
+    when row ``i`` sees keys ``j`` with ``i + L_k − L_q − W < j ≤ i + L_k − L_q`` (``window=None``: plain causal, no
+    lower edge); ``(0, 0)`` when no real row of the tile sees a key. Found by brute force over the mask, cell by cell
+    (independent of ``key_tiles``' formula)."""
+    nq, nk = check_int("len_q", len_q, 0), check_int("len_k", len_k, 0)
+    bm, bn = check_int("block_m", block_m, 1), check_int("block_n", block_n, 1)
+    w = None if window is None else check_int("window", window, 1)
+    seen = set()
+    for row in range(check_int("tile_start", tile_start, 0), min(tile_start + bm, nq)):
+        top = row + nk - nq
+        low = -1 if w is None else top - w
+        seen.update(j // bn for j in range(max(0, low + 1), min(nk, top + 1)))
+    return (min(seen), max(seen) + 1) if seen else (0, 0)
+
+
+def flat_grid_size(seqlens_q: Sequence[int], block_q: int) -> int:
+    """``⌊T / BLOCK_Q⌋ + R``: the programs of a flat grid per K/V head (vLLM's ``kernel_unified_attention_2d``), from
+    the token count T and the request count R alone; at most one of them per request has no token tile. Not this
+    engine's grid (``launch_grid``: ``⌈max_seqlen_q / BLOCK_M⌉ · R`` per head)."""
+    lq = check_lengths(seqlens_q, minimum=0, name="seqlens_q")
+    return sum(lq) // check_int("block_q", block_q, 1) + len(lq)
+
+
+def longest_program(seqlens: Sequence[int], block_m: int, block_n: int, causal: bool = True) -> int:
+    """Key tiles the busiest program of a launch over prompts of ``seqlens`` walks, one after the other
+    (``program_key_tiles``, one head): no launch ends before that program does."""
+    lens = check_lengths(seqlens, minimum=0, name="seqlens")
+    return max([t for n in lens for t in program_key_tiles(n, n, cdiv(n, block_m), block_m, block_n, causal)],
+               default=0)
+
+
+def busy_sms(work: WorkCounts, longest: int) -> float:
+    """The SMs a launch keeps busy on average, in the simplest model (work over span, every key tile costing the
+    same): its key tiles over the key tiles of its longest program (``longest_program``). An upper bound: a real SM
+    runs several programs at once to hide memory latency, so filling a GPU takes more work than this asks."""
+    return work.tiles / longest if longest > 0 else 0.0
