@@ -7,7 +7,10 @@ of ``flops``; tests never assert a timing.
 - ``time_call`` / ``peak_bytes``: fastest-of-N wall time; bytes allocated at the peak of one
   call (``torch.profiler`` memory events on the CPU, ``torch.cuda`` statistics on a GPU).
 - ``interleaved_best``: the fastest time of several calls timed in turn; ``cpu_threads``: a block on n threads.
-- ``measure_attention``: one varlen backend on random q, k, v (claim C9's masked vs varlen).
+- ``measure_attention``: one varlen backend on random q, k, v (claim C9's masked vs varlen); ``sweep_attention``:
+  several backends as the number of requests grows, timed in turn; ``recorded_cells``: the score cells
+  ``OpRecorder`` sees each backend compute for one batch; ``attention_calls``: which of the engine's attention
+  functions a call entered.
 - ``forward_time_split``: a model forward split into linear layers, attention and the rest,
   on the model's device (claim C14's measured counterpart).
 - ``matmul_throughput``: GFLOP/s of one linear layer against the token count (claim C13).
@@ -19,7 +22,9 @@ Taught in notebooks/03_masked_vs_varlen_attention.ipynb and notebooks/05_flop_re
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import sys
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -193,6 +198,61 @@ _ATTENTION_OPS = ("aten::scaled_dot_product_attention", "torch_attn::_varlen_att
                   "flash_attn::_flash_attn_varlen_forward")
 
 
+def sweep_attention(rs: Sequence[int], backends: Sequence[str], length: int = 64, n_heads: int = 8, d_head: int = 64,
+                    rounds: int = 5, device="cpu", dtype: torch.dtype = torch.float32, threads: int | None = 1) -> dict:
+    """``{backend: {"ms": [...], "mib": [...]}}`` in the order of ``rs``: one attention call (not causal) on R requests
+    of ``length`` tokens, its fastest time (``interleaved_best`` over every (R, backend) pair) and its peak memory;
+    on a CPU on ``threads`` threads."""
+    calls = {}
+    for r in rs:
+        q, k, v, cu = random_qkv([length] * r, n_heads, d_head, seed=r, device=device, dtype=dtype)
+        calls |= {(r, b): functools.partial(varlen_attention, q, k, v, cu, causal=False, backend=b) for b in backends}
+    with cpu_threads(threads if torch.device(device).type == "cpu" else None):
+        best = interleaved_best(calls, rounds, device)
+        return {b: {"ms": [best[r, b] * 1e3 for r in rs], "mib": [peak_bytes(calls[r, b], device) / 2**20 for r in rs]}
+                for b in backends}
+
+
+def recorded_cells(seq_lens: Sequence[int], backends: Sequence[str] = ("loop", "masked", "padded"),
+                   causal: bool = False) -> dict[str, int]:
+    """``{backend: cells}``: the score cells of one head (random q, k, v, one head of 4) that ``OpRecorder`` sees
+    each backend compute for one batch. The loop's are the requests' own blocks; what masked and padded compute
+    beyond them is their waste (cross-request cells, pad cells). A fused backend counts the cells it is handed."""
+    from .recorder import OpRecorder
+    q, k, v, cu = random_qkv(list(seq_lens), 1, 4, seed=0)
+    cells = {}
+    for backend in backends:
+        with OpRecorder() as rec:
+            varlen_attention(q, k, v, cu, causal=causal, backend=backend)
+        cells[backend] = rec.cells
+    return cells
+
+
+def attention_calls(call: Callable, *args) -> tuple[object, list[str]]:
+    """``call(*args)`` under a profile hook that changes no result: its result, and the engine's attention functions
+    that ran inside it (its backends as ``"its 'loop' backend"``, the entry points that reach one by name, the Triton
+    kernel as ``"its Triton kernel"``), in the order first entered."""
+    from ..core import attention
+    codes = {f.__code__: f"its {name!r} backend" for name, f in attention.IMPLS.items()}
+    codes |= {f.__code__: f.__name__ for f in (attention.attention_forward, attention.varlen_attention,
+                                                 attention.attention_ref, attention.plain_attention,
+                                                 attention.padded_attention, attention.dense_attention)}
+    seen = []
+
+    def hook(frame, event, arg):
+        code = frame.f_code
+        name = codes.get(code) or ("its Triton kernel" if code.co_filename.endswith("triton_varlen.py") else None)
+        if event == "call" and name and name not in seen:
+            seen.append(name)
+
+    old = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        return call(*args), seen
+    finally:
+        sys.setprofile(old)
+
+
 def forward_time_split(model, batch: PackedBatch, repeats: int = 2) -> dict[str, float]:
     """Seconds of one forward spent in linear layers, in attention and elsewhere, on the model's device.
 
@@ -282,3 +342,22 @@ def top_ops(fn: Callable[[], object], n: int = 8, device="cpu") -> list[tuple[st
     total = sum(ev.self_cpu_time_total for ev in events)
     top = sorted(events, key=lambda ev: ev.self_cpu_time_total, reverse=True)[:n]
     return [(ev.key, ev.self_cpu_time_total / 1e6, ev.self_cpu_time_total / total) for ev in top]
+
+
+def time_splits(model, batches: Mapping[Hashable, PackedBatch], repeats: int = 3, warmup: int = 3) -> dict:
+    """``forward_time_split`` of each batch (fastest of ``repeats``) after ``warmup`` forwards of every batch (a
+    process's first forwards on new shapes pay for fresh memory pages): ``{key: split}``."""
+    for _ in range(check_int("warmup", warmup, 0)):
+        for batch in batches.values():
+            model(batch)
+    return {name: forward_time_split(model, batch, repeats=repeats) for name, batch in batches.items()}
+
+
+def wall_scaled(split: Mapping[str, float]) -> dict[str, float]:
+    """``forward_time_split``'s ``linear``, ``attention`` and ``other`` rescaled to add up to its ``wall`` time,
+    proportions kept (the profiled parts include the profiler's overhead; the wall time does not)."""
+    parts = {p: float(split[p]) for p in ("linear", "attention", "other")}
+    total = sum(parts.values())
+    if not total > 0 or not split.get("wall", 0) > 0:
+        raise ValueError(f"a time split needs positive parts and wall, got {dict(split)!r}")
+    return {p: v * split["wall"] / total for p, v in parts.items()}
