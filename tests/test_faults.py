@@ -211,6 +211,11 @@ PROBES = {
     "chunked_scheduler_ignores_max_num_seqs": lambda: outcome(lambda: scheduler.plan_batches(
         [10, 3, 2, 1], 16, 2, enable_chunked_prefill=True)),
     "scheduler_refused": plan,
+    "scheduler_first_fit": lambda: outcome(lambda: scheduler.plan_batches([10, 8, 5, 3], 16)),
+    "scheduler_overshoots_budget": lambda: outcome(lambda: scheduler.plan_batches([10, 8, 5, 3], 16)),
+    "scheduler_budgets_padded_rows": lambda: outcome(lambda: scheduler.plan_batches([10, 8, 5, 3], 16)),
+    "flat_batch_padded_to_multiple_of_64": lambda: [m.m for m in record_matmuls(lambda: Engine(
+        CFG, weights=init_weights(CFG, seed=0), device="cpu", compute_logits=False).prefill([[1] * 5, [2] * 9]))],
     "tiling_tiles_rounded_down": lambda: (tiling.predict_work([70, 5, 20], n_heads=2, block_m=16, block_n=16).as_dict(),
                                           tiling.launch_grid(20, 2, 3, 16)),
 } | {name: kernel_runs for name in faults.FAULTS if name.startswith("kernel_")}

@@ -117,6 +117,78 @@ def _scheduler_refused():
             swap_attr(scheduler.Scheduler, "schedule", refuse)]
 
 
+@fault("scheduler_first_fit", "when the head of the queue does not fit the room left, the unchunked scheduler looks "
+       "further down the queue and takes every later request that still fits (first fit): later arrivals overtake it",
+       AREA)
+def _scheduler_first_fit():
+    from ..serve import scheduler
+
+    def schedule(self):
+        batch, tokens, passed = [], 0, []
+        while self.waiting:
+            req = self.waiting.popleft()
+            if len(batch) < self.max_num_seqs and tokens + len(req) <= self.max_num_batched_tokens:
+                batch.append(req)
+                tokens += len(req)
+            else:
+                passed.append(req)
+        self.waiting.extend(passed)
+        return batch
+    return [swap_attr(scheduler.Scheduler, "schedule", schedule)]
+
+
+@fault("scheduler_overshoots_budget", "the unchunked scheduler checks the budget against the tokens already taken, "
+       "not with the next request's: it takes requests while under max_num_batched_tokens, so a batch overshoots it by "
+       "its last request", AREA)
+def _scheduler_overshoots_budget():
+    from ..serve import scheduler
+
+    def schedule(self):
+        batch, tokens = [], 0
+        while self.waiting and len(batch) < self.max_num_seqs and tokens < self.max_num_batched_tokens:
+            batch.append(self.waiting.popleft())
+            tokens += len(batch[-1])
+        return batch
+    return [swap_attr(scheduler.Scheduler, "schedule", schedule)]
+
+
+@fault("scheduler_budgets_padded_rows", "the unchunked scheduler counts max_num_batched_tokens in padded rows "
+       "(requests x the longest one, as a padded engine allocates) even for flat forwards: it closes batches that "
+       "still had room for the next request's tokens", AREA)
+def _scheduler_budgets_padded_rows():
+    from ..serve import scheduler
+
+    def schedule(self):
+        batch, longest = [], 0
+        while self.waiting and len(batch) < self.max_num_seqs:
+            n = len(self.waiting[0])
+            if (len(batch) + 1) * max(longest, n) > self.max_num_batched_tokens:
+                break
+            batch.append(self.waiting.popleft())
+            longest = max(longest, n)
+        return batch
+    return [swap_attr(scheduler.Scheduler, "schedule", schedule)]
+
+
+@fault("flat_batch_padded_to_multiple_of_64", "the engine pads every flat forward (varlen and masked) with a dummy "
+       "request of pad tokens up to a multiple of 64 rows, as a CUDA-graph runner pads to a captured size, on the "
+       "CPU too: the linear layers run rows nobody asked for", AREA)
+def _flat_batch_padded():
+    from ..core.batch import pack
+    from ..serve import engine
+    real = engine.Engine.prepare_inputs
+
+    def prepare_inputs(self, chunks):
+        batch = real(self, chunks)
+        extra = -batch.num_tokens % 64
+        if not extra or batch.num_computed_tokens is not None:
+            return batch
+        cu = batch.cu_seqlens.tolist()
+        seqs = [batch.input_ids[s:e].cpu() for s, e in zip(cu[:-1], cu[1:])] + [torch.zeros(extra, dtype=torch.int64)]
+        return pack(seqs, device=self.device)
+    return [swap_attr(engine.Engine, "prepare_inputs", prepare_inputs)]
+
+
 @fault("chunked_scheduler_ignores_max_num_seqs", "the chunked scheduler forgets max_num_seqs: it fills every forward "
        "to max_num_batched_tokens with as many requests as fit (only the unchunked path counts requests)", AREA)
 def _chunked_ignores_max_num_seqs():
