@@ -12,7 +12,6 @@ from helpers import attempt, by_class, gids, min_font, png_of, stub
 from lessons_lib import ModelConfig, init_weights
 from lessons_lib.core.attention import varlen_attention
 from lessons_lib.course import l08_chunked as L
-from lessons_lib.measure.flops import linear_intensity, linear_shapes
 from lessons_lib.measure.machines import H200
 from lessons_lib.serve.scheduler import plan_batches
 from lessons_lib.serve.workloads import make_requests
@@ -92,14 +91,8 @@ def test_chunk_timeline_marks_each_forward_and_where_the_requests_behind_finish(
     assert min_font(fig) >= MIN_FONT
 
 
-def test_request_waits_end_with_the_last_chunk():
-    steps = [[(0, 4)], [(0, 2), (1, 2)], [(1, 1)]]
-    assert L.request_waits(steps) == {0: (2, 8), 1: (3, 9)}
-    assert L.mean_wait(L.request_waits(steps), [0, 1]) == (2.5, 8.5)
-
-
 def test_planned_timeline_is_the_engine_scheduler():
-    lens = L.stream_lengths()
+    lens = L.stream()[0]
     assert L.planned_timeline(lens, 512, True) == chunk_fcfs(lens, 512, 256)
     whole = L.planned_timeline(lens, 2048, False)
     assert [[i for i, _ in f] for f in whole] == plan_batches(lens, 2048)
@@ -154,20 +147,31 @@ def test_scheduler_bugs_break_the_budget_and_the_order():
         L.broken("no such bug")
 
 
-def test_tp_helpers_read_a_trace():
+def test_other_collectives_counts_what_is_not_a_block_all_reduce():
     from lessons_lib.core.groups import CollectiveRecord
     rec = [CollectiveRecord("all_reduce", (7, 512), "float32", 7 * 2048, f"layers.{i}.attn.out_proj", 0, 2)
            for i in range(2)]
-    assert L.trace_text(rec) == "2 x all_reduce [7, 512]"
     assert L.other_collectives(rec) == 0
     assert L.other_collectives([CollectiveRecord("all_gather", (7, 4, 64), "float32", 0, "layers.0.attn.kv", 0, 2)]) == 1
+
+
+def test_forward_prices_sum_the_engine_s_parts_per_forward():
+    from lessons_lib.measure.comm import tp_forward_parts
+    cfg = ModelConfig()
+    prices = L.forward_prices(cfg, {"a": [512, 512, 100], "b": [1124]}, 16, 40)
+    assert prices["a"]["forwards"] == 3 and prices["b"]["largest"] == 1124
+    one = tp_forward_parts(cfg, 512, 16, 40)
+    assert prices["a"]["weight_pass_s"] == pytest.approx(3 * one["weight_pass_s"])    # a pass per forward
+    assert prices["a"]["launches_s"] == pytest.approx(3 * 40 * H200.launch_s)
+    text = L.forward_prices_text(cfg, {"a": [512, 512, 100], "b": [1124]}, 16, 40)
+    assert "2 extra forwards, 32 extra all-reduces" in text and "-bound by" in text
 
 
 # ---- the explorer ----------------------------------------------------------------------------------
 
 def test_chunked_plan_state_is_the_engine_s_run():
     s = L.chunked_plan_state("long-tail", 24, 512)
-    assert s["seq_lens"] == L.stream_lengths() and s["longest"] == L.draft_index() == 9
+    assert s["seq_lens"] == L.stream()[0] and s["longest"] == L.draft_index() == 9
     assert s["chunked"]["timeline"] == L.planned_timeline(s["seq_lens"], 512, True)
     assert s["whole_budget"] == 2048 and s["whole"]["max_forward"] == 2047
     assert s["chunked"]["max_forward"] <= 512 and s["chunked"]["kv_cache_peak_bytes"] > 0
@@ -215,7 +219,7 @@ def test_chunked_plan_explorer_output_changes_with_the_budget():
 # ---- exercise 08.2 ---------------------------------------------------------------------------------
 
 def test_budget_prices_of_the_stream_are_the_scheduler_s():
-    m = L.budget_prices(L.stream_lengths(), L.draft_index(), 512)
+    m = L.budget_prices(L.stream()[0], L.draft_index(), 512)
     # the draft (request 9) is the only request cut before its end at the last boundary: 214 + 3 x 512 rows held
     assert (m["forwards"], m["largest"], m["all_reduces"], m["cache_rows_held"]) == (8, 512, 8 * 16, 214 + 3 * 512)
     assert (m["held_by"], m["held_after"]) == (9, 4)
@@ -238,7 +242,7 @@ def _budget(lens, draft, top, cap, measure):
 
 
 def test_budget_prices_are_the_engine_s_forwards():
-    lens, d = L.stream_lengths(), L.draft_index()
+    lens, d = L.stream()[0], L.draft_index()
     for b in (432, 480, 512, 656, 720, 768):
         p = L.budget_prices(lens, d, b)
         assert (p["forwards"], p["cache_rows_held"]) == _prices(lens, d, b)[:2]
@@ -319,14 +323,6 @@ class _Stats:
         self.chunks = chunks
 
 
-def test_cache_peak_rows_copy_and_in_place():
-    # one prompt of 10 in chunks 4, 4, 2: the copy peak is forward 1's 4 old + 8 new rows; in place 8 rows
-    stats = [_Stats([(0, 0, 4)]), _Stats([(0, 4, 4)]), _Stats([(0, 8, 2), (1, 0, 3)])]
-    assert L.cache_peak_rows(stats, [10, 3]) == {"copy": 12, "in_place": 8, "in_forward": 13, "held_by": 0,
-                                                 "held_after": 1}
-    assert L.cache_peak_rows([s.chunks for s in stats], [10, 3])["in_place"] == 8   # a plan's chunks alike
-
-
 def test_causal_cells_from_masks():
     stats = [_Stats([(0, 0, 4)]), _Stats([(0, 4, 4), (1, 0, 2)])]
     assert L.causal_cells_from_masks(stats) == 8 * 9 // 2 + 2 * 3 // 2
@@ -352,14 +348,6 @@ def _capped(lens, budget, max_seqs, cap, stop_after_cap=False, ignore_seqs=False
     return forwards
 
 
-def test_capped_scheduler_checker_accepts_another_schedule_within_the_rules():
-    # two requests of 6 under a budget of 8, cap 5: (5, 3) then (1, 3) is the reference; (4, 4) then (2, 2) keeps the rules
-    assert L.capped_schedule_problem([[(0, 4), (1, 4)], [(0, 2), (1, 2)]], [6, 6], 8, 256, 5) is None
-    assert L.capped_schedule_problem([[(0, 5), (1, 3)], [(0, 1), (1, 3)]], [6, 6], 8, 256, 5) is None
-    assert "room" in L.capped_schedule_problem([[(0, 4), (1, 3)], [(0, 2), (1, 3)]], [6, 6], 8, 256, 5)
-    assert "arrival order" in L.capped_schedule_problem([[(1, 5), (2, 3)], [(0, 6), (2, 3)]], [6, 6, 6], 8, 256, 5)
-
-
 def test_capped_scheduler_checker_passes_and_the_cap_lets_the_questions_pass(capsys):
     assert L.check_capped_scheduler(stub) is False
     assert "not attempted" in capsys.readouterr().out
@@ -367,7 +355,7 @@ def test_capped_scheduler_checker_passes_and_the_cap_lets_the_questions_pass(cap
     assert L.capped_finish(_capped, 0)["before"] == 0
     assert L.capped_finish(_capped, 128)["before"] == 14
     # a cap at or above the budget is plain FCFS chunking, the engine scheduler's
-    assert _capped(L.stream_lengths(), 512, 256, 512) == chunk_fcfs(L.stream_lengths(), 512, 256)
+    assert _capped(L.stream()[0], 512, 256, 512) == chunk_fcfs(L.stream()[0], 512, 256)
     # the engine's own cap (Scheduler(long_prefill_token_threshold=...)) serves the stream as the rule here does
     for cap in (0, 128):
         assert L.engine_capped_finish(cap) == L.capped_finish(_capped, cap)
@@ -384,22 +372,5 @@ def test_capped_scheduler_checker_explains_typical_mistakes(answer, hint):
     assert hint in attempt(L.check_capped_scheduler, answer)
 
 
-
-def test_ridge_tokens_are_the_first_token_count_at_the_h200_ridge():
-    cfg = ModelConfig()
-    for tp in (1, 2):
-        for n, shape in zip(L.ridge_tokens(cfg, tp).values(), linear_shapes(cfg, tp)):
-            if n is None:                                       # saturates below the ridge
-                assert linear_intensity(1 << 20, *shape, 2) < H200.ridge
-            else:                                               # the first token count at the ridge
-                assert linear_intensity(n, *shape, 2) >= H200.ridge > linear_intensity(n - 1, *shape, 2)
-    assert L.ridge_tokens(cfg, 2)["out proj"] is None
-    assert L.ridge_tokens(cfg, 1)["out proj"] > 1000 > 512 > L.ridge_tokens(cfg, 1)["FFN-up"]
-    assert "ridge of 206 FLOP/byte" in L.intensity_table(cfg, [512])
-
-
-def test_the_masks_causal_cells_drop_under_a_top_left_mask():
-    chunks = [512, 512, 512, 240]
-    assert L.staircase_cells(chunks)["allowed"] == 1776 * 1777 // 2
-    with L.broken("causal top-left"):
-        assert L.staircase_cells(chunks)["allowed"] < 1776 * 1777 // 2
+def test_intensity_table_marks_the_ridge():
+    assert "ridge of 206 FLOP/byte" in L.intensity_table(ModelConfig(), [512])

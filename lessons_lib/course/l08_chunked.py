@@ -1,11 +1,10 @@
 """What lesson 08 (chunked prefill: when a prompt does not fit) draws, explores and checks.
 
-  the stream        ``stream``, ``draft_index``, ``behind``, ``refusal``: lesson 06's 24 prompts, its refused draft
+  the stream        ``stream`` (``serve.workloads.prefill_stream``), ``draft_index``, ``behind``, ``refusal``
   one chunk         ``chunk_mask``, ``mask_text``, ``chunk_rows_error``, ``staircase_cells``
   the engine        ``serve`` (Engine, chunked or whole), ``timeline``, ``stacked``, ``error_and_bound``,
-                    ``recorded_blocks`` / ``recorded_counts`` (what attention really ran), ``cache_peak_rows``,
-                    ``trace_text``, ``payloads_match``, ``intensity_table``, ``forward_prices``
-  waits             ``request_waits``, ``mean_wait``: from the engine's forwards only
+                    ``recorded_blocks`` / ``recorded_counts`` (what attention really ran), ``payloads_match``,
+                    ``intensity_table``, ``forward_prices`` / ``forward_prices_text`` (H200s, TP=2)
   figures           ``chunk_staircase`` (08_chunk_staircase), ``chunk_timeline`` (08_chunk_timeline)
   break it          ``BUGS`` (the engine's named faults), ``broken``, ``reported_bug``, ``chunk_error_table``
   explorer          ``chunked_plan_state`` / ``chunked_plan_html`` / ``chunked_plan_explorer`` (runs the engine)
@@ -33,17 +32,19 @@ from ..core.attention import block_diag_mask, varlen_attention
 from ..core.batch import pack
 from ..core.config import ModelConfig
 from ..core.model import init_weights
-from ..measure.comm import NVLINK, crossover_tokens, ring_time_terms
-from ..measure.flops import LINEAR_LAYERS, linear_intensity, linear_shapes
+from ..measure.comm import NVLINK, crossover_tokens, tp_forward_parts
+from ..measure.flops import LINEAR_LAYERS, linear_intensity, linear_ridge_tokens, linear_shapes
 from ..measure.machines import H200
 from ..measure.recorder import OpRecorder
-from ..measure.search import first_where
 from ..measure.tolerance import max_abs_diff, tolerance
+from ..serve import workloads
 from ..serve.engine import Engine
-from ..serve.scheduler import DEFAULT_MAX_NUM_SEQS, Request, Scheduler, plan_batches
-from ..serve.workloads import WORKLOAD_PRESETS, make_requests, workload_lengths
+from ..serve.kv_cache import cache_rows_held
+from ..serve.scheduler import DEFAULT_MAX_NUM_SEQS, Request, Scheduler, chunked_schedule_problem, plan_batches
+from ..serve.scheduler import mean_prefill_wait as mean_wait
+from ..serve.scheduler import prefill_waits as waits_of
 from ..style import ATTENTION, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE, request_color
-from ..validate import check_int, is_int
+from ..validate import check_int
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import grade
@@ -52,32 +53,19 @@ Tensor = torch.Tensor
 
 # ---- lesson 06's stream: 24 long-tail prompts under 512 prompt tokens per forward ---------------------------
 
-STREAM = {"workload": "long-tail", "num_requests": 24, "seed": 3}
-PROMPT_SEED = 1       # the prompts' token ids: make_requests(lengths, vocab_size, seed=PROMPT_SEED)
-BUDGET = 512          # lesson 06's max_num_batched_tokens
+BUDGET = workloads.PREFILL_STREAM_BUDGET   # lesson 06's max_num_batched_tokens: 512
 WHOLE_BUDGET = 2048   # the smallest power of two that admits the 1,776-token draft whole
 
 
-def workload(name: str, num_requests: int, seed: int, vocab_size: int) -> tuple[list[int], list[list[int]]]:
-    """``(lengths, token-id prompts)`` of a seeded stream of workload ``name`` (one of ``WORKLOAD_PRESETS``)."""
-    if name not in WORKLOAD_PRESETS:
-        raise ValueError(f"workload must be one of {tuple(WORKLOAD_PRESETS)}, got {name!r}")
-    lens = workload_lengths(name, num_requests, seed, **WORKLOAD_PRESETS[name])
-    return lens, make_requests(lens, vocab_size, seed=PROMPT_SEED)
-
-
 def stream(cfg: ModelConfig | None = None) -> tuple[list[int], list[list[int]]]:
-    """Lesson 06's stream: ``(lengths, token-id prompts)`` in arrival order, the 1,776-token draft included."""
-    return workload(STREAM["workload"], STREAM["num_requests"], STREAM["seed"], (cfg or ModelConfig()).vocab_size)
-
-
-def stream_lengths() -> list[int]:
-    return stream()[0]
+    """Lesson 06's stream (``serve.workloads.prefill_stream``) with ``cfg``'s vocabulary: ``(lengths, token-id
+    prompts)`` in arrival order, the 1,776-token draft included."""
+    return workloads.prefill_stream((cfg or ModelConfig()).vocab_size)
 
 
 def draft_index() -> int:
     """The stream's request that lesson 06 refused: the one longer than the budget."""
-    (i,) = [i for i, n in enumerate(stream_lengths()) if n > BUDGET]
+    (i,) = [i for i, n in enumerate(stream()[0]) if n > BUDGET]
     return i
 
 
@@ -225,29 +213,6 @@ def recorded_counts(run: dict, cfg: ModelConfig, wider_than: int = BUDGET) -> di
     return {name: sums[name] // per for name in ("cells", "query_rows", "cached_rows", "cells_wider")}
 
 
-def cache_peak_rows(forwards: Sequence, seq_lens: Sequence[int]) -> dict:
-    """Token rows per layer (K and V together) the prefill KV cache holds at its peak, from forwards given as
-    chunks ``(request, start, length)`` (``BatchStats`` or a ``plan_batches`` plan). ``copy``: this engine's
-    ``torch.cat`` (the cached rows read beside the new copies of the requests that continue); ``in_place``: a
-    cache written in place, between forwards (``held_by``, ``held_after``: the request holding most of them and
-    the forward after which); ``in_forward``: that cache while a forward runs (every scheduled token's K and V
-    written before attention, as in vLLM)."""
-    out = {"copy": 0, "in_place": 0, "in_forward": 0, "held_by": None, "held_after": None}
-    for f, fwd in enumerate(getattr(x, "chunks", x) for x in forwards):
-        kept = [(s + n, i) for i, s, n in fwd if s + n < seq_lens[i]]
-        out["copy"] = max(out["copy"], sum(s for _, s, _ in fwd) + sum(r for r, _ in kept))
-        out["in_forward"] = max(out["in_forward"], sum(s + n for _, s, n in fwd))
-        if sum(r for r, _ in kept) > out["in_place"]:
-            out.update(in_place=sum(r for r, _ in kept), held_by=max(kept)[1], held_after=f)
-    return out
-
-
-def trace_text(trace: Sequence) -> str:
-    """One forward's collective trace in one line: each distinct (op, shape) and how often."""
-    counts = Counter((r.op, tuple(r.shape)) for r in trace)
-    return ", ".join(f"{n} x {op} {list(shape)}" for (op, shape), n in counts.items()) or "no collective"
-
-
 def payloads_match(run: dict, d_model: int) -> bool:
     """Is every all-reduce of every forward ``[tokens in that forward, d_model]``?"""
     return len(run["traces"]) == len(run["stats"]) and all(
@@ -261,44 +226,12 @@ def other_collectives(trace: Sequence) -> int:
                for r in trace)
 
 
-# ---- waits: derived from the engine's forwards ----------------------------------------------------------
-
-def request_waits(forwards: Sequence[Sequence[tuple]]) -> dict:
-    """``{request: (forwards, tokens)}`` from a timeline: the forwards run until the one that finished the
-    request's prompt (that one included), and the prompt tokens the engine ran in them."""
-    out, tokens = {}, 0
-    for f, fwd in enumerate(forwards):
-        tokens += sum(t for _, t in fwd)
-        for i, _ in fwd:
-            out[i] = (f + 1, tokens)  # a later chunk overwrites: the wait ends with the last chunk
-    return out
-
-
-def mean_wait(waits: dict, requests: Sequence) -> tuple[float, float]:
-    """Mean ``(forwards, tokens)`` of ``request_waits`` over ``requests``."""
-    rs = list(requests)
-    return (sum(waits[i][0] for i in rs) / len(rs), sum(waits[i][1] for i in rs) / len(rs))
-
-
-def seq_limited_forwards(max_num_seqs: int = 4) -> list:
-    """Lesson 06's stream served chunked under ``BUDGET`` with at most ``max_num_seqs`` requests per forward, on the
-    small model (the forwards do not depend on the model's size): its ``BatchStats``."""
-    return serve(stream(EXPLORER_CFG)[1], BUDGET, True, EXPLORER_CFG, weights_of(EXPLORER_CFG),
-                 max_num_seqs=check_int("max_num_seqs", max_num_seqs, 1), compute_logits=False)["stats"]
-
-
 # ---- what a forward costs on H200s (TP=2, bf16) -----------------------------------------------------------
-
-def ridge_tokens(cfg: ModelConfig, tp_size: int = 1, nbytes: int = 2, limit: int = 1 << 16) -> dict:
-    """The fewest tokens a forward needs for each linear layer of one rank to reach the H200's ridge (FLOP/byte),
-    or None if it never does up to ``limit`` tokens."""
-    return {name: first_where(lambda n, a=a, b=b: linear_intensity(n, a, b, nbytes) >= H200.ridge, 1, limit)
-            for name, (a, b) in zip(LINEAR_LAYERS, linear_shapes(cfg, tp_size))}
-
 
 def intensity_table(cfg: ModelConfig, token_counts: Sequence[int], tp_sizes: Sequence[int] = (2, 1)) -> str:
     """Each linear layer's FLOP/byte (bf16, one rank) for forwards of ``token_counts`` tokens under each TP size,
-    ``*`` where it reaches the H200's ridge (compute-bound), and the tokens from which it does."""
+    ``*`` where it reaches the H200's ridge (compute-bound), and the tokens from which it does
+    (``measure.flops.linear_ridge_tokens``)."""
     lines = [f"bf16, one rank, against an H200's ridge of {H200.ridge:.0f} FLOP/byte (* = at or above it: compute-bound)",
              f"{'':18s}" + "".join(f"{n:>11s}" for n in LINEAR_LAYERS)]
     for tp in tp_sizes:
@@ -306,47 +239,47 @@ def intensity_table(cfg: ModelConfig, token_counts: Sequence[int], tp_sizes: Seq
             vals = [linear_intensity(t, a, b, 2) for a, b in linear_shapes(cfg, tp)]
             lines.append(f"TP={tp}, {t:4d} tokens " + "".join(f"{v:10.0f}{'*' if v >= H200.ridge else ' '}" for v in vals))
         lines.append(f"TP={tp}, ridge from " + "".join(
-            f"{('never' if n is None else f'{n:,}'):>10s} " for n in ridge_tokens(cfg, tp).values()))
+            f"{('never' if n is None else f'{n:,}'):>10s} " for n in linear_ridge_tokens(cfg, H200.ridge, tp).values()))
     return "\n".join(lines)
 
 
-def forward_prices(cfg: ModelConfig, forwards: dict, all_reduces_per_forward: int, num_tokens: int = BUDGET,
-                   tp_size: int = 2, nbytes: int = 2) -> dict:
-    """Seconds on H200s at TP=``tp_size`` (``nbytes`` a number) for runs ``{run: [tokens of each forward]}``, each
-    forward making ``all_reduces_per_forward`` all-reduces of ``[its tokens, d_model]`` (``measure.comm.NVLINK``).
-    One ``num_tokens``-token forward on one rank: the linear layers' ``arithmetic_s`` and ``memory_s`` (weights read
-    once, rows in and out), ``weight_pass_s``, one all-reduce's ``all_reduce_latency_s`` / ``all_reduce_bandwidth_s``,
-    ``crossover_tokens``. Per run (``runs``): ``forwards``, ``all_reduces``, ``largest``, ``weights_s``,
-    ``all_reduce_s``."""
-    shapes = linear_shapes(cfg, tp_size)
-    flops = cfg.n_layers * sum(2 * num_tokens * a * b for a, b in shapes)
-    moved = cfg.n_layers * nbytes * sum(a * b + num_tokens * (a + b) for a, b in shapes)
-    pass_s = cfg.n_layers * nbytes * sum(a * b for a, b in shapes) / H200.bytes_per_s
-    latency, bandwidth = ring_time_terms(NVLINK, num_tokens * cfg.d_model * nbytes, tp_size)
-
-    def all_reduce_s(tokens):
-        return all_reduces_per_forward * sum(ring_time_terms(NVLINK, tokens * cfg.d_model * nbytes, tp_size))
-    return {"arithmetic_s": flops / H200.peak_flops, "memory_s": moved / H200.bytes_per_s, "weight_pass_s": pass_s,
-            "all_reduce_latency_s": latency, "all_reduce_bandwidth_s": bandwidth, "num_tokens": num_tokens,
-            "crossover_tokens": crossover_tokens(NVLINK, cfg.d_model, nbytes, tp_size),
-            "runs": {run: {"forwards": len(t), "all_reduces": len(t) * all_reduces_per_forward, "largest": max(t),
-                           "weights_s": len(t) * pass_s, "all_reduce_s": sum(map(all_reduce_s, t))}
-                     for run, t in forwards.items()}}
+PRICED = ("weight_pass_s", "all_reduces_s", "launches_s")   # what every forward pays again, whatever its tokens
 
 
-def forward_prices_text(prices: dict) -> str:
-    """``forward_prices`` as lines: the per-forward prices, then each run's forwards, all-reduces and times."""
-    p = prices
-    lines = [f"the linear layers of one {p['num_tokens']}-token forward on one rank, bf16: arithmetic "
-             f"{p['arithmetic_s'] * 1e6:.1f} us at the peak, memory {p['memory_s'] * 1e6:.1f} us at the bandwidth",
-             f"one all-reduce of [{p['num_tokens']} x d_model], bf16, NVLink (lesson 00): latency "
-             f"{p['all_reduce_latency_s'] * 1e6:.1f} us + bandwidth {p['all_reduce_bandwidth_s'] * 1e6:.2f} us; bandwidth "
-             f"would match latency only from {p['crossover_tokens']:,.0f} rows",
-             f"one pass over one rank's block weights, bf16 at {H200.bytes_per_s / 1e12:.1f} TB/s: "
-             f"{p['weight_pass_s'] * 1e6:.1f} us"]
-    for run, r in p["runs"].items():
-        lines.append(f"{run:8s}: {r['forwards']} forwards (largest {r['largest']:,} tokens), {r['all_reduces']} "
-                     f"all-reduces: {r['all_reduce_s'] * 1e6:,.0f} us; weight passes: {r['weights_s'] * 1e6:,.0f} us")
+def forward_prices(cfg: ModelConfig, runs: dict, all_reduces: int, launches: int) -> dict:
+    """Runs ``{name: [tokens of each forward]}`` priced on H200s at TP=2 in bf16 (``measure.comm.tp_forward_parts``,
+    each forward making ``all_reduces`` all-reduces and ``launches`` kernel launches): per run ``forwards``,
+    ``largest`` and, summed over its forwards, the seconds of ``PRICED``."""
+    return {name: {"forwards": len(t), "largest": max(t),
+                   **{k: sum(tp_forward_parts(cfg, n, all_reduces, launches)[k] for n in t) for k in PRICED}}
+            for name, t in runs.items()}
+
+
+def forward_prices_text(cfg: ModelConfig, runs: dict, all_reduces: int, launches: int) -> str:
+    """``forward_prices`` of ``runs`` as lines: one ``BUDGET``-token forward part by part (its roofline verdict with
+    the times), each run's forwards and fixed costs, and what the first run's extra forwards add over the second's."""
+    p = tp_forward_parts(cfg, BUDGET, all_reduces, launches)
+    bound = "compute" if p["arithmetic_s"] >= p["memory_s"] else "memory"
+    us = {k: v * 1e6 for k, v in p.items()}
+    lines = [f"one {BUDGET}-token forward on one rank, bf16: linear layers {us['arithmetic_s']:.1f} us of arithmetic at "
+             f"the peak, {us['memory_s']:.1f} us of memory at {H200.bytes_per_s / 1e12:.1f} TB/s ({bound}-bound by "
+             f"{max(p['arithmetic_s'], p['memory_s']) / min(p['arithmetic_s'], p['memory_s']) - 1:.0%}); the weights "
+             f"alone {us['weight_pass_s']:.1f} us",
+             f"  its {all_reduces} all-reduces of [{BUDGET} x d_model]: {us['all_reduces_s']:.1f} us (each latency "
+             f"{us['all_reduce_latency_s']:.1f} us + bandwidth {us['all_reduce_bandwidth_s']:.2f} us; bandwidth would "
+             f"match latency only from {crossover_tokens(NVLINK, cfg.d_model, 2):,.0f} rows)",
+             f"  its {launches} kernel launches at {H200.launch_s * 1e6:.0f} us each: {us['launches_s']:.0f} us"]
+    prices = forward_prices(cfg, runs, all_reduces, launches)
+    for name, r in prices.items():
+        lines.append(f"{name:8s}: {r['forwards']} forwards (largest {r['largest']:,} tokens), "
+                     f"{r['forwards'] * all_reduces} all-reduces | " +
+                     ", ".join(f"{k[:-2].replace('_', ' ')} {r[k] * 1e6:,.0f} us" for k in PRICED))
+    (a, ra), (b, rb) = list(prices.items())[:2]
+    extra = {k: (ra[k] - rb[k]) * 1e6 for k in PRICED}
+    lines.append(f"{a} - {b}: {ra['forwards'] - rb['forwards']} extra forwards, "
+                 f"{(ra['forwards'] - rb['forwards']) * all_reduces} extra all-reduces | " +
+                 ", ".join(f"{k[:-2].replace('_', ' ')} +{v:,.0f} us" for k, v in extra.items()) +
+                 f" | largest: {max(extra, key=extra.get)[:-2].replace('_', ' ')}")
     return "\n".join(lines)
 
 
@@ -458,7 +391,7 @@ def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequ
                 ax.text((start + x) / 2, lane + bar / 2 + 0.32, name, ha="center", va="center",
                         fontsize=MIN_FONT, color=TEXT, gid=f"fnum-{lane}-{f}")
             start = x
-        done = request_waits(runs[label])
+        done = waits_of(runs[label])
         for i in behind:
             ax.plot([done[i][1]], [lane + bar / 2 + 0.12], marker="v", color=TEXT, markersize=5, gid=f"done-{lane}-{i}")
         for x_done, count in Counter(done[i][1] for i in behind).items():  # marks in one forward overlap: count them
@@ -495,7 +428,7 @@ def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequ
           caption="Lesson 06's 1,776-token draft prefilled alone in chunks of 512: the KV cache grows, and its "
                   "attention becomes a staircase of rectangles, each chunk's rows x every key so far (P4)")
 def _chunk_staircase() -> Figure:
-    chunks = [n for fwd in planned_timeline([stream_lengths()[draft_index()]], BUDGET, True) for _, n in fwd]
+    chunks = [n for fwd in planned_timeline([stream()[0][draft_index()]], BUDGET, True) for _, n in fwd]
     return chunk_staircase(chunks, "the draft alone: ")
 
 
@@ -503,7 +436,7 @@ def _chunk_staircase() -> Figure:
           caption="Lesson 06's stream chunked under 512 tokens per forward, and whole under 2,048: where each "
                   "request finishes, in prompt tokens run so far (P2, P5)")
 def _chunk_timeline() -> Figure:
-    lens = stream_lengths()
+    lens = stream()[0]
     return chunk_timeline({f"chunked, {BUDGET} per forward": planned_timeline(lens, BUDGET, True),
                            f"whole prompts, {WHOLE_BUDGET:,} per forward": planned_timeline(lens, WHOLE_BUDGET, False)},
                           lens, draft_index(), behind(lens))
@@ -586,7 +519,7 @@ EXPLORER_BUGS = ("none", *BUGS)
 @functools.lru_cache(maxsize=32)
 def _whole_runs(name: str, n: int, seed: int) -> tuple:
     """``(lengths, prompts, whole budget, {"whole": run, "truth": float64 run})`` of one stream, computed once."""
-    lens, prompts = workload(name, n, seed, EXPLORE_RUN_CFG.vocab_size)
+    lens, prompts = workloads.preset_stream(name, n, seed, EXPLORE_RUN_CFG.vocab_size)
     whole_budget = 1 << (max(lens) - 1).bit_length()
     runs = {key: serve(prompts, whole_budget, False, EXPLORE_RUN_CFG, weights_of(EXPLORE_RUN_CFG), dtype=dt,
                        compute_logits=False) for key, dt in (("whole", torch.float32), ("truth", torch.float64))}
@@ -596,7 +529,7 @@ def _whole_runs(name: str, n: int, seed: int) -> tuple:
 def _run_summary(run: dict, budget: int, after: list) -> dict:
     """One run's keys of ``chunked_plan_state`` from its ``BatchStats``; ``after``: the requests whose wait counts."""
     steps = timeline(run["stats"])
-    waits = request_waits(steps)
+    waits = waits_of(steps)
     return {"timeline": steps, "waits": waits, "budget": budget,
             "mean_behind": mean_wait(waits, after) if after else (0.0, 0.0),
             "max_forward": max(s.num_tokens for s in run["stats"]),
@@ -679,7 +612,7 @@ def chunked_plan_explorer(workload: str = "long-tail", num_requests: int = 16, m
     ``cpx-num-requests`` (1..64) and ``cpx-budget`` (128..2048, steps of 16), HTML ``cpx-counts``
     (``chunked_plan_html``; "running..." while the engine runs), Output ``cpx-figure`` (``chunk_timeline``)."""
     w = ipywidgets_module()
-    kind = tagged(w.Dropdown(options=list(WORKLOAD_PRESETS), value=workload, description="workload"), "cpx-workload")
+    kind = tagged(w.Dropdown(options=list(workloads.WORKLOAD_PRESETS), value=workload, description="workload"), "cpx-workload")
     reqs = tagged(w.IntSlider(value=num_requests, min=1, max=64, description="requests"), "cpx-num-requests")
     # below 128 tokens a move runs hundreds of forwards: over 2 s on a busy CPU
     budget = tagged(w.IntSlider(value=max_num_batched_tokens, min=128, max=2048, step=16, description="chunk budget"),
@@ -701,7 +634,7 @@ def chunked_plan_explorer(workload: str = "long-tail", num_requests: int = 16, m
 # ---- exercise 08.1: a chunk cap (vLLM's long_prefill_token_threshold) --------------------------------------
 
 def _capped_cases() -> list[tuple]:
-    return [(stream_lengths(), BUDGET, 256, 128),      # lesson 06's stream: the draft capped at 128 a forward
+    return [(stream()[0], BUDGET, 256, 128),      # lesson 06's stream: the draft capped at 128 a forward
             ([3, 1, 2], 1, 256, 1),                    # budget 1
             ([700, 40, 30], 256, 256, 256),            # cap = budget: the cap changes nothing
             ([700, 40, 30], 256, 256, 1000),           # cap > budget: still nothing
@@ -710,68 +643,19 @@ def _capped_cases() -> list[tuple]:
             ([90, 5], 64, 256, 0)]                     # cap 0: no cap (vLLM's default)
 
 
-def capped_schedule_problem(got, seq_lens, max_num_batched_tokens, max_num_seqs, cap) -> str | None:
-    """The first rule of a capped chunked prefill that ``got`` (forwards of ``(request index, num_tokens)`` pairs)
-    breaks, in words, or None. Any schedule keeping the rules passes: each forward runs the first unfinished
-    requests in arrival order, each once, 1 .. min(its rest, ``cap``) tokens (``cap`` 0: no cap), within both
-    budgets; it closes with room left and fewer than ``max_num_seqs`` requests only when every unfinished request
-    runs all the cap allows; every prompt's tokens exactly once."""
-    if not isinstance(got, (list, tuple)) or not all(isinstance(f, (list, tuple)) for f in got):
-        return f"expected a list of forwards, each a list of (request, num_tokens) pairs, got {got!r}"[:300]
-    if not all(isinstance(c, (list, tuple)) and len(c) == 2 and all(map(is_int, c)) for f in got for c in f):
-        return ("each chunk is a pair (request index, num_tokens) of ints: a chunked forward says how many tokens "
-                "each request runs")
-    left, limit, budget = list(seq_lens), cap or max_num_batched_tokens, max_num_batched_tokens
-    for f, fwd in enumerate(got):
-        waiting = [i for i, n in enumerate(left) if n]
-        ids, tokens = [i for i, _ in fwd], sum(t for _, t in fwd)
-        if not waiting:
-            return f"{len(got)} forwards, but every prompt is finished after forward {f - 1}: forward {f} should not exist"
-        if not fwd:
-            return f"forward {f} is empty: every forward carries at least one chunk"
-        if sorted(ids) != waiting[:len(ids)]:
-            return (f"forward {f} runs requests {ids} while the first unfinished ones are {waiting[:len(ids)]}: a "
-                    "forward takes the unfinished requests in arrival order, each once")
-        for i, t in fwd:
-            if not 1 <= t <= left[i]:
-                return (f"forward {f}: request {i} gets {t} tokens with {left[i]} of its {seq_lens[i]} left: a chunk "
-                        "holds at least one token and continues where the cache ends, never past the prompt")
-            if cap and t > cap:
-                return (f"forward {f}: request {i} runs {t} tokens > long_prefill_token_threshold={cap}: no chunk may "
-                        "exceed the cap")
-        if tokens > budget:
-            return (f"forward {f} holds {tokens} tokens > max_num_batched_tokens={budget}: the chunk of the request "
-                    "that does not fit is the room LEFT in this forward, not a whole budget")
-        if len(fwd) > max_num_seqs:
-            return f"forward {f} holds {len(fwd)} requests > max_num_seqs={max_num_seqs}: the budget counts requests too"
-        short = [(i, t) for i, t in fwd if t < min(left[i], limit)]
-        if tokens < budget and short:
-            why = " - long_prefill_token_threshold=0 means no cap (vLLM's default)" if cap == 0 else ""
-            return (f"forward {f} has {budget - tokens} tokens of room, yet request {short[0][0]} gets only "
-                    f"{short[0][1]} of the {min(left[short[0][0]], limit)} it may run{why}")
-        if tokens < budget and len(fwd) < min(max_num_seqs, len(waiting)):
-            return (f"forward {f} closes with {budget - tokens} tokens of room while request {waiting[len(fwd)]} "
-                    "waits: a capped chunk does not end the forward, the room left goes to the requests behind it "
-                    "(that is the point of the cap)")
-        for i, t in fwd:
-            left[i] -= t
-    missing = [i for i, n in enumerate(left) if n][:8]
-    return f"requests {missing} are not finished: {[left[i] for i in missing]} tokens never scheduled" if missing else None
-
-
 def check_capped_scheduler(fn) -> bool:
     """Exercise 08.1: ``fn(seq_lens, max_num_batched_tokens, max_num_seqs, long_prefill_token_threshold)`` →
     forwards of chunked prefill with a per-request chunk cap, on 7 cases; any schedule keeping the rules of
-    ``capped_schedule_problem`` passes."""
-    return grade("capped_scheduler", fn, _capped_cases(), capped_schedule_problem,
+    ``serve.scheduler.chunked_schedule_problem`` passes."""
+    return grade("capped_scheduler", fn, _capped_cases(), chunked_schedule_problem,
                  "chunked prefill with a chunk cap on 7 cases: the cap, both budgets, arrival order, the room filled, cap 0")
 
 
 def capped_finish(fn, cap: int, max_num_batched_tokens: int = BUDGET) -> dict:
     """The stream under ``fn``'s capped scheduler: ``{"draft": forward its last chunk runs in, "before": how many
     of the questions behind it finish in an earlier forward, "forwards": how many forwards}`` (counted from 1)."""
-    lens = stream_lengths()
-    waits = request_waits(fn(lens, max_num_batched_tokens, DEFAULT_MAX_NUM_SEQS, cap))
+    lens = stream()[0]
+    waits = waits_of(fn(lens, max_num_batched_tokens, DEFAULT_MAX_NUM_SEQS, cap))
     d = draft_index()
     return {"draft": waits[d][0], "forwards": max(w[0] for w in waits.values()),
             "before": sum(waits[i][0] < waits[d][0] for i in behind(lens))}
@@ -801,17 +685,17 @@ def budget_prices(seq_lens: Sequence[int], draft: int, max_num_batched_tokens: i
     """What serving ``seq_lens`` chunked under ``max_num_batched_tokens`` costs, by the engine's scheduler plan
     (``plan_batches``), or with ``engine=True`` as ``Engine`` ran it (its ``BatchStats``, on ``EXPLORE_RUN_CFG``):
     ``forwards`` (each a pass over the weights), ``all_reduces`` (the S1 model at TP=2), ``largest`` (tokens),
-    ``cache_rows_held`` / ``held_by`` / ``held_after`` (``cache_peak_rows``' in-place peak), and the mean wait of
-    the requests behind ``draft``, ``wait_forwards`` / ``wait_tokens`` (``request_waits``)."""
+    ``cache_rows_held`` / ``held_by`` / ``held_after`` (``serve.kv_cache.cache_rows_held``' in-place peak), and the
+    mean wait of the requests behind ``draft``, ``wait_forwards`` / ``wait_tokens`` (``prefill_waits``)."""
     budget = check_int("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 16)
     if engine:
-        prompts = make_requests(list(seq_lens), EXPLORE_RUN_CFG.vocab_size, seed=PROMPT_SEED)
+        prompts = workloads.make_requests(list(seq_lens), EXPLORE_RUN_CFG.vocab_size, seed=workloads.PREFILL_STREAM_PROMPT_SEED)
         run = serve(prompts, budget, True, EXPLORE_RUN_CFG, weights_of(EXPLORE_RUN_CFG), compute_logits=False)
         plan = [s.chunks for s in run["stats"]]
     else:
         plan = plan_batches(list(seq_lens), budget, enable_chunked_prefill=True)
-    held = cache_peak_rows(plan, seq_lens)
-    f, t = mean_wait(request_waits([[(i, n) for i, _, n in fwd] for fwd in plan]), range(draft + 1, len(seq_lens)))
+    held = cache_rows_held(plan, seq_lens)
+    f, t = mean_wait(waits_of(plan), range(draft + 1, len(seq_lens)))
     return {"budget": budget, "forwards": len(plan), "all_reduces": 2 * ModelConfig().n_layers * len(plan),
             "largest": max(sum(n for *_, n in fwd) for fwd in plan), "cache_rows_held": held["in_place"],
             "held_by": held["held_by"], "held_after": held["held_after"], "wait_forwards": f, "wait_tokens": t}
@@ -821,7 +705,7 @@ def budget_table(budgets: Sequence[int]) -> str:
     """``budget_prices`` of lesson 06's stream under each budget, one line each."""
     head = (f"{'budget':>6s} {'forwards':>8s} {'all-reduces':>11s} {'largest':>7s} {'cache held':>10s} "
             f"{'wait (fwd)':>10s} {'wait (tok)':>10s}")
-    rows = [budget_prices(stream_lengths(), draft_index(), b) for b in budgets]
+    rows = [budget_prices(stream()[0], draft_index(), b) for b in budgets]
     return "\n".join([head] + [f"{m['budget']:6d} {m['forwards']:8d} {m['all_reduces']:11d} {m['largest']:7d} "
                                f"{m['cache_rows_held']:10,d} {m['wait_forwards']:10.2f} {m['wait_tokens']:10,.0f}"
                                for m in rows])
@@ -853,7 +737,7 @@ def check_budget_choice(fn) -> bool:
     probes: list[int] = []
 
     def expand(case):
-        return (stream_lengths(), draft_index(), *case[1:]) if case[0] == "stream" else case
+        return (stream()[0], draft_index(), *case[1:]) if case[0] == "stream" else case
 
     def run(*case):
         seq_lens, d, top, cap = expand(case)
