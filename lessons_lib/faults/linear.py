@@ -155,3 +155,74 @@ def _kv_block_rank_mod_replicas():
         q, k, v = full.split([self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head])
         return torch.cat([q[r * nq:(r + 1) * nq], k[s * nkv:(s + 1) * nkv], v[s * nkv:(s + 1) * nkv]])
     return [swap_attr(linear.QKVParallelLinear, "shard_rows", shard_rows)]
+
+
+@fault("column_parallel_bias_whole", "ColumnParallelLinear (QKV, FFN-up) cuts its weight by output features but keeps "
+       "the WHOLE bias on every rank: each rank holds out_features bias values for out_features / tp outputs, and a "
+       "TP forward fails on the shape (models built while the fault is on)", AREA)
+def _column_parallel_bias_whole():
+    from torch import nn
+
+    from ..core import linear
+    real_init = linear.ColumnParallelLinear.__init__
+
+    def init(self, in_features, out_features, bias=True, *, group=None, dtype=torch.float32):
+        real_init(self, in_features, out_features, bias, group=group, dtype=dtype)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+
+    @torch.no_grad()
+    def load_full_(self, weight, bias=None):
+        self.weight.copy_(self.shard_rows(weight))
+        if self.bias is not None:
+            self.bias.copy_(bias)  # the bug: the whole bias, not this rank's rows of it
+        return self
+    return [swap_attr(linear.ColumnParallelLinear, "__init__", init),
+            swap_attr(linear.ColumnParallelLinear, "load_full_", load_full_)]
+
+
+@fault("row_parallel_bias_sharded", "RowParallelLinear (out proj, FFN-down) cuts its bias like a column-parallel one: "
+       "rank r keeps out_features / tp bias values and adds them to its own slice of the summed output only, so "
+       "the ranks' outputs differ and each lacks the rest of the bias (models built while the fault is on)", AREA)
+def _row_parallel_bias_sharded():
+    from torch import nn
+
+    from ..core import linear
+    real_init = linear.RowParallelLinear.__init__
+
+    def init(self, in_features, out_features, bias=True, *, group=None, dtype=torch.float32, name=""):
+        real_init(self, in_features, out_features, bias, group=group, dtype=dtype, name=name)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features // self.group.world_size, dtype=dtype),
+                                     requires_grad=False)
+
+    @torch.no_grad()
+    def load_full_(self, weight, bias=None):
+        n, r = self.in_features // self.group.world_size, self.group.rank
+        self.weight.copy_(weight[:, r * n:(r + 1) * n])
+        if self.bias is not None:
+            m = self.bias.numel()
+            self.bias.copy_(bias[r * m:(r + 1) * m])  # the bug: this rank's slice of the bias only
+        return self
+
+    def forward(self, x):
+        y = self.group.all_reduce(F.linear(x, self.weight), layer=self.name)
+        if self.bias is None:
+            return y
+        m, r = self.bias.numel(), self.group.rank
+        return torch.cat([y[:, :r * m], y[:, r * m:(r + 1) * m] + self.bias, y[:, (r + 1) * m:]], dim=1)
+    return [swap_attr(linear.RowParallelLinear, "__init__", init),
+            swap_attr(linear.RowParallelLinear, "load_full_", load_full_),
+            swap_attr(linear.RowParallelLinear, "forward", forward)]
+
+
+@fault("all_reduce_twice", "RowParallelLinear's summed output is all-reduced a second time (the layer and its caller "
+       "both reduce): every rank holds the same doubled sum, and a TP forward makes 4 all-reduces per block, not 2", AREA)
+def _all_reduce_twice():
+    from ..core import linear
+
+    def forward(self, x):
+        y = self.group.all_reduce(F.linear(x, self.weight), layer=self.name)
+        y = self.group.all_reduce(y, layer=self.name)  # the bug: a second reduce of an already summed tensor
+        return y if self.bias is None else y + self.bias
+    return [swap_attr(linear.RowParallelLinear, "forward", forward)]

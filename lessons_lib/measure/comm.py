@@ -9,7 +9,10 @@ all-gather); in each step every rank sends S/p bytes to its neighbour, which cos
 - ``AlphaBeta``: the two numbers and where they come from; ``NVLINK``: a datasheet-like fast link.
 - ``ring_bytes_sent``, ``ring_time_terms``, ``all_reduce_seconds``: what one all-reduce sends and costs.
 - ``crossover_tokens``: the rows N of a ``[N, d_model]`` payload from which bandwidth outweighs latency.
-- ``fit_alpha_beta``: alpha and beta read off measured times (relative least squares).
+- ``fit_alpha_beta``: alpha and beta read off measured times (relative least squares); ``fit_misses``, how far
+  the fit misses its own points, and ``about``, a number printed to the digits that mean anything.
+- ``comm_cost_state``: count, payloads and modelled time of one TP forward's all-reduces, packed or one per request.
+- ``AllReduceBench``: real all-reduces timed on spawned ranks (``time_all_reduces`` on each rank).
 
 Taught in notebooks/00_setup_one_request.ipynb and notebooks/08_chunked_prefill.ipynb.
 """
@@ -134,3 +137,161 @@ def tp_forward_parts(cfg, num_tokens: int, all_reduces: int | None = None, launc
             "all_reduce_latency_s": latency, "all_reduce_bandwidth_s": bandwidth,
             "all_reduces_s": ar * (latency + bandwidth),
             "launches_s": check_int("launches", launches, 0) * (machine.launch_s or 0.0)}
+
+
+def fit_misses(fit: AlphaBeta, measured: dict) -> list[float]:
+    """Measured / modelled time of each payload of ``measured`` (``AllReduceBench.measure``'s dict: ``bytes``,
+    ``seconds``, ``world_size``) under ``fit``: 1 where the line goes through the point. How far a fit misses its
+    own points says how many digits of alpha, beta and N* mean anything."""
+    return [t / all_reduce_seconds(fit, b, measured["world_size"]) for b, t in zip(measured["bytes"], measured["seconds"])]
+
+
+def about(x: float, digits: int = 1) -> str:
+    """``x`` to ``digits`` significant digits, written out with thousands separators: one digit is an order of
+    magnitude (``about(259.3)`` is ``"300"``, ``about(1836.2, 2)`` is ``"1,800"``, ``about(0.0412)`` is ``"0.04"``).
+    How the course prints a number read off a fit that misses its own points. ValueError for a negative or
+    non-finite ``x``."""
+    if isinstance(x, bool) or not (isinstance(x, (int, float)) and math.isfinite(x) and x >= 0):
+        raise ValueError(f"about() takes a non-negative finite number, got {x!r}")
+    v = float(f"{x:.{check_int('digits', digits, 1, 6)}g}")
+    if v == 0:  # a fit with no latency (alpha = 0) has N* = 0
+        return "0"
+    return f"{v:,.{max(0, digits - 1 - math.floor(math.log10(v)))}f}"
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def split_tokens(total: int, parts: int) -> list[int]:
+    """``total`` tokens as ``parts`` requests as equal as possible, the longer ones first (``10, 3 -> [4, 3, 3]``)."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def comm_cost_state(num_tokens: int, fit: AlphaBeta, d_model: int = 512, dtype: str = "float32", n_layers: int = 8,
+                    requests: int = 1, world_size: int = 2, fitted_world_size: int | None = None) -> dict:
+    """What the all-reduces of one TP forward of ``num_tokens`` tokens cost under ``fit`` (count and payloads from
+    ``tp.dryrun.expected_trace``, times from ``ring_time_terms``), and the same tokens as ``requests`` forwards.
+
+    Keys: the inputs, ``alpha_s``, ``beta``, ``source``, ``count``, ``bytes_each``, ``latency_s``, ``bandwidth_s``,
+    ``one_s`` (one all-reduce), ``forward_s``, ``dominated``, ``crossover`` (N*), ``lens`` (``split_tokens``),
+    ``separate_count``, ``separate_s``, ``extrapolated`` (``fitted_world_size`` when it is not ``world_size``: a
+    fit carried to another ring, else None). ValueError on bad sizes, more requests than tokens, another dtype."""
+    import torch
+
+    from ..core.config import ModelConfig
+    from ..tp.dryrun import expected_trace
+    n = check_int("num_tokens", num_tokens, 1, 1 << 20)
+    r = check_int("requests", requests, 1, 4096)
+    if r > n:
+        raise ValueError(f"requests must be at most num_tokens (each request has at least one token), got "
+                         f"requests={r} > num_tokens={n}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    p = check_int("world_size", world_size, 2, 1024)
+    fitted = None if fitted_world_size is None else check_int("fitted_world_size", fitted_world_size, 2, 1024)
+    cfg = ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 256), d_model=check_int("d_model", d_model, 1, 1 << 15),
+                      dtype=getattr(torch, dtype))
+    trace = expected_trace(cfg, n, 0, p)
+    count, each = len(trace), trace[0].bytes
+    lat, bw = ring_time_terms(fit, each, p)
+    lens = split_tokens(n, r)
+    separate = [expected_trace(cfg, m, 0, p) for m in lens]
+    return {"num_tokens": n, "d_model": cfg.d_model, "dtype": dtype, "n_layers": cfg.n_layers, "requests": r,
+            "world_size": p, "alpha_s": fit.alpha_s, "beta": fit.beta, "source": fit.source, "count": count,
+            "bytes_each": each, "latency_s": lat, "bandwidth_s": bw, "one_s": lat + bw, "forward_s": count * (lat + bw),
+            "dominated": "latency" if lat >= bw else "bandwidth",
+            "crossover": crossover_tokens(fit, cfg.d_model, cfg.dtype.itemsize, p), "lens": lens,
+            "separate_count": sum(len(t) for t in separate),
+            "separate_s": sum(all_reduce_seconds(fit, rec.bytes, p) for t in separate for rec in t),
+            "extrapolated": fitted if fitted not in (None, p) else None}
+
+
+# ---- real all-reduces, timed on spawned ranks ------------------------------------------------------------
+
+AR_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)  # the [N, 512] float32 payloads AllReduceBench.measure times by default
+AR_REPEATS = 9
+MAX_MEASURE_ELEMENTS = 1 << 22  # 16 MiB of float32: one timing of a few all-reduces stays well under 2 s on a CPU
+
+
+def time_all_reduces(group, sizes: Sequence[int], repeats: int = AR_REPEATS, warmup: int = 2,
+                     first_warmup: int = 20) -> list[list[float]]:
+    """On one rank: for each element count in ``sizes``, the seconds of ``repeats`` all-reduces of a float32
+    tensor through the rank's ``DistGroup``, each started right after a barrier (no rank times its wait for the
+    other), after ``warmup`` untimed ones (``first_warmup`` for the first size: a fresh group's setup)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    out = []
+    for j, numel in enumerate(sizes):
+        x = torch.ones(int(numel), device=group.device)
+        times = []
+        skip = first_warmup if j == 0 else warmup
+        for i in range(skip + repeats):
+            x.fill_(1.0)
+            dist.barrier(group=group.process_group)
+            t0 = time.perf_counter()
+            group.all_reduce(x, layer="timing")
+            if i >= skip:
+                times.append(time.perf_counter() - t0)
+        out.append(times)
+    return out
+
+
+def _timing_loop(group, channel) -> None:
+    """Worker loop of ``AllReduceBench``: one ``time_all_reduces`` per command, until "close" or EOF."""
+    from ..tp.workers import commands
+    for _, sizes, repeats, warmup, first_warmup in commands(channel):
+        group.trace.clear()
+        times = time_all_reduces(group, sizes, repeats, warmup, first_warmup)
+        channel.send((times, list(dict.fromkeys(rec.bytes for rec in group.trace))))
+
+
+class AllReduceBench:
+    """``world_size`` spawned ranks (``tp.workers.WorkerPool``) kept alive to time real all-reduces (through
+    ``DistGroup.all_reduce``) on request: spawned once, on the first ``measure``; ``close()`` (or the end of the
+    process) ends them."""
+
+    def __init__(self, world_size: int = 2, timeout: float = 60.0):
+        self.world_size = check_int("world_size", world_size, 2, 8)
+        self.timeout = timeout
+        self.pool = None
+        self.backend = None
+
+    def _ranks(self):
+        from ..tp.workers import WorkerPool
+        if self.pool is None or self.pool.closed:
+            self.pool = WorkerPool(self.world_size, timeout=self.timeout, verbose=False, name="allreduce-bench")
+            self.pool.start(_timing_loop)
+            self.backend = self.pool.backend
+        return self.pool
+
+    def measure(self, tokens: Sequence[int] = AR_TOKENS, d_model: int = 512, repeats: int = AR_REPEATS,
+                warmup: int = 2, first_warmup: int = 20) -> dict:
+        """Time real all-reduces of ``[N, d_model]`` float32 payloads for each N of ``tokens``.
+
+        Returns ``{"tokens", "bytes" (each payload, as the ranks' traces recorded it), "seconds" (per payload:
+        the median over ``repeats`` of the slower rank), "backend", "world_size"}``. A wall-clock measurement:
+        shown and fitted, never asserted. ValueError (before anything is spawned) for repeated or bad sizes, or a
+        payload over ``MAX_MEASURE_ELEMENTS``.
+        """
+        ns = [check_int("tokens", n, 1, 1 << 16) for n in tokens]
+        d = check_int("d_model", d_model, 1, 1 << 14)
+        reps = check_int("repeats", repeats, 1, 100)
+        if not ns or len(set(ns)) != len(ns):
+            raise ValueError(f"tokens must be distinct positive integers, got {list(tokens)}")
+        if max(ns) * d > MAX_MEASURE_ELEMENTS:
+            raise ValueError(f"N x d_model = {max(ns) * d:,} elements is too large to time here: at most "
+                             f"{MAX_MEASURE_ELEMENTS:,} (16 MiB of float32)")
+        pool = self._ranks()
+        pool.broadcast(("time", [n * d for n in ns], reps, check_int("warmup", warmup, 0, 100),
+                        check_int("first_warmup", first_warmup, 0, 100)))
+        out = pool.collect("result", what="timing all-reduces")
+        medians = [[float(np.median(ts)) for ts in times] for times, _ in out]
+        return {"tokens": ns, "bytes": out[0][1], "seconds": [max(col) for col in zip(*medians)],
+                "backend": self.backend, "world_size": self.world_size}
+
+    def close(self) -> None:
+        if self.pool is not None and not self.pool.closed:
+            self.pool.broadcast(("close",))
+            self.pool.close()

@@ -235,3 +235,17 @@ def module_io(root: torch.nn.Module, paths: Sequence[str], fn: Callable[[], obje
         for h in handles:
             h.remove()
     return seen
+
+
+BLOCK_PARTS = ("ln_1", "attn.qkv", "attn.core", "attn.out_proj", "ln_2", "mlp.fc_up", "mlp.act", "mlp.fc_down")
+
+
+def follow_request(model: torch.nn.Module, batch) -> tuple[list, list, torch.Tensor]:
+    """``model(batch)`` (a ``core.model.Transformer``) watched by ``module_io``: ``(calls, block_outputs, hidden)``,
+    where ``calls`` are ``(part, output shape)`` of block 0's ``BLOCK_PARTS`` in the order they first ran,
+    ``block_outputs`` the output shape of every block that ran, ``hidden`` the model's output ``[T, d_model]``."""
+    blocks = [f"layers.{i}" for i in range(len(model.layers))]
+    seen = module_io(model, [f"layers.0.{p}" for p in BLOCK_PARTS] + blocks + [""], lambda: model(batch))
+    calls = [(path.removeprefix("layers.0."), list(out.shape)) for path, (_, out) in seen.items()
+             if path.startswith("layers.0.")]
+    return calls, [list(seen[b][1].shape) for b in blocks if b in seen], seen[""][1]

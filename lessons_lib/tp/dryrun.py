@@ -11,6 +11,8 @@ stand-in for a rank, which records each all-reduce exactly as a real rank does b
 sum. So a dry run's VALUES are not the TP result; its TRACE is exactly what the model asks a
 real rank for. Lesson 04 compares both with a real two-process trace (``runtime.TPRuntime``).
 
+``record_requests`` dry-runs a number of tokens as equal requests, packed and one forward each.
+
 Taught in notebooks/04_tp2_invariance.ipynb; behind the explorers of lessons 00 and 04.
 """
 from __future__ import annotations
@@ -90,3 +92,33 @@ def record_trace(cfg: ModelConfig, seq_lens: Sequence[int], rank: int = 0, world
 def trace_signature(records: Sequence[CollectiveRecord]) -> list[tuple]:
     """``[(op, shape, dtype, bytes, layer), ...]``: a trace without its rank, comparable with ``==``."""
     return [r.signature for r in records]
+
+
+RECORD_D_MODEL = 64  # record_requests' model: 8 heads of 8, so that a dry run stays around a second on a loaded CPU
+RECORD_MAX_TOKENS = 256
+
+
+def record_requests(num_tokens: int, requests: int = 1, n_layers: int = 8, dtype: str = "float32",
+                    world_size: int = 2) -> dict:
+    """The all-reduces rank 0 of TP=``world_size`` makes in the model's forward (``record_trace``, at width
+    ``RECORD_D_MODEL``, 8 heads) for ``num_tokens`` tokens as ``requests`` requests as equal as possible (longer
+    first), packed into one forward and one forward each (each distinct length dry-run once; one request: one forward).
+
+    Keys: ``lens``, ``n_layers``, ``dtype``, ``world_size``, ``d_model``, ``packed`` (a trace), ``separate`` (one
+    trace per request), ``agrees`` (every trace equals ``expected_trace``'s, record by record). ValueError above
+    ``RECORD_MAX_TOKENS`` tokens, for more requests than tokens, or a dtype not float32/bfloat16/float16."""
+    n = check_int("num_tokens", num_tokens, 1, RECORD_MAX_TOKENS)
+    r = check_int("requests", requests, 1, n)
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be one of ('float32', 'bfloat16', 'float16'), got {dtype!r}")
+    p = check_int("world_size", world_size, 2, 1024)
+    cfg = ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 256), d_model=RECORD_D_MODEL, n_heads=8,
+                      d_ffn=4 * RECORD_D_MODEL, vocab_size=1, max_position=n, dtype=getattr(torch, dtype))
+    lens = [n // r + (i < n % r) for i in range(r)]
+    packed = record_trace(cfg, lens, 0, p)
+    alone = {m: packed if r == 1 else record_trace(cfg, [m], 0, p) for m in set(lens)}  # one request: the same forward
+    separate = [list(alone[m]) for m in lens]
+    agrees = (trace_signature(packed) == trace_signature(expected_trace(cfg, n, 0, p))
+              and all(trace_signature(t) == trace_signature(expected_trace(cfg, m, 0, p)) for m, t in alone.items()))
+    return {"lens": lens, "n_layers": cfg.n_layers, "dtype": dtype, "world_size": p, "d_model": cfg.d_model,
+            "packed": packed, "separate": separate, "agrees": agrees}
