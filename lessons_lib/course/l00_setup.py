@@ -4,10 +4,10 @@ Figures: the course map (``00_course_map``), how tensor parallelism cuts a block
 layers (``00_tp_split``), the all-reduces of one request against its length and the TP size
 (``00_allreduce_growth``), and the alpha-beta model of one all-reduce before any measurement
 (``00_alpha_beta_model``; the model itself is ``measure.comm``).
-What the all-reduces cost: ``AllReduceBench`` (real ones timed on two spawned ranks),
-``fit_misses``, ``comm_cost_state`` and its explorer ``comm_cost_explorer``. Helpers the notebook calls:
-``shard_table``, ``heads_held``, ``row_spans``, ``follow_request``, ``machine_report``.
-Exercise checkers: ``check_tp_plan`` (00.1, on ``rank_params``: what rank 0's real shard holds) and
+What the all-reduces of a forward cost: the explorer ``comm_cost_explorer``, which records the engine's
+forward on the learner's requests (``tp.dryrun.record_requests``) and prices it (``measure.comm.comm_cost_state``),
+and times real all-reduces on request (``measure_point`` on ``measure.comm.AllReduceBench``).
+Exercise checkers: ``check_tp_plan`` (00.1, on ``tp.plan.rank_params``: what rank 0's real shard holds) and
 ``check_packing_factor`` (00.2, on ``packing_saving``).
 
 Taught in notebooks/00_setup_one_request.ipynb.
@@ -15,231 +15,35 @@ Taught in notebooks/00_setup_one_request.ipynb.
 from __future__ import annotations
 
 import functools
-import os
 import textwrap
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 from matplotlib.ticker import FuncFormatter, NullLocator
 
 from ..core.config import ModelConfig
-from ..core.groups import LocalGroup
-from ..core.kernels import available_backends, placement, resolve_backend
-from ..core.model import Transformer
-from ..measure.comm import NVLINK, AlphaBeta, all_reduce_seconds, crossover_tokens, ring_bytes_sent, ring_time_terms
-from ..measure.recorder import module_io
+from ..measure.comm import (
+    DTYPES,
+    NVLINK,
+    AllReduceBench,
+    AlphaBeta,
+    about,
+    all_reduce_seconds,
+    comm_cost_state,
+    crossover_tokens,
+    ring_bytes_sent,
+    ring_time_terms,
+)
 from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, REQUEST, TEXT
-from ..tp.dryrun import expected_trace, record_trace, trace_signature
-from ..tp.vocab import VocabParallelEmbedding
-from ..tp.workers import WorkerPool, commands, resolve_dist_backend
+from ..tp.dryrun import RECORD_MAX_TOKENS, record_requests
+from ..tp.plan import held_by_name, rank_params, smallest_tp, tp_sizes
 from ..validate import check_int, dtype_name
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import grade
-
-# ---------------------------------------------------------------------------------------------
-# What the notebook reads off the model (S1, C1) and this machine
-
-def _cut(full: tuple, shard: tuple) -> str:
-    if full == shard:
-        return "whole (replicated)"
-    if full[0] != shard[0]:
-        return "split: output features"
-    return "split: input features"
-
-
-def shard_table(full: Transformer, shard: Transformer, layer: int = 0) -> list[tuple[str, list, list, str]]:
-    """``(parameter, TP=1 shape, shape on the shard's rank, how it is cut)`` for one block's parameters."""
-    mine = dict(shard.layers[layer].named_parameters())
-    return [(name, list(p.shape), list(mine[name].shape), _cut(tuple(p.shape), tuple(mine[name].shape)))
-            for name, p in full.layers[layer].named_parameters()]
-
-
-def format_table(rows: Sequence[tuple], headers: Sequence[str]) -> str:
-    """A plain-text table, columns padded to their widest cell."""
-    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
-
-
-def heads_held(weights: Mapping[str, torch.Tensor], shard: Transformer, layer: int = 0) -> dict[str, list[int]]:
-    """Which heads of Q, K and V a rank's fused QKV weight holds, found by matching each
-    ``d_head``-row block of the shard against the full weight: ``{"Q": [0, 1, 2, 3], "K": ..., "V": ...}``."""
-    cfg = shard.cfg
-    full = weights[f"layers.{layer}.attn.qkv.weight"].to(shard.dtype)       # [3·H·D, d]: Q heads | K heads | V heads
-    mine = shard.layers[layer].attn.qkv.weight.detach().cpu()              # [3·H_local·D, d]
-    blocks = {(part, h): full[(i * cfg.n_heads + h) * cfg.d_head:(i * cfg.n_heads + h + 1) * cfg.d_head]
-              for i, part in enumerate("QKV") for h in range(cfg.n_heads)}
-    found: dict[str, list[int]] = {"Q": [], "K": [], "V": []}
-    for j in range(mine.shape[0] // cfg.d_head):
-        block = mine[j * cfg.d_head:(j + 1) * cfg.d_head]
-        match = next((key for key, b in blocks.items() if torch.equal(b, block)), None)
-        if match is not None:
-            found[match[0]].append(match[1])
-    return found
-
-
-def row_spans(layer) -> list[tuple[int, int]]:
-    """The rows of the full weight a column-parallel ``layer`` keeps on its rank, read off the layer's own
-    ``shard_rows``, as ``(start, stop)`` runs of consecutive rows (``[(0, 256), (512, 768), (1024, 1280)]``
-    for rank 0's QKV at TP=2)."""
-    spans: list[list[int]] = []
-    for row in layer.shard_rows(torch.arange(layer.out_features)).tolist():
-        if spans and spans[-1][1] == row:
-            spans[-1][1] = row + 1
-        else:
-            spans.append([row, row + 1])
-    return [(start, stop) for start, stop in spans]
-
-
-BLOCK_PARTS = ("ln_1", "attn.qkv", "attn.core", "attn.out_proj", "ln_2", "mlp.fc_up", "mlp.act", "mlp.fc_down")
-
-
-def follow_request(model: Transformer, batch) -> tuple[list, list, torch.Tensor]:
-    """``model(batch)`` watched by ``measure.recorder.module_io``: ``(calls, block_outputs, hidden)``, where
-    ``calls`` are ``(part, output shape)`` of block 0's ``BLOCK_PARTS`` in the order they first ran,
-    ``block_outputs`` every block's output shape, ``hidden`` the model's output ``[T, d_model]``."""
-    blocks = [f"layers.{i}" for i in range(len(model.layers))]
-    seen = module_io(model, [f"layers.0.{p}" for p in BLOCK_PARTS] + blocks + [""], lambda: model(batch))
-    calls = [(path.removeprefix("layers.0."), list(out.shape)) for path, (_, out) in seen.items()
-             if path.startswith("layers.0.")]
-    return calls, [list(seen[b][1].shape) for b in blocks], seen[""][1]
-
-
-def backend_rows(device, dtype: torch.dtype, head_dim: int | None = None) -> list[tuple[str, str, str]]:
-    """``(backend, "yes"/"no", reason)`` for every attention backend on ``device`` in ``dtype``."""
-    return [(name, "yes" if s.available else "no", s.reason)
-            for name, s in available_backends(device, dtype, head_dim).items()]
-
-
-def machine_report(head_dim: int = 64) -> str:
-    """The appendix of lesson 00: device and dtype the engine picks, every attention backend with
-    why (not) for the CPU and, with a GPU, CUDA in float16 / bfloat16 / float32, the TP backend
-    for two ranks, and the cores."""
-    device, dtype = placement()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    lines = [f"device: {device.type} | dtype: {dtype_name(dtype)} | torch {torch.__version__} | "
-             f"CPU cores: {cores} | torch threads: {torch.get_num_threads()} | GPUs: {gpus}"]
-    places = [("cpu", torch.float32)] + ([("cuda", t) for t in (torch.float16, torch.bfloat16, torch.float32)] if gpus else [])
-    for dev, dt in places:
-        name = dtype_name(dt)
-        lines += ["", f"attention backends on {dev}, {name}, head dim {head_dim}: "
-                  f"auto -> {resolve_backend('auto', dev, dt, head_dim)}"]
-        lines.append(format_table(backend_rows(dev, dt, head_dim), ("backend", "runs", "why (not)")))
-    tp = resolve_dist_backend("auto", 2, device)
-    lines += ["", f"TP=2 collectives: {tp}" + ("" if tp == "nccl" else " (NCCL needs one GPU per rank)")]
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# What the 16 all-reduces cost on this machine: real ones timed on spawned ranks (C1)
-
-AR_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)  # the [N, 512] float32 payloads AllReduceBench.measure times
-AR_REPEATS = 9
-
-
-def fit_misses(fit: AlphaBeta, measured: Mapping) -> list[float]:
-    """Measured / modelled time of each payload of ``measured`` (``AllReduceBench.measure``'s dict) under ``fit``,
-    at the TP size it was measured at: 1 where the line goes through the point; how far the fit misses its own
-    points, hence how many digits of alpha, beta and N* mean anything."""
-    return [t / all_reduce_seconds(fit, b, measured["world_size"]) for b, t in zip(measured["bytes"], measured["seconds"])]
-
-
-def about(x: float, digits: int = 1) -> str:
-    """``x`` to ``digits`` significant digits, written out with thousands separators: one digit is an order of
-    magnitude (``about(259.3)`` is ``"300"``, ``about(1836.2, 2)`` is ``"1,800"``, ``about(0.0412)`` is ``"0.04"``)."""
-    if isinstance(x, bool) or not (isinstance(x, (int, float)) and np.isfinite(x) and x >= 0):
-        raise ValueError(f"about() takes a non-negative finite number, got {x!r}")
-    v = float(f"{x:.{check_int('digits', digits, 1, 6)}g}")
-    if v == 0:  # a fit with no latency (alpha = 0) has N* = 0
-        return "0"
-    return f"{v:,.{max(0, digits - 1 - int(np.floor(np.log10(v))))}f}"
-
-
-def time_all_reduces(group, sizes: Sequence[int], repeats: int = AR_REPEATS, warmup: int = 2,
-                     first_warmup: int = 20) -> list[list[float]]:
-    """On one rank: for each element count in ``sizes``, the seconds of ``repeats`` all-reduces of a float32
-    tensor through the rank's ``DistGroup``, each started right after a barrier (no rank times its wait for the
-    other), after ``warmup`` untimed ones (``first_warmup`` for the first size: a fresh group's setup)."""
-    out = []
-    for j, numel in enumerate(sizes):
-        x = torch.ones(int(numel), device=group.device)
-        times = []
-        skip = first_warmup if j == 0 else warmup
-        for i in range(skip + repeats):
-            x.fill_(1.0)
-            dist.barrier(group=group.process_group)
-            t0 = time.perf_counter()
-            group.all_reduce(x, layer="timing")
-            if i >= skip:
-                times.append(time.perf_counter() - t0)
-        out.append(times)
-    return out
-
-
-def _timing_loop(group, channel) -> None:
-    """Worker loop of ``AllReduceBench``: one ``time_all_reduces`` per command, until "close" or EOF."""
-    for _, sizes, repeats, warmup, first_warmup in commands(channel):
-        group.trace.clear()
-        times = time_all_reduces(group, sizes, repeats, warmup, first_warmup)
-        channel.send((times, list(dict.fromkeys(rec.bytes for rec in group.trace))))
-
-
-MAX_MEASURE_ELEMENTS = 1 << 22  # 16 MiB of float32: one timing of a few all-reduces stays well under 2 s here
-
-
-class AllReduceBench:
-    """``world_size`` spawned ranks kept alive to time real all-reduces (through ``DistGroup.all_reduce``)
-    on request: spawned once, on the first ``measure``; ``close()`` (or the end of the kernel) ends them."""
-
-    def __init__(self, world_size: int = 2, timeout: float = 60.0):
-        self.world_size = check_int("world_size", world_size, 2, 8)
-        self.timeout = timeout
-        self.pool = None
-        self.backend = None
-
-    def _ranks(self):
-        if self.pool is None or self.pool.closed:
-            self.pool = WorkerPool(self.world_size, timeout=self.timeout, verbose=False, name="allreduce-bench")
-            self.pool.start(_timing_loop)
-            self.backend = self.pool.backend
-        return self.pool
-
-    def measure(self, tokens: Sequence[int] = AR_TOKENS, d_model: int = 512, repeats: int = AR_REPEATS,
-                warmup: int = 2, first_warmup: int = 20) -> dict:
-        """Time real all-reduces of ``[N, d_model]`` float32 payloads for each N of ``tokens``.
-
-        Returns ``{"tokens", "bytes" (each payload, as the ranks' traces recorded it), "seconds" (per payload:
-        the median over ``repeats`` of the slower rank), "backend", "world_size"}``. A wall-clock measurement:
-        shown and fitted, never asserted.
-        """
-        ns = [check_int("tokens", n, 1, 1 << 16) for n in tokens]
-        d = check_int("d_model", d_model, 1, 1 << 14)
-        reps = check_int("repeats", repeats, 1, 100)
-        if not ns or len(set(ns)) != len(ns):
-            raise ValueError(f"tokens must be distinct positive integers, got {list(tokens)}")
-        if max(ns) * d > MAX_MEASURE_ELEMENTS:
-            raise ValueError(f"N x d_model = {max(ns) * d:,} elements is too large to time here: at most "
-                             f"{MAX_MEASURE_ELEMENTS:,} (16 MiB of float32)")
-        pool = self._ranks()
-        pool.broadcast(("time", [n * d for n in ns], reps, check_int("warmup", warmup, 0, 100),
-                        check_int("first_warmup", first_warmup, 0, 100)))
-        out = pool.collect("result", what="timing all-reduces")
-        medians = [[float(np.median(ts)) for ts in times] for times, _ in out]
-        return {"tokens": ns, "bytes": out[0][1], "seconds": [max(col) for col in zip(*medians)],
-                "backend": self.backend, "world_size": self.world_size}
-
-    def close(self) -> None:
-        if self.pool is not None and not self.pool.closed:
-            self.pool.broadcast(("close",))
-            self.pool.close()
-
 
 # ---------------------------------------------------------------------------------------------
 # The course map
@@ -411,12 +215,10 @@ def tp_split(cfg: ModelConfig | None = None) -> Figure:
 @register("00_allreduce_growth", lesson="00",
           caption="one request of N tokens: 16 all-reduces per forward for every N at TP >= 2 (0 at TP=1); the "
                   "payload grows with N, the ring traffic also with TP (C1)")
-def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | None = None,
-                     measured: Mapping[int, Sequence] | None = None) -> Figure:
+def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | None = None) -> Figure:
     """Claim C1: what the ``cfg.all_reduces_per_forward`` all-reduces of one forward move, against the tokens N.
 
-    Left, per all-reduce: the payload on each rank, ``N·d_model·itemsize``, the same at every TP ≥ 2, and
-    ``measured`` (``{N: a real rank's trace}``) as black dots (gids ``measured-bytes-N``). Right, per forward:
+    Left, per all-reduce: the payload on each rank, ``N·d_model·itemsize``, the same at every TP ≥ 2. Right, per forward:
     what all ranks together send in a ring, ``count · p · ring_bytes_sent(payload, p)``, for TP = 2, 4, 8
     (gids ``ring-p``; TP=2, the lesson's, drawn thicker).
     """
@@ -440,10 +242,6 @@ def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | Non
         ax.set_yscale("log")
         ax.set_xlabel("tokens N in the request")
         ax.tick_params(labelsize=MIN_FONT)
-    for n, trace in sorted((measured or {}).items()):
-        left.plot([n], [trace[0].bytes], "o", color=TEXT, gid=f"measured-bytes-{n}")
-    if measured:
-        left.plot([], [], "o", color=TEXT, label="measured, real TP=2 ranks")
     fig.suptitle(f"One request of N tokens: {count} all-reduces per forward for every N at TP >= 2, none at TP = 1",
                  fontsize=MIN_FONT + 2)
     left.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
@@ -503,48 +301,6 @@ def alpha_beta_model() -> Figure:
 # ---------------------------------------------------------------------------------------------
 # The explorer: what the all-reduces of a forward cost, packed or one request per forward (C1)
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _split(total: int, parts: int) -> list[int]:
-    return [total // parts + (i < total % parts) for i in range(parts)]
-
-
-def comm_cost_state(num_tokens: int, fit: AlphaBeta, d_model: int = 512, dtype: str = "float32", n_layers: int = 8,
-                    requests: int = 1, world_size: int = 2, fitted_world_size: int | None = None) -> dict:
-    """What the all-reduces of one TP forward of ``num_tokens`` tokens cost under ``fit`` (count and payloads from
-    ``tp.dryrun.expected_trace``, times from ``ring_time_terms``), and the same tokens as ``requests`` forwards.
-
-    Keys: the inputs, ``alpha_s``, ``beta``, ``source``, ``count``, ``bytes_each``, ``latency_s``, ``bandwidth_s``,
-    ``one_s`` (one all-reduce), ``forward_s``, ``dominated``, ``crossover`` (N*), ``lens`` (the requests, as equal as
-    possible), ``separate_count``, ``separate_s``, ``extrapolated`` (``fitted_world_size`` when it is not
-    ``world_size``: a fit carried to another ring, else None)."""
-    n = check_int("num_tokens", num_tokens, 1, 1 << 20)
-    r = check_int("requests", requests, 1, 4096)
-    if r > n:
-        raise ValueError(f"requests must be at most num_tokens (each request has at least one token), got "
-                         f"requests={r} > num_tokens={n}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    p = check_int("world_size", world_size, 2, 1024)
-    fitted = None if fitted_world_size is None else check_int("fitted_world_size", fitted_world_size, 2, 1024)
-    cfg = ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 256), d_model=check_int("d_model", d_model, 1, 1 << 15),
-                      dtype=getattr(torch, dtype))
-    trace = expected_trace(cfg, n, 0, p)
-    count, each = len(trace), trace[0].bytes
-    lat, bw = ring_time_terms(fit, each, p)
-    lens = _split(n, r)
-    separate = [expected_trace(cfg, m, 0, p) for m in lens]
-    return {"num_tokens": n, "d_model": cfg.d_model, "dtype": dtype, "n_layers": cfg.n_layers, "requests": r,
-            "world_size": p, "alpha_s": fit.alpha_s, "beta": fit.beta, "source": fit.source, "count": count,
-            "bytes_each": each, "latency_s": lat, "bandwidth_s": bw, "one_s": lat + bw, "forward_s": count * (lat + bw),
-            "dominated": "latency" if lat >= bw else "bandwidth",
-            "crossover": crossover_tokens(fit, cfg.d_model, cfg.dtype.itemsize, p), "lens": lens,
-            "separate_count": sum(len(t) for t in separate),
-            "separate_s": sum(all_reduce_seconds(fit, rec.bytes, p) for t in separate for rec in t),
-            "extrapolated": fitted if fitted not in (None, p) else None}
-
-
 def _us(seconds: float) -> str:
     return f"{seconds * 1e6:,.1f} us"
 
@@ -561,7 +317,7 @@ def comm_cost_text(state: dict) -> str:
              + (f" (extrapolated: alpha and beta were fitted to a ring of {s['extrapolated']} ranks, not measured "
                 f"at TP={s['world_size']})" if s.get("extrapolated") else ""),
              f"per forward: {s['count']} x {_us(s['one_s'])} = {_us(s['forward_s'])}",
-             f"crossover: N* = {s['crossover']:,.1f} tokens (latency dominates below, bandwidth above; the same for "
+             f"crossover: N* ~ {about(s['crossover'], 2)} tokens (latency dominates below, bandwidth above; the same for "
              "any number of layers)"]
     if r > 1:
         lens = s["lens"]
@@ -647,34 +403,8 @@ def measure_text(point: Mapping) -> str:
             f"the model says {_us(point['model_s'])} ({point['seconds'] / point['model_s']:.2f} x)")
 
 
-RECORD_D_MODEL = 64  # the recorder's model: 8 heads of 8, so that a dry run of 80 layers stays a few seconds
-RECORD_MAX_TOKENS = 1024
-
-
-def record_point(num_tokens: int, requests: int = 1, n_layers: int = 8, dtype: str = "float32",
-                 world_size: int = 2) -> dict:
-    """The all-reduces rank 0 of TP=``world_size`` makes in the engine's forward (``tp.dryrun.record_trace``, at
-    width ``RECORD_D_MODEL``) for ``requests`` requests of ``num_tokens`` tokens in all, packed into one forward and
-    one forward each. Keys: ``lens``, ``n_layers``, ``dtype``, ``world_size``, ``d_model``, ``packed`` (a trace),
-    ``separate`` (one per request), ``agrees`` (all equal the calculator ``expected_trace``, record by record)."""
-    n = check_int("num_tokens", num_tokens, 1, RECORD_MAX_TOKENS)
-    r = check_int("requests", requests, 1, n)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    p = check_int("world_size", world_size, 2, 1024)
-    cfg = ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 256), d_model=RECORD_D_MODEL, n_heads=8,
-                      d_ffn=4 * RECORD_D_MODEL, vocab_size=1, max_position=n, dtype=getattr(torch, dtype))
-    lens = _split(n, r)
-    packed = record_trace(cfg, lens, 0, p)
-    separate = [record_trace(cfg, [m], 0, p) for m in lens]
-    agrees = (trace_signature(packed) == trace_signature(expected_trace(cfg, n, 0, p))
-              and all(trace_signature(t) == trace_signature(expected_trace(cfg, m, 0, p)) for t, m in zip(separate, lens)))
-    return {"lens": lens, "n_layers": cfg.n_layers, "dtype": dtype, "world_size": p, "d_model": cfg.d_model,
-            "packed": packed, "separate": separate, "agrees": agrees}
-
-
 def record_text(point: Mapping) -> str:
-    """One readout line for ``record_point``'s dict (the format the browser test parses)."""
+    """One readout line for ``tp.dryrun.record_requests``' dict (the format the browser test parses)."""
     lens, packed, separate = point["lens"], point["packed"], point["separate"]
     shapes = sorted({tuple(rec.shape) for t in separate for rec in t})
     return (f"recorded (the engine's forward on rank 0 of TP={point['world_size']}, {point['n_layers']} layers, "
@@ -688,12 +418,13 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
                        bench: AllReduceBench | None = None):
     """VBox class ``abx``: IntSlider ``abx-tokens`` (1..16384), IntSlider ``abx-requests`` (1..64),
     Dropdowns ``abx-d-model``, ``abx-dtype``, ``abx-layers``, ``abx-tp`` (the TP size: 2, 4, 8), ``abx-network``;
-    Button ``abx-record`` (``record_point``: the engine's forward on the chosen requests, recorded on rank 0, beside
-    the calculator; "running..." while it runs), HTML ``abx-recorded`` (``record_text``);
-    Button ``abx-measure`` (times real all-reduces at the chosen N and d_model on ``bench``'s ranks: "running..."
-    while it runs), HTML ``abx-measured`` (``measure_text``), HTML ``abx-text`` (``comm_cost_text``, one div per
-    line), Output ``abx-figure`` (``comm_cost_figure``). ``measured``: ``AllReduceBench.measure``'s dict, drawn
-    while the network is this machine's (``measured_fit``; the other: ``measure.comm.NVLINK``)."""
+    HTML ``abx-recorded``: on every move, the engine's forward on the chosen requests recorded on rank 0
+    (``record_requests``, up to ``RECORD_MAX_TOKENS`` tokens; "running..." while it runs), beside the calculator
+    (``record_text``); Button ``abx-measure`` (times real all-reduces at the chosen N and d_model on ``bench``'s
+    ranks: "running..." while it runs), HTML ``abx-measured`` (``measure_text``), HTML ``abx-text``
+    (``comm_cost_text``, one div per line), Output ``abx-figure`` (``comm_cost_figure``). ``measured``:
+    ``AllReduceBench.measure``'s dict, drawn while the network is this machine's (``measured_fit``; the other:
+    ``measure.comm.NVLINK``)."""
     w = ipywidgets_module()
     tokens = tagged(w.IntSlider(value=num_tokens, min=1, max=16384, description="tokens N"), "abx-tokens")
     reqs = tagged(w.IntSlider(value=1, min=1, max=64, description="requests"), "abx-requests")
@@ -704,9 +435,7 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
     net = tagged(w.Dropdown(options=[("this machine (fitted)", measured_fit), ("NVLink 4 (datasheet-like)", NVLINK)],
                             value=measured_fit, description="network"), "abx-network")
     button = tagged(w.Button(description="measure at this N"), "abx-measure")
-    rec_button = tagged(w.Button(description="record this forward"), "abx-record")
-    rec_text = tagged(w.HTML("<div>record: runs the engine's forward on these requests and shows the all-reduces "
-                             "rank 0 makes, beside the calculator</div>"), "abx-recorded")
+    rec_text = tagged(w.HTML("<div>running...</div>"), "abx-recorded")
     probe_text = tagged(w.HTML("<div>measure: times real all-reduces at the chosen N and d_model on the "
                                f"{bench.world_size if bench else 2} ranks</div>"), "abx-measured")
     text, out = tagged(w.HTML(), "abx-text"), tagged(w.Output(), "abx-figure")
@@ -722,6 +451,7 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
             return
         text.value = "<div>" + "</div><div>".join(comm_cost_text(state).splitlines()) + "</div>"
         show_figure(out, comm_cost_figure(state, measured if here else None, last.get("probe")))
+        record()
 
     def measure(_=None):
         if bench is None:
@@ -736,18 +466,18 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
         probe_text.value = f"<div>{measure_text(last['probe'])}</div>"
         update()
 
-    def record(_=None):
+    def record():
+        if tokens.value > RECORD_MAX_TOKENS:
+            rec_text.value = (f"<div>not recorded: the recorder runs up to {RECORD_MAX_TOKENS:,} tokens; above, the "
+                              "count and payloads are expected_trace's, which every recording matched</div>")
+            return
         rec_text.value = "<div>running...</div>"
-        try:
-            point = record_point(tokens.value, reqs.value, layers.value, kind.value, tp.value)
-            rec_text.value = f"<div>{record_text(point)}</div>"
-        except ValueError as exc:  # more tokens than the recorder runs, or more requests than tokens
-            rec_text.value = f"<div>{exc}</div>"
+        point = record_requests(tokens.value, reqs.value, layers.value, kind.value, tp.value)
+        rec_text.value = f"<div>{record_text(point)}</div>"
 
     button.on_click(measure)
-    rec_button.on_click(record)
     box = explorer("abx", [tokens, reqs, d_model, kind, layers, tp, net],
-                   [w.HBox([rec_button, rec_text]), w.HBox([button, probe_text]), text, out], update)
+                   [rec_text, w.HBox([button, probe_text]), text, out], update)
     return box
 
 
@@ -757,36 +487,6 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
 _SMALL_CFGS = [ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128),
                ModelConfig(n_layers=3, d_model=48, n_heads=6, d_head=8, d_ffn=96, vocab_size=77, max_position=40),
                ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=32, d_ffn=128, vocab_size=50, max_position=16)]
-
-
-@functools.cache
-def _held(cfg: ModelConfig, tp_size: int) -> dict[str, int]:
-    """Parameters of rank 0's real shard under TP=``tp_size``, by name (the model on a one-process stand-in group)."""
-    model = Transformer(cfg, seed=0, group=LocalGroup(0, tp_size))
-    return {name: p.numel() for name, p in model.named_parameters()}
-
-
-def rank_params(cfg: ModelConfig, tp_size: int, vocab_parallel: bool = False) -> int:
-    """Parameters rank 0 holds under TP=``tp_size``, counted on its real shard. With ``vocab_parallel`` its token
-    table ``wte`` (and so the tied LM head) is the engine's ``tp.vocab.VocabParallelEmbedding`` shard instead:
-    ``pad_vocab_size(vocab_size, tp_size) / tp_size`` rows; everything else as in the engine."""
-    held = dict(_held(cfg, check_int("tp_size", tp_size, 1)))
-    if vocab_parallel:
-        with torch.device("meta"):  # the shard's shape, nothing allocated
-            held["wte"] = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group=LocalGroup(0, tp_size)).weight.numel()
-    return sum(held.values())
-
-
-def tp_sizes(cfg: ModelConfig) -> list[int]:
-    """The TP sizes the engine can split ``cfg`` over: those that divide ``n_heads`` and ``d_ffn``."""
-    return [p for p in range(1, cfg.n_heads + 1) if cfg.n_heads % p == 0 and cfg.d_ffn % p == 0]
-
-
-def smallest_tp(cfg: ModelConfig, budget: int, vocab_parallel: bool = False) -> int | None:
-    """The smallest TP size (one of ``tp_sizes(cfg)``) at which rank 0 holds at most ``budget`` parameters
-    (``rank_params``), or None when none does."""
-    check_int("budget", budget, 1)
-    return next((p for p in tp_sizes(cfg) if rank_params(cfg, p, vocab_parallel) <= budget), None)
 
 
 def tp_plan(cfg: ModelConfig, budget: int, count=None) -> tuple[int, bool] | None:
@@ -801,12 +501,12 @@ def tp_plan(cfg: ModelConfig, budget: int, count=None) -> tuple[int, bool] | Non
 
 def _all_split(cfg: ModelConfig, tp_size: int, vocab_parallel: bool) -> float:
     """The usual slip: every parameter cut ``tp_size`` ways."""
-    return sum(_held(cfg, 1).values()) / tp_size
+    return sum(held_by_name(cfg, 1).values()) / tp_size
 
 
 def _wpe_cut_too(cfg: ModelConfig, tp_size: int, vocab_parallel: bool) -> int:
     """The other slip: a vocab-parallel embedding that cuts the position table as well."""
-    return rank_params(cfg, tp_size, vocab_parallel) - (_held(cfg, 1)["wpe"] * (tp_size - 1) // tp_size
+    return rank_params(cfg, tp_size, vocab_parallel) - (held_by_name(cfg, 1)["wpe"] * (tp_size - 1) // tp_size
                                                         if vocab_parallel else 0)
 
 

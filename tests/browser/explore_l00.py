@@ -3,7 +3,7 @@
 The widget shows the alpha and beta it runs on (the kernel's fit of this machine's all-reduces, three
 significant digits, or the NVLink preset); the test reads them off the page and recomputes every other
 number with a direct call of ``lessons_lib``, before and after moving the tokens, the requests, the TP size and
-the network. "record this forward" runs the engine's forward on the requests shown (``record_point``); its line
+the network. Every move runs the engine's forward on the requests shown (``tp.dryrun.record_requests``); its line
 must equal a direct call. "measure" times real all-reduces on the notebook's two ranks: the time itself cannot be recomputed,
 but the model's time printed beside it must equal ``measure.comm.all_reduce_seconds`` for the payload and network shown.
 """
@@ -14,7 +14,8 @@ import re
 from widget_driver import MOVES, finish, inner_text, move, open_explorer, readout, slider_max, wait_text
 
 from lessons_lib.course import l00_setup
-from lessons_lib.measure.comm import AlphaBeta, all_reduce_seconds
+from lessons_lib.measure.comm import AlphaBeta, all_reduce_seconds, comm_cost_state
+from lessons_lib.tp.dryrun import record_requests
 
 HEAD_RE = re.compile(r"alpha = ([\d.e+-]+) us per step, beta = ([\d.e+-]+) GB/s \((.+)\)")
 PROBE_RE = re.compile(r"measured now over (\w+) \(TP=2\): one all-reduce of \[(\d+), (\d+)\] float32 = ([\d,]+) B "
@@ -31,7 +32,7 @@ def _fit(page) -> AlphaBeta:
 def _expected(page) -> str:
     """What the readout must say, from the alpha and beta it shows and the controls' values."""
     fit = _fit(page)  # a fit of this machine's two ranks is extrapolated at another TP size, and says so
-    state = l00_setup.comm_cost_state(readout(page, "abx-tokens"), fit,
+    state = comm_cost_state(readout(page, "abx-tokens"), fit,
                                       int(page.locator(".abx-d-model select").input_value()),
                                       page.locator(".abx-dtype select").input_value(),
                                       int(page.locator(".abx-layers select").input_value()), readout(page, "abx-requests"),
@@ -71,13 +72,12 @@ def test_lesson00_comm_cost_explorer(lab_server, browser_context, capsys):
     latencies.append(ms)
     text = _check(page)
     assert "as 2 requests" in text and "one forward each 32 all-reduces" in text
-    # Record this forward: the engine's own trace of the requests shown, equal to a direct record_point.
-    page.locator(".abx-record button, button.abx-record").first.click()
+    # Every move records the engine's own trace of the requests shown, equal to a direct record_requests.
     wait_text(page, ".abx-recorded", "t => t.startsWith('recorded')", timeout=30_000)
-    want = l00_setup.record_text(l00_setup.record_point(readout(page, "abx-tokens"), readout(page, "abx-requests"),
-                                                        int(page.locator(".abx-layers select").input_value()),
-                                                        page.locator(".abx-dtype select").input_value(),
-                                                        int(page.locator(".abx-tp select").input_value())))
+    want = l00_setup.record_text(record_requests(readout(page, "abx-tokens"), readout(page, "abx-requests"),
+                                                 int(page.locator(".abx-layers select").input_value()),
+                                                 page.locator(".abx-dtype select").input_value(),
+                                                 int(page.locator(".abx-tp select").input_value())))
     assert inner_text(page, ".abx-recorded") == want and "the same, record by record" in want
     # Measure at this N on the two real ranks: "running..." then a line whose model time is the library's.
     page.locator(".abx-measure button, button.abx-measure").first.click()
