@@ -151,6 +151,14 @@ def chunked_engine() -> torch.Tensor:
     return out.hidden
 
 
+def measured(path: str, *args):
+    """``lessons_lib.measure.<module>.<name>`` looked up at call time (a measure fault swaps the module's name),
+    called on ``args`` when given (a machine is read as it is)."""
+    module, name = path.rsplit(".", 1)
+    value = getattr(importlib.import_module(f"lessons_lib.measure.{module}"), name)
+    return value(*args) if args else value
+
+
 def tp2_collectives() -> int:
     """All-reduces rank 0 recorded in one TP=2 forward (gloo, worker processes) of 300 tokens."""
     from lessons_lib.tp.trace import forward_worker
@@ -219,6 +227,14 @@ PROBES = {
     "scheduler_budgets_padded_rows": lambda: outcome(lambda: scheduler.plan_batches([10, 8, 5, 3], 16)),
     "flat_batch_padded_to_multiple_of_64": lambda: [m.m for m in record_matmuls(lambda: Engine(
         CFG, weights=init_weights(CFG, seed=0), device="cpu", compute_logits=False).prefill([[1] * 5, [2] * 9]))],
+    "matmul_flops_count_multiply_adds": lambda: [m.flops for m in record_matmuls(forward)],
+    "bmm_recorded_as_one_head": matmul_shapes,
+    "linear_flops_per_token_one_layer": lambda: measured("flops.linear_flops_per_token", ModelConfig()),
+    "causal_cells_exclude_diagonal": lambda: measured("flops.attention_cells", [5, 9], "varlen", True),
+    "kv_cache_bytes_counts_k_only": lambda: measured("flops.kv_cache_bytes", ModelConfig(), [10, 30]),
+    "decode_kv_read_shared_by_batch": lambda: measured("flops.decode_step_parts", ModelConfig(), 4, 128,
+                                                       measured("machines.H200")).attention.bytes,
+    "h200_peak_with_sparsity": lambda: measured("machines.H200").ridge,
     "tiling_tiles_rounded_down": lambda: (tiling.predict_work([70, 5, 20], n_heads=2, block_m=16, block_n=16).as_dict(),
                                           tiling.launch_grid(20, 2, 3, 16)),
 } | {name: kernel_runs for name in faults.FAULTS if name.startswith("kernel_")}

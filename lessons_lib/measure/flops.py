@@ -369,3 +369,112 @@ def decode_step_parts(cfg: ModelConfig, requests: int, kv_len: int, machine: Mac
     k = cfg.qkv_dim
     return DecodeStep(machine.roofline_part(2 * r * w, nb * (w + r * a)),
                       machine.roofline_part(r * 4 * k * n, nb * r * 2 * k * (1 + n)))
+
+
+def prefill_attention_intensity(cfg: ModelConfig, seq_lens: Sequence[int], n_kv_heads: int | None = None,
+                                bytes_per_element: int = 2) -> float:
+    """FLOP per byte of one forward's causal prefill attention as a fused kernel runs it: ``forward_flops``' causal
+    attention FLOPs over ``forward_bytes``' attention bytes (Q, K, V, O once): a token-weighted mean over the
+    requests, ``(L + 1) / 4`` for one request without grouped-query attention in bf16."""
+    f = forward_flops(cfg, seq_lens, "varlen", causal=True, n_kv_heads=n_kv_heads)
+    return f.attention / forward_bytes(cfg, seq_lens, n_kv_heads, bytes_per_element).attention
+
+
+def gqa_intensity_ceiling(cfg: ModelConfig) -> float:
+    """The most one K/V head can raise prefill attention's intensity over ``n_heads`` K/V heads: ``2k / (k + d_head)``
+    (k = ``cfg.qkv_dim``; Q and O keep every head), under 2 whatever the group."""
+    return 2 * cfg.qkv_dim / (cfg.qkv_dim + cfg.d_head)
+
+
+def gqa_heads_for_ridge(cfg: ModelConfig, seq_lens: Sequence[int], ridge: float) -> int | None:
+    """The largest ``n_kv_heads`` (a divisor of ``cfg.n_heads``) whose causal prefill attention
+    (``prefill_attention_intensity``, bf16) reaches ``ridge`` FLOP/byte, or None."""
+    fits = [kv for kv in range(1, cfg.n_heads + 1)
+            if cfg.n_heads % kv == 0 and prefill_attention_intensity(cfg, seq_lens, kv) >= ridge]
+    return max(fits, default=None)
+
+
+def most_compute_bound_requests(cfg: ModelConfig, total: int, n_kv_heads: int, ridge: float,
+                                min_len: int = 16) -> int | None:
+    """The most requests (each at least ``min_len`` tokens, ``total`` in all) whose causal prefill attention
+    (``prefill_attention_intensity``, bf16) reaches ``ridge``, or None: one long request and the rest at
+    ``min_len`` (the largest sum of L² for a count), grown while it holds."""
+    t = check_int("total", total, check_int("min_len", min_len, 1))
+    best = None
+    for n in range(1, t // min_len + 1):
+        if prefill_attention_intensity(cfg, [t - (n - 1) * min_len] + [min_len] * (n - 1), n_kv_heads) < ridge:
+            break
+        best = n
+    return best
+
+
+def decode_kv_overtakes_from(cfg: ModelConfig, ridge: float, bytes_per_element: int, kv_len: int) -> int | None:
+    """The smallest R from which a decode step's attention takes longer than its linear layers (``decode_step_parts``,
+    each part on a roofline of ridge ``ridge``, time in bytes / bandwidth: ``max(FLOPs / ridge, bytes)``), or None.
+    Per request attention takes ``a = max(4kn / ridge, nbytes·2k(n + 1))``; it is longer iff ``a > 2W / ridge`` (the
+    compute-bound linear layers' time per request) and ``R (a - nbytes·A) > nbytes·W`` (``linear_terms``)."""
+    from fractions import Fraction
+    w, a_rows = linear_terms(cfg)
+    k, n, nb = cfg.qkv_dim, check_int("kv_len", kv_len, 1), _bytes_per_element(bytes_per_element)
+    if not 0 < ridge < math.inf:
+        raise ValueError(f"ridge must be a positive finite FLOP/byte, got {ridge!r}")
+    rho = Fraction(ridge).limit_denominator(10**6)
+    a = max(Fraction(4 * k * n) / rho, Fraction(nb * 2 * k * (n + 1)))
+    if a <= 2 * w / rho or a <= nb * a_rows:
+        return None
+    return math.floor(nb * w / (a - nb * a_rows)) + 1
+
+
+GPU_TILE = 128  # rows and columns of one thread block's output tile: a GEMM's, and FlashAttention's query tile
+
+
+def gemm_thread_blocks(rows: int, d_out: int, tile: int = GPU_TILE) -> int:
+    """Thread blocks of a ``[rows, d_in] @ [d_in, d_out]`` GEMM with ``tile x tile`` output tiles (no split-K)."""
+    return -(-check_int("rows", rows, 1) // tile) * -(-check_int("d_out", d_out, 1) // tile)
+
+
+def attention_thread_blocks(seq_lens: Sequence[int], n_heads: int, tile: int = GPU_TILE) -> int:
+    """Thread blocks of a varlen FlashAttention forward: one per ``tile`` queries of one request and one head."""
+    return check_int("n_heads", n_heads, 1) * sum(-(-n // tile) for n in check_lengths(seq_lens))
+
+
+@dataclass(frozen=True, slots=True)
+class GpuVerdict:
+    """A roofline ``part`` on a GPU, with what binds before it: ``blocks`` thread blocks on ``machine.n_sms`` SMs
+    (fewer blocks than SMs: at most that share of the peak and bandwidth) and ``kernels`` launches of
+    ``machine.launch_s`` each. ``seconds``: the longest of the roofline time stretched by occupancy and the
+    launches; ``binds``: ``"launch latency"``, ``"occupancy"`` or the part's own bound."""
+
+    part: RooflinePart
+    blocks: int
+    kernels: int
+    n_sms: int
+    launch_s: float
+
+    @property
+    def occupancy(self) -> float:
+        return min(1.0, self.blocks / self.n_sms)
+
+    @property
+    def seconds(self) -> float:
+        return max(self.part.seconds / self.occupancy, self.kernels * self.launch_s)
+
+    @property
+    def binds(self) -> str:
+        if self.kernels * self.launch_s >= self.part.seconds / self.occupancy:
+            return "launch latency"
+        return "occupancy" if self.occupancy < 1 else self.part.bound
+
+    def __str__(self) -> str:
+        return (f"{self.part.bound} by the roofline ({self.part.intensity:.1f} FLOP/B): {self.part.seconds * 1e6:.3g} us; "
+                f"{self.blocks} thread blocks for {self.n_sms} SMs, {self.kernels} launch{'es' * (self.kernels > 1)} "
+                f"of {self.launch_s * 1e6:.3g} us: {self.binds} binds first, at least {self.seconds * 1e6:.3g} us")
+
+
+def gpu_verdict(flops: float, nbytes: float, machine: Machine, blocks: int, kernels: int = 1) -> GpuVerdict:
+    """``flops`` over ``nbytes`` on ``machine``'s roofline, run as ``kernels`` launches of ``blocks`` thread blocks
+    in all (``gemm_thread_blocks``, ``attention_thread_blocks``); ``machine`` must give ``n_sms`` and ``launch_s``."""
+    if machine.n_sms is None or machine.launch_s is None:
+        raise ValueError(f"{machine.name}: a GPU verdict needs the machine's n_sms and launch_s")
+    return GpuVerdict(machine.roofline_part(flops, nbytes), check_int("blocks", blocks, 1),
+                      check_int("kernels", kernels, 1), machine.n_sms, machine.launch_s)
