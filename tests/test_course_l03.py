@@ -16,13 +16,14 @@ from lessons_lib.core.batch import seq_lens_to_cu_seqlens
 from lessons_lib.course import l03_attention as L
 from lessons_lib.course.explore import html_table
 from lessons_lib.course.grading import score
-from lessons_lib.measure.flops import attention_cells
-from lessons_lib.measure.profile import random_qkv
+from lessons_lib.measure.flops import attention_cells, attention_waste
+from lessons_lib.measure.profile import random_qkv, recorded_cells
 from lessons_lib.measure.recorder import OpRecorder
 from lessons_lib.style import MIN_FONT, SKIPPED, TEXT, USEFUL, WASTED
 
 BATCHES = [[10, 30], [3, 1, 5], [7], [1, 1], [4, 9, 2, 9]]
-LINE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted (\d+)")
+LINE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted (\d+) = "
+                  r"(?:above the diagonal (\d+) \+ )?(?:pad|cross-request|outside the blocks) (\d+)")
 
 
 # --- pictures ------------------------------------------------------------------------------------------
@@ -64,13 +65,14 @@ def test_c10_attention_patterns_show_the_categories_counts_and_what_is_counted(c
     for ax, (method, whole) in zip(axes, panels):
         np.testing.assert_array_equal(np.asarray(ax.images[0].get_array()),
                                       L.attention_categories([10, 30], method, causal, whole_blocks=whole))
-        c = L.panel_cells([10, 30], method, causal, whole)
-        assert f"computed {c.computed}" in ax.get_title() and f"useful {c.useful}" in ax.get_title()
+        c = attention_waste([10, 30], method, causal, whole)
+        assert f"computed {c.computed} | useful {c.useful}" in ax.get_title()
+        assert L.waste_text(c, method, causal) in ax.get_title()
         assert ax.title.get_fontsize() >= MIN_FONT
     title = fig._suptitle.get_text()
     assert "per head per layer" in title and ("causal" in title if causal else "whole blocks" in title)
     if causal:  # the two conventions of the lesson, each named in its panel
-        assert "our loop" in axes[2].get_title() and "computed 1000" in axes[2].get_title() and "wasted 480" in axes[2].get_title()
+        assert "our loop" in axes[2].get_title() and "computed 1000" in axes[2].get_title() and "wasted 480 = above the diagonal 480" in axes[2].get_title()
         assert "causal kernel" in axes[3].get_title() and "computed 520" in axes[3].get_title()
 
 
@@ -79,8 +81,9 @@ def test_c10_whole_block_varlen_computes_the_blocks_and_masks_the_upper_triangle
     counts = np.bincount(grid.ravel(), minlength=3)
     assert (counts[USEFUL], counts[WASTED]) == (520, 480)
     assert (grid[:10, 10:] == SKIPPED).all() and (grid[0, 1:10] == WASTED).all()
-    assert L.panel_cells([10, 30], "varlen", True, True) == type(attention_cells([1], "varlen"))(1000, 520, 480)
-    assert L.panel_cells([10, 30], "varlen", False, True) == attention_cells([10, 30], "varlen")  # no causal mask: no change
+    assert L.waste_text(attention_waste([10, 30], "varlen", True, True), "varlen", True) == \
+        "wasted 480 = above the diagonal 480 + outside the blocks 0"
+    assert L.waste_text(attention_waste([10, 30], "padded", False), "padded", False) == "wasted 800 = pad 800"
     # whole_blocks only changes the causal varlen picture
     np.testing.assert_array_equal(L.attention_categories([3, 5], "masked", True, whole_blocks=True),
                                   L.attention_categories([3, 5], "masked", True))
@@ -118,20 +121,6 @@ def test_measured_sweep_draws_time_and_memory():
         assert all(line.get_color() == TEXT for line in lines) and [line.get_linestyle() for line in lines] == ["-", "-.", "--", "--"]
     assert "noisy" in fig.axes[0].get_title() and "memory" in fig.axes[1].get_title()
     assert "varlen (sdpa)" in [t.get_text() for t in fig.legends[0].get_texts()]
-
-
-def test_sweep_attention_times_and_measures_every_pair_and_restores_the_threads():
-    threads = torch.get_num_threads()
-    runs = L.sweep_attention((1, 4), ("masked", "loop"), length=16, n_heads=2, d_head=8, rounds=2)
-    assert torch.get_num_threads() == threads
-    assert set(runs) == {"masked", "loop"}
-    for r in runs.values():
-        assert len(r["ms"]) == len(r["mib"]) == 2 and all(x > 0 for x in r["ms"])
-    # masked stores T x T scores per head: 16x the memory for 4x the rows; the loop only its blocks
-    assert runs["masked"]["mib"][1] > 8 * runs["masked"]["mib"][0]
-    assert runs["loop"]["mib"][1] < runs["masked"]["mib"][1] / 4
-    with pytest.raises(ValueError, match="rounds"):
-        L.sweep_attention((1,), ("loop",), rounds=0)
 
 
 # --- what the engine computes ------------------------------------------------------------------------------
@@ -222,7 +211,8 @@ def test_attention_run_html_lines_and_predicted_block():
     assert [r[0] for r in rows] == ["loop (one call per request)", "masked", "padded", "varlen (sdpa)"]
     assert [int(r[1]) for r in rows] == [1000, 1600, 1800, 1000]
     pred = LINE.findall(L.attention_run_predicted_html(s))
-    assert pred == [("padded", "1800", "520", "1280"), ("masked", "1600", "520", "1080"), ("varlen", "520", "520", "0")]
+    assert pred == [("padded", "1800", "520", "1280", "480", "800"), ("masked", "1600", "520", "1080", "480", "600"),
+                    ("varlen", "520", "520", "0", "0", "0")]
     summary = L.attention_run_summary_html(s)
     assert "the causal mask keeps: 520" in summary and "32768 cells executed" in summary
     assert "1000 in-bounds cells of computed tiles" in summary  # predict_work's cells, named as in lesson 07 (K4)
@@ -250,6 +240,8 @@ def test_equal_lengths_pad_nothing_even_with_the_causal_mask():
     s = L.attention_run_state("100, 100, 100", causal=True)
     assert s["wasted"]["padded"] == 0 and s["causal_masked"] == 3 * 100 * 99 // 2
     assert "padded 0 pad cells per head" in L.attention_run_summary_html(s)
+    # the predicted block: padded's wasted cells are all the causal mask's, none padding's
+    assert ("padded", "30000", "15150", "14850", "14850", "0") in LINE.findall(L.attention_run_predicted_html(s))
 
 
 def test_attention_run_explorer_contract_and_callbacks():
@@ -451,22 +443,12 @@ def test_counter_example_checker():
     assert "expected a non-empty list" in attempt(L.check_counter_example, lambda rule, k: [1.0, 10.0, 10.0])
 
 
-def test_measured_wastes_are_the_engine_counts():
-    # counted on the running backends; they agree with flops.attention_cells, an independent prediction
-    for lens in ([10, 30], [1, 64], [5, 9, 2], [7], [4] + [1] * 8):
-        w = L.measured_wastes(lens)
-        assert w["masked"] == attention_cells(lens, "masked").wasted
-        assert w["padded"] == attention_cells(lens, "padded").wasted
-        assert w["useful"] == sum(n * n for n in lens)
-    assert L.measured_wastes([10, 30]) == {"useful": 1000, "masked": 600, "padded": 800}
-
-
 def test_counter_cases_refute_plausible_rules():
     # each rule holds on the naive batch (two requests of ratio k; k equal requests), so it needs a real counter-example
     for rule, k in L.COUNTER_CASES:
         naive = [1, k] if rule == "unequal" else [8] * k
-        w = L.measured_wastes(naive)
-        assert (w["padded"] > w["masked"]) if rule == "unequal" else (w["masked"] > w["padded"])
+        c = recorded_cells(naive)
+        assert (c["padded"] > c["masked"]) if rule == "unequal" else (c["masked"] > c["padded"])
         assert L._counter_problem(_counter(rule, k), rule, k) is None
 
 

@@ -1,7 +1,7 @@
 """What lesson 03 (masked vs varlen attention) measures, draws, explores and checks.
 
-- ``attention_dependency`` (who reads whom, C7, C10), ``sweep_attention`` (time and memory as R grows, C9) and
-  ``kernel_work`` (the engine's Triton kernel under its counters, beside ``tiling.predict_work``);
+- ``attention_dependency`` (who reads whom, C7, C10) and ``kernel_work`` (the engine's Triton kernel under its
+  counters, beside ``tiling.predict_work``, C10);
 - ``attention_categories`` / ``attention_patterns``: the padded, masked and varlen score matrices, one colour per
   cell category (useful, computed and thrown away, never computed) (C2, C8, C10); ``masked_growth``,
   ``measured_sweep`` (C9); ``tile_grid``: the 128-row tile;
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -26,14 +25,13 @@ from matplotlib.patches import Patch, Polygon, Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from .. import faults
-from ..core import attention
 from ..core.attention import attention_ref, block_diag_mask, dense_attention, plain_attention, varlen_attention
 from ..core.batch import cumulative, pack, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
 from ..core.kernels import resolve_backend
 from ..core.model import Transformer, init_weights
-from ..measure.flops import METHODS, attention_cell_grid, attention_cells
-from ..measure.profile import cpu_threads, interleaved_best, peak_bytes, random_qkv, time_call
+from ..measure.flops import METHODS, AttentionWaste, attention_cell_grid, attention_cells, attention_waste
+from ..measure.profile import attention_calls, cpu_threads, random_qkv, recorded_cells, time_call
 from ..measure.recorder import SOFTMAX_OPS, OpRecorder
 from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
 from ..ops.tiling import key_tiles, predict_work
@@ -66,21 +64,6 @@ BATCHES = [[10, 30], [5], [1, 1, 1], [7, 1, 12, 3], [30, 10]]
 
 
 # ---- claims helpers: what the engine computes, measured ---------------------------------------------
-
-def sweep_attention(rs: Sequence[int], backends: Sequence[str], length: int = 64, n_heads: int = 8, d_head: int = 64,
-                    rounds: int = 5, device="cpu", dtype: torch.dtype = torch.float32, threads: int | None = 1) -> dict:
-    """``{backend: {"ms": [...], "mib": [...]}}`` in the order of ``rs``: one attention call on R requests of
-    ``length`` tokens, its fastest time (``profile.interleaved_best`` over every (R, backend) pair) and its peak
-    memory; on a CPU on ``threads`` threads. Shown in lesson 03, never asserted."""
-    calls = {}
-    for r in rs:
-        q, k, v, cu = random_qkv([length] * r, n_heads, d_head, seed=r, device=device, dtype=dtype)
-        calls |= {(r, b): functools.partial(varlen_attention, q, k, v, cu, causal=False, backend=b) for b in backends}
-    with cpu_threads(threads if torch.device(device).type == "cpu" else None):
-        best = interleaved_best(calls, rounds, device)
-        return {b: {"ms": [best[r, b] * 1e3 for r in rs], "mib": [peak_bytes(calls[r, b], device) / 2**20 for r in rs]}
-                for b in backends}
-
 
 def attention_dependency(seq_lens: Sequence[int], backend: str | None = "loop", causal: bool = True,
                          seed: int = 0) -> Tensor:
@@ -137,13 +120,13 @@ CAUSAL_VARLEN_TITLES = {True: "varlen: our loop\n(whole blocks, upper half maske
                         False: "varlen: ideal causal kernel\n(no masked cell computed)"}  # by whole_blocks
 
 
-def panel_cells(seq_lens: Sequence[int], method: str, causal: bool = False, whole_blocks: bool = False):
-    """``flops.attention_cells``, except that causal varlen with ``whole_blocks`` computes Σ L² (the whole blocks)."""
-    cells = attention_cells(seq_lens, method, causal)
-    if method == "varlen" and causal and whole_blocks:
-        computed = attention_cells(seq_lens, "varlen").computed
-        return type(cells)(computed, cells.useful, computed - cells.useful)
-    return cells
+def waste_text(w: AttentionWaste, method: str, causal: bool) -> str:
+    """``flops.attention_waste``'s wasted cells in words, e.g. ``wasted 1280 = above the diagonal 480 + pad 800``:
+    masked above the causal diagonal (causal only) apart from the cells outside the requests' blocks, named for the
+    method (padding's pad cells, masking's cross-request cells)."""
+    outside = {"padded": "pad", "masked": "cross-request"}.get(method, "outside the blocks")
+    diagonal = f"above the diagonal {w.causal} + " if causal else ""
+    return f"wasted {w.causal + w.outside} = {diagonal}{outside} {w.outside}"
 
 
 def _draw_attention(ax, lens: list[int], method: str, causal: bool, whole_blocks: bool, title: str) -> None:
@@ -171,8 +154,8 @@ def _draw_attention(ax, lens: list[int], method: str, causal: bool, whole_blocks
         ax.set_yticks(ticks)
         ax.set_xlabel("key row (flat)", fontsize=MIN_FONT)
     ax.tick_params(labelsize=MIN_FONT, length=2)
-    c = panel_cells(lens, method, causal, whole_blocks)
-    ax.set_title(f"{title}\ncomputed {c.computed}\nuseful {c.useful} | wasted {c.wasted}", fontsize=MIN_FONT + 1)
+    w = attention_waste(lens, method, causal, whole_blocks)
+    ax.set_title(f"{title}\ncomputed {w.computed} | useful {w.useful}\n{waste_text(w, method, causal)}", fontsize=MIN_FONT)
 
 
 def attention_patterns(seq_lens: Sequence[int], causal: bool = False) -> Figure:
@@ -228,7 +211,7 @@ GUIDE_OFFSET = 2.0  # the slope guides of measured_sweep sit this factor below t
 
 
 def measured_sweep(rs: Sequence[int], runs: dict, length: int, where: str) -> Figure:
-    """``sweep_attention``'s runs of masked and one varlen backend as R grows: time and peak memory, each beside
+    """``profile.sweep_attention``'s runs of masked and one varlen backend as R grows: time and peak memory, each beside
     slope-2 and slope-1 guides drawn at half the last point (shown in the lesson, never asserted)."""
     (_, masked), (varlen_name, varlen) = runs.items()
     fig = Figure(figsize=(9.6, 4.4))
@@ -337,24 +320,18 @@ def run_lengths(lengths) -> list[int]:
     return lens
 
 
-def predicted_cells(seq_lens: Sequence[int], name: str, causal: bool) -> int:
-    """Score cells per head that ``flops.attention_cells`` predicts for an explorer row: masked and padded compute
-    their whole matrices, the loop each request's whole block (its upper triangle masked inside); sdpa is handed
-    the whole blocks (what its CPU kernel executes with ``is_causal`` is not visible from Python)."""
-    method = name if name in ("masked", "padded") else "varlen"
-    return attention_cells(seq_lens, method, causal=causal and method != "varlen").computed
-
-
 def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True) -> dict:
     """Each of ``RUN_BACKENDS`` run once under ``OpRecorder`` on ``random_qkv`` (8 heads of 64, float32, CPU, one thread).
 
     Returns ``{"seq_lens", "causal", "useful", "in_blocks", "bound", "wasted", "causal_masked", "tiled", "rows"}``;
     ``rows[name]``: ``{"backend", "cells"`` (per head, recorded; sdpa: handed in), ``"predicted"``
-    (``predicted_cells``), ``"scores"`` (score matrices made), ``"largest_bytes"`` (the largest score tensor handed
-    to a softmax; None: a fused kernel), ``"error"`` (max |out - fp64 reference|, against ``bound``), ``"ms"``
-    (fastest of ``RUN_REPEATS``; noisy, never asserted)``}``. ``in_blocks``: the loop's cells, the requests' own
-    blocks; ``wasted["masked" | "padded"]``: the cells each computed outside them; ``causal_masked``: ``in_blocks -
-    useful``, above the causal diagonal; ``tiled``: ``tiling.predict_work`` for 128 x 128 tiles, one head.
+    (``flops.attention_waste(..., whole_blocks=True)``: masked and padded their whole matrices, the loop and sdpa
+    the requests' whole blocks, their upper triangles masked inside or handed with ``is_causal``), ``"scores"``
+    (score matrices made), ``"largest_bytes"`` (the largest score tensor handed to a softmax; None: a fused
+    kernel), ``"error"`` (max |out - fp64 reference|, against ``bound``), ``"ms"`` (fastest of ``RUN_REPEATS``;
+    noisy, never asserted)``}``. ``in_blocks``: the loop's cells, the requests' own blocks; ``wasted["masked" |
+    "padded"]``: the cells each computed outside them; ``causal_masked``: ``in_blocks - useful``, above the causal
+    diagonal; ``tiled``: ``tiling.predict_work`` for 128 x 128 tiles, one head.
     """
     lens = run_lengths(lengths)
     causal = bool(causal)
@@ -368,7 +345,9 @@ def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True) -> dict:
             with OpRecorder() as rec:
                 out = call()
             softmaxed = [math.prod(op.args[0].shape) for op in rec.named(*SOFTMAX_OPS)]
-            rows[name] = {"backend": backend, "cells": rec.cells // RUN_HEADS, "predicted": predicted_cells(lens, name, causal),
+            method = name if name in ("masked", "padded") else "varlen"
+            rows[name] = {"backend": backend, "cells": rec.cells // RUN_HEADS,
+                          "predicted": attention_waste(lens, method, causal, whole_blocks=True).computed,
                           "scores": len(rec.scores), "largest_bytes": max(softmaxed) * q.element_size() if softmaxed else None,
                           "error": max_abs_diff(out, ref64), "ms": time_call(call, repeats=RUN_REPEATS, warmup=0) * 1e3}
     useful, in_blocks = attention_cells(lens, "varlen", causal).useful, rows["loop"]["cells"]
@@ -426,14 +405,15 @@ def attention_run_summary_html(state: dict) -> str:
 
 
 def attention_run_predicted_html(state: dict) -> str:
-    """``flops.attention_cells`` for the three ways, one ``<div>`` each (``padded: computed 1800 | useful 520 |
-    wasted 1280``); with the causal mask the varlen line is an ideal kernel that computes no masked cell."""
+    """``flops.attention_waste`` for the three ways, one ``<div>`` each (``padded: computed 1800 | useful 520 |
+    wasted 1280 = above the diagonal 480 + pad 800``): the causal mask's cells apart from padding's and masking's;
+    with the causal mask the varlen line is an ideal kernel that computes no masked cell."""
     lens, causal = state["seq_lens"], state["causal"]
-    rows = ["<div>flops.attention_cells predicts, for the three ways:</div>"]
+    rows = ["<div>flops.attention_waste predicts, for the three ways:</div>"]
     for m in METHODS:
-        c = attention_cells(lens, m, causal)
         note = " (an ideal causal kernel: no backend here computes this little)" if causal and m == "varlen" else ""
-        rows.append(f"<div>{m}: computed {c.computed} | useful {c.useful} | wasted {c.wasted}{note}</div>")
+        w = attention_waste(lens, m, causal)
+        rows.append(f"<div>{m}: computed {w.computed} | useful {w.useful} | {waste_text(w, m, causal)}{note}</div>")
     return "".join(rows)
 
 
@@ -482,7 +462,7 @@ def attention_run_figure(state: dict) -> Figure:
 def attention_run_explorer(lengths: str = RUN_DEFAULT, causal: bool = True):
     """VBox class ``arx``: Text ``arx-lengths`` (Enter to run), Checkbox ``arx-causal``; HTML ``arx-status``
     (running / the error for bad input), HTML ``arx-summary`` (lengths, useful cells, bound, tiled kernel),
-    HTML ``arx-rows`` (one line per backend), HTML ``arx-predicted`` (``flops.attention_cells`` of the three ways;
+    HTML ``arx-rows`` (one line per backend), HTML ``arx-predicted`` (``flops.attention_waste`` of the three ways;
     also class ``dbx-counts``, the name the site test reads), Output ``arx-figure`` (measured cells per backend)."""
     w = ipywidgets_module()
     text = tagged(w.Text(value=lengths, description="lengths", continuous_update=False), "arx-lengths")
@@ -567,28 +547,6 @@ def _reads_later_keys(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor,
     return None
 
 
-def _engine_calls(call: Callable, *args) -> tuple[object, list[str]]:
-    """``call(*args)`` under a profile hook that changes no result: its result, and the engine's attention functions
-    (its backends, the entry points that reach one, the Triton kernel) that ran inside it, in order first entered."""
-    codes = {f.__code__: f"its {name!r} backend" for name, f in attention.IMPLS.items()}
-    codes |= {f.__code__: f.__name__ for f in (attention.attention_forward, varlen_attention, attention_ref,
-                                                 plain_attention, attention.padded_attention, dense_attention)}
-    seen = []
-
-    def hook(frame, event, arg):
-        code = frame.f_code
-        name = codes.get(code) or ("its Triton kernel" if code.co_filename.endswith("triton_varlen.py") else None)
-        if event == "call" and name and name not in seen:
-            seen.append(name)
-
-    old = sys.getprofile()
-    sys.setprofile(hook)
-    try:
-        return call(*args), seen
-    finally:
-        sys.setprofile(old)
-
-
 def _one_launch(fn: Callable) -> tuple | object:
     """``fn``'s matmuls for 2 and for 12 requests of distinct lengths (the sdpa path makes one call per distinct
     length), its score cells per head and T for 12, and the engine's attention functions it called."""
@@ -596,7 +554,7 @@ def _one_launch(fn: Callable) -> tuple | object:
     for lens in ([5, 3], [5, 3, 8, 1, 12, 2, 7, 4, 10, 6, 11, 9]):
         q, k, v, cu, m = _qkv(lens, 2, 8, 7)
         with OpRecorder() as seen:
-            got, called = _engine_calls(_as_backend, fn, q, k, v, cu, m)
+            got, called = attention_calls(_as_backend, fn, q, k, v, cu, m)
         if not isinstance(got, Tensor):
             return got
         made.append(len(seen.matmuls))
@@ -689,18 +647,6 @@ COUNTER_CASES = (("unequal", 10), ("unequal", 100), ("unequal", 500), ("crowded"
 COUNTER_MAX_TOKENS, COUNTER_MAX_REQUESTS = 2048, 64
 
 
-def measured_wastes(seq_lens: Sequence[int]) -> dict:
-    """``{"useful", "masked", "padded"}``: score cells of one head (whole blocks) that ``OpRecorder`` sees the engine's
-    ``loop`` backend compute (each request's own block), and the cells ``masked`` and ``padded`` compute beyond them."""
-    q, k, v, cu = random_qkv(list(seq_lens), 1, 4, seed=0)
-    cells = {}
-    for backend in ("loop", "masked", "padded"):
-        with OpRecorder() as rec:
-            varlen_attention(q, k, v, cu, causal=False, backend=backend)
-        cells[backend] = rec.cells
-    return {"useful": cells["loop"], "masked": cells["masked"] - cells["loop"], "padded": cells["padded"] - cells["loop"]}
-
-
 def _counter_problem(got, rule: str, k: int) -> str | None:
     """What makes ``got`` no batch for this case (its type, its limits, the rule's condition), or None."""
     if not isinstance(got, (list, tuple)) or not got or not all(isinstance(n, (int, np.integer)) and not
@@ -721,14 +667,14 @@ def _counter_problem(got, rule: str, k: int) -> str | None:
 def check_counter_example(fn: Callable[[str, int], list]) -> bool:
     """Exercise 03.2: ``fn(rule, k) -> list of lengths`` breaking ``COUNTER_RULES[rule]`` for this ``k`` (whole
     blocks, no causal mask): ``"unequal"``, longest >= k x shortest and masking wastes MORE than padding;
-    ``"crowded"``, at least k requests and masking wastes LESS. Measured by ``measured_wastes`` on ``COUNTER_CASES``."""
+    ``"crowded"``, at least k requests and masking wastes LESS. Measured by ``profile.recorded_cells`` on ``COUNTER_CASES``."""
     def judge(got, rule, k):
         problem = _counter_problem(got, rule, k)
         if problem:
             return problem
         lens = [int(n) for n in got]
-        w = measured_wastes(lens)
-        m, p = w["masked"], w["padded"]
+        cells = recorded_cells(lens)
+        m, p = cells["masked"] - cells["loop"], cells["padded"] - cells["loop"]
         if (m > p) if rule == "unequal" else (m < p):
             return None
         verdict = ("a tie: masking wastes exactly as much as padding, not " + ("more" if rule == "unequal" else "less")

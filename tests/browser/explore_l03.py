@@ -15,7 +15,8 @@ from lessons_lib.measure import flops
 from lessons_lib.measure.profile import random_qkv
 from lessons_lib.measure.recorder import OpRecorder
 
-PRED_RE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted (\d+)")
+PRED_RE = re.compile(r"(padded|masked|varlen): computed (\d+) \| useful (\d+) \| wasted \d+ = "
+                     r"(?:above the diagonal (\d+) \+ )?(?:pad|cross-request|outside the blocks) (\d+)")
 
 
 def _shown(page) -> dict:
@@ -53,8 +54,9 @@ def _check(page, lengths: str, causal: bool, wait: bool = True) -> dict:
         # the error is a float32 rounding: equal up to the thread split of the kernel process vs this one
         assert err <= state["bound"] and math.isclose(err, row["error"], rel_tol=0.5, abs_tol=1e-7), (name, err, row)
     pred_lines = PRED_RE.findall(inner_text(page, ".arx-predicted"))
-    assert [(m, int(c), int(u), int(w)) for m, c, u, w in pred_lines] == \
-        [(m, *(lambda x: (x.computed, x.useful, x.wasted))(flops.attention_cells(lens, m, causal))) for m in flops.METHODS]
+    assert [(m, int(c), int(u), int(a or 0), int(o)) for m, c, u, a, o in pred_lines] == \
+        [(m, *(lambda x: (x.computed, x.useful, x.causal, x.outside))(flops.attention_waste(lens, m, causal)))
+         for m in flops.METHODS]
     summary = inner_text(page, ".arx-summary")
     assert f"{state['tiled'].executed_cells} cells executed" in summary and f": {state['useful']} |" in summary
     loop_cells = shown[L.run_label(state, "loop")][0]   # each request's whole block: the loop computes nothing else
