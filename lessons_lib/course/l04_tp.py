@@ -35,9 +35,9 @@ from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
 from ..measure.recorder import module_io
 from ..measure.tolerance import tolerance
-from ..serve.kv_cache import PrefillKVCache
 from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, TEXT, request_color, request_name
 from ..tp.dryrun import record_trace, trace_signature
+from ..tp.kv_plan import GiB, KVPlan, best_layout, engine_kv_plan, kv_heads_for_budget, layout_cache_bytes, run_kv_plan
 from ..tp.threads import tp_ranks_in_threads
 from ..tp.trace import summarize_trace
 from ..tp.vocab import pad_vocab_size, vocab_parallel_logits
@@ -185,7 +185,11 @@ def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | N
     xa = tp * 3.4 - 0.4
     ax.add_patch(Rectangle((xa, 0), 0.8, t, facecolor=COMM, edgecolor="white", gid="allreduce"))
     ax.text(xa + 0.4, t + 1.2, "all-reduce", ha="center", va="bottom", fontsize=MIN_FONT + 1, color=TEXT)
-    _box(ax, xa + 1.2, 0, 2.6, t, LINEAR, "the sum,\n+ bias once:\nthe same on\nevery rank", fontsize=MIN_FONT + 1)
+    ax.add_patch(Rectangle((xa + 1.2, t / 2), 2.6, t / 2, facecolor=NEVER, edgecolor=TEXT, linewidth=0.8))
+    ax.text(xa + 2.5, 3 * t / 4, f"the sum\n[T, {cfg.d_model}]", ha="center", va="center", fontsize=MIN_FONT + 1,
+            color=TEXT)                        # an activation: white, as in 00_tp_split
+    _box(ax, xa + 1.2, 0, 2.6, t / 2 - 0.5, LINEAR, "+ bias once:\nthe same on\nevery rank", fontsize=MIN_FONT + 1,
+         gid="bias-once")                      # the bias step: green (linear work), as in 00_tp_split
     ax.set_title("A row-parallel layer (out proj, FFN-down): one all-reduce\n"
                  "adds the ranks' partial sums of ALL the rows at once.", fontsize=MIN_FONT + 1, pad=26)
     ax.text(-0.9, -1.0, "It never asks which request a row belongs to.", va="top", fontsize=MIN_FONT + 1, color=TEXT)
@@ -209,11 +213,12 @@ TP_PACKINGS = ([40], ARTICLE_LENS, [1] * 40)  # the same 40 tokens as 1, 2 and 4
 
 @register("04_trace_timeline", lesson="04",
           caption="one TP=2 forward per rank: 16 all-reduces of [40 x 512] (purple), attention local to each "
-                  "rank's heads; identical for 1, 2 and 40 requests (C11, C12)")
+                  "rank's heads, no LM head (the forward returns hidden states); identical for 1, 2 and 40 requests "
+                  "(C11, C12)")
 def _trace_timeline() -> Figure:
     cfg = ModelConfig()
     runs = [[record_trace(cfg, lens, rank, 2) for rank in range(2)] for lens in TP_PACKINGS]
-    return tp_trace_timeline(runs, TP_PACKINGS, cfg, source="a dry run, tp.dryrun.record_trace")
+    return tp_trace_timeline(runs, TP_PACKINGS, cfg, source="a dry run, tp.dryrun.record_trace", lm_head=False)
 
 # ---------------------------------------------------------------------------------------------
 # The explorer: the same tokens packed differently
@@ -732,94 +737,6 @@ def check_vocab_trace(fn: Callable[[ModelConfig, list, int], list]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Exercise 04.2: grouped-query attention under TP, which K/V heads each rank holds, measured on the engine
 
-_DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32}
-
-
-@dataclass(frozen=True)
-class KVPlan:
-    """A grouped-query model under TP as the engine runs it (``engine_kv_plan``)."""
-
-    q_heads: tuple          # q_heads[r]: the query heads rank r's QKV shard holds (its Q rows)
-    kv_heads: tuple         # kv_heads[r]: the K/V heads it holds (its K rows; V is cut the same way)
-    bytes_per_token: int    # bytes of K and V one prefilled token leaves in ONE rank's cache, all layers
-
-    @property
-    def replicas(self) -> int:
-        """How many ranks hold rank 0's first K/V head: 1, or tp / n_kv_heads when tp > n_kv_heads."""
-        return sum(self.kv_heads[0][0] in held for held in self.kv_heads)
-
-
-def _rank_models(cfg: ModelConfig, tp: int, ranks: Sequence[int]) -> list[Transformer]:
-    zero = torch.zeros((), dtype=cfg.dtype)     # one number seen as every full weight: nothing allocated
-    zeros = {name: zero.expand(shape) for name, shape in cfg.weight_shapes().items()}
-    return [Transformer(cfg, zeros, group=LocalGroup(r, tp), attn_backend="sdpa") for r in ranks]
-
-
-def _prefill_bytes(model: Transformer, num_tokens: int) -> int:
-    """The bytes one prefill of ``num_tokens`` tokens leaves in the model's ``PrefillKVCache``."""
-    cache = PrefillKVCache.for_model(model)
-    step = cache.step(["prompt"], [0], [num_tokens], [True])
-    with torch.no_grad():
-        model(pack([torch.zeros(num_tokens, dtype=torch.long)]), kv_cache=step)
-    step.finish()
-    return cache.nbytes
-
-
-@functools.lru_cache(maxsize=32)  # the checker and the lesson ask for the same few models again and again
-def engine_kv_plan(n_heads: int, n_kv_heads: int, d_head: int, n_layers: int, tp: int, bytes_per_number: int,
-                   num_tokens: int = 3) -> KVPlan:
-    """A grouped-query model (``n_kv_heads`` K/V heads for ``n_heads`` query heads) split over ``tp``
-    ranks, MEASURED on the engine's model on stand-in ranks ``LocalGroup(r, tp)``: each rank's heads are
-    the rows of an index tensor its layer-0 ``QKVParallelLinear.shard_rows`` keeps; ``bytes_per_token`` is
-    what a prefill of ``num_tokens`` tokens leaves in rank 0's ``PrefillKVCache`` (all layers; every
-    rank's one-layer cache must agree, else RuntimeError). The models are tiny (d_model 8, zero weights):
-    neither changes which rows a rank keeps or what it caches per head. ``bytes_per_number``: 2 (bfloat16)
-    or 4 (float32). A tp the engine cannot split raises the engine's ValueError."""
-    check_choice("bytes_per_number", bytes_per_number, tuple(_DTYPE_OF_BYTES))
-    n = check_int("num_tokens", num_tokens, 1)
-    cfg = ModelConfig(n_layers=n_layers, d_model=8, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head,
-                      d_ffn=check_int("tp", tp, 1), vocab_size=8, max_position=n, dtype=_DTYPE_OF_BYTES[bytes_per_number])
-    q_heads, kv_heads, per_layer = [], [], set()
-    for model in _rank_models(dataclasses.replace(cfg, n_layers=1), tp, range(tp)):
-        qkv = model.layers[0].attn.qkv
-        q_rows = qkv.n_heads * qkv.d_head                               # rows [Q | K | V] of the full weight
-        rows = qkv.shard_rows(torch.arange(q_rows + 2 * qkv.n_kv_heads * qkv.d_head)).tolist()
-        q_heads.append(tuple(sorted({i // qkv.d_head for i in rows if i < q_rows})))
-        kv_heads.append(tuple(sorted({(i - q_rows) // qkv.d_head for i in rows
-                                      if q_rows <= i < q_rows + qkv.n_kv_heads * qkv.d_head})))
-        per_layer.add(_prefill_bytes(model, n))
-    if len(per_layer) != 1:
-        raise RuntimeError(f"the ranks' one-layer caches differ: {sorted(per_layer)} B for {n} tokens")
-    full = _prefill_bytes(_rank_models(cfg, tp, [0])[0], n)
-    return KVPlan(tuple(q_heads), tuple(kv_heads), full // n)
-
-
-def kv_heads_for_budget(n_heads: int, d_head: int, n_layers: int, tp: int, bytes_per_number: int, num_tokens: int,
-                        budget_bytes: int) -> tuple[int | None, list[tuple]]:
-    """A design asked of the engine: the most K/V heads (a divisor of ``n_heads``) whose cache of
-    ``num_tokens`` tokens fits ``budget_bytes`` on each of ``tp`` ranks, or None when none fits.
-
-    Every candidate is built and measured on the engine's ranks (``engine_kv_plan``); a split the
-    engine refuses (a tp that neither divides the K/V heads nor is a multiple of them) is skipped.
-    Also returns the table, one row per candidate: ``(n_kv_heads, K/V heads per rank, ranks per K/V
-    head, cache bytes per rank, fits)``, or ``(n_kv_heads, the engine's refusal)``."""
-    tokens, budget = check_int("num_tokens", num_tokens, 1), check_int("budget_bytes", budget_bytes, 1)
-    check_choice("bytes_per_number", bytes_per_number, tuple(_DTYPE_OF_BYTES))
-    if check_int("n_heads", n_heads, 1) % check_int("tp", tp, 1):
-        raise ValueError(f"tp={tp} must divide n_heads={n_heads}: every rank gets the same number of query heads")
-    rows, best = [], None
-    for kv in (d for d in range(1, n_heads + 1) if n_heads % d == 0):
-        try:
-            plan = engine_kv_plan(n_heads, kv, d_head, n_layers, tp, bytes_per_number)
-        except ValueError as refused:
-            rows.append((kv, str(refused)))
-            continue
-        held = plan.bytes_per_token * tokens
-        rows.append((kv, len(plan.kv_heads[0]), plan.replicas, held, held <= budget))
-        best = kv if held <= budget else best
-    return best, rows
-
-
 def gqa_replicas_figure(n_heads: int = 32, n_kv_heads: int = 8, d_head: int = 128, n_layers: int = 32,
                         tp: int = 16) -> Figure:
     """Grouped-query attention past tp = n_kv_heads, drawn FROM the engine's plan (``engine_kv_plan``, bf16),
@@ -893,19 +810,25 @@ def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes, again: Callabl
         return f"expected (kv_heads, kv_bytes): a list of K/V head lists, one per rank, and an int; got {got!r}"[:300]
     if len(heads) != tp:
         return f"{len(heads)} lists of K/V heads, expected one per rank: tp = {tp}"
+    try:                                 # the plan itself, run in the engine: right when its forward is
+        error, allowed = run_kv_plan(h, kv, tp, heads)
+        ran = (f"your kv_heads, run in the engine (each of {tp} thread ranks computes K and V of the heads you gave "
+               f"it): |rank 0 - float64 TP = 1| = {error:.1e}, {error / allowed:,.0f} x the allowed {allowed:.1e}")
+    except ValueError as refused:
+        error, allowed, ran = float("inf"), 0.0, f"the engine cannot run your kv_heads: {refused}"
     group = h // kv
     for r, (mine, right, q) in enumerate(zip(heads, plan.kv_heads, plan.q_heads)):
-        if mine == list(right):
+        if error <= allowed or mine == list(right):
             continue
         ask = f"the engine's rank {r} holds query heads {_heads_text(q)} and K/V heads {list(right)}"
         if not mine:
-            return (f"rank {r} holds no K/V head, but {ask} (query head q reads K/V head q // (n_heads / n_kv_heads) "
-                    f"= q // {group}). With tp = {tp} > n_kv_heads = {kv}, n_kv_heads // tp is 0: each K/V head must "
-                    f"be REPLICATED, here on {plan.replicas} ranks")
+            return (f"{ran}. Rank {r} holds no K/V head, but {ask} (query head q reads K/V head q // (n_heads / "
+                    f"n_kv_heads) = q // {group}). With tp = {tp} > n_kv_heads = {kv}, n_kv_heads // tp is 0: each K/V "
+                    f"head must be REPLICATED, here on {plan.replicas} ranks")
         if tp <= kv and mine == list(range(r, kv, tp)):
-            return (f"rank {r}: K/V heads {mine} (every tp-th), but {ask}: its query heads are a contiguous range, "
-                    f"and q // {group} of each of them is its K/V head")
-        return f"rank {r}: K/V heads {mine}, but {ask} (query head q reads K/V head q // {group})"
+            return (f"{ran}. Rank {r}: K/V heads {mine} (every tp-th), but {ask}: its query heads are a contiguous "
+                    f"range, and q // {group} of each of them is its K/V head")
+        return f"{ran}. Rank {r}: K/V heads {mine}, but {ask} (query head q reads K/V head q // {group})"
     want, held, local = plan.bytes_per_token, len(plan.kv_heads[0]), len(plan.q_heads[0])
     if total == want:
         return None
@@ -936,8 +859,10 @@ def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes, again: Callabl
 def check_kv_plan(fn: Callable[[int, int, int, int, int, int], tuple]) -> bool:
     """Exercise 04.2: ``fn(n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number) ->
     (kv_heads, kv_bytes)``: the K/V heads each rank holds (one list per rank) and the bytes of K and
-    V one token adds to a rank's cache, all layers. Compared with the engine (``engine_kv_plan``: the
-    rows each rank's QKV shard keeps and what a prefill leaves in its cache) on grouped-query models
+    V one token adds to a rank's cache, all layers. ``kv_heads`` is RUN in the engine (``run_kv_plan``: a
+    forward on thread ranks whose K and V are those heads', against TP = 1 by the tolerance rule); ``kv_bytes``
+    is compared with a prefill's cache on the engine's ranks (``engine_kv_plan``, which also explains a wrong
+    plan from the rows each rank's QKV shard keeps) on grouped-query models
     (tp below, equal to and above the K/V heads, one K/V head for all, groups of 3) and the course's own model.
     A bf16 answer that is half the bytes is asked again at 4 bytes per number, to say which half it is."""
     def judge(got, *case):
@@ -955,51 +880,6 @@ def check_kv_plan(fn: Callable[[int, int, int, int, int, int], tuple]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Exercise 04.4: a server's layout for a grouped-query model, each GPU's cache measured on the engine
 
-GiB = 2**30
-
-
-def layout_cache_bytes(n_heads: int, n_kv_heads: int, d_head: int, n_layers: int, bytes_per_number: int,
-                       num_requests: int, tokens_per_request: int, tp: int, pp: int, dp: int) -> int:
-    """The KV cache ONE GPU holds in a layout of ``dp`` data-parallel replicas (each serves ``num_requests / dp``
-    requests of ``tokens_per_request`` tokens), each of ``pp`` pipeline stages (each ``n_layers / pp`` layers), each
-    stage ``tp`` tensor-parallel ranks: MEASURED, the engine's ranks of one stage built at that tp
-    (``engine_kv_plan`` with ``n_layers / pp`` layers), its rank 0's bytes per token times its replica's tokens.
-    ValueError for a layout that does not split: pp not dividing the layers, dp not dividing the requests, or a tp
-    the engine refuses."""
-    for name, value, whole_name, whole in (("pp", pp, "n_layers", n_layers), ("dp", dp, "num_requests", num_requests)):
-        if check_int(whole_name, whole, 1) % check_int(name, value, 1):
-            raise ValueError(f"{name}={value} must divide {whole_name}={whole}")
-    plan = engine_kv_plan(n_heads, n_kv_heads, d_head, n_layers // pp, tp, bytes_per_number)
-    return plan.bytes_per_token * (num_requests // dp) * check_int("tokens_per_request", tokens_per_request, 1)
-
-
-def _layouts(gpus: int, n_heads: int, n_layers: int, num_requests: int) -> list[tuple[int, int, int]]:
-    """Every (tp, pp, dp) with tp · pp · dp = gpus that splits: tp dividing n_heads, pp n_layers, dp the requests."""
-    return [(tp, pp, gpus // (tp * pp)) for tp in range(1, gpus + 1) for pp in range(1, gpus + 1)
-            if gpus % (tp * pp) == 0 and n_heads % tp == 0 and n_layers % pp == 0 and num_requests % (gpus // (tp * pp)) == 0]
-
-
-def _rule_cache(n_kv_heads, d_head, n_layers, nbytes, num_requests, tokens, tp, pp, dp) -> int | None:
-    """Exercise 04.2's rule for one GPU's cache (None where the engine refuses the tp): the checker's search
-    over layouts uses it, then measures the layouts it names on the engine."""
-    if tp % n_kv_heads and n_kv_heads % tp:
-        return None
-    return 2 * max(n_kv_heads // tp, 1) * d_head * (n_layers // pp) * nbytes * (num_requests // dp) * tokens
-
-
-def _best_layout(n_heads, d_head, n_layers, gpus, bytes_per_number, num_requests, tokens_per_request, budget_bytes):
-    """Exercise 04.4's answer: the most K/V heads (a divisor of n_heads) for which some layout of the ``gpus`` fits
-    ``budget_bytes`` of cache per GPU, with the first such layout ``(n_kv_heads, tp, pp, dp)`` (smallest tp, then
-    pp); None when even one K/V head fits no layout."""
-    layouts = _layouts(gpus, n_heads, n_layers, num_requests)
-    for kv in sorted((d for d in range(1, n_heads + 1) if n_heads % d == 0), reverse=True):
-        for tp, pp, dp in layouts:
-            held = _rule_cache(kv, d_head, n_layers, bytes_per_number, num_requests, tokens_per_request, tp, pp, dp)
-            if held is not None and held <= budget_bytes:
-                return kv, tp, pp, dp
-    return None
-
-
 # (n_heads, d_head, n_layers, gpus, bytes_per_number, num_requests, tokens_per_request, budget): Llama-3-8B's sizes
 # on 8 GPUs, 256 requests of 8,192 tokens, with 24 GiB a GPU (no K/V head count fits at TP = 8), with 40 GiB (TP = 8
 # fits) and with 3 GiB (nothing fits); Llama-3-70B's sizes on 16 GPUs, 64 requests, 16 GiB (TP = 16 does not fit).
@@ -1008,7 +888,7 @@ _LAYOUT_CASES = ((32, 128, 32, 8, 2, 256, 8192, 24 * GiB), (32, 128, 32, 8, 2, 2
 
 
 def _layout_problem(got, h, dh, layers, gpus, nbytes, reqs, tokens, budget) -> str | None:
-    want = _best_layout(h, dh, layers, gpus, nbytes, reqs, tokens, budget)
+    want = best_layout(h, dh, layers, gpus, nbytes, reqs, tokens, budget)
     gib = lambda b: f"{b / GiB:g} GiB"
     if got is None:
         if want is None:
@@ -1145,5 +1025,6 @@ __all__ = ["RankLayer", "rank_layers", "layer0_attention", "ENGINE_CUT", "NAIVE_
            "two_axes_figure", "TP_SIZES", "PATTERNS", "MAX_TOKENS", "SHOWN", "packing_lens", "explorer_batch",
            "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_ranks_html", "tp_packing_figure",
            "tp_packing_explorer", "vocab_parallel_trace", "check_vocab_trace", "KVPlan", "engine_kv_plan",
-           "kv_heads_for_budget", "check_kv_plan", "gqa_replicas_figure", "GiB", "layout_cache_bytes", "check_layout",
+           "kv_heads_for_budget",
+           "run_kv_plan", "best_layout", "check_kv_plan", "gqa_replicas_figure", "GiB", "layout_cache_bytes", "check_layout",
            "cut_evidence", "check_cut_diagnosis"]

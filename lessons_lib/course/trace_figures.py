@@ -34,7 +34,7 @@ def _packing_label(lens: list[int]) -> str:
 
 
 def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings: Sequence[Sequence[int]],
-                      cfg: ModelConfig | None = None, source: str = "the ranks' records") -> Figure:
+                      cfg: ModelConfig | None = None, source: str = "the ranks' records", lm_head: bool = True) -> Figure:
     """Claims C11, C12: one TP forward, one row per rank, from the ranks' collective traces.
 
     ``traces_by_packing[i][r]``: rank r's ``CollectiveRecord`` list for the batch of request
@@ -44,7 +44,8 @@ def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings:
     (green linear layers with each rank's shapes, blue attention on the rank's own heads), the
     other layers compactly; every all-reduce is one purple bar across all ranks (gid
     ``allreduce-k``), numbered; the replicated embedding and LayerNorms are grey, the replicated
-    LM head green. The packings are drawn underneath with their ``cu_seqlens``, and a note says
+    LM head green (``lm_head=False``: no LM head box, for ranks whose forward returns hidden states and
+    never runs ``compute_logits``). The packings are drawn underneath with their ``cu_seqlens``, and a note says
     that they all gave this trace (one packing: the note sits under its ``cu_seqlens``);
     ``source`` says where the traces came from.
     """
@@ -113,9 +114,10 @@ def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings:
                 fontsize=MIN_FONT, color=TEXT)
         x += 0.1
     x = replicated(x, "LN")
-    for r in range(n_ranks):  # the LM head is a linear layer (replicated here)
-        _box(ax, x, rank_y(r), 0.55, row_h, LINEAR, "LM")
-    x += 0.6
+    if lm_head:
+        for r in range(n_ranks):  # the LM head is a linear layer (replicated here)
+            _box(ax, x, rank_y(r), 0.55, row_h, LINEAR, "LM")
+        x += 0.6
     for r in range(n_ranks):
         ax.text(-0.12, rank_y(r) + row_h / 2, f"rank {r}", ha="right", va="center", fontsize=MIN_FONT + 1, color=TEXT)
     shape = f"[{', '.join(map(str, first.shape))}]"
@@ -123,7 +125,8 @@ def tp_trace_timeline(traces_by_packing: Sequence[Sequence[Sequence]], packings:
             f"One forward at TP={n_ranks}: {len(sig)} all-reduces (purple, numbered), each of {shape} {first.dtype}, "
             f"{first.bytes:,} B per rank. Layers 1-{len(sig) // 2 - 1} repeat layer 0, drawn compact."
             f"\nGreen: linear layers (shapes per rank above); blue: attention on the rank's own heads, no collective;"
-            f"\ngrey: the embedding and the LayerNorms, whole on every rank; the LM head (green) is replicated too.",
+            f"\ngrey: the embedding and the LayerNorms, whole on every rank; "
+            + ("the LM head (green) is replicated too." if lm_head else "no LM head: this forward returns hidden states."),
             fontsize=MIN_FONT + 1, color=TEXT, va="bottom")
     width = 8.0  # the packings that all produced exactly this trace, as token strips
     for i, lens in enumerate(packs):
