@@ -20,6 +20,8 @@ from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.model import Transformer
 from lessons_lib.course import l05_flops as L
 from lessons_lib.course.grading import score
+from lessons_lib.measure import flops as F_
+from lessons_lib.measure import recorded as R
 from lessons_lib.measure.flops import (
     attention_cells,
     attention_crossover_length,
@@ -31,7 +33,8 @@ from lessons_lib.measure.flops import (
     linear_intensity,
     min_decode_batch,
 )
-from lessons_lib.measure.machines import H200, REFERENCE_CPU, Machine
+from lessons_lib.measure.machines import H200, REFERENCE_CPU, Machine, measured_sweep
+from lessons_lib.measure.profile import wall_scaled
 from lessons_lib.measure.recorder import FUSED_ATTENTION_OPS, Matmul, record_matmuls, record_ops
 from lessons_lib.style import ATTENTION, LINEAR, MIN_FONT, OTHER, TEXT
 
@@ -42,6 +45,17 @@ def cells_per_head(matmuls):
     """Score cells per head, summed over layers, from the recorded Q K^T shapes ([heads, L_q, d_head] @ [heads,
     d_head, L_k]): the first of each recorded (Q K^T, P V) pair."""
     return sum(m.m * m.n for m in [m for m in matmuls if m.kind == "attention"][::2])
+
+
+def attention_intensity(lens, n_kv_heads=8, cfg=None, nbytes=2):
+    """``measure.flops.prefill_attention_intensity`` in the argument order these tests were written in."""
+    return F_.prefill_attention_intensity(cfg or ModelConfig(), lens, n_kv_heads, nbytes)
+
+
+def controlled(fn):
+    """``fn()`` with the engine's control on: K and V repeated per query head before the cache."""
+    with faults.injected("kv_repeated_before_cache"):
+        return fn()
 
 
 # --- the recorder ------------------------------------------------------------------------------------------
@@ -58,29 +72,29 @@ def test_record_matmuls_sees_mm_addmm_bmm_with_their_shapes():
 @pytest.mark.parametrize("lens", [[10, 30], [1] * 12, [7], [3, 3, 3]])
 def test_c13_c14_a_forward_reads_each_weight_once_and_attention_costs_sum_l_squared(lens):
     model = Transformer(SMALL, seed=0)
-    mm = L.forward_matmuls(model, pack([torch.arange(n) % 300 for n in lens]))
-    lin = L.of_kind(mm, "linear")
+    mm = R.forward_matmuls(model, pack([torch.arange(n) % 300 for n in lens]))
+    lin = R.of_kind(mm, "linear")
     assert len(lin) == 4 * SMALL.n_layers and {m.m for m in lin} == {sum(lens)}
     assert sum(m.flops for m in lin) == forward_flops(SMALL, lens).linear
     assert cells_per_head(mm) == SMALL.n_layers * attention_cells(lens, "varlen").computed
-    assert sum(m.flops for m in L.of_kind(mm, "attention")) == forward_flops(SMALL, lens).attention
-    assert len(L.of_kind(mm, "attention")) == 2 * len(lens) * SMALL.n_layers  # one QK^T and one PV per request
+    assert sum(m.flops for m in R.of_kind(mm, "attention")) == forward_flops(SMALL, lens).attention
+    assert len(R.of_kind(mm, "attention")) == 2 * len(lens) * SMALL.n_layers  # one QK^T and one PV per request
 
 
 def test_c14_masked_attention_shows_up_as_the_whole_square_and_sdpa_as_pairs():
     model = Transformer(SMALL, seed=0)
     batch = pack([torch.arange(n) for n in (4, 12)])
-    masked = L.forward_matmuls(model, batch, "masked")
+    masked = R.forward_matmuls(model, batch, "masked")
     assert cells_per_head(masked) == SMALL.n_layers * 16 ** 2
-    sdpa = L.forward_matmuls(model, batch, "sdpa")
+    sdpa = R.forward_matmuls(model, batch, "sdpa")
     assert cells_per_head(sdpa) == SMALL.n_layers * (4 ** 2 + 12 ** 2)
-    assert cells_per_head(L.of_kind(sdpa, "linear")) == 0
+    assert cells_per_head(R.of_kind(sdpa, "linear")) == 0
 
 
 def test_c14_recorded_flops_are_what_the_engine_ran():
-    assert L.recorded_flops(SMALL, [10, 30]) == forward_flops(SMALL, [10, 30])
+    assert R.recorded_flops(SMALL, [10, 30]) == forward_flops(SMALL, [10, 30])
     with faults.injected("loop_backend_runs_masked"):       # the engine broken: the record follows, the count does not
-        assert L.recorded_flops(SMALL, [10, 30]).attention == forward_flops(SMALL, [10, 30], "masked").attention
+        assert R.recorded_flops(SMALL, [10, 30]).attention == forward_flops(SMALL, [10, 30], "masked").attention
 
 
 def test_c14_fused_attention_intensity_counts_the_recorded_sdpa_calls_by_hand():
@@ -88,20 +102,20 @@ def test_c14_fused_attention_intensity_counts_the_recorded_sdpa_calls_by_hand():
     rec = record_ops(lambda: model(pack([torch.arange(n) for n in (10, 30)]), attn_backend="sdpa"))
     # per layer, k = 64: causal 2 k L (L + 1) FLOPs per request over Q, K, V, O of 2 bytes, 4 k T numbers
     want = sum(2 * 64 * n * (n + 1) for n in (10, 30)) / (2 * 4 * 64 * 40)
-    assert L.fused_attention_intensity(rec) == pytest.approx(want)
-    assert L.fused_attention_intensity(rec, nbytes=4) == pytest.approx(want / 2)
+    assert R.fused_attention_intensity(rec) == pytest.approx(want)
+    assert R.fused_attention_intensity(rec, nbytes=4) == pytest.approx(want / 2)
     assert {op.name for op in rec.ops} & set(FUSED_ATTENTION_OPS)
     with pytest.raises(ValueError, match="no fused attention"):
-        L.fused_attention_intensity(record_ops(lambda: model(pack([torch.arange(5)]), attn_backend="loop")))
+        R.fused_attention_intensity(record_ops(lambda: model(pack([torch.arange(5)]), attn_backend="loop")))
 
 
 @pytest.mark.parametrize("r", [1, 3, 16])
 def test_c15_decode_attention_is_one_query_per_request_at_about_one_flop_per_byte(r):
-    mm = L.decode_attention_matmuls(r, kv_len=40, n_heads=2, d_head=8)
+    mm = R.decode_attention_matmuls(r, kv_len=40, n_heads=2, d_head=8)
     assert len(mm) == 2 * r and all(m.m == 1 for m in mm)
     assert mm[0] == Matmul("attention", 2, 1, 8, 40) and mm[1] == Matmul("attention", 2, 1, 40, 8)
-    assert L.intensity(mm) == pytest.approx(8 * 40 / (8 + 8 * 40 + 40))
-    assert L.intensity(mm) == pytest.approx(decode_attention_intensity(40, 8, 2))
+    assert R.intensity(mm) == pytest.approx(8 * 40 / (8 + 8 * 40 + 40))
+    assert R.intensity(mm) == pytest.approx(decode_attention_intensity(40, 8, 2))
 
 
 def test_decode_attention_matmuls_run_the_real_kernel_on_what_they_record():
@@ -147,18 +161,26 @@ def test_c15_min_decode_batch_is_the_smallest_r_reaching_the_ridge(cfg, ridge, n
 
 FAKE_CPU = Machine("this CPU, measured", 100e9, 10e9, dtype=torch.float32)  # given by hand: ridge 10 FLOP/byte
 HERE_LENS = [128] * 4
+HERE_CFG = ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=64, d_ffn=1024, vocab_size=1000, max_position=1024)
+
+
+def fake_forward(cfg, lens, seconds=0.05):
+    """What ``L.forward_here`` returns, given by hand: 100 recorded ops, the whole-block FLOPs."""
+    return {"cfg": cfg, "seq_lens": list(lens), "seconds": seconds, "ops": 100, "flops": forward_flops(cfg, lens)}
 
 
 def test_roofline_state_counts_by_hand_on_the_h200():
-    s = L.roofline_state()   # the article's model, bf16, H200 datasheet, 1 x 1000, 10 x 100, typed 700, 200, 100
-    assert [r["label"] for r in s["rows"]] == ["1 x 1000", "10 x 100", "typed 700, 200, 100"]
+    s = L.roofline_state()   # the article's model, bf16, H200 datasheet, 1 x 1000, 10 x 100, typed 300, 40
+    assert [r["label"] for r in s["rows"]] == ["1 x 1000", "10 x 100", "typed 300, 40"]
     assert s["machine"].ridge == pytest.approx(989e12 / 4.8e12)
     w, a = 3 * 512 * 512 + 512 * 512 + 2 * 512 * 2048, 8192             # weights, row numbers per layer
     for row in s["rows"]:
         lin, att = row["linear"], row["attention"]
-        assert lin.flops == 8 * 1000 * 2 * w                          # the same T = 1000 rows every time
-        assert lin.bytes == 8 * 2 * (w + 1000 * a)
-        assert att.bytes == 8 * 2 * 1000 * 4 * 512                     # Q, K, V, O once
+        t = sum(row["seq_lens"])
+        assert lin.flops == 8 * t * 2 * w
+        assert lin.bytes == 8 * 2 * (w + t * a)
+        assert att.bytes == 8 * 2 * t * 4 * 512                        # Q, K, V, O once
+        assert row["floor"] == 5 * 8 * H200.launch_s                   # 4 GEMMs and 1 attention per layer
         cells = sum(n * (n + 1) // 2 for n in row["seq_lens"])
         assert att.flops == 8 * 8 * cells * 4 * 64
         for part in (lin, att):
@@ -173,8 +195,9 @@ def test_roofline_state_gqa_shrinks_kv_bytes_and_qkv_not_attention_flops():
     full, grouped = L.roofline_state(n_kv_heads=8), L.roofline_state(n_kv_heads=2)
     for f, g in zip(full["rows"], grouped["rows"]):
         assert g["attention"].flops == f["attention"].flops
-        assert f["attention"].bytes - g["attention"].bytes == 8 * 2 * 1000 * 2 * (512 - 128)
-        assert f["linear"].flops - g["linear"].flops == 8 * 1000 * 2 * 512 * 2 * (512 - 128)
+        t = sum(f["seq_lens"])
+        assert f["attention"].bytes - g["attention"].bytes == 8 * 2 * t * 2 * (512 - 128)
+        assert f["linear"].flops - g["linear"].flops == 8 * t * 2 * 512 * 2 * (512 - 128)
 
 
 def test_roofline_state_packings_machine_and_bad_input():
@@ -201,24 +224,25 @@ def test_roofline_lines_format():
     line = L.roofline_lines(L.roofline_state())[0]
     assert line.startswith("1 x 1000: linear 50.33 GFLOP 181.40 MB 277.5 FLOP/B compute-bound ")
     assert " | attention 8.20 GFLOP 32.77 MB 250.2 FLOP/B compute-bound " in line and "| predicted " in line
+    assert line.endswith("| launch floor 0.2 ms (40 kernels at least): launch latency binds first")
 
 
 def test_measured_point_is_predicted_from_the_forward_measured():
-    fw = {"cfg": L.HERE_CFG, "seq_lens": list(HERE_LENS), "seconds": 0.05}
+    fw = fake_forward(HERE_CFG, HERE_LENS)
     s = L.roofline_state(machine=FAKE_CPU, here={"machine": FAKE_CPU, "forward": fw})
     m = s["measured"]
-    f = forward_flops(L.HERE_CFG, HERE_LENS, causal=True)
-    assert m["flops"] == f.total and m["seconds"] == 0.05
+    f = forward_flops(HERE_CFG, HERE_LENS, causal=True)
+    assert m["causal_flops"] == f.total and m["seconds"] == 0.05 and m["floor"] == 0.0   # FAKE_CPU: no launch cost
     lin_b = 2 * 4 * ((256 * 768 + 256 * 256 + 2 * 256 * 1024) + 512 * (1024 + 512 + 1280 + 1280))
     att_b = 2 * 4 * 512 * 4 * 256
     assert m["bytes"] == lin_b + att_b
     assert m["predicted"] == pytest.approx(max(f.linear / 100e9, lin_b / 10e9) + max(f.attention / 100e9, att_b / 10e9))
-    assert "50.000 ms measured" in L.measured_line(s)
+    assert "50.000 ms measured" in L.measured_line(s) and "(= forward_flops' whole blocks" in L.measured_line(s)
 
 
 def test_roofline_explorer_callbacks():
-    fw = {"cfg": L.HERE_CFG, "seq_lens": [700, 200, 100], "seconds": 0.05}
-    fake_timer = lambda lens: {"cfg": L.HERE_CFG, "seq_lens": list(lens), "seconds": 0.05}
+    fw = fake_forward(L.model_of(), [300, 40])
+    fake_timer = fake_forward
     box = L.roofline_explorer(FAKE_CPU, timer=fake_timer)
     k = by_class(box)
     assert "frx" in box._dom_classes
@@ -245,19 +269,22 @@ def test_roofline_explorer_callbacks():
 
 
 def test_forward_here_times_the_engine_on_the_lengths_given_and_refuses_too_many():
-    point = L.forward_here([30, 10], repeats=1)
-    assert point["seq_lens"] == [30, 10] and point["seconds"] > 0 and point["cfg"] is L.HERE_CFG
+    cfg = L.model_of(d_model=64, d_ffn=128, n_heads=4, n_kv_heads=2, n_layers=2)    # the knobs' model, run
+    point = L.forward_here(cfg, [30, 10], repeats=1)
+    assert point["seq_lens"] == [30, 10] and point["seconds"] > 0 and point["cfg"].n_kv_heads == 2
+    want = forward_flops(cfg, [30, 10])                  # recorded: the kernel computes each block whole
+    assert (point["flops"].linear, point["flops"].attention) == (want.linear, want.attention) and point["ops"] > 20
     with pytest.raises(ValueError, match="at most 1024 tokens"):
-        L.forward_here([600, 600])
+        L.forward_here(cfg, [600, 600])
     with pytest.raises(ValueError, match=r"seq_lens\[1\] must be >= 1"):
-        L.forward_here([3, 0])
+        L.forward_here(cfg, [3, 0])
 
 
 def test_wall_scaled_keeps_proportions_and_sums_to_wall():
-    t = L.wall_scaled({"linear": 0.6, "attention": 0.3, "other": 0.3, "wall": 0.9})
+    t = wall_scaled({"linear": 0.6, "attention": 0.3, "other": 0.3, "wall": 0.9})
     assert math.isclose(sum(t.values()), 0.9) and math.isclose(t["linear"] / t["attention"], 2.0)
     with pytest.raises(ValueError, match="positive"):
-        L.wall_scaled({"linear": 0.0, "attention": 0.0, "other": 0.0, "wall": 1.0})
+        wall_scaled({"linear": 0.0, "attention": 0.0, "other": 0.0, "wall": 1.0})
 
 
 def test_time_split_figure_bars_are_wall_ms_and_gflop():
@@ -326,8 +353,9 @@ def test_weight_reuse_figure_draws_one_weight_per_panel_and_no_intensity():
 
 def test_throughput_sweep_restores_threads_and_figure_labels_each_t():
     before = torch.get_num_threads()
-    got = L.throughput_sweep([1, 4], 16, 32, repeats=1)
+    machine, got = measured_sweep([1, 4], 16, 32, threads=1, rounds=1)
     assert len(got) == 2 and all(g > 0 for g in got) and torch.get_num_threads() == before
+    assert machine.n_sms == 1 and machine.peak_flops > 0 and machine.bytes_per_s > 0
     fig = L.throughput_figure([1, 8, 64], [5.0, 20.0, 40.0], "FFN-up", "cpu, 1 thread")
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "8", "64"] and ax.get_yscale() == "linear"
@@ -343,10 +371,10 @@ def test_throughput_roof_is_the_roofline_and_the_verdict_follows_the_numbers():
     assert roof[-1] == 100.0                                                                       # the flat peak
     # a sweep that beats the peak and sits above the memory roof at T = 1: both said, with the numbers
     said = L.sweep_verdict([1, 24, 4096], [14.0, 90.0, 190.0], roof, peak, 4)
-    assert "beats the measured peak (100) by 1.9x" in said[0] and "T = 1:" in said[1] and "4 MiB" in said[1]
+    assert "beats the peak measured beside it (100) by 1.9x" in said[0] and "T = 1:" in said[1] and "4 MiB" in said[1]
     # a sweep under its roof everywhere: neither is claimed
     said = L.sweep_verdict([1, 24, 4096], [r * 0.9 for r in roof], roof, peak, 4)
-    assert said == ["no point beats the measured peak (100 GFLOP/s; best 90)", "no point lies above the memory roof"]
+    assert said == ["no point beats the peak measured beside it (100 GFLOP/s; best 90)", "no point lies above the memory roof"]
     fig = L.throughput_figure([1, 24, 4096], [14.0, 90.0, 190.0], "FFN-up", "cpu", ([1, 24, 4096], roof))
     assert len(fig.axes[0].lines) == 2 and "roofline" in fig.axes[0].get_legend().get_texts()[0].get_text()
     assert fig.axes[0].get_ylim()[1] >= 190 and min_font(fig) >= MIN_FONT
@@ -370,19 +398,19 @@ def _gqa_heads(cfg, lens, ridge):          # closed form, without attention_inte
 
 
 def _gqa_by_group(cfg, lens, ridge):       # the decode factor applied to prefill: intensity x group
-    plain = L.attention_intensity(lens, cfg.n_heads, cfg)
+    plain = attention_intensity(lens, cfg.n_heads, cfg)
     fits = [kv for kv in range(1, cfg.n_heads + 1) if cfg.n_heads % kv == 0 and plain * cfg.n_heads / kv >= ridge]
     return max(fits, default=None)
 
 
 def test_gqa_answers_cover_every_verdict():
-    verdicts = [L.gqa_heads_for_ridge(*case) for case in L._GQA_CASES]
+    verdicts = [F_.gqa_heads_for_ridge(*case) for case in L._GQA_CASES]
     assert verdicts == [_gqa_heads(*case) for case in L._GQA_CASES]
     assert None in verdicts and 8 in verdicts and 1 in verdicts and 2 in verdicts   # none, no grouping, all, 6-head
-    assert math.isclose(L.gqa_intensity_ceiling(ModelConfig()), 2 * 512 / (512 + 64))
+    assert math.isclose(F_.gqa_intensity_ceiling(ModelConfig()), 2 * 512 / (512 + 64))
     cfg = ModelConfig()
-    assert math.isclose(L.attention_intensity([1000], 1, cfg) / L.attention_intensity([1000], 8, cfg),
-                        L.gqa_intensity_ceiling(cfg))
+    assert math.isclose(attention_intensity([1000], 1, cfg) / attention_intensity([1000], 8, cfg),
+                        F_.gqa_intensity_ceiling(cfg))
 
 
 def test_gqa_checker_explains_wrong_answers():
@@ -423,8 +451,8 @@ def test_c15_decode_step_part_by_part_on_the_h200():
 def test_c15_decode_step_parts_count_the_recorded_matmuls():
     cfg, r, kv = ModelConfig(), 4, 128
     layer = Transformer(dataclasses.replace(cfg, n_layers=1, vocab_size=1000, max_position=256), seed=0)
-    lin = L.of_kind(L.forward_matmuls(layer, pack([[7]] * r), "sdpa"), "linear")
-    att = L.decode_attention_matmuls(r, kv_len=kv)
+    lin = R.of_kind(R.forward_matmuls(layer, pack([[7]] * r), "sdpa"), "linear")
+    att = R.decode_attention_matmuls(r, kv_len=kv)
     p = decode_step_parts(cfg, r, kv, H200)
     assert p.linear.flops == sum(m.flops for m in lin) and p.linear.bytes == sum(m.bytes(2) for m in lin)
     assert p.attention.flops == sum(m.flops for m in att)
@@ -434,26 +462,26 @@ def test_c15_decode_step_parts_count_the_recorded_matmuls():
 def test_c15_engine_decode_step_runs_the_recorded_decode_shapes():
     cfg = ModelConfig()
     layer = Transformer(dataclasses.replace(cfg, n_layers=1, vocab_size=1000, max_position=256), seed=0)
-    mm = L.engine_decode_matmuls(layer, 3, 40)
-    assert L.of_kind(mm, "attention") == L.decode_attention_matmuls(3, kv_len=40)
-    assert [m.m for m in L.of_kind(mm, "linear")] == [3] * 4
+    mm = R.engine_decode_matmuls(layer, 3, 40)
+    assert R.of_kind(mm, "attention") == R.decode_attention_matmuls(3, kv_len=40)
+    assert [m.m for m in R.of_kind(mm, "linear")] == [3] * 4
 
 
 def test_c15_engine_kv_cache_bytes_counts_k_v_heads_not_query_heads():
     # counted by hand: layers x (K and V) x tokens x K/V heads x d_head x bytes per number
     for kv in (4, 2, 1):
-        assert L.engine_kv_cache_bytes(SMALL, [3, 5], kv) == 2 * 2 * 8 * kv * 16 * 4
+        assert R.engine_kv_cache_bytes(SMALL, [3, 5], kv) == 2 * 2 * 8 * kv * 16 * 4
     bf16 = dataclasses.replace(SMALL, dtype=torch.bfloat16)
-    assert L.engine_kv_cache_bytes(bf16, [7], 1) == 2 * 2 * 7 * 1 * 16 * 2
+    assert R.engine_kv_cache_bytes(bf16, [7], 1) == 2 * 2 * 7 * 1 * 16 * 2
     with pytest.raises(ValueError, match="n_kv_heads"):
-        L.engine_kv_cache_bytes(SMALL, [3], 3)                               # 3 K/V heads cannot serve 4 query heads
+        R.engine_kv_cache_bytes(SMALL, [3], 3)                               # 3 K/V heads cannot serve 4 query heads
 
 
 def test_c15_engine_kv_cache_bytes_is_measured_on_the_engine():
     """Break the engine (K and V repeated for every query head before the cache): the measurement follows,
     while the count from the config does not."""
     with faults.injected("kv_repeated_before_cache"):
-        assert L.engine_kv_cache_bytes(SMALL, [3, 5], 1) == 4 * kv_cache_bytes(SMALL, [3, 5], n_kv_heads=1,
+        assert R.engine_kv_cache_bytes(SMALL, [3, 5], 1) == 4 * kv_cache_bytes(SMALL, [3, 5], n_kv_heads=1,
                                                                                bytes_per_element=4)
 
 
@@ -461,30 +489,30 @@ def test_c15_gqa_decode_packs_a_group_as_rows_of_one_matmul():
     """With H_kv K/V heads of H, each request's decode attention is [H_kv, G, D] @ [H_kv, D, L_kv] (G = H / H_kv
     query rows per K/V head) and back; the control (K/V repeated per query head) runs MHA's [H, 1, D] shapes."""
     for kv in (4, 2, 1):
-        att = L.of_kind(L.gqa_decode_matmuls(SMALL, kv, 3, 10), "attention")
+        att = R.of_kind(R.gqa_decode_matmuls(SMALL, kv, 3, 10), "attention")
         g = SMALL.n_heads // kv
         assert sorted({(m.batch, m.m, m.k, m.n) for m in att}) == [(kv, g, 10, 16), (kv, g, 16, 10)]
         assert len(att) == 2 * 3 * SMALL.n_layers                 # QK^T and PV, per request, per layer
-        control = L.of_kind(L.gqa_decode_matmuls(SMALL, kv, 3, 10, repeat_kv=True), "attention")
+        control = controlled(lambda kv=kv: R.of_kind(R.gqa_decode_matmuls(SMALL, kv, 3, 10), "attention"))
         assert sorted({(m.batch, m.m, m.k, m.n) for m in control}) == [(4, 1, 10, 16), (4, 1, 16, 10)]
-    one_kv = L.of_kind(L.gqa_decode_matmuls(SMALL, 1, 3, 10), "attention")
-    mha = L.of_kind(L.gqa_decode_matmuls(SMALL, 4, 3, 10), "attention")
-    assert L.intensity(one_kv) > 2 * L.intensity(mha)          # 2.8x: K/V read once for 4 query rows
+    one_kv = R.of_kind(R.gqa_decode_matmuls(SMALL, 1, 3, 10), "attention")
+    mha = R.of_kind(R.gqa_decode_matmuls(SMALL, 4, 3, 10), "attention")
+    assert R.intensity(one_kv) > 2 * R.intensity(mha)          # 2.8x: K/V read once for 4 query rows
 
 
 def test_c15_packed_decode_attention_intensity_by_hand():
     # G = 2, D = 4, L = 8, bf16: 4·2·4·8 = 256 FLOPs over 2 · 2 · (8 + 32 + 16) = 224 bytes
     assert decode_attention_intensity(8, 4, 2, group=2) == pytest.approx(256 / 224)
     assert decode_attention_intensity(128, 64, 2, group=1) == pytest.approx(decode_attention_intensity(128, 64, 2))
-    att = L.of_kind(L.gqa_decode_matmuls(SMALL, 2, 1, 8), "attention")   # recorded: G = 2, D = 16, L = 8
-    assert L.intensity(att) == pytest.approx(4 * 2 * 16 * 8 / (2 * 2 * (2 * 16 + 16 * 8 + 2 * 8)))
+    att = R.of_kind(R.gqa_decode_matmuls(SMALL, 2, 1, 8), "attention")   # recorded: G = 2, D = 16, L = 8
+    assert R.intensity(att) == pytest.approx(4 * 2 * 16 * 8 / (2 * 2 * (2 * 16 + 16 * 8 + 2 * 8)))
     with pytest.raises(ValueError, match="group"):
         decode_attention_intensity(8, 4, group=0)
 
 
 def test_c15_engine_kv_cache_bytes_control_repeats_k_v_per_query_head():
     for kv in (4, 2, 1):
-        assert L.engine_kv_cache_bytes(SMALL, [3, 5], kv, repeat_kv=True) == 2 * 2 * 8 * 4 * 16 * 4
+        assert controlled(lambda kv=kv: R.engine_kv_cache_bytes(SMALL, [3, 5], kv)) == 2 * 2 * 8 * 4 * 16 * 4
 
 
 @pytest.mark.parametrize("case", L._KV_CASES)
@@ -493,7 +521,7 @@ def test_c15_kv_read_overtakes_from_is_the_first_r_by_roofline_search(case):
     machine = Machine("m", ridge * 1e9, 1e9)
     first = next((r for r in range(1, 20_000) if decode_step_parts(cfg, r, kv, machine, nbytes).longer == "attention"),
                  None)
-    assert L.kv_read_overtakes_from(cfg, ridge, nbytes, kv) == first
+    assert F_.decode_kv_overtakes_from(cfg, ridge, nbytes, kv) == first
 
 
 def _kv_read_bytes_only(cfg, nbytes, kv_len):
@@ -506,12 +534,12 @@ def _kv_read_bytes_only(cfg, nbytes, kv_len):
 
 
 def test_c15_kv_overtakes_checker():
-    assert L.check_kv_overtakes(L.kv_read_overtakes_from)
+    assert L.check_kv_overtakes(F_.decode_kv_overtakes_from)
     check = L.check_kv_overtakes
     bytes_only = lambda c, ridge, nb, kv: _kv_read_bytes_only(c, nb, kv)
     assert "compute-bound" in attempt(check, bytes_only)
     assert 0 < score(check, bytes_only, points=2) < 2                      # right where the linear layers stay memory-bound
-    ref = L.kv_read_overtakes_from
+    ref = F_.decode_kv_overtakes_from
     assert "off by one" in attempt(check, lambda c, ridge, nb, kv: (ref(c, ridge, nb, kv) or -1) + 1 or None)
     assert "expected None" in attempt(check, lambda c, ridge, nb, kv: ref(c, ridge, nb, kv) or 10**6)
     assert "got None, expected" in attempt(check, lambda c, ridge, nb, kv: None)
@@ -519,7 +547,7 @@ def test_c15_kv_overtakes_checker():
 
 
 def test_roofline_figure_keeps_text_on_the_canvas_ink_lines_and_points_on_the_roof():
-    fw = {"cfg": L.HERE_CFG, "seq_lens": list(HERE_LENS), "seconds": 0.05}
+    fw = fake_forward(HERE_CFG, HERE_LENS)
     s = L.roofline_state(machine=FAKE_CPU, here={"machine": FAKE_CPU, "forward": fw},
                          lengths="3000, 2000, 1000, 500, 100, 7")
     fig = L.roofline_figure(s)
@@ -554,7 +582,7 @@ def _packing_by_hand(total, kv):
 def test_c14_packing_checker_takes_a_design_and_explains_wrong_ones(capsys):
     assert L.check_packing(_packing_by_hand)
     assert [len(_packing_by_hand(t, kv) or []) for t, kv in L._PACK_CASES] == [
-        L._most_compute_bound_requests(t, kv) or 0 for t, kv in L._PACK_CASES]
+        F_.most_compute_bound_requests(ModelConfig(), t, kv, H200.ridge, L.PACK_MIN_LEN) or 0 for t, kv in L._PACK_CASES]
     assert _packing_by_hand(512, 8) is None and len(_packing_by_hand(4096, 8)) == 142
     check = L.check_packing
     assert "token-weighted mean" in attempt(check, lambda t, kv: [64] * (t // 64))       # equal short requests
@@ -568,7 +596,7 @@ def test_c14_packing_checker_takes_a_design_and_explains_wrong_ones(capsys):
 
 def test_c14_attention_intensity_of_one_long_request_passes_the_h200_ridge():
     # causal per layer: 2 k L (L + 1) FLOPs; Q, K, V, O: 4 k L numbers of 2 bytes  ->  (L + 1) / 4 FLOP/byte
-    assert L.attention_intensity([1000]) == pytest.approx(1001 / 4)
-    assert L.attention_intensity([1000]) > H200.ridge > L.attention_intensity([100] * 10)
+    assert attention_intensity([1000]) == pytest.approx(1001 / 4)
+    assert attention_intensity([1000]) > H200.ridge > attention_intensity([100] * 10)
     # one K/V head: K and V shrink to 64 numbers per token -> 1024 L (L + 1) / (2 L (1024 + 128))
-    assert L.attention_intensity([1000], n_kv_heads=1) == pytest.approx(1024 * 1001 / 2304)
+    assert attention_intensity([1000], n_kv_heads=1) == pytest.approx(1024 * 1001 / 2304)

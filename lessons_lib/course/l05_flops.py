@@ -1,22 +1,20 @@
-"""What lesson 05 (where the FLOPs go) records, draws, explores and checks.
+"""What lesson 05 (where the FLOPs go) draws, explores and checks; the engine records and counts
+(``measure.recorded``, ``measure.flops``, ``measure.machines``).
 
-Recorded on the engine (``measure.recorder``): the matmuls of a forward, of one decode step's attention and
-of a real decode step with as many K/V heads as chosen, the fused attention kernels' operands, and the bytes
-the KV cache holds. Figures ``05_weight_reuse``, ``05_flops_1x1000_vs_10x100``, ``05_attention_share``,
-``05_intensity``. Explorer ``roofline_explorer`` over ``roofline_state`` (a model, a ``measure.machines.Machine``,
-packings -> FLOPs, bytes, intensity, the roofline's time) and ``forward_here`` (one engine forward timed here).
+Figures ``05_weight_reuse``, ``05_flops_1x1000_vs_10x100``, ``05_attention_share``, ``05_intensity``; the measured
+sweep and time split drawn (``throughput_figure``, ``time_split_figure``). Explorer ``roofline_explorer`` over
+``roofline_state`` (a model, a ``measure.machines.Machine``, packings -> FLOPs, bytes, intensity, the roofline's time,
+the launch floor) and ``forward_here`` (the engine's forward of the model on the knobs, recorded and timed here).
 Exercise checkers ``check_gqa`` (05.1), ``check_packing`` (05.2), ``check_kv_overtakes`` (05.3).
 
 Taught in notebooks/05_flop_regimes.ipynb.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from fractions import Fraction
 
 import numpy as np
 import torch
@@ -24,9 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
-from .. import faults
-from ..core.attention import varlen_attention
-from ..core.batch import PackedBatch, cumulative, pack, seq_lens_to_cu_seqlens
+from ..core.batch import cumulative, pack
 from ..core.config import ModelConfig
 from ..core.model import Transformer
 from ..measure.flops import (
@@ -34,17 +30,23 @@ from ..measure.flops import (
     attention_crossover_length,
     block_linear_intensity,
     decode_attention_intensity,
+    decode_kv_overtakes_from,
     decode_step_parts,
     forward_bytes,
     forward_flops,
+    gemm_thread_blocks,
+    gpu_verdict,
+    gqa_heads_for_ridge,
+    gqa_intensity_ceiling,
     linear_intensity,
-    linear_terms,
+    linear_shapes,
     min_decode_batch,
+    most_compute_bound_requests,
+    prefill_attention_intensity,
 )
 from ..measure.machines import H200, REFERENCE_CPU, Machine
-from ..measure.profile import cpu_threads, forward_time_split, matmul_throughput, time_call
-from ..measure.recorder import BF16, FUSED_ATTENTION_OPS, Matmul, OpRecorder, record_matmuls
-from ..serve.kv_cache import PrefillKVCache
+from ..measure.profile import time_call, wall_scaled
+from ..measure.recorder import BF16, record_ops
 from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE
 from ..validate import check_int, check_lengths, check_n_kv_heads
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
@@ -52,130 +54,24 @@ from .figures import register
 from .grading import grade
 
 # ---------------------------------------------------------------------------------------------
-# The engine's matmuls, recorded
-
-
-def forward_matmuls(model, batch: PackedBatch, attn_backend: str = "loop") -> list[Matmul]:
-    """The matmuls of one forward of ``model`` on ``batch`` ("loop": the article's per-request loop)."""
-    return record_matmuls(lambda: model(batch, attn_backend=attn_backend))
-
-
-def decode_attention_matmuls(num_requests: int, kv_len: int, n_heads: int = 8, d_head: int = 64,
-                             backend: str = "loop") -> list[Matmul]:
-    """One decode step's attention, run by ``varlen_attention`` (CPU, random fp32 values): each of R
-    requests has ONE query (``cu_seqlens_q = [0, 1, ..., R]``) against its own ``kv_len`` keys."""
-    r = check_int("num_requests", num_requests, 1, 4096)
-    n = check_int("kv_len", kv_len, 1, 1 << 20)
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(r, n_heads, d_head, generator=g)                              # [R, H, D]
-    k, v = (torch.randn(r * n, n_heads, d_head, generator=g) for _ in range(2))  # [R·L_kv, H, D]
-    cu_q, cu_k = seq_lens_to_cu_seqlens([1] * r), seq_lens_to_cu_seqlens([n] * r)
-    return record_matmuls(lambda: varlen_attention(q, k, v, cu_q, cu_k, causal=True, backend=backend))
-
-
-def _prefill(model, cache: PrefillKVCache, lens: list[int]) -> None:
-    """Prefill requests ``0..R-1`` of ``lens`` tokens (token 0) into ``cache``, every request kept for decode."""
-    ids = list(range(len(lens)))
-    with torch.no_grad():
-        step = cache.step(ids, [0] * len(ids), lens, [True] * len(ids))
-        model(pack([torch.zeros(n, dtype=torch.long) for n in lens]), kv_cache=step)
-        step.finish()
-
-
-def engine_decode_matmuls(model, num_requests: int, kv_len: int, attn_backend: str = "loop") -> list[Matmul]:
-    """The matmuls of one real decode step of the engine: R requests of ``kv_len - 1`` tokens prefilled into a
-    ``PrefillKVCache``, then ``Transformer.forward(kv_cache=...)`` on one new token each, recorded."""
-    r, n = check_int("num_requests", num_requests, 1, 4096), check_int("kv_len", kv_len, 2, 1 << 20)
-    cache = PrefillKVCache.for_model(model)
-    _prefill(model, cache, [n - 1] * r)
-    with torch.no_grad():
-        step = cache.step(list(range(r)), [n - 1] * r, [1] * r, [False] * r)
-        new = pack([[7]] * r, num_computed_tokens=[n - 1] * r)
-        return record_matmuls(lambda: model(new, kv_cache=step, attn_backend=attn_backend))
-
-
-def _zero_model(cfg: ModelConfig, n_kv_heads: int, max_position: int):
-    """``cfg``'s model with ``n_kv_heads`` K/V heads, TP = 1, CPU, one zero seen as every weight, vocabulary 8."""
-    small = dataclasses.replace(cfg, n_kv_heads=n_kv_heads, vocab_size=8, max_position=max_position)
-    zero = torch.zeros((), dtype=small.dtype)
-    return Transformer(small, {name: zero.expand(shape) for name, shape in small.weight_shapes().items()})
-
-
-def _control(repeat_kv: bool):
-    """The control: the engine's ``kv_repeated_before_cache`` fault (K and V repeated per query head)."""
-    return faults.injected("kv_repeated_before_cache") if repeat_kv else contextlib.nullcontext()
-
-
-def engine_kv_cache_bytes(cfg: ModelConfig, seq_lens: Sequence[int], n_kv_heads: int, repeat_kv: bool = False) -> int:
-    """Bytes (``PrefillKVCache.nbytes``) the engine's cache holds after prefilling ``seq_lens`` on ``cfg``'s model
-    with ``n_kv_heads`` K/V heads, in ``cfg.dtype``, MEASURED. ``repeat_kv``: the control."""
-    lens = check_lengths(seq_lens)
-    with _control(repeat_kv):
-        model = _zero_model(cfg, n_kv_heads, max(lens))
-        cache = PrefillKVCache.for_model(model)
-        _prefill(model, cache, lens)
-    return cache.nbytes
-
-
-def gqa_decode_matmuls(cfg: ModelConfig, n_kv_heads: int, num_requests: int, kv_len: int,
-                       repeat_kv: bool = False) -> list[Matmul]:
-    """``engine_decode_matmuls`` on ``cfg``'s model with ``n_kv_heads`` K/V heads (zero weights, loop backend):
-    a group's G query heads are the rows of one matmul on their K/V head. ``repeat_kv``: the control."""
-    with _control(repeat_kv):
-        return engine_decode_matmuls(_zero_model(cfg, n_kv_heads, kv_len), num_requests, kv_len)
-
-
-def of_kind(matmuls: Sequence[Matmul], kind: str) -> list[Matmul]:
-    return [mm for mm in matmuls if mm.kind == kind]
-
-
-def intensity(matmuls: Sequence[Matmul], nbytes: int = BF16) -> float:
-    """FLOP per byte of a group of matmuls: all their FLOPs over all their bytes (the per-matmul byte model)."""
-    return sum(mm.flops for mm in matmuls) / sum(mm.bytes(nbytes) for mm in matmuls)
-
-
-def fused_attention_intensity(rec: OpRecorder, nbytes: int = BF16) -> float:
-    """Causal FLOP per byte of the SDPA kernels ``rec`` recorded (``[B, H, L, D]``, causal): ``4·D`` FLOPs per
-    useful cell, ``L(L + 1) / 2`` per head and request, over Q, K, V read and O written once (the fused-kernel
-    byte model). A call that is not causal or not square raises ValueError."""
-    flops = moved = 0
-    for op in rec.named(*FUSED_ATTENTION_OPS):
-        q, k, v = (op.args[i].shape for i in range(3))
-        if FUSED_ATTENTION_OPS[op.name][0] != "bhld" or op.args[4] is not True or q[2] != k[2]:
-            raise ValueError(f"{op.name}: expected a causal SDPA call with L_q = L_k, got q {q}, k {k}")
-        b, h, n, d = q
-        flops += 4 * d * b * h * n * (n + 1) // 2
-        moved += nbytes * (math.prod(q) + math.prod(k) + math.prod(v) + math.prod(op.outputs[0]))
-    if not moved:
-        raise ValueError("no fused attention call was recorded: run the forward with attn_backend='sdpa'")
-    return flops / moved
-
-
-def recorded_flops(cfg: ModelConfig, seq_lens: Sequence[int], attn_backend: str = "loop") -> ForwardFlops:
-    """The linear and attention FLOPs one forward of ``cfg``'s model (zero weights, TP = 1, CPU) on ``seq_lens``
-    executes, summed from its recorded matmuls."""
-    lens = check_lengths(seq_lens)
-    model = _zero_model(cfg, cfg.n_kv_heads, max(lens))
-    with torch.no_grad():
-        mm = forward_matmuls(model, pack([torch.zeros(n, dtype=torch.long) for n in lens]), attn_backend)
-    return ForwardFlops(sum(m.flops for m in of_kind(mm, "linear")), sum(m.flops for m in of_kind(mm, "attention")))
-
-
-# ---------------------------------------------------------------------------------------------
-# A decode step part by part on the H200 (measure.flops.decode_step_parts)
+# A decode step part by part on the H200 (measure.flops.decode_step_parts), with what binds first on the GPU
 
 
 def decode_parts_table(cfg: ModelConfig, kv_lens: Sequence[int], requests: Sequence[int]) -> list[str]:
-    """One line per (cache length, R) on the H200 (``measure.flops.decode_step_parts``): each part's roofline time
-    in µs and its bound."""
+    """One line per (cache length, R): per layer on the H200 (``decode_step_parts``), each part's roofline time and
+    bound, then ``gpu_verdict``'s floor (thread blocks: the linear layers' GEMMs, one block per request and head for
+    attention; one launch per GEMM, one for attention)."""
     out = []
     for n in kv_lens:
         for r in requests:
             p = decode_step_parts(cfg, r, n, H200)
-            lin, att = p.linear, p.attention
-            out.append(f"{n:5d} cached, R = {r:5d}: linear {lin.seconds * 1e6:9.4g} us ({lin.bound}, "
-                       f"{lin.intensity:5.1f} FLOP/B) | attention {att.seconds * 1e6:9.4g} us ({att.bound}, "
-                       f"{att.intensity:.2f} FLOP/B) | longer: {p.longer}")
+            blocks = sum(gemm_thread_blocks(r, d_out) for _, d_out in linear_shapes(cfg))
+            lin = gpu_verdict(p.linear.flops, p.linear.bytes, H200, blocks, kernels=4)
+            att = gpu_verdict(p.attention.flops, p.attention.bytes, H200, r * cfg.n_heads)
+            out.append(f"{n:5d} cached, R = {r:5d}: linear {p.linear.seconds * 1e6:8.3g} us ({p.linear.bound}, "
+                       f"{p.linear.intensity:5.1f} FLOP/B; {lin.binds} binds: >= {lin.seconds * 1e6:.3g} us) | attention "
+                       f"{p.attention.seconds * 1e6:8.3g} us ({p.attention.bound}, {p.attention.intensity:.2f} FLOP/B; "
+                       f"{att.binds} binds: >= {att.seconds * 1e6:.3g} us) | longer: {p.longer}")
     return out
 
 # ---------------------------------------------------------------------------------------------
@@ -377,13 +273,32 @@ def weight_reuse_figure(d_in: int = 512, d_out: int = 2048, lens: Sequence[int] 
     return fig
 
 
-def wall_scaled(split: Mapping[str, float]) -> dict[str, float]:
-    """``forward_time_split``'s parts rescaled to add up to its ``wall`` time, proportions kept."""
-    parts = {p: float(split[p]) for p in ("linear", "attention", "other")}
-    total = sum(parts.values())
-    if not total > 0 or not split.get("wall", 0) > 0:
-        raise ValueError(f"a time split needs positive parts and wall, got {dict(split)!r}")
-    return {p: v * split["wall"] / total for p, v in parts.items()}
+# ---------------------------------------------------------------------------------------------
+# Measured here (shown, never asserted): one linear layer's throughput against T, a forward's time split
+
+
+def throughput_roof(tokens: Sequence[int], d_in: int, d_out: int, machine: Machine) -> list[float]:
+    """The roofline's GFLOP/s for ``[T, d_in] @ [d_in, d_out]`` at each T on ``machine``, in its dtype
+    (``Machine.attainable_flops`` of ``linear_intensity``)."""
+    return [machine.attainable_flops(linear_intensity(check_int("tokens", t, 1), d_in, d_out, machine.itemsize)) / 1e9
+            for t in tokens]
+
+
+def sweep_verdict(tokens: Sequence[int], gflops: Sequence[float], roof: Sequence[float], peak: float,
+                  weight_mib: float) -> list[str]:
+    """Two sentences from the numbers: whether the sweep's best beats the ``peak`` measured beside it (then it and the
+    ridge are lower bounds), and which points lie above the memory roof (a weight kept in the caches)."""
+    if not (len(tokens) == len(gflops) == len(roof)) or not tokens:
+        raise ValueError("need one throughput and one roof value per T")
+    best, top = max(gflops), peak / 1e9
+    out = [f"the sweep's best ({best:.0f} GFLOP/s) beats the peak measured beside it ({top:.0f}) by {best / top:.1f}x: "
+           "that peak is a lower bound, and so are the ridge and the T printed above" if best > 1.05 * top
+           else f"no point beats the peak measured beside it ({top:.0f} GFLOP/s; best {best:.0f})"]
+    above = [t for t, g, r in zip(tokens, gflops, roof) if r < top and g > 1.05 * r]
+    out.append(f"above the memory roof at T = {', '.join(map(str, above))}: the roof reads the {weight_mib:g} MiB "
+               "weight from memory on every call, but the repeated calls find it in the CPU's caches" if above
+               else "no point lies above the memory roof")
+    return out
 
 
 def time_split_figure(splits: Mapping[str, Mapping[str, float]], flops: Mapping[str, ForwardFlops],
@@ -418,42 +333,6 @@ def time_split_figure(splits: Mapping[str, Mapping[str, float]], flops: Mapping[
     fig.subplots_adjust(left=0.1, right=0.97, bottom=0.5 / (1.9 + 0.45 * len(names)) + 0.12, top=0.72, wspace=0.12)
     return fig
 
-# ---------------------------------------------------------------------------------------------
-# Measured here: one linear layer's throughput against T, and a forward's time split (shown, never asserted)
-
-
-def throughput_sweep(tokens: Sequence[int], d_in: int = 512, d_out: int = 2048, device="cpu",
-                     dtype: torch.dtype = torch.float32, repeats: int = 10, threads: int | None = 1) -> list[float]:
-    """GFLOP/s of ``F.linear`` on ``[T, d_in] @ [d_in, d_out]`` for each T (``matmul_throughput``, fastest of
-    ``repeats``); on the CPU on ``threads`` threads (``profile.cpu_threads``)."""
-    with cpu_threads(threads if torch.device(device).type == "cpu" else None):
-        return [matmul_throughput(check_int("tokens", t, 1), d_in, d_out, repeats=repeats, device=device, dtype=dtype)
-                for t in tokens]
-
-
-def throughput_roof(tokens: Sequence[int], d_in: int, d_out: int, machine: Machine) -> list[float]:
-    """The roofline's GFLOP/s for ``[T, d_in] @ [d_in, d_out]`` at each T on ``machine``, in its dtype
-    (``Machine.attainable_flops`` of ``linear_intensity``)."""
-    return [machine.attainable_flops(linear_intensity(check_int("tokens", t, 1), d_in, d_out, machine.itemsize)) / 1e9
-            for t in tokens]
-
-
-def sweep_verdict(tokens: Sequence[int], gflops: Sequence[float], roof: Sequence[float], peak: float,
-                  weight_mib: float) -> list[str]:
-    """Two sentences from the numbers: whether the sweep's best beats the measured ``peak`` (then it and the ridge
-    are lower bounds), and which points lie above the memory roof (a weight kept in the caches)."""
-    if not (len(tokens) == len(gflops) == len(roof)) or not tokens:
-        raise ValueError("need one throughput and one roof value per T")
-    best, top = max(gflops), peak / 1e9
-    out = [f"the sweep's best ({best:.0f} GFLOP/s) beats the measured peak ({top:.0f}) by {best / top:.1f}x: "
-           "that peak is a lower bound on this run, and so are the ridge and the T printed above" if best > 1.05 * top
-           else f"no point beats the measured peak ({top:.0f} GFLOP/s; best {best:.0f})"]
-    above = [t for t, g, r in zip(tokens, gflops, roof) if r < top and g > 1.05 * r]
-    out.append(f"above the memory roof at T = {', '.join(map(str, above))}: the roof reads the {weight_mib:g} MiB "
-               "weight from memory on every call, but the repeated calls find it in the CPU's caches" if above
-               else "no point lies above the memory roof")
-    return out
-
 
 def throughput_figure(tokens: Sequence[int], gflops: Sequence[float], label: str, where: str,
                       roof: tuple[Sequence[int], Sequence[float]] | None = None) -> Figure:
@@ -485,43 +364,36 @@ def throughput_figure(tokens: Sequence[int], gflops: Sequence[float], label: str
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.17, top=0.9)
     return fig
 
-
-def time_splits(model, batches: Mapping[str, PackedBatch], repeats: int = 3, warmup: int = 3) -> dict[str, dict]:
-    """``forward_time_split`` of each batch (fastest of ``repeats``) after ``warmup`` forwards of every batch (a
-    process's first forwards on new shapes pay for fresh memory pages)."""
-    for _ in range(check_int("warmup", warmup, 0)):
-        for batch in batches.values():
-            model(batch)
-    return {name: forward_time_split(model, batch, repeats=repeats) for name, batch in batches.items()}
-
-
 # ---------------------------------------------------------------------------------------------
-# The roofline explorer: a model, a machine, packings of the same tokens -> FLOPs, bytes, intensity,
-# the roofline's time; and one forward of the engine timed here, beside its prediction.
+# The roofline explorer: a model, a machine, packings of the same tokens -> FLOPs, bytes, intensity, the
+# roofline's time and the launch floor; and the engine's forward of that model, recorded and timed here.
 
-HERE_CFG = ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=64, d_ffn=1024, vocab_size=1000, max_position=1024)
-HERE_MAX_TOKENS = 1024
+HERE_MAX_TOKENS, HERE_MAX_FLOPS = 1024, 20e9   # the forward timed here: at most this many tokens and FLOPs
 
 
 @functools.lru_cache(maxsize=1)
-def _here_run(cfg: ModelConfig, lens: tuple[int, ...]):
-    g = torch.Generator().manual_seed(0)
-    return Transformer(cfg, seed=0), pack([torch.randint(0, cfg.vocab_size, (m,), generator=g) for m in lens])
+def _here_model(cfg: ModelConfig) -> Transformer:
+    return Transformer(cfg, seed=0)
 
 
-def forward_here(seq_lens: Sequence[int], repeats: int = 2, cfg: ModelConfig | None = None) -> dict:
-    """One real engine forward of ``cfg`` (default ``HERE_CFG``: 2 layers, d_model 256, fp32, CPU) on ``seq_lens``
-    (at most ``HERE_MAX_TOKENS`` tokens), timed (fastest of ``repeats``): ``{"cfg", "seq_lens", "seconds"}``."""
-    cfg = cfg or HERE_CFG
+def forward_here(cfg: ModelConfig, seq_lens: Sequence[int], repeats: int = 1) -> dict:
+    """One real engine forward of ``cfg``'s model (random fp32 weights, CPU, vocabulary 1000) on ``seq_lens`` (at
+    most ``HERE_MAX_TOKENS`` tokens and ``HERE_MAX_FLOPS`` FLOPs, else ValueError): recorded once
+    (``measure.recorder``: its ATen ops and matmul FLOPs), then timed (fastest of ``repeats``). Returns ``{"cfg",
+    "seq_lens", "seconds", "ops", "flops"}`` (``flops``: the recorded ``ForwardFlops``)."""
     lens = check_lengths(seq_lens)
-    if sum(lens) > HERE_MAX_TOKENS:
-        raise ValueError(f"the timed forward takes at most {HERE_MAX_TOKENS} tokens, got {sum(lens)}")
-    if max(lens) > cfg.max_position:
-        raise ValueError(f"the timed forward takes requests of at most {cfg.max_position} tokens, got {max(lens)}")
-    model, batch = _here_run(cfg, tuple(lens))
+    need = forward_flops(cfg, lens).total
+    if sum(lens) > HERE_MAX_TOKENS or need > HERE_MAX_FLOPS:
+        raise ValueError(f"the timed forward takes at most {HERE_MAX_TOKENS} tokens and {HERE_MAX_FLOPS / 1e9:g} GFLOP, "
+                         f"got {sum(lens)} tokens, {need / 1e9:.1f} GFLOP")
+    cfg = dataclasses.replace(cfg, dtype=torch.float32, vocab_size=1000, max_position=max(1024, max(lens)))
+    model, g = _here_model(cfg), torch.Generator().manual_seed(0)
+    batch = pack([torch.randint(0, cfg.vocab_size, (m,), generator=g) for m in lens])
     with torch.no_grad():
+        rec = record_ops(lambda: model(batch))
         seconds = time_call(lambda: model(batch), repeats=check_int("repeats", repeats, 1, 20), warmup=0)
-    return {"cfg": cfg, "seq_lens": list(lens), "seconds": seconds}
+    return {"cfg": cfg, "seq_lens": list(lens), "seconds": seconds, "ops": len(rec.ops),
+            "flops": ForwardFlops(**rec.flops_by_kind)}
 
 
 def packing_lengths(total: int, requests: int) -> list[int]:
@@ -532,23 +404,29 @@ def packing_lengths(total: int, requests: int) -> list[int]:
     return [t // r + (i < t % r) for i in range(r)]
 
 
-def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads: int = 8, n_layers: int = 8,
-                   nbytes: int = BF16, machine: Machine = H200, total: int = 1000, requests: int = 10,
-                   lengths: Sequence[int] | str = "700, 200, 100", here: dict | None = None) -> dict:
-    """Per packing (``1 x T``, ``R x T/R``, the ``lengths`` typed; d_head = d_model / n_heads) the linear and
-    attention parts on ``machine`` (``Machine.roofline_part`` of ``forward_flops``, causal, over
-    ``forward_bytes``). ``here`` = ``{"machine", "forward"}`` (``forward_here``'s point) adds ``measured``: that
-    forward beside its roofline time. Keys: ``cfg``,
-    ``n_kv_heads``, ``nbytes``, ``machine``, ``rows`` (``{"label", "seq_lens", "linear", "attention",
-    "seconds"}``), ``measured`` (or None)."""
+def model_of(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads: int = 8,
+             n_layers: int = 8) -> ModelConfig:
+    """The explorer's model from its knobs (d_head = d_model / n_heads), each knob checked."""
     d, h = check_int("d_model", d_model, 8, 1 << 16), check_int("n_heads", n_heads, 1, 1024)
     if d % h:
         raise ValueError(f"n_heads must divide d_model (d_head = d_model / n_heads): {d} / {h} is not whole")
-    cfg = ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 1024), d_model=d, n_heads=h, d_head=d // h,
-                      d_ffn=check_int("d_ffn", d_ffn, 1, 1 << 18))
+    return ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 1024), d_model=d, n_heads=h, d_head=d // h,
+                       n_kv_heads=check_n_kv_heads("n_kv_heads", n_kv_heads, h),
+                       d_ffn=check_int("d_ffn", d_ffn, 1, 1 << 18))
+
+
+def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads: int = 8, n_layers: int = 8,
+                   nbytes: int = BF16, machine: Machine = H200, total: int = 1000, requests: int = 10,
+                   lengths: Sequence[int] | str = "300, 40", here: dict | None = None) -> dict:
+    """Per packing (``1 x T``, ``R x T/R``, the ``lengths`` typed) of ``model_of``'s model, the linear and attention
+    parts on ``machine`` (``Machine.roofline_part`` of ``forward_flops``, causal, over ``forward_bytes``) and the
+    launch floor: at least 5 kernels per layer (4 GEMMs, 1 attention) of ``machine.launch_s`` each (0 when unknown).
+    ``here`` = ``{"machine", "forward"}`` (``forward_here``'s result) adds ``measured``: that forward beside its
+    roofline time and its recorded ops' launch floor. Keys: ``cfg``, ``n_kv_heads``, ``nbytes``, ``machine``,
+    ``rows`` (``{"label", "seq_lens", "linear", "attention", "seconds", "floor"}``), ``measured`` (or None)."""
+    cfg = model_of(d_model, d_ffn, n_heads, n_kv_heads, n_layers)
     if not isinstance(machine, Machine):
         raise ValueError(f"machine must be a measure.machines.Machine, got {machine!r}")
-    kv = check_n_kv_heads("n_kv_heads", n_kv_heads, cfg.n_heads)
     typed = parse_lengths(lengths, max_requests=256, max_length=1 << 16) if isinstance(lengths, str) \
         else check_lengths(lengths)
     if not typed:
@@ -557,21 +435,25 @@ def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv
     r = check_int("requests R", requests, 1, 1 << 20)
     packs = [(f"1 x {t}", [t]), (f"{r} x {t // r}" if t % r == 0 else f"{r} x ~{t / r:.0f}", packing_lengths(t, r)),
              ("typed " + ", ".join(map(str, typed)), list(typed))]
+    floor = 5 * cfg.n_layers * (machine.launch_s or 0.0)
     rows = []
     for label, lens in packs:
-        f = forward_flops(cfg, lens, "varlen", causal=True, n_kv_heads=kv)
-        b = forward_bytes(cfg, lens, n_kv_heads=kv, bytes_per_element=nbytes)
+        f = forward_flops(cfg, lens, "varlen", causal=True)
+        b = forward_bytes(cfg, lens, bytes_per_element=nbytes)
         lin, att = machine.roofline_part(f.linear, b.linear), machine.roofline_part(f.attention, b.attention)
-        rows.append({"label": label, "seq_lens": lens, "linear": lin, "attention": att, "seconds": lin.seconds + att.seconds})
+        rows.append({"label": label, "seq_lens": lens, "linear": lin, "attention": att,
+                     "seconds": lin.seconds + att.seconds, "floor": floor})
     measured = None
     if here and here.get("forward"):
         hm, fw = here["machine"], here["forward"]
         f = forward_flops(fw["cfg"], fw["seq_lens"], "varlen", causal=True)
         b = forward_bytes(fw["cfg"], fw["seq_lens"], bytes_per_element=4)
         predicted = hm.roofline_seconds(f.linear, b.linear) + hm.roofline_seconds(f.attention, b.attention)
-        measured = {"cfg": fw["cfg"], "seq_lens": fw["seq_lens"], "seconds": fw["seconds"], "predicted": predicted,
-                    "flops": f.total, "bytes": b.total, "machine": hm}
-    return {"cfg": cfg, "n_kv_heads": kv, "nbytes": nbytes, "machine": machine, "rows": rows, "measured": measured}
+        measured = fw | {"predicted": predicted, "causal_flops": f.total, "bytes": b.total, "machine": hm,
+                         "whole_blocks": forward_flops(fw["cfg"], fw["seq_lens"]),
+                         "floor": fw["ops"] * (hm.launch_s or 0.0)}
+    return {"cfg": cfg, "n_kv_heads": cfg.n_kv_heads, "nbytes": nbytes, "machine": machine, "rows": rows,
+            "measured": measured}
 
 
 def _num(x: float) -> str:
@@ -584,12 +466,14 @@ def _num(x: float) -> str:
 
 def roofline_lines(state: dict) -> list[str]:
     """One line per packing: ``1 x 1000: linear 50.33 GFLOP 181.40 MB 277.5 FLOP/B compute-bound 0.05089 ms |
-    attention 8.20 GFLOP 32.77 MB 250.2 FLOP/B compute-bound 0.008292 ms | predicted 0.05918 ms``."""
+    attention ... | predicted 0.05918 ms | launch floor 0.2 ms (40 kernels): launch latency binds first``."""
     out = []
     for row in state["rows"]:
         parts = [f"{p} {_num(row[p].flops)}FLOP {_num(row[p].bytes)}B {row[p].intensity:.1f} FLOP/B "
                  f"{row[p].bound} {row[p].seconds * 1e3:.4g} ms" for p in ("linear", "attention")]
-        out.append(f"{row['label']}: " + " | ".join(parts) + f" | predicted {row['seconds'] * 1e3:.4g} ms")
+        binds = "launch latency" if row["floor"] >= row["seconds"] else "the roofline"
+        out.append(f"{row['label']}: " + " | ".join(parts) + f" | predicted {row['seconds'] * 1e3:.4g} ms | launch "
+                   f"floor {row['floor'] * 1e3:.4g} ms ({5 * state['cfg'].n_layers} kernels at least): {binds} binds first")
     return out
 
 
@@ -600,18 +484,20 @@ def machine_line(state: dict) -> str:
 
 
 def measured_line(state: dict) -> str:
-    """The timed engine forward beside its roofline time, a lower bound."""
+    """The engine's forward of the explorer's model, recorded and timed here, beside its roofline time (a lower
+    bound) and its recorded ops' launch floor."""
     m = state["measured"]
     if m is None:
         return "measured here: not taken"
-    c = m["cfg"]
-    lens = ", ".join(map(str, m["seq_lens"]))
-    return (f"measured here: one engine forward of lengths {lens} ({c.n_layers} layers, d_model {c.d_model}, fp32) on "
-            f"{m['machine'].name}: {m['seconds'] * 1e3:.3f} ms measured, {m['predicted'] * 1e3:.3f} ms predicted by its "
-            f"roofline at this reduced width (not the table's model), a lower bound: measured = "
-            f"{m['seconds'] / m['predicted']:.1f} x the bound (the roofline assumes peak FLOP/s and full bandwidth "
-            "at once, each operand moved once; the engine also runs LayerNorm, GeLU and residual passes and pays "
-            "Python and per-call overhead)")
+    c, rec, whole = m["cfg"], m["flops"], m["whole_blocks"]
+    same = "=" if (rec.linear, rec.attention) == (whole.linear, whole.attention) else "differs from"
+    return (f"measured here: the engine's forward of this model ({c.n_layers} layers, d_model {c.d_model}, {c.n_heads} "
+            f"heads ({c.n_kv_heads} K/V), FFN {c.d_ffn}, fp32) on lengths {', '.join(map(str, m['seq_lens']))} "
+            f"({m['machine'].name}): {m['seconds'] * 1e3:.3f} ms measured, {m['predicted'] * 1e3:.3f} ms predicted by "
+            f"its roofline, a lower bound: measured = {m['seconds'] / m['predicted']:.1f} x the bound. Recorded: "
+            f"{rec.total / 1e9:.2f} GFLOP of matmuls ({same} forward_flops' whole blocks, {whole.total / 1e9:.2f}: the "
+            f"kernel computes each block whole) and {m['ops']} ops, {m['floor'] * 1e3:.3f} ms at this CPU's cost per op "
+            "(LayerNorm, GeLU, residuals, copies and per-op overhead are what the roofline leaves out)")
 
 
 def roofline_figure(state: dict) -> Figure:
@@ -624,7 +510,7 @@ def roofline_figure(state: dict) -> Figure:
     pts = [row[p].intensity for row in state["rows"] for p in ("linear", "attention")]
     m = state["measured"]
     if m is not None and m["machine"] == machine:
-        pts.append(m["flops"] / m["bytes"])
+        pts.append(m["causal_flops"] / m["bytes"])
     lo, hi = min(pts + [ridge]) / 4, max(pts + [ridge]) * 4
     xs = np.logspace(np.log10(lo), np.log10(hi), 200)
     ax.plot(xs, np.minimum(peak, xs * bw), "-", color=TEXT, linewidth=1.5, label=f"roof of {name}")
@@ -640,9 +526,9 @@ def roofline_figure(state: dict) -> Figure:
         f"{s} {row['label'] if len(row['label']) <= 26 else row['label'][:25] + '…'}"
         for s, row in zip("●■▲", state["rows"])), fontsize=MIN_FONT, color=TEXT, va="top")
     if m is not None and m["machine"] == machine:
-        x = m["flops"] / m["bytes"]
-        ax.plot([x], [m["flops"] / m["predicted"]], "x", color=TEXT, markersize=9, label="engine forward: predicted")
-        ax.plot([x], [m["flops"] / m["seconds"]], "o", markerfacecolor=NEVER, markeredgecolor=TEXT, markersize=9,
+        x = m["causal_flops"] / m["bytes"]
+        ax.plot([x], [m["causal_flops"] / m["predicted"]], "x", color=TEXT, markersize=9, label="engine forward: predicted")
+        ax.plot([x], [m["causal_flops"] / m["seconds"]], "o", markerfacecolor=NEVER, markeredgecolor=TEXT, markersize=9,
                 label="engine forward: measured here")
     ylo, yhi = peak / 2e3, peak * 3
     ax.set_xscale("log")
@@ -666,15 +552,15 @@ def roofline_figure(state: dict) -> Figure:
     fig.subplots_adjust(left=0.11, right=0.6, bottom=0.13, top=0.9)
     return fig
 
-
 D_MODELS, BYTES = (128, 256, 512, 768, 1024, 2048, 4096, 8192), ((("bf16 (2 B)"), 2), (("fp32 (4 B)"), 4))
 
 
-def roofline_explorer(here: Machine | None = None, timer: Callable[[Sequence[int]], dict] | None = None):
+def roofline_explorer(here: Machine | None = None, timer: Callable[[ModelConfig, Sequence[int]], dict] | None = None):
     """VBox class ``frx``: model knobs (``frx-dmodel``, ``frx-dffn``, ``frx-heads``, ``frx-kvheads``: divisors of the
     heads, ``frx-layers``, ``frx-bytes``), ``frx-machine`` (``here``, this CPU's ``Machine``, when given; the H200),
     ``frx-tokens``, ``frx-requests``, ``frx-lengths``; readouts ``frx-machine-line``, ``frx-table``, ``frx-measured``
-    (with ``here``: ``timer``, default ``forward_here``, times the engine once per new lengths), ``frx-error``,
+    (with ``here``: ``timer``, default ``forward_here``, runs the engine's forward of the knobs' model on the typed
+    lengths, recorded and timed, once per model and lengths), ``frx-error``,
     ``frx-figure``. The dtype follows the machine's peak; a mismatch is flagged."""
     timer = timer or forward_here
     timed: dict = {}
@@ -689,24 +575,26 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[Sequence[int
     mach = tagged(w.Dropdown(options=list(machines), value=H200.name, description="machine"), "frx-machine")
     tokens = tagged(w.IntSlider(value=1000, min=100, max=16000, step=100, description="tokens T"), "frx-tokens")
     reqs = tagged(w.IntSlider(value=10, min=1, max=100, description="requests R"), "frx-requests")
-    lens = tagged(w.Text(value="700, 200, 100", description="lengths", continuous_update=False), "frx-lengths")
+    lens = tagged(w.Text(value="300, 40", description="lengths", continuous_update=False), "frx-lengths")
     mline, table = tagged(w.HTML(), "frx-machine-line"), tagged(w.HTML(), "frx-table")
     meas, err, out = tagged(w.HTML(), "frx-measured"), tagged(w.HTML(), "frx-error"), tagged(w.Output(), "frx-figure")
 
     def measured_for(typed: str):
-        """``{"machine": here, "forward": the engine timed on the typed lengths}`` (cached), or None."""
+        """``{"machine": here, "forward": the engine's forward of the knobs' model on the typed lengths}`` (cached),
+        or None (no ``here``, bad input, or past the timed forward's bounds)."""
         try:
-            lens = tuple(parse_lengths(typed, max_requests=256, max_length=1 << 16))
+            key = (model_of(dm.value, ffn.value, heads.value, kvh.value, layers.value),
+                   tuple(parse_lengths(typed, max_requests=256, max_length=1 << 16)))
         except ValueError:
             return None
         if here is None:
             return None
-        if lens not in timed:
-            timed[lens] = None
-            if sum(lens) <= HERE_MAX_TOKENS and max(lens) <= HERE_CFG.max_position:
+        if key not in timed:
+            timed[key] = None
+            if sum(key[1]) <= HERE_MAX_TOKENS and forward_flops(*key).total <= HERE_MAX_FLOPS:
                 meas.value = "<div>measured here: running…</div>"
-                timed[lens] = timer(lens)
-        return None if timed[lens] is None else {"machine": here, "forward": timed[lens]}
+                timed[key] = timer(*key)
+        return None if timed[key] is None else {"machine": here, "forward": timed[key]}
 
     def update(change=None):
         if change is not None and change.get("owner") is mach:   # the dtype the machine's peak is for
@@ -733,8 +621,8 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[Sequence[int
         mline.value = f"<div>{machine_line(state)}</div>" + warn
         table.value = "".join(f"<div>{line}</div>" for line in roofline_lines(state))
         if state["measured"] is None and here is not None:
-            meas.value = (f"<div>measured here: not timed (the timed forward takes at most {HERE_MAX_TOKENS} "
-                          f"tokens and {HERE_CFG.max_position} per request; type fewer)</div>")
+            meas.value = (f"<div>measured here: not timed (the forward timed here takes at most {HERE_MAX_TOKENS} "
+                          f"tokens and {HERE_MAX_FLOPS / 1e9:g} GFLOP; type fewer tokens or make the model smaller)</div>")
         else:
             meas.value = f"<div>{measured_line(state)}</div>"
         show_figure(out, roofline_figure(state))
@@ -744,6 +632,7 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[Sequence[int
     for c in (mach, tokens, reqs, lens):
         c.observe(update, names="value")
     return box
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -759,58 +648,35 @@ _GQA_CASES = ((ModelConfig(), [1000], H200.ridge), (ModelConfig(), [700], H200.r
               (ModelConfig(), [100] * 10, 30.0))
 
 
-def attention_intensity(seq_lens: Sequence[int], n_kv_heads: int = 8, cfg: ModelConfig | None = None,
-                        nbytes: int = BF16) -> float:
-    """Causal attention's FLOPs (``forward_flops``) over its fused-kernel bytes (Q, K, V, O once:
-    ``forward_bytes``) for one forward of ``seq_lens``: a token-weighted mean over the requests."""
-    cfg = cfg or ModelConfig()
-    f = forward_flops(cfg, seq_lens, "varlen", causal=True, n_kv_heads=n_kv_heads)
-    return f.attention / forward_bytes(cfg, seq_lens, n_kv_heads=n_kv_heads, bytes_per_element=nbytes).attention
-
-
-def gqa_heads_for_ridge(cfg: ModelConfig, seq_lens: Sequence[int], ridge: float) -> int | None:
-    """Exercise 05.1's answer: the largest ``n_kv_heads`` (a divisor of ``cfg.n_heads``) whose prefill attention
-    (``attention_intensity``) reaches ``ridge``, or None."""
-    fits = [kv for kv in range(1, cfg.n_heads + 1)
-            if cfg.n_heads % kv == 0 and attention_intensity(seq_lens, kv, cfg) >= ridge]
-    return max(fits, default=None)
-
-
-def gqa_intensity_ceiling(cfg: ModelConfig) -> float:
-    """The most one K/V head can raise prefill attention's intensity over ``n_heads``: ``2k / (k + d_head)``
-    (Q and O keep every head), under 2 whatever the group."""
-    return 2 * cfg.qkv_dim / (cfg.qkv_dim + cfg.d_head)
-
-
 def check_gqa(fn: Callable[[ModelConfig, list, float], int | None]) -> bool:
-    """Exercise 05.1: ``fn(cfg, seq_lens, ridge) -> n_kv_heads or None``, the largest K/V head count (a divisor
-    of ``cfg.n_heads``) whose causal prefill attention (``attention_intensity``) reaches ``ridge``."""
+    """Exercise 05.1: ``fn(cfg, seq_lens, ridge) -> n_kv_heads or None``, ``measure.flops.gqa_heads_for_ridge``'s
+    answer: the largest K/V head count (a divisor of ``cfg.n_heads``) whose causal prefill attention reaches ``ridge``."""
     def judge(got, cfg, lens, ridge):
         want = gqa_heads_for_ridge(cfg, lens, ridge)
         if got == want and (got is None or isinstance(got, int)):
             return None
         h = cfg.n_heads
-        plain = attention_intensity(lens, h, cfg)
+        plain = prefill_attention_intensity(cfg, lens, h)
         by_group = max((kv for kv in range(1, h + 1) if h % kv == 0 and plain * h / kv >= ridge), default=None)
         trap = (f" - grouping divides only the K and V bytes, not by the group factor: Q and O keep all {h} heads, "
                 f"so one K/V head raises the intensity at most {gqa_intensity_ceiling(cfg):.2f}x ({plain:.0f} -> "
-                f"{attention_intensity(lens, 1, cfg):.0f} FLOP/byte here); x group is decode's factor, where the "
+                f"{prefill_attention_intensity(cfg, lens, 1):.0f} FLOP/byte here); x group is decode's factor, where the "
                 f"cache is read for one query") if got == by_group and by_group != want else ""
         if got is not None and (isinstance(got, bool) or not isinstance(got, int) or not 1 <= got <= h or h % got):
             return f"expected None or a divisor of n_heads = {h} (each K/V head serves a whole group), got {got!r}"
         if got is None:
             return (f"got None, expected {want} - with {want} K/V heads attention reaches "
-                    f"{attention_intensity(lens, want, cfg):.0f} FLOP/byte, at or above the ridge {ridge:g}")
-        x = attention_intensity(lens, got, cfg)
+                    f"{prefill_attention_intensity(cfg, lens, want):.0f} FLOP/byte, at or above the ridge {ridge:g}")
+        x = prefill_attention_intensity(cfg, lens, got)
         if want is None:
             return (f"got {got}, expected None - with {got} K/V heads attention reaches {x:.0f} FLOP/byte, below the "
-                    f"ridge {ridge:g}, and even one K/V head only {attention_intensity(lens, 1, cfg):.0f}: no grouping "
+                    f"ridge {ridge:g}, and even one K/V head only {prefill_attention_intensity(cfg, lens, 1):.0f}: no grouping "
                     f"is enough; only longer requests can get there{trap}")
         if x < ridge:
             return (f"got {got}, expected {want} - with {got} K/V heads attention reaches {x:.0f} FLOP/byte "
                     f"< ridge {ridge:g}{trap}")
         return (f"got {got}, expected {want} - compute-bound ({x:.0f} FLOP/byte), but {want} K/V heads already reach "
-                f"the ridge ({attention_intensity(lens, want, cfg):.0f}): every extra head shared gives away quality "
+                f"the ridge ({prefill_attention_intensity(cfg, lens, want):.0f}): every extra head shared gives away quality "
                 f"for nothing" + (" - here no grouping at all is needed" if want == h else ""))
     return grade("gqa", fn, list(_GQA_CASES), judge,
                  "7 cases: one already compute-bound, some carried over by grouping, two that no grouping can rescue")
@@ -820,18 +686,6 @@ PACK_MIN_LEN = 16                               # a chat turn: every request of 
 _PACK_CASES = ((4096, 8), (4096, 1), (2048, 2), (8192, 8), (512, 8))
 
 
-def _most_compute_bound_requests(total: int, n_kv_heads: int, min_len: int = PACK_MIN_LEN) -> int | None:
-    """The most requests (each >= ``min_len``, ``total`` tokens) whose causal attention reaches the H200's ridge:
-    one long request and the rest at ``min_len`` (the largest sum of L² for a count), grown while it holds."""
-    t = check_int("total", total, min_len)
-    best = None
-    for n in range(1, t // min_len + 1):
-        if attention_intensity([t - (n - 1) * min_len] + [min_len] * (n - 1), n_kv_heads) < H200.ridge:
-            break
-        best = n
-    return best
-
-
 def check_packing(fn: Callable[[int, int], Sequence[int] | None]) -> bool:
     """Exercise 05.2: ``fn(total, n_kv_heads) -> lengths or None``: exactly ``total`` tokens, every request >=
     ``PACK_MIN_LEN``, causal attention compute-bound on the H200 (bf16, the article's model), with at least 90 %
@@ -839,8 +693,8 @@ def check_packing(fn: Callable[[int, int], Sequence[int] | None]) -> bool:
     ridge = H200.ridge
 
     def judge(got, total, kv):
-        most = _most_compute_bound_requests(total, kv)
-        one = attention_intensity([total], kv)
+        most = most_compute_bound_requests(ModelConfig(), total, kv, ridge, PACK_MIN_LEN)
+        one = prefill_attention_intensity(ModelConfig(), [total], kv)
         if most is None:
             if got is None:
                 return None
@@ -855,7 +709,7 @@ def check_packing(fn: Callable[[int, int], Sequence[int] | None]) -> bool:
         if sum(got) != total or not got or min(got) < PACK_MIN_LEN:
             return (f"got {len(got)} requests summing to {sum(got)}, shortest {min(got) if got else None} - the packing "
                     f"must hold exactly {total} tokens, every request at least {PACK_MIN_LEN}")
-        x = attention_intensity(got, kv)
+        x = prefill_attention_intensity(ModelConfig(), got, kv)
         if x < ridge:
             return (f"got {len(got)} requests, attention {x:.0f} FLOP/byte < ridge {ridge:.0f}: memory-bound - "
                     f"attention's intensity is the token-weighted mean of each request's (about L/4 with 8 K/V heads): "
@@ -869,31 +723,17 @@ def check_packing(fn: Callable[[int, int], Sequence[int] | None]) -> bool:
                  "5 cases: 512 to 8,192 tokens, 1 to 8 K/V heads, one where no packing works")
 
 
-def kv_read_overtakes_from(cfg: ModelConfig, ridge: float, nbytes: int, kv_len: int) -> int | None:
-    """Exercise 05.3's answer: the smallest R from which a decode step's attention takes longer than its linear
-    layers, each part on its own roofline of ridge ``ridge`` (time in bytes / bandwidth: ``max(FLOPs / ridge,
-    bytes)``), or None. Attention, per request ``a = max(4kn / ridge, nbytes 2k (n + 1))``, is longer iff
-    ``a > 2W / ridge`` (the linear layers' compute time per request) and ``R (a - nbytes A) > nbytes W``."""
-    w, a_rows = linear_terms(cfg)
-    k, n = cfg.qkv_dim, check_int("kv_len", kv_len, 1)
-    rho = Fraction(ridge).limit_denominator(10**6)
-    a = max(Fraction(4 * k * n) / rho, Fraction(nbytes * 2 * k * (n + 1)))
-    if a <= 2 * w / rho or a <= nbytes * a_rows:
-        return None
-    return math.floor(nbytes * w / (a - nbytes * a_rows)) + 1
-
-
 _KV_CASES = ((ModelConfig(), H200.ridge, 2, 128), (ModelConfig(), H200.ridge, 2, 1000),
              (ModelConfig(), H200.ridge, 2, 8), (ModelConfig(), H200.ridge, 2, 1),
              (ModelConfig(), 9.0, 4, 128), (ModelConfig(), 9.0, 4, 1024), (_CFGS[1], H200.ridge, 2, 64))
 
 
 def check_kv_overtakes(fn: Callable[[ModelConfig, float, int, int], int | None]) -> bool:
-    """Exercise 05.3: ``fn(cfg, ridge, nbytes, kv_len) -> int or None``, ``kv_read_overtakes_from``'s answer. Cases:
+    """Exercise 05.3: ``fn(cfg, ridge, nbytes, kv_len) -> int or None``, ``measure.flops.decode_kv_overtakes_from``'s. Cases:
     the H200 with short and long caches, a CPU-like ridge of 9 in fp32, another model; in two of them the
     linear layers turn compute-bound before the KV read catches up, and a bytes-only comparison gives a number."""
     def judge(got, cfg, ridge, nbytes, kv_len):
-        want = kv_read_overtakes_from(cfg, ridge, nbytes, kv_len)
+        want = decode_kv_overtakes_from(cfg, ridge, nbytes, kv_len)
         if got == want and (got is None or (isinstance(got, int) and not isinstance(got, bool))):
             return None
         if got is not None and (isinstance(got, bool) or not isinstance(got, int) or got < 1):

@@ -14,7 +14,8 @@ from lessons_lib.measure.machines import H200, Machine
 
 LINE_RE = re.compile(r"(.+?): linear ([\d.]+ [kMGT]?)FLOP ([\d.]+ [kMGT]?)B ([\d.]+) FLOP/B (compute|memory)-bound "
                      r"([\d.e+-]+) ms \| attention ([\d.]+ [kMGT]?)FLOP ([\d.]+ [kMGT]?)B ([\d.]+) FLOP/B "
-                     r"(compute|memory)-bound ([\d.e+-]+) ms \| predicted ([\d.e+-]+) ms")
+                     r"(compute|memory)-bound ([\d.e+-]+) ms \| predicted ([\d.e+-]+) ms \| launch floor ([\d.e+-]+) ms "
+                     r"\(\d+ kernels at least\): (launch latency|the roofline) binds first")
 
 
 def _lines(page) -> list[str]:
@@ -108,7 +109,10 @@ def test_lesson05_roofline_explorer(lab_server, browser_context, capsys):
     wait_text(page, ".frx-measured", "t => t.includes('lengths 300, 40 (')", timeout=20_000)
     mm = re.search(r"([\d.]+) ms measured, ([\d.]+) ms predicted", inner_text(page, ".frx-measured"))
     assert mm and float(mm[1]) > 0, inner_text(page, ".frx-measured")
-    fw = {"cfg": l05_flops.HERE_CFG, "seq_lens": [300, 40], "seconds": float(mm[1]) / 1e3}
+    knobs = _knobs(page)                               # the forward ran the model the knobs describe
+    cfg = l05_flops.model_of(knobs["d_model"], knobs["d_ffn"], knobs["n_heads"], knobs["n_kv_heads"], knobs["n_layers"])
+    fw = {"cfg": cfg, "seq_lens": [300, 40], "seconds": float(mm[1]) / 1e3, "ops": 1,
+          "flops": flops.forward_flops(cfg, [300, 40])}
     direct = l05_flops.roofline_state(machine=cpu, here={"machine": cpu, "forward": fw})["measured"]["predicted"]
     assert abs(float(mm[2]) - direct * 1e3) <= 1e-3 + 0.01 * direct * 1e3, (mm[2], direct)
 
