@@ -19,7 +19,7 @@ from lessons_lib.tp.threads import row_parallel_in_threads
 # --- the walk ------------------------------------------------------------------------------------------
 
 def test_c4_c6_forward_walk_shapes_come_from_the_config():
-    steps = L.forward_walk(ModelConfig(), [10, 30])
+    steps = bi.forward_walk(ModelConfig(), [10, 30])
     assert [s.name for s in steps] == ["embed (token + position)", "LayerNorm", "QKV proj", "attention", "out proj",
                                        "residual add", "LayerNorm", "FFN-up", "GeLU", "FFN-down", "residual add"]
     by_name = {s.name: s for s in steps}
@@ -31,7 +31,7 @@ def test_c4_c6_forward_walk_shapes_come_from_the_config():
     assert (by_name["attention"].flat, by_name["attention"].per_rank) == ("[40 x 1536] -> [40 x 512]",
                                                                           "[40 x 768] -> [40 x 256]")
     assert by_name["out proj"].flat.startswith(by_name["attention"].flat.split(" -> ")[1])
-    tp4 = {s.name: s for s in L.forward_walk(ModelConfig(), [5], tp_size=4)}
+    tp4 = {s.name: s for s in bi.forward_walk(ModelConfig(), [5], tp_size=4)}
     assert tp4["QKV proj"].per_rank == "[5 x 512] -> [5 x 384]" and tp4["out proj"].per_rank.startswith("[5 x 128]")
 
 
@@ -63,7 +63,7 @@ def test_c4_c5_measure_steps_finds_the_identity_except_in_attention(block_run):
             assert r.reads == "rows ≤ i of its own request"
         else:
             assert r.off_diagonal == 0 and r.reads == "row i only"
-    assert "row i only" in L.format_reports(reports) and "A: numbers differ" in L.rounding_lines(reports, lens)
+    assert "row i only" in bi.format_reports(reports) and "A: numbers differ" in bi.rounding_lines(reports, lens)
     for r in reports:
         assert len(r.differ_per_request) == len(lens)
         # bit-identical by construction: an add is one correctly rounded operation per number (IEEE 754), and the

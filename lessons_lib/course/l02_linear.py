@@ -1,8 +1,7 @@
 """What lesson 02 (linear layers work token by token) draws, explores and checks.
 
-- claims helpers: ``forward_walk`` (the steps of a block and their shapes, C4-C6), ``measure_steps`` (each step
-  of the engine's ``Block``, cut by ``measure.batch_invariance.block_steps``, under ``probe.row_dependency`` and
-  its ``step_report``: C4, C5) and the printouts of what it found (``format_reports``, ``rounding_lines``);
+- claims helper: ``measure_steps`` (each step of the engine's ``Block``, cut by ``measure.batch_invariance.block_steps``,
+  under ``probe.row_dependency`` and its ``step_report``: C4, C5; the walk's shapes and the printouts live there too);
 - figures: the walk, the who-reads-whom maps (``dependency_maps``), the QKV shards per rank (``qkv_shards``, C6);
 - the module-reach explorer (``module_reach_state`` + ``module_reach_explorer``): the two tests live on a module
   of the engine, a BatchNorm1d or one of the learner's;
@@ -35,8 +34,6 @@ from ..core.groups import LocalGroup
 from ..core.linear import QKVParallelLinear
 from ..core.model import Transformer, init_weights
 from ..measure import batch_invariance as bi
-from ..measure.flops import linear_shapes
-from ..measure.tolerance import ulp32
 from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_name
 from ..tp.threads import row_parallel_in_threads
 from ..validate import check_choice, check_int, check_lengths
@@ -55,91 +52,12 @@ KIND_LABELS = {"per token": "other work, row by row", "linear": "linear layer, r
 LINEAR_LIGHT = "#99D8C7"  # LINEAR green mixed with white: rank 1's half of the same work
 
 
-# ---- the walk through one block ------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class WalkStep:
-    """One step of the forward on the flat batch: its shapes and which rows it lets row i read."""
-
-    name: str
-    kind: str          # "per token", "linear" or "attention" (the colour of the figure)
-    flat: str          # shape on the flat batch at TP=1, e.g. "[40 x 512] -> [40 x 1536]"
-    per_rank: str      # the same on one rank at TP=tp_size
-    reads: str         # "row i only" or "rows ≤ i of its own request"
-
-
-def forward_walk(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int = 2) -> list[WalkStep]:
-    """The embedding and the ten steps of a pre-LN block on the ``T = sum(seq_lens)`` flat rows, the four
-    linear layers' shapes from the engine's cut (``measure.flops.linear_shapes``, at TP=1 and on one rank of
-    ``tp_size``); attention as the block calls it, the fused QKV output in, the out proj's input out."""
-    t, d = sum(check_lengths(seq_lens)), cfg.d_model
-    (qkv, out, up, down), (qkv_r, out_r, up_r, down_r) = linear_shapes(cfg), linear_shapes(cfg, tp_size)
-
-    def arrow(a: int, b: int, all_reduce: bool = False) -> str:
-        return f"[{t} x {a}] -> [{t} x {b}]" + (" + all-reduce" if all_reduce else "")
-
-    embed = f"[{t}] ids -> [{t} x {d}]"
-    own, itself = "rows ≤ i of its own request", "row i only"
-    return [
-        WalkStep("embed (token + position)", "per token", embed, embed, itself),
-        WalkStep("LayerNorm", "per token", arrow(d, d), arrow(d, d), itself),
-        WalkStep("QKV proj", "linear", arrow(*qkv), arrow(*qkv_r), itself),
-        WalkStep("attention", "attention", arrow(qkv[1], out[0]), arrow(qkv_r[1], out_r[0]), own),
-        WalkStep("out proj", "linear", arrow(*out), arrow(*out_r, all_reduce=True), itself),
-        WalkStep("residual add", "per token", arrow(d, d), arrow(d, d), itself),
-        WalkStep("LayerNorm", "per token", arrow(d, d), arrow(d, d), itself),
-        WalkStep("FFN-up", "linear", arrow(*up), arrow(*up_r), itself),
-        WalkStep("GeLU", "per token", arrow(up[1], up[1]), arrow(up_r[1], up_r[1]), itself),
-        WalkStep("FFN-down", "linear", arrow(*down), arrow(*down_r, all_reduce=True), itself),
-        WalkStep("residual add", "per token", arrow(d, d), arrow(d, d), itself),
-    ]
-
-
 # ---- the same steps on a real block of the engine (measure.batch_invariance) ----------------------
 
 def measure_steps(steps: Sequence[bi.BlockStep], seq_lens: Sequence[int]) -> list[bi.StepReport]:
     """For each of ``block_steps``' steps: its who-reads-whom map (``row_dependency``) and ``step_report``
     (each request alone against the flat run, and against the float64 twin alone)."""
     return [bi.step_report(st, seq_lens, row_dependency(st.fn, st.inp).numpy()) for st in steps]
-
-
-def format_reports(reports: Sequence[bi.StepReport]) -> str:
-    """One line per step: shapes and who row i reads (counts only: stable across machines)."""
-    lines = [f"{'step':15s} {'input':>14s} {'output':>14s}  row i reads"]
-    for r in reports:
-        shape_in, shape_out = (" x ".join(map(str, s)) for s in (r.shape_in, r.shape_out))
-        lines.append(f"{r.name:15s} {'[' + shape_in + ']':>14s} {'[' + shape_out + ']':>14s}  {r.reads}")
-    return "\n".join(lines)
-
-
-def rounding_lines(reports: Sequence[bi.StepReport], seq_lens: Sequence[int] = ARTICLE_LENS) -> str:
-    """Per step: how many of each request's output numbers differ (in any bit) flat vs alone, the same
-    for request 0 alone padded with zero rows to the flat batch's row count, max |flat - alone| (also in
-    float32 ULPs of the step's largest output number, ``ulp32(max|y|)``) and both against float64
-    (machine-dependent: shown, not asserted)."""
-    lens = check_lengths(seq_lens)
-    t = sum(lens)
-    names = [request_name(i) for i in range(len(lens))]
-    heads = [f"{n}: numbers differ" for n in names] + [f"{names[0]} padded to {t}"]
-    lines = [f"{'step':15s} " + " ".join(f"{h:>18s}" for h in heads)
-             + f" {'max|flat-alone|':>16s} {'ULPs of max|y|':>16s} {'max|flat-fp64|':>15s} {'bound':>9s}"]
-    for r in reports:
-        per_row = int(np.prod(r.shape_out)) // t
-        cells = [f"{d} of {n * per_row}" for d, n in zip(r.differ_per_request, lens)]
-        cells.append(f"{r.padded_differ} of {lens[0] * per_row}")
-        ulp = r.flat_vs_alone / ulp32(r.scale) if r.scale else 0.0
-        lines.append(f"{r.name:15s} " + " ".join(f"{c:>18s}" for c in cells)
-                     + f" {r.flat_vs_alone:16.1e} {ulp:16.1f} {r.err:15.1e} {r.bound:9.1e}")
-    return "\n".join(lines)
-
-
-def rows_alone_lines(rows: Sequence[tuple[int, int, int]], name: str = "QKV proj") -> str:
-    """``rows_alone_bits`` as one line per row count (``QKV proj on rows 0..m-1 alone: d of n numbers differ``),
-    then which row counts gave other bits than the flat run and which gave its bits."""
-    lines = [f"{name} on the first {m:2d} rows alone, [{m} x k]: {d:5d} of {n:5d} numbers differ from the flat run"
-             for m, d, n in rows]
-    other, same = ([m for m, d, _ in rows if (d > 0) == differ] for differ in (True, False))
-    return "\n".join(lines + [f"row counts that gave other bits: {other or 'none'}; the flat run's bits: {same or 'none'}"])
 
 
 # ---- figures: the walk, who reads whom, the QKV extractors per rank ---------------------------------
@@ -155,7 +73,7 @@ def _requests_phrase(seq_lens: Sequence[int]) -> str:
 
 def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int = 2) -> Figure:
     """Claims C4-C6 as a table: one row per step of ``forward_walk``, coloured by kind."""
-    steps = forward_walk(cfg, seq_lens, tp_size)
+    steps = bi.forward_walk(cfg, seq_lens, tp_size)
     n = len(steps)
     fig = Figure(figsize=(11.6, 0.42 * n + 1.3))
     ax = fig.add_axes((0.01, 0.1, 0.98, 0.8))
