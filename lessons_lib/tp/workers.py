@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .. import faults
 from ..core.groups import DistGroup
 from ..validate import check_int, check_seconds
 
@@ -159,6 +158,7 @@ def _bootstrap(rank, world_size, backend, device_type, init_method, pg_timeout_s
     """Child process main: join the process group, then run ``entry(group, channel, *args)``."""
     channel = Channel(rank, cmd_conn, res_conn)
     try:
+        from .. import faults  # here, not at the top: faults patches the engine, tp.workers included (see test_architecture)
         faults.apply_from_env()  # the faults the parent had on when it spawned this rank (faults.injected)
         torch.set_num_threads(threads)  # 2 ranks on 2 cores: one thread each, no over-subscription
         lo = _loopback_ifname()
