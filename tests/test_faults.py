@@ -10,9 +10,11 @@ processes, so its probe is a TP=2 run (gloo, tiny model) whose workers see the f
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lessons_lib
 from lessons_lib import faults
 from lessons_lib.core import ModelConfig, init_weights, varlen_attention
 from lessons_lib.core import batch as flat
@@ -286,7 +289,10 @@ def _bindings() -> dict:
 
 
 def test_undo_puts_back_every_name_all_faults_patched():
-    kernel_runs()  # load the kernel module first: its import is not a fault's doing
+    kernel_runs()  # load the kernel module and every engine module first: a module a fault imports is not a patch
+    for m in pkgutil.walk_packages(lessons_lib.__path__, "lessons_lib."):
+        if not m.name.startswith("lessons_lib.course.l"):
+            importlib.import_module(m.name)
     before = _bindings()
     with faults.injected(*faults.FAULTS):
         during = _bindings()
