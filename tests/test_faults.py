@@ -175,6 +175,13 @@ def plan(chunked: bool = True):
     return outcome(lambda: scheduler.plan_batches([10, 30, 7], 16, enable_chunked_prefill=chunked))
 
 
+def unrestarted_forward() -> torch.Tensor:
+    """A forward of a flat batch whose positions run 0..13 across both requests (the batch check refuses it)."""
+    batch = flat.pack(ids((5, 9)))
+    batch.positions = torch.arange(batch.num_tokens)
+    return Transformer(CFG, init_weights(CFG, seed=0))(batch)
+
+
 PROBES = {
     "attention_ignores_cu_seqlens": forward,
     "block_diag_mask_all_true": lambda: forward(backend="masked"),
@@ -195,6 +202,9 @@ PROBES = {
     "pack_refused": lambda: outcome(lambda: flat.pack(ids((5, 9))).cu_seqlens),
     "last_token_indices_off_by_one": lambda: flat.pack(ids((5, 9))).last_token_indices,
     "max_seqlen_is_num_tokens": lambda: flat.pack(ids((5, 9))).max_seqlen,
+    "pack_sorts_requests_by_length": lambda: flat.pack(ids((5, 9))).input_ids,
+    "cu_seqlens_int64": lambda: str(flat.pack(ids((5, 9))).cu_seqlens.dtype),
+    "batch_check_skips_positions": lambda: outcome(unrestarted_forward),
     "embedding_without_positions": forward,
     "layer_norm_over_the_batch": forward,
     "mlp_exact_gelu": forward,

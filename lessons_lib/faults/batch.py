@@ -62,3 +62,53 @@ def _max_seqlen_is_num_tokens():
         out.max_seqlen = out.num_tokens
         return out
     return [swap_function(batch, "pack", pack)]
+
+
+@fault("pack_sorts_requests_by_length", "pack lays the requests' tokens longest first (as a length-sorting packer "
+       "does) but keeps cu_seqlens, positions and seq_lens in arrival order: rows cu[i]..cu[i+1]-1 hold another "
+       "request's tokens", AREA)
+def _pack_sorts_requests_by_length():
+    from ..core import batch
+    real = batch.pack
+
+    def pack(requests, device=None, **kw):
+        out = real(requests, device, **kw)
+        if out.input_ids is not None:
+            ids = [torch.as_tensor(r) for r in requests]
+            out.input_ids = torch.cat(sorted(ids, key=len, reverse=True)).to(out.input_ids.device)
+        return out
+    return [swap_function(batch, "pack", pack)]
+
+
+@fault("cu_seqlens_int64", "pack keeps cu_seqlens in int64, torch.cumsum's dtype, instead of the int32 varlen "
+       "kernels take", AREA)
+def _cu_seqlens_int64():
+    from ..core import batch
+    real = batch.pack
+
+    def pack(requests, device=None, **kw):
+        out = real(requests, device, **kw)
+        out.cu_seqlens = out.cu_seqlens.long()
+        return out
+    return [swap_function(batch, "pack", pack)]
+
+
+@fault("batch_check_skips_positions", "validate.check_batch no longer compares each row's position with the one "
+       "cu_seqlens gives it: a flat batch whose positions do not restart runs", AREA)
+def _batch_check_skips_positions():
+    import dataclasses
+
+    from .. import validate
+    real = validate.check_batch
+
+    def check_batch(cfg, batch, *args, **kwargs):
+        try:
+            return real(cfg, batch, *args, **kwargs)
+        except ValueError as exc:
+            if "positions must restart" not in str(exc):
+                raise
+            cu = batch.cu_seqlens.tolist()
+            starts = validate.row_starts(cu, batch.positions.device)
+            agreeing = torch.arange(len(starts), device=starts.device) - starts
+            return real(cfg, dataclasses.replace(batch, positions=agreeing), *args, **kwargs)
+    return [swap_function(validate, "check_batch", check_batch)]
