@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from lessons_lib import ModelConfig, init_weights
-from lessons_lib.measure.comm import NVLINK, all_reduce_seconds, tp_forward_parts
+from lessons_lib.measure.comm import NVLINK, all_reduce_seconds, tp_forward_parts, tp_run_prices
 from lessons_lib.measure.flops import kv_cache_bytes, linear_intensity, linear_ridge_tokens
 from lessons_lib.measure.machines import H200
+from lessons_lib.serve.chunk_costs import fewest_forwards_budget, forward_score_cells, plan_prices
 from lessons_lib.serve.engine import Engine
 from lessons_lib.serve.kv_cache import cache_rows_held
 from lessons_lib.serve.scheduler import Request, chunked_schedule_problem, mean_prefill_wait, plan_batches, prefill_waits
@@ -93,3 +94,60 @@ def test_tp_forward_parts_by_hand():
     assert tp_forward_parts(cfg, n, all_reduces=0)["all_reduces_s"] == 0
     with pytest.raises(ValueError, match="num_tokens"):
         tp_forward_parts(cfg, 0)
+
+
+def _served(lens, budget, chunked=True):
+    """An Engine run of prompts of ``lens`` under the op recorder: (its BatchStats, the recorder)."""
+    from lessons_lib.measure.recorder import OpRecorder
+    with Engine(SMALL, weights=init_weights(SMALL, 0), max_num_batched_tokens=budget,
+                enable_chunked_prefill=chunked) as eng, OpRecorder() as rec:
+        eng.prefill([Request(i, [(3 * i + t) % SMALL.vocab_size for t in range(n)]) for i, n in enumerate(lens)])
+    return list(eng.stats), rec
+
+
+def test_score_counts_per_head_per_layer_as_the_engine_ran_them():
+    stats, rec = _served([12, 7], 5)           # request 0 in chunks 5, 5, 2; request 1 in 3, 4
+    counts = rec.score_counts(SMALL.n_heads, SMALL.n_layers, wider_than=7)
+    assert counts["cells"] == sum(s.cells_whole_computed for s in stats) == 5 * 5 + 5 * 10 + 2 * 12 + 3 * 3 + 4 * 7
+    assert counts["query_rows"] == 12 + 7
+    assert counts["cached_rows"] == sum(s.num_cached_tokens for s in stats) == 5 + 10 + 3
+    assert counts["cells_wider"] == 5 * 10 + 2 * 12
+    with pytest.raises(ValueError, match="not a multiple of 3 heads"):
+        rec.score_counts(3, SMALL.n_layers)
+
+
+def test_forward_score_cells_are_the_engine_s_whole_blocks():
+    for chunked, budget in ((True, 5), (False, 32)):
+        stats, _ = _served([12, 7, 3], budget, chunked)
+        assert forward_score_cells([s.chunks for s in stats]) == [s.cells_whole_computed for s in stats]
+    assert forward_score_cells([[(0, 4)], [(0, 2), (1, 2)]]) == [16, 2 * 6 + 2 * 2]
+
+
+def test_plan_prices_by_hand():
+    plan = [[(0, 0, 4)], [(0, 4, 4)], [(0, 8, 2), (1, 0, 3)]]     # as in the cache test above
+    p = plan_prices(plan, [10, 3], [1], n_layers=8)
+    assert (p["forwards"], p["all_reduces"], p["largest"]) == (3, 3 * 16, 5)
+    assert (p["cache_rows_held"], p["held_by"], p["held_after"]) == (8, 0, 1)
+    assert (p["wait_forwards"], p["wait_tokens"]) == (3, 13)
+
+
+def test_fewest_forwards_budget_searches_the_plans():
+    lens = [90, 700, 10, 10]
+    # under budget b: ceil(810 / b) forwards; rows held: request 1 cut at a boundary p, p - 90 of its rows cached
+    def by_hand(b):
+        held = max((p - 90 for p in range(b, 810, b) if 90 < p < 790), default=0)
+        return -(-810 // b), held
+    fits = [b for b in range(16, 257, 16) if by_hand(b)[1] <= 600]
+    assert fewest_forwards_budget(lens, [2, 3], 256, 600, 16) == min(fits, key=lambda b: (by_hand(b)[0], b))
+    with pytest.raises(ValueError, match="no budget up to 256"):
+        fewest_forwards_budget(lens, [2, 3], 256, 100, 16)
+
+
+def test_tp_run_prices_sum_the_parts_per_forward():
+    cfg = ModelConfig()
+    prices = tp_run_prices(cfg, {"a": [512, 512, 100], "b": [1124]}, 16, 40)
+    assert prices["a"]["forwards"] == 3 and prices["b"]["largest"] == 1124
+    one = tp_forward_parts(cfg, 512, 16, 40)
+    assert prices["a"]["weight_pass_s"] == pytest.approx(3 * one["weight_pass_s"])    # a pass per forward
+    assert prices["a"]["launches_s"] == pytest.approx(3 * 40 * H200.launch_s)
+    assert prices["b"]["all_reduces_s"] == pytest.approx(tp_forward_parts(cfg, 1124, 16, 40)["all_reduces_s"])

@@ -139,6 +139,18 @@ def tp_forward_parts(cfg, num_tokens: int, all_reduces: int | None = None, launc
             "launches_s": check_int("launches", launches, 0) * (machine.launch_s or 0.0)}
 
 
+REPEATED_PARTS = ("weight_pass_s", "all_reduces_s", "launches_s")   # what every forward pays again, whatever its tokens
+
+
+def tp_run_prices(cfg, runs: dict, all_reduces: int, launches: int) -> dict:
+    """Runs ``{name: [tokens of each forward]}`` priced forward by forward with ``tp_forward_parts`` (H200s, TP=2,
+    ``all_reduces`` all-reduces and ``launches`` kernel launches per forward): per run ``forwards``, ``largest``
+    (tokens) and, summed over its forwards, the seconds of each of ``REPEATED_PARTS``."""
+    return {name: {"forwards": len(t), "largest": max(t),
+                   **{k: sum(tp_forward_parts(cfg, n, all_reduces, launches)[k] for n in t) for k in REPEATED_PARTS}}
+            for name, t in runs.items()}
+
+
 def fit_misses(fit: AlphaBeta, measured: dict) -> list[float]:
     """Measured / modelled time of each payload of ``measured`` (``AllReduceBench.measure``'s dict: ``bytes``,
     ``seconds``, ``world_size``) under ``fit``: 1 where the line goes through the point. How far a fit misses its

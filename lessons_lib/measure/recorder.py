@@ -185,6 +185,23 @@ class OpRecorder(TorchDispatchMode):
         """Score cells computed, all heads together (divide by the head count for per head)."""
         return sum(math.prod(s) for s in self.scores)
 
+    def score_counts(self, n_heads: int, n_layers: int, wider_than: int = 0) -> dict[str, int]:
+        """Per head per layer, summed over ``scores`` (every sequence of a call counted): ``cells`` (``L_q × L_k``),
+        ``query_rows`` (``L_q``), ``cached_rows`` (``L_k - L_q``: keys beyond a block's own queries) and
+        ``cells_wider`` (cells of the blocks with more than ``wider_than`` keys). ValueError if a sum is not a
+        multiple of ``n_heads × n_layers`` (the recording is not of that model)."""
+        sums = dict.fromkeys(("cells", "query_rows", "cached_rows", "cells_wider"), 0)
+        for shape in self.scores:
+            seqs, (q, k) = math.prod(shape[:-2]), shape[-2:]
+            for name, n in (("cells", q * k), ("query_rows", q), ("cached_rows", k - q),
+                            ("cells_wider", q * k * (k > wider_than))):
+                sums[name] += seqs * n
+        per = n_heads * n_layers
+        odd = {name: n for name, n in sums.items() if n % per}
+        if odd:
+            raise ValueError(f"recorded {odd}: not a multiple of {n_heads} heads x {n_layers} layers")
+        return {name: n // per for name, n in sums.items()}
+
     @property
     def linear_rows(self) -> int:
         """The rows (``m``) every linear layer ran on; ValueError if the layers ran on different row counts."""
