@@ -248,6 +248,7 @@ PROBES = {
     "decode_kv_read_shared_by_batch": lambda: measured("flops.decode_step_parts", ModelConfig(), 4, 128,
                                                        measured("machines.H200")).attention.bytes,
     "h200_peak_with_sparsity": lambda: measured("machines.H200").ridge,
+    "tolerance_without_eps": lambda: measured("tolerance.tolerance", torch.zeros(3), torch.ones(3)),
     "tiling_tiles_rounded_down": lambda: (tiling.predict_work([70, 5, 20], n_heads=2, block_m=16, block_n=16).as_dict(),
                                           tiling.launch_grid(20, 2, 3, 16)),
 } | {name: kernel_runs for name in faults.FAULTS if name.startswith("kernel_")}

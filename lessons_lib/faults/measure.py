@@ -99,3 +99,15 @@ def _h200_peak_with_sparsity():
 
     from ..measure import machines
     return [swap_function(machines, "H200", dataclasses.replace(machines.H200, peak_flops=1979e12))]
+
+
+@fault("tolerance_without_eps", "measure.tolerance.tolerance forgets the eps factor: its bound is 2 |ref - ref64| + "
+       "k · max |ref64|, not + k · eps · max |ref64|, so a row wrong by less than the values' size passes", AREA)
+def _tolerance_without_eps():
+    from ..measure import tolerance as rule
+    real = rule.tolerance
+
+    def tolerance(ref, ref64, dtype=None, k=rule.K_ULP):
+        scale = max(1.0, ref64.detach().abs().max().item()) if ref64.numel() else 1.0
+        return real(ref, ref64, dtype, k) + k * scale
+    return [swap_function(rule, "tolerance", tolerance)]
