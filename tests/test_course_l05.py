@@ -30,10 +30,9 @@ from lessons_lib.measure.flops import (
     decode_step_parts,
     forward_flops,
     kv_cache_bytes,
-    linear_intensity,
     min_decode_batch,
 )
-from lessons_lib.measure.machines import H200, REFERENCE_CPU, Machine, measured_sweep
+from lessons_lib.measure.machines import H200, REFERENCE_CPU, Machine, measured_sweep, throughput_roof
 from lessons_lib.measure.profile import wall_scaled
 from lessons_lib.measure.recorder import FUSED_ATTENTION_OPS, Matmul, record_matmuls, record_ops
 from lessons_lib.style import ATTENTION, LINEAR, MIN_FONT, OTHER, TEXT
@@ -165,7 +164,7 @@ HERE_CFG = ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=64, d_ffn=1024
 
 
 def fake_forward(cfg, lens, seconds=0.05):
-    """What ``L.forward_here`` returns, given by hand: 100 recorded ops, the whole-block FLOPs."""
+    """What ``measure.recorded.timed_forward`` returns, given by hand: 100 recorded ops, the whole-block FLOPs."""
     return {"cfg": cfg, "seq_lens": list(lens), "seconds": seconds, "ops": 100, "flops": forward_flops(cfg, lens)}
 
 
@@ -205,7 +204,6 @@ def test_roofline_state_packings_machine_and_bad_input():
     assert [r["seq_lens"] for r in s["rows"]] == [[1000], [334, 333, 333], [5, 6]]
     assert s["rows"][1]["label"] == "3 x ~333" and s["machine"].ridge == 10.0
     assert L.machine_line(s) == "this CPU, measured: peak 100.0 GFLOP/s, bandwidth 10.00 GB/s, ridge 10.0 FLOP/byte"
-    assert L.packing_lengths(10, 4) == [3, 3, 2, 2]
     with pytest.raises(ValueError, match="n_heads must divide d_model"):
         L.roofline_state(n_heads=3)
     with pytest.raises(ValueError, match="n_kv_heads=3 must divide n_heads=8"):
@@ -266,18 +264,6 @@ def test_roofline_explorer_callbacks():
     assert "50.000 ms measured" in k["frx-measured"].value and "lengths 40 " in k["frx-measured"].value
     k["frx-lengths"].value = "1000, 1000"                 # past the timed forward's bound: said, not timed
     assert "not timed" in k["frx-measured"].value and "typed 1000, 1000:" in table.value
-
-
-def test_forward_here_times_the_engine_on_the_lengths_given_and_refuses_too_many():
-    cfg = L.model_of(d_model=64, d_ffn=128, n_heads=4, n_kv_heads=2, n_layers=2)    # the knobs' model, run
-    point = L.forward_here(cfg, [30, 10], repeats=1)
-    assert point["seq_lens"] == [30, 10] and point["seconds"] > 0 and point["cfg"].n_kv_heads == 2
-    want = forward_flops(cfg, [30, 10])                  # recorded: the kernel computes each block whole
-    assert (point["flops"].linear, point["flops"].attention) == (want.linear, want.attention) and point["ops"] > 20
-    with pytest.raises(ValueError, match="at most 1024 tokens"):
-        L.forward_here(cfg, [600, 600])
-    with pytest.raises(ValueError, match=r"seq_lens\[1\] must be >= 1"):
-        L.forward_here(cfg, [3, 0])
 
 
 def test_wall_scaled_keeps_proportions_and_sums_to_wall():
@@ -364,22 +350,11 @@ def test_throughput_sweep_restores_threads_and_figure_labels_each_t():
         L.throughput_figure([1, 2], [1.0], "x", "y")
 
 
-def test_throughput_roof_is_the_roofline_and_the_verdict_follows_the_numbers():
-    peak, bw = 100e9, 10e9
-    roof = L.throughput_roof([1, 24, 4096], 512, 2048, Machine("cpu", peak, bw, dtype=torch.float32))
-    assert roof[0] == pytest.approx(linear_intensity(1, 512, 2048, 4) * bw / 1e9) and roof[0] < 5  # memory roof
-    assert roof[-1] == 100.0                                                                       # the flat peak
-    # a sweep that beats the peak and sits above the memory roof at T = 1: both said, with the numbers
-    said = L.sweep_verdict([1, 24, 4096], [14.0, 90.0, 190.0], roof, peak, 4)
-    assert "beats the peak measured beside it (100) by 1.9x" in said[0] and "T = 1:" in said[1] and "4 MiB" in said[1]
-    # a sweep under its roof everywhere: neither is claimed
-    said = L.sweep_verdict([1, 24, 4096], [r * 0.9 for r in roof], roof, peak, 4)
-    assert said == ["no point beats the peak measured beside it (100 GFLOP/s; best 90)", "no point lies above the memory roof"]
+def test_throughput_figure_draws_the_roof_beside_the_sweep():
+    roof = throughput_roof([1, 24, 4096], 512, 2048, Machine("cpu", 100e9, 10e9, dtype=torch.float32))
     fig = L.throughput_figure([1, 24, 4096], [14.0, 90.0, 190.0], "FFN-up", "cpu", ([1, 24, 4096], roof))
     assert len(fig.axes[0].lines) == 2 and "roofline" in fig.axes[0].get_legend().get_texts()[0].get_text()
     assert fig.axes[0].get_ylim()[1] >= 190 and min_font(fig) >= MIN_FONT
-    with pytest.raises(ValueError, match="one roof value per T"):
-        L.sweep_verdict([1, 2], [1.0, 2.0], [1.0], peak, 4)
 
 
 def test_attention_share_curve_crosses_half_at_the_crossover():

@@ -4,27 +4,24 @@
 Figures ``05_weight_reuse``, ``05_flops_1x1000_vs_10x100``, ``05_attention_share``, ``05_intensity``; the measured
 sweep and time split drawn (``throughput_figure``, ``time_split_figure``). Explorer ``roofline_explorer`` over
 ``roofline_state`` (a model, a ``measure.machines.Machine``, packings -> FLOPs, bytes, intensity, the roofline's time,
-the launch floor) and ``forward_here`` (the engine's forward of the model on the knobs, recorded and timed here).
+the launch floor) and ``measure.recorded.timed_forward`` (the engine's forward of the knobs' model, recorded and timed).
 Exercise checkers ``check_gqa`` (05.1), ``check_packing`` (05.2), ``check_kv_overtakes`` (05.3).
 
 Taught in notebooks/05_flop_regimes.ipynb.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
-import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
-from ..core.batch import cumulative, pack
+from ..core.batch import cumulative
 from ..core.config import ModelConfig
-from ..core.model import Transformer
+from ..measure.comm import split_tokens
 from ..measure.flops import (
     ForwardFlops,
     attention_crossover_length,
@@ -32,21 +29,20 @@ from ..measure.flops import (
     decode_attention_intensity,
     decode_kv_overtakes_from,
     decode_step_parts,
-    forward_bytes,
     forward_flops,
     gemm_thread_blocks,
     gpu_verdict,
     gqa_heads_for_ridge,
     gqa_intensity_ceiling,
-    linear_intensity,
     linear_shapes,
     min_decode_batch,
     most_compute_bound_requests,
     prefill_attention_intensity,
 )
-from ..measure.machines import H200, REFERENCE_CPU, Machine
-from ..measure.profile import time_call, wall_scaled
-from ..measure.recorder import BF16, record_ops
+from ..measure.machines import H200, REFERENCE_CPU, Machine, beside_roofline, forward_parts
+from ..measure.profile import wall_scaled
+from ..measure.recorded import TIMED_MAX_FLOPS, TIMED_MAX_TOKENS, timed_forward
+from ..measure.recorder import BF16
 from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE
 from ..validate import check_int, check_lengths, check_n_kv_heads
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
@@ -277,30 +273,6 @@ def weight_reuse_figure(d_in: int = 512, d_out: int = 2048, lens: Sequence[int] 
 # Measured here (shown, never asserted): one linear layer's throughput against T, a forward's time split
 
 
-def throughput_roof(tokens: Sequence[int], d_in: int, d_out: int, machine: Machine) -> list[float]:
-    """The roofline's GFLOP/s for ``[T, d_in] @ [d_in, d_out]`` at each T on ``machine``, in its dtype
-    (``Machine.attainable_flops`` of ``linear_intensity``)."""
-    return [machine.attainable_flops(linear_intensity(check_int("tokens", t, 1), d_in, d_out, machine.itemsize)) / 1e9
-            for t in tokens]
-
-
-def sweep_verdict(tokens: Sequence[int], gflops: Sequence[float], roof: Sequence[float], peak: float,
-                  weight_mib: float) -> list[str]:
-    """Two sentences from the numbers: whether the sweep's best beats the ``peak`` measured beside it (then it and the
-    ridge are lower bounds), and which points lie above the memory roof (a weight kept in the caches)."""
-    if not (len(tokens) == len(gflops) == len(roof)) or not tokens:
-        raise ValueError("need one throughput and one roof value per T")
-    best, top = max(gflops), peak / 1e9
-    out = [f"the sweep's best ({best:.0f} GFLOP/s) beats the peak measured beside it ({top:.0f}) by {best / top:.1f}x: "
-           "that peak is a lower bound, and so are the ridge and the T printed above" if best > 1.05 * top
-           else f"no point beats the peak measured beside it ({top:.0f} GFLOP/s; best {best:.0f})"]
-    above = [t for t, g, r in zip(tokens, gflops, roof) if r < top and g > 1.05 * r]
-    out.append(f"above the memory roof at T = {', '.join(map(str, above))}: the roof reads the {weight_mib:g} MiB "
-               "weight from memory on every call, but the repeated calls find it in the CPU's caches" if above
-               else "no point lies above the memory roof")
-    return out
-
-
 def time_split_figure(splits: Mapping[str, Mapping[str, float]], flops: Mapping[str, ForwardFlops],
                       where: str) -> Figure:
     """One bar per packing: the measured time in ms (``wall_scaled``), linear / attention / other (left); the
@@ -368,42 +340,6 @@ def throughput_figure(tokens: Sequence[int], gflops: Sequence[float], label: str
 # The roofline explorer: a model, a machine, packings of the same tokens -> FLOPs, bytes, intensity, the
 # roofline's time and the launch floor; and the engine's forward of that model, recorded and timed here.
 
-HERE_MAX_TOKENS, HERE_MAX_FLOPS = 1024, 20e9   # the forward timed here: at most this many tokens and FLOPs
-
-
-@functools.lru_cache(maxsize=1)
-def _here_model(cfg: ModelConfig) -> Transformer:
-    return Transformer(cfg, seed=0)
-
-
-def forward_here(cfg: ModelConfig, seq_lens: Sequence[int], repeats: int = 1) -> dict:
-    """One real engine forward of ``cfg``'s model (random fp32 weights, CPU, vocabulary 1000) on ``seq_lens`` (at
-    most ``HERE_MAX_TOKENS`` tokens and ``HERE_MAX_FLOPS`` FLOPs, else ValueError): recorded once
-    (``measure.recorder``: its ATen ops and matmul FLOPs), then timed (fastest of ``repeats``). Returns ``{"cfg",
-    "seq_lens", "seconds", "ops", "flops"}`` (``flops``: the recorded ``ForwardFlops``)."""
-    lens = check_lengths(seq_lens)
-    need = forward_flops(cfg, lens).total
-    if sum(lens) > HERE_MAX_TOKENS or need > HERE_MAX_FLOPS:
-        raise ValueError(f"the timed forward takes at most {HERE_MAX_TOKENS} tokens and {HERE_MAX_FLOPS / 1e9:g} GFLOP, "
-                         f"got {sum(lens)} tokens, {need / 1e9:.1f} GFLOP")
-    cfg = dataclasses.replace(cfg, dtype=torch.float32, vocab_size=1000, max_position=max(1024, max(lens)))
-    model, g = _here_model(cfg), torch.Generator().manual_seed(0)
-    batch = pack([torch.randint(0, cfg.vocab_size, (m,), generator=g) for m in lens])
-    with torch.no_grad():
-        rec = record_ops(lambda: model(batch))
-        seconds = time_call(lambda: model(batch), repeats=check_int("repeats", repeats, 1, 20), warmup=0)
-    return {"cfg": cfg, "seq_lens": list(lens), "seconds": seconds, "ops": len(rec.ops),
-            "flops": ForwardFlops(**rec.flops_by_kind)}
-
-
-def packing_lengths(total: int, requests: int) -> list[int]:
-    """``total`` tokens as ``requests`` requests of as equal lengths as whole tokens allow."""
-    t, r = check_int("tokens T", total, 1), check_int("requests R", requests, 1)
-    if r > t:
-        raise ValueError(f"requests R = {r} is more than the tokens T = {t}: every request needs a token")
-    return [t // r + (i < t % r) for i in range(r)]
-
-
 def model_of(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads: int = 8,
              n_layers: int = 8) -> ModelConfig:
     """The explorer's model from its knobs (d_head = d_model / n_heads), each knob checked."""
@@ -419,9 +355,9 @@ def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv
                    nbytes: int = BF16, machine: Machine = H200, total: int = 1000, requests: int = 10,
                    lengths: Sequence[int] | str = "300, 40", here: dict | None = None) -> dict:
     """Per packing (``1 x T``, ``R x T/R``, the ``lengths`` typed) of ``model_of``'s model, the linear and attention
-    parts on ``machine`` (``Machine.roofline_part`` of ``forward_flops``, causal, over ``forward_bytes``) and the
+    parts on ``machine`` (``machines.forward_parts``: causal FLOPs over bytes at ``nbytes``) and the
     launch floor: at least 5 kernels per layer (4 GEMMs, 1 attention) of ``machine.launch_s`` each (0 when unknown).
-    ``here`` = ``{"machine", "forward"}`` (``forward_here``'s result) adds ``measured``: that forward beside its
+    ``here`` = ``{"machine", "forward"}`` (``timed_forward``'s result) adds ``measured``: that forward beside its
     roofline time and its recorded ops' launch floor. Keys: ``cfg``, ``n_kv_heads``, ``nbytes``, ``machine``,
     ``rows`` (``{"label", "seq_lens", "linear", "attention", "seconds", "floor"}``), ``measured`` (or None)."""
     cfg = model_of(d_model, d_ffn, n_heads, n_kv_heads, n_layers)
@@ -433,25 +369,17 @@ def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv
         raise ValueError("lengths is empty: type request lengths like '700, 200, 100'")
     t = check_int("tokens T", total, 1, 1 << 20)
     r = check_int("requests R", requests, 1, 1 << 20)
-    packs = [(f"1 x {t}", [t]), (f"{r} x {t // r}" if t % r == 0 else f"{r} x ~{t / r:.0f}", packing_lengths(t, r)),
+    if r > t:
+        raise ValueError(f"requests R = {r} is more than the tokens T = {t}: every request needs a token")
+    packs = [(f"1 x {t}", [t]), (f"{r} x {t // r}" if t % r == 0 else f"{r} x ~{t / r:.0f}", split_tokens(t, r)),
              ("typed " + ", ".join(map(str, typed)), list(typed))]
     floor = 5 * cfg.n_layers * (machine.launch_s or 0.0)
     rows = []
     for label, lens in packs:
-        f = forward_flops(cfg, lens, "varlen", causal=True)
-        b = forward_bytes(cfg, lens, bytes_per_element=nbytes)
-        lin, att = machine.roofline_part(f.linear, b.linear), machine.roofline_part(f.attention, b.attention)
+        lin, att = forward_parts(cfg, lens, machine, nbytes)
         rows.append({"label": label, "seq_lens": lens, "linear": lin, "attention": att,
                      "seconds": lin.seconds + att.seconds, "floor": floor})
-    measured = None
-    if here and here.get("forward"):
-        hm, fw = here["machine"], here["forward"]
-        f = forward_flops(fw["cfg"], fw["seq_lens"], "varlen", causal=True)
-        b = forward_bytes(fw["cfg"], fw["seq_lens"], bytes_per_element=4)
-        predicted = hm.roofline_seconds(f.linear, b.linear) + hm.roofline_seconds(f.attention, b.attention)
-        measured = fw | {"predicted": predicted, "causal_flops": f.total, "bytes": b.total, "machine": hm,
-                         "whole_blocks": forward_flops(fw["cfg"], fw["seq_lens"]),
-                         "floor": fw["ops"] * (hm.launch_s or 0.0)}
+    measured = beside_roofline(here["forward"], here["machine"]) if here and here.get("forward") else None
     return {"cfg": cfg, "n_kv_heads": cfg.n_kv_heads, "nbytes": nbytes, "machine": machine, "rows": rows,
             "measured": measured}
 
@@ -559,10 +487,10 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[ModelConfig,
     """VBox class ``frx``: model knobs (``frx-dmodel``, ``frx-dffn``, ``frx-heads``, ``frx-kvheads``: divisors of the
     heads, ``frx-layers``, ``frx-bytes``), ``frx-machine`` (``here``, this CPU's ``Machine``, when given; the H200),
     ``frx-tokens``, ``frx-requests``, ``frx-lengths``; readouts ``frx-machine-line``, ``frx-table``, ``frx-measured``
-    (with ``here``: ``timer``, default ``forward_here``, runs the engine's forward of the knobs' model on the typed
+    (with ``here``: ``timer``, default ``recorded.timed_forward``, runs the engine's forward of the knobs' model on the typed
     lengths, recorded and timed, once per model and lengths), ``frx-error``,
     ``frx-figure``. The dtype follows the machine's peak; a mismatch is flagged."""
-    timer = timer or forward_here
+    timer = timer or timed_forward
     timed: dict = {}
     w = ipywidgets_module()
     machines = {m.name: m for m in ((here, H200) if here is not None else (H200,))}
@@ -591,7 +519,7 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[ModelConfig,
             return None
         if key not in timed:
             timed[key] = None
-            if sum(key[1]) <= HERE_MAX_TOKENS and forward_flops(*key).total <= HERE_MAX_FLOPS:
+            if sum(key[1]) <= TIMED_MAX_TOKENS and forward_flops(*key).total <= TIMED_MAX_FLOPS:
                 meas.value = "<div>measured here: running…</div>"
                 timed[key] = timer(*key)
         return None if timed[key] is None else {"machine": here, "forward": timed[key]}
@@ -621,8 +549,8 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[ModelConfig,
         mline.value = f"<div>{machine_line(state)}</div>" + warn
         table.value = "".join(f"<div>{line}</div>" for line in roofline_lines(state))
         if state["measured"] is None and here is not None:
-            meas.value = (f"<div>measured here: not timed (the forward timed here takes at most {HERE_MAX_TOKENS} "
-                          f"tokens and {HERE_MAX_FLOPS / 1e9:g} GFLOP; type fewer tokens or make the model smaller)</div>")
+            meas.value = (f"<div>measured here: not timed (the forward timed here takes at most {TIMED_MAX_TOKENS} "
+                          f"tokens and {TIMED_MAX_FLOPS / 1e9:g} GFLOP; type fewer tokens or make the model smaller)</div>")
         else:
             meas.value = f"<div>{measured_line(state)}</div>"
         show_figure(out, roofline_figure(state))

@@ -11,18 +11,30 @@ beta, ``measure.comm``).
   without running anything use it).
 - ``this_cpu()``: this machine, measured once per process (``measure.profile``); varies run to run.
 
+Priced on a machine: a linear layer's roof against T and a measured sweep's verdict (``throughput_roof``,
+``sweep_verdict``), a forward's parts (``forward_parts``) and a timed forward beside its roofline (``beside_roofline``).
+
 Taught in notebooks/05_flop_regimes.ipynb.
 """
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..core.config import ModelConfig
 from ..validate import check_int
-from .flops import RooflinePart, roofline_part, roofline_seconds
+from .flops import (
+    RooflinePart,
+    forward_bytes,
+    forward_flops,
+    linear_intensity,
+    roofline_part,
+    roofline_seconds,
+)
 from .profile import matmul_throughput, time_call
 
 
@@ -154,3 +166,48 @@ def measured_sweep(tokens: list[int] | tuple[int, ...], d_in: int = 512, d_out: 
                       2 * _GEMM ** 3 / best["peak"], 2 * x.numel() * x.element_size() / best["copy"], n_sms=threads,
                       dtype=torch.float32)
     return machine, [2 * t * d_in * d_out / best[t] / 1e9 for t in ts]
+
+
+def throughput_roof(tokens: Sequence[int], d_in: int, d_out: int, machine: Machine) -> list[float]:
+    """The roofline's GFLOP/s for ``[T, d_in] @ [d_in, d_out]`` at each T on ``machine``, in its dtype
+    (``Machine.attainable_flops`` of ``flops.linear_intensity``)."""
+    return [machine.attainable_flops(linear_intensity(check_int("tokens", t, 1), d_in, d_out, machine.itemsize)) / 1e9
+            for t in tokens]
+
+
+def sweep_verdict(tokens: Sequence[int], gflops: Sequence[float], roof: Sequence[float], peak: float,
+                  weight_mib: float) -> list[str]:
+    """Two sentences from a measured sweep (GFLOP/s per T) and its ``roof``: whether the sweep's best beats the
+    ``peak`` (FLOP/s) measured beside it (then it and the ridge are lower bounds), and which points lie above the
+    memory roof (a ``weight_mib`` weight kept in the caches). ValueError unless one value per T."""
+    if not (len(tokens) == len(gflops) == len(roof)) or not tokens:
+        raise ValueError("need one throughput and one roof value per T")
+    best, top = max(gflops), peak / 1e9
+    out = [f"the sweep's best ({best:.0f} GFLOP/s) beats the peak measured beside it ({top:.0f}) by {best / top:.1f}x: "
+           "that peak is a lower bound, and so are the ridge and the T printed above" if best > 1.05 * top
+           else f"no point beats the peak measured beside it ({top:.0f} GFLOP/s; best {best:.0f})"]
+    above = [t for t, g, r in zip(tokens, gflops, roof) if r < top and g > 1.05 * r]
+    out.append(f"above the memory roof at T = {', '.join(map(str, above))}: the roof reads the {weight_mib:g} MiB "
+               "weight from memory on every call, but the repeated calls find it in the CPU's caches" if above
+               else "no point lies above the memory roof")
+    return out
+
+
+def forward_parts(cfg: ModelConfig, seq_lens: Sequence[int], machine: Machine,
+                  nbytes: int = 2) -> tuple[RooflinePart, RooflinePart]:
+    """A whole varlen forward's (linear, attention) on ``machine``: ``Machine.roofline_part`` of
+    ``flops.forward_flops`` (causal) over ``flops.forward_bytes`` at ``nbytes`` per number."""
+    f = forward_flops(cfg, seq_lens, "varlen", causal=True)
+    b = forward_bytes(cfg, seq_lens, bytes_per_element=nbytes)
+    return machine.roofline_part(f.linear, b.linear), machine.roofline_part(f.attention, b.attention)
+
+
+def beside_roofline(forward: dict, machine: Machine) -> dict:
+    """``recorded.timed_forward``'s result with its roofline on ``machine`` (fp32 bytes): ``forward`` plus
+    ``predicted`` (s, a lower bound), ``causal_flops``, ``bytes``, ``machine``, ``whole_blocks`` (the
+    ``ForwardFlops`` the kernel computes, whole blocks) and ``floor`` (its recorded ops at ``machine.launch_s``)."""
+    cfg, lens = forward["cfg"], forward["seq_lens"]
+    lin, att = forward_parts(cfg, lens, machine, 4)
+    return forward | {"predicted": lin.seconds + att.seconds, "causal_flops": lin.flops + att.flops,
+                      "bytes": lin.bytes + att.bytes, "machine": machine, "whole_blocks": forward_flops(cfg, lens),
+                      "floor": forward["ops"] * (machine.launch_s or 0.0)}

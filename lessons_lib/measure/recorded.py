@@ -1,7 +1,7 @@
 """What the engine really runs, recorded (``measure.recorder``), for the counts of ``measure.flops`` to be checked
 against: the matmuls of a forward, of one decode step's attention and of a real decode step through the serving KV
-cache, the FLOPs of a forward summed from them, the bytes the KV cache holds, and the intensity of a fused causal
-attention call.
+cache, the FLOPs of a forward summed from them, the bytes the KV cache holds, the intensity of a fused causal
+attention call, and a real forward recorded and timed (``timed_forward``).
 
 Models built here for counting (``zero_model``) have the config's shapes with one zero seen as every weight (an
 expanded scalar: no memory), TP = 1, on the CPU. Every function runs the engine's own ``Transformer.forward``;
@@ -12,6 +12,7 @@ Taught in notebooks/05_flop_regimes.ipynb.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -23,8 +24,9 @@ from ..core.config import ModelConfig
 from ..core.model import Transformer
 from ..serve.kv_cache import PrefillKVCache
 from ..validate import check_int, check_lengths
-from .flops import ForwardFlops, attention_cells
-from .recorder import BF16, FUSED_ATTENTION_OPS, Matmul, OpRecorder, record_matmuls
+from .flops import ForwardFlops, attention_cells, forward_flops
+from .profile import time_call
+from .recorder import BF16, FUSED_ATTENTION_OPS, Matmul, OpRecorder, record_matmuls, record_ops
 
 
 def forward_matmuls(model, batch, attn_backend: str = "loop") -> list[Matmul]:
@@ -139,3 +141,31 @@ def count_ops(fn: Callable[[], object]) -> int:
     with OpRecorder() as rec:
         fn()
     return len(rec.ops)
+
+
+TIMED_MAX_TOKENS, TIMED_MAX_FLOPS = 1024, 20e9   # timed_forward: at most this many tokens and FLOPs
+
+
+@functools.lru_cache(maxsize=1)
+def _timed_model(cfg: ModelConfig) -> Transformer:
+    return Transformer(cfg, seed=0)
+
+
+def timed_forward(cfg: ModelConfig, seq_lens: Sequence[int], repeats: int = 1) -> dict:
+    """One real engine forward of ``cfg``'s model (random fp32 weights, CPU, vocabulary 1000) on ``seq_lens`` (at
+    most ``TIMED_MAX_TOKENS`` tokens and ``TIMED_MAX_FLOPS`` FLOPs, else ValueError): recorded once
+    (``measure.recorder``: its ATen ops and matmul FLOPs), then timed (fastest of ``repeats``). Returns ``{"cfg",
+    "seq_lens", "seconds", "ops", "flops"}`` (``cfg``: the model run; ``flops``: the recorded ``ForwardFlops``)."""
+    lens = check_lengths(seq_lens)
+    need = forward_flops(cfg, lens).total
+    if sum(lens) > TIMED_MAX_TOKENS or need > TIMED_MAX_FLOPS:
+        raise ValueError(f"the timed forward takes at most {TIMED_MAX_TOKENS} tokens and {TIMED_MAX_FLOPS / 1e9:g} "
+                         f"GFLOP, got {sum(lens)} tokens, {need / 1e9:.1f} GFLOP")
+    cfg = dataclasses.replace(cfg, dtype=torch.float32, vocab_size=1000, max_position=max(1024, max(lens)))
+    model, g = _timed_model(cfg), torch.Generator().manual_seed(0)
+    batch = pack([torch.randint(0, cfg.vocab_size, (m,), generator=g) for m in lens])
+    with torch.no_grad():
+        rec = record_ops(lambda: model(batch))
+        seconds = time_call(lambda: model(batch), repeats=check_int("repeats", repeats, 1, 20), warmup=0)
+    return {"cfg": cfg, "seq_lens": list(lens), "seconds": seconds, "ops": len(rec.ops),
+            "flops": ForwardFlops(**rec.flops_by_kind)}
