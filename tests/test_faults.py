@@ -101,6 +101,15 @@ def attend(backend: str, causal: bool = True) -> torch.Tensor:
     return varlen_attention(q, k, v, torch.tensor([0, 3, 8], dtype=torch.int32), causal=causal, backend=backend)
 
 
+def tile_sizes_launched(tile: int) -> tuple[int, int]:
+    """The tile sizes the Triton kernel's counters record for one launch asked for ``tile x tile`` tiles."""
+    from lessons_lib.ops.triton_varlen import count_work, triton_varlen_attention
+    q, k, v = (torch.randn(5, 1, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with count_work() as counts:
+        triton_varlen_attention(q, k, v, torch.tensor([0, 5], dtype=torch.int32), block_m=tile, block_n=tile)
+    return counts.block_m, counts.block_n
+
+
 def triton_launches() -> int:
     from lessons_lib.ops.triton_varlen import count_launches
     g = torch.Generator().manual_seed(0)
@@ -197,6 +206,7 @@ PROBES = {
     "sdpa_output_heads_not_transposed": lambda: attend("sdpa"),
     "padded_unpad_keeps_pad_rows": lambda: attend("padded"),
     "random_qkv_rows_all_equal": lambda: profile.random_qkv([3, 5], 2, 8)[:3],
+    "triton_launch_ignores_tile_sizes": lambda: tile_sizes_launched(32),
     "pad_mask_all_true": lambda: flat.pad(ids((5, 9)))[1],
     "positions_do_not_restart": lambda: flat.pack(ids((5, 9))).positions,
     "pack_refused": lambda: outcome(lambda: flat.pack(ids((5, 9))).cu_seqlens),

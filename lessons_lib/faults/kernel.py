@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .registry import fault, swap_attr
+from .registry import fault, swap_attr, swap_function
 
 AREA = "kernel"
 KERNEL_FILE = Path(__file__).resolve().parents[1] / "ops" / "triton_varlen.py"
@@ -146,3 +146,14 @@ def _tiles_rounded_down():
     tiling.choose_pack_gqa.cache_clear()
     undo = swap_attr(tiling, "cdiv", _cdiv_rounded_down)
     return [undo, tiling.choose_pack_gqa.cache_clear]
+
+
+@fault("triton_launch_ignores_tile_sizes", "the Triton launcher's launch_config drops an explicit block_m / block_n "
+       "and launches its own default tiles (64 x 64 under the interpreter)", AREA)
+def _launch_ignores_tile_sizes():
+    module = kernel_module()
+    real = module.launch_config
+
+    def launch_config(head_dim, dtype, arch, block_m=None, block_n=None):
+        return real(head_dim, dtype, arch)
+    return [swap_function(module, "launch_config", launch_config)]
