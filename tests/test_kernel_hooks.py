@@ -124,3 +124,45 @@ def test_busy_sms_is_key_tiles_over_the_longest_programs():
     assert longest == tiling.cdiv(1000, 64)            # the long request's last query tile walks every key tile
     assert tiling.busy_sms(work, longest) == work.tiles / longest < work.programs
     assert tiling.longest_program([], 64, 64) == 0 and tiling.busy_sms(work, 0) == 0.0
+
+
+def test_kernel_source_part_is_the_files_text_with_its_line_numbers():
+    heading, code = kernel_faults.kernel_source_part()
+    lines = kernel_faults.KERNEL_FILE.read_text().splitlines()
+    first, last = (int(x) for x in heading.split("lines ")[1].split(":")[0].split("-"))
+    assert heading.startswith("lessons_lib/ops/triton_varlen.py, lines ")
+    assert code.splitlines() == lines[first - 1:last]
+    assert code.startswith("@triton.jit\ndef _varlen_fwd_kernel(")
+    part = kernel_faults.kernel_source_part(start="m_new = tl.maximum", stop="if COUNT:")[1]
+    assert part.strip().startswith("m_new = tl.maximum") and "l_i = l_i * alpha" in part and "tiles += 1" not in part
+    with pytest.raises(ValueError, match="is not in the kernel's source"):
+        kernel_faults.kernel_source_part(start="no such line")
+
+
+def test_tile_picture_totals_are_the_predicted_counters():
+    from lessons_lib.ops import tile_picture as tp
+    for lens, bm, bn, causal in (([70, 5, 20], 16, 16, True), ([100, 20, 60], 32, 16, False), ([33], 16, 64, True)):
+        tiles = tp.program_tiles(lens, lens, block_m=bm, block_n=bn, causal=causal)
+        got = tp.picture_totals(lens, lens, tiles, block_m=bm, block_n=bn, causal=causal, n_heads=3)
+        assert got == tiling.predict_work(lens, n_heads=3, block_m=bm, block_n=bn, causal=causal), (lens, bm, bn)
+    pic = tp.program_cells(20, 20, [1, 2], 16, 16, True)
+    assert int((pic == tp.USEFUL).sum()) == 20 * 21 // 2 and not (pic == tp.RETURNED).any()
+    assert (tp.program_cells(5, 5, [1, -1], 16, 16, False)[16:] == tp.RETURNED).all()
+    with pytest.raises(ValueError, match="len_q"):
+        tp.program_cells(-1, 5, [1], 16, 16, True)
+
+
+def test_best_block_m_reads_least_kv_among_tiles_that_fill_the_sms():
+    lens, heads = [1000] + [30] * 7, 4
+    costs = {bm: tiling.tile_costs(lens, heads, bm, 64, 64) for bm in (16, 32, 64, 128)}
+    for bm, (sms, kv, cells) in costs.items():
+        w = tiling.predict_work(lens, n_heads=heads, block_m=bm, block_n=64, causal=True)
+        assert (sms, kv, cells) == (w.tiles / tiling.longest_program(lens, bm, 64), w.kv_bytes_read(64), w.executed_cells)
+        assert tiling.tile_costs(lens, heads, bm, 64, 64, busy=False)[0] == w.programs
+    naive = tiling.best_block_m(lens, heads, 132, (16, 32, 64, 128), 64, 64, busy=False)
+    real = tiling.best_block_m(lens, heads, 132, (16, 32, 64, 128), 64, 64)
+    assert naive != real   # the grid's program count misleads: the notebook's trap
+    full = [bm for bm, c in costs.items() if c[0] >= 132]
+    assert real == (min(full, key=lambda bm: costs[bm][1]) if full else max(costs, key=lambda bm: costs[bm][0]))
+    with pytest.raises(ValueError, match="block_ms is empty"):
+        tiling.best_block_m(lens, heads, 132, (), 64, 64)

@@ -10,7 +10,6 @@ Taught in notebooks/07_inside_the_kernel.ipynb.
 from __future__ import annotations
 
 import functools
-import pathlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from ..measure.profile import random_qkv
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..ops import compile_report, tiling
 from ..ops.online_softmax import max_growths, online_softmax
+from ..ops.tile_picture import RETURNED, SKIPPED, USEFUL, WASTED, picture_totals, program_cells, program_tiles
 from ..ops.tiling import WorkCounts, cdiv
 from ..style import ATTENTION, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_name
 from ..validate import check_int, check_lengths
@@ -36,30 +36,25 @@ from .explore import explorer, ipywidgets_module, parse_query_key_lengths, show_
 from .figures import ARTICLE_LENS, register
 from .grading import grade, int_tuple
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 TILE_SIZES = (16, 32, 64, 128)
 
 
 # ---- the kernel, where it runs --------------------------------------------------------------------------
 
 @functools.cache
-def _load():
+def kernel_missing() -> str | None:
+    """None where the kernel runs; else one sentence saying why not."""
     try:
-        return kernel_faults.kernel_module(), None
+        kernel_faults.kernel_module()
     except RuntimeError as exc:
-        return None, str(exc)
+        return (f"{exc}: Triton publishes Linux wheels only (and needs an NVIDIA GPU or its CPU interpreter). The "
+                "pictures and predictions below still run.")
+    return None
 
 
 def kernel_module():
     """``lessons_lib.ops.triton_varlen``, or None where it does not import (see ``kernel_missing``)."""
-    return _load()[0]
-
-
-def kernel_missing() -> str | None:
-    """None where the kernel runs; else one sentence saying why not."""
-    why = _load()[1]
-    return None if why is None else (f"{why}: Triton publishes Linux wheels only (and needs an NVIDIA GPU or its CPU "
-                                     "interpreter). The pictures and predictions below still run.")
+    return None if kernel_missing() else kernel_faults.kernel_module()
 
 
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -107,56 +102,12 @@ def counters_text(w: WorkCounts) -> str:
 
 # ---- the launch grid, program by program ---------------------------------------------------------------
 
-# Cell codes of the launch picture: blue useful, vermillion computed then thrown away, white never computed; a
-# program that returned at once is white too, hatched in ink.
-SKIPPED, USEFUL, WASTED, RETURNED = 0, 1, 2, 3
+# The launch picture's colours (``ops.tile_picture``'s cell codes): blue useful, vermillion computed then thrown
+# away, white never computed; a program that returned at once is white too, hatched in ink.
 CODE_COLORS = {SKIPPED: NEVER, USEFUL: ATTENTION, WASTED: WASTE, RETURNED: NEVER}
 RETURNED_HATCH = "///"
 CODE_LABELS = {USEFUL: "computed, useful", WASTED: "computed, thrown away (masked or past the end)",
                SKIPPED: "key tile skipped (above the diagonal)", RETURNED: "program returned at once"}
-
-
-def program_tiles(lens_q: Sequence[int], lens_k: Sequence[int], *, block_m: int, block_n: int, causal: bool,
-                  measured: Sequence[int] | None = None, n_heads: int = 1) -> list[list[int]]:
-    """Key tiles of each program of head 0, per request, per query tile (-1: returned at once): from ``measured`` (a
-    launch's ``WorkCounts.program_tiles[0]`` over ``n_heads`` heads) or predicted (``tiling.program_key_tiles``)."""
-    grid_m = cdiv(max(lens_q, default=0), block_m)
-    if measured is not None:
-        return [[int(t) for t in measured[grid_m * n_heads * r:grid_m * (n_heads * r + 1)]] for r in range(len(lens_q))]
-    return [tiling.program_key_tiles(nq, nk, grid_m, block_m, block_n, causal) for nq, nk in zip(lens_q, lens_k)]
-
-
-def program_cells(len_q: int, len_k: int, tiles: Sequence[int], block_m: int, block_n: int, causal: bool) -> np.ndarray:
-    """One request's programs (``tiles``: each one's key tiles, -1 returned) as a ``[len(tiles) · block_m,
-    key_tiles · block_n]`` picture of codes: each computed key tile USEFUL where the cell is a real (query, key) pair
-    the mask keeps, WASTED elsewhere; key tiles not computed SKIPPED; a returned program's band RETURNED."""
-    nq, nk = check_int("len_q", len_q, 0), check_int("len_k", len_k, 0)
-    width = max(1, cdiv(nk, block_n)) * block_n
-    pic = np.full((len(tiles) * block_m, width), SKIPPED, dtype=np.uint8)
-    cols = np.arange(width)[None, :]
-    for m, computed in enumerate(tiles):
-        band = pic[m * block_m:(m + 1) * block_m]
-        if computed < 0:
-            band[:] = RETURNED
-            continue
-        rows = m * block_m + np.arange(block_m)[:, None]
-        keep = (rows < nq) & (cols < nk) & ((cols <= rows + nk - nq) if causal else True)
-        band[:] = np.where(cols < computed * block_n, np.where(keep, USEFUL, WASTED), SKIPPED)
-    return pic
-
-
-def picture_totals(lens_q: Sequence[int], lens_k: Sequence[int], tiles: Sequence[Sequence[int]], *, block_m: int,
-                   block_n: int, causal: bool, n_heads: int = 1) -> WorkCounts:
-    """The kernel's counters read off the picture of ``tiles`` (``program_tiles``; every head does the same): a band
-    past its request's end counts as an early exit even if it computed (the kernel's test still counts it), cells
-    are the picture's computed cells inside each request's ``[L_q x L_k]`` block."""
-    exits = sum(m * block_m >= nq for nq, mine in zip(lens_q, tiles) for m in range(len(mine)))
-    skipped = sum(cdiv(nk, block_n) - t for nk, mine in zip(lens_k, tiles) for t in mine if t >= 0)
-    pics = [program_cells(nq, nk, mine, block_m, block_n, causal)[:nq, :nk] for nq, nk, mine in zip(lens_q, lens_k, tiles)]
-    cells = sum(int(((pic == USEFUL) | (pic == WASTED)).sum()) for pic in pics)
-    return WorkCounts(programs=n_heads * sum(map(len, tiles)), early_exits=n_heads * exits,
-                      tiles=n_heads * sum(max(t, 0) for mine in tiles for t in mine), tiles_skipped=n_heads * skipped,
-                      cells=n_heads * cells, block_m=block_m, block_n=block_n)
 
 
 def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = None, *, block_m: int, block_n: int,
@@ -278,23 +229,10 @@ def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block
 
 # ---- the kernel's code, and its one-line bugs ---------------------------------------------------------------
 
-def kernel_source(start: str | None = None, stop: str | None = None) -> tuple[str, str]:
-    """``(heading, code)`` of the kernel as it is in its file (``faults.kernel.kernel_source``), cut from the first
-    line containing ``start`` up to (not including) the first later line containing ``stop``."""
-    body = kernel_faults.kernel_source().rstrip().splitlines()
-    first = kernel_faults.KERNEL_FILE.read_text().splitlines().index(body[0])
-    lo = next((i for i, line in enumerate(body) if start in line), None) if start else 0
-    if lo is None:
-        raise ValueError(f"{start!r} is not in the kernel's source")
-    hi = next((i for i in range(lo + 1, len(body)) if stop in body[i]), len(body)) if stop else len(body)
-    where = kernel_faults.KERNEL_FILE.relative_to(ROOT)
-    return f"{where}, lines {first + lo + 1}-{first + hi}: {kernel_faults.KERNEL_NAME}", "\n".join(body[lo:hi])
-
-
 def show_kernel(start: str | None = None, stop: str | None = None):
     """Display (part of) the kernel's code as a Markdown code block."""
     from IPython.display import Markdown
-    heading, code = kernel_source(start, stop)
+    heading, code = kernel_faults.kernel_source_part(start, stop)
     return Markdown(f"`{heading}`\n\n```python\n{code}\n```")
 
 
@@ -759,23 +697,14 @@ def longest_program(lens, block_m) -> int:
 
 
 def tile_costs(lens, n_heads, block_m, busy: bool = True) -> tuple[float, int, int]:
-    """(SMs the launch keeps busy, K/V bytes read, executed cells) at ``block_m``. Exercise 07.3's occupancy model:
-    the SMs kept busy on average are the launch's key tiles over its longest program's (work over span, every tile
-    costing the same); ``busy=False`` counts every program of the grid as a busy SM, early exits too (the naive count)."""
-    w = tile_work(lens, n_heads, block_m)
-    sms = tiling.busy_sms(w, longest_program(lens, block_m)) if busy else w.programs
-    return sms, w.kv_bytes_read(TILE_D, TILE_BYTES), w.executed_cells
+    """``tiling.tile_costs`` at exercise 07.3's ``TILE_BN``, ``TILE_D``, ``TILE_BYTES``: (SMs kept busy, K/V bytes
+    read, executed cells)."""
+    return tiling.tile_costs(lens, n_heads, block_m, TILE_BN, TILE_D, TILE_BYTES, busy=busy)
 
 
 def best_block_m(lens, n_heads, n_sms, busy: bool = True) -> int:
-    """The BLOCK_M of ``TILE_SIZES`` reading the fewest K/V bytes among those that keep at least ``n_sms`` SMs busy
-    (``tile_costs``; ``busy=False``: all the grid's programs counted); if none, the most busy SMs; ties: fewest
-    executed cells."""
-    costs = {bm: tile_costs(lens, n_heads, bm, busy) for bm in TILE_SIZES}
-    full = [bm for bm in TILE_SIZES if costs[bm][0] >= n_sms]
-    if full:
-        return min(full, key=lambda bm: (costs[bm][1], costs[bm][2]))
-    return min(TILE_SIZES, key=lambda bm: (-costs[bm][0], costs[bm][2]))
+    """``tiling.best_block_m`` over ``TILE_SIZES`` at exercise 07.3's constants."""
+    return tiling.best_block_m(lens, n_heads, n_sms, TILE_SIZES, TILE_BN, TILE_D, TILE_BYTES, busy=busy)
 
 
 def _mib(n: int) -> str:

@@ -84,6 +84,20 @@ def kernel_source() -> str:
     return "\n".join(lines[first:end]).rstrip() + "\n"
 
 
+def kernel_source_part(start: str | None = None, stop: str | None = None) -> tuple[str, str]:
+    """``(heading, code)``: ``kernel_source()`` cut from its first line containing ``start`` up to (not including) the
+    first later line containing ``stop``; the heading names the file (from the repository root), the lines and the
+    kernel. ValueError if ``start`` is not in the kernel."""
+    body = kernel_source().rstrip().splitlines()
+    first = KERNEL_FILE.read_text().splitlines().index(body[0])
+    lo = next((i for i, line in enumerate(body) if start in line), None) if start else 0
+    if lo is None:
+        raise ValueError(f"{start!r} is not in the kernel's source")
+    hi = next((i for i in range(lo + 1, len(body)) if stop in body[i]), len(body)) if stop else len(body)
+    where = KERNEL_FILE.relative_to(KERNEL_FILE.parents[2])
+    return f"{where}, lines {first + lo + 1}-{first + hi}: {KERNEL_NAME}", "\n".join(body[lo:hi])
+
+
 def changed_source(old: str, new: str) -> str:
     """The kernel's source with the one line whose code (comment stripped) is ``old`` replaced by ``new``,
     indentation kept and marked ``# CHANGED``; ValueError unless exactly one line matches."""

@@ -224,3 +224,26 @@ def busy_sms(work: WorkCounts, longest: int) -> float:
     same): its key tiles over the key tiles of its longest program (``longest_program``). An upper bound: a real SM
     runs several programs at once to hide memory latency, so filling a GPU takes more work than this asks."""
     return work.tiles / longest if longest > 0 else 0.0
+
+
+def tile_costs(seqlens: Sequence[int], n_heads: int, block_m: int, block_n: int, d_head: int, nbytes: int = 2, *,
+               busy: bool = True) -> tuple[float, int, int]:
+    """``(SMs kept busy, K/V bytes read, executed cells)`` of a causal launch over prompts of ``seqlens`` at
+    ``block_m`` x ``block_n`` (``predict_work``): the SMs are ``busy_sms`` (key tiles over the longest program's);
+    ``busy=False`` counts every program of the grid as a busy SM, those that return at once too (the naive count)."""
+    w = predict_work(seqlens, n_heads=n_heads, block_m=block_m, block_n=block_n, causal=True)
+    sms = busy_sms(w, longest_program(seqlens, block_m, block_n)) if busy else w.programs
+    return sms, w.kv_bytes_read(d_head, nbytes), w.executed_cells
+
+
+def best_block_m(seqlens: Sequence[int], n_heads: int, n_sms: int, block_ms: Sequence[int], block_n: int, d_head: int,
+                 nbytes: int = 2, *, busy: bool = True) -> int:
+    """The ``block_ms`` choice reading the fewest K/V bytes among those keeping at least ``n_sms`` SMs busy
+    (``tile_costs``); if none does, the one keeping the most busy; ties: fewest executed cells."""
+    if not block_ms:
+        raise ValueError("block_ms is empty: name at least one BLOCK_M to choose from")
+    costs = {bm: tile_costs(seqlens, n_heads, bm, block_n, d_head, nbytes, busy=busy) for bm in block_ms}
+    full = [bm for bm in block_ms if costs[bm][0] >= n_sms]
+    if full:
+        return min(full, key=lambda bm: (costs[bm][1], costs[bm][2]))
+    return min(block_ms, key=lambda bm: (-costs[bm][0], costs[bm][2]))
