@@ -13,7 +13,9 @@ from lessons_lib.course import l06_engine as L
 from lessons_lib.course.grading import score
 from lessons_lib.course.trace_figures import tp_trace_timeline
 from lessons_lib.serve.engine import batch_stats
+from lessons_lib.serve.recording import BatchRecord, record_scale, recorded_totals
 from lessons_lib.serve.scheduler import Request, Scheduler, plan_batches
+from lessons_lib.serve.schedules import plan_totals
 from lessons_lib.serve.workloads import prefill_stream, workload_lengths
 from lessons_lib.style import MIN_FONT
 
@@ -152,17 +154,8 @@ def test_prefill_plan_state_totals_are_the_sums_of_the_batches():
     assert one["readout"]["title"].endswith("1 batch, 1 request served, 0 refused")
 
 
-def test_method_totals_count_rows_cells_and_flops_by_whole_blocks():
-    from lessons_lib.measure.flops import forward_flops
-    cfg = ModelConfig()
-    batches = [[10, 30], [5, 5, 40]]
-    t = L.method_totals(cfg, batches)
-    for m in ("padded", "masked", "varlen"):
-        assert t[m]["flops_executed"] == sum(forward_flops(cfg, b, m, causal=False).total for b in batches)
-        assert t[m]["flops_useful"] == t["varlen"]["flops_executed"]  # useful = what varlen runs, whole blocks
-    assert t["varlen"]["cells_computed"] == t["varlen"]["cells_useful"] == 100 + 900 + 25 + 25 + 1600
-    assert t["masked"]["cells_computed"] == 40 ** 2 + 50 ** 2 and t["padded"]["pad_rows"] == 20 + 35 + 35
-    text = L.totals_text(t).splitlines()
+def test_totals_text_prints_one_line_per_method_with_what_it_counts():
+    text = L.totals_text(plan_totals(ModelConfig(), [[10, 30], [5, 5, 40]])).splitlines()
     assert [ln.split()[0] for ln in text] == ["padded", "masked", "varlen"]
     assert all("whole blocks" in ln for ln in text) and "1.00x the useful" in text[2]
 
@@ -252,8 +245,8 @@ def test_prefill_plan_records_a_scaled_down_copy_of_a_batch_too_big_to_run_here(
     ks = {m: s["recorded"][m][1] for m in ("padded", "masked", "varlen")}
     k = ks["padded"]
     assert set(ks.values()) == {k} and k > 1                        # one copy for all three: the rows compare
-    assert k == max(L.record_scale(lens, m) for m in ks)             # the method that needs the most shrinking
-    assert any(L.record_scale(lens, m) < k for m in ks)             # ...which one method alone would not need
+    assert k == max(record_scale(L.TINY, lens, m, L.RECORD_LIMIT) for m in ks)             # the method that needs the most shrinking
+    assert any(record_scale(L.TINY, lens, m, L.RECORD_LIMIT) < k for m in ks)             # ...which one method alone would not need
     scaled = [-(-n // k) for n in lens]                               # each length / k, rounded up
     assert max(batch_stats(L.TINY, scaled, m).cells_whole_computed for m in ks) <= L.RECORD_LIMIT < max(
         batch_stats(L.TINY, [-(-n // (k - 1)) for n in lens], m).cells_whole_computed for m in ks)
@@ -262,80 +255,7 @@ def test_prefill_plan_records_a_scaled_down_copy_of_a_batch_too_big_to_run_here(
         assert (r.rows, r.cells) == (p.executed_rows, p.cells_whole_computed)
         assert rec[m][1] == f"each / {k}, rounded up" and rec[m][6] == "= \u2713"
     assert s["recorded"]["varlen"][0].rows == s["recorded"]["masked"][0].rows == sum(scaled)
-    assert L.record_scale([10, 20], "padded") == 1
-
-
-# ---- schedules ------------------------------------------------------------------------------------------
-
-def test_s3_schedule_problem_names_what_makes_a_schedule_invalid():
-    lens = [10, 30, 20, 5]
-    assert L.schedule_problem([[0, 1], [2, 3]], lens, 40, 4) is None
-    assert "exactly once" in L.schedule_problem([[0, 1], [2]], lens, 40, 4)
-    assert "served twice [1]" in L.schedule_problem([[0, 1], [1, 2, 3]], lens, 60, 4)
-    assert "LENGTHS" in L.schedule_problem([[10, 30], [20, 5]], lens, 40, 4)
-    assert "> max_num_batched_tokens=40" in L.schedule_problem([[0, 1, 3], [2]], lens, 40, 4)
-    assert "> max_num_seqs=2" in L.schedule_problem([[0, 2, 3], [1]], lens, 64, 2)
-    assert "empty" in L.schedule_problem([[0, 1], [], [2, 3]], lens, 40, 4)
-    assert "list of batches" in L.schedule_problem("0,1", lens, 40, 4)
-
-
-def test_schedule_measures_count_pad_rows_masked_cells_and_fairness():
-    lens = [300, 20, 300, 20, 300, 20, 20, 20]
-    fcfs_batches = plan_batches(lens, 640, 4)
-    base = L.schedule_measures(lens, fcfs_batches, 640, 4)
-    assert base["batches"] == len(fcfs_batches) and base["max_delay"] == 0 and base["overtakes"] == 0
-    assert base["pad_rows"] == sum(len(b) * max(lens[i] for i in b) - sum(lens[i] for i in b) for b in fcfs_batches)
-    mine = [[1, 3, 5, 6], [7, 0], [2, 4]]  # short ones first: request 2 runs in batch 2, FCFS ran it in batch 0
-    m = L.schedule_measures(lens, mine, 640, 4)
-    assert m["pad_rows"] == 0 + 280 + 0
-    assert m["masked_wasted"] == (80 ** 2 - 4 * 400) + (320 ** 2 - 300 ** 2 - 400) + (600 ** 2 - 2 * 300 ** 2)
-    at = {i: b for b, ids in enumerate(mine) for i in ids}
-    at_fcfs = {i: b for b, ids in enumerate(fcfs_batches) for i in ids}
-    assert m["max_delay"] == max(at[i] - at_fcfs[i] for i in at) == 2
-    assert m["overtakes"] == sum(at[j] < at[i] for i in range(8) for j in range(i + 1, 8))
-    table = L.schedule_table(lens, mine, 640, 4).splitlines()
-    assert table[1].split()[:3] == ["FCFS", str(base["batches"]), f"{base['pad_rows']:,}"]
-    assert table[2].split()[:3] == ["yours", "3", "280"]
-
-
-# ---- what the engine executed -------------------------------------------------------------------
-
-def test_c2_c8_c10_run_recorded_reads_rows_and_cells_off_the_executed_ops():
-    """A and B (10 and 30 tokens) as one forward per method, counted by hand: padded 2 x 30 rows and
-    2 x 30^2 cells, masked 40 rows and 40^2 cells, varlen 40 rows and 10^2 + 30^2 cells."""
-    reqs = [Request(0, list(range(10))), Request(1, list(range(30)))]
-    got = {}
-    for method in ("padded", "masked", "varlen"):
-        outs, (rec,) = L.run_recorded(L.TINY, L._tiny_weights(), method, [reqs], 64)
-        assert sorted(o.request_id for o in outs) == [0, 1] and rec.request_ids == (0, 1)
-        assert len(rec.linear_rows) == 4 * L.TINY.n_layers  # qkv, out proj, fc1, fc2 per block
-        got[method] = (rec.rows, rec.cells)
-    assert got == {"padded": (60, 1800), "masked": (40, 1600), "varlen": (40, 1000)}
-
-
-def test_run_recorded_refuses_a_batch_that_is_not_one_forward_and_rows_that_disagree():
-    reqs = [Request(0, list(range(40))), Request(1, list(range(40)))]
-    with pytest.raises(ValueError, match="not one"):
-        L.run_recorded(L.TINY, L._tiny_weights(), "varlen", [reqs], 64)
-    odd = L.BatchRecord("varlen", (0,), (40, 41), 0, ())
-    with pytest.raises(ValueError, match="different row counts"):
-        _ = odd.rows
-
-
-def test_c2_recorded_rows_catch_a_padded_forward_that_skips_its_pad_rows(monkeypatch):
-    from lessons_lib.core import model
-    from lessons_lib.core.batch import pack
-
-    def skipping(self, input_ids, attention_mask):
-        mask = attention_mask.bool()
-        flat = self.forward(pack([r[m] for r, m in zip(input_ids, mask)]))
-        out = flat.new_zeros(*input_ids.shape, flat.shape[-1])
-        out[mask] = flat
-        return out
-    monkeypatch.setattr(model.Transformer, "forward_padded", torch.no_grad()(skipping))
-    reqs = [Request(0, list(range(10))), Request(1, list(range(30)))]
-    _, (rec,) = L.run_recorded(L.TINY, L._tiny_weights(), "padded", [reqs], 64)
-    assert rec.rows == 40 != batch_stats(L.TINY, [10, 30], "padded").executed_rows
+    assert record_scale(L.TINY, [10, 20], "padded", L.RECORD_LIMIT) == 1
 
 
 # ---- exercise 06.1: a bucketing scheduler ----------------------------------------------------------
@@ -418,21 +338,7 @@ def test_bucket_scheduler_checker_gives_partial_marks_and_refuses_a_non_schedule
         L.with_schedule(3)
 
 
-def test_drive_scheduler_feeds_arrivals_between_steps():
-    # FCFS with 2 requests per batch: step 0 sees [5, 6, 7], step 1 adds [8]
-    assert L.drive_scheduler(lambda b, s: Scheduler(b, s), [[5, 6, 7], [8]], 100, 2) == [[0, 1], [2, 3]]
-    with pytest.raises(ValueError, match="empty batch"):
-        L.drive_scheduler(lambda b, s: Empty(b, s), [[5]], 100, 2)
-
-
 # ---- exercise 06.2: a counter-example, measured ----------------------------------------------------
-
-def test_sorted_batches_is_shortest_first_within_both_budgets():
-    assert L.sorted_batches([92, 56, 36, 73, 36], 128) == [[2, 4, 1], [3], [0]]
-    assert L.sorted_batches([1, 1, 1], 10, 2) == [[0, 1], [2]]
-    with pytest.raises(ValueError, match="seq_lens"):
-        L.sorted_batches([5, 200], 128)
-
 
 def test_measure_schedule_records_padded_rows_and_masked_cells():
     m = L.measure_schedule([92, 56, 36, 73, 36], [[0], [1, 2], [3, 4]], 128)
@@ -452,26 +358,9 @@ def test_masked_counterexample_checker(capsys):
 
 # ---- measured --------------------------------------------------------------------------------------
 
-def test_time_methods_repeats_every_method_and_the_verdict_reads_the_repeats(tiny_cfg):
-    from lessons_lib import init_weights
-    from lessons_lib.serve.scheduler import Request
-    reqs = [Request(i, list(range(n))) for i, n in enumerate([10, 30, 5, 60])]
-    times = L.time_methods(tiny_cfg, init_weights(tiny_cfg, 0), reqs, 64, repeats=2, device="cpu", dtype=torch.float32)
-    assert list(times) == ["padded", "masked", "varlen"] and all(len(t) == 2 and min(t) > 0 for t in times.values())
-    flops = {"padded": 3, "masked": 2, "varlen": 1}
-    apart = L.timing_verdict({"padded": [3.0, 3.1], "masked": [2.0, 2.1], "varlen": [1.0, 1.1]}, flops)
-    assert "separate all three" in apart and "is the FLOPs' order" in apart
-    swapped = L.timing_verdict({"padded": [1.0, 1.1], "masked": [2.0, 2.1], "varlen": [3.0, 3.1]}, flops)
-    assert "NOT the FLOPs' order" in swapped
-    overlap = L.timing_verdict({"padded": [1.0, 2.5], "masked": [2.0, 2.1], "varlen": [3.0, 3.1]}, flops)
-    assert "overlap for padded and masked" in overlap and "does not rank that pair" in overlap
-    assert overlap.splitlines()[0].split()[:3] == ["padded", "median", "1,750"]
-
-
 def test_c11_tp_dry_traces_equal_what_each_worker_recorded_and_draw_one_packing():
     from lessons_lib.core.model import init_weights
     from lessons_lib.serve.engine import Engine
-    from lessons_lib.serve.scheduler import Request
     from lessons_lib.tp.dryrun import trace_signature
     cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=97, max_position=256)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 7]
@@ -516,6 +405,6 @@ def test_explorer_records_the_whole_stream_and_its_tables_read_the_records():
                                    f"{c['masked']['cells'] - c['varlen']['cells']:,}"]
     assert all(row[-1].startswith("= \u2713") for k, row in table(s, "backends").items() if k != "header")
     # a record that is not the prediction is reported, batch by batch
-    lie = L.BatchRecord("padded", (0,), (1,), 1, ())
+    lie = BatchRecord("padded", (0,), (1,), 1, ())
     fake = {m: [(lie, 1)] for m in ("padded", "masked", "varlen")}
-    assert L.stream_counts([5], [[0]], fake)["padded"]["differs"] == [0]
+    assert recorded_totals(L.TINY, [5], [[0]], fake)["padded"]["differs"] == [0]

@@ -1,13 +1,10 @@
 """What lesson 06 (the prefill engine, the capstone) draws, explores and checks.
 
   the stream   ``serve.workloads.prefill_stream`` under ``BUDGET``; ``stream_reference`` (its varlen answer)
-  executed     ``run_recorded`` / ``BatchRecord``: each batch one forward under ``OpRecorder``
-  counts       ``method_totals`` / ``totals_text``: rows, cells and FLOPs per method, whole blocks (predicted)
+  counts       ``totals_text``: ``serve.schedules.plan_totals`` as lines
   figures      ``fcfs_batches`` (06_fcfs_batches), ``batch_waste`` (06_batch_waste), 06_tp_trace
   explorer     ``prefill_plan_state`` / ``prefill_plan_html`` / ``prefill_plan_explorer``
-  schedules    ``schedule_problem``, ``schedule_measures``, ``schedule_table``: validity, pad rows, masked cells, fairness
-  measured     ``time_methods``, ``timing_verdict``, ``causal_vs_full_seconds`` (shown, never asserted);
-               ``masked_waste_sweep`` (C9, recorded)
+  C9           ``masked_waste_sweep`` (recorded)
   TP=2         ``tp_dry_traces`` (the records: ``Engine(record_forwards=True)``'s ``BatchStats.tp_result``)
   exercises    ``check_bucket_scheduler`` (06.1), ``check_masked_counterexample`` (06.2)
 
@@ -17,28 +14,34 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from html import escape
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import EngFormatter
 
 from ..core.config import ModelConfig
-from ..core.kernels import synchronize
 from ..core.model import init_weights
-from ..measure.flops import METHODS, attention_cells
+from ..measure.flops import METHODS
 from ..measure.recorder import OpRecorder
-from ..measure.search import first_where
 from ..serve.engine import Engine, batch_stats
+from ..serve.recording import record_batches, record_scale, recorded_totals
 from ..serve.scheduler import Request, Scheduler, plan_batches
+from ..serve.schedules import (
+    drive_scheduler,
+    passed_over,
+    schedule_measures,
+    schedule_problem,
+    schedule_table,
+    shortest_first_batches,
+    stats_totals,
+    with_schedule,
+)
 from ..serve.workloads import (
     PREFILL_STREAM,
     PREFILL_STREAM_BUDGET,
@@ -91,73 +94,10 @@ def stack(outputs: Mapping) -> Tensor:
     return torch.cat([outputs[i] for i in sorted(outputs)])
 
 
-# ---- what the engine executed: each batch run under the op recorder --------------------------------
-
-@dataclass(frozen=True)
-class BatchRecord:
-    """What one forward of ``Engine(method=...)`` EXECUTED, read by ``OpRecorder`` (not predicted).
-
-    linear_rows: the rows ``m`` of every linear-layer matmul (4 per block); cells: score cells computed per
-    head per layer (every score matrix the softmax or a fused kernel saw, over ``n_heads · n_layers``);
-    score_shapes: those score matrices' shapes, in order; wall_s: the forward's wall-clock, recorder included."""
-
-    method: str
-    request_ids: tuple
-    linear_rows: tuple
-    cells: float
-    score_shapes: tuple
-    wall_s: float = 0.0
-
-    @property
-    def rows(self) -> int:
-        """Rows through the linear layers; ValueError if the linear layers did not all see the same rows."""
-        if len(set(self.linear_rows)) != 1:
-            raise ValueError(f"the linear layers saw different row counts {sorted(set(self.linear_rows))}")
-        return self.linear_rows[0]
-
-
-def run_recorded(cfg: ModelConfig, weights: dict, method: str, batches: Sequence[Sequence[Request]],
-                 max_num_batched_tokens: int, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[list, list]:
-    """Serve each batch of ``batches`` (lists of ``Request``) as ONE forward of ``Engine(method=method)`` under
-    an ``OpRecorder``: ``(outputs of every request, [BatchRecord per batch])``. Raises ValueError when a batch
-    does not run as one forward (it does not fit the budgets)."""
-    engine = Engine(cfg, weights=weights, method=method, device=device, dtype=dtype, compute_logits=False,
-                    max_num_batched_tokens=max_num_batched_tokens)
-    outputs, records = [], []
-    per = cfg.n_heads * cfg.n_layers
-    for b, reqs in enumerate(batches):
-        with OpRecorder() as rec:
-            outputs += engine.prefill([Request(r.request_id, r.prompt_token_ids, r.return_hidden) for r in reqs])
-        if len(engine.stats) != 1:
-            raise ValueError(f"batch {b} ran as {len(engine.stats)} forwards, not one: it does not fit the budgets")
-        cells = rec.cells
-        records.append(BatchRecord(method, tuple(r.request_id for r in reqs),
-                                   tuple(m.m for m in rec.matmuls if m.kind == "linear"),
-                                   cells // per if cells % per == 0 else cells / per, tuple(rec.scores),
-                                   engine.stats[0].wall_s))
-    return outputs, records
-
-
 # ---- counts per method, one convention --------------------------------------------------------------
 
-def _totals(stats: Sequence) -> dict:
-    """``method_totals``'s counts for one method, summed over its ``BatchStats`` (whole blocks)."""
-    return {"rows": sum(s.executed_rows for s in stats), "pad_rows": sum(s.padding_rows for s in stats),
-            "cells_computed": sum(s.cells_whole_computed for s in stats),
-            "cells_useful": sum(s.cells_whole_useful for s in stats),
-            "flops_executed": sum(s.flops_whole_executed for s in stats),
-            "flops_useful": sum(s.flops_whole_useful for s in stats)}
-
-
-def method_totals(cfg: ModelConfig, batches: Sequence[Sequence[int]]) -> dict:
-    """``{method: {"rows", "pad_rows", "cells_computed", "cells_useful", "flops_executed", "flops_useful"}}``
-    over ``batches`` (lists of request lengths), analytic (``batch_stats``), every number by whole blocks:
-    cells per head per layer, FLOPs of the whole forward (``BatchStats``' ``cells_whole_*``, ``flops_whole_*``)."""
-    return {m: _totals([batch_stats(cfg, b, m) for b in batches]) for m in METHODS}
-
-
 def totals_text(totals: Mapping[str, Mapping]) -> str:
-    """One line per method of ``method_totals``: rows (pad rows), cells and FLOPs, each with what it counts."""
+    """One line per method of ``serve.schedules.plan_totals``: rows (pad rows), cells and FLOPs, each with what it counts."""
     lines = []
     for m, t in totals.items():
         fl = t["flops_executed"] / t["flops_useful"] if t["flops_useful"] else 0.0
@@ -320,26 +260,17 @@ def batch_waste(stats: Mapping[str, Sequence], max_num_batched_tokens: int | Non
 RECORD_LIMIT = 1_000_000  # score cells per head per layer above which the explorer records a scaled-down copy
 
 
-def record_scale(lens: Sequence[int], method: str) -> int:
-    """The smallest integer ``k >= 1`` such that the batch ``[ceil(L / k) for L in lens]`` computes at most
-    ``RECORD_LIMIT`` score cells per head per layer under ``method`` (``batch_stats``): 1 when ``lens`` fits,
-    ``max(lens)`` when no ``k`` does."""
-    def fits(k):
-        return batch_stats(TINY, [-(-n // k) for n in lens], method).cells_whole_computed <= RECORD_LIMIT
-    return first_where(fits, 1, max(lens)) or max(lens)
-
-
 @functools.lru_cache(maxsize=256)
 def record_batch(lens: tuple, max_num_batched_tokens: int) -> dict:
     """A batch of lengths ``lens`` run as one forward of ``Engine(TINY, method=m)`` per method under ``OpRecorder``:
-    ``{method: (BatchRecord, k)}``. ``k``, the largest ``record_scale(lens, m)``, is the same for all three: a batch
+    ``{method: (BatchRecord, k)}``. ``k``, the largest ``serve.recording.record_scale``, is the same for all three: a batch
     over ``RECORD_LIMIT`` cells under some method runs as one copy with every length divided by ``k``, rounded up
     (the same mix, the same layout). Kept: an explorer move records only the batches it has not run before."""
-    k = max(record_scale(lens, m) for m in METHODS)
+    k = max(record_scale(TINY, lens, m, RECORD_LIMIT) for m in METHODS)
     scaled = [-(-n // k) for n in lens]
     reqs = [Request(i, p) for i, p in enumerate(make_requests(scaled, TINY.vocab_size, seed=PROMPT_SEED))]
     budget = max(max_num_batched_tokens, sum(scaled))
-    return {m: (run_recorded(TINY, _tiny_weights(), m, [reqs], budget)[1][0], k) for m in METHODS}
+    return {m: (record_batches(TINY, _tiny_weights(), m, [reqs], budget)[1][0], k) for m in METHODS}
 
 
 def record_stream(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int) -> dict:
@@ -349,34 +280,7 @@ def record_stream(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max
     return {m: [run[m] for run in runs] for m in METHODS}
 
 
-def stream_counts(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], recorded: Mapping[str, Sequence],
-                  cfg: ModelConfig | None = None) -> dict:
-    """Per method, the stream's rows and score cells per head per layer as RECORDED (``record_stream``), beside
-    ``batch_stats``' prediction: ``{method: {"rows", "cells", "useful_rows", "useful_cells", "checked", "scaled",
-    "differs"}}``. A batch recorded as a scaled copy (``k > 1``, counted in ``scaled``) counts the prediction for
-    its full lengths. ``checked``: batches whose record equals the prediction for the lengths they ran;
-    ``differs``: the indices of the others."""
-    cfg = cfg or TINY
-    out = {}
-    for m in METHODS:
-        c = {"rows": 0, "cells": 0, "useful_rows": 0, "useful_cells": 0, "checked": 0, "scaled": 0, "differs": []}
-        for b, (ids, (rec, k)) in enumerate(zip(batches, recorded[m])):
-            lens = [seq_lens[i] for i in ids]
-            ran, full = batch_stats(cfg, [-(-n // k) for n in lens], m), batch_stats(cfg, lens, m)
-            if (rec.rows, rec.cells) == (ran.executed_rows, ran.cells_whole_computed):
-                c["checked"] += 1
-            else:
-                c["differs"].append(b)
-            c["rows"] += rec.rows if k == 1 else full.executed_rows
-            c["cells"] += rec.cells if k == 1 else full.cells_whole_computed
-            c["useful_rows"] += full.num_tokens
-            c["useful_cells"] += full.cells_whole_useful
-            c["scaled"] += k > 1
-        out[m] = c
-    return out
-
-
-EXPLORER_SCHEDULERS = ("FCFS", "shortest first")  # plan_batches, sorted_batches (06.1's bucketing is the exercise)
+EXPLORER_SCHEDULERS = ("FCFS", "shortest first")  # plan_batches, shortest_first_batches (06.1's bucketing is the exercise)
 
 
 def _schedule(scheduler: str, lens: Sequence[int], budget: int) -> tuple[list[list[int]], dict]:
@@ -384,23 +288,26 @@ def _schedule(scheduler: str, lens: Sequence[int], budget: int) -> tuple[list[li
     are refused, S3) under ``scheduler``; ``delays`` become ``(request id, batches later than under FCFS)``."""
     kept = [i for i, n in enumerate(lens) if n <= budget]
     sub = [lens[i] for i in kept]
-    local = plan_batches(sub, budget) if scheduler == "FCFS" else sorted_batches(sub, budget)
+    local = plan_batches(sub, budget) if scheduler == "FCFS" else shortest_first_batches(sub, budget)
     measures = schedule_measures(sub, local, budget)
     measures["delays"] = [(kept[i], d) for i, d in enumerate(measures["delays"])]
     return [[kept[i] for i in ids] for ids in local], measures
 
 
 def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 768,
-                       seed: int = 0, batch: int | None = 0, scheduler: str = "FCFS") -> dict:
+                       seed: int = 0, batch: int | None = 0, scheduler: str = "FCFS", record: bool = True) -> dict:
     """A seeded stream of ``workload`` requests (``WORKLOAD_PRESETS``), scheduled by ``scheduler``
-    (``EXPLORER_SCHEDULERS``: FCFS = ``plan_batches``, shortest first = ``sorted_batches``), costed per method.
+    (``EXPLORER_SCHEDULERS``: FCFS = ``plan_batches``, shortest first = ``shortest_first_batches``), costed per method.
 
     Keys: ``workload``, ``seq_lens``, ``batches`` (lists of request ids), ``rejected`` (ids),
     ``max_num_batched_tokens``, ``scheduler``; ``stats`` ({method: [BatchStats]}, ``batch_stats``) and ``totals``
-    (``method_totals``' counts); ``measures`` and ``counts`` ({schedule: ``schedule_measures`` with ``delays``} and
-    {schedule: ``stream_counts``} for the scheduler and, beside another one, FCFS: every batch recorded per method);
+    (``serve.schedules.stats_totals``); ``measures`` and ``counts`` ({schedule: ``schedule_measures`` with
+    ``delays``} and {schedule: ``serve.recording.recorded_totals``} for the scheduler and, beside another one, FCFS:
+    every batch recorded per method);
     ``batch`` (the index shown, clipped to the last batch; None: none) and ``recorded`` (that batch's
-    ``{method: (BatchRecord, k)}``, ``{}`` when none); ``readout`` (``prefill_plan_readout``).
+    ``{method: (BatchRecord, k)}``, ``{}`` when none); ``readout`` (``prefill_plan_readout``). With
+    ``record=False`` only the plan and its predictions (nothing runs): no ``measures``, ``counts``, ``recorded``,
+    ``readout``.
     """
     if scheduler not in EXPLORER_SCHEDULERS:
         raise ValueError(f"scheduler must be one of {EXPLORER_SCHEDULERS}, got {scheduler!r}")
@@ -413,18 +320,20 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     cfg = ModelConfig()
     stats = {m: [batch_stats(cfg, [lens[i] for i in ids], m, b, request_ids=ids) for b, ids in enumerate(batches)]
              for m in METHODS}
+    state = {"workload": workload, "seq_lens": lens, "batches": batches, "scheduler": scheduler,
+             "rejected": [i for i, n in enumerate(lens) if n > budget], "max_num_batched_tokens": budget,
+             "stats": stats, "totals": {m: stats_totals(stats[m]) for m in METHODS}}
+    if not record:
+        return state
     pick = None if batch is None or not batches else min(check_int("batch", batch, 0), len(batches) - 1)
     stream = record_stream(lens, batches, budget)
     schedules = {scheduler: (batches, measures, stream)}
     if scheduler != "FCFS" and batches:
         fcfs, fcfs_measures = _schedule("FCFS", lens, budget)
         schedules = {"FCFS": (fcfs, fcfs_measures, record_stream(lens, fcfs, budget)), **schedules}
-    state = {"workload": workload, "seq_lens": lens, "batches": batches, "scheduler": scheduler,
-             "rejected": [i for i, n in enumerate(lens) if n > budget], "max_num_batched_tokens": budget,
-             "stats": stats, "totals": {m: _totals(stats[m]) for m in METHODS},
-             "measures": {k: v[1] for k, v in schedules.items()},
-             "counts": {k: stream_counts(lens, v[0], v[2]) for k, v in schedules.items()},
-             "batch": pick, "recorded": {} if pick is None else {m: stream[m][pick] for m in METHODS}}
+    state.update(measures={k: v[1] for k, v in schedules.items()},
+                 counts={k: recorded_totals(TINY, lens, v[0], v[2]) for k, v in schedules.items()},
+                 batch=pick, recorded={} if pick is None else {m: stream[m][pick] for m in METHODS})
     state["readout"] = prefill_plan_readout(state)
     return state
 
@@ -542,143 +451,19 @@ def prefill_plan_explorer(workload: str = "long-tail", num_requests: int = 48, m
 
     def update(change=None):
         text.value = "<div>running...</div>" + text.value
-        state = prefill_plan_state(kind.value, reqs.value, budget.value, batch=pick.value, scheduler=sched.value)
-        text.value = prefill_plan_html(state)
-        if state["batches"]:
-            show_figure(out, batch_waste(state["stats"], budget.value))
+        knobs = dict(workload=kind.value, num_requests=reqs.value, max_num_batched_tokens=budget.value,
+                     batch=pick.value, scheduler=sched.value)
+        plan = prefill_plan_state(**knobs, record=False)  # the figure first: predictions, nothing runs
+        if plan["batches"]:
+            show_figure(out, batch_waste(plan["stats"], budget.value))
         else:
             out.outputs = ()
+        text.value = prefill_plan_html(prefill_plan_state(**knobs))  # then every batch run under the recorder
 
     return explorer("ppx", [kind, sched, reqs, budget, pick], [text, out], update)
 
 
-# ---- schedules: validity (S3) and the three measures ------------------------------------------------
-
-def schedule_problem(batches, seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_seqs: int) -> str | None:
-    """What makes ``batches`` (lists of request indices) an invalid prefill schedule, or None.
-
-    Valid (S3): every request exactly once, so whole in one batch; no empty batch; every batch
-    within ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests.
-    """
-    n = len(seq_lens)
-    if not isinstance(batches, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in batches):
-        return f"expected a list of batches, each a list of request indices, got {batches!r}"[:300]
-    flat = [i for b in batches for i in b]
-    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in flat):
-        return "a batch holds request indices (ints), not tokens or requests"
-    if sorted(flat) != list(range(n)):
-        if sorted(flat) == sorted(seq_lens):
-            return "your batches hold the requests' LENGTHS; return their indices (0 .. n-1) instead"
-        missing = sorted(set(range(n)) - set(flat))
-        twice = sorted({i for i in flat if flat.count(i) > 1})
-        return ("every request must be served exactly once, whole, in one batch (S3): "
-                + (f"missing {missing[:8]} " if missing else "") + (f"served twice {twice[:8]} " if twice else "")
-                + (f"unknown {sorted(set(flat) - set(range(n)))[:8]}" if set(flat) - set(range(n)) else "")).strip()
-    for b, ids in enumerate(batches):
-        if not ids:
-            return f"batch {b} is empty: every forward must carry at least one request"
-        tokens = sum(seq_lens[i] for i in ids)
-        if tokens > max_num_batched_tokens:
-            return (f"batch {b} holds {tokens} tokens > max_num_batched_tokens={max_num_batched_tokens}: "
-                    "close a batch before the next request would overflow it")
-        if len(ids) > max_num_seqs:
-            return f"batch {b} holds {len(ids)} requests > max_num_seqs={max_num_seqs}: the budget counts requests too"
-    return None
-
-def schedule_measures(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int,
-                      max_num_seqs: int = 256) -> dict:
-    """The measures of a valid schedule, against FCFS (``plan_batches``) on the same stream.
-
-    ``pad_rows``: rows a padded engine adds (``batch_stats``); ``masked_wasted``: cross-request score cells a
-    masked engine computes and throws away, per head per layer (``flops.attention_cells``); ``delays``: per
-    request, the batches it is served after its FCFS batch, ``max_delay`` their largest (0 at least);
-    ``overtakes``: pairs where a later arrival is served in an earlier batch; ``batches``: forwards.
-    """
-    fcfs = plan_batches(seq_lens, max_num_batched_tokens, max_num_seqs)
-    at = {i: b for b, ids in enumerate(batches) for i in ids}
-    at_fcfs = {i: b for b, ids in enumerate(fcfs) for i in ids}
-    delays = [at[i] - at_fcfs[i] for i in range(len(seq_lens))]
-    padded = [batch_stats(TINY, [seq_lens[i] for i in ids], "padded") for ids in batches]  # rows: any model
-    return {"batches": len(batches), "pad_rows": sum(s.padding_rows for s in padded),
-            "masked_wasted": sum(attention_cells([seq_lens[i] for i in ids], "masked").wasted for ids in batches),
-            "delays": delays, "max_delay": max([0] + delays),
-            "overtakes": sum(at[j] < at[i] for i in range(len(seq_lens)) for j in range(i + 1, len(seq_lens)))}
-
-
-def schedule_table(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int,
-                   max_num_seqs: int = 256, name: str = "yours") -> str:
-    """FCFS and ``batches`` side by side on the same stream: the lines ``schedule_measures`` counts."""
-    fcfs = plan_batches(seq_lens, max_num_batched_tokens, max_num_seqs)
-    rows = {"FCFS": schedule_measures(seq_lens, fcfs, max_num_batched_tokens, max_num_seqs),
-            name: schedule_measures(seq_lens, batches, max_num_batched_tokens, max_num_seqs)}
-    head = f"{'':8s} {'batches':>7s} {'pad rows':>9s} {'masked cells wasted':>20s} {'max delay':>9s} {'overtakes':>9s}"
-    return "\n".join([head] + [f"{k:8s} {m['batches']:7d} {m['pad_rows']:9,d} {m['masked_wasted']:20,d} "
-                               f"{m['max_delay']:9d} {m['overtakes']:9d}" for k, m in rows.items()])
-
-
-# ---- measured: the three methods on the device -----------------------------------------------------
-
-def time_methods(cfg: ModelConfig, weights: dict, requests: Sequence[Request], max_num_batched_tokens: int,
-                 repeats: int = 3, device=None, dtype: torch.dtype | None = None) -> dict:
-    """Serve ``requests`` with each method on ``device``, ``repeats`` times, the methods interleaved within each
-    repeat (after one warm-up forward each, no recorder): ``{method: [seconds of each repeat]}``, each the sum of
-    its forwards' measured ``wall_s``. Shown, never asserted."""
-    engines = {m: Engine(cfg, weights=weights, method=m, device=device, dtype=dtype, compute_logits=False,
-                         max_num_batched_tokens=max_num_batched_tokens) for m in METHODS}
-    for engine in engines.values():
-        engine.prefill([Request("warm-up", requests[0].prompt_token_ids)])
-        synchronize(engine.device)
-    out = {m: [] for m in METHODS}
-    for _ in range(check_int("repeats", repeats, 2, 100)):
-        for m, engine in engines.items():
-            engine.prefill([Request(r.request_id, r.prompt_token_ids) for r in requests])
-            out[m].append(sum(st.wall_s for st in engine.stats))
-    return out
-
-
-def timing_verdict(times: Mapping[str, Sequence[float]], flops: Mapping[str, int]) -> str:
-    """``time_methods``' repeats as lines: each method's median and its fastest to slowest repeat, the order of
-    the medians, and a verdict: which neighbours in that order the repeats separate (the slower one's fastest repeat
-    slower than the faster one's slowest), and whether a separated order is the one of ``flops`` (executed FLOPs
-    per method, e.g. ``BatchStats.flops_whole_executed`` summed)."""
-    med = {m: float(np.median(t)) for m, t in times.items()}
-    order = sorted(med, key=med.get)
-    lines = [f"{m:7s} median {med[m] * 1e3:8,.0f} ms | repeats {min(times[m]) * 1e3:,.0f} to {max(times[m]) * 1e3:,.0f} ms"
-             for m in times]
-    apart = [max(times[a]) < min(times[b]) for a, b in zip(order, order[1:])]
-    by_flops = sorted(flops, key=flops.get)
-    lines.append("fastest to slowest (medians): " + " < ".join(order) + f" | by executed FLOPs: {' < '.join(by_flops)}")
-    if all(apart):
-        lines.append("verdict: the repeats separate all three methods; "
-                     + ("their order is the FLOPs' order" if order == by_flops else
-                        "their order is NOT the FLOPs' order: something other than FLOPs set the time"))
-    else:
-        tied = [f"{a} and {b}" for (a, b), ok in zip(zip(order, order[1:]), apart) if not ok]
-        lines.append(f"verdict: the repeats overlap for {', '.join(tied)}: this run does not rank "
-                     f"{'them' if len(tied) > 1 else 'that pair'}, and no explanation of their order is licensed")
-    return "\n".join(lines)
-
-
-def causal_vs_full_seconds(length: int = 2048, heads: int = 8, d_head: int = 64, repeats: int = 3,
-                           device=None, dtype: torch.dtype = torch.float32) -> dict:
-    """One request's attention, ``[1, heads, length, d_head]``, through ``F.scaled_dot_product_attention`` (the
-    call the CPU ``sdpa`` varlen backend makes per length group) with ``is_causal=True`` and ``False``, timed side
-    by side, interleaved, best of ``repeats`` each after a warm-up: ``{"causal": s, "full": s}``. Both have the
-    same ``L x L`` shape, so the op recorder counts the same cells: a fused kernel that skips the key tiles above
-    the diagonal shows it only here, in time. Shown, never asserted."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, length, d_head, generator=gen).to(device or "cpu", dtype) for _ in range(3))
-    best = {"causal": math.inf, "full": math.inf}
-    for round_ in range(repeats + 1):
-        for name, causal in (("causal", True), ("full", False)):
-            synchronize(q.device)
-            t0 = time.perf_counter()
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            synchronize(q.device)
-            if round_:  # round 0 is the warm-up
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best
-
+# ---- C9: masked's waste per useful cell, recorded -----------------------------------------------------
 
 def masked_waste_sweep(length: int = 32, requests: Sequence[int] = (1, 2, 4, 8)) -> dict[int, float]:
     """C9 measured: for each ``R`` in ``requests``, ``R`` requests of ``length`` tokens run as ONE forward of
@@ -687,7 +472,7 @@ def masked_waste_sweep(length: int = 32, requests: Sequence[int] = (1, 2, 4, 8))
     out = {}
     for r in requests:
         reqs = [Request(i, p) for i, p in enumerate(make_requests([length] * r, TINY.vocab_size, seed=PROMPT_SEED))]
-        cells = {m: run_recorded(TINY, _tiny_weights(), m, [reqs], r * length)[1][0].cells for m in ("masked", "varlen")}
+        cells = {m: record_batches(TINY, _tiny_weights(), m, [reqs], r * length)[1][0].cells for m in ("masked", "varlen")}
         out[r] = (cells["masked"] - cells["varlen"]) / cells["varlen"]
     return out
 
@@ -757,52 +542,12 @@ def _bucket_cases() -> list[tuple]:
             (IN_ENGINE, [kept], budget, 256)]
 
 
-def drive_scheduler(make: Callable[[int, int], Scheduler], arrivals: Sequence[Sequence[int]],
-                    max_num_batched_tokens: int, max_num_seqs: int, max_steps: int = 10_000) -> list[list[int]]:
-    """Drive a scheduler step by step: at step s the requests of ``arrivals[s]`` (lengths) are added (ids
-    numbered in arrival order), then ``schedule()`` forms one batch. Returns the batches as request ids.
-    ValueError when a step returns an empty batch while requests wait, or a request it was never given."""
-    sched = make(max_num_batched_tokens, max_num_seqs)
-    batches, step, rid, known = [], 0, 0, {}
-    while step < len(arrivals) or sched.waiting:
-        for n in (arrivals[step] if step < len(arrivals) else []):
-            req = Request(rid, [1] * n)
-            known[rid] = req
-            sched.add(req)
-            rid += 1
-        step += 1
-        if not sched.waiting:
-            continue
-        batch = sched.schedule()
-        if not isinstance(batch, list) or not all(isinstance(r, Request) for r in batch):
-            raise ValueError(f"schedule() must return a list of Request objects, got {batch!r}"[:200])
-        if not batch:
-            raise ValueError(f"schedule() returned an empty batch at step {step - 1} while {len(sched.waiting)} "
-                             "requests waited: every forward must carry at least one request")
-        for r in batch:
-            if known.get(r.request_id) is not r:
-                raise ValueError(f"schedule() returned request {r.request_id!r}, which was not waiting")
-        batches.append([r.request_id for r in batch])
-        if len(batches) > max_steps:
-            raise ValueError(f"more than {max_steps} batches: does schedule() take requests out of self.waiting?")
-    return batches
-
-
-def _passed_over_timed(batches, arrivals) -> dict[int, int]:
-    """``{request id: batches that served a later arrival before it}``, counting only batches formed after it
-    arrived (the driver forms batch b at step b while anything waits)."""
-    arrived = dict(enumerate(s for s, wave in enumerate(arrivals) for _ in wave))
-    served_at = {i: b for b, ids in enumerate(batches) for i in ids}
-    return {i: sum(1 for b in range(served_at[i]) if arrived[i] <= b and any(j > i for j in batches[b]))
-            for i in served_at}
-
-
 def _bucket_problem(batches, arrivals, budget, max_seqs) -> str | None:
     lens = [n for wave in arrivals for n in wave]
     problem = schedule_problem(batches, lens, budget, max_seqs)
     if problem:
         return problem
-    over = _passed_over_timed(batches, arrivals)
+    over = passed_over(batches, arrivals)
     worst = max(over, key=over.get)
     if over[worst] > MAX_PASSED_OVER:
         return (f"request {worst} ({lens[worst]} tokens) waited while {over[worst]} batches served requests that arrived "
@@ -846,14 +591,6 @@ def _engine_problem(got: dict, lens: Sequence[int], budget: int, max_seqs: int) 
     return None
 
 
-def with_schedule(schedule: Callable) -> type:
-    """A ``Scheduler`` subclass whose ``schedule(self)`` is ``schedule``: ``Engine`` takes it as
-    ``Engine(..., scheduler=with_schedule(fn)(max_num_batched_tokens, max_num_seqs))``."""
-    if not callable(schedule):
-        raise ValueError(f"with_schedule takes a function schedule(self), got {schedule!r}"[:200])
-    return type(f"Scheduler_{getattr(schedule, '__name__', 'yours')}", (Scheduler,), {"schedule": schedule})
-
-
 def check_bucket_scheduler(answer) -> bool:
     """Exercise 06.1: ``answer`` is a function ``schedule(self)`` (made a ``Scheduler`` method by
     ``with_schedule``) or a ``Scheduler`` subclass; ``schedule`` returns the next batch, a list of
@@ -893,24 +630,11 @@ def check_bucket_scheduler(answer) -> bool:
 
 # ---- exercise 06.2: a counter-example, measured ------------------------------------------------------
 
-def sorted_batches(seq_lens: Sequence[int], max_num_batched_tokens: int, max_num_seqs: int = 256) -> list[list[int]]:
-    """Shortest first over the whole stream, cut into batches within both budgets (the extreme of sorting)."""
-    lens = [check_int(f"seq_lens[{i}]", n, 1, max_num_batched_tokens) for i, n in enumerate(seq_lens)]
-    batches, cur, used = [], [], 0
-    for i in sorted(range(len(lens)), key=lambda i: (lens[i], i)):
-        if cur and (used + lens[i] > max_num_batched_tokens or len(cur) == max_num_seqs):
-            batches.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += lens[i]
-    return batches + ([cur] if cur else [])
-
-
 def measure_schedule(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int) -> dict:
     """Run ``batches`` through ``Engine(TINY)`` padded and masked, one forward each, under ``OpRecorder``:
     ``{"padded_rows", "masked_cells"}`` as EXECUTED (rows through the linears, score cells per head per layer)."""
     reqs = [Request(i, p) for i, p in enumerate(make_requests(list(seq_lens), TINY.vocab_size, seed=PROMPT_SEED))]
-    runs = {m: run_recorded(TINY, _tiny_weights(), m, [[reqs[i] for i in b] for b in batches], max_num_batched_tokens)[1]
+    runs = {m: record_batches(TINY, _tiny_weights(), m, [[reqs[i] for i in b] for b in batches], max_num_batched_tokens)[1]
             for m in ("padded", "masked")}
     return {"padded_rows": sum(r.rows for r in runs["padded"]), "masked_cells": sum(r.cells for r in runs["masked"])}
 
@@ -918,7 +642,7 @@ def measure_schedule(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], 
 @functools.lru_cache(maxsize=16)
 def _both_schedules(lens: tuple, budget: int) -> tuple:
     """``(FCFS's batches, shortest first's, measure_schedule of each)`` for a stream, kept per stream."""
-    fcfs, srt = plan_batches(list(lens), budget), sorted_batches(lens, budget)
+    fcfs, srt = plan_batches(list(lens), budget), shortest_first_batches(lens, budget)
     return fcfs, srt, measure_schedule(lens, fcfs, budget), measure_schedule(lens, srt, budget)
 
 
@@ -929,7 +653,7 @@ _CE_CASES = [("a valid stream: 1 to 12 requests, none over the budget, budget 1.
 
 def check_masked_counterexample(fn: Callable[[], tuple]) -> bool:
     """Exercise 06.2: ``fn() -> (seq_lens, max_num_batched_tokens)``: at most 12 requests, each at most the
-    budget, budget at most 256. Both schedules, FCFS (``plan_batches``) and shortest-first (``sorted_batches``),
+    budget, budget at most 256. Both schedules, FCFS (``plan_batches``) and shortest-first (``shortest_first_batches``),
     are RUN through the padded and the masked engine under the recorder (``measure_schedule``); three checks,
     one point each: a valid stream, sorting pads fewer rows, and sorting makes masked compute MORE cells."""
     answers = []
