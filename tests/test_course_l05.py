@@ -40,6 +40,11 @@ from lessons_lib.style import ATTENTION, LINEAR, MIN_FONT, OTHER, TEXT
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=300, max_position=128)
 
 
+CFGS = (ModelConfig(), ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=32, d_ffn=1024),
+        ModelConfig(n_layers=4, d_model=512, n_heads=4, d_head=64, d_ffn=1536),
+        ModelConfig(n_layers=3, d_model=384, n_heads=6, d_head=64, d_ffn=3072))
+
+
 def cells_per_head(matmuls):
     """Score cells per head, summed over layers, from the recorded Q K^T shapes ([heads, L_q, d_head] @ [heads,
     d_head, L_k]): the first of each recorded (Q K^T, P V) pair."""
@@ -145,7 +150,7 @@ def test_c14_crossover_is_six_d_whole_blocks_and_twelve_d_minus_one_causal():
             assert f.attention >= f.linear and g.attention < g.linear
 
 
-@pytest.mark.parametrize("cfg", L._CFGS)
+@pytest.mark.parametrize("cfg", CFGS)
 @pytest.mark.parametrize("ridge, nbytes", [(206.0, 2), (9.0, 4), (100.0, 2), (1.0, 2), (383.0, 2), (400.0, 2)])
 def test_c15_min_decode_batch_is_the_smallest_r_reaching_the_ridge(cfg, ridge, nbytes):
     r = min_decode_batch(cfg, ridge, nbytes)

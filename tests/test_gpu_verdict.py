@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from lessons_lib.measure.flops import attention_thread_blocks, gemm_thread_blocks, gpu_verdict
+from lessons_lib.core.config import ModelConfig
+from lessons_lib.measure.flops import (
+    attention_thread_blocks,
+    decode_step_parts,
+    decode_step_verdicts,
+    gemm_thread_blocks,
+    gpu_verdict,
+)
 from lessons_lib.measure.machines import H200, Machine
 
 
@@ -36,3 +43,13 @@ def test_h200_1x1000_attention_at_d_model_512_is_launch_bound_and_at_4096_comput
         k = heads * d_head
         v = gpu_verdict(4 * k * 1000 * 1001 // 2, 2 * 4 * 1000 * k, H200, attention_thread_blocks([1000], heads))
         assert v.part.bound == "compute-bound" and v.binds == binds
+
+
+def test_decode_step_verdicts_count_the_step_s_gemm_tiles_and_attention_blocks():
+    cfg = ModelConfig()                                    # d_model 512, 8 heads, FFN 2048
+    lin, att = decode_step_verdicts(cfg, 1, 128, H200)
+    p = decode_step_parts(cfg, 1, 128, H200)
+    assert (lin.part, att.part) == (p.linear, p.attention)
+    assert lin.blocks == 1536 // 128 + 512 // 128 + 2048 // 128 + 512 // 128 and lin.kernels == 4   # one tile row
+    assert att.blocks == 8 and att.kernels == 1            # one block per request and head
+    assert decode_step_verdicts(cfg, 300, 128, H200)[0].blocks == 3 * 36 and lin.binds == "launch latency"

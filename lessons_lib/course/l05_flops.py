@@ -29,12 +29,10 @@ from ..measure.flops import (
     decode_attention_intensity,
     decode_kv_overtakes_from,
     decode_step_parts,
+    decode_step_verdicts,
     forward_flops,
-    gemm_thread_blocks,
-    gpu_verdict,
     gqa_heads_for_ridge,
     gqa_intensity_ceiling,
-    linear_shapes,
     min_decode_batch,
     most_compute_bound_requests,
     prefill_attention_intensity,
@@ -44,7 +42,7 @@ from ..measure.profile import wall_scaled
 from ..measure.recorded import TIMED_MAX_FLOPS, TIMED_MAX_TOKENS, timed_forward
 from ..measure.recorder import BF16
 from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE
-from ..validate import check_int, check_lengths, check_n_kv_heads
+from ..validate import check_int, check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import register
 from .grading import grade
@@ -55,15 +53,12 @@ from .grading import grade
 
 def decode_parts_table(cfg: ModelConfig, kv_lens: Sequence[int], requests: Sequence[int]) -> list[str]:
     """One line per (cache length, R): per layer on the H200 (``decode_step_parts``), each part's roofline time and
-    bound, then ``gpu_verdict``'s floor (thread blocks: the linear layers' GEMMs, one block per request and head for
-    attention; one launch per GEMM, one for attention)."""
+    bound, then its GPU floor (``decode_step_verdicts``: thread blocks and launches)."""
     out = []
     for n in kv_lens:
         for r in requests:
             p = decode_step_parts(cfg, r, n, H200)
-            blocks = sum(gemm_thread_blocks(r, d_out) for _, d_out in linear_shapes(cfg))
-            lin = gpu_verdict(p.linear.flops, p.linear.bytes, H200, blocks, kernels=4)
-            att = gpu_verdict(p.attention.flops, p.attention.bytes, H200, r * cfg.n_heads)
+            lin, att = decode_step_verdicts(cfg, r, n, H200)
             out.append(f"{n:5d} cached, R = {r:5d}: linear {p.linear.seconds * 1e6:8.3g} us ({p.linear.bound}, "
                        f"{p.linear.intensity:5.1f} FLOP/B; {lin.binds} binds: >= {lin.seconds * 1e6:.3g} us) | attention "
                        f"{p.attention.seconds * 1e6:8.3g} us ({p.attention.bound}, {p.attention.intensity:.2f} FLOP/B; "
@@ -72,6 +67,17 @@ def decode_parts_table(cfg: ModelConfig, kv_lens: Sequence[int], requests: Seque
 
 # ---------------------------------------------------------------------------------------------
 # Figures
+
+
+def _dress(ax, xlabel: str, ylabel: str, title: str = "", size: int = MIN_FONT + 1, **legend) -> None:
+    """``ax``'s axis labels at ``size``, ticks at ``MIN_FONT``, ``title``, and a frameless legend placed by
+    ``legend`` (``loc``, ``bbox_to_anchor``) when given."""
+    ax.set_xlabel(xlabel, fontsize=size)
+    ax.set_ylabel(ylabel, fontsize=size)
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.set_title(title, fontsize=MIN_FONT + 1)
+    if legend:
+        ax.legend(fontsize=MIN_FONT, frameon=False, **legend)
 
 
 def flops_bars(ax, cases: Sequence[tuple[str, Sequence[int]]], cfg: ModelConfig, title: str) -> None:
@@ -90,11 +96,8 @@ def flops_bars(ax, cases: Sequence[tuple[str, Sequence[int]]], cfg: ModelConfig,
                 color=TEXT)
     ax.set_xticks(x)
     ax.set_xticklabels([label for label, _ in cases], fontsize=MIN_FONT + 1)
-    ax.set_ylabel("GFLOP per forward", fontsize=MIN_FONT + 1)
-    ax.tick_params(labelsize=MIN_FONT)
     ax.set_ylim(0, float((lin + att).max()) * 1.45 or 1.0)
-    ax.legend(fontsize=MIN_FONT, loc="upper right", frameon=False)
-    ax.set_title(title, fontsize=MIN_FONT + 1)
+    _dress(ax, "", "GFLOP per forward", title, loc="upper right")
 
 
 def _blocks(ax, lens: list[int], title: str) -> None:
@@ -103,11 +106,7 @@ def _blocks(ax, lens: list[int], title: str) -> None:
     ax.add_patch(Rectangle((0, 0), t, t, facecolor=NEVER, edgecolor=TEXT, linewidth=0.8))
     for s, n in zip(cumulative(lens)[:-1], lens):
         ax.add_patch(Rectangle((s, t - s - n), n, n, facecolor=ATTENTION, edgecolor="none"))
-    ax.set_xlim(0, t)
-    ax.set_ylim(0, t)
-    ax.set_aspect("equal")
-    ax.set_xticks([])
-    ax.set_yticks([])
+    ax.set(xlim=(0, t), ylim=(0, t), aspect="equal", xticks=[], yticks=[])
     ax.set_title(title, fontsize=MIN_FONT + 1)
 
 
@@ -158,15 +157,11 @@ def attention_share_curve(cfg: ModelConfig | None = None, lengths: Sequence[int]
         at = (n / 5, s + 8) if s < 50 else (n * 2.5, s - 30)
         ax.annotate(f"L = {n:,}: {s:.1f}%", (n, s), xytext=at, ha="left", va="bottom", fontsize=MIN_FONT, color=TEXT,
                     arrowprops={"arrowstyle": "-", "color": TEXT, "linewidth": 0.8})
-    ax.set_xscale("log")
-    ax.set_xlabel("tokens per request L (any number of requests of this length)", fontsize=MIN_FONT + 1)
-    ax.set_ylabel("attention's share of the FLOPs (%)", fontsize=MIN_FONT + 1)
-    ax.tick_params(labelsize=MIN_FONT)
-    ax.set_ylim(0, 100)
-    ax.legend(fontsize=MIN_FONT, frameon=False, loc="upper left", bbox_to_anchor=(0.0, 0.9))
-    ax.set_title(f"Attention's share of one forward's FLOPs ({cfg.n_layers} layers, d_model {cfg.d_model}, "
-                 f"FFN {cfg.d_ffn}):\nattention-dominated (share > 50 %) only right of the vertical lines",
-                 fontsize=MIN_FONT + 1)
+    ax.set(xscale="log", ylim=(0, 100))
+    _dress(ax, "tokens per request L (any number of requests of this length)", "attention's share of the FLOPs (%)",
+           f"Attention's share of one forward's FLOPs ({cfg.n_layers} layers, d_model {cfg.d_model}, FFN {cfg.d_ffn}):"
+           "\nattention-dominated (share > 50 %) only right of the vertical lines",
+           loc="upper left", bbox_to_anchor=(0.0, 0.9))
     fig.subplots_adjust(left=0.1, right=0.97, bottom=0.14, top=0.86)
     return fig
 
@@ -210,18 +205,11 @@ def intensity_figure(cfg: ModelConfig | None = None, decode_r: Sequence[int] = (
                 f"ridge, {machine}, {'bf16' if m.itemsize == BF16 else 'fp32'}: {ridge:.3g} FLOP/byte"
                 + (f"\n({how}" if how else ""), fontsize=MIN_FONT,
                 color=TEXT, ha="left" if left else "right", va="bottom" if left else "top")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(0.5, tokens[-1] * 1.3)
-    ax.set_ylim(0.3, 3000)
-    ax.set_xlabel("rows that share one read of the weights (prefill: flat tokens T; decode: requests R)",
-                  fontsize=MIN_FONT + 1)
-    ax.set_ylabel("FLOP per byte moved", fontsize=MIN_FONT + 1)
-    ax.tick_params(labelsize=MIN_FONT)
-    ax.legend(fontsize=MIN_FONT, frameon=False, loc="upper left", bbox_to_anchor=(0.0, 1.0))
-    ax.set_title("Arithmetic intensity = FLOPs / bytes moved, counting the weights, the input rows and the output "
-                 "rows,\neach moved once (no cache reuse); below a machine's ridge it waits for memory",
-                 fontsize=MIN_FONT + 1)
+    ax.set(xscale="log", yscale="log", xlim=(0.5, tokens[-1] * 1.3), ylim=(0.3, 3000))
+    _dress(ax, "rows that share one read of the weights (prefill: flat tokens T; decode: requests R)",
+           "FLOP per byte moved", "Arithmetic intensity = FLOPs / bytes moved, counting the weights, the input rows "
+           "and the output rows,\neach moved once (no cache reuse); below a machine's ridge it waits for memory",
+           loc="upper left", bbox_to_anchor=(0.0, 1.0))
     fig.subplots_adjust(left=0.1, right=0.97, bottom=0.13, top=0.88)
     return fig
 
@@ -245,21 +233,18 @@ def weight_reuse_figure(d_in: int = 512, d_out: int = 2048, lens: Sequence[int] 
         h = 0.28                                        # drawn height of one row
         cu = cumulative(rows)
         ax.text(0.0, y0 + 2.55, label, fontsize=MIN_FONT + 1, color=TEXT, fontweight="bold")
-        for i, n in enumerate(rows):                   # x [T, d_in]: rows coloured by request
-            for j in range(n):
-                ax.add_patch(Rectangle((0.0, y0 + 2.1 - (cu[i] + j + 1) * h), 1.6, h * 0.9,
-                                       facecolor=REQUEST[i % 2], edgecolor="white"))
-        ax.text(0.8, y0 + 2.1 - t * h - 0.12, f"x [{t}, {d_in}]", ha="center", va="top", fontsize=MIN_FONT, color=TEXT)
+        for x0, width, name, d in ((0.0, 1.6, "x", d_in), (5.6, 2.4, "y", d_out)):   # x and y: rows coloured by request
+            for i, n in enumerate(rows):
+                for j in range(n):
+                    ax.add_patch(Rectangle((x0, y0 + 2.1 - (cu[i] + j + 1) * h), width, h * 0.9,
+                                           facecolor=REQUEST[i % 2], edgecolor="white"))
+            ax.text(x0 + width / 2, y0 + 2.1 - t * h - 0.12, f"{name} [{t}, {d}]", ha="center", va="top",
+                    fontsize=MIN_FONT, color=TEXT)
         ax.text(1.95, y0 + 1.2, "@", ha="center", va="center", fontsize=MIN_FONT + 4, color=TEXT)
         ax.add_patch(Rectangle((2.3, y0), *wbox, facecolor=LINEAR, edgecolor="white", gid=f"weight-{k}"))
         ax.text(2.3 + wbox[0] / 2, y0 + wbox[1] / 2, f"W [{d_in}, {d_out}]\nread once", ha="center", va="center",
                 fontsize=MIN_FONT + 1, color="white")
         ax.text(5.25, y0 + 1.2, "=", ha="center", va="center", fontsize=MIN_FONT + 4, color=TEXT)
-        for i, n in enumerate(rows):                   # y [T, d_out]: one output row per input row
-            for j in range(n):
-                ax.add_patch(Rectangle((5.6, y0 + 2.1 - (cu[i] + j + 1) * h), 2.4, h * 0.9,
-                                       facecolor=REQUEST[i % 2], edgecolor="white"))
-        ax.text(6.8, y0 + 2.1 - t * h - 0.12, f"y [{t}, {d_out}]", ha="center", va="top", fontsize=MIN_FONT, color=TEXT)
         ax.text(8.4, y0 + 1.5, f"FLOPs: 2 · {t} · {d_in} · {d_out}" + ("" if k == 0 else f"   ({t} times more)"),
                 fontsize=MIN_FONT + 1, color=TEXT)
         ax.text(8.4, y0 + 0.9, f"numbers moved: {d_in} · {d_out} (W, once)\n      + {t} · ({d_in} + {d_out}) (x and y)"
@@ -328,11 +313,8 @@ def throughput_figure(tokens: Sequence[int], gflops: Sequence[float], label: str
     ax.set_xticklabels([str(t) for t in tokens])
     ax.minorticks_off()
     ax.set_ylim(0, max(list(gflops) + list(roof[1] if roof is not None else [])) * 1.35 or 1.0)
-    ax.set_xlabel("rows T (flat tokens through one weight read)", fontsize=MIN_FONT + 1)
-    ax.set_ylabel("GFLOP/s", fontsize=MIN_FONT + 1)
-    ax.tick_params(labelsize=MIN_FONT)
-    ax.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
-    ax.set_title(f"measured on {where}: fastest of several runs (shown, never asserted)", fontsize=MIN_FONT + 1)
+    _dress(ax, "rows T (flat tokens through one weight read)", "GFLOP/s",
+           f"measured on {where}: fastest of several runs (shown, never asserted)", loc="upper left")
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.17, top=0.9)
     return fig
 
@@ -347,8 +329,7 @@ def model_of(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads
     if d % h:
         raise ValueError(f"n_heads must divide d_model (d_head = d_model / n_heads): {d} / {h} is not whole")
     return ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 1024), d_model=d, n_heads=h, d_head=d // h,
-                       n_kv_heads=check_n_kv_heads("n_kv_heads", n_kv_heads, h),
-                       d_ffn=check_int("d_ffn", d_ffn, 1, 1 << 18))
+                           n_kv_heads=n_kv_heads, d_ffn=check_int("d_ffn", d_ffn, 1, 1 << 18))
 
 
 def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads: int = 8, n_layers: int = 8,
@@ -459,20 +440,15 @@ def roofline_figure(state: dict) -> Figure:
         ax.plot([x], [m["causal_flops"] / m["seconds"]], "o", markerfacecolor=NEVER, markeredgecolor=TEXT, markersize=9,
                 label="engine forward: measured here")
     ylo, yhi = peak / 2e3, peak * 3
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(ylo, yhi)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(ylo, yhi))
     # fixed decade ticks, no minor ones: the explorer redraws on every knob move, automatic log ticks cost most of it
     for axis, (a, b) in ((ax.xaxis, (lo, hi)), (ax.yaxis, (ylo, yhi))):
         decades = [10.0 ** e for e in range(math.ceil(math.log10(a)), math.floor(math.log10(b)) + 1)]
         axis.set_major_locator(FixedLocator(decades))
         axis.set_major_formatter(FixedFormatter([_num(v).replace(".00", "").strip() for v in decades]))
         axis.set_minor_locator(NullLocator())
-    ax.set_xlabel("arithmetic intensity (FLOP per byte moved)", fontsize=MIN_FONT + 1)
-    ax.set_ylabel("attainable FLOP/s = min(peak, intensity x bandwidth)", fontsize=MIN_FONT)
-    ax.tick_params(labelsize=MIN_FONT)
-    ax.legend(fontsize=MIN_FONT, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _dress(ax, "arithmetic intensity (FLOP per byte moved)", "attainable FLOP/s = min(peak, intensity x bandwidth)",
+           size=MIN_FONT, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     c = state["cfg"]
     fig.text(0.02, 0.97, f"Roofline of {name}: d_model {c.d_model}, {c.n_heads} heads ({state['n_kv_heads']} K/V), "
              f"FFN {c.d_ffn}, {c.n_layers} layers, {state['nbytes']} B/number", fontsize=MIN_FONT + 1, color=TEXT,
@@ -566,9 +542,7 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[ModelConfig,
 # ---------------------------------------------------------------------------------------------
 # Exercises
 
-_CFGS = (ModelConfig(), ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=32, d_ffn=1024),
-         ModelConfig(n_layers=4, d_model=512, n_heads=4, d_head=64, d_ffn=1536),
-         ModelConfig(n_layers=3, d_model=384, n_heads=6, d_head=64, d_ffn=3072))
+_CFG_SMALL = ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=32, d_ffn=1024)
 _CFG_6 = ModelConfig(n_layers=3, d_model=384, n_heads=6, d_head=64, d_ffn=1536)   # 6 heads: K/V groups of 1, 2, 3, 6
 _GQA_CASES = ((ModelConfig(), [1000], H200.ridge), (ModelConfig(), [700], H200.ridge),
               (ModelConfig(), [500], H200.ridge), (ModelConfig(), [300], H200.ridge),
@@ -653,7 +627,7 @@ def check_packing(fn: Callable[[int, int], Sequence[int] | None]) -> bool:
 
 _KV_CASES = ((ModelConfig(), H200.ridge, 2, 128), (ModelConfig(), H200.ridge, 2, 1000),
              (ModelConfig(), H200.ridge, 2, 8), (ModelConfig(), H200.ridge, 2, 1),
-             (ModelConfig(), 9.0, 4, 128), (ModelConfig(), 9.0, 4, 1024), (_CFGS[1], H200.ridge, 2, 64))
+             (ModelConfig(), 9.0, 4, 128), (ModelConfig(), 9.0, 4, 1024), (_CFG_SMALL, H200.ridge, 2, 64))
 
 
 def check_kv_overtakes(fn: Callable[[ModelConfig, float, int, int], int | None]) -> bool:

@@ -478,3 +478,15 @@ def gpu_verdict(flops: float, nbytes: float, machine: Machine, blocks: int, kern
         raise ValueError(f"{machine.name}: a GPU verdict needs the machine's n_sms and launch_s")
     return GpuVerdict(machine.roofline_part(flops, nbytes), check_int("blocks", blocks, 1),
                       check_int("kernels", kernels, 1), machine.n_sms, machine.launch_s)
+
+
+def decode_step_verdicts(cfg: ModelConfig, requests: int, kv_len: int, machine: Machine,
+                         bytes_per_element: int = 2) -> tuple[GpuVerdict, GpuVerdict]:
+    """``decode_step_parts``' (linear, attention), per layer, as ``gpu_verdict``s on ``machine``: the linear layers as
+    one GEMM launch per layer of ``linear_shapes`` (``gemm_thread_blocks`` of R rows each), attention as one launch
+    of one thread block per request and query head."""
+    p = decode_step_parts(cfg, requests, kv_len, machine, bytes_per_element)
+    shapes = linear_shapes(cfg)
+    blocks = sum(gemm_thread_blocks(requests, d_out) for _, d_out in shapes)
+    return (gpu_verdict(p.linear.flops, p.linear.bytes, machine, blocks, kernels=len(shapes)),
+            gpu_verdict(p.attention.flops, p.attention.bytes, machine, requests * cfg.n_heads))
