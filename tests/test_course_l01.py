@@ -13,6 +13,7 @@ from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.model import Transformer
 from lessons_lib.course import l01_flat_batch as L
 from lessons_lib.course.grading import score
+from lessons_lib.measure import padding
 from lessons_lib.measure.tolerance import float64_twin
 
 # ---- figures --------------------------------------------------------------------------------------
@@ -68,7 +69,6 @@ def test_c2_c3_flat_run_state_runs_the_model_both_ways():
 
 
 def test_c2_flat_run_state_records_what_padding_wastes_in_flops():
-    from lessons_lib.core.config import ModelConfig
     from lessons_lib.measure.flops import forward_flops
     cfg = L.EXPLORER_CONFIG
     for lens, pad_to in (([10, 30], None), ([5, 500], None), ([20, 20, 20], 128)):
@@ -84,19 +84,11 @@ def test_c2_flat_run_state_records_what_padding_wastes_in_flops():
     assert 9.5 < ab["waste"]["linear"] / ab["waste"]["attention"] < 9.7
     assert long["waste"]["attention"] > long["waste"]["linear"]
     assert round(long["waste"]["attention"] / 1e6) == 128 and round(long["waste"]["linear"] / 1e6) == 97
-    # the crossover: 6 d whole blocks, ~12 d causal; dominant flips there (measure.flops)
-    for c in (cfg, ModelConfig(n_layers=2, vocab_size=1000, max_position=64)):
-        x = L.crossover_lengths(c)
-        assert x == {"blocks": 6 * c.d_model, "causal": 12 * c.d_model}, x
-        assert forward_flops(c, [x["causal"] - 1], causal=True).dominant == "linear"
-        assert forward_flops(c, [x["causal"]], causal=True).dominant == "attention"
     # padding waste: attention wins when S + L > 6 d, not when S > 6 d (recorded at d = 64)
     for n, wins in ((84, False), (85, True)):
         w = L.flat_run_state([300, n])["waste"]
         assert (w["attention"] > w["linear"]) is wins, (n, w)
     assert L.flat_run_state([300, 84])["waste"]["attention"] == L.flat_run_state([300, 84])["waste"]["linear"]
-    assert [L.waste_crossover(cfg, s) for s in (30, 192, 193, 300, 384, 500)] == [None, None, 192, 85, 1, 1]
-    assert L.waste_crossover(ModelConfig(n_layers=2, vocab_size=1000, max_position=64), 4000, causal=True) == 12 * 512 - 4000
     tour = L.flat_run_state([300, 300, 300, 120])
     assert tour["crossover"]["waste_from"] == 85 and tour["waste"]["attention"] > tour["waste"]["linear"]
     assert (round(tour["waste"]["attention"] / 1e5), round(tour["waste"]["linear"] / 1e5)) == (387, 354)
@@ -105,8 +97,8 @@ def test_c2_flat_run_state_records_what_padding_wastes_in_flops():
     assert "here no request does" in L.flat_run_text(ab)["padded"]
     text = L.flat_run_text(long)["padded"]
     assert "in the linear layers and 127.99 MFLOP in attention (linear / attention waste = 0.76x)" in text
-    assert ("beyond S = 384 (whole blocks, 6 d) or about 768 (causal triangle, 12 d: a tiled kernel only for S much longer "
-            "than its tile; it runs whole tiles); your longest: 500") in text
+    assert ("reach its own linear FLOPs at S = 384 (whole blocks, 6 d) or 767 (causal triangle, about 12 d: a tiled kernel "
+            "only for S much longer than its tile; it runs whole tiles); your longest: 500") in text
     gids = {p.get_gid() for ax in L.flat_run_figure(long).axes for p in ax.get_lines()}
     assert "crossover" in gids and "crossover" not in {p.get_gid() for ax in L.flat_run_figure(ab).axes for p in ax.get_lines()}
 
@@ -204,30 +196,18 @@ def _wrong(lens, bug, k):
     return {k} if lens[k - 1] == 1 else {k - 1, k}
 
 
-def test_broken_pack_moves_one_boundary_and_keeps_the_batch_consistent():
-    reqs = [torch.arange(4), torch.arange(10, 16), torch.arange(20, 25)]
-    late, early = L.broken_pack(reqs, "late", 2), L.broken_pack(reqs, "early", 1)
-    assert late.cu_seqlens.tolist() == [0, 4, 11, 15] and late.positions.tolist()[10:12] == [6, 0]
-    assert early.cu_seqlens.tolist() == [0, 3, 10, 15] and early.positions.tolist()[2:4] == [2, 0]
-    assert torch.equal(late.input_ids, torch.cat(reqs))
-    emptied = L.broken_pack([torch.arange(1), torch.arange(3)], "early", 1)
-    assert emptied.cu_seqlens.tolist() == [0, 0, 4] and emptied.seq_lens == [0, 4]
-    for bug, k, match in (("sideways", 1, "bug must be one of"), ("late", 0, "inner boundary"), ("late", 3, "inner boundary")):
-        with pytest.raises(ValueError, match=match):
-            L.broken_pack(reqs, bug, k)
-
-
 def test_c3_wrong_requests_are_measured_by_running_the_engine():
     # Measured, not derived: the engine's outputs decide, and they follow the causal argument
     for lens, bug, k in L.WRONG_CASES:
-        assert L.wrong_requests(tuple(lens), bug, k)[0] == _wrong(lens, bug, k), (lens, bug, k)
+        got = padding.wrong_requests(L.explorer_models()[0], L.request_ids(lens), bug, k)[0]
+        assert got == _wrong(lens, bug, k), (lens, bug, k)
 
 
 def test_c3_sampled_rows_a_server_trusting_a_moved_boundary_reads_both_neighbours_wrong():
     model = L.explorer_models()[0]
     for lens, bug, k in L.WRONG_CASES:
-        got = L.sampled_rows(model, L.request_ids(lens), bug, k)
-        cu = L.broken_pack(L.request_ids(lens), bug, k).cu_seqlens.tolist()
+        got = padding.sampled_rows(model, L.request_ids(lens), bug, k)
+        cu = padding.broken_pack(L.request_ids(lens), bug, k).cu_seqlens.tolist()
         assert got["cu_seqlens"] == cu
         assert got["rows"] == [b - 1 if b > a else None for a, b in zip(cu, cu[1:])]
         # both neighbours of the moved boundary sample a wrong row (the emptied one-token request has none);
@@ -238,11 +218,11 @@ def test_c3_sampled_rows_a_server_trusting_a_moved_boundary_reads_both_neighbour
         # what they sample is the last row of the request the moved boundary made, run alone
         for i, (d, b) in enumerate(zip(got["moved_diff"], got["moved_bound"])):
             assert (d is None) == (cu[i + 1] == cu[i]) and (d is None or d <= b), (lens, bug, k, i)
-    emptied = L.sampled_rows(model, L.request_ids([1, 8, 3]), "early", 1)
+    emptied = padding.sampled_rows(model, L.request_ids([1, 8, 3]), "early", 1)
     assert emptied["rows"][0] is None and emptied["diff"][0] is None
     # the rows of request k-1 at its TRUE boundaries are right when late (01.1), its sampled row is not
-    assert 0 not in L.wrong_requests((10, 30), "late", 1)[0]
-    late = L.sampled_rows(model, L.request_ids([10, 30]), "late", 1)
+    assert 0 not in padding.wrong_requests(model, L.request_ids([10, 30]), "late", 1)[0]
+    late = padding.sampled_rows(model, L.request_ids([10, 30]), "late", 1)
     assert late["rows"] == [10, 39] and late["diff"][0] > 1000 * late["bound"][0]
 
 
@@ -270,7 +250,7 @@ def _grouping(lens, cap):
         if not rest:
             return [[]] if left == 0 else []
         return [[rest[:k]] + more for k in range(1, min(cap, len(rest)) + 1) for more in cuts(rest[k:], left - 1)]
-    return min(cuts(order, need), key=lambda part: sum(L.pad_rows([lens[i] for i in g]) for g in part))
+    return min(cuts(order, need), key=lambda part: sum(padding.pad_rows([lens[i] for i in g]) for g in part))
 
 
 def _by_arrival(lens, cap):
@@ -284,8 +264,8 @@ def _longest_first_full(lens, cap):
 
 def test_c2_grouping_checker(capsys):
     # hand-counted: 100 alone and the three 1s together pad nothing; 30/29/31 and 5/6/7 pad 2 + 2 rows
-    assert L.fewest_pad_rows((100, 1, 1, 1), 3)[0] == 0
-    assert L.fewest_pad_rows((5, 30, 7, 29, 6, 31), 3)[0] == (31 * 3 - 90) + (7 * 3 - 18)
+    assert padding.fewest_pad_rows((100, 1, 1, 1), 3)[0] == 0
+    assert padding.fewest_pad_rows((5, 30, 7, 29, 6, 31), 3)[0] == (31 * 3 - 90) + (7 * 3 - 18)
     assert L.check_grouping(_grouping)
     assert L.check_grouping(stub) is False
     assert "where you cut matters" in attempt(L.check_grouping, _longest_first_full)
@@ -297,7 +277,7 @@ def test_c2_grouping_checker(capsys):
     capsys.readouterr()
     earned = score(L.check_grouping, _by_arrival, points=len(L.GROUPING_CASES))
     assert 0 < earned < len(L.GROUPING_CASES) and "is possible" in capsys.readouterr().out
-    assert L.pad_rows([10, 30]) == 20
+    assert padding.pad_rows([10, 30]) == 20
 
 
 def _unpad_ids(ids, mask, columns=False, first_l=False, by_id=False, keep=False, cu_dtype=torch.int32):
@@ -333,7 +313,7 @@ def test_c3_unpad_ids_checker(capsys):
         b = core_batch.pack([ids[r][mask[r]] for r in range(ids.shape[0])])
         return b.input_ids, b.positions, b.cu_seqlens
     assert "pack is switched off" in attempt(L.check_unpad_ids, with_pack)
-    assert pack is L.pack and len(pack([torch.tensor([1, 2])]).input_ids) == 2
+    assert core_batch.pack is pack and len(pack([torch.tensor([1, 2])]).input_ids) == 2
     capsys.readouterr()
     # Taking the first L columns is right on the two right-padded batches only (the mixed one has a left row)
     assert score(L.check_unpad_ids, lambda i, m: _unpad_ids(i, m, first_l=True), points=6) == 2

@@ -1,7 +1,7 @@
 """What lesson 01 (padding vs one flat batch) draws, explores and checks.
 
-Claims helpers: ``padding_waste``, ``waste_crossover``, ``crossover_lengths``.
-Figures: ``01_padded_vs_flat``, ``01_token_strip``, ``01_waste_crossover``. Explorer:
+What padding wastes, the padding server's best grouping and the packer that moves a boundary are the
+engine's (``measure.padding``). Figures: ``01_padded_vs_flat``, ``01_token_strip``, ``01_waste_crossover``. Explorer:
 ``flat_batch_explorer`` over ``flat_run_state`` (the learner's requests run flat and padded under
 ``OpRecorder``, each compared with itself alone). Exercises: ``check_wrong_requests`` (01.1),
 ``check_grouping`` (01.2), ``check_unpad_ids`` (01.3).
@@ -10,10 +10,8 @@ Taught in notebooks/01_flat_batch.ipynb.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import html
-import itertools
 import math
 from collections.abc import Callable, Sequence
 
@@ -22,12 +20,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from .. import faults
-from ..core.batch import PackedBatch, cumulative, pack, pad, unpack
+from ..core.batch import PackedBatch, cumulative, pad, unpack
 from ..core.config import ModelConfig
 from ..core.model import Transformer
-from ..measure.flops import flops_of, forward_flops, linear_flops_per_token
+from ..measure.flops import attention_crossover_length
+from ..measure.padding import fewest_pad_rows, pad_rows, padding_waste, record_flat_and_padded, waste_crossover, wrong_requests
 from ..measure.profile import cpu_threads
-from ..measure.recorder import OpRecorder
 from ..measure.search import first_where
 from ..measure.tolerance import each_alone, float64_twin, max_abs_diff
 from ..style import ATTENTION, LINEAR, MIN_FONT, TEXT, WASTE, cu_ticks, draw_strip, request_color, request_name
@@ -44,36 +42,6 @@ def _nonempty(seq_lens: Sequence[int]) -> list[int]:
     if not lens:
         raise ValueError("seq_lens is empty: give at least one request length")
     return lens
-
-
-def padding_waste(cfg: ModelConfig, pad_to: int, n: int, causal: bool = False) -> dict[str, int]:
-    """What padding one request of ``n`` tokens to ``pad_to`` wastes in one forward of ``cfg``, in FLOPs:
-    {"linear", "attention"}, ``forward_flops([pad_to]) - forward_flops([n])`` (attention: whole blocks,
-    as the padded forward computes them; ``causal``: the lower triangles only)."""
-    big, small = forward_flops(cfg, [pad_to], causal=causal), forward_flops(cfg, [n], causal=causal)
-    return {"linear": big.linear - small.linear, "attention": big.attention - small.attention}
-
-
-def _attention_wastes_more(cfg: ModelConfig, pad_to: int, n: int, causal: bool = False) -> bool:
-    w = padding_waste(cfg, pad_to, n, causal)
-    return w["attention"] > w["linear"]
-
-
-def waste_crossover(cfg: ModelConfig, pad_to: int, causal: bool = False) -> int | None:
-    """The shortest request (1 <= n < pad_to) whose padding to ``pad_to`` wastes more FLOPs in attention
-    than in its pad rows (``padding_waste``), or None if none does."""
-    if pad_to < 2:
-        return None
-    return first_where(lambda n: _attention_wastes_more(cfg, pad_to, n, causal), 1, pad_to - 1)
-
-
-def crossover_lengths(cfg: ModelConfig) -> dict[str, int]:
-    """The request length past which one request's attention FLOPs exceed its linear FLOPs
-    (``measure.flops``): ``blocks``, counting whole ``S x S`` blocks as the padded forward and the
-    recorder do, and ``causal``, the shortest S whose causal ``forward_flops`` attention dominates."""
-    blocks = linear_flops_per_token(cfg) // flops_of(cfg, 0, 1).attention
-    causal = first_where(lambda s: forward_flops(cfg, [s], causal=True).dominant == "attention", 1, 64 * blocks)
-    return {"blocks": blocks, "causal": causal}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +180,8 @@ def waste_crossover_figure(cfg: ModelConfig, lens: Sequence[int] = (10, 1100), l
                 label="pad rows through the linear layers", gid=f"linear-{n}")
         ax.plot(sizes, [w["attention"] // cfg.n_layers / 1e9 for w in waste], color=ATTENTION, linewidth=2,
                 label="attention (whole blocks)", gid=f"attention-{n}")
-        from_s = first_where(lambda s, n=n: _attention_wastes_more(cfg, s, n), n + 1, longest) if sizes else None
+        from_s = first_where(lambda s, n=n: padding_waste(cfg, s, n)["attention"] > padding_waste(cfg, s, n)["linear"],
+                             n + 1, longest) if sizes else None
         if from_s is not None:
             ax.axvline(from_s, color=TEXT, linestyle="--", linewidth=1.2, gid=f"from-S-{n}")
             right = from_s > longest * 0.6
@@ -268,8 +237,9 @@ def _alone(i: int, n: int) -> tuple[Tensor, Tensor, float]:
     return _alone_runs(*explorer_models(), [request_ids([1] * i + [n])[i]])[0]
 
 
-def _nbytes(*tensors: Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _diff(out: Tensor, ref64: Tensor) -> float:
+    """max |out - ref64|, or inf when a broken batch gives the request another number of rows."""
+    return max_abs_diff(out, ref64) if out.shape == ref64.shape else math.inf
 
 
 def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str = "right") -> dict:
@@ -280,42 +250,27 @@ def flat_run_state(seq_lens: Sequence[int], pad_to: int | None = None, side: str
     (``input_ids``, ``positions``, ``cu_seqlens`` lists, ``cu_dtype``, ``max_seqlen``). As ``OpRecorder``
     saw them, {"padded", "flat"}: ``rows`` (of every linear layer), ``cells`` (score cells per head per
     layer), ``largest`` (the largest score matrix's shape), ``flops`` ({"linear", "attention"}, whole
-    blocks); ``pad_rows`` and ``waste`` (padded − flat). ``crossover``: ``crossover_lengths`` plus
+    blocks); ``pad_rows`` and ``waste`` (padded − flat). ``crossover``: ``attention_crossover_length``
+    whole blocks (``blocks``) and causal (``causal``), plus
     ``waste_from`` (``waste_crossover`` at S). ``input_bytes`` / ``hidden_bytes``: {"padded", "flat"}.
+    (``measure.padding.record_flat_and_padded`` runs and records.)
     Per request, against the request run alone: ``diff`` ({"padded", "flat"}: max |out − out64|),
     ``bound`` (the tolerance rule), ``differs`` ({"padded", "flat"}: the indices beyond it).
     """
     lens = _nonempty(seq_lens)
-    cfg = EXPLORER_CONFIG
     if sum(lens) > EXPLORER_MAX_TOKENS:
         raise ValueError(f"at most {EXPLORER_MAX_TOKENS} tokens in all for the explorer, got {sum(lens)}")
-    model = explorer_models()[0]
-    requests = request_ids(lens)
-    ids, mask = pad(requests, pad_to=pad_to, side=side)
-    batch = pack(requests)
-    with cpu_threads(1):
-        with OpRecorder() as rec_flat:
-            out_flat = model.forward(batch)
-        with OpRecorder() as rec_pad:
-            out_pad = model.forward_padded(ids, mask)
-    got = {"flat": unpack(out_flat, batch.cu_seqlens), "padded": [out_pad[b][mask[b]] for b in range(len(lens))]}
+    run = record_flat_and_padded(explorer_models()[0], request_ids(lens), pad_to, side)
     alone = [_alone(i, n) for i, n in enumerate(lens)]
-    diff = {k: [max_abs_diff(o, r64) for o, (_, r64, _) in zip(v, alone)] for k, v in got.items()}
+    diff = {k: [_diff(o, r64) for o, (_, r64, _) in zip(v, alone)] for k, v in run.pop("out").items()}
     bound = [b for *_, b in alone]
-    rows = {"padded": rec_pad.linear_rows, "flat": rec_flat.linear_rows}
-    flops = {"padded": rec_pad.flops_by_kind, "flat": rec_flat.flops_by_kind}
-    per_head_layer = cfg.n_heads * cfg.n_layers
-    return {"seq_lens": lens, "side": side, "padded_shape": list(ids.shape),
+    batch, cfg = run.pop("batch"), EXPLORER_CONFIG
+    return {**run, "seq_lens": lens, "side": side, "pad_rows": run["rows"]["padded"] - run["rows"]["flat"],
             "flat": {"input_ids": batch.input_ids.tolist(), "positions": batch.positions.tolist(),
                      "cu_seqlens": batch.cu_seqlens.tolist(), "cu_dtype": str(batch.cu_seqlens.dtype).removeprefix("torch."),
                      "max_seqlen": batch.max_seqlen},
-            "rows": rows, "pad_rows": rows["padded"] - rows["flat"],
-            "cells": {"padded": rec_pad.cells // per_head_layer, "flat": rec_flat.cells // per_head_layer},
-            "largest": {"padded": max(rec_pad.scores, key=math.prod), "flat": max(rec_flat.scores, key=math.prod)},
-            "input_bytes": {"padded": _nbytes(ids, mask), "flat": _nbytes(batch.input_ids, batch.positions, batch.cu_seqlens)},
-            "hidden_bytes": {"padded": _nbytes(out_pad), "flat": _nbytes(out_flat)},
-            "flops": flops, "waste": {k: flops["padded"][k] - flops["flat"][k] for k in ("linear", "attention")},
-            "crossover": {**crossover_lengths(cfg), "waste_from": waste_crossover(cfg, int(ids.shape[1]))},
+            "crossover": {"blocks": attention_crossover_length(cfg), "causal": attention_crossover_length(cfg, True),
+                          "waste_from": waste_crossover(cfg, run["padded_shape"][1])},
             "diff": diff, "bound": bound,
             "differs": {k: [i for i, d in enumerate(v) if d > bound[i]] for k, v in diff.items()}}
 
@@ -384,8 +339,8 @@ def flat_run_text(state: dict) -> dict[str, str]:
         f"{_mflop(fl['flat']['attention'])}",
         f"padding wastes {_mflop(waste['linear'])} in the linear layers and {_mflop(waste['attention'])} in attention"
         f" ({ratio})",
-        f"one request's own attention FLOPs pass its own linear FLOPs beyond S = {cross['blocks']} (whole blocks, 6 d) "
-        f"or about {cross['causal']} (causal triangle, 12 d: a tiled kernel only for S much longer than its tile; "
+        f"one request's own attention FLOPs reach its own linear FLOPs at S = {cross['blocks']} (whole blocks, 6 d) "
+        f"or {cross['causal']} (causal triangle, about 12 d: a tiled kernel only for S much longer than its tile; "
         f"it runs whole tiles); your longest: {max(state['seq_lens'])}",
         f"padding a request of L tokens to S = {shape[1]} wastes more in attention than in its pad rows when "
         f"S + L > 6 d = {cross['blocks']}: " + (f"here from L = {cross['waste_from']} on (dashed line)"
@@ -449,71 +404,16 @@ def flat_batch_explorer(lengths: str = "3, 17, 5", pad_to: str = "longest", side
 # ---------------------------------------------------------------------------------------------
 # Exercises
 
-BOUNDARY_BUGS = ("late", "early")
-# (seq_lens, bug, k): the packer put boundary k (1 <= k <= R-1) one row late or early.
+# (seq_lens, bug, k): the packer put boundary k (1 <= k <= R-1) one row late or early (measure.padding.broken_pack).
 WRONG_CASES = [([10, 30], "late", 1), ([10, 30], "early", 1), ([4, 6, 5], "late", 2), ([4, 6, 5], "early", 1),
                ([1, 8, 3], "early", 1), ([6, 2, 7, 3], "late", 1), ([6, 2, 7, 3], "early", 3)]
 
 
-def broken_pack(requests: Sequence, bug: str, k: int) -> PackedBatch:
-    """What a packer that miscounts one boundary builds: the same flat tokens, boundary ``k`` one row
-    ``bug`` ("late": request k's first token goes to request k-1; "early": k-1's last token goes to k),
-    positions numbered from the wrong boundaries (the batch check passes); an emptied request stays, empty."""
-    if bug not in BOUNDARY_BUGS:
-        raise ValueError(f"bug must be one of {BOUNDARY_BUGS}, got {bug!r}")
-    tensors = [torch.as_tensor(r) for r in requests]
-    lens = check_lengths([len(t) for t in tensors])
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(lens) - 1:
-        raise ValueError(f"k must be an inner boundary 1..{len(lens) - 1} of {len(lens)} requests, got {k!r}")
-    moved = list(lens)
-    step = 1 if bug == "late" else -1
-    moved[k - 1] += step
-    moved[k] -= step
-    flat, cu = torch.cat(tensors), cumulative(moved)
-    # pack the non-empty pieces; a request the bug emptied keeps its (repeated) boundary, as in FlashAttention
-    pieces = pack([flat[cu[i]:cu[i + 1]] for i in range(len(moved)) if moved[i]])
-    return dataclasses.replace(pieces, cu_seqlens=torch.tensor(cu, dtype=torch.int32), seq_lens=moved)
-
-
 @functools.lru_cache(maxsize=64)  # a checker asks for the same few cases again and again
-def wrong_requests(seq_lens: tuple[int, ...], bug: str, k: int) -> tuple[frozenset[int], tuple[float, ...]]:
-    """Run ``broken_pack`` of ``request_ids(seq_lens)`` through the explorer's model: the requests whose rows,
-    cut at the TRUE boundaries, are beyond the tolerance rule's bound of the request alone, and each one's
-    max |diff| from it."""
+def _wrong_requests(seq_lens: tuple[int, ...], bug: str, k: int) -> tuple[frozenset[int], tuple[float, ...]]:
+    """``measure.padding.wrong_requests`` of ``request_ids(seq_lens)`` on the explorer's models."""
     model, twin = explorer_models()
-    requests = request_ids(seq_lens)
-    with cpu_threads(1):
-        out = model.forward(broken_pack(requests, bug, k))
-    alone = _alone_runs(model, twin, requests)
-    parts = unpack(out, torch.tensor(cumulative(seq_lens), dtype=torch.int32))  # cut at the TRUE boundaries
-    diffs = tuple(max_abs_diff(p, r64) for p, (_, r64, _) in zip(parts, alone))
-    return frozenset(i for i, (d, (_, _, bound)) in enumerate(zip(diffs, alone)) if d > bound), diffs
-
-
-def sampled_rows(model: Transformer, requests: Sequence, bug: str, k: int) -> dict:
-    """What a server trusting ``broken_pack(requests, bug, k)`` samples (requests: token ids ``[L_i]``, int64, on
-    ``model``'s device): row ``last_token_indices[i]`` of ``model``'s output against the last row, run alone,
-    of request i and of the request the moved boundary made of it (``moved``); bounds by the tolerance rule.
-
-    Keys: ``cu_seqlens`` (the broken one, a list), ``rows`` (None for a request the bug emptied), ``diff`` /
-    ``bound`` against request i, ``moved_diff`` / ``moved_bound`` against the moved request, ``wrong`` (the
-    indices beyond their bound of request i, or with no row).
-    """
-    batch = broken_pack(requests, bug, k)
-    tensors = [torch.as_tensor(r) for r in requests]
-    cu = batch.cu_seqlens.tolist()
-    moved = [torch.cat(tensors)[a:b] for a, b in zip(cu, cu[1:])]
-    with cpu_threads(1):
-        out = model.forward(batch)
-    rows = [int(r) if b > a else None for r, a, b in zip(batch.last_token_indices.tolist(), cu, cu[1:])]
-    twin, got = float64_twin(model), {"cu_seqlens": cu, "rows": rows}
-    for key, reqs in (("", tensors), ("moved_", moved)):
-        runs = iter(_alone_runs(model, twin, [r for r in reqs if len(r)]))
-        refs = [next(runs) if len(r) else None for r in reqs]  # a request the bug emptied has no row, no reference
-        got[key + "diff"] = [None if r is None else max_abs_diff(out[r], ref[1][-1]) for r, ref in zip(rows, refs)]
-        got[key + "bound"] = [None if ref is None else ref[2] for ref in refs]
-    got["wrong"] = {i for i, (d, b) in enumerate(zip(got["diff"], got["bound"])) if d is None or d > b}
-    return got
+    return wrong_requests(model, request_ids(seq_lens), bug, k, twin)
 
 
 # Why request i is (or is not) changed by boundary k moved one row: the causal argument, keyed by (bug, i - k);
@@ -538,7 +438,7 @@ def _why(i: int, lens: list[int], bug: str, k: int) -> str:
 def check_wrong_requests(fn: Callable[[list, str, int], object]) -> bool:
     """Exercise 01.1: ``fn(seq_lens, bug, k) -> the set of request indices whose output differs from
     the request run alone`` when boundary ``k`` is one row ``bug`` ("late" / "early"); graded by running
-    ``broken_pack`` through the engine (``wrong_requests``)."""
+    ``measure.padding.broken_pack`` through the engine (``measure.padding.wrong_requests``)."""
     def judge(got, lens, bug, k):
         try:
             said = {int(i) for i in got}
@@ -546,7 +446,7 @@ def check_wrong_requests(fn: Callable[[list, str, int], object]) -> bool:
             return f"expected a set of request indices like {{1}}, got {got!r}"
         if not said <= set(range(len(lens))):
             return f"{sorted(said)}: the requests are numbered 0..{len(lens) - 1}"
-        wrong, diffs = wrong_requests(tuple(lens), bug, k)
+        wrong, diffs = _wrong_requests(tuple(lens), bug, k)
         if said == wrong:
             return None
         notes = [_why(i, lens, bug, k) + f" (engine: max |diff| {diffs[i]:.1e})"
@@ -563,23 +463,6 @@ def _as_list(x):
 
 GROUPING_CASES = [([100, 1, 1, 1], 3), ([1, 10, 10], 2), ([5, 30, 7, 29, 6, 31], 3), ([9, 2, 8, 3, 7], 2),
                   ([12, 12, 12, 12], 4), ([40, 3, 38, 5, 36, 4, 2], 3), ([6], 1), ([4, 50, 4, 49, 4], 4)]
-
-
-def pad_rows(lens: Sequence[int]) -> int:
-    """Pad rows of a padded batch: ``R · Lmax − Σ L``."""
-    return len(lens) * max(lens) - sum(lens)
-
-
-@functools.cache
-def fewest_pad_rows(seq_lens: tuple[int, ...], max_num_seqs: int) -> tuple[int, tuple]:
-    """Brute force over every labelling of the requests with ``ceil(R / max_num_seqs)`` groups (each of 1 ..
-    ``max_num_seqs`` requests): the fewest pad rows, and one best split (tuples of request indices)."""
-    lens = check_lengths(seq_lens)
-    n = math.ceil(len(lens) / max_num_seqs)
-    splits = (tuple(tuple(i for i, g in enumerate(labels) if g == group) for group in range(n))
-              for labels in itertools.product(range(n), repeat=len(lens)))
-    return min((sum(pad_rows([lens[i] for i in g]) for g in split), split)
-               for split in splits if all(1 <= len(g) <= max_num_seqs for g in split))
 
 
 def check_grouping(fn: Callable[[list, int], object]) -> bool:
