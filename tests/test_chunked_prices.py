@@ -151,3 +151,57 @@ def test_tp_run_prices_sum_the_parts_per_forward():
     assert prices["a"]["weight_pass_s"] == pytest.approx(3 * one["weight_pass_s"])    # a pass per forward
     assert prices["a"]["launches_s"] == pytest.approx(3 * 40 * H200.launch_s)
     assert prices["b"]["all_reduces_s"] == pytest.approx(tp_forward_parts(cfg, 1124, 16, 40)["all_reduces_s"])
+
+
+def test_chunk_masks_and_their_cells_by_hand():
+    from lessons_lib import faults
+    from lessons_lib.serve.chunk_costs import causal_cells_from_masks, chunk_mask, chunk_spans, staircase_cells
+    assert chunk_mask(2, 2).tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert chunk_spans([3, 4, 5]) == [(0, 3), (3, 4), (7, 5)]
+    c = staircase_cells([4, 4, 2])                       # rectangles 4x4, 4x8, 2x10; causal 10 * 11 / 2
+    assert c == {"computed": 16 + 32 + 20, "allowed": 55, "masked": 68 - 55}
+    forwards = [[(0, 0, 4)], [(0, 4, 4), (1, 0, 3)]]
+    assert causal_cells_from_masks(forwards) == 8 * 9 // 2 + 3 * 4 // 2
+    with faults.injected("causal_mask_top_left"):        # the masks come from the engine's mask function
+        assert causal_cells_from_masks(forwards) < 8 * 9 // 2 + 3 * 4 // 2
+    with pytest.raises(ValueError, match="length"):
+        chunk_mask(0, 0)
+
+
+def test_serve_prompts_and_run_summary_are_the_engine_s():
+    from lessons_lib.serve.runs import run_summary, serve_prompts
+    prompts = [[t % SMALL.vocab_size for t in range(12)], [5] * 7]
+    run = serve_prompts(prompts, 5, True, SMALL, record=True)
+    s = run_summary(run, [1])
+    assert s["timeline"] == [[(0, 5)], [(0, 5)], [(0, 2), (1, 3)], [(1, 4)]]
+    assert s["waits"] == prefill_waits(s["timeline"]) and s["mean_behind"] == (4, 19)
+    assert s["max_forward"] == 5 and s["cached_tokens"] == 5 + 10 + 3
+    assert s["cells_whole"] == run["recorder"].score_counts(SMALL.n_heads, SMALL.n_layers)["cells"]
+    assert run_summary(run, [])["mean_behind"] == (0.0, 0.0) and len(s["forward_ms"]) == 4
+    whole = serve_prompts(prompts, 16, False, SMALL, requests=[1])
+    assert list(whole["outputs"]) == [1] and whole["recorder"] is None and whole["traces"] == []
+
+
+def test_forward_tokens_and_planned_forwards_are_the_scheduler_s():
+    from lessons_lib.serve.chunk_costs import planned_forwards
+    from lessons_lib.serve.runs import forward_tokens
+    stats, _ = _served([12, 7], 5)
+    assert forward_tokens(stats) == [[(0, 5)], [(0, 5)], [(0, 2), (1, 3)], [(1, 4)]]
+    assert planned_forwards([12, 7], 5, True) == forward_tokens(stats)
+    assert planned_forwards([12, 7, 3], 16, False) == [[(0, 12)], [(1, 7), (2, 3)]]
+    assert planned_forwards([12, 7, 3], 16, False, max_num_seqs=1) == [[(0, 12)], [(1, 7)], [(2, 3)]]
+
+
+def test_payloads_match_and_other_collectives_read_a_tp_run_s_traces():
+    from lessons_lib.core.groups import CollectiveRecord
+    from lessons_lib.serve.runs import other_collectives, payloads_match
+
+    def ar(rows, layer):
+        return CollectiveRecord("all_reduce", (rows, 64), "float32", rows * 256, layer, 0, 2)
+    stats, _ = _served([6, 3], 16)                       # one forward of 9 tokens
+    trace = [ar(9, "layers.0.attn.out_proj"), ar(9, "layers.0.mlp.fc_down")]
+    assert payloads_match({"stats": stats, "traces": [trace]}, 64) and other_collectives(trace) == 0
+    assert not payloads_match({"stats": stats, "traces": [[ar(6, "layers.0.attn.out_proj")]]}, 64)
+    assert not payloads_match({"stats": stats, "traces": []}, 64)
+    kv = CollectiveRecord("all_gather", (9, 4, 16), "float32", 0, "layers.0.attn.kv", 0, 2)
+    assert other_collectives([*trace, kv, ar(9, "layers.0.attn.qkv")]) == 2

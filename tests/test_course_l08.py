@@ -12,7 +12,7 @@ from helpers import attempt, by_class, gids, min_font, png_of, stub
 from lessons_lib import ModelConfig, init_weights
 from lessons_lib.core.attention import varlen_attention
 from lessons_lib.course import l08_chunked as L
-from lessons_lib.measure.machines import H200
+from lessons_lib.serve.chunk_costs import fewest_forwards_budget
 from lessons_lib.serve.scheduler import plan_batches
 from lessons_lib.serve.workloads import make_requests
 from lessons_lib.style import MIN_FONT
@@ -112,15 +112,12 @@ def test_serve_chunked_equals_whole_and_records_the_staircase():
     assert L.timeline(ch["stats"]) == chunk_fcfs([12, 7], 5, 256)
     assert torch.allclose(L.stacked(ch, "last_hidden"), L.stacked(wh, "last_hidden"), atol=1e-5)
     assert L.same_argmax(ch, wh)
-    counts = L.recorded_counts(ch, SMALL, wider_than=7)
+    counts = ch["recorder"].score_counts(SMALL.n_heads, SMALL.n_layers, wider_than=7)
     assert counts["cells"] == sum(s.cells_whole_computed for s in ch["stats"])
-    assert counts["query_rows"] == 12 + 7
     assert counts["cells_wider"] == 5 * 10 + 2 * 12      # request 0's chunks of 5 after 5 and of 2 after 10
-    assert L.timeline_cells(L.timeline(ch["stats"])) == [s.cells_whole_computed for s in ch["stats"]]
-    assert L.timeline_cells(L.timeline(wh["stats"])) == [s.cells_whole_computed for s in wh["stats"]]
-    assert L.recorded_counts(wh, SMALL)["cells"] == 12 * 12 + 7 * 7
+    assert wh["recorder"].score_counts(SMALL.n_heads, SMALL.n_layers)["cells"] == 12 * 12 + 7 * 7
     assert counts["cached_rows"] == sum(s.num_cached_tokens for s in ch["stats"]) > 0
-    assert L.recorded_counts(wh, SMALL)["cached_rows"] == 0
+    assert wh["recorder"].score_counts(SMALL.n_heads, SMALL.n_layers)["cached_rows"] == 0
     assert ch["kv_cache_peak_bytes"] > 0
 
 
@@ -155,14 +152,8 @@ def test_other_collectives_counts_what_is_not_a_block_all_reduce():
     assert L.other_collectives([CollectiveRecord("all_gather", (7, 4, 64), "float32", 0, "layers.0.attn.kv", 0, 2)]) == 1
 
 
-def test_forward_prices_sum_the_engine_s_parts_per_forward():
-    from lessons_lib.measure.comm import tp_forward_parts
+def test_forward_prices_text_says_the_extra_forwards():
     cfg = ModelConfig()
-    prices = L.forward_prices(cfg, {"a": [512, 512, 100], "b": [1124]}, 16, 40)
-    assert prices["a"]["forwards"] == 3 and prices["b"]["largest"] == 1124
-    one = tp_forward_parts(cfg, 512, 16, 40)
-    assert prices["a"]["weight_pass_s"] == pytest.approx(3 * one["weight_pass_s"])    # a pass per forward
-    assert prices["a"]["launches_s"] == pytest.approx(3 * 40 * H200.launch_s)
     text = L.forward_prices_text(cfg, {"a": [512, 512, 100], "b": [1124]}, 16, 40)
     assert "2 extra forwards, 32 extra all-reduces" in text and "-bound by" in text
 
@@ -241,6 +232,10 @@ def _budget(lens, draft, top, cap, measure):
     return min(fits, key=lambda b: (_prices(lens, draft, b)[0], _prices(lens, draft, b)[2], b))
 
 
+def _best(lens, draft, top, cap):
+    return fewest_forwards_budget(lens, range(draft + 1, len(lens)), top, cap, 16)
+
+
 def test_budget_prices_are_the_engine_s_forwards():
     lens, d = L.stream()[0], L.draft_index()
     for b in (432, 480, 512, 656, 720, 768):
@@ -248,10 +243,10 @@ def test_budget_prices_are_the_engine_s_forwards():
         assert (p["forwards"], p["cache_rows_held"]) == _prices(lens, d, b)[:2]
         assert p["wait_tokens"] == pytest.approx(_prices(lens, d, b)[2])
     for top, cap in ((768, 1400), (512, 1600), (768, 2000)):
-        assert L.best_budget(lens, d, top, cap) == _budget(lens, d, top, cap, None)
-    assert L.best_budget(lens, d, 768, 1400) not in (512, 768)     # neither the lesson's budget nor the biggest
+        assert _best(lens, d, top, cap) == _budget(lens, d, top, cap, None)
+    assert _best(lens, d, 768, 1400) not in (512, 768)     # neither the lesson's budget nor the biggest
     with pytest.raises(ValueError, match="no budget up to 256"):
-        L.best_budget([90, 700, 10, 10], 1, 256, 100)
+        _best([90, 700, 10, 10], 1, 256, 100)
     # the Engine itself runs the forwards and holds the rows the scheduler's plan says
     ran = L.budget_prices(lens, d, 720, engine=True)
     assert (ran["forwards"], ran["cache_rows_held"]) == _prices(lens, d, 720)[:2]
@@ -264,7 +259,7 @@ def test_budget_choice_checker_passes_a_design_and_explains_mistakes():
     assert "shorter wait" in attempt(L.check_budget_choice,
                                      lambda s, d, top, cap, m: 656 if cap == 1400 else _budget(s, d, top, cap, m))
     assert "at most 3" in attempt(L.check_budget_choice, lambda s, d, top, cap, m: [m(b) for b in (16, 32, 48, 64)][0])
-    assert "switched off" in attempt(L.check_budget_choice, lambda s, d, top, cap, m: L.best_budget(s, d, top, cap))
+    assert "switched off" in attempt(L.check_budget_choice, lambda s, d, top, cap, m: _best(s, d, top, cap))
     assert "switched off" in attempt(L.check_budget_choice, lambda s, d, top, cap, m: len(L.budget_table([top])))
     assert "expected an int" in attempt(L.check_budget_choice, lambda s, d, top, cap, m: "720")
     assert "multiple of 16" in attempt(L.check_budget_choice, lambda s, d, top, cap, m: top + 1)

@@ -1,10 +1,11 @@
 """What lesson 08 (chunked prefill: when a prompt does not fit) draws, explores and checks.
 
   the stream        ``stream`` (``serve.workloads.prefill_stream``), ``draft_index``, ``behind``, ``refusal``
-  one chunk         ``chunk_mask``, ``mask_text``, ``chunk_rows_error``, ``staircase_cells``
-  the engine        ``serve`` (Engine, chunked or whole), ``timeline``, ``stacked``, ``error_and_bound``,
-                    ``recorded_blocks`` / ``recorded_counts`` (what attention really ran), ``payloads_match``,
-                    ``intensity_table``, ``forward_prices`` / ``forward_prices_text`` (H200s, TP=2)
+  one chunk         ``chunk_mask`` / ``staircase_cells`` (``serve.chunk_costs``), ``mask_text``, ``chunk_rows_error``
+  the engine        ``serve``, ``timeline``, ``payloads_match``, ``other_collectives`` (``serve.runs``),
+                    ``planned_timeline`` (``serve.chunk_costs.planned_forwards``), ``stacked``, ``error_and_bound``,
+                    ``recorded_blocks`` (what attention really ran; counts: ``OpRecorder.score_counts``),
+                    ``intensity_table``, ``forward_prices_text`` (H200s, TP=2)
   figures           ``chunk_staircase`` (08_chunk_staircase), ``chunk_timeline`` (08_chunk_timeline)
   break it          ``BUGS`` (the engine's named faults), ``broken``, ``reported_bug``, ``chunk_error_table``
   explorer          ``chunked_plan_state`` / ``chunked_plan_html`` / ``chunked_plan_explorer`` (runs the engine)
@@ -18,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -28,18 +28,26 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Polygon, Rectangle
 
 from .. import faults
-from ..core.attention import block_diag_mask, varlen_attention
+from ..core.attention import varlen_attention
 from ..core.batch import pack
 from ..core.config import ModelConfig
 from ..core.model import init_weights
-from ..measure.comm import NVLINK, crossover_tokens, tp_forward_parts
+from ..measure.comm import NVLINK, REPEATED_PARTS, crossover_tokens, tp_forward_parts, tp_run_prices
 from ..measure.flops import LINEAR_LAYERS, linear_intensity, linear_ridge_tokens, linear_shapes
 from ..measure.machines import H200
-from ..measure.recorder import OpRecorder
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..serve import workloads
+from ..serve.chunk_costs import causal_cells_from_masks, fewest_forwards_budget, forward_score_cells, plan_prices
+from ..serve.chunk_costs import chunk_mask as chunk_mask  # the engine's, shown by the lesson
+from ..serve.chunk_costs import chunk_spans as chunk_spans
+from ..serve.chunk_costs import planned_forwards as planned_timeline
+from ..serve.chunk_costs import staircase_cells as staircase_cells
 from ..serve.engine import Engine
-from ..serve.kv_cache import cache_rows_held
+from ..serve.runs import forward_tokens as timeline
+from ..serve.runs import other_collectives as other_collectives
+from ..serve.runs import payloads_match as payloads_match
+from ..serve.runs import run_summary
+from ..serve.runs import serve_prompts as serve
 from ..serve.scheduler import DEFAULT_MAX_NUM_SEQS, Request, Scheduler, chunked_schedule_problem, plan_batches
 from ..serve.scheduler import mean_prefill_wait as mean_wait
 from ..serve.scheduler import prefill_waits as waits_of
@@ -89,41 +97,11 @@ def refusal(cfg: ModelConfig | None = None, weights: dict | None = None) -> str:
 
 # ---- one chunk's mask: rows of this chunk, keys of everything so far -------------------------------------
 
-def chunk_mask(start: int, length: int) -> Tensor:
-    """``[length, start + length]`` bool: the keys the queries of tokens ``start .. start+length-1`` may read,
-    the engine's ``block_diag_mask([0, length], causal=True, cu_seqlens_k=[0, start + length])`` (bottom-right)."""
-    start, length = check_int("start", start, 0), check_int("length", length, 1)
-    return block_diag_mask([0, length], causal=True, cu_seqlens_k=[0, start + length])
-
-
 def mask_text(mask: Tensor, start: int = 0) -> str:
     """A chunk's mask as text: one line per query (its token index in the prompt), ``#`` allowed, ``.`` not."""
     lines = ["keys:      " + "".join(str(j % 10) for j in range(mask.shape[1]))]
     lines += [f"query {start + i:3d}: " + "".join("#" if x else "." for x in row.tolist()) for i, row in enumerate(mask)]
     return "\n".join(lines)
-
-
-def chunk_spans(chunks: Sequence[int]) -> list[tuple[int, int]]:
-    """Chunk lengths of one prompt → ``[(start, length), ...]``: chunk c starts where chunk c-1 ended."""
-    spans, start = [], 0
-    for c, n in enumerate(chunks):
-        spans.append((start, check_int(f"chunks[{c}]", n, 1)))
-        start += n
-    return spans
-
-
-def staircase_cells(chunks: Sequence[int]) -> dict:
-    """Score cells per head per layer of one prompt run in ``chunks``, from the chunks' masks: ``computed``
-    (whole rectangles), ``allowed`` (what the masks keep) and ``masked`` (computed, then masked)."""
-    masks = [chunk_mask(s, n) for s, n in chunk_spans(chunks)]
-    computed, allowed = sum(m.numel() for m in masks), sum(int(m.sum()) for m in masks)
-    return {"computed": computed, "allowed": allowed, "masked": computed - allowed}
-
-
-def causal_cells_from_masks(forwards: Sequence) -> int:
-    """Causal cells per head per layer that the chunks' masks keep (``chunk_mask``, whatever fault is on), for
-    forwards given as their chunks ``(request, start, length)`` (a ``BatchStats``' ``chunks``, or the stats)."""
-    return sum(int(chunk_mask(s, n).sum()) for fwd in forwards for _, s, n in getattr(fwd, "chunks", fwd))
 
 
 def chunk_rows_error(start: int = 4, length: int = 4, heads: int = 2, d_head: int = 16, seed: int = 0) -> tuple:
@@ -146,41 +124,6 @@ def error_and_bound(out: Tensor, ref: Tensor, ref64: Tensor) -> tuple[float, flo
 
 # ---- the engine, chunked and not ------------------------------------------------------------------------
 
-def serve(prompts: Sequence[Sequence[int]], max_num_batched_tokens: int, chunked: bool, cfg: ModelConfig | None = None,
-          weights: dict | None = None, *, tp_size: int = 1, dtype: torch.dtype = torch.float32,
-          max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, compute_logits: bool = True, requests: Sequence[int] | None = None,
-          record: bool = False, return_hidden: bool = False, scheduler: Scheduler | None = None,
-          engine_class: type[Engine] = Engine) -> dict:
-    """Serve ``prompts`` (request i = ``prompts[i]``; only ``requests`` if given) on the CPU with ``engine_class``
-    (running ``scheduler`` if given), chunked prefill on or off. Returns ``{"outputs": {request: RequestOutput},
-    "stats": [BatchStats] one per forward, "kv_cache_peak_bytes", "traces": [rank 0's CollectiveRecords per
-    forward] (TP=2), "recorder": the ``OpRecorder`` of the whole run (``record=True``)}``."""
-    cfg = cfg or ModelConfig()
-    ids = list(range(len(prompts))) if requests is None else list(requests)
-    with engine_class(cfg, tp_size=tp_size, weights=weights if weights is not None else init_weights(cfg, 0),
-                      device="cpu", dtype=dtype, compute_logits=compute_logits, scheduler=scheduler,
-                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                      enable_chunked_prefill=chunked, record_forwards=tp_size > 1) as engine:
-        reqs = [Request(i, list(prompts[i]), return_hidden=return_hidden) for i in ids]
-        with OpRecorder() if record else contextlib.nullcontext() as rec:
-            outputs = engine.prefill(reqs)
-        return {"outputs": {o.request_id: o for o in outputs}, "stats": list(engine.stats), "recorder": rec,
-                "kv_cache_peak_bytes": engine.kv_cache_peak_bytes,
-                "traces": [list(s.tp_result.traces[0]) for s in engine.stats] if tp_size > 1 else []}
-
-
-def timeline(stats: Sequence) -> list[list[tuple]]:
-    """The forwards of a run, each a list of ``(request, num_tokens)`` (``BatchStats.chunks``)."""
-    return [[(i, n) for i, _, n in s.chunks] for s in stats]
-
-
-def planned_timeline(seq_lens: Sequence[int], max_num_batched_tokens: int, chunked: bool,
-                     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> list[list[tuple]]:
-    """The engine scheduler's forwards for bare lengths (``plan_batches``), as ``timeline`` gives a run's."""
-    plan = plan_batches(seq_lens, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill=chunked)
-    return [[(i, n) for i, _, n in fwd] if chunked else [(i, seq_lens[i]) for i in fwd] for fwd in plan]
-
-
 def stacked(run: dict, what: str, requests: Sequence | None = None) -> Tensor:
     """``[R, ...]``: each request's ``RequestOutput.<what>`` (``last_hidden`` or ``logits``), in request order."""
     outs = run["outputs"]
@@ -195,35 +138,6 @@ def same_argmax(a: dict, b: dict) -> bool:
 def recorded_blocks(run: dict) -> list[tuple[int, int]]:
     """``(L_q, L_k)`` of every score matrix the op recorder saw attention compute in ``run``, every layer."""
     return [tuple(shape[-2:]) for shape in run["recorder"].scores]
-
-
-def recorded_counts(run: dict, cfg: ModelConfig, wider_than: int = BUDGET) -> dict:
-    """Per head per layer, summed over the recorder's score matrices (every sequence of a call counted): ``cells``
-    (``L_q × L_k``), ``query_rows`` (``L_q``), ``cached_rows`` (``L_k - L_q``: keys beyond a block's own queries)
-    and ``cells_wider`` (cells of the blocks with more than ``wider_than`` keys)."""
-    sums = Counter()
-    for shape in run["recorder"].scores:
-        seqs, (q, k) = math.prod(shape[:-2]), shape[-2:]
-        sums.update(cells=seqs * q * k, query_rows=seqs * q, cached_rows=seqs * (k - q),
-                    cells_wider=seqs * q * k * (k > wider_than))
-    per = cfg.n_heads * cfg.n_layers
-    odd = {name: n for name, n in sums.items() if n % per}
-    if odd:
-        raise AssertionError(f"recorded {odd}: not a multiple of {cfg.n_heads} heads x {cfg.n_layers} layers")
-    return {name: sums[name] // per for name in ("cells", "query_rows", "cached_rows", "cells_wider")}
-
-
-def payloads_match(run: dict, d_model: int) -> bool:
-    """Is every all-reduce of every forward ``[tokens in that forward, d_model]``?"""
-    return len(run["traces"]) == len(run["stats"]) and all(
-        tuple(r.shape) == (s.num_tokens, d_model) for s, trace in zip(run["stats"], run["traces"])
-        for r in trace if r.op == "all_reduce")
-
-
-def other_collectives(trace: Sequence) -> int:
-    """Collectives of one forward that are not the blocks' all-reduces (the cache would show up here)."""
-    return sum(r.op != "all_reduce" or ".attn.out_proj" not in r.layer and ".mlp.fc_down" not in r.layer
-               for r in trace)
 
 
 # ---- what a forward costs on H200s (TP=2, bf16) -----------------------------------------------------------
@@ -243,21 +157,10 @@ def intensity_table(cfg: ModelConfig, token_counts: Sequence[int], tp_sizes: Seq
     return "\n".join(lines)
 
 
-PRICED = ("weight_pass_s", "all_reduces_s", "launches_s")   # what every forward pays again, whatever its tokens
-
-
-def forward_prices(cfg: ModelConfig, runs: dict, all_reduces: int, launches: int) -> dict:
-    """Runs ``{name: [tokens of each forward]}`` priced on H200s at TP=2 in bf16 (``measure.comm.tp_forward_parts``,
-    each forward making ``all_reduces`` all-reduces and ``launches`` kernel launches): per run ``forwards``,
-    ``largest`` and, summed over its forwards, the seconds of ``PRICED``."""
-    return {name: {"forwards": len(t), "largest": max(t),
-                   **{k: sum(tp_forward_parts(cfg, n, all_reduces, launches)[k] for n in t) for k in PRICED}}
-            for name, t in runs.items()}
-
-
 def forward_prices_text(cfg: ModelConfig, runs: dict, all_reduces: int, launches: int) -> str:
-    """``forward_prices`` of ``runs`` as lines: one ``BUDGET``-token forward part by part (its roofline verdict with
-    the times), each run's forwards and fixed costs, and what the first run's extra forwards add over the second's."""
+    """Runs ``{name: [tokens of each forward]}`` priced by ``measure.comm.tp_run_prices``, as lines: one
+    ``BUDGET``-token forward part by part (its roofline verdict with the times), each run's forwards and fixed
+    costs, and what the first run's extra forwards add over the second's."""
     p = tp_forward_parts(cfg, BUDGET, all_reduces, launches)
     bound = "compute" if p["arithmetic_s"] >= p["memory_s"] else "memory"
     us = {k: v * 1e6 for k, v in p.items()}
@@ -269,13 +172,13 @@ def forward_prices_text(cfg: ModelConfig, runs: dict, all_reduces: int, launches
              f"{us['all_reduce_latency_s']:.1f} us + bandwidth {us['all_reduce_bandwidth_s']:.2f} us; bandwidth would "
              f"match latency only from {crossover_tokens(NVLINK, cfg.d_model, 2):,.0f} rows)",
              f"  its {launches} kernel launches at {H200.launch_s * 1e6:.0f} us each: {us['launches_s']:.0f} us"]
-    prices = forward_prices(cfg, runs, all_reduces, launches)
+    prices = tp_run_prices(cfg, runs, all_reduces, launches)
     for name, r in prices.items():
         lines.append(f"{name:8s}: {r['forwards']} forwards (largest {r['largest']:,} tokens), "
                      f"{r['forwards'] * all_reduces} all-reduces | " +
-                     ", ".join(f"{k[:-2].replace('_', ' ')} {r[k] * 1e6:,.0f} us" for k in PRICED))
+                     ", ".join(f"{k[:-2].replace('_', ' ')} {r[k] * 1e6:,.0f} us" for k in REPEATED_PARTS))
     (a, ra), (b, rb) = list(prices.items())[:2]
-    extra = {k: (ra[k] - rb[k]) * 1e6 for k in PRICED}
+    extra = {k: (ra[k] - rb[k]) * 1e6 for k in REPEATED_PARTS}
     lines.append(f"{a} - {b}: {ra['forwards'] - rb['forwards']} extra forwards, "
                  f"{(ra['forwards'] - rb['forwards']) * all_reduces} extra all-reduces | " +
                  ", ".join(f"{k[:-2].replace('_', ' ')} +{v:,.0f} us" for k, v in extra.items()) +
@@ -297,27 +200,17 @@ def chunk_staircase(chunks: Sequence[int], title_prefix: str = "") -> Figure:
     total = spans[-1][0] + spans[-1][1]
     fig = Figure(figsize=(10, 5.2))
     left, right = fig.subplots(1, 2, width_ratios=[1.15, 1])
-    bar = 0.6
-    for c, (s, n) in enumerate(spans):
-        if s:
-            left.add_patch(Rectangle((0, c - bar / 2), s, bar, facecolor=OTHER, edgecolor="white", gid=f"cache-{c}"))
-        left.add_patch(Rectangle((s, c - bar / 2), n, bar, facecolor=REQUEST[0], edgecolor=TEXT, hatch="//",
-                                 linewidth=0.8, gid=f"chunk-{c}"))
-        left.text(s + n / 2, c, f"{n}", ha="center", va="center", fontsize=MIN_FONT, color=TEXT,
-                  bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.8})
-        if s:
-            left.text(s / 2, c, f"{s} cached", ha="center", va="center", fontsize=MIN_FONT, color="white")
-    left.set_xlim(0, total * 1.02)
-    left.set_ylim(len(spans) - 0.5, -0.7)
-    left.set_yticks(range(len(spans)))
-    left.set_yticklabels([f"forward {c}" for c in range(len(spans))], fontsize=MIN_FONT)
-    left.set_xlabel("token of the prompt", fontsize=MIN_FONT)
-    left.tick_params(axis="x", labelsize=MIN_FONT)
-    left.set_title(f"{title_prefix}{total:,} tokens in {len(spans)} chunks: the KV cache grows", fontsize=10)
+    bar, small = 0.6, {"ha": "center", "va": "center", "fontsize": MIN_FONT}
     for c, (s, n) in enumerate(spans):
         e = s + n
-        if s:
+        if s:   # left: the rows read back from the cache; right: this chunk's rows x the cached keys
+            left.add_patch(Rectangle((0, c - bar / 2), s, bar, facecolor=OTHER, edgecolor="white", gid=f"cache-{c}"))
+            left.text(s / 2, c, f"{s} cached", color="white", **small)
             right.add_patch(Rectangle((0, s), s, n, facecolor=ATTENTION, edgecolor="none", gid=f"cached-{c}"))
+        left.add_patch(Rectangle((s, c - bar / 2), n, bar, facecolor=REQUEST[0], edgecolor=TEXT, hatch="//",
+                                 linewidth=0.8, gid=f"chunk-{c}"))
+        left.text(s + n / 2, c, f"{n}", color=TEXT, bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.8},
+                  **small)
         right.add_patch(Polygon([(s, s), (s, e), (e, e)], closed=True, facecolor=ATTENTION, edgecolor="none",
                                 gid=f"diag-{c}"))
         right.add_patch(Polygon([(s, s), (e, s), (e, e)], closed=True, facecolor=WASTE, edgecolor="none",
@@ -326,13 +219,14 @@ def chunk_staircase(chunks: Sequence[int], title_prefix: str = "") -> Figure:
         if e < total:  # right of the rectangle: never computed (outlined, so white reads as a region)
             right.add_patch(Rectangle((e, s), total - e, n, facecolor=NEVER, edgecolor=TEXT, linewidth=0.5,
                                       gid=f"never-{c}"))
-        right.text(total * 1.015, s + n / 2, f"{n} x {e:,}", ha="left", va="center",
-                   fontsize=MIN_FONT, color=TEXT)
-    right.add_patch(Rectangle((0, 0), total, total, facecolor="none", edgecolor=TEXT, linewidth=0.8,
-                              linestyle=":"))
-    right.set_xlim(0, total * 1.3)
-    right.set_ylim(total, 0)
-    right.set_aspect("equal")
+        right.text(total * 1.015, s + n / 2, f"{n} x {e:,}", ha="left", va="center", fontsize=MIN_FONT, color=TEXT)
+    left.set(xlim=(0, total * 1.02), ylim=(len(spans) - 0.5, -0.7), yticks=range(len(spans)))
+    left.set_yticklabels([f"forward {c}" for c in range(len(spans))], fontsize=MIN_FONT)
+    left.set_xlabel("token of the prompt", fontsize=MIN_FONT)
+    left.tick_params(axis="x", labelsize=MIN_FONT)
+    left.set_title(f"{title_prefix}{total:,} tokens in {len(spans)} chunks: the KV cache grows", fontsize=10)
+    right.add_patch(Rectangle((0, 0), total, total, facecolor="none", edgecolor=TEXT, linewidth=0.8, linestyle=":"))
+    right.set(xlim=(0, total * 1.3), ylim=(total, 0), aspect="equal")
     right.set_xlabel("key (every token so far)", fontsize=MIN_FONT)
     right.set_ylabel("query (this chunk's tokens)", fontsize=MIN_FONT)
     right.tick_params(labelsize=MIN_FONT)
@@ -348,66 +242,50 @@ def chunk_staircase(chunks: Sequence[int], title_prefix: str = "") -> Figure:
     return fig
 
 
-def timeline_cells(forwards: Sequence[Sequence[tuple]]) -> list[int]:
-    """Each forward's score cells per head per layer, whole blocks: a chunk of ``t`` tokens of a request that has
-    already run ``s`` computes ``t × (s + t)``."""
-    done: Counter = Counter()
-    out = []
-    for fwd in forwards:
-        out.append(sum(t * (done[i] + t) for i, t in fwd))
-        done.update(dict(fwd))
-    return out
-
-
 def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequence[int]) -> Figure:
     """Lesson 08 (P2, P5): each run's forwards one after another on one axis, the prompt tokens run so far.
 
     ``runs``: ``{label: timeline}``. One lane per run: every chunk a box as wide as its tokens (the draft's hatched,
     gid ``chunk-<lane>-<forward>-<request>``), a tick between forwards (``fwd-<lane>-<forward>``), a mark where each
     request of ``behind`` finishes (``done-<lane>-<request>``) and their mean (``mean-<lane>``); under each wide
-    enough forward its number and score cells per head per layer (``timeline_cells``).
+    enough forward its number and score cells per head per layer (``serve.chunk_costs.forward_score_cells``).
     """
-    labels = list(runs)
-    total = sum(seq_lens)
-    height = 2.0 * len(labels) + 1.7
+    total, height = sum(seq_lens), 2.0 * len(runs) + 1.7
     fig = Figure(figsize=(10, height))
     ax = fig.add_subplot()
-    bar = 0.42
-    for lane, label in enumerate(labels):
+    bar, small = 0.42, {"va": "center", "fontsize": MIN_FONT, "color": TEXT}
+    for lane, (label, steps) in enumerate(runs.items()):
         x, start = 0, 0
-        cells = timeline_cells(runs[label])
-        for f, fwd in enumerate(runs[label]):
+        cells = forward_score_cells(steps)
+        for f, fwd in enumerate(steps):
             for i, t in fwd:
                 ax.add_patch(Rectangle((x, lane - bar / 2), t, bar, facecolor=request_color(i),
                                        hatch="///" if i == draft else None, edgecolor="white", linewidth=0.5,
                                        gid=f"chunk-{lane}-{f}-{i}"))
                 if t >= total / 60:
-                    ax.text(x + t / 2, lane, str(i), ha="center", va="center", fontsize=MIN_FONT, color=TEXT,
+                    ax.text(x + t / 2, lane, str(i), ha="center", **small,
                             bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6} if i == draft else None)
                 x += t
             ax.vlines(x, lane - bar / 2 - 0.06, lane + bar / 2 + 0.06, colors=TEXT, linewidth=1.6, gid=f"fwd-{lane}-{f}")
             if x - start >= total / 40:  # the forward's number (from 0, as the engine's stats count), below its boxes
                 name = f"f{f}: {cells[f] / 1000:,.0f}k cells" if x - start >= total / 9 else f"f{f}"
-                ax.text((start + x) / 2, lane + bar / 2 + 0.32, name, ha="center", va="center",
-                        fontsize=MIN_FONT, color=TEXT, gid=f"fnum-{lane}-{f}")
+                ax.text((start + x) / 2, lane + bar / 2 + 0.32, name, ha="center", gid=f"fnum-{lane}-{f}", **small)
             start = x
-        done = waits_of(runs[label])
+        done = waits_of(steps)
         for i in behind:
             ax.plot([done[i][1]], [lane + bar / 2 + 0.12], marker="v", color=TEXT, markersize=5, gid=f"done-{lane}-{i}")
         for x_done, count in Counter(done[i][1] for i in behind).items():  # marks in one forward overlap: count them
             if count > 1:
-                ax.text(x_done + total * 0.004, lane + bar / 2 + 0.12, f"×{count}", ha="left", va="center",
-                        fontsize=MIN_FONT, color=TEXT, gid=f"count-{lane}-{x_done}")
+                ax.text(x_done + total * 0.004, lane + bar / 2 + 0.12, f"×{count}", ha="left",
+                        gid=f"count-{lane}-{x_done}", **small)
         _, mean_tokens = mean_wait(done, behind)
         ax.plot([mean_tokens], [lane + bar / 2 + 0.2], marker="|", color=TEXT, markersize=14, markeredgewidth=2.5,
                 gid=f"mean-{lane}")
-        sizes = [sum(t for _, t in fwd) for fwd in runs[label]]
+        sizes = [sum(t for _, t in fwd) for fwd in steps]
         ax.text(0, lane - bar / 2 - 0.1, f"{label}: {len(sizes)} forwards, largest {max(sizes):,} tokens; "
                 f"the {len(behind)} questions behind the draft finish after {mean_tokens:,.0f} tokens on average",
                 ha="left", va="bottom", fontsize=MIN_FONT, color=TEXT)
-    ax.set_xlim(0, total * 1.04)
-    ax.set_ylim(len(labels) - 0.35, -0.75)
-    ax.set_yticks([])
+    ax.set(xlim=(0, total * 1.04), ylim=(len(runs) - 0.35, -0.75), yticks=[])
     ax.set_xlabel("prompt tokens run so far (forwards one after another, numbered f0, f1, ...; a black tick ends "
                   "a forward)", fontsize=MIN_FONT)
     ax.tick_params(axis="x", labelsize=MIN_FONT)
@@ -526,20 +404,6 @@ def _whole_runs(name: str, n: int, seed: int) -> tuple:
     return lens, prompts, whole_budget, runs
 
 
-def _run_summary(run: dict, budget: int, after: list) -> dict:
-    """One run's keys of ``chunked_plan_state`` from its ``BatchStats``; ``after``: the requests whose wait counts."""
-    steps = timeline(run["stats"])
-    waits = waits_of(steps)
-    return {"timeline": steps, "waits": waits, "budget": budget,
-            "mean_behind": mean_wait(waits, after) if after else (0.0, 0.0),
-            "max_forward": max(s.num_tokens for s in run["stats"]),
-            "cells_whole": sum(s.cells_whole_computed for s in run["stats"]),
-            "cells_causal": sum(s.cells_causal_useful for s in run["stats"]),
-            "cached_tokens": sum(s.num_cached_tokens for s in run["stats"]),
-            "kv_cache_peak_bytes": run["kv_cache_peak_bytes"],
-            "forward_ms": [1e3 * s.wall_s for s in run["stats"]]}
-
-
 def chunked_plan_state(workload: str = "long-tail", num_requests: int = 16, max_num_batched_tokens: int = 512,
                        seed: int = 3, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, bug: str = "none") -> dict:
     """A seeded stream of ``workload`` served by ``Engine`` on ``EXPLORE_RUN_CFG``, chunked under
@@ -547,10 +411,8 @@ def chunked_plan_state(workload: str = "long-tail", num_requests: int = 16, max_
 
     Keys: ``seq_lens``, ``longest``, ``behind``, ``whole_budget``, ``bug``, ``chunks`` and ``errors`` (``{request:
     (max |chunked last hidden - fp64 whole|, bound)}``) of the requests cut into chunks, and per run (``"chunked"``,
-    ``"whole"``), from the engine's ``BatchStats``: ``timeline``, ``waits``, ``mean_behind`` (forwards, tokens),
-    ``max_forward``, ``cells_whole``, ``cells_causal``, ``cached_tokens``, ``kv_cache_peak_bytes``, ``forward_ms``
-    (measured); the chunked run also ``cells_causal_masks`` (``causal_cells_from_masks`` with the bug still on).
-    """
+    ``"whole"``) its ``budget`` and ``serve.runs.run_summary`` of the requests behind the longest; the chunked run
+    also ``cells_causal_masks`` (``causal_cells_from_masks`` with the bug still on)."""
     if bug not in EXPLORER_BUGS:
         raise ValueError(f"bug must be one of {EXPLORER_BUGS}, got {bug!r}")
     n = check_int("num_requests", num_requests, 1, 256)
@@ -564,8 +426,8 @@ def chunked_plan_state(workload: str = "long-tail", num_requests: int = 16, max_
         masks_causal = causal_cells_from_masks(run["stats"])
     state = {"workload": workload, "seq_lens": lens, "longest": longest, "behind": after, "bug": bug,
              "max_num_batched_tokens": budget, "whole_budget": whole_budget,
-             "chunked": {**_run_summary(run, budget, after), "cells_causal_masks": masks_causal},
-             "whole": _run_summary(whole["whole"], whole_budget, after)}
+             "chunked": {**run_summary(run, after), "budget": budget, "cells_causal_masks": masks_causal},
+             "whole": {**run_summary(whole["whole"], after), "budget": whole_budget}}
     counts = Counter(i for fwd in state["chunked"]["timeline"] for i, _ in fwd)
     state["chunks"] = {i: counts[i] for i in sorted(counts) if counts[i] > 1}
     state["errors"] = {i: error_and_bound(*(r["outputs"][i].last_hidden for r in (run, whole["whole"], whole["truth"])))
@@ -684,9 +546,8 @@ _BUDGET_CASES = [("stream", 768, 1400), ("stream", 512, 1600), ("stream", 768, 2
 def budget_prices(seq_lens: Sequence[int], draft: int, max_num_batched_tokens: int, engine: bool = False) -> dict:
     """What serving ``seq_lens`` chunked under ``max_num_batched_tokens`` costs, by the engine's scheduler plan
     (``plan_batches``), or with ``engine=True`` as ``Engine`` ran it (its ``BatchStats``, on ``EXPLORE_RUN_CFG``):
-    ``forwards`` (each a pass over the weights), ``all_reduces`` (the S1 model at TP=2), ``largest`` (tokens),
-    ``cache_rows_held`` / ``held_by`` / ``held_after`` (``serve.kv_cache.cache_rows_held``' in-place peak), and the
-    mean wait of the requests behind ``draft``, ``wait_forwards`` / ``wait_tokens`` (``prefill_waits``)."""
+    ``budget`` and ``serve.chunk_costs.plan_prices`` (the S1 model's all-reduces at TP=2; the wait of the requests
+    behind ``draft``)."""
     budget = check_int("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 16)
     if engine:
         prompts = workloads.make_requests(list(seq_lens), EXPLORE_RUN_CFG.vocab_size, seed=workloads.PREFILL_STREAM_PROMPT_SEED)
@@ -694,11 +555,7 @@ def budget_prices(seq_lens: Sequence[int], draft: int, max_num_batched_tokens: i
         plan = [s.chunks for s in run["stats"]]
     else:
         plan = plan_batches(list(seq_lens), budget, enable_chunked_prefill=True)
-    held = cache_rows_held(plan, seq_lens)
-    f, t = mean_wait(waits_of(plan), range(draft + 1, len(seq_lens)))
-    return {"budget": budget, "forwards": len(plan), "all_reduces": 2 * ModelConfig().n_layers * len(plan),
-            "largest": max(sum(n for *_, n in fwd) for fwd in plan), "cache_rows_held": held["in_place"],
-            "held_by": held["held_by"], "held_after": held["held_after"], "wait_forwards": f, "wait_tokens": t}
+    return {"budget": budget, **plan_prices(plan, seq_lens, range(draft + 1, len(seq_lens)), ModelConfig().n_layers)}
 
 
 def budget_table(budgets: Sequence[int]) -> str:
@@ -711,17 +568,6 @@ def budget_table(budgets: Sequence[int]) -> str:
                                for m in rows])
 
 
-def best_budget(seq_lens: Sequence[int], draft: int, max_budget: int, max_cache_rows: int) -> int:
-    """Exercise 08.2's answer from the engine's plan for every candidate: among the multiples of ``BUDGET_STEP`` up
-    to ``max_budget`` holding at most ``max_cache_rows`` between forwards, the fewest forwards; ties: the least mean
-    wait in tokens of the requests behind ``draft``, then the smaller budget."""
-    prices = {b: budget_prices(seq_lens, draft, b) for b in range(BUDGET_STEP, max_budget + 1, BUDGET_STEP)}
-    fits = [b for b, p in prices.items() if p["cache_rows_held"] <= max_cache_rows]
-    if not fits:
-        raise ValueError(f"no budget up to {max_budget} keeps the cache within {max_cache_rows} rows")
-    return min(fits, key=lambda b: (prices[b]["forwards"], round(prices[b]["wait_tokens"], 6), b))
-
-
 def _prices_text(p: dict) -> str:
     return (f"under {p['budget']}: {p['forwards']} forwards ({p['all_reduces']} all-reduces at TP=2), "
             f"{p['cache_rows_held']:,} cache rows held, the requests behind wait {p['wait_tokens']:,.1f} tokens")
@@ -730,7 +576,7 @@ def _prices_text(p: dict) -> str:
 def check_budget_choice(fn) -> bool:
     """Exercise 08.2: ``fn(seq_lens, draft, max_budget, max_cache_rows, measure) -> max_num_batched_tokens``: the
     multiple of ``BUDGET_STEP`` up to ``max_budget`` within ``max_cache_rows`` held between forwards with the fewest
-    forwards; ties: the least mean wait in tokens behind ``draft``, then the smaller budget (``best_budget``).
+    forwards; ties: the least mean wait in tokens behind ``draft``, then the smaller budget (``fewest_forwards_budget``).
     ``measure(budget)`` returns ``budget_prices``' forwards, cache rows held and wait, at most ``MAX_PROBES`` calls a
     case; the engine's scheduler is off while ``fn`` runs (fault ``scheduler_refused``). Eight cases; the stream's
     answer is then served by ``Engine`` itself."""
@@ -763,7 +609,7 @@ def check_budget_choice(fn) -> bool:
             return f"expected an int (a max_num_batched_tokens), got {got!r}"[:200]
         if not (BUDGET_STEP <= got <= top and got % BUDGET_STEP == 0):
             return f"got {got}: the budget is a multiple of {BUDGET_STEP} from {BUDGET_STEP} to {top}"
-        want = best_budget(seq_lens, d, top, cap)
+        want = fewest_forwards_budget(seq_lens, range(d + 1, len(seq_lens)), top, cap, BUDGET_STEP)
         mine, best = budget_prices(seq_lens, d, got), budget_prices(seq_lens, d, want)
         if case[0] == "stream":
             ran, at = budget_prices(seq_lens, d, got, engine=True), budget_prices(seq_lens, d, BUDGET)
@@ -841,17 +687,16 @@ def check_bug_report_fix(fn) -> bool:
             return f"shape {list(got.shape)}, expected [{sum(lens)}]: one value per row of the flat batch"
         if got.dtype != torch.int64:
             return f"dtype {got.dtype}, expected torch.int64 (an index into the position embeddings)"
-        if torch.equal(got, want):
-            return None
-        if torch.equal(got, torch.cat([torch.arange(n) for n in lens])):
-            return ("positions restart at 0 in every chunk: that is what the bug report's engine does - the second "
-                    "chunk's tokens get the embeddings of positions 0, 1, ... and the model reads them as the start of "
-                    "a new prompt; start request i at num_computed_tokens[i]")
-        if torch.equal(got, torch.arange(sum(lens))):
-            return "positions run 0..T-1 across the whole batch: they restart for every REQUEST, at its cached length"
-        if torch.equal(got, want + 1):
-            return "off by one: the first new token of a request with c cached tokens sits at position c (0-based)"
-        return f"values {got.tolist()[:12]}..., the engine's are {want.tolist()[:12]}..."
+        known = [(want, None),
+                 (torch.cat([torch.arange(n) for n in lens]), "positions restart at 0 in every chunk: that is what the "
+                  "bug report's engine does - the second chunk's tokens get the embeddings of positions 0, 1, ... and "
+                  "the model reads them as the start of a new prompt; start request i at num_computed_tokens[i]"),
+                 (torch.arange(sum(lens)), "positions run 0..T-1 across the whole batch: they restart for every "
+                  "REQUEST, at its cached length"),
+                 (want + 1, "off by one: the first new token of a request with c cached tokens sits at position c "
+                  "(0-based)")]
+        return next((hint for tensor, hint in known if torch.equal(got, tensor)),
+                    f"values {got.tolist()[:12]}..., the engine's are {want.tolist()[:12]}...")
 
     return grade("bug_report_fix", run, [*_POSITION_CASES, (ENGINE_POSITIONS_CASE,)], judge,
                  "the quantity the bug report's engine gets wrong, on 5 chunked batches as the engine's pack gives "

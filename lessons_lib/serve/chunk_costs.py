@@ -1,5 +1,10 @@
 """What a chunked prefill schedule costs, from its forwards alone (no model run).
 
+  chunk_mask              the keys one chunk's queries may read (bottom-right causal over every key so far)
+  chunk_spans             a prompt's chunk lengths as ``(start, length)``
+  staircase_cells         score cells of one prompt run in chunks: computed, allowed by the masks, masked
+  causal_cells_from_masks causal cells the chunks' masks keep, over forwards of chunks
+  planned_forwards        the scheduler's plan for bare lengths, each forward as ``(request, tokens)``
   forward_score_cells     each forward's score cells per head per layer, whole blocks
   plan_prices             a schedule's forwards, all-reduces, largest forward, cache rows held and waits
   fewest_forwards_budget  the token budget with the fewest forwards within a cache limit (a search over plans)
@@ -12,9 +17,50 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from torch import Tensor
+
+from ..core.attention import block_diag_mask
 from ..validate import check_int
 from .kv_cache import cache_rows_held
 from .scheduler import DEFAULT_MAX_NUM_SEQS, mean_prefill_wait, plan_batches, prefill_waits
+
+
+def chunk_mask(start: int, length: int) -> Tensor:
+    """``[length, start + length]`` bool: the keys the queries of tokens ``start .. start+length-1`` may read,
+    ``block_diag_mask([0, length], causal=True, cu_seqlens_k=[0, start + length])`` (bottom-right)."""
+    start, length = check_int("start", start, 0), check_int("length", length, 1)
+    return block_diag_mask([0, length], causal=True, cu_seqlens_k=[0, start + length])
+
+
+def chunk_spans(chunks: Sequence[int]) -> list[tuple[int, int]]:
+    """Chunk lengths of one prompt → ``[(start, length), ...]``: chunk c starts where chunk c-1 ended."""
+    spans, start = [], 0
+    for c, n in enumerate(chunks):
+        spans.append((start, check_int(f"chunks[{c}]", n, 1)))
+        start += n
+    return spans
+
+
+def staircase_cells(chunks: Sequence[int]) -> dict:
+    """Score cells per head per layer of one prompt run in ``chunks``, from the chunks' masks: ``computed``
+    (whole rectangles), ``allowed`` (what the masks keep) and ``masked`` (computed, then masked)."""
+    masks = [chunk_mask(s, n) for s, n in chunk_spans(chunks)]
+    computed, allowed = sum(m.numel() for m in masks), sum(int(m.sum()) for m in masks)
+    return {"computed": computed, "allowed": allowed, "masked": computed - allowed}
+
+
+def causal_cells_from_masks(forwards: Sequence) -> int:
+    """Causal cells per head per layer that the chunks' masks keep (``chunk_mask``, whatever fault is on), for
+    forwards given as their chunks ``(request, start, length)`` (a ``BatchStats``' ``chunks``, or the stats)."""
+    return sum(int(chunk_mask(s, n).sum()) for fwd in forwards for _, s, n in getattr(fwd, "chunks", fwd))
+
+
+def planned_forwards(seq_lens: Sequence[int], max_num_batched_tokens: int, chunked: bool,
+                     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> list[list[tuple]]:
+    """``plan_batches`` for bare lengths, chunked prefill on or off, each forward as ``(request, tokens)`` pairs
+    (a whole prompt's tokens are its length)."""
+    plan = plan_batches(list(seq_lens), max_num_batched_tokens, max_num_seqs, enable_chunked_prefill=chunked)
+    return [[(i, n) for i, _, n in fwd] if chunked else [(i, seq_lens[i]) for i in fwd] for fwd in plan]
 
 
 def forward_score_cells(forwards: Sequence[Sequence[tuple]]) -> list[int]:
