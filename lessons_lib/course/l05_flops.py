@@ -24,6 +24,7 @@ from ..core.config import ModelConfig
 from ..measure.comm import split_tokens
 from ..measure.flops import (
     ForwardFlops,
+    attention_cells,
     attention_crossover_length,
     block_linear_intensity,
     decode_attention_intensity,
@@ -94,8 +95,7 @@ def flops_bars(ax, cases: Sequence[tuple[str, Sequence[int]]], cfg: ModelConfig,
     for xi, f, top in zip(x, fl, lin + att):
         ax.text(xi, top, f"{100 * f.attention_fraction:.1f}% attention", ha="center", va="bottom", fontsize=MIN_FONT,
                 color=TEXT)
-    ax.set_xticks(x)
-    ax.set_xticklabels([label for label, _ in cases], fontsize=MIN_FONT + 1)
+    ax.set_xticks(x, [label for label, _ in cases], fontsize=MIN_FONT + 1)
     ax.set_ylim(0, float((lin + att).max()) * 1.45 or 1.0)
     _dress(ax, "", "GFLOP per forward", title, loc="upper right")
 
@@ -118,12 +118,9 @@ def same_tokens_figure(cfg: ModelConfig | None = None, total: int = 1000, mix: S
     cfg = cfg or ModelConfig()
     fig = Figure(figsize=(10, 6.6))
     gs = fig.add_gridspec(2, len(mix), height_ratios=(1, 1.25), hspace=0.45, left=0.08, right=0.98, top=0.9, bottom=0.07)
-    cases = []
-    for i, r in enumerate(mix):
-        lens = [total // r] * r
-        cases.append((f"{r} x {total // r}", lens))
-        cells = sum(n * n for n in lens)
-        _blocks(fig.add_subplot(gs[0, i]), lens, f"{r} x {total // r}: {r} x {total // r}² = {cells:,} cells")
+    cases = [(f"{r} x {total // r}", [total // r] * r) for r in mix]
+    for i, (label, lens) in enumerate(cases):       # the cells: measure.flops.attention_cells, whole blocks
+        _blocks(fig.add_subplot(gs[0, i]), lens, f"{label}: {label}² = {attention_cells(lens, 'varlen').computed:,} cells")
     flops_bars(fig.add_subplot(gs[1, :]), cases, cfg,
                f"whole forward of the article's model ({cfg.n_layers} layers, d_model {cfg.d_model}), varlen, "
                "whole blocks:\nthe linear work is the same, the attention work drops 10x per step to the right")
@@ -197,14 +194,13 @@ def intensity_figure(cfg: ModelConfig | None = None, decode_r: Sequence[int] = (
     ax.axhline(att, color=ATTENTION, linewidth=2,
                label=f"decode attention of each request, {kv_len:,} cached tokens (bf16): {att:.2f}, any R")
     for m, style in zip(ridges, (":", "-.")):  # high ridges labelled above-left, low ones below-right
-        ridge = m.ridge
-        ax.axhline(ridge, color=TEXT, linestyle=style, linewidth=1.2)
-        left = ridge > 50
+        ax.axhline(m.ridge, color=TEXT, linestyle=style, linewidth=1.2)
+        left = m.ridge > 50
         machine, _, how = m.name.partition(" (")
-        ax.text(0.6 if left else tokens[-1], ridge * 1.12 if left else ridge / 1.12,
-                f"ridge, {machine}, {'bf16' if m.itemsize == BF16 else 'fp32'}: {ridge:.3g} FLOP/byte"
-                + (f"\n({how}" if how else ""), fontsize=MIN_FONT,
-                color=TEXT, ha="left" if left else "right", va="bottom" if left else "top")
+        ax.text(0.6 if left else tokens[-1], m.ridge * 1.12 if left else m.ridge / 1.12,
+                f"ridge, {machine}, {'bf16' if m.itemsize == BF16 else 'fp32'}: {m.ridge:.3g} FLOP/byte"
+                + (f"\n({how}" if how else ""), fontsize=MIN_FONT, color=TEXT, ha="left" if left else "right",
+                va="bottom" if left else "top")
     ax.set(xscale="log", yscale="log", xlim=(0.5, tokens[-1] * 1.3), ylim=(0.3, 3000))
     _dress(ax, "rows that share one read of the weights (prefill: flat tokens T; decode: requests R)",
            "FLOP per byte moved", "Arithmetic intensity = FLOPs / bytes moved, counting the weights, the input rows "
@@ -278,15 +274,13 @@ def time_split_figure(splits: Mapping[str, Mapping[str, float]], flops: Mapping[
         ax_f.text(left, y, f" {left:.1f}", va="center", fontsize=MIN_FONT, color=TEXT)
     for ax, xlabel in ((ax_t, f"time per forward (ms), profiled parts scaled to wall time, {where}"),
                        (ax_f, "FLOPs per forward (GFLOP), causal")):
-        ax.set_yticks(range(len(names)))
-        ax.set_yticklabels(names if ax is ax_t else [""] * len(names), fontsize=MIN_FONT)
+        ax.set_yticks(range(len(names)), names if ax is ax_t else [""] * len(names), fontsize=MIN_FONT)
         ax.invert_yaxis()
         ax.set_xlim(0, ax.get_xlim()[1] * 1.25)
         ax.set_xlabel(xlabel, fontsize=MIN_FONT)
         ax.tick_params(labelsize=MIN_FONT)
     ax_t.legend(fontsize=MIN_FONT, ncol=3, frameon=False, loc="lower left", bbox_to_anchor=(0.0, 1.0))
-    fig.suptitle("Time (profiled, this machine) vs FLOPs (causal), same 1,000 tokens", fontsize=MIN_FONT + 1,
-                 y=0.98)
+    fig.suptitle("Time (profiled, this machine) vs FLOPs (causal), same 1,000 tokens", fontsize=MIN_FONT + 1, y=0.98)
     fig.subplots_adjust(left=0.1, right=0.97, bottom=0.5 / (1.9 + 0.45 * len(names)) + 0.12, top=0.72, wspace=0.12)
     return fig
 
@@ -308,15 +302,14 @@ def throughput_figure(tokens: Sequence[int], gflops: Sequence[float], label: str
     for t, g in zip(tokens, gflops):
         ax.annotate(f"{g:.0f}", (t, g), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=MIN_FONT,
                     color=TEXT)
-    ax.set_xscale("log")
-    ax.set_xticks(list(tokens))
-    ax.set_xticklabels([str(t) for t in tokens])
+    ax.set(xscale="log", xticks=list(tokens), xticklabels=[str(t) for t in tokens])
     ax.minorticks_off()
     ax.set_ylim(0, max(list(gflops) + list(roof[1] if roof is not None else [])) * 1.35 or 1.0)
     _dress(ax, "rows T (flat tokens through one weight read)", "GFLOP/s",
            f"measured on {where}: fastest of several runs (shown, never asserted)", loc="upper left")
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.17, top=0.9)
     return fig
+
 
 # ---------------------------------------------------------------------------------------------
 # The roofline explorer: a model, a machine, packings of the same tokens -> FLOPs, bytes, intensity, the
@@ -329,7 +322,7 @@ def model_of(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads
     if d % h:
         raise ValueError(f"n_heads must divide d_model (d_head = d_model / n_heads): {d} / {h} is not whole")
     return ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 1024), d_model=d, n_heads=h, d_head=d // h,
-                           n_kv_heads=n_kv_heads, d_ffn=check_int("d_ffn", d_ffn, 1, 1 << 18))
+                       n_kv_heads=n_kv_heads, d_ffn=check_int("d_ffn", d_ffn, 1, 1 << 18))
 
 
 def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads: int = 8, n_layers: int = 8,
@@ -425,8 +418,7 @@ def roofline_figure(state: dict) -> Figure:
     ax.plot(xs, np.minimum(peak, xs * bw), "-", color=TEXT, linewidth=1.5, label=f"roof of {name}")
     ax.axvline(ridge, color=TEXT, linestyle=":", linewidth=1)
     ax.text(ridge * 1.1, peak * 0.02, f"ridge\n{ridge:.1f} FLOP/B", fontsize=MIN_FONT, color=TEXT, ha="left")
-    markers = ("o", "s", "^")                          # one shape per packing, one colour per part
-    for i, (row, mk) in enumerate(zip(state["rows"], markers)):
+    for i, (row, mk) in enumerate(zip(state["rows"], ("o", "s", "^"))):   # one shape per packing, one colour per part
         for part, color in (("linear", LINEAR), ("attention", ATTENTION)):
             x = row[part].intensity
             ax.plot([x], [min(peak, x * bw)], mk, color=color, markersize=8,
@@ -450,11 +442,11 @@ def roofline_figure(state: dict) -> Figure:
     _dress(ax, "arithmetic intensity (FLOP per byte moved)", "attainable FLOP/s = min(peak, intensity x bandwidth)",
            size=MIN_FONT, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     c = state["cfg"]
-    fig.text(0.02, 0.97, f"Roofline of {name}: d_model {c.d_model}, {c.n_heads} heads ({state['n_kv_heads']} K/V), "
-             f"FFN {c.d_ffn}, {c.n_layers} layers, {state['nbytes']} B/number", fontsize=MIN_FONT + 1, color=TEXT,
-             va="top")
+    fig.text(0.02, 0.97, f"Roofline of {name}: d_model {c.d_model}, {c.n_heads} heads ({state['n_kv_heads']} K/V), FFN "
+             f"{c.d_ffn}, {c.n_layers} layers, {state['nbytes']} B/number", fontsize=MIN_FONT + 1, color=TEXT, va="top")
     fig.subplots_adjust(left=0.11, right=0.6, bottom=0.13, top=0.9)
     return fig
+
 
 D_MODELS, BYTES = (128, 256, 512, 768, 1024, 2048, 4096, 8192), ((("bf16 (2 B)"), 2), (("fp32 (4 B)"), 4))
 
@@ -463,9 +455,9 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[ModelConfig,
     """VBox class ``frx``: model knobs (``frx-dmodel``, ``frx-dffn``, ``frx-heads``, ``frx-kvheads``: divisors of the
     heads, ``frx-layers``, ``frx-bytes``), ``frx-machine`` (``here``, this CPU's ``Machine``, when given; the H200),
     ``frx-tokens``, ``frx-requests``, ``frx-lengths``; readouts ``frx-machine-line``, ``frx-table``, ``frx-measured``
-    (with ``here``: ``timer``, default ``recorded.timed_forward``, runs the engine's forward of the knobs' model on the typed
-    lengths, recorded and timed, once per model and lengths), ``frx-error``,
-    ``frx-figure``. The dtype follows the machine's peak; a mismatch is flagged."""
+    (with ``here``: ``timer``, default ``recorded.timed_forward``, runs the engine's forward of the knobs' model on
+    the typed lengths, recorded and timed, once per model and lengths), ``frx-error``, ``frx-figure``. The dtype
+    follows the machine's peak; a mismatch is flagged."""
     timer = timer or timed_forward
     timed: dict = {}
     w = ipywidgets_module()
@@ -536,7 +528,6 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[ModelConfig,
     for c in (mach, tokens, reqs, lens):
         c.observe(update, names="value")
     return box
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -643,12 +634,10 @@ def check_kv_overtakes(fn: Callable[[ModelConfig, float, int, int], int | None])
         unit = Machine("ridge", ridge, 1.0)                 # time in units of bytes / bandwidth
         if want is None and got is not None:
             p = decode_step_parts(cfg, got, kv_len, unit, nbytes)
-            why = ""
-            if p.linear.bound == "compute-bound":
-                why = (f" - at R = {got} the linear layers are compute-bound (from R = "
-                       f"{min_decode_batch(cfg, ridge, nbytes)}): their time is their FLOPs at peak, 2 R W, and grows "
-                       f"with R exactly as fast as the KV read, which stays shorter ({p.attention.seconds:.4g} "
-                       f"against {p.linear.seconds:.4g} byte-times)")
+            why = (f" - at R = {got} the linear layers are compute-bound (from R = "
+                   f"{min_decode_batch(cfg, ridge, nbytes)}): their time is their FLOPs at peak, 2 R W, and grows "
+                   f"with R exactly as fast as the KV read, which stays shorter ({p.attention.seconds:.4g} "
+                   f"against {p.linear.seconds:.4g} byte-times)") if p.linear.bound == "compute-bound" else ""
             return f"got {got}, expected None{why}"
         if got is None:
             p = decode_step_parts(cfg, want, kv_len, unit, nbytes)
