@@ -164,18 +164,19 @@ def wrong(n_heads, d_head, n_layers, gpus, bytes_per_number, num_requests, token
     # lesson 05
     "ex05_1_grade": ('''
 def wrong(cfg, seq_lens, ridge):  # grouping taken to multiply prefill attention's intensity by the group, as in decode
-    from lessons_lib.course import l05_flops as L
-    plain = L.attention_intensity(seq_lens, cfg.n_heads, cfg)
+    from lessons_lib.measure.flops import prefill_attention_intensity
+    plain = prefill_attention_intensity(cfg, seq_lens, cfg.n_heads)
     fits = [kv for kv in range(1, cfg.n_heads + 1) if cfg.n_heads % kv == 0 and plain * cfg.n_heads / kv >= ridge]
     return max(fits, default=None)
 ''', "not by the group factor"),
     "ex05_2_grade": ('''
 def wrong(total, n_kv_heads):  # equal requests, as many as stay compute-bound: no long request to carry it
-    from lessons_lib.course import l05_flops as L
+    from lessons_lib.core.config import ModelConfig
+    from lessons_lib.measure.flops import prefill_attention_intensity
     best = None
     for n in range(1, total // 16 + 1):
         lens = [total // n + (i < total % n) for i in range(n)]
-        if L.attention_intensity(lens, n_kv_heads) < 989e12 / 4.8e12:
+        if prefill_attention_intensity(ModelConfig(), lens, n_kv_heads) < 989e12 / 4.8e12:
             break
         best = lens
     return best
