@@ -16,6 +16,7 @@ from lessons_lib.course import l07_kernel as L
 from lessons_lib.course.explore import parse_query_key_lengths
 from lessons_lib.course.grading import WrongAnswer, score
 from lessons_lib.faults import kernel as kernel_faults
+from lessons_lib.measure import kernel_runs
 from lessons_lib.measure.profile import random_qkv
 from lessons_lib.measure.tolerance import assert_close, max_abs_diff, tolerance
 from lessons_lib.ops import tiling
@@ -156,7 +157,8 @@ def test_each_kernel_bug_moves_a_counter_or_the_output_and_the_real_kernel_comes
 
 
 def test_the_lessons_bugs_are_the_engines_kernel_faults():
-    assert set(L.KERNEL_BUGS) == {name for name, f in faults.FAULTS.items() if f.area == "kernel"}
+    # every one-line kernel fault (LINE_CHANGES) is the lesson's; a launcher fault of the area (lesson 03's) is not
+    assert set(L.KERNEL_BUGS) == set(kernel_faults.LINE_CHANGES) <= {n for n, f in faults.FAULTS.items() if f.area == "kernel"}
     for bug in L.KERNEL_BUGS:   # each names one line of the current kernel, shown by the break-it cell
         old, new = kernel_faults.LINE_CHANGES[bug]
         assert "# CHANGED, was: " + old in kernel_faults.changed_source(old, new)
@@ -372,7 +374,7 @@ def test_window_checker_explains_a_wrong_range(wrong, phrase):
 
 def test_window_checker_compares_with_the_kernels_count_on_a_chunk():
     # right on every tile it is shown, wrong only where L_k > L_q and the tile is not the first: the kernel catches it
-    assert L.kernel_counts(*L.CHUNK_MIX, 16, 16) == tiling.predict_work(*L.CHUNK_MIX, block_m=16, block_n=16)
+    assert kernel_runs.causal_counts(*L.CHUNK_MIX, 16, 16, L.MAX_PROGRAMS) == tiling.predict_work(*L.CHUNK_MIX, block_m=16, block_n=16)
 
 
 def test_tiles_checker_explains_the_grid_count_and_the_re_reads():
@@ -412,7 +414,7 @@ def test_flat_grid_checker_prints_the_kernels_rectangular_early_exits(capsys):
     out = capsys.readouterr().out
     # [300, 20, 20, 20] at 64: the rectangle (5, 1, 4) leaves 12 programs empty, the flat grid of 9 programs one
     assert "flat grid 9 programs, 1 return at once; the rectangular grid 20, 12 return at once" in out
-    rect = L.kernel_counts([100, 5, 20], [100, 5, 20], 32, 64, max_programs=24)
+    rect = kernel_runs.causal_counts([100, 5, 20], [100, 5, 20], 32, 64, 24)
     assert (rect.programs, rect.early_exits) == (12, 6)
 
 
@@ -451,8 +453,9 @@ def test_the_loop_dispatches_nine_ops_per_causal_request_five_without_the_mask()
 
 
 def test_every_kernel_run_of_the_lesson_takes_bfloat16_on_cuda_and_float32_on_the_cpu(monkeypatch):
-    assert L.kernel_dtype("cuda") == L.kernel_dtype(torch.device("cuda", 1)) == torch.bfloat16
-    assert L.kernel_dtype("cpu") == torch.float32 and L.KERNEL_DTYPE == L.kernel_dtype(L.KERNEL_DEVICE)
+    kd = kernel_runs.kernel_dtype
+    assert kd("cuda") == kd(torch.device("cuda", 1)) == torch.bfloat16
+    assert kd("cpu") == torch.float32 and kernel_runs.KERNEL_DTYPE == kd(kernel_runs.KERNEL_DEVICE)
     q, k, v, cu_q, cu_k = L.kernel_qkv([3, 5], 2, 16, seq_lens_k=[4, 6], device="cpu")
     assert (q.dtype, k.shape, cu_k.tolist()) == (torch.float32, (10, 2, 16), [0, 4, 10])
 
@@ -462,13 +465,13 @@ def test_every_kernel_run_of_the_lesson_takes_bfloat16_on_cuda_and_float32_on_th
     def record(*args, device, dtype, **kwargs):   # stops each helper where it has built its inputs
         raise Built(torch.device(device).type, dtype)
 
-    monkeypatch.setattr(L, "KERNEL_DEVICE", torch.device("cuda"))   # as on a GPU machine, without one
-    monkeypatch.setattr(L, "random_qkv", record)
+    monkeypatch.setattr(kernel_runs, "KERNEL_DEVICE", torch.device("cuda"))   # as on a GPU machine, without one
+    monkeypatch.setattr(kernel_runs, "random_qkv", record)
     helpers = {"kernel_qkv": lambda: L.kernel_qkv([3], 1, 16),
                "the explorer": lambda: L._explorer_inputs.__wrapped__((3,), (5,), True)}
     if L.kernel_module() is not None:   # without Triton these fall back to the prediction and build nothing
         helpers.update({"run_gqa": lambda: L.run_gqa(*L.GQA_DECODE, None),
-                        "the checkers' kernel runs": lambda: L.kernel_counts([3], [5], 16, 16)})
+                        "the checkers' kernel runs": lambda: kernel_runs.causal_counts([3], [5], 16, 16, 48)})
     for name, build in helpers.items():
         with pytest.raises(Built) as built:
             build()

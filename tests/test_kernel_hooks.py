@@ -1,6 +1,8 @@
 """Engine hooks lesson 07 calls: the online-softmax replay (ops.online_softmax), the float64 log-sum-exp reference
 (measure.tolerance.reference_lse), the compile report's limits table and PTX counts (ops.compile_report), the
-window truth, the flat grid and the occupancy model of ops.tiling, and the recorder's view filter."""
+window truth, the flat grid and the occupancy model (tile_costs, best_block_m) of ops.tiling, the recorder's view filter,
+the launch picture's cells and totals (ops.tile_picture), the kernel's code cut (faults.kernel.kernel_source_part) and its
+runs (measure.kernel_runs)."""
 from __future__ import annotations
 
 import pytest
@@ -166,3 +168,26 @@ def test_best_block_m_reads_least_kv_among_tiles_that_fill_the_sms():
     assert real == (min(full, key=lambda bm: costs[bm][1]) if full else max(costs, key=lambda bm: costs[bm][0]))
     with pytest.raises(ValueError, match="block_ms is empty"):
         tiling.best_block_m(lens, heads, 132, (), 64, 64)
+
+
+@needs_triton
+def test_causal_counts_run_the_kernel_only_up_to_max_programs():
+    from lessons_lib import faults
+    from lessons_lib.measure import kernel_runs
+    lens_q, lens_k = [20, 5], [50, 5]
+    want = tiling.predict_work(lens_q, lens_k, block_m=16, block_n=16, causal=True)
+    assert kernel_runs.causal_counts(lens_q, lens_k, 16, 16, 48) == want
+    with faults.injected("kernel_no_early_return"):    # the counters tell a kernel run from the prediction
+        assert kernel_runs.causal_counts(lens_q, lens_k, 16, 16, 48).tiles > want.tiles
+        assert kernel_runs.causal_counts(lens_q, lens_k, 16, 16, want.programs - 1) == want
+
+
+@needs_triton
+def test_run_layout_packs_the_kv_heads_and_matches_the_prediction():
+    from lessons_lib.measure import kernel_runs
+    per_head, packed = (kernel_runs.run_layout([1, 3], [40, 20], 4, 2, 16, p) for p in (False, True))
+    assert (per_head["grid"][1], per_head["packed"], packed["grid"][1], packed["packed"]) == (4, False, 2, True)
+    for run in (per_head, packed):
+        assert run["counts"] == run["predicted"] and run["error"] <= run["bound"]
+    assert per_head["counts"].tiles == 2 * packed["counts"].tiles   # G = 2 decode rows share each K/V tile's load
+    assert per_head["counts"].cells == packed["counts"].cells

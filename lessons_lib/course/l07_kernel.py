@@ -1,9 +1,10 @@
 """What lesson 07 (inside the kernel) draws, explores, breaks and checks.
 
 The kernel is the engine's (``ops.triton_varlen``), its predictions ``ops.tiling``'s and its one-line bugs the engine's
-named faults (``faults.kernel``). Here: the lesson's kernel runs (``kernel_qkv``, ``run_kernel``, ``run_gqa``), the
-launch picture program by program, the online-softmax replay, the kernel's code cut for display, what the compiler
-made of it, the kernel explorer, and the checkers of exercises 07.1-07.3.
+named faults (``faults.kernel``); its runs (inputs, references, counters) ``measure.kernel_runs``'; the launch
+picture's cells and totals ``ops.tile_picture``'s. Here: the launch picture program by program, the online-softmax
+replay, the kernel's code for display, what the compiler made of it, the GQA layouts, the kernel explorer, and the
+checkers of exercises 07.1-07.3.
 
 Taught in notebooks/07_inside_the_kernel.ipynb.
 """
@@ -21,10 +22,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from .. import faults
-from ..core.attention import attention_ref
+from ..core.attention import varlen_attention
 from ..faults import kernel as kernel_faults
+from ..measure.kernel_runs import causal_counts, kernel_missing, kernel_module, kernel_qkv, kernel_refs, run_kernel, run_layout
 from ..measure.machines import H200
 from ..measure.profile import random_qkv
+from ..measure.recorder import record_ops
 from ..measure.tolerance import max_abs_diff, tolerance
 from ..ops import compile_report, tiling
 from ..ops.online_softmax import max_growths, online_softmax
@@ -37,67 +40,6 @@ from .figures import ARTICLE_LENS, register
 from .grading import grade, int_tuple
 
 TILE_SIZES = (16, 32, 64, 128)
-
-
-# ---- the kernel, where it runs --------------------------------------------------------------------------
-
-@functools.cache
-def kernel_missing() -> str | None:
-    """None where the kernel runs; else one sentence saying why not."""
-    try:
-        kernel_faults.kernel_module()
-    except RuntimeError as exc:
-        return (f"{exc}: Triton publishes Linux wheels only (and needs an NVIDIA GPU or its CPU interpreter). The "
-                "pictures and predictions below still run.")
-    return None
-
-
-def kernel_module():
-    """``lessons_lib.ops.triton_varlen``, or None where it does not import (see ``kernel_missing``)."""
-    return None if kernel_missing() else kernel_faults.kernel_module()
-
-
-KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def kernel_dtype(device) -> torch.dtype:
-    """bfloat16 on CUDA (the compiled kernel takes fp16 / bf16 only), float32 elsewhere (Triton's CPU interpreter)."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-
-
-KERNEL_DTYPE = kernel_dtype(KERNEL_DEVICE)
-
-
-def kernel_qkv(seq_lens: Sequence[int], n_heads: int, d_head: int, *, seq_lens_k: Sequence[int] | None = None,
-               seed: int = 0, device=None) -> tuple:
-    """``random_qkv`` on ``device`` (default ``KERNEL_DEVICE``) in ``kernel_dtype(device)``: q, k, v ``[T, H, D]`` and
-    int32 cu_seqlens (five values with ``seq_lens_k``)."""
-    device = KERNEL_DEVICE if device is None else device
-    return random_qkv(list(seq_lens), n_heads, d_head, seq_lens_k=None if seq_lens_k is None else list(seq_lens_k),
-                      seed=seed, device=device, dtype=kernel_dtype(device))
-
-
-def kernel_refs(q, k, v, cu_q, cu_k=None, *, causal=True) -> tuple:
-    """``attention_ref`` in q's dtype and in float64: the pair the course's tolerance rule takes."""
-    return tuple(attention_ref(q, k, v, cu_q, cu_k, causal=causal, upcast_dtype=t) for t in (q.dtype, torch.float64))
-
-
-def run_kernel(q, k, v, cu_q, cu_k=None, *, causal=True, block_m=64, block_n=64):
-    """``triton_varlen_attention`` under ``count_work`` on ``KERNEL_DEVICE``: ``(out [T_q, H, D] in q's dtype on q's
-    device, WorkCounts)``."""
-    tv = kernel_module()
-    if tv is None:
-        raise RuntimeError(kernel_missing())
-    moved = [None if x is None else x.to(KERNEL_DEVICE) for x in (q, k, v, cu_q, cu_k)]
-    with tv.count_work() as counts:
-        out = tv.triton_varlen_attention(*moved, causal=causal, block_m=block_m, block_n=block_n)
-    return out.to(q.device), counts
-
-
-def counters_text(w: WorkCounts) -> str:
-    """A launch's counters on one line (``masked_tiles`` included, which ``==`` on ``WorkCounts`` leaves out)."""
-    return (f"{w.programs} programs, {w.early_exits} exits, {w.tiles} tiles, {w.tiles_skipped} skipped, "
-            f"{w.cells:,} cells, {w.masked_tiles} masked")
 
 
 # ---- the launch grid, program by program ---------------------------------------------------------------
@@ -129,14 +71,11 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
     for r, (ax, nq, nk, pic) in enumerate(zip(axes, lq, lk, pics)):
         h, w = pic.shape
         ax.imshow(pic, cmap=cmap, vmin=0, vmax=3, interpolation="nearest", extent=(0, w, h, 0), aspect="auto")
-        for y in range(0, h + 1, block_m):
-            ax.axhline(y, color=TEXT, linewidth=0.8)
-        for x in range(0, w + 1, block_n):
-            ax.axvline(x, color=TEXT, linewidth=0.6, linestyle=":")
-        for m in range(grid_m):
-            if tiles[r][m] < 0:
-                ax.add_patch(Rectangle((0, m * block_m), w, block_m, facecolor=NEVER, edgecolor=TEXT, linewidth=0,
-                                       hatch=RETURNED_HATCH, gid=f"returned-{r}-{m}"))
+        ax.hlines(range(0, h + 1, block_m), 0, w, color=TEXT, linewidth=0.8)
+        ax.vlines(range(0, w + 1, block_n), 0, h, color=TEXT, linewidth=0.6, linestyle=":")
+        for m in [m for m, t in enumerate(tiles[r]) if t < 0]:
+            ax.add_patch(Rectangle((0, m * block_m), w, block_m, facecolor=NEVER, edgecolor=TEXT, linewidth=0,
+                                   hatch=RETURNED_HATCH, gid=f"returned-{r}-{m}"))
         ax.add_patch(Rectangle((0, 0), nk, nq, fill=False, edgecolor=TEXT, linewidth=1.0, gid=f"request-{r}"))
         ax.set_yticks([(m + 0.5) * block_m for m in range(grid_m)],
                       [f"m={m}" for m in range(grid_m)] if r == 0 else [""] * grid_m)
@@ -213,10 +152,8 @@ def online_softmax_picture(scores_row: torch.Tensor, values: torch.Tensor, block
     right.plot(tiles, [max(st.error, floor) for st in good], "o-", color=TEXT, label="with the rescale (the kernel)")
     right.plot(tiles, [max(st.error, floor) for st in bad], "s--", color=TEXT, markerfacecolor="white",
                label="sum l not rescaled (the bug)")
-    right.set_yscale("log")
-    right.set_ylim(floor / 3, 1e6)
+    right.set(yscale="log", ylim=(floor / 3, 1e6), xlim=(-0.4, tiles[-1] + 0.4))
     right.set_xticks(tiles, [f"after\ntile {t}" for t in tiles])
-    right.set_xlim(-0.4, tiles[-1] + 0.4)
     right.set_ylabel("max |acc / l - softmax so far|", fontsize=MIN_FONT)
     right.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
     right.set_title("error of acc / l after each key tile vs the\nsoftmax over the keys seen so far (float64)",
@@ -287,23 +224,9 @@ GQA_PREFILL = ([64], [64])              # one prefill of whole tiles
 
 def run_gqa(lens_q: Sequence[int], lens_k: Sequence[int], pack_gqa: bool | None, *, block_m: int = 16,
             block_n: int = 16, causal: bool = True) -> dict:
-    """The kernel on ``GQA_HEADS`` query heads of 16 over ``GQA_KV_HEADS`` K/V heads in one layout (None: the
-    launcher's pick) under ``count_work`` and ``count_launches``: ``{"grid", "packed", "counts", "predicted",
-    "error", "bound"}`` (the output's error against float64, and the tolerance rule's bound)."""
-    tv = kernel_module()
-    if tv is None:
-        raise RuntimeError(kernel_missing())
-    q, k, v, cu_q, cu_k = kernel_qkv(lens_q, GQA_HEADS, 16, seq_lens_k=lens_k)
-    k, v = k[:, :GQA_KV_HEADS].contiguous(), v[:, :GQA_KV_HEADS].contiguous()
-    with tv.count_launches() as grids, tv.count_work() as counts:
-        out = tv.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, block_m=block_m, block_n=block_n,
-                                         pack_gqa=pack_gqa)
-    ref, ref64 = kernel_refs(q, k, v, cu_q, cu_k, causal=causal)
-    packed = grids[0][1] == GQA_KV_HEADS     # the grid's head axis: K/V heads when packed, query heads if not
-    predicted = tiling.predict_work(lens_q, lens_k, GQA_HEADS, n_kv_heads=GQA_KV_HEADS, pack_gqa=packed,
-                                    block_m=block_m, block_n=block_n, causal=causal)
-    return {"grid": grids[0], "packed": packed, "counts": counts, "predicted": predicted,
-            "error": max_abs_diff(out.cpu(), ref64), "bound": tolerance(ref, ref64)}
+    """``kernel_runs.run_layout`` on ``GQA_HEADS`` query heads of 16 over ``GQA_KV_HEADS`` K/V heads."""
+    return run_layout(lens_q, lens_k, GQA_HEADS, GQA_KV_HEADS, 16, pack_gqa, block_m=block_m, block_n=block_n,
+                      causal=causal)
 
 
 # ---- figures --------------------------------------------------------------------------------------------------
@@ -343,20 +266,14 @@ def loop_ops(seq_lens: Sequence[int], *, causal: bool = True) -> list[str]:
     """The ops lesson 03's loop (``varlen_attention(..., backend="loop")``, one head of 16) dispatches for
     requests of ``seq_lens``, recorded by ``OpRecorder``, views left out: each op left runs on the device
     (on a GPU a kernel launch, or, ``_local_scalar_dense``, a read back to the host), one after the other."""
-    from ..core.attention import varlen_attention
-    from ..measure.recorder import OpRecorder
-
     q, k, v, cu = random_qkv(list(seq_lens), n_heads=1, d_head=16, seed=0)
-    with OpRecorder() as rec:
-        varlen_attention(q, k, v, cu, causal=causal, backend="loop")
-    return rec.launched()
+    return record_ops(lambda: varlen_attention(q, k, v, cu, causal=causal, backend="loop")).launched()
 
 
 def loop_ops_per_request(*, causal: bool = True) -> list[str]:
     """The ops the loop adds for one more request: those of two requests past those of one (in order)."""
-    one, two = loop_ops([6], causal=causal), loop_ops([6, 13], causal=causal)
-    extra = list(two)
-    for name in one:
+    extra = loop_ops([6, 13], causal=causal)
+    for name in loop_ops([6], causal=causal):
         extra.remove(name)
     return extra
 
@@ -368,32 +285,24 @@ def launches_picture(n_requests: int = 50) -> Figure:
     grid = tiling.launch_grid(13, 1, n_requests)
     fig = Figure(figsize=(9.0, 2.9))
     ax = fig.subplots()
-    cost, work = 1.0, 0.5
-    for i in range(n_requests):
-        x = i * (cost + work)
-        ax.add_patch(Rectangle((x, 1.55), cost, 0.5, facecolor=OTHER, edgecolor="white", linewidth=0.4))
-        ax.add_patch(Rectangle((x + cost, 1.55), work, 0.5, facecolor=ATTENTION, edgecolor="white", linewidth=0.4))
-    ax.add_patch(Rectangle((0, 0.1), cost, 0.5, facecolor=OTHER, edgecolor="white", linewidth=0.4))
-    ax.add_patch(Rectangle((cost, 0.1), work, 0.5, facecolor=ATTENTION, edgecolor="white", linewidth=0.4))
+    cost, work, cols, x0, side = 1.0, 0.5, 25, 6.0, 0.9
+    for y, launches in ((1.55, n_requests), (0.1, 1)):   # the loop's launches, then the kernel's one
+        xs = [i * (cost + work) for i in range(launches)]
+        ax.broken_barh([(x, cost) for x in xs], (y, 0.5), facecolors=OTHER, edgecolor="white", linewidth=0.4)
+        ax.broken_barh([(x + cost, work) for x in xs], (y, 0.5), facecolors=ATTENTION, edgecolor="white", linewidth=0.4)
     # the kernel's programs, zoomed: one small square each, in rows, all running during the same short interval
-    cols, x0, side = 25, 6.0, 0.9
     rows_n = cdiv(grid[2], cols)
-    h = 0.5 / rows_n
-    for r in range(grid[2]):
-        ax.add_patch(Rectangle((x0 + (r % cols) * side, 0.1 + (r // cols) * h), side * 0.85, h * 0.8,
-                               facecolor=ATTENTION, edgecolor=TEXT, linewidth=0.3))
+    for row in range(rows_n):
+        ax.broken_barh([(x0 + c * side, side * 0.85) for c in range(min(cols, grid[2] - row * cols))],
+                       (0.1 + row * 0.5 / rows_n, 0.4 / rows_n), facecolors=ATTENTION, edgecolor=TEXT, linewidth=0.3)
     for y in (0.1, 0.6):  # guide lines from the kernel's work bar to its zoom
         ax.plot([cost + work, x0 - 0.2], [y, y], color=TEXT, linewidth=0.6, linestyle=":")
-    end = n_requests * (cost + work)
     ax.text(0, 2.2, f"lesson 03's loop as one launch per request: {n_requests} launches, one after the other "
             f"(the real loop, causal, launches {len(loop_ops_per_request())} kernels each)", fontsize=MIN_FONT, color=TEXT,
             va="bottom")
     ax.text(x0 + cols * side + 0.8, 0.35, f"the kernel: 1 launch of grid {grid},\nits {grid[2]} programs side by "
             "side (zoomed)", fontsize=MIN_FONT, color=TEXT, va="center")
-    ax.set_xlim(-0.5, end + 0.5)
-    ax.set_ylim(-0.35, 2.75)
-    ax.set_yticks([])
-    ax.set_xticks([])
+    ax.set(xlim=(-0.5, n_requests * (cost + work) + 0.5), ylim=(-0.35, 2.75), xticks=[], yticks=[])
     ax.set_xlabel("time (schematic, not to scale)", fontsize=MIN_FONT)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
@@ -439,25 +348,21 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
     if bug != NO_BUG and bug not in KERNEL_BUGS:
         raise ValueError(f"unknown kernel bug {bug!r}; choose one of {sorted(KERNEL_BUGS)}")
     predicted = tiling.predict_work(lens, lens_k, n_heads=EXPLORER_HEADS, block_m=bm, block_n=bn, causal=causal)
-    state = {"seq_lens": lens, "seq_lens_k": lens_k, "grid": tiling.launch_grid(max(lens), EXPLORER_HEADS, len(lens), bm),
-             "block_m": bm, "block_n": bn, "causal": bool(causal), "bug": bug, "predicted": predicted,
-             "tiles": program_tiles(lens, lens_k, block_m=bm, block_n=bn, causal=causal),
-             "measured": None, "error": None, "bound": None, "ran": False, "why": kernel_missing(), "ms": None}
-    if kernel_module() is None:
-        return state
-    if kernel_module().INTERPRETED and predicted.programs > MAX_PROGRAMS:
-        state["why"] = (f"{predicted.programs} programs: more than {MAX_PROGRAMS} under the CPU interpreter "
-                        "(~10-30 ms each); shorter lengths or bigger tiles")
-        return state
-    q, k, v, cu_q, cu_k, ref, ref64 = _explorer_inputs(tuple(lens), tuple(lens_k), bool(causal))
-    t0 = time.perf_counter()
-    with faults.injected(*([] if bug == NO_BUG else [bug])):
-        out, measured = run_kernel(q, k, v, cu_q, cu_k, causal=causal, block_m=bm, block_n=bn)
-    state.update(ms=(time.perf_counter() - t0) * 1e3, measured=measured, error=max_abs_diff(out, ref64),
-                 bound=tolerance(ref, ref64), ran=True,
-                 tiles=program_tiles(lens, lens_k, block_m=bm, block_n=bn, causal=causal,
-                                     measured=measured.program_tiles[0]))
-    return state
+    why, measured, error, bound, ms = kernel_missing(), None, None, None, None
+    if why is None and kernel_module().INTERPRETED and predicted.programs > MAX_PROGRAMS:
+        why = (f"{predicted.programs} programs: more than {MAX_PROGRAMS} under the CPU interpreter (~10-30 ms each); "
+               "shorter lengths or bigger tiles")
+    if why is None:
+        q, k, v, cu_q, cu_k, ref, ref64 = _explorer_inputs(tuple(lens), tuple(lens_k), bool(causal))
+        t0 = time.perf_counter()
+        with faults.injected(*([] if bug == NO_BUG else [bug])):
+            out, measured = run_kernel(q, k, v, cu_q, cu_k, causal=causal, block_m=bm, block_n=bn)
+        ms, error, bound = (time.perf_counter() - t0) * 1e3, max_abs_diff(out, ref64), tolerance(ref, ref64)
+    own = None if measured is None else measured.program_tiles[0]
+    return {"seq_lens": lens, "seq_lens_k": lens_k, "grid": tiling.launch_grid(max(lens), EXPLORER_HEADS, len(lens), bm),
+            "block_m": bm, "block_n": bn, "causal": bool(causal), "bug": bug, "predicted": predicted,
+            "measured": measured, "error": error, "bound": bound, "ran": measured is not None, "why": why, "ms": ms,
+            "tiles": program_tiles(lens, lens_k, block_m=bm, block_n=bn, causal=causal, measured=own)}
 
 
 def kernel_counts_html(state: dict) -> str:
@@ -522,53 +427,36 @@ WINDOW_CASES = [(64, 64, 32, 16, 16, None), (20, 50, 16, 16, 16, None), (10, 10,
 CHUNK_MIX = ([20, 10], [50, 10])   # (L_q, L_k) per request: a 20-token chunk after 30 cached keys, and a whole prompt
 
 
+def _window_hint(ans, want, len_q, len_k, start, block_m, block_n, window) -> str:
+    """What a wrong ``(first, end)`` of exercise 07.1 gets wrong: each plausible mistake that gives that answer (several
+    can), else which way the range errs."""
+    off, last = len_k - len_q, min(start + block_m, len_q) - 1
+    lo = max(0, start + off - (window or 0) + 1)
+    tiles = functools.partial(tiling.window_key_tiles, block_n=block_n, window=window)  # (len_q, len_k, start, block_m)
+    first_wrong = window is not None and ans[0] != want[0]
+    mistakes = [
+        (len_k != len_q and ans == tiles(len_q, len_q, start, block_m), "with more keys than queries the diagonal is "
+         f"bottom-right aligned: row i sees keys up to i + L_k - L_q = i + {off}"),
+        (ans[1] != want[1] and ans[1] == tiles(len_q, len_k, start, 1)[1], "your end is what the tile's FIRST row needs; "
+         f"the LAST real row, min(tile_start + BLOCK_M, L_q) - 1 = {last}, sees the furthest key"),
+        (first_wrong and ans[0] == tiles(len_q, len_k, last, 1)[0], "your first tile is where the LAST row's window "
+         f"starts; the FIRST row {start} reaches furthest back, to key {lo}"),
+        (first_wrong and lo > 0 and ans[0] == (lo - 1) // block_n, f"the window holds W = {window} keys, "
+         f"j > i + L_k - L_q - W: row {start}'s first key is {lo}, not {lo - 1}"),
+        (first_wrong and ans[0] == cdiv(lo, block_n), f"key {lo} lies INSIDE key tile {lo // block_n}: the first tile "
+         "is lo // BLOCK_N, rounded down, not up")]
+    fits = [why for fit, why in mistakes if fit]
+    if fits:
+        return "; or ".join(fits)
+    if ans[0] > want[0] or ans[1] < want[1]:
+        return "your range misses key tiles a real row sees: the output would be wrong"
+    return "more key tiles than the rows see (the output stays right, but the kernel computes tiles wholly masked)"
+
+
 def check_window_tiles(fn: Callable[[int, int, int, int, int, int | None], tuple]) -> bool:
     """Exercise 07.1: ``fn(len_q, len_k, tile_start, block_m, block_n, window) -> (first, end)``, the smallest
     range of key tiles ``[first, end)`` the query tile must compute. Then, with ``window=None`` on a chunk
     mix (L_k > L_q), the key tiles your ranges add up to against what the engine's kernel counts itself."""
-    def judge(got, len_q, len_k, start, block_m, block_n, window):
-        ans, problem = int_tuple(got, "first, end")
-        if problem:
-            return problem
-        want = tiling.window_key_tiles(len_q, len_k, start, block_m, block_n, window)
-        if ans == want:
-            return None
-        off, last = len_k - len_q, min(start + block_m, len_q) - 1
-        if len_k != len_q and ans == tiling.window_key_tiles(len_q, len_q, start, block_m, block_n, window):
-            return (f"got {ans}, expected {want}: with more keys than queries the diagonal is bottom-right aligned: "
-                    f"row i sees keys up to i + L_k - L_q = i + {off}")
-        if ans[1] != want[1] and ans[1] == tiling.window_key_tiles(len_q, len_k, start, 1, block_n, window)[1]:
-            return (f"got {ans}, expected {want}: your end is what the tile's FIRST row needs; the LAST real row, "
-                    f"min(tile_start + BLOCK_M, L_q) - 1 = {last}, sees the furthest key")
-        if window is not None and ans[0] != want[0]:
-            last_first = tiling.window_key_tiles(len_q, len_k, last, 1, block_n, window)[0]
-            lo = max(0, start + off - window + 1)
-            hints = []  # several mistakes can give the same tile: name each that fits
-            if ans[0] == last_first:
-                hints.append(f"your first tile is where the LAST row's window starts; the FIRST row {start} reaches "
-                             f"furthest back, to key {lo}")
-            if ans[0] == max(0, lo - 1) // block_n and lo > 0:
-                hints.append(f"the window holds W = {window} keys, j > i + L_k - L_q - W: row {start}'s first key is "
-                             f"{lo}, not {lo - 1}")
-            if ans[0] == cdiv(lo, block_n):
-                hints.append(f"key {lo} lies INSIDE key tile {lo // block_n}: the first tile is lo // BLOCK_N, "
-                             "rounded down, not up")
-            if hints:
-                return f"got {ans}, expected {want}: " + "; or ".join(hints)
-        if ans[0] > want[0] or ans[1] < want[1]:
-            return (f"got {ans}, expected {want}: your range misses key tiles a real row sees: the output "
-                    "would be wrong")
-        return (f"got {ans}, expected {want}: more key tiles than the rows see (the output stays right, but the "
-                "kernel computes tiles that are wholly masked)")
-
-    def tiles_judge(got, lens_q, lens_k, block_m, block_n):
-        want = kernel_counts(lens_q, lens_k, block_m, block_n).tiles
-        return None if got == want else (
-            f"your ranges add up to {got} key tiles for L_q = {lens_q}, L_k = {lens_k} (BLOCK {block_m} x "
-            f"{block_n}, causal); the engine's kernel counts {want}")
-
-    cases = [("tiles", *c) for c in WINDOW_CASES] + [("kernel", *CHUNK_MIX, 16, 16)]
-
     def run(kind, *case):
         if kind == "tiles":
             return fn(*case)
@@ -583,24 +471,19 @@ def check_window_tiles(fn: Callable[[int, int, int, int, int, int | None], tuple
                 total += ans[1] - ans[0]
         return total
 
-    def judge_any(got, kind, *case):
-        return judge(got, *case) if kind == "tiles" else tiles_judge(got, *case)
+    def judge(got, kind, *case):
+        if kind == "kernel":   # the whole mix's key tiles
+            want = causal_counts(*case, MAX_PROGRAMS).tiles
+            return None if got == want else (f"your ranges add up to {got} key tiles for L_q = {case[0]}, L_k = {case[1]} "
+                                             f"(BLOCK {case[2]} x {case[3]}, causal); the engine's kernel counts {want}")
+        ans, problem = int_tuple(got, "first, end")
+        want = tiling.window_key_tiles(*case)
+        return problem or (None if ans == want else f"got {ans}, expected {want}: {_window_hint(ans, want, *case)}")
 
     run.__name__ = getattr(fn, "__name__", "fn")
-    return grade("window_tiles", run, cases, judge_any,
-                 f"the key tiles of {len(WINDOW_CASES)} query tiles (causal and sliding window), and the kernel's own "
-                 "count for a chunk mix")
-
-
-def kernel_counts(lens_q, lens_k, block_m: int, block_n: int, max_programs: int = MAX_PROGRAMS) -> WorkCounts:
-    """The counters of a causal launch, one head of 16: the kernel's own where it runs a launch of at most
-    ``max_programs`` programs, else ``tiling.predict_work``'s (which K2 checks against the kernel)."""
-    predicted = tiling.predict_work(lens_q, lens_k, block_m=block_m, block_n=block_n, causal=True)
-    if kernel_module() is None or predicted.programs > max_programs:
-        return predicted
-    q, _, _, cu_q = kernel_qkv(lens_q, 1, 16, seed=0)
-    _, k, v, cu_k = kernel_qkv(lens_k, 1, 16, seed=1)
-    return run_kernel(q, k, v, cu_q, cu_k, causal=True, block_m=block_m, block_n=block_n)[1]
+    cases = [("tiles", *c) for c in WINDOW_CASES] + [("kernel", *CHUNK_MIX, 16, 16)]
+    return grade("window_tiles", run, cases, judge, f"the key tiles of {len(WINDOW_CASES)} query tiles (causal and "
+                 "sliding window), and the kernel's own count for a chunk mix")
 
 
 # ---- exercise 07.2: vLLM's flat grid -------------------------------------------------------------------
@@ -618,31 +501,28 @@ def check_flat_grid(fn: Callable[[list, int], list]) -> bool:
         try:
             pairs = [tuple(int(x) for x in p) for p in got]
         except (TypeError, ValueError):
-            return f"expected a list of (request, q_block) pairs, got {got!r}"
+            pairs = [()]
         if any(len(p) != 2 for p in pairs):
-            return "expected a list of (request, q_block) pairs, one per program"
+            return f"expected a list of (request, q_block) pairs, one per program; got {got!r}"[:300]
         if len(pairs) != size:
             return (f"got {len(pairs)} programs; the host knows only T = {sum(lens)} tokens and R = {len(lens)} "
                     f"requests: the flat grid has floor(T / BLOCK_Q) + R = {size} programs per K/V head")
         if any(not 0 <= r < len(lens) or m < 0 for r, m in pairs):
             return f"every pair needs a request in 0..{len(lens) - 1} and a tile q_block >= 0; got {pairs}"
+        rounds = ("floor(cu_r / BLOCK_Q) alone (floor(cu_r / BLOCK_M) in a grid per query head) rounds down: a request "
+                  "whose start is not a multiple of BLOCK_Q needs one extra slot for its ragged tile (the + r)")
         if [r for r, _ in pairs] != sorted(r for r, _ in pairs) or pairs[0] != (0, 0):
-            return (f"got {pairs}: the requests' programs must come in request order, starting at (0, 0), so that a "
-                    "program finds its request by a binary search over where each request starts (two requests "
-                    "with the same first program? floor(cu_r / BLOCK_Q) alone, floor(cu_r / BLOCK_M) in a grid per query head, "
-                    "can give them that)")
-        for r in range(len(lens)):
+            return (f"got {pairs}: the requests' programs must come in request order from (0, 0), so that a program "
+                    f"finds its request by a binary search over where each starts. Two with the same first program? {rounds}")
+        for r, n in enumerate(lens):
             ms = [m for rr, m in pairs if rr == r]
-            need = cdiv(lens[r], block_m)
             if ms != list(range(len(ms))):
                 return f"got {pairs}: request {r}'s programs must be its tiles 0, 1, 2, ... in order; got {ms}"
-            if len(ms) < need:
-                return (f"got {pairs}: request {r} ({lens[r]} tokens) has {need} query tiles but only {len(ms)} "
-                        f"programs: tile {len(ms)} is never computed. floor(cu_r / BLOCK_Q) (floor(cu_r / BLOCK_M) in a grid "
-                        "per query head) rounds down: a request "
-                        "whose start is not a multiple of BLOCK_Q needs one extra slot for its ragged tile (the + r)")
+            if len(ms) < cdiv(n, block_m):
+                return (f"got {pairs}: request {r} ({n} tokens) has {cdiv(n, block_m)} query tiles but only {len(ms)} "
+                        f"programs: tile {len(ms)} is never computed. {rounds}")
         flat_exits = size - sum(cdiv(n, block_m) for n in lens)
-        rect = kernel_counts(lens, lens, block_m, 64, max_programs=24)
+        rect = causal_counts(lens, lens, block_m, 64, 24)
         print(f"  {lens} at BLOCK_Q = {block_m}: flat grid {size} programs, {flat_exits} return at once; the rectangular "
               f"grid {rect.programs}, {rect.early_exits} return at once (the kernel's counters, one head, BLOCK_M = BLOCK_Q)")
         return None
@@ -679,9 +559,10 @@ def check_flat_worse(fn: Callable[[], tuple]) -> bool:
 # ---- exercise 07.3: tile size, K/V traffic and occupancy -------------------------------------------------
 
 TILE_D, TILE_BYTES, TILE_BN = 64, 2, 64   # d_head, bf16, BLOCK_N held fixed in exercise 07.3
-TILE_CASES = [([300, 20, 20, 20], 8, H200.n_sms), ([4096], 8, H200.n_sms), ([10] * 12, 8, H200.n_sms),
-              ([2000], 1, H200.n_sms), ([500, 3], 16, H200.n_sms), ([1000, 50, 50, 50], 4, H200.n_sms),
-              ([700] + [20] * 7, 4, H200.n_sms), ([1000, 50], 32, H200.n_sms)]
+TILE = {"block_n": TILE_BN, "d_head": TILE_D, "nbytes": TILE_BYTES}   # tiling.tile_costs / best_block_m's
+TILE_CASES = [(lens, heads, H200.n_sms) for lens, heads in (([300, 20, 20, 20], 8), ([4096], 8), ([10] * 12, 8),
+              ([2000], 1), ([500, 3], 16), ([1000, 50, 50, 50], 4), ([700] + [20] * 7, 4), ([1000, 50], 32))]
+TRAP_MAX_TOKENS, TRAP_MAX_HEADS = 16384, 64   # the counter-example's bounds
 
 
 def tile_work(lens, n_heads, block_m) -> WorkCounts:
@@ -696,25 +577,10 @@ def longest_program(lens, block_m) -> int:
     return tiling.longest_program(lens, block_m, TILE_BN)
 
 
-def tile_costs(lens, n_heads, block_m, busy: bool = True) -> tuple[float, int, int]:
-    """``tiling.tile_costs`` at exercise 07.3's ``TILE_BN``, ``TILE_D``, ``TILE_BYTES``: (SMs kept busy, K/V bytes
-    read, executed cells)."""
-    return tiling.tile_costs(lens, n_heads, block_m, TILE_BN, TILE_D, TILE_BYTES, busy=busy)
-
-
-def best_block_m(lens, n_heads, n_sms, busy: bool = True) -> int:
-    """``tiling.best_block_m`` over ``TILE_SIZES`` at exercise 07.3's constants."""
-    return tiling.best_block_m(lens, n_heads, n_sms, TILE_SIZES, TILE_BN, TILE_D, TILE_BYTES, busy=busy)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2 ** 20:.2f} MiB"
-
-
 def check_tiles(fn: Callable[[list, int, int], int]) -> bool:
     """Exercise 07.3: ``fn(seq_lens, n_heads, n_sms) -> block_m`` from ``TILE_SIZES`` (BLOCK_N = 64, causal,
     d = 64, bf16): the fewest K/V bytes read among the choices that keep ``n_sms`` SMs busy on average while the
-    launch runs (``tile_costs``: its key tiles over its longest program's); if none does, the most busy SMs; ties
+    launch runs (``tiling.tile_costs``: its key tiles over its longest program's); if none does, the most busy SMs; ties
     broken by fewest executed cells."""
     def judge(got, lens, heads, n_sms):
         try:
@@ -723,43 +589,39 @@ def check_tiles(fn: Callable[[list, int, int], int]) -> bool:
             return f"expected one BLOCK_M, got {got!r}"
         if ans not in TILE_SIZES:
             return f"got {ans}: BLOCK_M must be one of {TILE_SIZES}"
-        want = best_block_m(lens, heads, n_sms)
+        want = tiling.best_block_m(lens, heads, n_sms, TILE_SIZES, **TILE)
         if ans == want:
             return None
-        w = tile_work(lens, heads, ans)
-        (p, kv, cells), (wp, wkv, wcells) = tile_costs(lens, heads, ans), tile_costs(lens, heads, want)
+        w, span = tile_work(lens, heads, ans), longest_program(lens, ans)
+        (p, kv, cells), (wp, wkv, wcells) = (tiling.tile_costs(lens, heads, bm, **TILE) for bm in (ans, want))
         working = w.programs - w.early_exits
-        mine = (f"BLOCK_M = {ans}: {w.tiles} key tiles, the longest program {longest_program(lens, ans)} of them, "
-                f"{p:.1f} SMs busy on average, {_mib(kv)} of K/V read, {cells} executed cells")
-        best = f"BLOCK_M = {want}: {wp:.1f} SMs busy, {_mib(wkv)}, {wcells} cells"
+        mine = (f"BLOCK_M = {ans}: {w.tiles} key tiles, the longest program {span} of them, {p:.1f} SMs busy on average, "
+                f"{kv / 2 ** 20:.2f} MiB of K/V read, {cells} executed cells")
+        best = f"BLOCK_M = {want}: {wp:.1f} SMs busy, {wkv / 2 ** 20:.2f} MiB, {wcells} cells"
         why = ""
         if p < n_sms and w.programs >= n_sms > working:
             why = (f" The grid starts {w.programs} programs, enough for {n_sms} SMs on paper, but {w.early_exits} of "
-                   f"them return at once (tiles past a short request's end) and keep no SM busy.")
+                   "them return at once (tiles past a short request's end) and keep no SM busy.")
         elif p < n_sms <= working:
-            why = (f" {working} programs compute, enough for {n_sms} SMs on paper, but they do not finish together: "
-                   f"while the longest walks its {longest_program(lens, ans)} key tiles, the short requests' programs "
-                   "are long done and their SMs idle.")
+            why = (f" {working} programs compute, enough for {n_sms} SMs on paper, but they do not finish together: while "
+                   f"the longest walks its {span} key tiles, the short requests' programs are long done, their SMs idle.")
         if p < n_sms <= wp:
             return f"{mine}.{why or f' {n_sms - p:.0f} of the {n_sms} SMs sit idle on average.'} {best} keeps all {n_sms} busy"
         if p < wp:
-            return (f"{mine}.{why} Here no choice keeps the {n_sms} SMs busy, so take the most busy: {best}. "
-                    "A bigger tile only adds wasted cells when the machine is not full anyway")
+            return (f"{mine}.{why} Here no choice keeps the {n_sms} SMs busy, so take the most busy: {best}. A bigger "
+                    "tile only adds wasted cells when the machine is not full anyway")
         if kv > wkv:
             return (f"{mine}; {best} also keeps the SMs busy and reads {kv / wkv:.1f}x less: each query tile re-reads its "
-                    "request's keys and values, so K/V traffic grows as L^2 d / BLOCK_M (bytes the kernel loads; on a GPU "
-                    "re-reads of a request that fits in L2 mostly hit the cache, not HBM)")
+                    "request's keys and values, so K/V traffic grows as L^2 d / BLOCK_M (bytes the kernel loads; on a "
+                    "GPU re-reads of a request that fits in L2 mostly hit the cache, not HBM)")
         return f"{mine}; {best} (the same K/V bytes and busy SMs, fewer executed cells)"
     return grade("tiles", fn, TILE_CASES, judge,
                  f"the BLOCK_M of least K/V traffic that keeps the GPU busy, {len(TILE_CASES)} mixes")
 
 
-TRAP_MAX_TOKENS, TRAP_MAX_HEADS = 16384, 64
-
-
 def check_grid_trap(fn: Callable[[], tuple]) -> bool:
     """Exercise 07.3, the counter-example: ``fn() -> (seq_lens, n_heads)``, a mix (not one of ``TILE_CASES``) for
-    which counting the grid's programs picks another BLOCK_M than counting the SMs kept busy (``tile_costs``), on
+    which counting the grid's programs picks another BLOCK_M than counting the SMs kept busy (``tiling.tile_costs``), on
     ``H200.n_sms`` SMs."""
     def judge(got):
         try:
@@ -771,9 +633,9 @@ def check_grid_trap(fn: Callable[[], tuple]) -> bool:
                     "heads")[:300]
         if any(sorted(lens) == sorted(c[0]) and heads == c[1] for c in TILE_CASES):
             return "that mix is one of the checker's cases above: find one of your own"
-        naive, real = best_block_m(lens, heads, H200.n_sms, busy=False), best_block_m(lens, heads, H200.n_sms)
+        naive, real = (tiling.best_block_m(lens, heads, H200.n_sms, TILE_SIZES, **TILE, busy=b) for b in (False, True))
         rows = ", ".join(f"{bm}: {tile_work(lens, heads, bm).programs} programs, "
-                         f"{tile_costs(lens, heads, bm)[0]:.1f} SMs busy" for bm in TILE_SIZES)
+                         f"{tiling.tile_costs(lens, heads, bm, **TILE)[0]:.1f} SMs busy" for bm in TILE_SIZES)
         print(f"  {lens[:8]}{' ...' if len(lens) > 8 else ''} x {heads} heads: {rows}")
         if naive == real:
             return (f"both counts pick BLOCK_M = {real} here. A trap needs a tile size whose grid reaches {H200.n_sms} "
