@@ -26,6 +26,7 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Polygon, Rectangle
+from torch import Tensor
 
 from .. import faults
 from ..core.attention import varlen_attention
@@ -56,8 +57,6 @@ from ..validate import check_int
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import grade
-
-Tensor = torch.Tensor
 
 # ---- lesson 06's stream: 24 long-tail prompts under 512 prompt tokens per forward ---------------------------
 
@@ -328,6 +327,7 @@ BUGS = {"cache not appended": "chunk_ignores_cached_keys", "causal top-left": "c
         "chunk takes a whole budget": "chunk_takes_whole_budget",
         "chunked request to the back": "chunked_request_to_the_back", "bug report": "chunk_positions_restart_at_zero"}
 REPORTED_BUG = "bug report"
+EXPLORER_BUGS = ("none", *BUGS)   # the explorer's bug menu
 
 # A small model (2 layers, d_model 64) for the break-it cells, exercise 08.3 and the max_num_seqs rerun, and a
 # smaller one (1 layer, d_model 32) for the explorer, which runs the engine on every move: the forwards, chunks and
@@ -391,8 +391,6 @@ def chunk_error_table(prompt: Sequence[int] | None = None) -> str:
 
 # ---- the explorer: the engine's chunked run of a workload, against whole prompts ---------------------------
 
-EXPLORER_BUGS = ("none", *BUGS)
-
 
 @functools.lru_cache(maxsize=32)
 def _whole_runs(name: str, n: int, seed: int) -> tuple:
@@ -442,11 +440,11 @@ def chunked_plan_html(state: dict) -> str:
     lens, i = state["seq_lens"], state["longest"]
     lines = []
     for name in ("chunked", "whole"):
-        r = state[name]
+        r, masks = state[name], ""
         f, t = r["mean_behind"]
-        masks = (f" | causal cells its chunks' masks keep (the engine's mask function, bug "
-                 f"{'off' if state['bug'] == 'none' else 'on'}): {r['cells_causal_masks']:,}"
-                 if "cells_causal_masks" in r else "")
+        if name == "chunked":
+            masks = (f" | causal cells its chunks' masks keep (the engine's mask function, bug "
+                     f"{'off' if state['bug'] == 'none' else 'on'}): {r['cells_causal_masks']:,}")
         lines.append(f"<div>{name} (budget {r['budget']:,}): {len(r['timeline'])} forwards, largest {r['max_forward']:,} "
                      f"tokens | the {len(state['behind'])} requests behind the longest wait {f:.1f} forwards, "
                      f"{t:,.0f} tokens on average | score cells {r['cells_whole']:,} (whole blocks), "
@@ -456,11 +454,11 @@ def chunked_plan_html(state: dict) -> str:
     lines.append(f"<div>the longest, request {i} ({lens[i]:,} tokens): chunked, in forwards {ch[0]}..{ch[-1]} "
                  f"({len(ch)} chunks); whole, in forward {state['whole']['waits'][i][0] - 1}</div>")
     errs = state["errors"]
-    shown = ", ".join(f"{j} ({state['chunks'][j]} chunks) {e:.1e} {'≤' if e <= b else '>'} {b:.1e} "
-                      f"{'✓' if e <= b else '✗'}" for j, (e, b) in list(errs.items())[:8])
-    more = f", {len(errs) - 8} more" if len(errs) > 8 else ""
+    shown = [f"{j} ({state['chunks'][j]} chunks) {e:.1e} {'≤' if e <= b else '>'} {b:.1e} {'✓' if e <= b else '✗'}"
+             for j, (e, b) in errs.items()]
     lines.append(f"<div>bug: {state['bug']} | measured: max |chunked last hidden - fp64 unchunked| of each request cut into "
-                 f"chunks, against the tolerance rule's bound: {shown or 'no request was cut'}{more} | "
+                 f"chunks, against the tolerance rule's bound: {', '.join(shown[:8]) or 'no request was cut'}"
+                 f"{f', {len(errs) - 8} more' if len(errs) > 8 else ''} | "
                  f"{sum(e > b for e, b in errs.values())} of {len(errs)} wrong</div>")
     ms, wms = sorted(state["chunked"]["forward_ms"]), sorted(state["whole"]["forward_ms"])
     lines.append(f"<div>measured wall time per forward (this CPU, small model, noisy): chunked median "
@@ -570,7 +568,8 @@ def budget_table(budgets: Sequence[int]) -> str:
 
 def _prices_text(p: dict) -> str:
     return (f"under {p['budget']}: {p['forwards']} forwards ({p['all_reduces']} all-reduces at TP=2), "
-            f"{p['cache_rows_held']:,} cache rows held, the requests behind wait {p['wait_tokens']:,.1f} tokens")
+            f"{p['cache_rows_held']:,} cache rows held between forwards, the requests behind the draft wait "
+            f"{p['wait_tokens']:,.1f} tokens")
 
 
 def check_budget_choice(fn) -> bool:
@@ -611,12 +610,9 @@ def check_budget_choice(fn) -> bool:
             return f"got {got}: the budget is a multiple of {BUDGET_STEP} from {BUDGET_STEP} to {top}"
         want = fewest_forwards_budget(seq_lens, range(d + 1, len(seq_lens)), top, cap, BUDGET_STEP)
         mine, best = budget_prices(seq_lens, d, got), budget_prices(seq_lens, d, want)
-        if case[0] == "stream":
-            ran, at = budget_prices(seq_lens, d, got, engine=True), budget_prices(seq_lens, d, BUDGET)
-            print(f"  Engine at {got} tokens per forward: {ran['forwards']} forwards, {ran['cache_rows_held']:,} cache "
-                  f"rows held between forwards, the questions behind the draft wait {ran['wait_tokens']:,.1f} tokens "
-                  f"(at {BUDGET}: {at['forwards']} forwards, {at['cache_rows_held']:,} rows, {at['wait_tokens']:,.1f} "
-                  "tokens)")
+        if case[0] == "stream":   # served by Engine itself, beside the plan at the lesson's budget
+            print(f"  Engine {_prices_text(budget_prices(seq_lens, d, got, engine=True))} | planned "
+                  f"{_prices_text(budget_prices(seq_lens, d, BUDGET))}")
         if got == want:
             return None
         ctx = f"{sum(seq_lens):,} tokens, cache limit {cap:,} rows; {_prices_text(mine)}; {_prices_text(best)}"
