@@ -156,3 +156,32 @@ def prefill_stream(vocab_size: int = 50257) -> tuple[list[int], list[list[int]]]
     """
     return preset_stream(PREFILL_STREAM["workload"], PREFILL_STREAM["num_requests"], PREFILL_STREAM["seed"],
                          vocab_size)
+
+
+PACKING_PATTERNS = ("equal", "ramp", "one long", "quarter first")
+
+
+def packing_lens(total_tokens: int, num_requests: int, pattern: str = "equal") -> list[int]:
+    """``total_tokens`` split into ``num_requests`` requests (each >= 1 token, summing to T), by ``pattern``
+    (one of ``PACKING_PATTERNS``).
+
+    "equal": as equal as possible, longer first (40, 3 → [14, 13, 13]); "ramp": request i
+    proportional to i+1 (40, 2 → [13, 27]); "one long": the first request takes half the tokens,
+    the rest share the other half; "quarter first": the first request takes a quarter of the tokens,
+    the rest share the others (40, 2 → [10, 30], the article's A and B).
+    """
+    t = check_int("total_tokens", total_tokens, 1, 1 << 20)
+    r = check_int("num_requests", num_requests, 1, t)
+    if pattern not in PACKING_PATTERNS:
+        raise ValueError(f"pattern must be one of {PACKING_PATTERNS}, got {pattern!r}")
+    if pattern == "equal" or r == 1:
+        return [t // r + (1 if i < t % r else 0) for i in range(r)]
+    if pattern in ("one long", "quarter first"):
+        first = max(1, min(t - (r - 1), t // (2 if pattern == "one long" else 4)))
+        return [first] + packing_lens(t - first, r - 1, "equal")
+    spare = t - r                                          # every request has 1 token; share the rest by weight i+1
+    weights = range(1, r + 1)
+    lens = [1 + spare * w // sum(weights) for w in weights]
+    for i in range(t - sum(lens)):                         # rounding leftovers to the longest requests
+        lens[r - 1 - i % r] += 1
+    return lens

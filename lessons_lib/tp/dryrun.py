@@ -27,6 +27,7 @@ from ..core.batch import pack
 from ..core.config import ModelConfig, as_config
 from ..core.groups import CollectiveRecord, LocalGroup
 from ..core.model import Transformer, init_weights
+from ..measure.recorder import module_io
 from ..validate import check_int, check_lengths, check_tp_divides
 
 
@@ -122,3 +123,86 @@ def record_requests(num_tokens: int, requests: int = 1, n_layers: int = 8, dtype
               and all(trace_signature(t) == trace_signature(expected_trace(cfg, m, 0, p)) for m, t in alone.items()))
     return {"lens": lens, "n_layers": cfg.n_layers, "dtype": dtype, "world_size": p, "d_model": cfg.d_model,
             "packed": packed, "separate": separate, "agrees": agrees}
+
+
+# ---------------------------------------------------------------------------------------------
+# What one rank's layer 0 computes, measured on a stand-in rank (its input, the embedding, is whole on every rank)
+
+RANK_LINEARS = (("QKV", "attn.qkv", "column"), ("out proj", "attn.out_proj", "row"),
+                ("FFN-up", "mlp.fc_up", "column"), ("FFN-down", "mlp.fc_down", "row"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLayer:
+    """One linear layer on one rank: input and output shape, the products summed into each
+    output number (the rank's input width), and whether an all-reduce follows it."""
+
+    name: str
+    split: str          # "column" (keeps some output features) or "row" (a partial sum of all of them)
+    x: tuple
+    y: tuple
+    products: int
+    all_reduce: bool
+
+    def __str__(self) -> str:
+        after = ", then all-reduce (partial sum)" if self.all_reduce else ", no collective"
+        return (f"{self.name:9s} {self.split:6s} [{self.x[0]}, {self.x[1]}] -> [{self.y[0]}, {self.y[1]}]: "
+                f"{self.products} products per output number{after}")
+
+
+def rank_layers(cfg: ModelConfig, num_tokens: int, rank: int = 0, world_size: int = 2) -> list[RankLayer]:
+    """Layer 0's four linear layers (``RANK_LINEARS``) on rank ``rank`` of ``world_size``, MEASURED: forward
+    hooks on the model's own modules (cut by ``LocalGroup(rank, world_size)``, the same cut a real rank makes)
+    record each input and output shape, and the trace says which layers all-reduce.
+
+    Article's model, TP=2, T tokens: QKV [T,512]->[T,768]; out proj [T,256]->[T,512] partial;
+    FFN-up [T,512]->[T,1024]; FFN-down [T,1024]->[T,512] partial.
+    """
+    t = check_int("num_tokens", num_tokens, 1)
+    small = dataclasses.replace(cfg, n_layers=1, vocab_size=1, max_position=1)
+    group = LocalGroup(rank, world_size)
+    model = Transformer(small, init_weights(small), group=group, attn_backend="masked")
+    io = module_io(model.layers[0], [path for _, path, _ in RANK_LINEARS],
+                   lambda: model(pack([torch.zeros(t, cfg.d_model, dtype=cfg.dtype)])))
+    seen = {name: (tuple(io[path][0][0].shape), tuple(io[path][1].shape)) for name, path, _ in RANK_LINEARS}
+    reduced = {r.layer for r in group.trace}
+    return [RankLayer(name, split, *seen[name], seen[name][0][1], f"layers.0.{path}" in reduced)
+            for name, path, split in RANK_LINEARS]
+
+
+def layer0_attention(model: Transformer, batch) -> torch.Tensor:
+    """Layer 0's attention output on this model's rank, ``[T, H_local, D]``: what its attention core
+    returned in one forward of ``batch`` (a ``PackedBatch``; a forward hook on ``layers.0.attn.core``).
+
+    Layer 0's input is the embedding, replicated, so a ``LocalGroup(rank, tp)`` stand-in computes
+    exactly what a real rank does there (later layers would need the other ranks' partial sums).
+    """
+    return module_io(model, ["layers.0.attn.core"], lambda: model(batch))["layers.0.attn.core"][1]
+
+
+def out_proj_partials(model: Transformer, batch) -> torch.Tensor:
+    """What layer 0's out proj of ``model`` (any group) hands to its all-reduce for ``batch``, ``[T, d_model]``:
+    its output minus its bias. On a ``LocalGroup`` stand-in the all-reduce returns the tensor it was
+    given, so this is the rank's partial sum (layer 0's input, the embedding, is the same on every rank)."""
+    out = module_io(model, ["layers.0.attn.out_proj"], lambda: model(batch))["layers.0.attn.out_proj"][1]
+    return out - model.layers[0].attn.out_proj.bias
+
+
+def layer0_model(cfg: ModelConfig, weights: dict) -> tuple[ModelConfig, dict]:
+    """Layer 0 of ``cfg`` alone (``n_layers=1``) and its weights out of the full ``weights``."""
+    return (dataclasses.replace(cfg, n_layers=1),
+            {k: v for k, v in weights.items() if not k.startswith("layers.") or k.startswith("layers.0.")})
+
+
+def rank_partials(cfg: ModelConfig, weights: dict, batch, tp: int = 2, device="cpu",
+                  dtype=torch.float32) -> list[torch.Tensor]:
+    """What each of ``tp`` ranks hands to layer 0's out-proj all-reduce for ``batch``: one
+    ``[T, d_model]`` tensor per rank, on the CPU (``out_proj_partials`` of a ``LocalGroup(r, tp)``
+    stand-in). Layer 0's input, the embedding, is whole on every rank, so a stand-in sends exactly
+    what a real rank sends. Only layer 0 of ``weights`` is built; float64 runs the loop attention."""
+    tp = check_int("tp", tp, 1, cfg.n_heads)
+    one, w1 = layer0_model(cfg, weights)
+    backend = "loop" if dtype == torch.float64 else "auto"
+    with torch.no_grad():
+        return [out_proj_partials(Transformer(one, w1, group=LocalGroup(r, tp), attn_backend=backend, device=device,
+                                              dtype=dtype), batch.to(device)).cpu() for r in range(tp)]

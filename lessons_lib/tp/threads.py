@@ -10,6 +10,7 @@ Taught in notebooks/04_tp2_invariance.ipynb.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,3 +102,62 @@ def row_parallel_in_threads(weight: Tensor, bias: Tensor | None, x: Tensor, tp: 
 
     results = tp_ranks_in_threads(tp, rank)
     return [y for y, _ in results], [list(trace) for _, trace in results]
+
+
+class TapGroup:
+    """A rank's group for models built once and run on thread ranks many times: while ``serving(inner)`` is
+    open each collective goes to ``inner`` (the ``ThreadRank`` of the forward in flight, which really sums over
+    the threads and records), and the tensor this rank hands to the all-reduce named ``tapped`` is kept in
+    ``sent`` (a copy): its own partial sums, before they are added to the other ranks'. At ``world_size`` 1 an
+    all-reduce returns its input (as ``LocalGroup``)."""
+
+    def __init__(self, rank: int, world_size: int, tapped: str):
+        self.rank, self.world_size, self.tapped, self.inner, self.sent = rank, world_size, tapped, None, None
+
+    @contextlib.contextmanager
+    def serving(self, inner):
+        self.inner = inner
+        try:
+            yield self
+        finally:
+            self.inner = None
+
+    def all_reduce(self, tensor: Tensor, *, layer: str = "") -> Tensor:
+        if layer == self.tapped:
+            self.sent = tensor.clone()
+        if self.world_size == 1:
+            return tensor
+        return self.inner.all_reduce(tensor, layer=layer)
+
+    def all_gather(self, tensor: Tensor, *, layer: str = "") -> Tensor:
+        return self.inner.all_gather(tensor, layer=layer)
+
+
+@torch.no_grad()
+def module_error_in_threads(cfg, weights: dict, batch, tp: int, module: str) -> tuple[Tensor, Tensor, float]:
+    """The output of ``module`` (a path such as ``"layers.0.attn.out_proj"``) in one forward of ``batch`` on ``tp``
+    thread ranks that really add, each rank's ``Transformer(cfg, weights)`` built here (faults on in this process
+    apply), against the one-process forward: ``(error, bias, allowed)``. ``error`` ``[T, out]`` float64: rank 0's
+    output minus the one-process output in float64 (loop attention); ``bias`` the module's bias (a copy);
+    ``allowed`` the tolerance rule's bound of the one-process float32 output."""
+    from ..core.model import Transformer
+    from ..measure.recorder import module_io
+    from ..measure.tolerance import tolerance
+
+    def output(model):
+        return module_io(model, [module], lambda: model(batch))[module][1]
+    got = tp_ranks_in_threads(check_int("tp", tp, 1, cfg.n_heads), lambda g: output(Transformer(cfg, weights, group=g)))
+    tp1, fp64 = Transformer(cfg, weights), Transformer(cfg, weights, dtype=torch.float64, attn_backend="loop")
+    ref, ref64 = output(tp1), output(fp64)
+    return got[0][0].double() - ref64, tp1.get_submodule(module).bias.detach().clone(), tolerance(ref, ref64)
+
+
+def tapped_forward(models: list, batch) -> list[tuple[Tensor, Tensor | None, list]]:
+    """One forward of ``batch`` by each of ``models`` (rank r's model on a ``TapGroup`` of rank r, one per rank)
+    on thread ranks that really add: per rank ``(output, sent, trace)``, ``sent`` what it handed to the tapped
+    all-reduce (None if none ran), ``trace`` its collectives. Faults on in this process apply."""
+    def run(group):
+        with models[group.rank].group.serving(group) as tap:
+            return models[group.rank](batch), tap.sent
+    with torch.no_grad():
+        return [(out, sent, trace) for (out, sent), trace in tp_ranks_in_threads(len(models), run)]

@@ -19,12 +19,14 @@ Taught in notebooks/00_setup_one_request.ipynb and notebooks/04_tp2_invariance.i
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
 from ..core.batch import PackedBatch, pack
 from ..core.groups import LocalGroup
-from ..validate import check_batch, check_int
+from ..validate import check_batch, check_int, check_lengths
 
 Tensor = torch.Tensor
 
@@ -112,3 +114,23 @@ def vocab_parallel_logits(model, batch: PackedBatch) -> Tensor:
     x = embedding(batch.input_ids) + model.wpe[batch.positions]              # [T, d], every token, every rank
     hidden = model(pack(list(x.split(batch.seq_lens)), device=model.device))  # the blocks and the final LayerNorm
     return ParallelLMHead.tied_to(embedding)(hidden)                          # [T, V] on every rank
+
+
+@functools.lru_cache(maxsize=8)  # the weights do not change a trace; building the article's model is the slow part
+def _stand_in_model(cfg, rank: int, world_size: int):
+    from ..core.model import Transformer
+
+    zeros = {name: torch.zeros(shape, dtype=cfg.dtype) for name, shape in cfg.weight_shapes().items()}
+    return Transformer(cfg, zeros, group=LocalGroup(rank, world_size), attn_backend="masked")
+
+
+def vocab_parallel_trace(cfg, seq_lens, world_size: int, rank: int = 0) -> list:
+    """The collectives rank ``rank`` of ``world_size`` makes in one ``vocab_parallel_logits`` of requests of
+    ``seq_lens`` tokens (``cfg`` a ``ModelConfig``), dry-run on a stand-in rank (``LocalGroup``, zero weights):
+    ``[CollectiveRecord, ...]`` in call order."""
+    lens = check_lengths(seq_lens)
+    model = _stand_in_model(cfg, rank, world_size)
+    ids = torch.arange(sum(lens)) * 7 % cfg.vocab_size                 # ids spread over every rank's share
+    model.group.trace.clear()
+    vocab_parallel_logits(model, pack(list(ids.split(lens))))
+    return list(model.group.trace)
