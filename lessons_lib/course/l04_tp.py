@@ -1,8 +1,8 @@
 """What lesson 04 (TP=2 does not care how the tokens are packed) draws, explores and checks.
 
-Claims helpers: ``rank_layers`` (what each rank's four linear layers compute), ``layer0_attention``
-(one layer's attention output on a rank), ``rank_partials`` (what each rank hands to layer 0's
-out-proj all-reduce), ``threaded_forward`` (a forward on thread ranks that really add), the broken
+Claims helpers, from the engine: ``rank_layers``, ``layer0_attention``, ``rank_partials`` (tp.dryrun: what each
+rank's linear layers compute, its attention output, what it hands to layer 0's out-proj all-reduce); here
+``threaded_forward`` (a forward on thread ranks that really add) and the broken
 cuts as the engine's named faults (``CUTS``, ``cut_faults``). Figures: ``04_two_axes`` (requests cut
 the flat rows, TP cuts the heads and features), ``04_trace_timeline`` (one TP=2 forward per rank, the
 same for 1, 2 and 40 requests; the kit's ``trace_figures.tp_trace_timeline``), ``04_gqa_replicas``.
@@ -17,11 +17,8 @@ Taught in notebooks/04_tp2_invariance.ipynb.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from matplotlib.figure import Figure
@@ -30,17 +27,25 @@ from matplotlib.patches import Polygon, Rectangle
 from .. import faults
 from ..core.batch import PackedBatch, cumulative, pack
 from ..core.config import ModelConfig
-from ..core.groups import CollectiveRecord, LocalGroup
+from ..core.groups import CollectiveRecord
 from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
-from ..measure.recorder import module_io
 from ..measure.tolerance import tolerance
+from ..serve.workloads import PACKING_PATTERNS, packing_lens
 from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, TEXT, request_color, request_name
-from ..tp.dryrun import record_trace, trace_signature
+from ..tp.dryrun import (
+    layer0_attention,
+    layer0_model,
+    out_proj_partials,
+    rank_layers,
+    rank_partials,
+    record_trace,
+    trace_signature,
+)
 from ..tp.kv_plan import GiB, KVPlan, best_layout, engine_kv_plan, kv_heads_for_budget, layout_cache_bytes, run_kv_plan
-from ..tp.threads import tp_ranks_in_threads
+from ..tp.threads import TapGroup, module_error_in_threads, tapped_forward, tp_ranks_in_threads
 from ..tp.trace import summarize_trace
-from ..tp.vocab import pad_vocab_size, vocab_parallel_logits
+from ..tp.vocab import pad_vocab_size, vocab_parallel_trace
 from ..validate import check_choice, check_int, check_lengths
 from .check import Bound
 from .explore import explorer, ipywidgets_module, show_figure, tagged
@@ -49,66 +54,6 @@ from .grading import grade
 from .trace_figures import short_cu, tp_trace_timeline
 
 Tensor = torch.Tensor
-
-# ---------------------------------------------------------------------------------------------
-# What each rank computes, layer by layer
-
-_LINEARS = (("QKV", "attn.qkv", "column"), ("out proj", "attn.out_proj", "row"),
-            ("FFN-up", "mlp.fc_up", "column"), ("FFN-down", "mlp.fc_down", "row"))
-
-
-@dataclass(frozen=True)
-class RankLayer:
-    """One linear layer on one rank: input and output shape, the products summed into each
-    output number (the rank's input width), and whether an all-reduce follows it."""
-
-    name: str
-    split: str          # "column" (keeps some output features) or "row" (a partial sum of all of them)
-    x: tuple
-    y: tuple
-    products: int
-    all_reduce: bool
-
-    def __str__(self) -> str:
-        after = ", then all-reduce (partial sum)" if self.all_reduce else ", no collective"
-        return (f"{self.name:9s} {self.split:6s} [{self.x[0]}, {self.x[1]}] -> [{self.y[0]}, {self.y[1]}]: "
-                f"{self.products} products per output number{after}")
-
-
-def _one_layer(cfg: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(cfg, n_layers=1, vocab_size=1, max_position=1)
-
-
-def rank_layers(cfg: ModelConfig, num_tokens: int, rank: int = 0, world_size: int = 2) -> list[RankLayer]:
-    """Layer 0's four linear layers on rank ``rank`` of ``world_size``, MEASURED: forward hooks on the
-    model's own modules (cut by ``LocalGroup(rank, world_size)``, the same cut a real rank makes)
-    record each input and output shape, and the trace says which layers all-reduce.
-
-    Article's model, TP=2, T tokens: QKV [T,512]->[T,768]; out proj [T,256]->[T,512] partial;
-    FFN-up [T,512]->[T,1024]; FFN-down [T,1024]->[T,512] partial.
-    """
-    t = check_int("num_tokens", num_tokens, 1)
-    small = _one_layer(cfg)
-    group = LocalGroup(rank, world_size)
-    model = Transformer(small, init_weights(small), group=group, attn_backend="masked")
-    io = module_io(model.layers[0], [path for _, path, _ in _LINEARS],
-                   lambda: model(pack([torch.zeros(t, cfg.d_model, dtype=cfg.dtype)])))
-    seen = {name: (tuple(io[path][0][0].shape), tuple(io[path][1].shape)) for name, path, _ in _LINEARS}
-    reduced = {r.layer for r in group.trace}
-    return [RankLayer(name, split, *seen[name], seen[name][0][1], f"layers.0.{path}" in reduced)
-            for name, path, split in _LINEARS]
-
-
-def layer0_attention(model: Transformer, batch: PackedBatch) -> Tensor:
-    """Layer 0's attention output on this model's rank, ``[T, H_local, D]``: what its attention core
-    returned in one forward of ``batch`` (a forward hook on ``layers.0.attn.core``).
-
-    Layer 0's input is the embedding, replicated, so a ``LocalGroup(rank, 2)`` stand-in computes
-    exactly what a real rank does there (later layers would need the other rank's partial sums).
-    """
-    io = module_io(model, ["layers.0.attn.core"], lambda: model(batch))
-    return io["layers.0.attn.core"][1]
-
 
 # ---------------------------------------------------------------------------------------------
 # The idea: two cuts of one forward
@@ -223,7 +168,7 @@ def _trace_timeline() -> Figure:
 # ---------------------------------------------------------------------------------------------
 # The explorer: the same tokens packed differently
 
-PATTERNS = ("equal", "ramp", "one long", "quarter first")
+PATTERNS = PACKING_PATTERNS  # the explorer's "lengths" dropdown
 ENGINE_CUT, NAIVE_CUT, BIAS_CUT = "head-wise (the engine's)", "naive column cut of QKV", "bias on every rank"
 CUTS = (ENGINE_CUT, NAIVE_CUT, BIAS_CUT)  # the explorer's "cut" dropdown; the last two are the breakages of C11, C12
 TP_SIZES = (1, 2, 4, 8)                   # the explorer's tp dropdown: 8 heads, so 8, 4, 2 or 1 heads per rank
@@ -257,83 +202,22 @@ TAPPED = "layers.0.attn.out_proj"  # the all-reduce whose inputs (each rank's pa
 SHOWN = 6  # numbers of one token's partial sums printed per rank (of d_model)
 
 
-def packing_lens(total_tokens: int, num_requests: int, pattern: str = "equal") -> list[int]:
-    """``total_tokens`` split into ``num_requests`` requests (each >= 1 token, summing to T).
-
-    "equal": as equal as possible, longer first (40, 3 → [14, 13, 13]); "ramp": request i
-    proportional to i+1 (40, 2 → [13, 27]); "one long": the first request takes half the tokens,
-    the rest share the other half; "quarter first": the first request takes a quarter of the tokens,
-    the rest share the others (40, 2 → [10, 30], the article's A and B; the explorer opens on it).
-    """
-    t = check_int("total_tokens", total_tokens, 1, 1 << 20)
-    r = check_int("num_requests", num_requests, 1, t)
-    check_choice("pattern", pattern, PATTERNS)
-    if pattern == "equal" or r == 1:
-        return [t // r + (1 if i < t % r else 0) for i in range(r)]
-    if pattern == "one long":
-        long = max(1, min(t - (r - 1), t // 2))
-        return [long] + packing_lens(t - long, r - 1, "equal")
-    if pattern == "quarter first":
-        first = max(1, min(t - (r - 1), t // 4))
-        return [first] + packing_lens(t - first, r - 1, "equal")
-    spare = t - r                                          # every request has 1 token; share the rest by weight i+1
-    weights = range(1, r + 1)
-    lens = [1 + spare * w // sum(weights) for w in weights]
-    for i in range(t - sum(lens)):                         # rounding leftovers to the longest requests
-        lens[r - 1 - i % r] += 1
-    return lens
-
-
-class _TapGroup:
-    """Rank ``rank``'s group in the explorer's models, built once: while ``serving(inner)`` is open each
-    collective goes to ``inner``, the ``tp.threads`` rank of the forward in flight (which really sums
-    over the threads and records), and the tensor this rank hands to the all-reduce ``TAPPED`` is
-    kept in ``sent``: its own partial sums, before they are added to the other ranks'."""
-
-    def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size, self.inner, self.sent = rank, world_size, None, None
-
-    @contextlib.contextmanager
-    def serving(self, inner):
-        self.inner = inner
-        try:
-            yield self
-        finally:
-            self.inner = None
-
-    def all_reduce(self, tensor: Tensor, *, layer: str = "") -> Tensor:
-        if layer == TAPPED:
-            self.sent = tensor.clone()
-        if self.world_size == 1:  # TP = 1: nothing to add, no collective (as the engine's LocalGroup)
-            return tensor
-        return self.inner.all_reduce(tensor, layer=layer)
-
-    def all_gather(self, tensor: Tensor, *, layer: str = "") -> Tensor:
-        return self.inner.all_gather(tensor, layer=layer)
-
-
 @functools.lru_cache(maxsize=1)
 def _explorer_weights(cfg: ModelConfig) -> dict:
     return init_weights(cfg, seed=0)
 
 
-def _layer0(cfg: ModelConfig, weights: dict) -> tuple[ModelConfig, dict]:
-    """Layer 0 of ``cfg`` alone, and its weights."""
-    return (dataclasses.replace(cfg, n_layers=1),
-            {k: v for k, v in weights.items() if not k.startswith("layers.") or k.startswith("layers.0.")})
-
-
 @functools.lru_cache(maxsize=6)  # a few (tp, cut) pairs: going back to one costs no rebuild
 def _explorer_ranks(cfg: ModelConfig, tp: int, cut: str) -> list[Transformer]:
-    """One model per rank on a ``_TapGroup``, built once per (cfg, tp, cut) under ``cut_faults(cut)``."""
+    """One model per rank on a ``tp.threads.TapGroup``, built once per (cfg, tp, cut) under ``cut_faults(cut)``."""
     with cut_faults(cut):
-        return [Transformer(cfg, _explorer_weights(cfg), group=_TapGroup(r, tp)) for r in range(tp)]
+        return [Transformer(cfg, _explorer_weights(cfg), group=TapGroup(r, tp, TAPPED)) for r in range(tp)]
 
 
 @functools.lru_cache(maxsize=2)
 def _explorer_tp1(cfg: ModelConfig, dtype: torch.dtype) -> Transformer:
     """Layer 0 alone at TP=1, the reference of the ranks' sum, built once per (cfg, dtype); float64 runs the loop."""
-    one, w1 = _layer0(cfg, _explorer_weights(cfg))
+    one, w1 = layer0_model(cfg, _explorer_weights(cfg))
     return Transformer(one, w1, dtype=dtype, attn_backend="loop" if dtype == torch.float64 else "auto")
 
 
@@ -344,29 +228,6 @@ def explorer_batch(cfg: ModelConfig, seq_lens: Sequence[int]) -> PackedBatch:
         raise ValueError(f"the explorer packs at most {MAX_TOKENS} tokens, got {sum(lens)}")
     ids = torch.randint(0, cfg.vocab_size, (MAX_TOKENS,), generator=torch.Generator().manual_seed(0))
     return pack(list(ids[:sum(lens)].split(lens)))
-
-
-def out_proj_partials(model: Transformer, batch: PackedBatch) -> Tensor:
-    """What layer 0's out proj of ``model`` (any group) hands to its all-reduce, ``[T, d_model]``: its
-    output minus its bias. On a ``LocalGroup`` stand-in the all-reduce returns the tensor it was
-    given, so this is the rank's partial sum (layer 0's input, the embedding, is the same on every rank)."""
-    io = module_io(model, ["layers.0.attn.out_proj"], lambda: model(batch))
-    out = io["layers.0.attn.out_proj"][1]
-    return out - model.layers[0].attn.out_proj.bias
-
-
-def rank_partials(cfg: ModelConfig, weights: dict, batch: PackedBatch, tp: int = 2, device="cpu",
-                  dtype=torch.float32) -> list[Tensor]:
-    """What each of ``tp`` ranks hands to layer 0's out-proj all-reduce for ``batch``: one
-    ``[T, d_model]`` tensor per rank, on the CPU (``out_proj_partials`` of a ``LocalGroup(r, tp)``
-    stand-in). Layer 0's input, the embedding, is whole on every rank, so a stand-in sends exactly
-    what a real rank sends. Only layer 0 of ``weights`` is built; float64 runs the loop attention."""
-    tp = check_int("tp", tp, 1, cfg.n_heads)
-    one, w1 = _layer0(cfg, weights)
-    backend = "loop" if dtype == torch.float64 else "auto"
-    with torch.no_grad():
-        return [out_proj_partials(Transformer(one, w1, group=LocalGroup(r, tp), attn_backend=backend, device=device,
-                                              dtype=dtype), batch.to(device)).cpu() for r in range(tp)]
 
 
 def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal",
@@ -389,14 +250,9 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     ranks, weights = _explorer_ranks(cfg, tp, cut), _explorer_weights(cfg)
     batch = explorer_batch(cfg, lens)
 
-    def rank_forward(group):
-        model = ranks[group.rank]
-        with model.group.serving(group) as tap:
-            return model(batch), tap.sent
-    with cut_faults(cut), torch.no_grad():
-        runs = tp_ranks_in_threads(tp, rank_forward)
-    traces = [trace for _, trace in runs]
-    partials = [sent for (_, sent), _ in runs]
+    with cut_faults(cut):
+        runs = tapped_forward(ranks, batch)
+    traces, partials = [trace for *_, trace in runs], [sent for _, sent, _ in runs]
     bias = weights["layers.0.attn.out_proj.bias"]  # TP=1's layer 0 out proj, in float32 and float64:
     with torch.no_grad():
         ref, ref64 = (out_proj_partials(_explorer_tp1(cfg, d), batch) + bias.to(d) for d in (torch.float32, torch.float64))
@@ -415,7 +271,7 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
             "token_errors": (total - ref64).abs().amax(dim=1).tolist(),
             "extra_bias": float((tp - 1) * bias.double().abs().max()),
             "cut": cut, "tp": tp, "d_model": cfg.d_model,
-            "outputs_equal": all(torch.equal(runs[0][0][0], out) for (out, _), _ in runs)}
+            "outputs_equal": all(torch.equal(runs[0][0], out) for out, *_ in runs)}
 
 
 def trace_shapes(records: Sequence[CollectiveRecord]) -> list[tuple]:
@@ -618,23 +474,6 @@ def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: 
 
 # ---------------------------------------------------------------------------------------------
 # Exercise 04.1: the trace of the model with a vocab-parallel embedding and LM head (tp.vocab)
-
-@functools.lru_cache(maxsize=8)  # the weights do not change a trace; building the article's model is the slow part
-def _stand_in_model(cfg: ModelConfig, rank: int, world_size: int) -> Transformer:
-    zeros = {name: torch.zeros(shape, dtype=cfg.dtype) for name, shape in cfg.weight_shapes().items()}
-    return Transformer(cfg, zeros, group=LocalGroup(rank, world_size), attn_backend="masked")
-
-
-def vocab_parallel_trace(cfg: ModelConfig, seq_lens: Sequence[int], world_size: int, rank: int = 0) -> list:
-    """The collectives rank ``rank`` makes in one ``tp.vocab.vocab_parallel_logits`` of requests of
-    ``seq_lens`` tokens, dry-run on a stand-in rank (``LocalGroup``): ``[CollectiveRecord, ...]`` in call order."""
-    lens = check_lengths(seq_lens)
-    model = _stand_in_model(cfg, rank, world_size)
-    ids = torch.arange(sum(lens)) * 7 % cfg.vocab_size                 # ids spread over every rank's share
-    model.group.trace.clear()
-    vocab_parallel_logits(model, pack(list(ids.split(lens))))
-    return list(model.group.trace)
-
 
 _CFG_B = ModelConfig(n_layers=3, d_model=48, n_heads=6, d_head=8, d_ffn=96, vocab_size=78, max_position=64)
 _CFG_C = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=512, vocab_size=80, max_position=64)
@@ -955,20 +794,11 @@ def cut_evidence(cut: str, tp: int, seq_lens: Sequence[int], cfg: ModelConfig | 
     cfg = cfg or _CFG_CUT
     check_choice("cut", cut, CUTS)
     tp = check_int("tp", tp, 1, cfg.n_heads)
-    weights = init_weights(cfg, seed=0)
     ids = torch.randint(0, cfg.vocab_size, (sum(check_lengths(seq_lens)),), generator=torch.Generator().manual_seed(0))
-    batch = pack(list(ids.split(list(seq_lens))))
-
-    def run(group):
-        model = Transformer(cfg, weights, group=group)
-        return module_io(model, [TAPPED], lambda: model(batch))[TAPPED][1]
-    with torch.no_grad():
-        with cut_faults(cut):
-            got = tp_ranks_in_threads(tp, run)[0][0]
-        tp1, fp64 = Transformer(cfg, weights), Transformer(cfg, weights, dtype=torch.float64, attn_backend="loop")
-        ref = module_io(tp1, [TAPPED], lambda: tp1(batch))[TAPPED][1]
-        ref64 = module_io(fp64, [TAPPED], lambda: fp64(batch))[TAPPED][1]
-    return got.double() - ref64, tp1.get_submodule(TAPPED).bias.detach().clone(), tolerance(ref, ref64), tp
+    with cut_faults(cut):
+        error, bias, allowed = module_error_in_threads(cfg, init_weights(cfg, seed=0), pack(list(ids.split(list(seq_lens)))),
+                                                       tp, TAPPED)
+    return error, bias, allowed, tp
 
 
 # (tp, seq_lens, which cut): the checker's cases; the cut is hidden from the reader's function
@@ -1020,11 +850,4 @@ def check_cut_diagnosis(fn: Callable[[Tensor, Tensor, float, int], str]) -> bool
     return grade("cut_diagnosis", fn=run, cases=cases, judge=judge,
                  done="the engine's cut, the naive QKV cut and the bias on every rank, at tp = 1, 2 and 4")
 
-__all__ = ["RankLayer", "rank_layers", "layer0_attention", "ENGINE_CUT", "NAIVE_CUT", "BIAS_CUT", "CUTS", "CUT_FAULTS",
-           "cut_faults", "threaded_forward", "CAUGHT", "rank_partials", "out_proj_partials", "trace_shapes",
-           "two_axes_figure", "TP_SIZES", "PATTERNS", "MAX_TOKENS", "SHOWN", "packing_lens", "explorer_batch",
-           "tp_packing_state", "tp_trace_html", "tp_attention_html", "tp_ranks_html", "tp_packing_figure",
-           "tp_packing_explorer", "vocab_parallel_trace", "check_vocab_trace", "KVPlan", "engine_kv_plan",
-           "kv_heads_for_budget",
-           "run_kv_plan", "best_layout", "check_kv_plan", "gqa_replicas_figure", "GiB", "layout_cache_bytes", "check_layout",
-           "cut_evidence", "check_cut_diagnosis"]
+__all__ = ["rank_layers", "layer0_attention", "rank_partials", "kv_heads_for_budget"]  # the engine's, called as L.<name>
