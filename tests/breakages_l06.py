@@ -13,4 +13,4 @@ breaks("C8", NOTEBOOK, "masked_backend_computes_diagonal_blocks_only", variant="
 breaks("C10", NOTEBOOK, "attention_ignores_cu_seqlens", variant="cu-seqlens-ignored")
 breaks("C10", NOTEBOOK, "block_diag_mask_all_true", variant="masked-mixes-requests")
 breaks("C11", NOTEBOOK, "attention_gathers_every_head", variant="attention-gathers")
-breaks("C12", NOTEBOOK, "row_parallel_no_all_reduce", variant="no-all-reduce")
+breaks("C12", NOTEBOOK, "all_reduce_in_64k_buckets", variant="all-reduce-in-buckets")
