@@ -41,7 +41,7 @@ def _check(page, want: dict) -> None:
     assert VERDICT_RE.search(alone).group(0) == want["verdict"]
     assert re.findall(r"(=|DIFFERS) \|", alone) == want["marks"]  # per request: flat, padded (the diffs' last bits vary)
     assert DIFFERS_RE.search(alone).group(0) == want["differs"]  # the requests the figure outlines
-    assert f"beyond S = {6 * l01_flat_batch.EXPLORER_CONFIG.d_model} (whole blocks, 6 d)" in inner_text(page, ".fbx-counts")
+    assert f"at S = {6 * l01_flat_batch.EXPLORER_CONFIG.d_model} (whole blocks, 6 d)" in inner_text(page, ".fbx-counts")
     assert f"S + L > 6 d = {6 * l01_flat_batch.EXPLORER_CONFIG.d_model}: here " in inner_text(page, ".fbx-counts")
     got = ROWS_RE.search(inner_text(page, ".fbx-counts"))
     assert got and [int(x) for x in got.groups()] == [want["rows"]["padded"], want["rows"]["flat"], want["pad_rows"]]
