@@ -8,8 +8,8 @@ from lessons_lib import faults
 from lessons_lib.core.batch import pack
 from lessons_lib.core.groups import LocalGroup
 from lessons_lib.core.model import Transformer, init_weights
-from lessons_lib.measure.report import backend_rows, format_table, machine_report
 from lessons_lib.measure.recorder import follow_request
+from lessons_lib.measure.report import backend_rows, format_table, machine_report
 from lessons_lib.tp.plan import heads_held, row_spans, shard_table
 
 
