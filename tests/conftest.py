@@ -73,3 +73,13 @@ def model_pair():
 @pytest.fixture(scope="session")
 def make_requests():
     return _make_requests
+
+
+@pytest.fixture(scope="module")
+def block_run():
+    """One block (d_model 64, 4 heads), its input rows ``[12, 64]`` and the two requests' lengths ``[3, 9]``
+    (lesson 02's block-step tests and measure.batch_invariance's)."""
+    cfg = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=50, max_position=32)
+    model = Transformer(cfg, init_weights(cfg, seed=3))
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(4))
+    return model, x, [3, 9]

@@ -7,20 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lessons_lib import ModelConfig, Transformer, init_weights
 from lessons_lib.core.attention import VarlenMetadata
 from lessons_lib.core.model import AttentionContext
 from lessons_lib.measure import batch_invariance as bi
 from lessons_lib.measure.tolerance import summation_orders, ulp32
 from lessons_lib.tp.threads import row_parallel_in_threads
-
-
-@pytest.fixture(scope="module")
-def block_run():
-    cfg = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=50, max_position=32)
-    model = Transformer(cfg, init_weights(cfg, seed=3))
-    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(4))
-    return model, x, [3, 9]
 
 
 def test_reach_counts_sorts_pairs_by_request_and_direction():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from helpers import attempt, by_class, min_font, png_of, stub, texts
 from matplotlib.figure import Figure
 
-from lessons_lib import ModelConfig, Transformer, faults, init_weights
+from lessons_lib import ModelConfig, faults
 from lessons_lib.course import l02_linear as L
 from lessons_lib.course.grading import score
 from lessons_lib.measure import batch_invariance as bi
@@ -43,14 +43,6 @@ def test_forward_walk_figure_is_a_figure_with_readable_text():
     assert L._requests_phrase([1, 2, 3, 4, 5]) == "A = 1, B = 2, C = 3 and D = 4 tokens, and 1 more request"
     assert L._requests_phrase([7]) == "A = 7 tokens"
     assert min_font(fig) >= MIN_FONT
-
-
-@pytest.fixture(scope="module")
-def block_run():
-    cfg = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=256, vocab_size=50, max_position=32)
-    model = Transformer(cfg, init_weights(cfg, seed=3))
-    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(4))
-    return model, x, [3, 9]
 
 
 def test_c4_c5_measure_steps_finds_the_identity_except_in_attention(block_run):
