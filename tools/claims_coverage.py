@@ -10,7 +10,8 @@ with no fault and fails under it; a row the run never reached (a cell raised fir
     python tools/claims_coverage.py --lessons 03,05  only those lessons
     python tools/claims_coverage.py --all --jobs 2   every fault against every lesson, two kernels at a time
 
-A lesson declares a fault when one of its claims' breakages uses it (tests/breakages.py) or its notebook names it.
+A lesson declares a fault when one of its claims' breakages uses it (tests/breakages.py) or its notebook names it
+(quoted in code, or in backticks in the prose).
 Writes docs/claims_coverage.md and docs/claims_coverage.json (lessons not run this time are kept from the JSON).
 One lesson run costs as long as the lesson's notebook (``make notebooks`` runs them all); not part of ``make test``.
 """
@@ -73,7 +74,7 @@ def declared() -> dict[str, set[str]]:
     for path in NOTEBOOKS.glob("*.ipynb"):
         text = path.read_text()
         for name in FAULTS:
-            if f'"{name}' in text or f"'{name}" in text:
+            if any(f"{q}{name}" in text for q in ('"', "'", "`")):  # named in code or in the prose
                 out[name].add(path.stem)
     return out
 
