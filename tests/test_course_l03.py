@@ -67,7 +67,7 @@ def test_c10_attention_patterns_show_the_categories_counts_and_what_is_counted(c
                                       L.attention_categories([10, 30], method, causal, whole_blocks=whole))
         c = attention_waste([10, 30], method, causal, whole)
         assert f"computed {c.computed} | useful {c.useful}" in ax.get_title()
-        assert L.waste_text(c, method, causal) in ax.get_title()
+        assert L.waste_text(c, method, causal).replace(" + ", " +\n") in ax.get_title()  # on two lines
         assert ax.title.get_fontsize() >= MIN_FONT
     title = fig._suptitle.get_text()
     assert "per head per layer" in title and ("causal" in title if causal else "whole blocks" in title)

@@ -47,7 +47,7 @@ NPM_PACKAGES = {
 }
 FONT_SUFFIXES = (".woff2", ".woff", ".ttf", ".eot", ".svg")
 SITE_MARKER = ".course-site"
-DEFAULT_CELL_TIMEOUT_S = 60
+DEFAULT_CELL_TIMEOUT_S = 300
 
 
 class BuildError(RuntimeError):

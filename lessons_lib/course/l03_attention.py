@@ -155,7 +155,8 @@ def _draw_attention(ax, lens: list[int], method: str, causal: bool, whole_blocks
         ax.set_xlabel("key row (flat)", fontsize=MIN_FONT)
     ax.tick_params(labelsize=MIN_FONT, length=2)
     w = attention_waste(lens, method, causal, whole_blocks)
-    ax.set_title(f"{title}\ncomputed {w.computed} | useful {w.useful}\n{waste_text(w, method, causal)}", fontsize=MIN_FONT)
+    waste = waste_text(w, method, causal).replace(" + ", " +\n")  # two lines: it fits a panel's width
+    ax.set_title(f"{title}\ncomputed {w.computed} | useful {w.useful}\n{waste}", fontsize=MIN_FONT)
 
 
 def attention_patterns(seq_lens: Sequence[int], causal: bool = False) -> Figure:
@@ -166,7 +167,7 @@ def attention_patterns(seq_lens: Sequence[int], causal: bool = False) -> Figure:
     """
     lens = check_lengths(seq_lens)
     panels = [(m, wb) for m in METHODS for wb in ((True, False) if causal and m == "varlen" else (False,))]
-    fig = Figure(figsize=(2.9 * len(panels) + 0.6, 4.6))
+    fig = Figure(figsize=(3.4 * len(panels) + 0.6, 4.6))
     axes = np.atleast_1d(fig.subplots(1, len(panels)))
     for ax, (method, whole) in zip(axes, panels):
         title = CAUSAL_VARLEN_TITLES[whole] if causal and method == "varlen" else method

@@ -12,6 +12,7 @@ from widget_driver import ARM_PROBE_JS, UPDATE_TIMEOUT_MS, finish, inner_text, o
 from lessons_lib.core.batch import cumulative
 from lessons_lib.course import l02_linear
 from lessons_lib.course.explore import parse_lengths
+from lessons_lib.measure import batch_invariance
 
 LINE_RE = re.compile(r"(.+) on cu_seqlens (\[[\d, ]+\]): (\d+) of (\d+) pairs change \| diagonal (\d+) \| "
                      r"same request (\d+) \| across requests (\d+) \| row i reads (.+) \| alone vs batched: max \|diff\| (\S+) "
@@ -38,7 +39,7 @@ def _expected(module: str, lengths: str) -> dict:
     assert want["cu"] == str(cumulative(lens)) and want["other"] == across
     m = l02_linear.reach_modules()[module]   # each request alone, run here on the explorer's input rows
     x = torch.randn(sum(lens), m.width, generator=torch.Generator().manual_seed(5))
-    alone = l02_linear.alone_vs_batched(m.fn, x, lens)
+    alone = batch_invariance.alone_vs_batched(m.fn, x, lens)
     differ = alone["differ"]
     assert want["differ"] == (", ".join(differ) or "none") and want["alone_diff"] == float(f"{alone['max_diff']:.1e}")
     assert want["verdict"] == ("mixes requests" if across or differ else "safe to batch flat")

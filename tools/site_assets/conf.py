@@ -42,7 +42,7 @@ root_doc = "index"
 # lesson's own folder so that ../figures resolves. A lesson that fails is a warning with its
 # traceback, which tools/build_site.py turns into a failed build. --cell-timeout sets the timeout.
 nb_execution_mode = "force"
-nb_execution_timeout = 60
+nb_execution_timeout = 300
 nb_execution_in_temp = False
 nb_execution_raise_on_error = False
 nb_execution_show_tb = True
