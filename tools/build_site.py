@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build the course site: Sphinx + MyST-NB execute every lesson and render the book.
 
-    python3 tools/build_site.py [--out site] [--cell-timeout 60]
+    python3 tools/build_site.py [--out site] [--cell-timeout 300]
 
 Sphinx + MyST-NB + sphinx-book-theme do the book (execution of the lessons, navigation,
 search, per-page contents, prev/next, download button, themes, API reference from the
