@@ -63,3 +63,19 @@ def test_s1_row_spans_are_q_k_and_v_of_the_ranks_heads(tiny_cfg):
     with faults.injected("qkv_sharded_as_one_block"):
         assert row_spans(Transformer(tiny_cfg, seed=0, group=LocalGroup(0, 2)).layers[0].attn.qkv) == [(0, 3 * k // 2)]
 
+
+
+def test_tp_sizes_are_the_sizes_the_model_builds_at_grouped_query_included():
+    from lessons_lib.core.config import ModelConfig
+    from lessons_lib.tp.plan import tp_sizes
+    cfg = ModelConfig(n_layers=1, d_model=96, n_heads=12, n_kv_heads=4, d_head=8, d_ffn=192, vocab_size=16,
+                      max_position=8)
+    built = []
+    for p in range(1, cfg.n_heads + 1):
+        try:
+            Transformer(cfg, seed=0, group=LocalGroup(0, p))
+        except ValueError:
+            continue
+        built.append(p)
+    assert tp_sizes(cfg) == built
+    assert 3 not in built and 6 not in built  # they divide the 12 heads but cannot split the 4 K/V heads

@@ -18,7 +18,7 @@ import torch
 from ..core.config import ModelConfig
 from ..core.groups import LocalGroup
 from ..core.model import Transformer
-from ..validate import check_int
+from ..validate import check_int, check_tp_divides
 from .vocab import VocabParallelEmbedding
 
 
@@ -90,9 +90,18 @@ def rank_params(cfg: ModelConfig, tp_size: int, vocab_parallel: bool = False) ->
     return sum(held.values())
 
 
+def _splits(cfg: ModelConfig, p: int) -> bool:
+    try:
+        check_tp_divides(cfg, "tp_size", p)
+    except ValueError:
+        return False
+    return True
+
+
 def tp_sizes(cfg: ModelConfig) -> list[int]:
-    """The TP sizes the engine can split ``cfg`` over: those that divide ``n_heads`` and ``d_ffn``."""
-    return [p for p in range(1, cfg.n_heads + 1) if cfg.n_heads % p == 0 and cfg.d_ffn % p == 0]
+    """The TP sizes the engine can split ``cfg`` over: those ``validate.check_tp_divides`` accepts (they divide
+    ``n_heads`` and ``d_ffn``, and divide or are a multiple of ``n_kv_heads``)."""
+    return [p for p in range(1, cfg.n_heads + 1) if _splits(cfg, p)]
 
 
 def smallest_tp(cfg: ModelConfig, budget: int, vocab_parallel: bool = False) -> int | None:
