@@ -34,12 +34,10 @@ from .search import first_where
 from .tolerance import each_alone, float64_twin, max_abs_diff
 
 
-def _attention_cells(n: int, causal: bool, block: int | None) -> int:
-    """Score cells per head per layer one request of ``n`` tokens computes: whole block, causal triangle, or
-    (``block``) every cell of the ``block x block`` tiles a causal tiled kernel executes."""
-    if block is not None:
-        return predict_work([n], block_m=block, block_n=block, causal=True).executed_cells
-    return n * (n + 1) // 2 if causal else n * n
+def _tile_cells(n: int, block: int) -> int:
+    """Score cells per head per layer of the ``block x block`` tiles a causal tiled kernel executes for one request
+    of ``n`` tokens (``predict_work``)."""
+    return predict_work([n], block_m=block, block_n=block, causal=True).executed_cells
 
 
 def padding_waste(cfg: ModelConfig, pad_to: int, n: int, causal: bool = False,
@@ -55,7 +53,7 @@ def padding_waste(cfg: ModelConfig, pad_to: int, n: int, causal: bool = False,
     if block is None:
         big, small = forward_flops(cfg, [s], causal=causal), forward_flops(cfg, [n], causal=causal)
         return {"linear": big.linear - small.linear, "attention": big.attention - small.attention}
-    cells = _attention_cells(s, True, block) - _attention_cells(n, True, block)
+    cells = _tile_cells(s, block) - _tile_cells(n, block)
     return {"linear": flops_of(cfg, s - n, 0).linear, "attention": flops_of(cfg, 0, cells).attention}
 
 
@@ -82,9 +80,9 @@ def waste_wins(cfg: ModelConfig, pad_to: int, causal: bool = False, block: int |
     s = check_int("pad_to", pad_to, 1)
     if block is None:
         return [n for n in range(1, s) if _attention_wins(cfg, s, n, causal, None)]
-    big = _attention_cells(s, True, block)  # the padded request's tiles, counted once
+    big = _tile_cells(s, block)  # the padded request's tiles, counted once
     return [n for n in range(1, s)
-            if flops_of(cfg, 0, big - _attention_cells(n, True, block)).attention > flops_of(cfg, s - n, 0).linear]
+            if flops_of(cfg, 0, big - _tile_cells(n, block)).attention > flops_of(cfg, s - n, 0).linear]
 
 
 def pad_rows(lens: Sequence[int]) -> int:
