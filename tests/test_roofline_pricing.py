@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from lessons_lib.core.config import ModelConfig
-from lessons_lib.measure.comm import split_tokens
 from lessons_lib.measure.flops import forward_flops, linear_intensity
 from lessons_lib.measure.machines import Machine, beside_roofline, forward_parts, sweep_verdict, throughput_roof
 from lessons_lib.measure.recorded import timed_forward
+from lessons_lib.serve.workloads import packing_lens
 
 CPU = Machine("cpu", 100e9, 10e9, dtype=torch.float32)          # given by hand: ridge 10 FLOP/byte
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, n_kv_heads=2, d_ffn=128)
@@ -53,4 +53,4 @@ def test_timed_forward_times_the_engine_on_the_lengths_given_and_refuses_too_man
         timed_forward(SMALL, [600, 600])
     with pytest.raises(ValueError, match=r"seq_lens\[1\] must be >= 1"):
         timed_forward(SMALL, [3, 0])
-    assert split_tokens(10, 4) == [3, 3, 2, 2]             # the explorer's R x T/R packing
+    assert packing_lens(10, 4) == [3, 3, 2, 2]             # the explorer's R x T/R packing

@@ -21,7 +21,6 @@ from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
 from ..core.batch import cumulative
 from ..core.config import ModelConfig
-from ..measure.comm import split_tokens
 from ..measure.flops import (
     ForwardFlops,
     attention_cells,
@@ -42,6 +41,7 @@ from ..measure.machines import H200, REFERENCE_CPU, Machine, beside_roofline, fo
 from ..measure.profile import wall_scaled
 from ..measure.recorded import TIMED_MAX_FLOPS, TIMED_MAX_TOKENS, timed_forward
 from ..measure.recorder import BF16
+from ..serve.workloads import packing_lens
 from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE
 from ..validate import check_int, check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
@@ -345,7 +345,7 @@ def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv
     r = check_int("requests R", requests, 1, 1 << 20)
     if r > t:
         raise ValueError(f"requests R = {r} is more than the tokens T = {t}: every request needs a token")
-    packs = [(f"1 x {t}", [t]), (f"{r} x {t // r}" if t % r == 0 else f"{r} x ~{t / r:.0f}", split_tokens(t, r)),
+    packs = [(f"1 x {t}", [t]), (f"{r} x {t // r}" if t % r == 0 else f"{r} x ~{t / r:.0f}", packing_lens(t, r)),
              ("typed " + ", ".join(map(str, typed)), list(typed))]
     floor = 5 * cfg.n_layers * (machine.launch_s or 0.0)
     rows = []

@@ -174,23 +174,19 @@ def about(x: float, digits: int = 1) -> str:
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def split_tokens(total: int, parts: int) -> list[int]:
-    """``total`` tokens as ``parts`` requests as equal as possible, the longer ones first (``10, 3 -> [4, 3, 3]``)."""
-    return [total // parts + (i < total % parts) for i in range(parts)]
-
-
 def comm_cost_state(num_tokens: int, fit: AlphaBeta, d_model: int = 512, dtype: str = "float32", n_layers: int = 8,
                     requests: int = 1, world_size: int = 2, fitted_world_size: int | None = None) -> dict:
     """What the all-reduces of one TP forward of ``num_tokens`` tokens cost under ``fit`` (count and payloads from
     ``tp.dryrun.expected_trace``, times from ``ring_time_terms``), and the same tokens as ``requests`` forwards.
 
     Keys: the inputs, ``alpha_s``, ``beta``, ``source``, ``count``, ``bytes_each``, ``latency_s``, ``bandwidth_s``,
-    ``one_s`` (one all-reduce), ``forward_s``, ``dominated``, ``crossover`` (N*), ``lens`` (``split_tokens``),
+    ``one_s`` (one all-reduce), ``forward_s``, ``dominated``, ``crossover`` (N*), ``lens`` (``serve.workloads.packing_lens``),
     ``separate_count``, ``separate_s``, ``extrapolated`` (``fitted_world_size`` when it is not ``world_size``: a
     fit carried to another ring, else None). ValueError on bad sizes, more requests than tokens, another dtype."""
     import torch
 
     from ..core.config import ModelConfig
+    from ..serve.workloads import packing_lens
     from ..tp.dryrun import expected_trace
     n = check_int("num_tokens", num_tokens, 1, 1 << 20)
     r = check_int("requests", requests, 1, 4096)
@@ -206,7 +202,7 @@ def comm_cost_state(num_tokens: int, fit: AlphaBeta, d_model: int = 512, dtype: 
     trace = expected_trace(cfg, n, 0, p)
     count, each = len(trace), trace[0].bytes
     lat, bw = ring_time_terms(fit, each, p)
-    lens = split_tokens(n, r)
+    lens = packing_lens(n, r)
     separate = [expected_trace(cfg, m, 0, p) for m in lens]
     return {"num_tokens": n, "d_model": cfg.d_model, "dtype": dtype, "n_layers": cfg.n_layers, "requests": r,
             "world_size": p, "alpha_s": fit.alpha_s, "beta": fit.beta, "source": fit.source, "count": count,

@@ -108,6 +108,7 @@ def record_requests(num_tokens: int, requests: int = 1, n_layers: int = 8, dtype
     Keys: ``lens``, ``n_layers``, ``dtype``, ``world_size``, ``d_model``, ``packed`` (a trace), ``separate`` (one
     trace per request), ``agrees`` (every trace equals ``expected_trace``'s, record by record). ValueError above
     ``RECORD_MAX_TOKENS`` tokens, for more requests than tokens, or a dtype not float32/bfloat16/float16."""
+    from ..serve.workloads import packing_lens
     n = check_int("num_tokens", num_tokens, 1, RECORD_MAX_TOKENS)
     r = check_int("requests", requests, 1, n)
     if dtype not in ("float32", "bfloat16", "float16"):
@@ -115,7 +116,7 @@ def record_requests(num_tokens: int, requests: int = 1, n_layers: int = 8, dtype
     p = check_int("world_size", world_size, 2, 1024)
     cfg = ModelConfig(n_layers=check_int("n_layers", n_layers, 1, 256), d_model=RECORD_D_MODEL, n_heads=8,
                       d_ffn=4 * RECORD_D_MODEL, vocab_size=1, max_position=n, dtype=getattr(torch, dtype))
-    lens = [n // r + (i < n % r) for i in range(r)]
+    lens = packing_lens(n, r)  # as equal as possible, longer first
     packed = record_trace(cfg, lens, 0, p)
     alone = {m: packed if r == 1 else record_trace(cfg, [m], 0, p) for m in set(lens)}  # one request: the same forward
     separate = [list(alone[m]) for m in lens]
