@@ -20,7 +20,7 @@ from lessons_lib.core.attention import attention_ref, varlen_attention
 from lessons_lib.core.batch import pack, seq_lens_to_cu_seqlens
 from lessons_lib.core.kernels import available_backends, resolve_backend
 from lessons_lib.core.model import Transformer
-from lessons_lib.measure.tolerance import assert_close
+from lessons_lib.measure.tolerance import assert_close, reference_lse
 from lessons_lib.ops import tiling
 
 triton_varlen = pytest.importorskip("lessons_lib.ops.triton_varlen", reason="triton not installed (Linux wheels only)")
@@ -340,20 +340,6 @@ def test_only_the_diagonal_and_partial_tiles_take_the_masked_path(causal, length
                  attention_ref(q, k, v, cu, causal=causal, upcast_dtype=torch.float64), "two-stage loop")
 
 
-def _lse_ref(q, k, v, cu_q, cu_k, causal, scale):
-    """float64 natural-log logsumexp of each row's scaled scores, ``[H, T_q]`` (-inf where a row sees no key)."""
-    q, k, _ = (t.double() for t in _repeat_kv(q, k, v))
-    out = torch.empty(q.shape[1], q.shape[0], dtype=torch.float64)
-    for r in range(len(cu_q) - 1):
-        qs, qe, ks, ke = int(cu_q[r]), int(cu_q[r + 1]), int(cu_k[r]), int(cu_k[r + 1])
-        s = torch.einsum("ihd,jhd->hij", q[qs:qe], k[ks:ke]) * scale
-        if causal:
-            i, j = torch.arange(qe - qs)[:, None], torch.arange(ke - ks)[None, :]
-            s = s.masked_fill(j > i + (ke - ks) - (qe - qs), float("-inf"))
-        out[:, qs:qe] = torch.logsumexp(s, dim=-1)
-    return out
-
-
 @pytest.mark.parametrize("pack_gqa", [False, True], ids=["per-head", "pack"])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_return_lse_is_the_logsumexp_of_the_scaled_scores(dtype, pack_gqa):
@@ -365,7 +351,7 @@ def test_return_lse_is_the_logsumexp_of_the_scaled_scores(dtype, pack_gqa):
         assert lse.shape == (4, sum(lens_q)) and lse.dtype == torch.float32
         assert torch.equal(out, triton_varlen.triton_varlen_attention(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=0.3,
                                                                       pack_gqa=pack_gqa, block_m=16, block_n=16))
-        want = _lse_ref(q, k, v, cu_q, cu_k, causal, 0.3)
+        want = reference_lse(q, k, cu_q, cu_k, causal=causal, softmax_scale=0.3)   # float64, [H, T_q]
         tol = 1e-5 if dtype == torch.float32 else 1e-4   # from fp32 sums of products of exact half-precision inputs
         assert (lse.double() - want).abs().max() <= tol * want.abs().max().clamp(min=1)
     q, k, v, cu_q, cu_k = make_qkv([2], [0], heads=2, d_head=16)   # no key at all: logsumexp of nothing
