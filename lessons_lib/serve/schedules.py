@@ -24,18 +24,13 @@ from .scheduler import Request, Scheduler, plan_batches
 
 def shortest_first_batches(seq_lens: Sequence[int], max_num_batched_tokens: int,
                            max_num_seqs: int = 256) -> list[list[int]]:
-    """Shortest first over the whole stream (ties in arrival order), cut into batches within both budgets: a list
-    of batches of request indices. ValueError for a length below 1 or above the budget."""
+    """Shortest first over the whole stream (ties in arrival order), cut into batches within both budgets as the
+    ``Scheduler`` cuts a queue (``plan_batches`` of the sorted queue): a list of batches of request indices.
+    ValueError for a length below 1 or above the budget."""
     budget = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
     lens = [check_int(f"seq_lens[{i}]", n, 1, budget) for i, n in enumerate(seq_lens)]
-    batches, cur, used = [], [], 0
-    for i in sorted(range(len(lens)), key=lambda i: (lens[i], i)):
-        if cur and (used + lens[i] > budget or len(cur) == max_num_seqs):
-            batches.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += lens[i]
-    return batches + ([cur] if cur else [])
+    order = sorted(range(len(lens)), key=lambda i: (lens[i], i))
+    return [[order[j] for j in batch] for batch in plan_batches([lens[i] for i in order], budget, max_num_seqs)]
 
 
 def with_schedule(schedule: Callable) -> type:
