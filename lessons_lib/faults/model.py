@@ -12,6 +12,16 @@ from .registry import fault, swap_attr
 AREA = "model"
 
 
+def _model_nn_with(**classes):
+    """Patches: core/model.py's ``nn`` replaced by a copy of ``torch.nn`` with ``classes`` (broken layers) in it,
+    so models built while the fault is on use them."""
+    from ..core import model
+    broken_nn = types.ModuleType("torch.nn")
+    broken_nn.__dict__.update(vars(nn))
+    broken_nn.__dict__.update(classes)
+    return [swap_attr(model, "nn", broken_nn)]
+
+
 @fault("embedding_without_positions", "the embedding forgets the position table: a row is wte[token] only", AREA)
 def _embedding_without_positions():
     from ..core import model
@@ -30,11 +40,7 @@ class _BatchStatLayerNorm(nn.LayerNorm):
 @fault("layer_norm_over_the_batch", "LayerNorm takes its mean and variance over the whole flat batch (every token), "
        "not over each row (models built while the fault is on)", AREA)
 def _layer_norm_over_the_batch():
-    from ..core import model
-    broken_nn = types.ModuleType("torch.nn")  # model.py's `nn`, with the broken LayerNorm in it
-    broken_nn.__dict__.update(vars(nn))
-    broken_nn.LayerNorm = _BatchStatLayerNorm
-    return [swap_attr(model, "nn", broken_nn)]
+    return _model_nn_with(LayerNorm=_BatchStatLayerNorm)
 
 
 @fault("mlp_exact_gelu", "MLP.forward applies the exact (erf) GeLU instead of its own module, GPT-2's tanh "
@@ -129,8 +135,4 @@ class _GeluInt8PerTensor(nn.GELU):
        "batch (a fused GeLU + quantise feeding an int8 FFN-down), so one request's activations change another's "
        "(models built while the fault is on)", AREA)
 def _gelu_output_int8_per_tensor():
-    from ..core import model
-    broken_nn = types.ModuleType("torch.nn")  # model.py's `nn`, with the broken GELU in it
-    broken_nn.__dict__.update(vars(nn))
-    broken_nn.GELU = _GeluInt8PerTensor
-    return [swap_attr(model, "nn", broken_nn)]
+    return _model_nn_with(GELU=_GeluInt8PerTensor)
