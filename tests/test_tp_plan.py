@@ -79,3 +79,12 @@ def test_tp_sizes_are_the_sizes_the_model_builds_at_grouped_query_included():
         built.append(p)
     assert tp_sizes(cfg) == built
     assert 3 not in built and 6 not in built  # they divide the 12 heads but cannot split the 4 K/V heads
+
+
+def test_heads_held_finds_the_k_and_v_heads_of_a_grouped_query_shard():
+    from lessons_lib.core.config import ModelConfig
+    from lessons_lib.tp.plan import heads_held
+    cfg = ModelConfig(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, d_head=8, d_ffn=64, vocab_size=16, max_position=8)
+    weights = init_weights(cfg, seed=0)
+    got = [heads_held(weights, Transformer(cfg, weights, group=LocalGroup(r, 2))) for r in range(2)]
+    assert got == [{"Q": [0, 1], "K": [0], "V": [0]}, {"Q": [2, 3], "K": [1], "V": [1]}]

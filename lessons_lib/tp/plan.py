@@ -41,10 +41,12 @@ def heads_held(weights: Mapping[str, torch.Tensor], shard: Transformer, layer: i
     """Which heads of Q, K and V a rank's fused QKV weight holds, found by matching each
     ``d_head``-row block of the shard against the full weight: ``{"Q": [0, 1, 2, 3], "K": ..., "V": ...}``."""
     cfg = shard.cfg
-    full = weights[f"layers.{layer}.attn.qkv.weight"].to(shard.dtype)       # [3·H·D, d]: Q heads | K heads | V heads
-    mine = shard.layers[layer].attn.qkv.weight.detach().cpu()              # [3·H_local·D, d]
-    blocks = {(part, h): full[(i * cfg.n_heads + h) * cfg.d_head:(i * cfg.n_heads + h + 1) * cfg.d_head]
-              for i, part in enumerate("QKV") for h in range(cfg.n_heads)}
+    full = weights[f"layers.{layer}.attn.qkv.weight"].to(shard.dtype)  # [(H + 2·H_kv)·D, d]: Q heads | K heads | V heads
+    mine = shard.layers[layer].attn.qkv.weight.detach().cpu()          # this rank's rows of it
+    first = {"Q": 0, "K": cfg.n_heads, "V": cfg.n_heads + cfg.n_kv_heads}  # each part's first head, in d_head rows
+    count = {"Q": cfg.n_heads, "K": cfg.n_kv_heads, "V": cfg.n_kv_heads}
+    blocks = {(part, h): full[(first[part] + h) * cfg.d_head:(first[part] + h + 1) * cfg.d_head]
+              for part in "QKV" for h in range(count[part])}
     found: dict[str, list[int]] = {"Q": [], "K": [], "V": []}
     for j in range(mine.shape[0] // cfg.d_head):
         block = mine[j * cfg.d_head:(j + 1) * cfg.d_head]
