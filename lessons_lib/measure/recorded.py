@@ -63,13 +63,19 @@ def decode_attention_matmuls(num_requests: int, kv_len: int, n_heads: int = 8, d
     return record_matmuls(lambda: varlen_attention(q, k, v, cu_q, cu_k, causal=True, backend=backend))
 
 
+def zero_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every full weight of ``cfg`` (``ModelConfig.weight_shapes``) as one zero of ``cfg.dtype`` expanded to its
+    shape: a model's shapes at no memory cost, for counting and sizing."""
+    zero = torch.zeros((), dtype=cfg.dtype)
+    return {name: zero.expand(shape) for name, shape in cfg.weight_shapes().items()}
+
+
 def zero_model(cfg: ModelConfig, n_kv_heads: int | None = None, max_position: int | None = None) -> Transformer:
     """``cfg``'s model (``n_kv_heads`` K/V heads, default ``cfg``'s; ``max_position`` positions) with one zero
-    seen as every weight, vocabulary 8, TP = 1, CPU: the engine's shapes at no memory cost, for counting."""
+    seen as every weight (``zero_weights``), vocabulary 8, TP = 1, CPU: the engine's shapes, for counting."""
     small = dataclasses.replace(cfg, n_kv_heads=cfg.n_kv_heads if n_kv_heads is None else n_kv_heads, vocab_size=8,
                                 max_position=cfg.max_position if max_position is None else max_position)
-    zero = torch.zeros((), dtype=small.dtype)
-    return Transformer(small, {name: zero.expand(shape) for name, shape in small.weight_shapes().items()})
+    return Transformer(small, zero_weights(small))
 
 
 def _prefill(model, cache: PrefillKVCache, lens: list[int]) -> None:
@@ -93,14 +99,19 @@ def engine_decode_matmuls(model, num_requests: int, kv_len: int, attn_backend: s
         return record_matmuls(lambda: model(new, kv_cache=step, attn_backend=attn_backend))
 
 
+def prefill_cache_bytes(model, seq_lens: Sequence[int]) -> int:
+    """Bytes (``PrefillKVCache.nbytes``) a new cache of ``model`` (any group: a rank's cache) holds after prefilling
+    requests of ``seq_lens`` tokens, every request kept."""
+    cache = PrefillKVCache.for_model(model)
+    _prefill(model, cache, list(seq_lens))
+    return cache.nbytes
+
+
 def engine_kv_cache_bytes(cfg: ModelConfig, seq_lens: Sequence[int], n_kv_heads: int | None = None) -> int:
     """Bytes (``PrefillKVCache.nbytes``) the engine's cache holds after prefilling ``seq_lens`` on ``cfg``'s model
     (``zero_model``, ``n_kv_heads`` K/V heads), in ``cfg.dtype``: MEASURED on the cache, not counted."""
     lens = check_lengths(seq_lens)
-    model = zero_model(cfg, n_kv_heads, max(lens))
-    cache = PrefillKVCache.for_model(model)
-    _prefill(model, cache, lens)
-    return cache.nbytes
+    return prefill_cache_bytes(zero_model(cfg, n_kv_heads, max(lens)), lens)
 
 
 def gqa_decode_matmuls(cfg: ModelConfig, n_kv_heads: int, num_requests: int, kv_len: int) -> list[Matmul]:

@@ -22,8 +22,8 @@ from ..core.batch import pack
 from ..core.config import ModelConfig
 from ..core.groups import LocalGroup
 from ..core.model import Transformer, init_weights
+from ..measure.recorded import prefill_cache_bytes, zero_weights
 from ..measure.tolerance import max_abs_diff, tolerance
-from ..serve.kv_cache import PrefillKVCache
 from ..validate import check_choice, check_int, check_lengths
 from .threads import tp_ranks_in_threads
 
@@ -46,19 +46,8 @@ class KVPlan:
 
 
 def _rank_models(cfg: ModelConfig, tp: int, ranks: Sequence[int]) -> list[Transformer]:
-    zero = torch.zeros((), dtype=cfg.dtype)     # one number seen as every full weight: nothing allocated
-    zeros = {name: zero.expand(shape) for name, shape in cfg.weight_shapes().items()}
+    zeros = zero_weights(cfg)     # one number seen as every full weight: nothing allocated
     return [Transformer(cfg, zeros, group=LocalGroup(r, tp), attn_backend="sdpa") for r in ranks]
-
-
-def _prefill_bytes(model: Transformer, num_tokens: int) -> int:
-    """The bytes one prefill of ``num_tokens`` tokens leaves in the model's ``PrefillKVCache``."""
-    cache = PrefillKVCache.for_model(model)
-    step = cache.step(["prompt"], [0], [num_tokens], [True])
-    with torch.no_grad():
-        model(pack([torch.zeros(num_tokens, dtype=torch.long)]), kv_cache=step)
-    step.finish()
-    return cache.nbytes
 
 
 def _heads_of(qkv) -> tuple[tuple, tuple]:
@@ -86,10 +75,10 @@ def engine_kv_plan(n_heads: int, n_kv_heads: int, d_head: int, n_layers: int, tp
     heads, per_layer = [], set()
     for model in _rank_models(dataclasses.replace(cfg, n_layers=1), tp, range(tp)):
         heads.append(_heads_of(model.layers[0].attn.qkv))
-        per_layer.add(_prefill_bytes(model, n))
+        per_layer.add(prefill_cache_bytes(model, [n]))
     if len(per_layer) != 1:
         raise RuntimeError(f"the ranks' one-layer caches differ: {sorted(per_layer)} B for {n} tokens")
-    full = _prefill_bytes(_rank_models(cfg, tp, [0])[0], n)
+    full = prefill_cache_bytes(_rank_models(cfg, tp, [0])[0], [n])
     return KVPlan(tuple(q for q, _ in heads), tuple(kv for _, kv in heads), full // n)
 
 
