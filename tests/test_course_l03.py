@@ -16,6 +16,7 @@ from lessons_lib.core.batch import seq_lens_to_cu_seqlens
 from lessons_lib.course import l03_attention as L
 from lessons_lib.course.explore import html_table
 from lessons_lib.course.grading import score
+from lessons_lib.measure.batch_invariance import reach_counts
 from lessons_lib.measure.flops import attention_cells, attention_waste
 from lessons_lib.measure.profile import random_qkv, recorded_cells
 from lessons_lib.measure.recorder import OpRecorder
@@ -146,8 +147,9 @@ def test_c10_the_recorder_sees_each_block_and_the_matmuls():
 def test_c7_c10_attention_dependency_and_cross_pairs():
     cu = seq_lens_to_cu_seqlens([3, 5])
     assert torch.equal(L.attention_dependency([3, 5]), block_diag_mask(cu, causal=True))
-    assert L.cross_request_pairs(L.attention_dependency([3, 5], backend=None, causal=False), [3, 5]) == 2 * 3 * 5
-    assert L.cross_request_pairs(L.attention_dependency([3, 5], backend=None, causal=True), [3, 5]) == 3 * 5
+    # the notebook's C7 count of pairs across requests: batch_invariance.reach_counts on the measured map
+    assert reach_counts(L.attention_dependency([3, 5], backend=None, causal=False), [3, 5])["other_requests"] == 2 * 3 * 5
+    assert reach_counts(L.attention_dependency([3, 5], backend=None, causal=True), [3, 5])["other_requests"] == 3 * 5
 
 
 # --- the attention-run explorer ---------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ..core.config import ModelConfig
 from ..core.kernels import resolve_backend
 from ..core.model import Transformer, init_weights
 from ..measure.flops import METHODS, AttentionWaste, attention_cell_grid, attention_cells, attention_waste
+from ..measure.kernel_runs import kernel_missing, kernel_qkv, run_kernel
 from ..measure.profile import attention_calls, cpu_threads, random_qkv, recorded_cells, time_call
 from ..measure.recorder import SOFTMAX_OPS, OpRecorder
 from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
@@ -49,19 +50,14 @@ from ..style import (
     WASTED,
     short_lens,
 )
-from ..validate import check_int, check_lengths, lengths
+from ..validate import check_int, check_lengths, is_int, lengths
 from .explore import explorer, html_table, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
 from .grading import Tensor, grade, matches, tensor_problem
 from .probe import row_dependency
 
-try:  # at import: on a CPU it sets TRITON_INTERPRET before anything else imports Triton (torch.profiler does)
-    from ..ops import triton_varlen
-except ImportError as exc:  # no Triton wheel here
-    triton_varlen, NO_TRITON = None, f"the Triton kernel does not run here ({exc})"
-
-BATCHES = [[10, 30], [5], [1, 1, 1], [7, 1, 12, 3], [30, 10]]
-
+# at import: on a CPU it sets TRITON_INTERPRET before anything else imports Triton (torch.profiler does)
+KERNEL_MISSING = kernel_missing()
 
 # ---- claims helpers: what the engine computes, measured ---------------------------------------------
 
@@ -83,28 +79,16 @@ def attention_dependency(seq_lens: Sequence[int], backend: str | None = "loop", 
     return row_dependency(attend, x)
 
 
-def cross_request_pairs(dep: Tensor, seq_lens: Sequence[int]) -> int:
-    """How many True pairs of a ``[T, T]`` dependency map join rows of two different requests."""
-    lens = check_lengths(seq_lens)
-    owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    return int((dep & (owner[:, None] != owner[None, :])).sum())
-
-
 def kernel_work(seq_lens: Sequence[int], tile: int, causal: bool = True, seed: int = 0):
-    """Run the engine's Triton varlen kernel (``ops.triton_varlen``) once on random q, k, v for ``seq_lens``, one head
-    of 64, with ``tile x tile`` tiles, under ``count_work``: on a GPU in bfloat16 when there is one, else on the CPU
-    under Triton's interpreter in float32 (each program runs in NumPy: keep the lengths to a few tiles).
+    """``kernel_runs.run_kernel``'s counters for one launch on ``kernel_runs.kernel_qkv``'s q, k, v for ``seq_lens``
+    (one head of 64, ``tile x tile`` tiles; on a CPU Triton's interpreter runs each program in NumPy: keep the
+    lengths to a few tiles), beside ``tiling.predict_work``'s for the same launch.
 
-    Returns ``(counted, predicted)``, two ``tiling.WorkCounts`` (the kernel's own counters, and
-    ``tiling.predict_work`` for the same launch), or ``(None, why)`` where Triton does not import (no Linux wheel)."""
+    Returns ``(counted, predicted)``, two ``tiling.WorkCounts``, or ``(None, why)`` where the kernel does not run."""
     lens = check_lengths(seq_lens)
-    if triton_varlen is None:
-        return None, f"{NO_TRITON}; tiling.predict_work still counts it"
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    q, k, v, cu = random_qkv(lens, 1, 64, seed=seed, device=device,
-                             dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    with triton_varlen.count_work() as counted:
-        triton_varlen.triton_varlen_attention(q, k, v, cu, causal=causal, block_m=tile, block_n=tile)
+    if KERNEL_MISSING:
+        return None, KERNEL_MISSING
+    _, counted = run_kernel(*kernel_qkv(lens, 1, 64, seed=seed), causal=causal, block_m=tile, block_n=tile)
     return counted, predict_work(lens, n_heads=1, block_m=tile, block_n=tile, causal=causal)
 
 
@@ -159,7 +143,10 @@ def _draw_attention(ax, lens: list[int], method: str, causal: bool, whole_blocks
     ax.set_title(f"{title}\ncomputed {w.computed} | useful {w.useful}\n{waste}", fontsize=MIN_FONT)
 
 
-def attention_patterns(seq_lens: Sequence[int], causal: bool = False) -> Figure:
+@register("03_attention_patterns", lesson="03",
+          caption="padded, masked and varlen score cells per head per layer for A, B, whole blocks: "
+                  "1800/1600/1000 computed, 1000 useful (C2, C8, C10)")
+def attention_patterns(seq_lens: Sequence[int] = ARTICLE_LENS, causal: bool = False) -> Figure:
     """The pictures of claims C2, C8, C10, one axis per panel, the cell counts per head per layer in each title.
 
     ``causal=False``: whole blocks (the article's pictures). ``causal=True``: only each block's lower triangle is
@@ -182,6 +169,13 @@ def attention_patterns(seq_lens: Sequence[int], causal: bool = False) -> Figure:
     return fig
 
 
+register("03_causal_patterns", lesson="03",
+         caption="the same with the model's causal mask: 520 of the 1000 whole-block cells are useful; the engine's "
+                 "loop computes the 1000 and masks 480; an ideal cell-by-cell causal kernel would compute the 520 "
+                 "(a tiled kernel computes whole tiles: 128 x 128 drawn in this lesson, 64 x 64 in lesson 07) (C8, C10)")(
+    functools.partial(attention_patterns, causal=True))
+
+
 def _r_axis(ax, length: int, ylabel: str) -> None:
     """Log-log axes over the number of requests R, each of ``length`` tokens."""
     ax.set_xscale("log", base=2)
@@ -191,6 +185,7 @@ def _r_axis(ax, length: int, ylabel: str) -> None:
     ax.tick_params(labelsize=MIN_FONT)
 
 
+@register("03_masked_growth", lesson="03", caption="masked computes (R L)^2 cells, varlen R L^2, per head per layer (C9)")
 def masked_growth(length: int = 64, num_requests: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)) -> Figure:
     """Claim C9: cells computed by masked attention, ``(R·L)²``, against the useful ``R·L²``."""
     rs = list(num_requests)
@@ -208,9 +203,6 @@ def masked_growth(length: int = 64, num_requests: Sequence[int] = (1, 2, 4, 8, 1
     return fig
 
 
-GUIDE_OFFSET = 2.0  # the slope guides of measured_sweep sit this factor below the last measured point
-
-
 def measured_sweep(rs: Sequence[int], runs: dict, length: int, where: str) -> Figure:
     """``profile.sweep_attention``'s runs of masked and one varlen backend as R grows: time and peak memory, each beside
     slope-2 and slope-1 guides drawn at half the last point (shown in the lesson, never asserted)."""
@@ -222,7 +214,7 @@ def measured_sweep(rs: Sequence[int], runs: dict, length: int, where: str) -> Fi
         ax.plot(list(rs), varlen[key], "s-.", color=TEXT, label=f"varlen ({varlen_name})")
         # reference slopes, drawn at half the last point so that they run beside the measured lines, not over them
         for slope, ys, style in ((2, masked[key], (0, (6, 3))), (1, varlen[key], (0, (3, 3)))):
-            x0, y0 = rs[-1], ys[-1] / GUIDE_OFFSET
+            x0, y0 = rs[-1], ys[-1] / 2
             ax.plot(list(rs), [y0 * (r / x0) ** slope for r in rs], color=TEXT, linewidth=0.8, linestyle=style,
                     label=f"guide, slope {slope} (grows like R{'²' if slope == 2 else ''}), drawn at half")
         _r_axis(ax, length, ylabel)
@@ -259,6 +251,11 @@ def _draw_tiles(ax, n: int, tile: int, x0: float = 0.0) -> None:
         ax.plot([x0, x0 + side], [n, n], color=TEXT, linewidth=1.0, linestyle="--")
 
 
+@register("03_tile_grid", lesson="03",
+          caption="128 x 128 tiles: A's and B's blocks each inside one whole tile (2 tiles, 32,768 cells executed), "
+                  "the thrown-away cells of computed tiles (above the diagonal or past the request's end) in vermillion, "
+                  "and a 1000-token causal request whose 28 tiles wholly above the diagonal are skipped "
+                  "(tiling.predict_work)")
 def tile_grid(tile: int = 128, short: Sequence[int] = ARTICLE_LENS, long: int = 1000) -> Figure:
     """The 128-row tile of a FlashAttention-style kernel: A's and B's blocks each inside one whole tile, and a
     ``long``-token causal request on its tile grid with the tiles wholly above the diagonal skipped. Counts in the
@@ -633,15 +630,13 @@ def check_causal_varlen(fn: Callable) -> bool:
 
 # Exercise 03.2: counter-examples to two plausible rules of thumb. Each case is (rule, k); the batch the reader
 # returns is RUN on the engine's masked, padded and loop backends under OpRecorder, and the wastes are measured.
-COUNTER_RULES = {
-    "unequal": "when the longest request is at least k times the shortest, padding wastes more than masking",
-    "crowded": "when a batch holds at least k requests, masking wastes more than padding",
-}
-COUNTER_QUESTIONS = {  # asked when a batch keeps its rule
-    "unequal": "A rule about the shortest request cannot see how many requests are near the longest: what do "
-               "several long requests do to masking's pairs, and to padding's pad cells?",
-    "crowded": "Many requests do not make pairs costly if most of them are small: what does one long request "
-               "among them do to padding, and what to masking?",
+COUNTER_RULES = {  # rule: (the rule of thumb, the question asked when a batch keeps it)
+    "unequal": ("when the longest request is at least k times the shortest, padding wastes more than masking",
+                "A rule about the shortest request cannot see how many requests are near the longest: what do "
+                "several long requests do to masking's pairs, and to padding's pad cells?"),
+    "crowded": ("when a batch holds at least k requests, masking wastes more than padding",
+                "Many requests do not make pairs costly if most of them are small: what does one long request "
+                "among them do to padding, and what to masking?"),
 }
 COUNTER_CASES = (("unequal", 10), ("unequal", 100), ("unequal", 500), ("crowded", 8), ("crowded", 16),
                  ("crowded", 48))
@@ -650,8 +645,7 @@ COUNTER_MAX_TOKENS, COUNTER_MAX_REQUESTS = 2048, 64
 
 def _counter_problem(got, rule: str, k: int) -> str | None:
     """What makes ``got`` no batch for this case (its type, its limits, the rule's condition), or None."""
-    if not isinstance(got, (list, tuple)) or not got or not all(isinstance(n, (int, np.integer)) and not
-                                                                 isinstance(n, bool) for n in got):
+    if not isinstance(got, (list, tuple)) or not got or not all(is_int(n) for n in got):
         return f"expected a non-empty list of request lengths (ints), got {got!r}"
     lens = [int(n) for n in got]
     if min(lens) < 1 or sum(lens) > COUNTER_MAX_TOKENS or len(lens) > COUNTER_MAX_REQUESTS:
@@ -666,7 +660,7 @@ def _counter_problem(got, rule: str, k: int) -> str | None:
 
 
 def check_counter_example(fn: Callable[[str, int], list]) -> bool:
-    """Exercise 03.2: ``fn(rule, k) -> list of lengths`` breaking ``COUNTER_RULES[rule]`` for this ``k`` (whole
+    """Exercise 03.2: ``fn(rule, k) -> list of lengths`` breaking ``COUNTER_RULES[rule][0]`` for this ``k`` (whole
     blocks, no causal mask): ``"unequal"``, longest >= k x shortest and masking wastes MORE than padding;
     ``"crowded"``, at least k requests and masking wastes LESS. Measured by ``profile.recorded_cells`` on ``COUNTER_CASES``."""
     def judge(got, rule, k):
@@ -682,10 +676,10 @@ def check_counter_example(fn: Callable[[str, int], list]) -> bool:
                    if m == p else ("padding still wastes more" if rule == "unequal" else "masking still wastes more"))
         longest = max(lens)
         pads = ", ".join(f"{longest}² − {n}²" for n in sorted(set(lens)) if n < longest) or "nothing"
-        return (f"lengths {lens}: the rule {COUNTER_RULES[rule]!r} (k = {k}) still holds: measured on the engine's "
+        return (f"lengths {lens}: the rule {COUNTER_RULES[rule][0]!r} (k = {k}) still holds: measured on the engine's "
                 f"backends, masking wastes {m} cells per head and padding {p}: {verdict}. Padding's waste is the pad "
                 f"cells of every request shorter than the longest ({pads}, once per such request); masking's is the "
-                f"cells between every pair of different requests (2 · L_i · L_j a pair). {COUNTER_QUESTIONS[rule]}")
+                f"cells between every pair of different requests (2 · L_i · L_j a pair). {COUNTER_RULES[rule][1]}")
 
     return grade("counter_example", fn, list(COUNTER_CASES), judge,
                  f"all {len(COUNTER_CASES)} batches break their rule, measured on the engine's masked, padded and "
@@ -693,7 +687,8 @@ def check_counter_example(fn: Callable[[str, int], list]) -> bool:
 
 
 # Exercise 03.3's batches: (query lengths, key lengths); the last two have more keys than queries (a cached prefix)
-DOCUMENT_CASES = [(c, c) for c in BATCHES] + [([3, 2], [5, 2]), ([1, 4, 2], [6, 4, 9])]
+DOCUMENT_CASES = [(c, c) for c in ([10, 30], [5], [1, 1, 1], [7, 1, 12, 3], [30, 10])]
+DOCUMENT_CASES += [([3, 2], [5, 2]), ([1, 4, 2], [6, 4, 9])]
 
 
 def _wrong_masks(cu_q: Tensor, cu_k: Tensor) -> list[tuple[Tensor, str]]:
@@ -744,34 +739,3 @@ def check_document_mask(fn: Callable[[Tensor, Tensor], Callable]) -> bool:
     cases = [(seq_lens_to_cu_seqlens(q), seq_lens_to_cu_seqlens(k)) for q, k in DOCUMENT_CASES]
     return grade("document_mask", fn, cases, judge,
                  f"your mask in the engine's masked path equals varlen on {len(cases)} batches, cached prefixes included")
-
-
-# ---- figures ------------------------------------------------------------------------------------------
-
-@register("03_attention_patterns", lesson="03",
-          caption="padded, masked and varlen score cells per head per layer for A, B, whole blocks: "
-                  "1800/1600/1000 computed, 1000 useful (C2, C8, C10)")
-def _attention_patterns() -> Figure:
-    return attention_patterns(ARTICLE_LENS)
-
-
-@register("03_causal_patterns", lesson="03",
-          caption="the same with the model's causal mask: 520 of the 1000 whole-block cells are useful; the engine's "
-                  "loop computes the 1000 and masks 480; an ideal cell-by-cell causal kernel would compute the 520 "
-                  "(a tiled kernel computes whole tiles: 128 x 128 drawn in this lesson, 64 x 64 in lesson 07) (C8, C10)")
-def _causal_patterns() -> Figure:
-    return attention_patterns(ARTICLE_LENS, causal=True)
-
-
-@register("03_tile_grid", lesson="03",
-          caption="128 x 128 tiles: A's and B's blocks each inside one whole tile (2 tiles, 32,768 cells executed), "
-                  "the thrown-away cells of computed tiles (above the diagonal or past the request's end) in vermillion, "
-                  "and a 1000-token causal request whose 28 tiles wholly above the diagonal are skipped "
-                  "(tiling.predict_work)")
-def _tile_grid() -> Figure:
-    return tile_grid()
-
-
-@register("03_masked_growth", lesson="03", caption="masked computes (R L)^2 cells, varlen R L^2, per head per layer (C9)")
-def _masked_growth() -> Figure:
-    return masked_growth(64)
