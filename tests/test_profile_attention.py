@@ -1,5 +1,6 @@
 """The attention measurements of ``measure.profile`` that lesson 03 runs: ``sweep_attention`` (time and memory as
-the number of requests grows), ``recorded_cells`` (the cells ``OpRecorder`` sees each backend compute) and
+the number of requests grows), ``record_attention`` (one call as ``OpRecorder`` sees it), ``recorded_cells`` (the
+cells it sees each backend compute) and
 ``attention_calls`` (which of the engine's attention functions a call entered)."""
 from __future__ import annotations
 
@@ -35,6 +36,20 @@ def test_recorded_cells_are_the_engine_counts():
         assert c["padded"] - c["loop"] == attention_cells(lens, "padded").wasted
         assert c["loop"] == sum(n * n for n in lens)
     assert profile.recorded_cells([10, 30], ("loop", "sdpa"), causal=True) == {"loop": 1000, "sdpa": 1000}  # handed
+
+
+@pytest.mark.parametrize("backend, cells, scores, largest", [
+    ("loop", 10 * 10 + 30 * 30, 2, 3 * 30 * 30),     # one request's [H, L, L] at a time
+    ("masked", 40 * 40, 1, 3 * 40 * 40),              # the whole [H, T, T]
+    ("padded", 2 * 30 * 30, 1, 2 * 3 * 30 * 30),      # [R, H, Lmax, Lmax]
+    ("sdpa", 10 * 10 + 30 * 30, 2, None),             # handed to a fused kernel: no softmax outside it
+])
+def test_record_attention_sees_cells_score_matrices_and_the_largest_softmax_input(backend, cells, scores, largest):
+    q, k, v, cu = profile.random_qkv([10, 30], n_heads=3, d_head=8, dtype=torch.float64)
+    r = profile.record_attention(q, k, v, cu, backend, causal=True)
+    assert (r.cells, r.scores) == (cells, scores)
+    assert r.largest_bytes == (None if largest is None else 8 * largest)   # float64: 8 bytes a cell
+    assert torch.equal(r.out, varlen_attention(q, k, v, cu, causal=True, backend=backend))
 
 
 def test_attention_calls_names_the_engine_functions_entered_and_changes_nothing():

@@ -32,24 +32,11 @@ from ..core.kernels import resolve_backend
 from ..core.model import Transformer, init_weights
 from ..measure.flops import METHODS, AttentionWaste, attention_cell_grid, attention_cells, attention_waste
 from ..measure.kernel_runs import kernel_missing, kernel_qkv, run_kernel
-from ..measure.profile import attention_calls, cpu_threads, random_qkv, recorded_cells, time_call
-from ..measure.recorder import SOFTMAX_OPS, OpRecorder
+from ..measure.profile import attention_calls, cpu_threads, random_qkv, record_attention, recorded_cells, time_call
+from ..measure.recorder import OpRecorder
 from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
 from ..ops.tiling import key_tiles, predict_work
-from ..style import (
-    ATTENTION,
-    CELL_CMAP,
-    CELL_COLORS,
-    CELL_LABELS,
-    MIN_FONT,
-    NEVER,
-    SKIPPED,
-    TEXT,
-    USEFUL,
-    WASTE,
-    WASTED,
-    short_lens,
-)
+from ..style import CELL_CMAP, CELL_COLORS, CELL_LABELS, MIN_FONT, NEVER, SKIPPED, TEXT, USEFUL, WASTE, WASTED, short_lens
 from ..validate import check_int, check_lengths, is_int, lengths
 from .explore import explorer, html_table, ipywidgets_module, parse_lengths, show_figure, tagged
 from .figures import ARTICLE_LENS, register
@@ -242,7 +229,8 @@ def _draw_tiles(ax, n: int, tile: int, x0: float = 0.0) -> None:
             ax.add_patch(Rectangle((x0 + j * tile, m), tile, tile, facecolor=WASTE if done else NEVER,
                                    edgecolor=TEXT, linewidth=0.8,
                                    hatch=None if done else "///", gid="tile-computed" if done else "tile-skipped"))
-    ax.add_patch(Polygon([(x0, 0), (x0, n), (x0 + n, n)], closed=True, facecolor=ATTENTION, edgecolor="none", gid="cells-kept"))
+    ax.add_patch(Polygon([(x0, 0), (x0, n), (x0 + n, n)], closed=True, facecolor=CELL_COLORS[USEFUL], edgecolor="none",
+                         gid="cells-kept"))
     for t in range(0, side + 1, tile):  # the tile grid, in ink
         ax.plot([x0 + t, x0 + t], [0, side], color=TEXT, linewidth=0.8)
         ax.plot([x0, x0 + side], [t, t], color=TEXT, linewidth=0.8)
@@ -287,7 +275,7 @@ def tile_grid(tile: int = 128, short: Sequence[int] = ARTICLE_LENS, long: int = 
         ax.tick_params(labelsize=MIN_FONT, length=2)
         ax.set_xlabel("key position", fontsize=MIN_FONT)
     left.set_ylabel("query position", fontsize=MIN_FONT)
-    fig.legend(handles=[Patch(facecolor=ATTENTION, edgecolor=TEXT, label="computed tile: cells the causal mask keeps"),
+    fig.legend(handles=[Patch(facecolor=CELL_COLORS[USEFUL], edgecolor=TEXT, label="computed tile: cells the causal mask keeps"),
                         Patch(facecolor=WASTE, edgecolor=TEXT,
                               label="computed tile: cells thrown away (above the diagonal or past the end)"),
                         Patch(facecolor=NEVER, edgecolor=TEXT, hatch="///", label="skipped tile"),
@@ -319,7 +307,7 @@ def run_lengths(lengths) -> list[int]:
 
 
 def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True) -> dict:
-    """Each of ``RUN_BACKENDS`` run once under ``OpRecorder`` on ``random_qkv`` (8 heads of 64, float32, CPU, one thread).
+    """Each of ``RUN_BACKENDS`` run once by ``profile.record_attention`` on ``random_qkv`` (8 heads of 64, float32, 1 CPU thread).
 
     Returns ``{"seq_lens", "causal", "useful", "in_blocks", "bound", "wasted", "causal_masked", "tiled", "rows"}``;
     ``rows[name]``: ``{"backend", "cells"`` (per head, recorded; sdpa: handed in), ``"predicted"``
@@ -339,15 +327,13 @@ def attention_run_state(lengths=RUN_DEFAULT, causal: bool = True) -> dict:
         ref, ref64 = (attention_ref(q, k, v, cu, causal=causal, upcast_dtype=t) for t in (torch.float32, torch.float64))
         for name in RUN_BACKENDS:
             backend = resolve_backend("auto", "cpu", torch.float32, RUN_D_HEAD) if name == "varlen" else name
+            seen = record_attention(q, k, v, cu, backend, causal)
             call = functools.partial(varlen_attention, q, k, v, cu, causal=causal, backend=backend)
-            with OpRecorder() as rec:
-                out = call()
-            softmaxed = [math.prod(op.args[0].shape) for op in rec.named(*SOFTMAX_OPS)]
             method = name if name in ("masked", "padded") else "varlen"
-            rows[name] = {"backend": backend, "cells": rec.cells // RUN_HEADS,
+            rows[name] = {"backend": backend, "cells": seen.cells,
                           "predicted": attention_waste(lens, method, causal, whole_blocks=True).computed,
-                          "scores": len(rec.scores), "largest_bytes": max(softmaxed) * q.element_size() if softmaxed else None,
-                          "error": max_abs_diff(out, ref64), "ms": time_call(call, repeats=RUN_REPEATS, warmup=0) * 1e3}
+                          "scores": seen.scores, "largest_bytes": seen.largest_bytes,
+                          "error": max_abs_diff(seen.out, ref64), "ms": time_call(call, repeats=RUN_REPEATS, warmup=0) * 1e3}
     useful, in_blocks = attention_cells(lens, "varlen", causal).useful, rows["loop"]["cells"]
     return {"seq_lens": lens, "causal": causal, "useful": useful, "in_blocks": in_blocks, "bound": tolerance(ref, ref64),
             "rows": rows, "wasted": {name: rows[name]["cells"] - in_blocks for name in ("masked", "padded")},

@@ -8,8 +8,9 @@ of ``flops``; tests never assert a timing.
   call (``torch.profiler`` memory events on the CPU, ``torch.cuda`` statistics on a GPU).
 - ``interleaved_best``: the fastest time of several calls timed in turn; ``cpu_threads``: a block on n threads.
 - ``measure_attention``: one varlen backend on random q, k, v (claim C9's masked vs varlen); ``sweep_attention``:
-  several backends as the number of requests grows, timed in turn; ``recorded_cells``: the score cells
-  ``OpRecorder`` sees each backend compute for one batch; ``attention_calls``: which of the engine's attention
+  several backends as the number of requests grows, timed in turn; ``record_attention``: one call as ``OpRecorder``
+  sees it (cells, score matrices, the largest softmax input); ``recorded_cells``: the score cells it sees each
+  backend compute for one batch; ``attention_calls``: which of the engine's attention
   functions a call entered.
 - ``forward_time_split``: a model forward split into linear layers, attention and the rest,
   on the model's device (claim C14's measured counterpart).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import sys
 import time
@@ -213,19 +215,38 @@ def sweep_attention(rs: Sequence[int], backends: Sequence[str], length: int = 64
                 for b in backends}
 
 
+@dataclass(frozen=True, slots=True)
+class RecordedAttention:
+    """One attention call as ``OpRecorder`` saw it: ``out`` (q's shape and dtype), ``cells`` (score cells of ONE head:
+    the recorder's cells over q's head count; a fused backend's are the cells it is handed), ``scores`` (score
+    matrices made, ``len(OpRecorder.scores)``), ``largest_bytes`` (bytes of the largest tensor handed to a softmax,
+    in q's dtype; None when no softmax ran outside a kernel: a fused backend)."""
+
+    out: Tensor
+    cells: int
+    scores: int
+    largest_bytes: int | None
+
+
+def record_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, backend: str,
+                     causal: bool = False) -> RecordedAttention:
+    """``varlen_attention(q, k, v, cu_seqlens, causal=causal, backend=backend)`` run once under ``OpRecorder``."""
+    from .recorder import SOFTMAX_OPS, OpRecorder
+    with OpRecorder() as rec:
+        out = varlen_attention(q, k, v, cu_seqlens, causal=causal, backend=backend)
+    softmaxed = [math.prod(op.args[0].shape) for op in rec.named(*SOFTMAX_OPS)]
+    return RecordedAttention(out, rec.cells // q.shape[1], len(rec.scores),
+                             max(softmaxed) * q.element_size() if softmaxed else None)
+
+
 def recorded_cells(seq_lens: Sequence[int], backends: Sequence[str] = ("loop", "masked", "padded"),
                    causal: bool = False) -> dict[str, int]:
     """``{backend: cells}``: the score cells of one head (random q, k, v, one head of 4) that ``OpRecorder`` sees
-    each backend compute for one batch. The loop's are the requests' own blocks; what masked and padded compute
-    beyond them is their waste (cross-request cells, pad cells). A fused backend counts the cells it is handed."""
-    from .recorder import OpRecorder
+    each backend compute for one batch (``record_attention``). The loop's are the requests' own blocks; what masked
+    and padded compute beyond them is their waste (cross-request cells, pad cells). A fused backend counts the cells
+    it is handed."""
     q, k, v, cu = random_qkv(list(seq_lens), 1, 4, seed=0)
-    cells = {}
-    for backend in backends:
-        with OpRecorder() as rec:
-            varlen_attention(q, k, v, cu, causal=causal, backend=backend)
-        cells[backend] = rec.cells
-    return cells
+    return {backend: record_attention(q, k, v, cu, backend, causal).cells for backend in backends}
 
 
 def attention_calls(call: Callable, *args) -> tuple[object, list[str]]:
