@@ -25,8 +25,17 @@ from lessons_lib.measure.recorder import module_io
 from lessons_lib.measure.tolerance import max_abs_diff, tolerance
 from lessons_lib.serve.kv_cache import PrefillKVCache
 from lessons_lib.style import COMM, MIN_FONT
-from lessons_lib.tp.dryrun import expected_trace, record_trace, trace_signature
-from lessons_lib.tp.threads import tp_ranks_in_threads
+from lessons_lib.tp.dryrun import (
+    expected_trace,
+    layer0_attention,
+    out_proj_partials,
+    rank_layers,
+    rank_partials,
+    record_trace,
+    trace_signature,
+)
+from lessons_lib.tp.kv_plan import kv_heads_for_budget
+from lessons_lib.tp.threads import forward_in_threads, tp_ranks_in_threads
 from lessons_lib.tp.vocab import vocab_parallel_logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,27 +49,27 @@ def test_c12_rank_layers_of_the_article_model_per_rank_and_at_tp1():
     want = [("QKV", (40, 512), (40, 768), 512, False), ("out proj", (40, 256), (40, 512), 256, True),
             ("FFN-up", (40, 512), (40, 1024), 512, False), ("FFN-down", (40, 1024), (40, 512), 1024, True)]
     for rank in (0, 1):
-        got = [(r.name, r.x, r.y, r.products, r.all_reduce) for r in L.rank_layers(ModelConfig(), 40, rank, 2)]
+        got = [(r.name, r.x, r.y, r.products, r.all_reduce) for r in rank_layers(ModelConfig(), 40, rank, 2)]
         assert got == want
-    tp1 = L.rank_layers(ModelConfig(), 7, 0, 1)
+    tp1 = rank_layers(ModelConfig(), 7, 0, 1)
     assert [(r.x, r.y, r.products, r.all_reduce) for r in tp1] == [
         ((7, 512), (7, 1536), 512, False), ((7, 512), (7, 512), 512, False), ((7, 512), (7, 2048), 512, False),
         ((7, 2048), (7, 512), 2048, False)]
-    assert "then all-reduce" in str(L.rank_layers(SMALL, 3)[1]) and "no collective" in str(L.rank_layers(SMALL, 3)[0])
+    assert "then all-reduce" in str(rank_layers(SMALL, 3)[1]) and "no collective" in str(rank_layers(SMALL, 3)[0])
 
 
 def test_c11_layer0_attention_of_each_rank_is_its_heads_of_the_tp1_attention():
     w = init_weights(SMALL, seed=2)
     batch = pack([torch.arange(n) % SMALL.vocab_size for n in (3, 9, 1)])
-    full = L.layer0_attention(Transformer(SMALL, w), batch)
-    exact = L.layer0_attention(Transformer(SMALL, w, dtype=torch.float64), batch)
+    full = layer0_attention(Transformer(SMALL, w), batch)
+    exact = layer0_attention(Transformer(SMALL, w, dtype=torch.float64), batch)
     assert full.shape == (13, 4, 16)
     for rank in (0, 1):
-        got = L.layer0_attention(Transformer(SMALL, w, group=LocalGroup(rank, 2)), batch)
+        got = layer0_attention(Transformer(SMALL, w, group=LocalGroup(rank, 2)), batch)
         heads = slice(2 * rank, 2 * rank + 2)
         assert got.shape == (13, 2, 16)
         assert max_abs_diff(got, exact[:, heads]) <= tolerance(full[:, heads], exact[:, heads])
-    other = L.layer0_attention(Transformer(SMALL, w, group=LocalGroup(1, 2)), batch)
+    other = layer0_attention(Transformer(SMALL, w, group=LocalGroup(1, 2)), batch)
     assert max_abs_diff(other, full[:, :2]) > 1e-3  # rank 1 does not hold heads 0-1: the check can fail
 
 
@@ -126,7 +135,7 @@ def _direct_partials(lens, rank):
     """Rank ``rank``'s layer-0 out-proj partial sums, recomputed on a LocalGroup stand-in (not threads)."""
     cfg = ModelConfig(vocab_size=1000, max_position=2048)
     model = Transformer(cfg, init_weights(cfg, seed=0), group=LocalGroup(rank, 2))
-    return L.out_proj_partials(model, L.explorer_batch(cfg, lens))
+    return out_proj_partials(model, L.explorer_batch(cfg, lens))
 
 
 def test_c12_packing_state_trace_stays_while_attention_inputs_and_partials_change():
@@ -168,33 +177,33 @@ def test_c12_rank_partials_are_what_thread_ranks_send_and_add_up_to_tp1():
     weights = init_weights(cfg, seed=0)
     lens = [10, 30]
     batch = L.explorer_batch(cfg, lens)
-    sent = L.rank_partials(cfg, weights, batch, 2)
+    sent = rank_partials(cfg, weights, batch, 2)
     assert [tuple(p.shape) for p in sent] == [(40, 512), (40, 512)]
     thread = L.tp_packing_state(40, 2, "equal")  # [20, 20]: the threads' last-token partial sums, real adds
-    direct = L.rank_partials(cfg, weights, L.explorer_batch(cfg, [20, 20]), 2)
+    direct = rank_partials(cfg, weights, L.explorer_batch(cfg, [20, 20]), 2)
     for rank in (0, 1):
         assert max_abs_diff(direct[rank][39, :L.SHOWN], torch.tensor(thread["partials"][rank])) < 1e-5
     tp1 = Transformer(cfg, weights)
     io = module_io(tp1, ["layers.0.attn.out_proj"], lambda: tp1(batch))
     assert max_abs_diff(sent[0] + sent[1] + tp1.layers[0].attn.out_proj.bias, io["layers.0.attn.out_proj"][1]) < 1e-5
     assert max_abs_diff(sent[0], sent[1]) > 1e-2
-    four = L.rank_partials(cfg, weights, batch, 4)
+    four = rank_partials(cfg, weights, batch, 4)
     assert len(four) == 4 and max_abs_diff(sum(four), sent[0] + sent[1]) < 1e-5
-    assert L.rank_partials(cfg, weights, batch, 2, dtype=torch.float64)[0].dtype == torch.float64
+    assert rank_partials(cfg, weights, batch, 2, dtype=torch.float64)[0].dtype == torch.float64
 
 
 def test_c12_rank_partials_of_a_request_ignore_a_request_before_it_but_not_a_cut_inside_it():
     weights = init_weights(SMALL, seed=0)
     ids = torch.randint(0, SMALL.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
-    alone = L.rank_partials(SMALL, weights, pack([ids[6:]]), 2)
-    after = L.rank_partials(SMALL, weights, pack([ids[:6], ids[6:]]), 2)
-    cut = L.rank_partials(SMALL, weights, pack(list(ids[6:].split(7))), 2)
+    alone = rank_partials(SMALL, weights, pack([ids[6:]]), 2)
+    after = rank_partials(SMALL, weights, pack([ids[:6], ids[6:]]), 2)
+    cut = rank_partials(SMALL, weights, pack(list(ids[6:].split(7))), 2)
     for rank in (0, 1):
         assert max_abs_diff(after[rank][6:], alone[rank]) < 1e-6
         assert max_abs_diff(cut[rank][:7], alone[rank][:7]) < 1e-6       # causal: the first piece sees the same
         assert max_abs_diff(cut[rank][7:], alone[rank][7:]) > 1e-2       # the second piece lost the first 7
     with pytest.raises(ValueError):
-        L.rank_partials(SMALL, weights, pack([ids]), 3)                  # 4 heads do not split over 3 ranks
+        rank_partials(SMALL, weights, pack([ids]), 3)                  # 4 heads do not split over 3 ranks
 
 
 def test_packing_state_sum_check_can_fail():
@@ -319,9 +328,10 @@ def test_c11_c12_control_variants_fail_the_tolerance_rule():
     batch = pack([torch.arange(n) % SMALL.vocab_size for n in (4, 6)])
     tp1, exact = Transformer(SMALL, w)(batch), Transformer(SMALL, w, dtype=torch.float64)(batch)
     bound = tolerance(tp1, exact)
-    assert max_abs_diff(L.threaded_forward(SMALL, w, batch, 2), exact) <= bound
-    for cut in (L.NAIVE_CUT, L.BIAS_CUT):
-        assert max_abs_diff(L.threaded_forward(SMALL, w, batch, 2, cut), exact) > 100 * bound, cut
+    for cut in L.CUTS:
+        with L.cut_faults(cut):
+            error = max_abs_diff(forward_in_threads(SMALL, w, batch, 2), exact)
+        assert error <= bound if cut == L.ENGINE_CUT else error > 100 * bound, cut
     assert L.CAUGHT.holds(2.0) and not L.CAUGHT.holds(0.5)
 
 
@@ -548,15 +558,15 @@ def test_gqa_replicas_figure_is_drawn_from_the_engine_plan(monkeypatch):
 
 def test_kv_heads_for_budget_is_measured_candidate_by_candidate():
     # 12 query heads of 16, 2 layers, fp32, tp = 4: per rank 2 x max(kv / 4, 1) heads x 16 x 2 layers x 4 B per token
-    best, table = L.kv_heads_for_budget(12, 16, 2, 4, 4, num_tokens=10, budget_bytes=2 * 1 * 16 * 2 * 4 * 10)
+    best, table = kv_heads_for_budget(12, 16, 2, 4, 4, num_tokens=10, budget_bytes=2 * 1 * 16 * 2 * 4 * 10)
     assert best == 4                                       # one head per rank fits; 12 (3 per rank) does not
     assert table[0] == (1, 1, 4, 2560, True)
     assert table[2][0] == 3 and "cannot split n_kv_heads=3" in table[2][1]   # the engine's refusal, not a row
     assert table[-1] == (12, 3, 1, 3 * 2560, False)
-    assert L.kv_heads_for_budget(12, 16, 2, 4, 4, num_tokens=10, budget_bytes=2559)[0] is None
+    assert kv_heads_for_budget(12, 16, 2, 4, 4, num_tokens=10, budget_bytes=2559)[0] is None
     for args, match in (((12, 16, 2, 8, 4, 10, 1), "tp=8 must divide n_heads=12"), ((12, 16, 2, 4, 3, 10, 1), "bytes_per_number")):
         with pytest.raises(ValueError, match=match):
-            L.kv_heads_for_budget(*args)
+            kv_heads_for_budget(*args)
 
 
 # --- Exercise 04.4: a layout whose every GPU's cache fits ------------------------------------------------------

@@ -1,7 +1,7 @@
 """tp.kv_plan: the engine's grouped-query plan under TP, a given plan run on thread ranks, and layouts sized from it."""
 import pytest
 
-from lessons_lib.tp.kv_plan import GiB, best_layout, engine_kv_plan, layout_cache_bytes, run_kv_plan
+from lessons_lib.tp.kv_plan import GiB, KVPlan, best_layout, engine_kv_plan, layout_cache_bytes, run_kv_plan
 
 
 def test_the_engines_plan_runs_right_and_a_shifted_one_does_not():
@@ -28,3 +28,9 @@ def test_best_layout_fits_the_budget_on_the_engine_and_no_more_heads_would():
     assert kv >= 2
     assert best_layout(*args, 1) is None
     assert GiB == 1 << 30
+
+
+def test_holders_are_the_ranks_of_each_kv_head():
+    assert engine_kv_plan(8, 2, 4, 1, 4, 4).holders == {0: (0, 1), 1: (2, 3)}   # tp 4 > 2 K/V heads: 2 copies each
+    assert engine_kv_plan(8, 4, 4, 1, 2, 4).holders == {0: (0,), 1: (0,), 2: (1,), 3: (1,)}
+    assert KVPlan((), ((1,), (0,), (1,)), 0).holders == {1: (0, 2), 0: (1,)}

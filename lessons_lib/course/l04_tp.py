@@ -1,17 +1,10 @@
 """What lesson 04 (TP=2 does not care how the tokens are packed) draws, explores and checks.
 
-Claims helpers, from the engine: ``rank_layers``, ``layer0_attention``, ``rank_partials`` (tp.dryrun: what each
-rank's linear layers compute, its attention output, what it hands to layer 0's out-proj all-reduce); here
-``threaded_forward`` (a forward on thread ranks that really add) and the broken
-cuts as the engine's named faults (``CUTS``, ``cut_faults``). Figures: ``04_two_axes`` (requests cut
-the flat rows, TP cuts the heads and features), ``04_trace_timeline`` (one TP=2 forward per rank, the
-same for 1, 2 and 40 requests; the kit's ``trace_figures.tp_trace_timeline``), ``04_gqa_replicas``.
-Explorer ``tp_packing_explorer`` wraps ``tp_packing_state``: pack T tokens as R requests, run them on
-real thread ranks, and watch the trace stay while attention's inputs and each rank's partial sums change.
-Exercise checkers: ``check_vocab_trace`` (04.1, the trace of ``tp.vocab.vocab_parallel_logits``),
-``check_kv_plan`` (04.2, which K/V heads a rank holds and its cache, ``engine_kv_plan``),
-``check_cut_diagnosis`` (04.3, name a broken cut from one layer's error, ``cut_evidence``),
-``check_layout`` (04.4, a server's tp x pp x dp layout, ``layout_cache_bytes``).
+Figures ``04_two_axes`` (requests cut the flat rows, TP cuts the heads), ``04_trace_timeline`` (one TP=2 forward
+per rank, the same for 1, 2 and 40 requests), ``04_gqa_replicas``. The broken cuts of the control rows are the
+engine's named faults (``CUTS``, ``cut_faults``). Explorer ``tp_packing_explorer`` (``tp_packing_state``).
+Exercise checkers ``check_vocab_trace`` (04.1), ``check_kv_plan`` (04.2), ``check_cut_diagnosis`` (04.3),
+``check_layout`` (04.4).
 
 Taught in notebooks/04_tp2_invariance.ipynb.
 """
@@ -27,23 +20,14 @@ from matplotlib.patches import Polygon, Rectangle
 from .. import faults
 from ..core.batch import PackedBatch, cumulative, pack
 from ..core.config import ModelConfig
-from ..core.groups import CollectiveRecord
 from ..core.model import Transformer, init_weights
 from ..measure.flops import attention_cells
 from ..measure.tolerance import tolerance
 from ..serve.workloads import PACKING_PATTERNS, packing_lens
 from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, TEXT, request_color, request_name
-from ..tp.dryrun import (
-    layer0_attention,
-    layer0_model,
-    out_proj_partials,
-    rank_layers,
-    rank_partials,
-    record_trace,
-    trace_signature,
-)
-from ..tp.kv_plan import GiB, KVPlan, best_layout, engine_kv_plan, kv_heads_for_budget, layout_cache_bytes, run_kv_plan
-from ..tp.threads import TapGroup, module_error_in_threads, tapped_forward, tp_ranks_in_threads
+from ..tp.dryrun import expected_trace, layer0_model, out_proj_partials, record_trace, trace_signature
+from ..tp.kv_plan import GiB, KVPlan, best_layout, engine_kv_plan, layout_cache_bytes, run_kv_plan
+from ..tp.threads import TapGroup, module_error_in_threads, tapped_forward
 from ..tp.trace import summarize_trace
 from ..tp.vocab import pad_vocab_size, vocab_parallel_trace
 from ..validate import check_choice, check_int, check_lengths
@@ -186,17 +170,6 @@ def cut_faults(cut: str):
     return faults.injected(*CUT_FAULTS[cut])
 
 
-def threaded_forward(cfg: ModelConfig, weights: dict, batch: PackedBatch, tp: int, cut: str = ENGINE_CUT,
-                     device="cpu", dtype=torch.float32) -> Tensor:
-    """The whole forward of ``batch`` on ``tp`` thread ranks (``tp.threads``, which really add), each
-    rank's model built from the full ``weights`` and run under ``cut_faults(cut)``; rank 0's output
-    ``[T, d_model]`` on the CPU."""
-    def run(group):
-        return Transformer(cfg, weights, group=group, device=device, dtype=dtype)(batch.to(device)).cpu()
-    with cut_faults(cut), torch.no_grad():
-        return tp_ranks_in_threads(tp, run)[0][0]
-
-
 MAX_TOKENS = 160  # the explorer's T slider
 TAPPED = "layers.0.attn.out_proj"  # the all-reduce whose inputs (each rank's partial sums) the explorer shows
 SHOWN = 6  # numbers of one token's partial sums printed per rank (of d_model)
@@ -234,8 +207,8 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
                      cfg: ModelConfig | None = None, tp_size: int = 2, cut: str = ENGINE_CUT) -> dict:
     """The same T tokens packed as R requests (``packing_lens``), run on ``tp_size`` thread ranks that really
     add, built and run under ``cut_faults(cut)``. Keys: ``seq_lens``, ``cu_seqlens``, ``positions``, ``max_seqlen``;
-    ``traces`` (each rank's collectives), ``trace_text``, ``same_as_one_request`` (per rank: the trace equals a dry
-    run of one request of T tokens); ``heads`` (per rank: first, last), ``cells`` (score cells per head per layer,
+    ``traces`` (each rank's collectives), ``trace_text``, ``same_as_one_request`` (per rank: the trace equals
+    ``expected_trace`` of T tokens, one request's); ``heads`` (per rank: first, last), ``cells`` (score cells per head per layer,
     whole blocks), ``cells_per_rank`` (per forward); ``token`` (T - 1), ``token_request``, ``token_position``;
     ``partials`` (per rank, the first ``SHOWN`` numbers it handed to layer 0's out-proj all-reduce for that token),
     ``partial_norms``; ``token_errors`` (per token, max |the ranks' sum, plus the bias once unless the cut added it
@@ -257,12 +230,12 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     with torch.no_grad():
         ref, ref64 = (out_proj_partials(_explorer_tp1(cfg, d), batch) + bias.to(d) for d in (torch.float32, torch.float64))
     total = torch.stack([p.double() for p in partials]).sum(0) + (0 if cut == BIAS_CUT else bias.double())
-    one = _one_request_signature(cfg, sum(lens), tp)  # a signature carries no rank: rank 0's dry run for all
+    one = trace_signature(expected_trace(cfg, sum(lens), 0, tp))  # a signature carries no rank: rank 0's for all
     cells = attention_cells(lens, "varlen").computed
     token = sum(lens) - 1
     return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "positions": batch.positions.tolist(),
             "max_seqlen": max(lens), "traces": traces, "trace_text": [summarize_trace(t) for t in traces],
-            "same_as_one_request": [tuple(trace_signature(t)) == one for t in traces],
+            "same_as_one_request": [trace_signature(t) == one for t in traces],
             "heads": [(r * hl, (r + 1) * hl - 1) for r in range(tp)], "cells": cells,
             "cells_per_rank": cells * hl * cfg.n_layers, "token": token, "token_request": len(lens) - 1,
             "token_position": lens[-1] - 1, "partials": [p[token, :SHOWN].tolist() for p in partials],
@@ -272,18 +245,6 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
             "extra_bias": float((tp - 1) * bias.double().abs().max()),
             "cut": cut, "tp": tp, "d_model": cfg.d_model,
             "outputs_equal": all(torch.equal(runs[0][0], out) for out, *_ in runs)}
-
-
-def trace_shapes(records: Sequence[CollectiveRecord]) -> list[tuple]:
-    """``[(op, shape, layer), ...]``: a trace without rank and dtype (a dry run is float32, a GPU rank bfloat16)."""
-    return [(r.op, tuple(r.shape), r.layer) for r in records]
-
-
-@functools.lru_cache(maxsize=16)  # the reference does not change while the requests slider moves
-def _one_request_signature(cfg: ModelConfig, total: int, tp_size: int) -> tuple:
-    """The trace signature of a dry run of ONE request of ``total`` tokens on rank 0 of ``tp_size``:
-    a signature has no rank in it (``trace_signature``), so rank 0's stands for every rank's."""
-    return tuple(trace_signature(record_trace(cfg, [total], 0, tp_size)))
 
 
 def _positions_text(lens: list[int]) -> str:
@@ -480,14 +441,6 @@ _CFG_C = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=512, vo
 _CFG_V = ModelConfig(vocab_size=1000, max_position=64)  # the article's model, a vocabulary that splits evenly
 
 
-def _triples(got) -> list | None:
-    try:
-        out = [(str(op), str(layer), tuple(int(s) for s in shape)) for op, layer, shape in got]
-    except (TypeError, ValueError):
-        return None
-    return out
-
-
 def _vocab_problem(got: list, want: list, cfg: ModelConfig, lens: list, tp: int) -> str:
     t, d, v, n = sum(lens), cfg.d_model, cfg.vocab_size, 2 * cfg.n_layers
     vl = pad_vocab_size(v, tp) // tp  # the logits a rank computes: its share of the padded vocabulary
@@ -565,8 +518,9 @@ def check_vocab_trace(fn: Callable[[ModelConfig, list, int], list]) -> bool:
              (_CFG_C, [2] * 6, 1)]
 
     def judge(got, cfg, lens, tp):
-        triples = _triples(got)
-        if triples is None:
+        try:
+            triples = [(str(op), str(layer), tuple(int(s) for s in shape)) for op, layer, shape in got]
+        except (TypeError, ValueError):
             return f"expected a list of (op, layer, shape) triples like ('all_reduce', 'wte', (40, 512)), got {got!r}"[:300]
         want = [(r.op, r.layer, tuple(r.shape)) for r in vocab_parallel_trace(cfg, lens, tp)]
         return None if triples == want else _vocab_problem(triples, want, cfg, list(lens), tp)
@@ -596,11 +550,7 @@ def gqa_replicas_figure(n_heads: int = 32, n_kv_heads: int = 8, d_head: int = 12
             w = width / len(kvs)
             _box(ax, x + i * w, 1.0, w, 0.8, LINEAR, f"K/V {j}", gid=f"kv-{r}-{j}")
         ax.text(x + width / 2, 3.0, f"rank {r}", ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
-    holders = {}
-    for r, kvs in enumerate(plan.kv_heads):
-        for j in kvs:
-            holders.setdefault(j, []).append(r)
-    for j, ranks in sorted(holders.items()):
+    for j, ranks in sorted(plan.holders.items()):
         x0, x1 = ranks[0] * (width + 0.25), ranks[-1] * (width + 0.25) + width
         ax.plot([x0, x0, x1, x1], [0.85, 0.7, 0.7, 0.85], color=COMM, linewidth=1.5)
         ax.text((x0 + x1) / 2, 0.6, f"K/V head {j}: {len(ranks)} cop{'ies' if len(ranks) > 1 else 'y'}", ha="center",
@@ -631,10 +581,6 @@ _KV_CASES = ((32, 8, 128, 32, 2, 2), (32, 8, 128, 32, 8, 2), (16, 1, 64, 24, 4, 
              (12, 4, 64, 10, 2, 4), (8, 8, 64, 8, 2, 4))
 
 
-def _heads_text(heads: Sequence[int]) -> str:
-    return f"{heads[0]}-{heads[-1]}" if len(heads) > 1 else f"{heads[0]}"
-
-
 def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes, again: Callable[[int], object] | None = None) -> str | None:
     """What is wrong with ``got`` for one case, or None. ``again(bytes_per_number)``: the learner's kv_bytes for
     the same case at another number size, asked only to tell "K alone" from "numbers, not bytes" (both halve
@@ -659,7 +605,8 @@ def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes, again: Callabl
     for r, (mine, right, q) in enumerate(zip(heads, plan.kv_heads, plan.q_heads)):
         if error <= allowed or mine == list(right):
             continue
-        ask = f"the engine's rank {r} holds query heads {_heads_text(q)} and K/V heads {list(right)}"
+        queries = f"{q[0]}-{q[-1]}" if len(q) > 1 else q[0]
+        ask = f"the engine's rank {r} holds query heads {queries} and K/V heads {list(right)}"
         if not mine:
             return (f"{ran}. Rank {r} holds no K/V head, but {ask} (query head q reads K/V head q // (n_heads / "
                     f"n_kv_heads) = q // {group}). With tp = {tp} > n_kv_heads = {kv}, n_kv_heads // tp is 0: each K/V "
@@ -698,12 +645,8 @@ def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes, again: Callabl
 def check_kv_plan(fn: Callable[[int, int, int, int, int, int], tuple]) -> bool:
     """Exercise 04.2: ``fn(n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number) ->
     (kv_heads, kv_bytes)``: the K/V heads each rank holds (one list per rank) and the bytes of K and
-    V one token adds to a rank's cache, all layers. ``kv_heads`` is RUN in the engine (``run_kv_plan``: a
-    forward on thread ranks whose K and V are those heads', against TP = 1 by the tolerance rule); ``kv_bytes``
-    is compared with a prefill's cache on the engine's ranks (``engine_kv_plan``, which also explains a wrong
-    plan from the rows each rank's QKV shard keeps) on grouped-query models
-    (tp below, equal to and above the K/V heads, one K/V head for all, groups of 3) and the course's own model.
-    A bf16 answer that is half the bytes is asked again at 4 bytes per number, to say which half it is."""
+    V one token adds to a rank's cache, all layers. ``kv_heads`` is run in the engine (``run_kv_plan``),
+    ``kv_bytes`` compared with a prefill's cache on the engine's ranks (``engine_kv_plan``)."""
     def judge(got, *case):
         def again(nbytes):
             try:
@@ -849,5 +792,3 @@ def check_cut_diagnosis(fn: Callable[[Tensor, Tensor, float, int], str]) -> bool
         return _cut_problem(got, truth[name], *evidence[name])
     return grade("cut_diagnosis", fn=run, cases=cases, judge=judge,
                  done="the engine's cut, the naive QKV cut and the bias on every rank, at tp = 1, 2 and 4")
-
-__all__ = ["rank_layers", "layer0_attention", "rank_partials", "kv_heads_for_budget"]  # the engine's, called as L.<name>

@@ -95,6 +95,12 @@ def trace_signature(records: Sequence[CollectiveRecord]) -> list[tuple]:
     return [r.signature for r in records]
 
 
+def trace_shapes(records: Sequence[CollectiveRecord]) -> list[tuple]:
+    """``[(op, shape, layer), ...]``: a trace without rank and dtype, comparable with ``==`` (a dry run is float32,
+    a GPU rank bfloat16)."""
+    return [(r.op, tuple(r.shape), r.layer) for r in records]
+
+
 RECORD_D_MODEL = 64  # record_requests' model: 8 heads of 8, so that a dry run stays around a second on a loaded CPU
 RECORD_MAX_TOKENS = 256
 

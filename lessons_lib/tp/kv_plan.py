@@ -44,6 +44,15 @@ class KVPlan:
         """How many ranks hold rank 0's first K/V head: 1, or tp / n_kv_heads when tp > n_kv_heads."""
         return sum(self.kv_heads[0][0] in held for held in self.kv_heads)
 
+    @property
+    def holders(self) -> dict[int, tuple]:
+        """``{K/V head: the ranks that hold it, in rank order}``, heads in the order the ranks first hold them."""
+        out: dict[int, tuple] = {}
+        for r, held in enumerate(self.kv_heads):
+            for j in held:
+                out[j] = out.get(j, ()) + (r,)
+        return out
+
 
 def _rank_models(cfg: ModelConfig, tp: int, ranks: Sequence[int]) -> list[Transformer]:
     zeros = zero_weights(cfg)     # one number seen as every full weight: nothing allocated

@@ -104,6 +104,18 @@ def row_parallel_in_threads(weight: Tensor, bias: Tensor | None, x: Tensor, tp: 
     return [y for y, _ in results], [list(trace) for _, trace in results]
 
 
+@torch.no_grad()
+def forward_in_threads(cfg, weights: dict, batch, tp: int, device="cpu", dtype: torch.dtype = torch.float32) -> Tensor:
+    """The whole forward of ``batch`` (a ``PackedBatch``) on ``tp`` thread ranks that really add, each rank's
+    ``Transformer(cfg, weights)`` built here on ``device`` in ``dtype`` (faults on in this process apply): rank 0's
+    output ``[T, d_model]``, on the CPU."""
+    from ..core.model import Transformer
+
+    def run(group):
+        return Transformer(cfg, weights, group=group, device=device, dtype=dtype)(batch.to(device)).cpu()
+    return tp_ranks_in_threads(check_int("tp", tp, 1, cfg.n_heads), run)[0][0]
+
+
 class TapGroup:
     """A rank's group for models built once and run on thread ranks many times: while ``serving(inner)`` is
     open each collective goes to ``inner`` (the ``ThreadRank`` of the forward in flight, which really sums over
