@@ -17,10 +17,14 @@ from lessons_lib.tp.threads import row_parallel_in_threads
 def test_reach_counts_sorts_pairs_by_request_and_direction():
     eye = np.eye(5, dtype=bool)
     assert bi.reach_counts(eye, [2, 3]) == {"diagonal": 5, "own_request": 0, "other_requests": 0, "later": 0,
-                                            "reads": "row i only"}
+                                            "reads": "row i only", "across_from": []}
     causal = np.tril(np.ones((5, 5), bool))
     seen = bi.reach_counts(causal, [2, 3])
     assert (seen["own_request"], seen["other_requests"], seen["reads"]) == (1 + 3, 6, "other requests too")
+    assert seen["across_from"] == [0, 1]          # A's two rows reach B's; no row of B reaches A
+    peek = np.eye(5, dtype=bool)
+    peek[1, 2] = True                              # row 1 (A's last) changed by row 2 (B's first): one row across
+    assert bi.reach_counts(peek, [2, 3])["across_from"] == [2]
     assert bi.reach_counts(causal, [5])["reads"] == "rows ≤ i of its own request"   # one request: causal
     assert bi.reach_counts(np.ones((5, 5), bool), [5])["reads"] == "rows of its own request"
 
@@ -51,6 +55,38 @@ def test_block_sum_is_the_blocks_own_add(block_run):
         first = bi.block_sum(b, x, {}, "ln_2")                                     # x + attention's output
     assert torch.equal(zero_mlp, first) and not torch.equal(first, whole)
     assert torch.equal(first + b.mlp(b.ln_2(first)), whole)
+
+
+def test_module_step_runs_one_module_of_the_block_and_attention_by_cu_seqlens(block_run):
+    model, x, lens = block_run
+    b = model.layers[0]
+    assert torch.equal(bi.module_step(model, "ln_1")(x, [0, 12]), b.ln_1(x))
+    core = bi.module_step(model, "attn.core")
+    qkv = b.attn.qkv(b.ln_1(x))
+    flat = core(qkv, [0, 3, 12])
+    assert flat.shape == (12, 64) and b.attn.core.context is None    # [T, 3·H·D] -> [T, H·D], context cleared
+    alone = torch.cat([core(qkv[:3], [0, 3]), core(qkv[3:], [0, 9])])
+    torch.testing.assert_close(flat, alone)                            # each request's rows see their own request
+    assert not torch.allclose(core(qkv, [0, 12])[3:], flat[3:])      # told one sequence: B reads A
+
+
+def test_fake_int8_scales_and_the_rows_each_reads():
+    # Seeded, and inside the calibrated range (127 levels of CALIBRATED_SCALE): a static scale clamps beyond it
+    x = (torch.randn(6, 10, generator=torch.Generator().manual_seed(0)) * 2).clamp(-0.98 * 127 * bi.CALIBRATED_SCALE,
+                                                                                  0.98 * 127 * bi.CALIBRATED_SCALE)
+    for scheme in bi.QUANT_SCHEMES:
+        err = (bi.fake_int8(x, scheme) - x).abs()
+        assert err.max() <= 1.0, scheme
+    tok = bi.fake_int8(x, "per-token dynamic")
+    assert ((tok - x).abs() <= x.abs().amax(-1, keepdim=True) / 127 / 2 + 1e-6).all()
+    assert torch.equal(bi.fake_int8(torch.zeros(2, 3), "per-tensor dynamic"), torch.zeros(2, 3))
+    assert bi.fake_int8(torch.full((1, 2), 100.0), "per-tensor static").max() == 127 * bi.CALIBRATED_SCALE  # clamped
+    big = torch.cat([x, x * 300])     # rows 300 times larger below x: which scales change x's own rows?
+    moved = {s: not torch.equal(bi.fake_int8(big, s)[:6], bi.fake_int8(x, s)) for s in bi.QUANT_SCHEMES}
+    assert moved == {"per-tensor static": False, "per-tensor dynamic": True, "per-feature dynamic": True,
+                     "per-token dynamic": False}
+    with pytest.raises(ValueError, match="scheme"):
+        bi.fake_int8(x, "per-row")
 
 
 def test_c4_c5_block_steps_chain_to_the_block_itself_bit_for_bit(block_run):

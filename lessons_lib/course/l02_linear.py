@@ -6,7 +6,7 @@
 - the module-reach explorer (``module_reach_state`` + ``module_reach_explorer``): the two tests live on a module
   of the engine, a BatchNorm1d or one of the learner's;
 - exercises 02.1 (a per-request norm), 02.2 (``RowParallelSuspect``: the engine's ``RowParallelLinear``, some
-  under one of its named faults) and 02.3 (int8 scales: ``fake_int8``, ``batching_free``).
+  under one of its named faults) and 02.3 (int8 scales: ``batching_free`` of ``measure.batch_invariance.fake_int8``).
 
 Taught in notebooks/02_linear_is_per_token.ipynb.
 """
@@ -123,18 +123,13 @@ def dependency_maps(panels: Mapping[str, np.ndarray], seq_lens: Sequence[int],
                   extent=(0, cu[-1], cu[-1], 0))
         for side in ax.spines.values():
             side.set_visible(True)
-        for e in cu[1:-1]:
-            ax.axhline(e, color=TEXT, linewidth=0.8, linestyle="--")
-            ax.axvline(e, color=TEXT, linewidth=0.8, linestyle="--")
-        ax.set_xticks(cu)
-        ax.set_yticks(cu)
         mids = [(a + b) / 2 for a, b in zip(cu[:-1], cu[1:])]  # each request's name between its boundaries
-        names = [request_name(i) for i in range(len(lens))]
-        ax.set_xticks(mids, names, minor=True)
-        ax.set_yticks(mids, names, minor=True)
+        for axis, boundary in ((ax.xaxis, ax.axvline), (ax.yaxis, ax.axhline)):
+            axis.set_ticks(cu)
+            axis.set_ticks(mids, [request_name(i) for i in range(len(lens))], minor=True, fontweight="bold")
+            for e in cu[1:-1]:
+                boundary(e, color=TEXT, linewidth=0.8, linestyle="--")
         ax.tick_params(which="minor", length=0, labelsize=MIN_FONT + 1, labelcolor=TEXT)
-        for label in ax.get_xticklabels(minor=True) + ax.get_yticklabels(minor=True):
-            label.set_fontweight("bold")
         ax.tick_params(labelsize=MIN_FONT)
         ax.set_title(f"{title}\n{int(dep.sum())} of {dep.size} pairs", fontsize=MIN_FONT + 1)
         ax.set_xlabel("perturbed input row j", fontsize=MIN_FONT)
@@ -164,21 +159,19 @@ def qkv_shards(cfg: ModelConfig, tokens: int = 40, tp_size: int = 2) -> Figure:
     hatches = ["", "//"]
     fig = Figure(figsize=(10, 2.9))
     ax = fig.add_axes((0.03, 0.36, 0.94, 0.42))
-    for rank in range(tp_size):
-        rows = np.flatnonzero(owner == rank)
-        breaks = np.diff(rows) != 1  # the rank's rows as runs of consecutive rows, one rectangle each
-        for start, stop in zip(rows[np.r_[True, breaks]], rows[np.r_[breaks, True]] + 1):
-            ax.add_patch(Rectangle((start, 0), stop - start, 1, facecolor=shades[rank % 2], hatch=hatches[rank % 2],
-                                   edgecolor="white", linewidth=0.0))
     for h in range(3 * cfg.n_heads + 1):
         ax.axvline(h * cfg.d_head, color="white", linewidth=1.0)
     for part, name in enumerate("QKV"):
         ax.axvline(part * k, color=TEXT, linewidth=1.5)
         ax.text(part * k + k / 2, 1.12, f"{name}: {cfg.n_heads} heads x {cfg.d_head} extractors", ha="center",
                 fontsize=MIN_FONT + 1)
-        for h in range(cfg.n_heads):
-            ax.text(part * k + (h + 0.5) * cfg.d_head, 0.5, f"h{h}", ha="center", va="center", fontsize=MIN_FONT,
-                    color="white" if owner[part * k + h * cfg.d_head] % 2 == 0 else TEXT)
+        for h in range(cfg.n_heads):  # a head's extractors, all on the rank that owns its first row
+            start = part * k + h * cfg.d_head
+            shade = owner[start] % 2
+            ax.add_patch(Rectangle((start, 0), cfg.d_head, 1, facecolor=shades[shade], hatch=hatches[shade],
+                                   edgecolor="white", linewidth=0.0))
+            ax.text(start + cfg.d_head / 2, 0.5, f"h{h}", ha="center", va="center", fontsize=MIN_FONT,
+                    color="white" if shade == 0 else TEXT)
     ax.set_xlim(0, 3 * k)
     ax.set_xticks(range(0, 3 * k + 1, k // 2))  # only ticks inside the row range (no label past the last row)
     ax.set_ylim(0, 1.3)
@@ -260,12 +253,8 @@ def reach_model() -> Transformer:
 def _engine_modules() -> dict[str, ReachModule]:
     model, cfg = reach_model(), REACH_CFG
     b, d, k, f = model.layers[0], cfg.d_model, cfg.qkv_dim, cfg.d_ffn
-
-    def attention(cu_of):
-        def run(t, cu):
-            with bi.attention_context(model, cu_of(cu), "masked"):
-                return b.attn.core(*b.attn.qkv.split(t)).flatten(1)
-        return run
+    step = functools.partial(bi.module_step, model, backend="masked")
+    core = step("attn.core")
 
     def residual_adds(t, cu):  # the Block's own two adds, with attention's output (out proj) zeroed: t + mlp(ln_2(t))
         with bi.attention_context(model, cu, "masked"):
@@ -275,13 +264,13 @@ def _engine_modules() -> dict[str, ReachModule]:
     eval_bn.running_mean.normal_(generator=torch.Generator().manual_seed(12))
     eval_bn.eval()
     return {
-        "LayerNorm (block.ln_1)": ReachModule(lambda t, cu: b.ln_1(t), "per token", d),
-        "QKV linear (block.attn.qkv)": ReachModule(lambda t, cu: b.attn.qkv(t), "linear", d),
-        "attention with cu_seqlens (block.attn.core)": ReachModule(attention(lambda cu: cu), "attention", 3 * k),
-        "attention told one sequence, cu = [0, T]": ReachModule(attention(lambda cu: [0, cu[-1]]), "attention", 3 * k),
-        "out proj (block.attn.out_proj)": ReachModule(lambda t, cu: b.attn.out_proj(t), "linear", k),
-        "GeLU (block.mlp.act)": ReachModule(lambda t, cu: b.mlp.act(t), "per token", f),
-        "FFN: up, GeLU, down (block.mlp)": ReachModule(lambda t, cu: b.mlp(t), "linear", d),
+        "LayerNorm (block.ln_1)": ReachModule(step("ln_1"), "per token", d),
+        "QKV linear (block.attn.qkv)": ReachModule(step("attn.qkv"), "linear", d),
+        "attention with cu_seqlens (block.attn.core)": ReachModule(core, "attention", 3 * k),
+        "attention told one sequence, cu = [0, T]": ReachModule(lambda t, cu: core(t, [0, cu[-1]]), "attention", 3 * k),
+        "out proj (block.attn.out_proj)": ReachModule(step("attn.out_proj"), "linear", k),
+        "GeLU (block.mlp.act)": ReachModule(step("mlp.act"), "per token", f),
+        "FFN: up, GeLU, down (block.mlp)": ReachModule(step("mlp"), "linear", d),
         "residual adds (block, attention's output zeroed)": ReachModule(residual_adds, "per token", d),
         "BatchNorm1d, training mode": ReachModule(lambda t, cu: train_bn(t), MIXES_ROWS, d),
         "BatchNorm1d, eval mode (running stats)": ReachModule(lambda t, cu: eval_bn(t), "per token", d),
@@ -305,10 +294,8 @@ def _takes_cu_seqlens(fn: Callable) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin with no signature: called as fn(t)
         return False
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return True
     required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-    return len(required) >= 2
+    return len(required) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 def add_reach_module(name: str, fn: Callable) -> None:
@@ -468,12 +455,6 @@ def _stats_norm(x: Tensor, spans, eps: float, unbiased: bool = False, eps_outsid
     return out
 
 
-def batch_norm_rows(x: Tensor, eps: float) -> Tensor:
-    """BatchNorm (training mode, no scale or shift) over the flat rows: each FEATURE is normalised
-    with its mean and biased variance over all T tokens. ``[T, d] -> [T, d]``."""
-    return _stats_norm(x, [(0, len(x), 0, len(x))], eps)
-
-
 def request_norm(x: Tensor, cu_seqlens: Sequence[int], eps: float) -> Tensor:
     """BatchNorm's statistics taken per REQUEST: each feature of request r is normalised with its mean and
     biased variance over the rows ``cu_seqlens[r]:cu_seqlens[r+1]`` only. ``[T, d] -> [T, d]``."""
@@ -503,8 +484,8 @@ def _request_norm_slips(x: Tensor, cu: list[int], eps: float) -> list[tuple[Tens
     with warnings.catch_warnings():  # a slip's variance of one row (or none) warns: the slip, not the learner's
         warnings.simplefilter("ignore")
         return [
-            (batch_norm_rows(x, eps), "statistics over ALL the tokens of the flat batch: that is plain BatchNorm, and "
-             "A's numbers depend on B's. Which rows are request r's, and only its?"),
+            (F.batch_norm(x, None, None, training=True, eps=eps), "statistics over ALL the tokens of the flat batch: "
+             "that is plain BatchNorm, and A's numbers depend on B's. Which rows are request r's, and only its?"),
             (torch.cat([(x[s:e] - p.mean(0)) / torch.sqrt(p.var(0, unbiased=False) + eps) for (s, e), p in
                         zip(spans, padded)]),
              f"statistics over the padded layout: a shorter request's pad rows of zeros enter its mean and variance "
@@ -539,15 +520,14 @@ def check_request_norm(fn: Callable[[Tensor, list, float], Tensor]) -> bool:
     def judge(got, x, cu, eps):
         if x is dep_x:  # the explorer's two tests, on the learner's layer
             dep, alone = two_tests(lambda t, c: fn(t, c, eps), x, lens)
-            owner = np.repeat(np.arange(len(lens)), lens)
-            cross = dep & (owner[:, None] != owner[None, :])
-            if cross.any():
-                readers = sorted({int(j) for j in np.nonzero(cross)[1]})  # input rows that reach the other request
+            seen = bi.reach_counts(dep, lens)
+            readers = seen["across_from"]  # input rows that reach the other request
+            if readers:
                 where = (f"only row {readers[0]} reaches across, one of the two rows at the boundary (cu[1] - 1 = "
                          f"{lens[0] - 1}, cu[1] = {lens[0]}): off by one at the boundary" if len(readers) == 1 and
                          readers[0] in (lens[0] - 1, lens[0]) else
                          f"{len(readers)} input rows reach the other request: the statistics read across the boundary")
-                return f"row_dependency: {int(cross.sum())} pairs across requests - {where}"
+                return f"row_dependency: {seen['other_requests']} pairs across requests - {where}"
             if alone["differ"]:
                 return (f"row_dependency finds no pair across requests, but request(s) {', '.join(alone['differ'])} run "
                         f"alone get other numbers than in the batch (max |diff| {alone['max_diff']:.2g}): the layer "
@@ -563,8 +543,7 @@ def check_request_norm(fn: Callable[[Tensor, list, float], Tensor]) -> bool:
                 if not _same(slip, want) and _same(got, slip):
                     return f"{problem} - {why}"
             singles = [s for s, e in zip(cu[:-1], cu[1:]) if e - s == 1]
-            others = torch.ones(len(x), dtype=torch.bool)
-            others[singles] = False
+            others = [i for i in range(len(x)) if i not in singles]
             if singles and got.is_floating_point() and _same(got[others], want[others]):
                 return (f"{problem} - every request of two or more tokens is right; the one-token request(s) at row(s) "
                         f"{singles} are not. Its mean is the token itself and its biased variance 0: what does "
@@ -666,25 +645,6 @@ def check_row_parallel_diagnosis(fn: Callable[[RowParallelSuspect], str]) -> boo
                  "each suspect named from its outputs and its trace, for TP = 2, 3 and 4")
 
 
-QUANT_SCHEMES = ("per-tensor static", "per-tensor dynamic", "per-feature dynamic", "per-token dynamic")
-CALIBRATED_SCALE = 0.04  # a per-tensor scale fixed once, offline, from sample activations (max |x| ~ 5)
-
-
-def fake_int8(x: Tensor, scheme: str) -> Tensor:
-    """Symmetric int8 fake quantisation of the activations ``x [T, d]`` (rounded to ``round(x / s) · s``,
-    clamped to ±127 levels) with the scale ``s`` of ``scheme`` (one of ``QUANT_SCHEMES``): ``CALIBRATED_SCALE``
-    (static), or ``max |x| / 127`` over the whole tensor, over each feature's tokens, or over each token's
-    features (dynamic). A max of 0 keeps the values (zeros stay zeros)."""
-    check_choice("scheme", scheme, QUANT_SCHEMES)
-    if scheme == "per-tensor static":
-        s = torch.tensor(CALIBRATED_SCALE, dtype=x.dtype)
-    else:
-        dims = {"per-tensor dynamic": (0, 1), "per-feature dynamic": (0,), "per-token dynamic": (1,)}[scheme]
-        s = x.abs().amax(dim=dims, keepdim=True) / 127
-        s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.clamp(torch.round(x / s), -127, 127) * s
-
-
 def batching_free(quantize: Callable[[Tensor], Tensor], seq_lens: Sequence[int] = ARTICLE_LENS) -> dict:
     """The engine's QKV linear (``REACH_CFG``'s block) with its input quantised by ``quantize``, run through
     the explorer's two tests on a flat batch whose requests differ in size (B's numbers 30 times A's):
@@ -704,14 +664,13 @@ _WHY = {"per-tensor static": "a constant scale, fixed offline: batching stays fr
         "per-tensor dynamic": "one scale for the whole [T, d]: the largest number of ANY request sets every request's "
                               "grid (a scale per row that all take the batch max is the same thing)",
         "per-feature dynamic": "one scale per feature k: it changes along the summed axis, so it cannot leave the int32 "
-                               "sum, and each feature's max runs over every request's tokens",
-        "per-token dynamic": "each token's max over its own features: no other row sets it"}
+                               "sum, and each feature's max runs over every request's tokens"}
 
 
 def _int8_problem(have: Tensor, x: Tensor) -> str | None:
     """Which constraint of exercise 02.3 a wrong quantiser output ``have`` of ``x [T, d]`` breaks, or None."""
-    for other in QUANT_SCHEMES[:3]:
-        if matches(have, fake_int8(x, other), 1e-6):
+    for other in bi.QUANT_SCHEMES[:3]:
+        if matches(have, bi.fake_int8(x, other), 1e-6):
             return f"that is the {other} scale: {_WHY[other]}"
     if not have.is_floating_point() or not torch.isfinite(have).all():
         return "NaN or inf: a row of zeros has max 0, so s = 0 and 0 / 0 = NaN: give it any non-zero scale"
@@ -757,7 +716,7 @@ def check_int8_quantizer(fn: Callable[[Tensor], Tensor]) -> bool:
             return (f"not safe to batch flat, measured on the engine's QKV linear: {measured['across']} row pairs across "
                     f"requests, request(s) that differ alone vs batched: {', '.join(measured['differ']) or 'none'} "
                     f"(max |diff| {measured['max_diff']:.3g}): the scale of A's rows reads B's numbers (constraint 1)")
-        problem = tensor_problem(got, fake_int8(x, "per-token dynamic"), atol=1e-6, rtol=1e-5)
+        problem = tensor_problem(got, bi.fake_int8(x, "per-token dynamic"), atol=1e-6, rtol=1e-5)
         if problem is None:
             return None
         if isinstance(got, Tensor) and tuple(got.shape) == tuple(x.shape):

@@ -9,7 +9,8 @@ against its rows of the flat run (``alone_vs_batched``; ``step_report`` for a bl
 attention, out proj, residual add, ...) as ``Block.forward`` runs them: forward hooks read every value off one
 real ``block(x)``, and a residual add, a ``+`` inside ``Block.forward`` with no module of its own, is measured on
 the block itself (``block_sum``: the block run with the added sublayer's output replaced). ``forward_walk`` gives
-the steps' shapes from the config alone; ``format_reports``, ``rounding_lines``, ``rows_alone_lines`` print what
+the steps' shapes from the config alone; ``fake_int8`` rounds activations to int8 with the scale of one of
+``QUANT_SCHEMES`` (some read other requests' rows); ``format_reports``, ``rounding_lines``, ``rows_alone_lines`` print what
 was measured (machine-dependent counts: shown, never asserted).
 
 Taught in notebooks/02_linear_is_per_token.ipynb.
@@ -28,7 +29,7 @@ from ..core.batch import cumulative
 from ..core.config import ModelConfig
 from ..core.model import AttentionContext
 from ..style import request_name
-from ..validate import check_int, check_lengths
+from ..validate import check_choice, check_int, check_lengths
 from .flops import linear_shapes
 from .recorder import module_io
 from .tolerance import float64_twin, max_abs_diff, tolerance, ulp32
@@ -40,7 +41,8 @@ ALONE_RTOL = 1e-5  # alone vs in the batch: rounding allowed, relative to the la
 def reach_counts(dep: np.ndarray, seq_lens: Sequence[int]) -> dict:
     """What a bool ``[T, T]`` map (True where input row j changed output row i) on the flat batch of ``seq_lens``
     shows: pairs on the ``diagonal``, ``own_request`` (row i changed by another row of its request),
-    ``other_requests``, ``later`` (changed by a later row j > i of its request: not causal), and ``reads`` in words."""
+    ``other_requests``, ``later`` (changed by a later row j > i of its request: not causal), ``reads`` in words,
+    and ``across_from``: the input rows j (sorted ints) that changed a row of another request."""
     dep = np.asarray(dep, dtype=bool)
     owner = np.repeat(np.arange(len(seq_lens)), list(seq_lens))
     same = owner[:, None] == owner[None, :]
@@ -49,7 +51,8 @@ def reach_counts(dep: np.ndarray, seq_lens: Sequence[int]) -> dict:
     later = int(np.triu(dep & same, k=1).sum())
     reads = ("other requests too" if other else "row i only" if not own
              else "rows of its own request" if later else "rows ≤ i of its own request")
-    return {"diagonal": diagonal, "own_request": own, "other_requests": other, "later": later, "reads": reads}
+    return {"diagonal": diagonal, "own_request": own, "other_requests": other, "later": later, "reads": reads,
+            "across_from": np.flatnonzero((dep & ~same).any(axis=0)).tolist()}
 
 
 @torch.no_grad()
@@ -81,6 +84,27 @@ def alone_vs_batched(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_l
     return {"max_diff": worst, "bound": bound, "differ": differ, "flat": flat, "row_diff": row_diff}
 
 
+QUANT_SCHEMES = ("per-tensor static", "per-tensor dynamic", "per-feature dynamic", "per-token dynamic")
+CALIBRATED_SCALE = 0.04  # a per-tensor scale fixed once, offline, from sample activations (max |x| ~ 5)
+
+
+def fake_int8(x: Tensor, scheme: str) -> Tensor:
+    """Symmetric int8 fake quantisation of the activations ``x [T, d]`` (rounded to ``round(x / s) · s``,
+    clamped to ±127 levels) with the scale ``s`` of ``scheme`` (one of ``QUANT_SCHEMES``): ``CALIBRATED_SCALE``
+    (static), or ``max |x| / 127`` over the whole tensor, over each feature's tokens, or over each token's
+    features (dynamic). A max of 0 keeps the values (zeros stay zeros). Same shape and dtype as ``x``.
+    Only the static and per-token scales read no other row: the other two make one request's rows depend on
+    the others' (lesson 02, exercise 02.3)."""
+    check_choice("scheme", scheme, QUANT_SCHEMES)
+    if scheme == "per-tensor static":
+        s = torch.tensor(CALIBRATED_SCALE, dtype=x.dtype)
+    else:
+        dims = {"per-tensor dynamic": (0, 1), "per-feature dynamic": (0,), "per-token dynamic": (1,)}[scheme]
+        s = x.abs().amax(dim=dims, keepdim=True) / 127
+        s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.clamp(torch.round(x / s), -127, 127) * s
+
+
 @contextmanager
 def attention_context(model, cu_seqlens: Sequence[int], backend, device=None):
     """``with attention_context(model, cu, backend):`` every layer of the ``Transformer`` ``model`` holds the
@@ -91,6 +115,21 @@ def attention_context(model, cu_seqlens: Sequence[int], backend, device=None):
         yield model
     finally:
         model.set_context(None)  # a context never outlives its forward
+
+
+def module_step(model, path: str, backend: str = "loop") -> Callable[[Tensor, Sequence[int]], Tensor]:
+    """``fn(t, cu_seqlens)``: the module at ``path`` (``"ln_1"``, ``"attn.qkv"``, ``"mlp"``, ...) of the first block of
+    the ``Transformer`` ``model``, alone, on the flat rows ``t [T, in]``. ``"attn.core"`` (varlen causal attention,
+    ``backend``) takes the fused QKV output ``[T, 3·H·D]`` and gives ``[T, H·D]`` under the attention context of
+    ``cu_seqlens``, as the block calls it; every other module ignores ``cu_seqlens``."""
+    block = model.layers[0]
+    if path != "attn.core":
+        return lambda t, cu: block.get_submodule(path)(t)
+
+    def core(t, cu):
+        with attention_context(model, cu, backend, t.device):
+            return block.attn.core(*block.attn.qkv.split(t)).flatten(1)
+    return core
 
 
 def block_sum(block, x: Tensor, outputs: Mapping[str, Tensor], read: str) -> Tensor:
@@ -171,10 +210,8 @@ def block_steps(model, x: Tensor, seq_lens: Sequence[int], backend: str = "loop"
         raise RuntimeError(f"Block.forward did not run {missing}: block_steps reads the steps off those modules")
 
     def fn_of(m, path):
-        b = m.layers[0]
-        if path == "attn.core":  # [T, 3·H·D] -> q, k, v [T, H, D] -> [T, H·D]
-            return lambda t, rows=whole: context(m, rows, lambda: b.attn.core(*b.attn.qkv.split(t)).flatten(1))
-        return lambda t, rows=whole: b.get_submodule(path)(t)
+        step = module_step(m, path, backend)
+        return lambda t, rows=whole: step(t, _cu_of(cu, rows))
 
     def residual(m, inject, read):  # the block's own add: the block on its rows, the added module's output is t
         def fn(t, rows=whole):
