@@ -40,8 +40,8 @@ def test_forward_walk_figure_is_a_figure_with_readable_text():
     assert isinstance(fig, Figure)
     assert any("[40 x 768]" in t.get_text() for t in texts(fig))
     assert "A = 10 and B = 30 tokens" in fig._suptitle.get_text() and "[10, 30]" not in fig._suptitle.get_text()
-    assert L._requests_phrase([1, 2, 3, 4, 5]) == "A = 1, B = 2, C = 3 and D = 4 tokens, and 1 more request"
-    assert L._requests_phrase([7]) == "A = 7 tokens"
+    assert "batch of A = 1, B = 2, C = 3 and D = 4 tokens:" in L.forward_walk_figure(ModelConfig(), [1, 2, 3, 4])._suptitle.get_text()
+    assert "batch of A = 7 tokens:" in L.forward_walk_figure(ModelConfig(), [7])._suptitle.get_text()
     assert min_font(fig) >= MIN_FONT
 
 
@@ -96,13 +96,14 @@ def test_dependency_maps_checks_shapes_counts_pairs_and_names_the_requests():
         L.dependency_maps({"bad": np.eye(5, dtype=bool)}, [10, 30])
 
 
-def test_c6_qkv_row_owners_follow_the_head_split():
+def test_c6_qkv_shards_shade_each_head_by_the_rank_that_holds_it():
+    from matplotlib.colors import to_hex
     cfg = ModelConfig()
-    owner = L.qkv_row_owners(cfg)
-    rows = np.arange(3 * cfg.qkv_dim)
-    head = (rows % cfg.qkv_dim) // cfg.d_head  # Q, K and V sections each hold heads 0..H-1
-    np.testing.assert_array_equal(owner, head // cfg.heads_per_rank(2))
-    assert [int((owner == r).sum()) for r in range(2)] == [768, 768]
+    for tp in (2, 4):   # Q, K and V sections each hold heads 0..H-1; rank r holds heads [r·H/tp, (r+1)·H/tp)
+        heads = L.qkv_shards(cfg, tp_size=tp).axes[0].patches
+        assert [p.get_x() for p in heads] == list(range(0, 3 * cfg.qkv_dim, cfg.d_head))
+        shades = [(L.LINEAR, L.LINEAR_LIGHT)[h // cfg.heads_per_rank(tp) % 2] for _ in "QKV" for h in range(cfg.n_heads)]
+        assert [to_hex(p.get_facecolor()) for p in heads] == [to_hex(c) for c in shades], tp
 
 
 def test_c6_qkv_shards_uses_the_palette_and_says_what_each_rank_computes():

@@ -1,12 +1,12 @@
 """What lesson 02 (linear layers work token by token) draws, explores and checks.
 
-- claims helper: ``measure_steps`` (each step of the engine's ``Block``, cut by ``measure.batch_invariance.block_steps``,
-  under ``probe.row_dependency`` and its ``step_report``: C4, C5; the walk's shapes and the printouts live there too);
+- claims helper: ``measure_steps`` (``probe.row_dependency`` and ``measure.batch_invariance.step_report`` on each
+  step of the engine's ``Block``: C4, C5; the walk's shapes, the printouts and the int8 scales live there too);
 - figures: the walk, the who-reads-whom maps (``dependency_maps``), the QKV shards per rank (``qkv_shards``, C6);
-- the module-reach explorer (``module_reach_state`` + ``module_reach_explorer``): the two tests live on a module
-  of the engine, a BatchNorm1d or one of the learner's;
+- the module-reach explorer (``module_reach_state`` + ``module_reach_explorer``): the two tests (``two_tests``)
+  live on a module of the engine, a BatchNorm1d or one of the learner's;
 - exercises 02.1 (a per-request norm), 02.2 (``RowParallelSuspect``: the engine's ``RowParallelLinear``, some
-  under one of its named faults) and 02.3 (int8 scales: ``batching_free`` of ``measure.batch_invariance.fake_int8``).
+  under one of its named faults) and 02.3 (int8 scales, ``batching_free``).
 
 Taught in notebooks/02_linear_is_per_token.ipynb.
 """
@@ -62,18 +62,11 @@ def measure_steps(steps: Sequence[bi.BlockStep], seq_lens: Sequence[int]) -> lis
 
 # ---- figures: the walk, who reads whom, the QKV extractors per rank ---------------------------------
 
-def _requests_phrase(seq_lens: Sequence[int]) -> str:
-    """``A = 10 and B = 30 tokens`` (the first four requests by name, then how many more)."""
-    lens = list(seq_lens)
-    named = [f"{request_name(i)} = {n}" for i, n in enumerate(lens[:4])]
-    text = (", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0]) + " tokens"
-    more = len(lens) - len(named)
-    return text + (f", and {more} more request{'s' if more > 1 else ''}" if more else "")
-
-
 def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int = 2) -> Figure:
     """Claims C4-C6 as a table: one row per step of ``forward_walk``, coloured by kind."""
     steps = bi.forward_walk(cfg, seq_lens, tp_size)
+    *first, last = [f"{request_name(i)} = {n}" for i, n in enumerate(seq_lens)]
+    batch = f"{', '.join(first)} and {last}" if first else last  # A = 10 and B = 30
     n = len(steps)
     fig = Figure(figsize=(11.6, 0.42 * n + 1.3))
     ax = fig.add_axes((0.01, 0.1, 0.98, 0.8))
@@ -87,9 +80,8 @@ def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int 
     for i, st in enumerate(steps):
         y = i + 1
         ax.add_patch(Rectangle((0.0, y - 0.42), 2.45, 0.84, facecolor=KIND_COLORS[st.kind], edgecolor="white"))
-        dark = st.kind != "per token"
         ax.text(0.08, y, f"{i}. {st.name}" if i else st.name, fontsize=MIN_FONT + 1, va="center",
-                color="white" if dark else TEXT, fontweight="bold")
+                color=TEXT if st.kind == "per token" else "white", fontweight="bold")
         ax.text(2.6, y, st.flat, fontsize=MIN_FONT + 1, va="center", family="DejaVu Sans Mono", color=TEXT)
         ax.text(5.5, y, st.per_rank, fontsize=MIN_FONT + 1, va="center", family="DejaVu Sans Mono", color=TEXT)
         ax.text(9.2, y, st.reads, fontsize=MIN_FONT + 1, va="center", color=ATTENTION if st.kind == "attention" else TEXT,
@@ -99,8 +91,8 @@ def forward_walk_figure(cfg: ModelConfig, seq_lens: Sequence[int], tp_size: int 
                          ("linear: Y = X W^T + b, row by row (C5)", LINEAR),
                          ("attention: mixes rows, needs cu_seqlens (lesson 03)", ATTENTION))],
                loc="lower center", ncol=3, fontsize=MIN_FONT, frameon=False)
-    fig.suptitle(f"One block on the flat batch of {_requests_phrase(seq_lens)}: shapes at every step, and the one "
-                 "step that mixes rows", fontsize=MIN_FONT + 2, y=0.97)
+    fig.suptitle(f"One block on the flat batch of {batch} tokens: shapes at every step, and the one step that mixes rows",
+                 fontsize=MIN_FONT + 2, y=0.97)
     return fig
 
 
@@ -110,8 +102,7 @@ def dependency_maps(panels: Mapping[str, np.ndarray], seq_lens: Sequence[int],
     changed when input row j was perturbed (see ``probe.row_dependency``). Request
     boundaries are drawn at ``cu_seqlens`` (dashed, numbered ticks), each request's name between
     its boundaries (minor ticks); ``colors`` gives each panel's True colour."""
-    lens = check_lengths(seq_lens)
-    cu = cumulative(lens)
+    cu = cumulative(check_lengths(seq_lens))
     fig = Figure(figsize=(3.4 * len(panels), 4.0))
     axes = np.atleast_1d(fig.subplots(1, len(panels)))
     for ax, (title, dep) in zip(axes, panels.items()):
@@ -126,7 +117,7 @@ def dependency_maps(panels: Mapping[str, np.ndarray], seq_lens: Sequence[int],
         mids = [(a + b) / 2 for a, b in zip(cu[:-1], cu[1:])]  # each request's name between its boundaries
         for axis, boundary in ((ax.xaxis, ax.axvline), (ax.yaxis, ax.axhline)):
             axis.set_ticks(cu)
-            axis.set_ticks(mids, [request_name(i) for i in range(len(lens))], minor=True, fontweight="bold")
+            axis.set_ticks(mids, [request_name(i) for i in range(len(cu) - 1)], minor=True, fontweight="bold")
             for e in cu[1:-1]:
                 boundary(e, color=TEXT, linewidth=0.8, linestyle="--")
         ax.tick_params(which="minor", length=0, labelsize=MIN_FONT + 1, labelcolor=TEXT)
@@ -138,23 +129,14 @@ def dependency_maps(panels: Mapping[str, np.ndarray], seq_lens: Sequence[int],
     return fig
 
 
-def qkv_row_owners(cfg: ModelConfig, tp_size: int = 2) -> np.ndarray:
-    """``int [3·H·D]``: which of ``tp_size`` TP ranks holds each output row (feature extractor) of the full QKV
-    weight, from ``QKVParallelLinear.shard_rows`` on one-process stand-in groups."""
-    n = 3 * cfg.qkv_dim
-    owner = np.full(n, -1, dtype=np.int64)
-    ids = torch.arange(n)
-    for rank in range(tp_size):
-        layer = QKVParallelLinear(cfg.d_model, cfg.n_heads, cfg.d_head, bias=False, group=LocalGroup(rank, tp_size))
-        owner[layer.shard_rows(ids).numpy()] = rank
-    return owner
-
-
 def qkv_shards(cfg: ModelConfig, tokens: int = 40, tp_size: int = 2) -> Figure:
     """Claim C6: the ``3·H·D`` rows of the fused QKV weight are feature extractors; each TP rank
     owns those of its heads (in Q, in K and in V) and runs them on every token."""
-    owner = qkv_row_owners(cfg, tp_size)
     k, hr = cfg.qkv_dim, cfg.heads_per_rank(tp_size)
+    owner = np.full(3 * k, -1)  # the rank that holds each row, by the engine's own cut (one-process stand-in groups)
+    for rank in range(tp_size):
+        layer = QKVParallelLinear(cfg.d_model, cfg.n_heads, cfg.d_head, bias=False, group=LocalGroup(rank, tp_size))
+        owner[layer.shard_rows(torch.arange(3 * k)).numpy()] = rank
     shades = [LINEAR, LINEAR_LIGHT]
     hatches = ["", "//"]
     fig = Figure(figsize=(10, 2.9))
@@ -312,17 +294,22 @@ def add_reach_module(name: str, fn: Callable) -> None:
 
 def reach_modules() -> dict[str, ReachModule]:
     """Every module the explorer offers: the engine's own, two BatchNorm1d, and the learner's."""
-    own = {name: ReachModule(fn, None, REACH_CFG.d_model)  # kind: from the measured map
-           for name, fn in _OWN_MODULES.items()}
+    own = {name: ReachModule(fn, None, REACH_CFG.d_model) for name, fn in _OWN_MODULES.items()}  # kind: measured
     return {**_engine_modules(), **own}
 
 
 @torch.no_grad()
-def two_tests(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_lens: Sequence[int]) -> tuple[np.ndarray, dict]:
-    """The explorer's two tests of ``fn(t, cu_seqlens)`` on the flat rows ``x [T, ...]`` of ``seq_lens``: the map
-    ``row_dependency`` measures (bool ``[T, T]``) and ``alone_vs_batched``."""
+def two_tests(fn: Callable[[Tensor, list[int]], Tensor], x: Tensor, seq_lens: Sequence[int]) -> dict:
+    """The explorer's two tests of ``fn(t, cu_seqlens)`` on the flat rows ``x [T, ...]`` of ``seq_lens``:
+    ``{"dep" (the map ``row_dependency`` measures, bool [T, T]), "pairs"}``, ``reach_counts``' keys, ``"reach_ok"``,
+    ``alone_vs_batched``'s ``max_diff, bound, differ, row_diff`` (each row's max |alone - flat|) as ``"alone_max_diff"``,
+    ..., ``"alone_ok"``, and ``"free"``: both tests pass."""
     cu = cumulative(check_lengths(seq_lens))
-    return row_dependency(lambda t: fn(t, cu), x).numpy(), bi.alone_vs_batched(fn, x, seq_lens)
+    dep = row_dependency(lambda t: fn(t, cu), x).numpy()
+    seen, alone = bi.reach_counts(dep, seq_lens), bi.alone_vs_batched(fn, x, seq_lens)
+    return {"dep": dep, "pairs": int(dep.sum()), **seen, "reach_ok": seen["other_requests"] == 0,
+            **{f"alone_{key}": alone[key] for key in ("max_diff", "bound", "differ", "row_diff")},
+            "alone_ok": not alone["differ"], "free": seen["other_requests"] == 0 and not alone["differ"]}
 
 
 def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> dict:
@@ -330,9 +317,8 @@ def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> d
     1. reach: no pair (i, j) of ``row_dependency`` across a request boundary; 2. alone vs batched
     (``alone_vs_batched``). A module can pass 1 and fail 2 (``t / T``, positions from the flat row index).
 
-    Returns ``{"module", "kind", "seq_lens", "cu_seqlens", "dep" (bool [T, T]), "pairs"}``, ``reach_counts``'
-    keys, ``"reach_ok", "alone_max_diff", "alone_bound", "alone_differ", "alone_row_diff" (each row's
-    max |alone - flat|), "alone_ok", "verdict"``: ``SAFE`` only when both tests pass.
+    Returns ``{"module", "kind", "seq_lens", "cu_seqlens"}``, ``two_tests``' keys and ``"verdict"``: ``SAFE`` only
+    when both tests pass.
     """
     modules = reach_modules()
     check_choice("module", module, tuple(modules))
@@ -343,25 +329,20 @@ def module_reach_state(module: str, seq_lens: Sequence[int] = ARTICLE_LENS) -> d
     m, cu = modules[module], cumulative(lens)
     x = torch.randn(cu[-1], m.width, generator=torch.Generator().manual_seed(5))
     try:
-        dep, alone = two_tests(m.fn, x, lens)
+        tests = two_tests(m.fn, x, lens)
     except Exception as exc:  # a learner's module, or BatchNorm on one token: say so, never a wrong map
         if "Expected more than 1 value per channel" in str(exc):
             raise ValueError(f"{module} on lengths {lens}: a request of one token is run alone as a one-token "
                              "batch, and a one-token batch has no variance: BatchNorm cannot even run on it") from None
         raise ValueError(f"{module} failed on {cu[-1]} rows: {type(exc).__name__}: {exc}") from None
-    seen = bi.reach_counts(dep, lens)
-    alone_ok = not alone["differ"]
-    verdict = SAFE if seen["other_requests"] == 0 and alone_ok else MIXES
+    verdict = SAFE if tests["free"] else MIXES
     if verdict == MIXES:  # the colour follows the verdict, whatever the module's kind
         kind = MIXES_ROWS
     elif m.kind in (None, MIXES_ROWS):  # a learner's module, or BatchNorm in training mode on one request
-        kind = OWN_REQUEST if seen["own_request"] else "per token"
+        kind = OWN_REQUEST if tests["own_request"] else "per token"
     else:
         kind = m.kind
-    return {"module": module, "kind": kind, "seq_lens": lens, "cu_seqlens": cu, "dep": dep, "pairs": int(dep.sum()),
-            **seen, "reach_ok": seen["other_requests"] == 0, "alone_max_diff": alone["max_diff"],
-            "alone_bound": alone["bound"], "alone_differ": alone["differ"], "alone_row_diff": alone["row_diff"],
-            "alone_ok": alone_ok, "verdict": verdict}
+    return {"module": module, "kind": kind, "seq_lens": lens, "cu_seqlens": cu, **tests, "verdict": verdict}
 
 
 def module_reach_text(state: dict) -> str:
@@ -397,8 +378,7 @@ def module_reach_figure(state: dict) -> Figure:
         ax.axhline(e, color=TEXT, linewidth=0.8, linestyle="--")
     ax.set_xlim(0, max(2.0, float(ratio.max()) * 1.1))
     ax.set_ylim(t, 0)
-    ax.set_yticks(state["cu_seqlens"])
-    ax.set_yticklabels([])
+    ax.set_yticks(state["cu_seqlens"], [])
     ax.xaxis.set_major_locator(MaxNLocator(2))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.tick_params(labelsize=MIN_FONT)
@@ -418,9 +398,8 @@ def module_reach_explorer(module: str = "yours: cumsum over the tokens", lengths
     """VBox class ``mrx``: Dropdown ``mrx-module``, Text ``mrx-lengths``, HTML ``mrx-verdict`` (the
     ``module_reach_text`` line), Output ``mrx-figure``. Bad input shows its error (class ``mrx-error``)."""
     w = ipywidgets_module()
-    names = list(reach_modules())
-    pick = tagged(w.Dropdown(options=names, value=module, description="module", layout=w.Layout(width="420px")),
-                  "mrx-module")
+    pick = tagged(w.Dropdown(options=list(reach_modules()), value=module, description="module",
+                             layout=w.Layout(width="420px")), "mrx-module")
     text = tagged(w.Text(value=lengths, description="lengths", continuous_update=False), "mrx-lengths")
     verdict, out = tagged(w.HTML(), "mrx-verdict"), tagged(w.Output(), "mrx-figure")
 
@@ -444,12 +423,13 @@ def _flat(seq_lens: Sequence[int], d: int, seed: int) -> Tensor:
     return torch.randn(sum(seq_lens), d, generator=torch.Generator().manual_seed(seed)) * 2 + 0.5
 
 
-def _stats_norm(x: Tensor, spans, eps: float, unbiased: bool = False, eps_outside: bool = False) -> Tensor:
-    """Rows ``s:e`` of ``x [T, d]`` normalised feature by feature with the mean and variance of the rows ``a:b``
-    (clipped to ``x``), for each ``(s, e, a, b)`` of ``spans``: exercise 02.1's norms and its slips."""
+def _stats_norm(x: Tensor, cu: Sequence[int], eps: float, start: int = 0, stop: int = 0, unbiased: bool = False,
+                eps_outside: bool = False) -> Tensor:
+    """Each request's rows ``s:e`` (of ``cu``) of ``x [T, d]`` normalised feature by feature with the mean and
+    variance of the rows ``s + start:e + stop`` (clipped to ``x``): exercise 02.1's norm and its slips."""
     out = torch.empty_like(x)
-    for s, e, a, b in spans:
-        rows = x[max(a, 0):min(b, len(x))]
+    for s, e in zip(cu[:-1], cu[1:]):
+        rows = x[max(s + start, 0):min(e + stop, len(x))]
         mean, var = rows.mean(0), rows.var(0, unbiased=unbiased)
         out[s:e] = (x[s:e] - mean) / ((var.sqrt() + eps) if eps_outside else torch.sqrt(var + eps))
     return out
@@ -458,8 +438,7 @@ def _stats_norm(x: Tensor, spans, eps: float, unbiased: bool = False, eps_outsid
 def request_norm(x: Tensor, cu_seqlens: Sequence[int], eps: float) -> Tensor:
     """BatchNorm's statistics taken per REQUEST: each feature of request r is normalised with its mean and
     biased variance over the rows ``cu_seqlens[r]:cu_seqlens[r+1]`` only. ``[T, d] -> [T, d]``."""
-    cu = list(cu_seqlens)
-    return _stats_norm(x, [(s, e, s, e) for s, e in zip(cu[:-1], cu[1:])], eps)
+    return _stats_norm(x, list(cu_seqlens), eps)
 
 
 def _same(got, want: Tensor, atol: float = 1e-4) -> bool:
@@ -478,7 +457,6 @@ BOUNDARY_SLIPS = (  # exercise 02.1's off-by-ones: which rows request r's statis
 def _request_norm_slips(x: Tensor, cu: list[int], eps: float) -> list[tuple[Tensor, str]]:
     """What the typical wrong answers of exercise 02.1 give on ``(x, cu, eps)``, each with its explanation."""
     spans = list(zip(cu[:-1], cu[1:]))
-    own = [(s, e, s, e) for s, e in spans]
     longest = max(e - s for s, e in spans)
     padded = [torch.cat([x[s:e], x.new_zeros(longest - (e - s), x.shape[1])]) for s, e in spans]  # [longest, d] each
     with warnings.catch_warnings():  # a slip's variance of one row (or none) warns: the slip, not the learner's
@@ -493,12 +471,12 @@ def _request_norm_slips(x: Tensor, cu: list[int], eps: float) -> list[tuple[Tens
              "longest request beside it"),
             (F.layer_norm(x, (x.shape[1],), eps=eps), "you normalised each ROW over its features (LayerNorm): that was "
              "safe already; BatchNorm normalises each FEATURE over tokens, and that is what the model was trained with"),
-            (_stats_norm(x, own, eps, unbiased=True), "the unbiased variance (divide by n - 1): F.batch_norm normalises "
+            (_stats_norm(x, cu, eps, unbiased=True), "the unbiased variance (divide by n - 1): F.batch_norm normalises "
              "with the biased one (divide by n), and n - 1 = 0 for a one-token request"),
-            (_stats_norm(x, own, eps, eps_outside=True), "eps added outside the square root: F.batch_norm computes "
+            (_stats_norm(x, cu, eps, eps_outside=True), "eps added outside the square root: F.batch_norm computes "
              "(x - mean) / sqrt(var + eps)"),
-            (_stats_norm(x, own, 0.0), "no eps: a one-token request has variance 0, and 0 / 0 is NaN"),
-        ] + [(_stats_norm(x, [(s, e, s + start, e + stop) for s, e in spans], eps),
+            (_stats_norm(x, cu, 0.0), "no eps: a one-token request has variance 0, and 0 / 0 is NaN"),
+        ] + [(_stats_norm(x, cu, eps, start, stop),
               f"off by one at a request boundary ({name}); request r is exactly the rows cu[r] to cu[r+1] - 1")
              for name, start, stop in BOUNDARY_SLIPS]
 
@@ -519,18 +497,16 @@ def check_request_norm(fn: Callable[[Tensor, list, float], Tensor]) -> bool:
 
     def judge(got, x, cu, eps):
         if x is dep_x:  # the explorer's two tests, on the learner's layer
-            dep, alone = two_tests(lambda t, c: fn(t, c, eps), x, lens)
-            seen = bi.reach_counts(dep, lens)
-            readers = seen["across_from"]  # input rows that reach the other request
-            if readers:
+            tests = two_tests(lambda t, c: fn(t, c, eps), x, lens)
+            if readers := tests["across_from"]:  # input rows that reach the other request
                 where = (f"only row {readers[0]} reaches across, one of the two rows at the boundary (cu[1] - 1 = "
                          f"{lens[0] - 1}, cu[1] = {lens[0]}): off by one at the boundary" if len(readers) == 1 and
                          readers[0] in (lens[0] - 1, lens[0]) else
                          f"{len(readers)} input rows reach the other request: the statistics read across the boundary")
-                return f"row_dependency: {seen['other_requests']} pairs across requests - {where}"
-            if alone["differ"]:
-                return (f"row_dependency finds no pair across requests, but request(s) {', '.join(alone['differ'])} run "
-                        f"alone get other numbers than in the batch (max |diff| {alone['max_diff']:.2g}): the layer "
+                return f"row_dependency: {tests['other_requests']} pairs across requests - {where}"
+            if tests["alone_differ"]:
+                return (f"row_dependency finds no pair across requests, but request(s) {', '.join(tests['alone_differ'])} "
+                        f"run alone get other numbers than in the batch (max |diff| {tests['alone_max_diff']:.2g}): the layer "
                         "depends on the batch in a way no row-to-row map shows (on T, on the longest request, or on "
                         "the flat row index)")
             return None
@@ -647,16 +623,13 @@ def check_row_parallel_diagnosis(fn: Callable[[RowParallelSuspect], str]) -> boo
 
 def batching_free(quantize: Callable[[Tensor], Tensor], seq_lens: Sequence[int] = ARTICLE_LENS) -> dict:
     """The engine's QKV linear (``REACH_CFG``'s block) with its input quantised by ``quantize``, run through
-    the explorer's two tests on a flat batch whose requests differ in size (B's numbers 30 times A's):
-    ``{"across" (row_dependency pairs across requests), "differ" (requests whose rows alone differ), "free"}``."""
+    the explorer's two tests on a flat batch whose requests differ in size (B's numbers 30 times A's): ``two_tests``'
+    dict (``"other_requests"``: pairs across requests, ``"alone_differ"``: requests whose rows alone differ, ``"free"``)."""
     lens = check_lengths(seq_lens)
     qkv = reach_model().layers[0].attn.qkv
     x = torch.randn(sum(lens), REACH_CFG.d_model, generator=torch.Generator().manual_seed(13))
     x[lens[0]:] *= 30
-    dep, alone = two_tests(lambda t, cu: qkv(quantize(t)), x, lens)
-    across = bi.reach_counts(dep, lens)["other_requests"]
-    return {"across": across, "differ": alone["differ"], "max_diff": alone["max_diff"],
-            "free": across == 0 and not alone["differ"]}
+    return two_tests(lambda t, cu: qkv(quantize(t)), x, lens)
 
 
 _WHY = {"per-tensor static": "a constant scale, fixed offline: batching stays free, but it cannot know the next request's "
@@ -713,16 +686,14 @@ def check_int8_quantizer(fn: Callable[[Tensor], Tensor]) -> bool:
             measured = batching_free(fn)
             if measured["free"]:
                 return None
-            return (f"not safe to batch flat, measured on the engine's QKV linear: {measured['across']} row pairs across "
-                    f"requests, request(s) that differ alone vs batched: {', '.join(measured['differ']) or 'none'} "
-                    f"(max |diff| {measured['max_diff']:.3g}): the scale of A's rows reads B's numbers (constraint 1)")
+            return (f"not safe to batch flat, measured on the engine's QKV linear: {measured['other_requests']} row pairs "
+                    f"across requests, request(s) that differ alone vs batched: {', '.join(measured['alone_differ']) or 'none'} "
+                    f"(max |diff| {measured['alone_max_diff']:.3g}): the scale of A's rows reads B's numbers (constraint 1)")
         problem = tensor_problem(got, bi.fake_int8(x, "per-token dynamic"), atol=1e-6, rtol=1e-5)
         if problem is None:
             return None
-        if isinstance(got, Tensor) and tuple(got.shape) == tuple(x.shape):
-            why = _int8_problem(got.detach(), x)
-            if why:
-                return f"{problem} - {why}"
+        if isinstance(got, Tensor) and tuple(got.shape) == tuple(x.shape) and (why := _int8_problem(got.detach(), x)):
+            return f"{problem} - {why}"
         return problem
 
     return grade("int8_quantizer", fn, cases, judge, "a scale per token, from its own features: the int32 sum can take it "
