@@ -4,8 +4,8 @@ and only inside its block.
 For every fault, a small engine call (its probe) is run before, with the fault on, and after: the
 result with the fault on must differ, the one after must equal the one before. The probes run the
 engine's public entry points, looked up at call time (a forward, ``varlen_attention``, the scheduler's plan, ``Engine``, the
-kernel's counters); ``all_reduce_in_64k_buckets`` breaks ``DistGroup``, which lives only in TP worker
-processes, so its probe is a TP=2 run (gloo, tiny model) whose workers see the fault through
+kernel's counters); the all-reduce faults break ``DistGroup``, which lives only in TP worker
+processes, so their probe is a TP=2 run (gloo, tiny model) whose workers see the fault through
 ``LESSONS_FAULTS``. Also: undo restores every patched name, nesting, unknown names, record mode.
 """
 from __future__ import annotations
@@ -171,13 +171,13 @@ def measured(path: str, *args):
     return value(*args) if args else value
 
 
-def tp2_collectives() -> int:
-    """All-reduces rank 0 recorded in one TP=2 forward (gloo, worker processes) of 300 tokens."""
+def tp2_forward() -> tuple[int, torch.Tensor]:
+    """One TP=2 forward (gloo, worker processes) of 300 tokens: the all-reduces rank 0 recorded, rank 0's hidden."""
     from lessons_lib.tp.trace import forward_worker
     from lessons_lib.tp.workers import launch
     cfg = ModelConfig(n_layers=1, d_model=64, n_heads=2, d_head=32, d_ffn=128, vocab_size=64, max_position=512)
     result = launch(forward_worker, 2, backend="gloo", args=(cfg, flat.pack([torch.arange(300) % 64])), verbose=False)
-    return len(result.traces[0])
+    return len(result.traces[0]), result.results[0][0]
 
 
 def plan(chunked: bool = True):
@@ -264,7 +264,8 @@ PROBES = {
 } | {name: kernel_runs for name in faults.FAULTS if name.startswith("kernel_")}
 
 
-WORKER_FAULTS = ("all_reduce_in_64k_buckets",)  # its probe is a TP=2 run (slow): test_the_tp2_workers_see_the_fault
+# their probe is a TP=2 run (slow): test_the_tp2_workers_see_the_fault...
+WORKER_FAULTS = ("all_reduce_in_64k_buckets", "all_reduce_sums_in_bfloat16")
 
 
 def test_every_fault_has_a_probe_and_a_name_and_what():
@@ -288,10 +289,17 @@ def test_fault_changes_what_the_engine_computes_inside_its_block_only(name):
 
 def test_the_tp2_workers_see_the_fault_through_the_environment_and_not_after_the_block():
     # 1 layer: attention out proj and FFN-down, one all-reduce each of 300 x 64 floats (76,800 B)
-    assert tp2_collectives() == 2
+    count, hidden = tp2_forward()
+    assert count == 2
     with faults.injected("all_reduce_in_64k_buckets"):
-        assert tp2_collectives() == 4  # each sent in two buckets of at most 64 KiB
-    assert tp2_collectives() == 2
+        assert tp2_forward()[0] == 4  # each sent in two buckets of at most 64 KiB
+    with faults.injected("all_reduce_sums_in_bfloat16"):
+        count_bf16, hidden_bf16 = tp2_forward()
+    assert count_bf16 == 2  # the same calls recorded: only the sums are rounded
+    # bfloat16 keeps 8 bits of mantissa: the sums move by ~2^-9 of their size, float32 rounding by ~2^-24
+    assert (hidden_bf16 - hidden).abs().max() > 1e-3 * hidden.abs().max()
+    count, again = tp2_forward()
+    assert count == 2 and torch.equal(again, hidden)
 
 
 def _bindings() -> dict:

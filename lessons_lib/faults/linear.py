@@ -50,6 +50,23 @@ def _all_reduce_in_buckets():
     return [swap_attr(groups.DistGroup, "all_reduce", all_reduce)]
 
 
+@fault("all_reduce_sums_in_bfloat16", "the real all-reduce sends its payload in bfloat16 to halve the bytes (the "
+       "trace still records the float32 tensor the layer handed over): every partial sum is rounded to 8 bits of "
+       "mantissa before it is added", "tp")
+def _all_reduce_sums_in_bfloat16():
+    import torch.distributed as dist
+
+    from ..core import groups
+
+    def all_reduce(self, tensor, *, layer=""):
+        wire = tensor.to(torch.bfloat16)
+        dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.process_group)
+        tensor.copy_(wire)
+        self.trace.append(groups.record(tensor, layer, self.rank, self.world_size))
+        return tensor
+    return [swap_attr(groups.DistGroup, "all_reduce", all_reduce)]
+
+
 def _fake_int8(x):
     scale = x.abs().max() / 127  # the bug: the largest value of ANY request sets every row's grid
     return torch.round(x / scale) * scale
