@@ -49,17 +49,13 @@ def _box(ax, x, y, w, h, color, text="", text_color="white", gid=None, fontsize=
 
 
 def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | None = None, tp: int = 2) -> Figure:
-    """Claims C11, C12, the idea before any count: the flat rows are cut by request (``cu_seqlens``),
-    the heads and features by rank (TP). Left: attention in one layer, per head its T x T score
-    matrix (ink outline) with one blue causal block per request (gid ``block-<request>-<head>``):
-    each block's queries read only its own request's keys, the cells between requests stay white. Right: a row-parallel
-    layer, each rank's partial sum of every row, one all-reduce (purple, gid ``allreduce``) for
-    all the rows. No trace counts (the lesson asks the reader to predict them)."""
+    """Claims C11, C12, before any count: the flat rows cut by request (``cu_seqlens``), the heads and features
+    by rank. Left: attention in one layer, per head its T x T scores (ink outline) with one blue causal block per
+    request (gid ``block-<request>-<head>``); right: a row-parallel layer whose one all-reduce (purple, gid
+    ``allreduce``) adds every row's partial sums. No trace counts (the lesson asks the reader to predict them)."""
     cfg = cfg or ModelConfig()
     lens = check_lengths(seq_lens)
-    if cfg.n_heads % tp:
-        raise ValueError(f"tp={tp} must divide n_heads={cfg.n_heads}")
-    t, h, hl, cu = sum(lens), cfg.n_heads, cfg.n_heads // tp, cumulative(lens)
+    t, h, hl, cu = sum(lens), cfg.n_heads, cfg.heads_per_rank(tp), cumulative(lens)
     fig = Figure(figsize=(13, 5.2))
     fig.text(0.01, 0.965, f"Two cuts of one forward at TP = {tp}: the requests cut the flat rows (cu_seqlens), "
              "tensor parallelism cuts the heads and the features. Neither cut needs the other.",
@@ -247,15 +243,6 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
             "outputs_equal": all(torch.equal(runs[0][0], out) for out, *_ in runs)}
 
 
-def _positions_text(lens: list[int]) -> str:
-    shown = [f"0..{n - 1}" if n > 1 else "0" for n in lens[:8]]
-    return ", ".join(shown) + (f", ... ({len(lens)} runs)" if len(lens) > 8 else "")
-
-
-def _numbers(values: Sequence[float]) -> str:
-    return "[" + ", ".join(f"{v:+.4f}" for v in values) + ", ...]"
-
-
 def tp_trace_html(state: dict) -> str:
     """What TP sees: one line per rank, then whether it equals one request's trace.
 
@@ -269,8 +256,10 @@ def tp_trace_html(state: dict) -> str:
 def tp_attention_html(state: dict) -> str:
     """What attention sees, the same on every rank: ``R = 3 | cu_seqlens [0, 14, 27, 40] | positions
     0..13, 0..12, 0..12 | max_seqlen 14``."""
-    cu, r = state["cu_seqlens"], len(state["seq_lens"])
-    return (f"<div>R = {r} | cu_seqlens {short_cu(cu)} | positions {_positions_text(state['seq_lens'])} | "
+    lens = state["seq_lens"]
+    positions = ", ".join(f"0..{n - 1}" if n > 1 else "0" for n in lens[:8]) + (
+        f", ... ({len(lens)} runs)" if len(lens) > 8 else "")
+    return (f"<div>R = {len(lens)} | cu_seqlens {short_cu(state['cu_seqlens'])} | positions {positions} | "
             f"max_seqlen {state['max_seqlen']}</div>")
 
 
@@ -284,7 +273,7 @@ def tp_ranks_html(state: dict) -> str:
     t, name = state["token"], request_name(state["token_request"])
     lines = [f"<div>rank {r}: heads {a}-{b} | sum L_i^2 = {state['cells']} cells per head per layer (whole blocks; "
              f"causal computes about half), {state['cells_per_rank']} per forward | out proj partial, token {t}: norm "
-             f"{state['partial_norms'][r]:.4f} {_numbers(state['partials'][r])}</div>"
+             f"{state['partial_norms'][r]:.4f} [{', '.join(f'{v:+.4f}' for v in state['partials'][r])}, ...]</div>"
              for r, (a, b) in enumerate(state["heads"])]
     ranks = " + ".join(f"rank {r}" for r in range(len(state["heads"])))
     ok = state["sum_err"] <= state["sum_allowed"]
@@ -308,7 +297,7 @@ def tp_packing_figure(state: dict) -> Figure:
     ax.axis("off")
     ax.set_xlim(0, 100)
     ax.set_ylim(-17, 60)
-    _error_panel(ax, state, 8.0, 90.0)
+    _error_panel(fig, state)
     x0, width = 8.0, 90.0
     if n_ar:
         rec = state["traces"][0][0]
@@ -372,37 +361,31 @@ def tp_packing_figure(state: dict) -> Figure:
     return fig
 
 
-_LOG_LO, _LOG_HI = -2, 6  # the error panel's range: 10^-2 to 10^6 times the allowed error
-
-
-def _error_panel(ax, state: dict, x0: float, width: float) -> None:
-    """Every flat token's max |sum - float64| / allowed after layer 0's out proj, log scale, at y -16..-3."""
-    import math
-    errs, allowed = state["token_errors"], state["sum_allowed"]
-    t, y0, h = len(errs), -15.5, 10.0
-    worst = max(errs) / allowed if allowed else math.inf
-    least = min(errs) / allowed if allowed else math.inf
+def _error_panel(fig: Figure, state: dict) -> None:
+    """Every flat token's max |sum - float64| / allowed after layer 0's out proj, on a log axis under the figure."""
+    ratios = [e / state["sum_allowed"] for e in state["token_errors"]]
+    t = len(ratios)
+    ax = fig.add_axes((0.08, 0.02, 0.9, 0.13))
+    ax.set_yscale("log")
+    ax.set_ylim(1e-2, 1e6)
+    ax.set_xlim(-0.5, t - 0.5)
+    ax.vlines(range(t), 1e-2, [min(max(r, 1e-2), 1e6) for r in ratios], colors=TEXT, linewidth=max(0.4, min(2.0, 45 / t)))
     what = "every token after the all-reduce: max |sum" if state["tp"] > 1 else "every token (tp = 1): max |out proj"
-    ax.text(x0 + width / 2, -1.2, f"{what} - float64| / allowed (log scale); least {least:.1e}, worst {worst:.1e}", ha="center",
-            va="top", fontsize=MIN_FONT + 1, color=TEXT)
-
-    def y_of(ratio):
-        v = math.log10(ratio) if ratio > 0 else _LOG_LO
-        return y0 + h * (min(max(v, _LOG_LO), _LOG_HI) - _LOG_LO) / (_LOG_HI - _LOG_LO)
-    scale = width / t
-    xs = [x0 + (j + 0.5) * scale for j in range(t)]
-    ax.vlines(xs, y0, [y_of(e / allowed) for e in errs], colors=TEXT, linewidth=max(0.4, min(2.0, 0.5 * scale)))
-    ax.plot([x0, x0 + width], [y_of(1.0)] * 2, color=TEXT, linewidth=0.8, linestyle=(0, (4, 2)))
-    ax.plot([x0, x0 + width], [y0] * 2, color=TEXT, linewidth=0.6)
-    for v, label in ((_LOG_LO, f"1e{_LOG_LO}"), (0, "1"), (_LOG_HI, f"1e+{_LOG_HI}")):
-        ax.text(x0 - 0.8, y_of(10.0 ** v), label, ha="right", va="center", fontsize=MIN_FONT, color=TEXT)
-    ax.text(x0 + width, y_of(1.0) + 0.3, "allowed", ha="right", va="bottom", fontsize=MIN_FONT, color=TEXT,
-            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
-    if state["tp"] > 1 and allowed:  # what adding the bias on every rank puts on every token: (tp - 1)·max|bias|
-        y_b = y_of(state["extra_bias"] / allowed)
-        ax.plot([x0, x0 + width], [y_b] * 2, color=TEXT, linewidth=0.8, linestyle=(0, (1, 1.5)))
-        ax.text(x0 + width, y_b + 0.3, f"(tp-1)·max|bias| = {state['extra_bias'] / allowed:.1e}", ha="right",
-                va="bottom", fontsize=MIN_FONT, color=TEXT, bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+    ax.set_title(f"{what} - float64| / allowed (log scale); least {min(ratios):.1e}, worst {max(ratios):.1e}",
+                 fontsize=MIN_FONT + 1, color=TEXT)
+    lines = [(1.0, (0, (4, 2)), "allowed")]
+    if state["tp"] > 1:  # what adding the bias on every rank puts on every token: (tp - 1)·max|bias|
+        extra = state["extra_bias"] / state["sum_allowed"]
+        lines.append((extra, (0, (1, 1.5)), f"(tp-1)·max|bias| = {extra:.1e}"))
+    for y, style, label in lines:
+        ax.axhline(y, color=TEXT, linewidth=0.8, linestyle=style)
+        ax.text(t - 0.5, y, label, ha="right", va="bottom", fontsize=MIN_FONT, color=TEXT,
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+    ax.set_xticks([])
+    ax.set_yticks([1e-2, 1, 1e6], labels=["1e-2", "1", "1e+6"])
+    ax.minorticks_off()
+    ax.tick_params(labelsize=MIN_FONT, colors=TEXT)
+    ax.spines[["top", "right"]].set_visible(False)
 
 
 def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: str = "quarter first", tp_size: int = 2,
@@ -449,18 +432,14 @@ def _vocab_problem(got: list, want: list, cfg: ModelConfig, lens: list, tp: int)
                 f"or gather")
     blocks = [g for g in got if g[1].startswith("layers.")]
     nb = len(blocks)
-    if nb == 16 != n:
-        return (f"got 16 all-reduces in the blocks, expected {n}: two per layer, and this model has "
-                f"cfg.n_layers = {cfg.n_layers}")
-    if nb in (3 * cfg.n_layers, 4 * cfg.n_layers) and nb != n:
-        return (f"got {nb} all-reduces in the blocks, expected {n}: QKV and FFN-up are column-parallel, each rank "
-                f"keeps its own output features and has nothing to add up; only out proj and FFN-down end in an "
-                f"all-reduce")
-    if len(lens) > 1 and nb == n * len(lens):
-        return (f"got {nb} all-reduces in the blocks, expected {n}: TP does not loop over requests, one all-reduce "
-                f"carries every flat row of the batch")
+    count_hints = ((nb == 16, f"two per layer, and this model has cfg.n_layers = {cfg.n_layers}"),
+                   (nb in (3 * cfg.n_layers, 4 * cfg.n_layers), "QKV and FFN-up are column-parallel, each rank keeps "
+                    "its own output features and has nothing to add up; only out proj and FFN-down end in an all-reduce"),
+                   (len(lens) > 1 and nb == n * len(lens), "TP does not loop over requests, one all-reduce carries "
+                    "every flat row of the batch"),
+                   (True, "two per layer (out proj, FFN-down)"))
     if nb != n:
-        return f"got {nb} all-reduces in the blocks, expected {n}: two per layer (out proj, FFN-down)"
+        return f"got {nb} all-reduces in the blocks, expected {n}: " + next(hint for seen, hint in count_hints if seen)
     wte = [g for g in got if g[1] == "wte"]
     head = [g for g in got if g[1] == "lm_head"]
     others = [g for g in got if not g[1].startswith("layers.") and g[1] not in ("wte", "lm_head")]
@@ -672,13 +651,11 @@ _LAYOUT_CASES = ((32, 128, 32, 8, 2, 256, 8192, 24 * GiB), (32, 128, 32, 8, 2, 2
 def _layout_problem(got, h, dh, layers, gpus, nbytes, reqs, tokens, budget) -> str | None:
     want = best_layout(h, dh, layers, gpus, nbytes, reqs, tokens, budget)
     gib = lambda b: f"{b / GiB:g} GiB"
+    if want is not None:
+        best = (f"at tp = {want[1]}, pp = {want[2]}, dp = {want[3]} the engine's rank holds "
+                f"{gib(layout_cache_bytes(h, want[0], dh, layers, nbytes, reqs, tokens, *want[1:]))}")
     if got is None:
-        if want is None:
-            return None
-        kv, tp, pp, dp = want
-        held = layout_cache_bytes(h, kv, dh, layers, nbytes, reqs, tokens, tp, pp, dp)
-        return (f"got None, but {kv} K/V heads fit: at tp = {tp}, pp = {pp}, dp = {dp} the engine's rank holds "
-                f"{gib(held)} of a {gib(budget)} budget")
+        return None if want is None else f"got None, but {want[0]} K/V heads fit: {best} of a {gib(budget)} budget"
     try:
         kv, tp, pp, dp = (int(x) for x in got)
         if any(isinstance(x, bool) for x in got):
@@ -702,14 +679,10 @@ def _layout_problem(got, h, dh, layers, gpus, nbytes, reqs, tokens, budget) -> s
                "split the layers or the requests over more GPUs, or fewer K/V heads shrink every token")
         return f"{kv} K/V heads: {where}, over the {gib(budget)} budget" + why + (
             "; here no layout fits even one K/V head: return None" if want is None else "")
-    if want is None:
-        raise RuntimeError(f"the rule found no layout, yet {got} fits on the engine ({gib(held)})")
-    if kv < want[0]:
-        best = layout_cache_bytes(h, want[0], dh, layers, nbytes, reqs, tokens, *want[1:])
-        return (f"{kv} K/V heads fit ({where}), but {want[0]} fit too: at tp = {want[1]}, pp = {want[2]}, "
-                f"dp = {want[3]} a rank holds {gib(best)}; every head shared costs quality")
-    if kv > want[0]:
+    if want is None or kv > want[0]:
         raise RuntimeError(f"{got} fits on the engine ({gib(held)}) beyond the rule's best {want}")
+    if kv < want[0]:
+        return f"{kv} K/V heads fit ({where}), but {want[0]} fit too: {best}; every head shared costs quality"
     return None
 
 
@@ -731,15 +704,12 @@ _CFG_CUT = ModelConfig(n_layers=1, d_model=64, n_heads=4, d_head=16, d_ffn=128, 
 def cut_evidence(cut: str, tp: int, seq_lens: Sequence[int], cfg: ModelConfig | None = None) -> tuple:
     """What a doctor of a TP forward sees, for ranks built and run under ``cut_faults(cut)`` on ``tp``
     thread ranks that really add: ``(error, bias, allowed, tp)``. ``error`` ``[T, d_model]``, float64: rank
-    0's layer-0 out proj output (after its all-reduce and bias, as the engine's forward produced it)
-    minus the one-process out proj in float64; ``bias`` the out proj's bias; ``allowed`` the
-    tolerance rule's bound of the one-process float32 result."""
+    0's layer-0 out proj output (after its all-reduce and bias) minus the one-process out proj in float64;
+    ``bias`` the out proj's bias; ``allowed`` the tolerance rule's bound of the one-process float32 result."""
     cfg = cfg or _CFG_CUT
-    check_choice("cut", cut, CUTS)
     tp = check_int("tp", tp, 1, cfg.n_heads)
-    ids = torch.randint(0, cfg.vocab_size, (sum(check_lengths(seq_lens)),), generator=torch.Generator().manual_seed(0))
     with cut_faults(cut):
-        error, bias, allowed = module_error_in_threads(cfg, init_weights(cfg, seed=0), pack(list(ids.split(list(seq_lens)))),
+        error, bias, allowed = module_error_in_threads(cfg, init_weights(cfg, seed=0), explorer_batch(cfg, seq_lens),
                                                        tp, TAPPED)
     return error, bias, allowed, tp
 
@@ -749,7 +719,9 @@ _CUT_CASES = ((2, [10, 30], ENGINE_CUT), (2, [10, 30], BIAS_CUT), (2, [10, 30], 
               (4, [5, 7], NAIVE_CUT), (4, [3, 9], ENGINE_CUT), (1, [12], NAIVE_CUT), (1, [4, 8], BIAS_CUT))
 
 
-_CUT_EVIDENCE: dict = {}
+@functools.lru_cache(maxsize=1)  # computed once per process; the checker hands out copies
+def _cut_evidences() -> tuple:
+    return tuple(cut_evidence(cut, tp, lens) for tp, lens, cut in _CUT_CASES)
 
 
 def _cut_problem(got, want: str, error: Tensor, bias: Tensor, allowed: float, tp: int) -> str | None:
@@ -780,15 +752,8 @@ def check_cut_diagnosis(fn: Callable[[Tensor, Tensor, float, int], str]) -> bool
     evidence of ``cut_evidence`` (the engine's when the result is right, also at tp = 1, where both
     broken cuts compute the right thing). Cases: tp = 2 and 4 with each cut, and tp = 1."""
     cases = [(tp, list(lens), f"mystery {i + 1}") for i, (tp, lens, _) in enumerate(_CUT_CASES)]
-    if not _CUT_EVIDENCE:                                       # computed once per process, handed out as copies
-        _CUT_EVIDENCE.update({case[2]: cut_evidence(cut, tp, lens) for case, (tp, lens, cut) in zip(cases, _CUT_CASES)})
-    evidence = {name: (e.clone(), b.clone(), a, tp) for name, (e, b, a, tp) in _CUT_EVIDENCE.items()}
+    evidence = {case[2]: (e.clone(), b.clone(), a, tp) for case, (e, b, a, tp) in zip(cases, _cut_evidences())}
     truth = {case[2]: cut for case, (*_, cut) in zip(cases, _CUT_CASES)}
-
-    def run(tp, lens, name):
-        return fn(*evidence[name])
-
-    def judge(got, tp, lens, name):
-        return _cut_problem(got, truth[name], *evidence[name])
-    return grade("cut_diagnosis", fn=run, cases=cases, judge=judge,
+    return grade("cut_diagnosis", fn=lambda tp, lens, name: fn(*evidence[name]), cases=cases,
+                 judge=lambda got, tp, lens, name: _cut_problem(got, truth[name], *evidence[name]),
                  done="the engine's cut, the naive QKV cut and the bias on every rank, at tp = 1, 2 and 4")
