@@ -13,6 +13,7 @@ Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -29,13 +30,13 @@ from ..core.attention import attention_ref, block_diag_mask, dense_attention, pl
 from ..core.batch import cumulative, pack, seq_lens_to_cu_seqlens
 from ..core.config import ModelConfig
 from ..core.kernels import resolve_backend
-from ..core.model import Transformer, init_weights
+from ..core.model import Transformer
 from ..measure.flops import METHODS, AttentionWaste, attention_cell_grid, attention_cells, attention_waste
 from ..measure.kernel_runs import kernel_missing, kernel_qkv, run_kernel
 from ..measure.profile import attention_calls, cpu_threads, random_qkv, record_attention, recorded_cells, time_call
 from ..measure.recorder import OpRecorder
 from ..measure.tolerance import float64_twin, max_abs_diff, tolerance
-from ..ops.tiling import key_tiles, predict_work
+from ..ops.tiling import cdiv, key_tiles, predict_work
 from ..style import CELL_CMAP, CELL_COLORS, CELL_LABELS, MIN_FONT, NEVER, SKIPPED, TEXT, USEFUL, WASTE, WASTED, short_lens
 from ..validate import check_int, check_lengths, is_int, lengths
 from .explore import explorer, html_table, ipywidgets_module, parse_lengths, show_figure, tagged
@@ -102,8 +103,7 @@ def waste_text(w: AttentionWaste, method: str, causal: bool) -> str:
 
 def _draw_attention(ax, lens: list[int], method: str, causal: bool, whole_blocks: bool, title: str) -> None:
     grid = attention_categories(lens, method, causal, whole_blocks)
-    lmax = max(lens)
-    n = len(lens) * lmax if method == "padded" else sum(lens)
+    lmax, n = max(lens), len(grid)  # n x n cells: padded's R·Lmax rows, the flat T rows
     ax.imshow(grid, cmap=CELL_CMAP, vmin=0, vmax=2, interpolation="nearest", extent=(0, n, n, 0))
     for side in ax.spines.values():  # a frame, so that never-computed (white) cells have an edge
         side.set_visible(True)
@@ -199,7 +199,6 @@ def measured_sweep(rs: Sequence[int], runs: dict, length: int, where: str) -> Fi
     for ax, key, ylabel in zip(axes, ("ms", "mib"), ("ms per call (fastest of several)", "peak memory of one call (MiB)")):
         ax.plot(list(rs), masked[key], "o-", color=TEXT, label="masked (full T x T scores)")
         ax.plot(list(rs), varlen[key], "s-.", color=TEXT, label=f"varlen ({varlen_name})")
-        # reference slopes, drawn at half the last point so that they run beside the measured lines, not over them
         for slope, ys, style in ((2, masked[key], (0, (6, 3))), (1, varlen[key], (0, (3, 3)))):
             x0, y0 = rs[-1], ys[-1] / 2
             ax.plot(list(rs), [y0 * (r / x0) ** slope for r in rs], color=TEXT, linewidth=0.8, linestyle=style,
@@ -217,11 +216,12 @@ def measured_sweep(rs: Sequence[int], runs: dict, length: int, where: str) -> Fi
 
 # ---- the 128-row tile -------------------------------------------------------------------------------
 
-def _draw_tiles(ax, n: int, tile: int, x0: float = 0.0) -> None:
+def _draw_tiles(ax, n: int, tile: int, x0: float = 0.0) -> int:
     """One request of ``n`` tokens on a ``tile x tile`` grid at ``x0``: computed tiles vermillion (computed, then
     masked and thrown away, as in the causal picture) with an ink edge, skipped tiles white with an ink hatch, the
-    cells the causal mask keeps blue on top, the request's end a dashed ink line."""
-    side = -(-n // tile) * tile
+    cells the causal mask keeps blue on top, the request's end a dashed ink line. Returns the grid's side (``n`` up
+    to whole tiles)."""
+    side = cdiv(n, tile) * tile
     for m in range(0, n, tile):
         computed, _ = key_tiles(n, n, m, tile, tile, causal=True)
         for j in range(side // tile):
@@ -237,6 +237,7 @@ def _draw_tiles(ax, n: int, tile: int, x0: float = 0.0) -> None:
     if n < side:
         ax.plot([x0 + n, x0 + n], [0, side], color=TEXT, linewidth=1.0, linestyle="--")
         ax.plot([x0, x0 + side], [n, n], color=TEXT, linewidth=1.0, linestyle="--")
+    return side
 
 
 @register("03_tile_grid", lesson="03",
@@ -262,8 +263,7 @@ def tile_grid(tile: int = 128, short: Sequence[int] = ARTICLE_LENS, long: int = 
     left.set_yticks([0, tile])
     left.set_title(f"lengths {short_lens(lens)}: {ws.tiles} tiles computed,\n{ws.executed_cells} cells executed "
                    f"for {attention_cells(lens, 'varlen', causal=True).useful} kept", fontsize=MIN_FONT + 1)
-    _draw_tiles(right, n_long, tile)
-    side = -(-n_long // tile) * tile
+    side = _draw_tiles(right, n_long, tile)
     right.set_xlim(-8, side + 8)
     right.set_ylim(side + 8, -8)
     right.set_xticks(range(0, side + 1, 2 * tile))
@@ -473,11 +473,7 @@ def attention_run_explorer(lengths: str = RUN_DEFAULT, causal: bool = True):
 
 # ---- exercises -------------------------------------------------------------------------------------------
 
-def _qkv(lens, h, d, seed):
-    return (*random_qkv(lens, h, d, seed=seed), max(lens))
-
-
-def _where_wrong(got: Tensor, want: Tensor, cu: list[int], max_seqlen: int | None = None) -> str:
+def _where_wrong(got: Tensor, want: Tensor, cu: list[int], max_seqlen: int) -> str:
     """Where the first wrong row is; and when a gathered slot past an earlier request's end (row ``cu[j] + p``,
     ``p >= L_j``, clamped to the last row) lands on it, that a pad query's output was written back over it."""
     bad = ((got.double() - want.double()).abs() > 1e-4) | ~torch.isfinite(got)
@@ -485,12 +481,11 @@ def _where_wrong(got: Tensor, want: Tensor, cu: list[int], max_seqlen: int | Non
     if not rows.numel():
         return ""
     row, t = int(rows[0]), cu[-1]
-    r = max(i for i in range(len(cu) - 1) if cu[i] <= row)
+    r = bisect.bisect_right(cu, row) - 1
     where = f" (first wrong row {row}: request {r}, position {row - cu[r]})"
-    pads = [j for j in range(len(cu) - 1) if max_seqlen is not None
-            and any(min(cu[j] + p, t - 1) == row for p in range(cu[j + 1] - cu[j], max_seqlen))]
-    if pads:
-        j = pads[0]
+    j = next((j for j in range(len(cu) - 1)
+              if any(min(cu[j] + p, t - 1) == row for p in range(cu[j + 1] - cu[j], max_seqlen))), None)
+    if j is not None:
         clamped = " (clamped to the last row)" if cu[j] + max_seqlen > t else ""
         where += (f". Row {row} is also where a gathered slot past request {j}'s end ({cu[j + 1] - cu[j]} tokens) "
                   f"points{clamped}: a pad query. Writing back all R x max_seqlen slots puts a pad query's output "
@@ -503,7 +498,7 @@ def _engine_case(fn) -> tuple[float, float]:
     cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_ffn=128, vocab_size=100, max_position=64)
     g = torch.Generator().manual_seed(2)
     batch = pack([torch.randint(0, 100, (n,), generator=g) for n in (9, 3, 14)])
-    model = Transformer(cfg, init_weights(cfg, seed=1))
+    model = Transformer(cfg, seed=1)
     ref = model.forward(batch, attn_backend="loop")
     ref64 = float64_twin(model).forward(batch, attn_backend="loop")
     return max_abs_diff(model.forward(batch, attn_backend=fn), ref64), tolerance(ref, ref64)
@@ -515,20 +510,15 @@ def _as_backend(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_s
 
 
 def _reads_later_keys(fn: Callable, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> int | None:
-    """The first request whose query 0 changes when its keys and values at positions 1.. change (a causal query 0
-    reads key 0 only), measured by running ``fn`` again; None if none does."""
+    """The first request whose query 0 changes when the key and value of a later row of its request change (a causal
+    query 0 reads key 0 only), measured with ``probe.row_dependency`` on ``fn`` (NaN read as 0); None if none does."""
+    def attend(kv):  # [T, 2, H, D] -> fn's output for the fixed queries
+        return _as_backend(fn, q, kv[:, 0].contiguous(), kv[:, 1].contiguous(), cu, max_seqlen).nan_to_num()
     try:
-        base = _as_backend(fn, q, k, v, cu, max_seqlen)
-        for j, (s, e) in enumerate(zip(cu.tolist()[:-1], cu.tolist()[1:])):
-            k2, v2 = k.clone(), v.clone()
-            k2[s + 1:e] += 1.0
-            v2[s + 1:e] += 1.0
-            got = _as_backend(fn, q, k2, v2, cu, max_seqlen) if e - s > 1 else base
-            if not torch.allclose(got[s].double(), base[s].double(), atol=1e-5, rtol=0, equal_nan=True):
-                return j
+        dep = row_dependency(attend, torch.stack((k, v), 1))
     except Exception:  # the answer is already wrong; this only refines the message
         return None
-    return None
+    return next((j for j, (s, e) in enumerate(zip(cu.tolist()[:-1], cu.tolist()[1:])) if dep[s, s + 1:e].any()), None)
 
 
 def _one_launch(fn: Callable) -> tuple | object:
@@ -536,9 +526,9 @@ def _one_launch(fn: Callable) -> tuple | object:
     length), its score cells per head and T for 12, and the engine's attention functions it called."""
     made, engine = [], []
     for lens in ([5, 3], [5, 3, 8, 1, 12, 2, 7, 4, 10, 6, 11, 9]):
-        q, k, v, cu, m = _qkv(lens, 2, 8, 7)
+        q, k, v, cu = random_qkv(lens, 2, 8, seed=7)
         with OpRecorder() as seen:
-            got, called = attention_calls(_as_backend, fn, q, k, v, cu, m)
+            got, called = attention_calls(_as_backend, fn, q, k, v, cu, max(lens))
         if not isinstance(got, Tensor):
             return got
         made.append(len(seen.matmuls))
@@ -572,7 +562,8 @@ def check_causal_varlen(fn: Callable) -> bool:
     """Exercise 03.1: ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
     softmax_scale=None) -> [T, H, D]``, causal varlen attention in ONE batched computation (as many matmuls
     for 2 requests as for 12), with the engine's backend contract (it is plugged into a model as one)."""
-    cases = [_qkv([10, 30], 2, 8, 4), _qkv([3, 1, 5], 1, 4, 5), _qkv([4, 6, 6, 2], 2, 8, 6), ("engine",), ("one launch",)]
+    batches = (([10, 30], 2, 8, 4), ([3, 1, 5], 1, 4, 5), ([4, 6, 6, 2], 2, 8, 6))  # lengths, heads, d_head, seed
+    cases = [(*random_qkv(lens, h, d, seed=seed), max(lens)) for lens, h, d, seed in batches] + [("engine",), ("one launch",)]
 
     def judge(got, *case):
         if case == ("engine",):
@@ -629,31 +620,22 @@ COUNTER_CASES = (("unequal", 10), ("unequal", 100), ("unequal", 500), ("crowded"
 COUNTER_MAX_TOKENS, COUNTER_MAX_REQUESTS = 2048, 64
 
 
-def _counter_problem(got, rule: str, k: int) -> str | None:
-    """What makes ``got`` no batch for this case (its type, its limits, the rule's condition), or None."""
-    if not isinstance(got, (list, tuple)) or not got or not all(is_int(n) for n in got):
-        return f"expected a non-empty list of request lengths (ints), got {got!r}"
-    lens = [int(n) for n in got]
-    if min(lens) < 1 or sum(lens) > COUNTER_MAX_TOKENS or len(lens) > COUNTER_MAX_REQUESTS:
-        return (f"lengths {lens}: every request needs at least 1 token, at most {COUNTER_MAX_REQUESTS} requests "
-                f"and {COUNTER_MAX_TOKENS} tokens in all (this batch: {len(lens)} requests, {sum(lens)} tokens)")
-    if rule == "unequal" and max(lens) < k * min(lens):
-        return (f"lengths {lens}: the longest is only {max(lens) / min(lens):.3g} times the shortest; the rule "
-                f"speaks of batches where it is at least {k} times")
-    if rule == "crowded" and len(lens) < k:
-        return f"lengths {lens}: {len(lens)} requests; the rule speaks of batches of at least {k}"
-    return None
-
-
 def check_counter_example(fn: Callable[[str, int], list]) -> bool:
     """Exercise 03.2: ``fn(rule, k) -> list of lengths`` breaking ``COUNTER_RULES[rule][0]`` for this ``k`` (whole
     blocks, no causal mask): ``"unequal"``, longest >= k x shortest and masking wastes MORE than padding;
     ``"crowded"``, at least k requests and masking wastes LESS. Measured by ``profile.recorded_cells`` on ``COUNTER_CASES``."""
-    def judge(got, rule, k):
-        problem = _counter_problem(got, rule, k)
-        if problem:
-            return problem
+    def judge(got, rule, k):  # first what makes got no batch for this case (type, limits, the rule's condition)
+        if not isinstance(got, (list, tuple)) or not got or not all(is_int(n) for n in got):
+            return f"expected a non-empty list of request lengths (ints), got {got!r}"
         lens = [int(n) for n in got]
+        if min(lens) < 1 or sum(lens) > COUNTER_MAX_TOKENS or len(lens) > COUNTER_MAX_REQUESTS:
+            return (f"lengths {lens}: every request needs at least 1 token, at most {COUNTER_MAX_REQUESTS} requests "
+                    f"and {COUNTER_MAX_TOKENS} tokens in all (this batch: {len(lens)} requests, {sum(lens)} tokens)")
+        if rule == "unequal" and max(lens) < k * min(lens):
+            return (f"lengths {lens}: the longest is only {max(lens) / min(lens):.3g} times the shortest; the rule "
+                    f"speaks of batches where it is at least {k} times")
+        if rule == "crowded" and len(lens) < k:
+            return f"lengths {lens}: {len(lens)} requests; the rule speaks of batches of at least {k}"
         cells = recorded_cells(lens)
         m, p = cells["masked"] - cells["loop"], cells["padded"] - cells["loop"]
         if (m > p) if rule == "unequal" else (m < p):
