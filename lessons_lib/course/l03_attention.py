@@ -1,15 +1,12 @@
-"""What lesson 03 (masked vs varlen attention) measures, draws, explores and checks.
+"""What lesson 03 (masked vs varlen attention, notebooks/03_masked_vs_varlen_attention.ipynb) measures, draws,
+explores and checks:
 
-- ``attention_dependency`` (who reads whom, C7, C10) and ``kernel_work`` (the engine's Triton kernel under its
-  counters, beside ``tiling.predict_work``, C10);
-- ``attention_categories`` / ``attention_patterns``: the padded, masked and varlen score matrices, one colour per
-  cell category (useful, computed and thrown away, never computed) (C2, C8, C10); ``masked_growth``,
-  ``measured_sweep`` (C9); ``tile_grid``: the 128-row tile;
-- the attention-run explorer (``attention_run_state`` + ``attention_run_explorer``): the engine's loop,
-  masked, padded and varlen backends run on the learner's lengths under ``OpRecorder``;
-- the checkers of exercises 03.1-03.3.
-
-Taught in notebooks/03_masked_vs_varlen_attention.ipynb.
+- measured: ``attention_dependency`` (who reads whom, C7, C10), ``kernel_work`` (the engine's Triton kernel's own
+  counters beside ``tiling.predict_work``, C10);
+- drawn: ``attention_patterns``, the padded, masked and varlen score matrices with one colour per cell category of
+  ``attention_categories`` (C2, C8, C10); ``masked_growth``, ``measured_sweep`` (C9); ``tile_grid``, the 128-row tile;
+- the attention-run explorer (``attention_run_state`` + ``attention_run_explorer``): the engine's loop, masked,
+  padded and varlen backends run on the learner's lengths under ``OpRecorder``; the checkers of exercises 03.1-03.3.
 """
 from __future__ import annotations
 
@@ -49,8 +46,7 @@ KERNEL_MISSING = kernel_missing()
 
 # ---- claims helpers: what the engine computes, measured ---------------------------------------------
 
-def attention_dependency(seq_lens: Sequence[int], backend: str | None = "loop", causal: bool = True,
-                         seed: int = 0) -> Tensor:
+def attention_dependency(seq_lens: Sequence[int], backend: str | None = "loop", causal: bool = True, seed: int = 0) -> Tensor:
     """Bool ``[T, T]``, measured with ``probe.row_dependency``: True where output row i of attention
     changes when input row j does. Each row's q, k and v (one head of 8) are cut from its 24 numbers.
     ``backend=None``: plain attention over all T rows as one sequence (no ``cu_seqlens``)."""
@@ -70,9 +66,8 @@ def attention_dependency(seq_lens: Sequence[int], backend: str | None = "loop", 
 def kernel_work(seq_lens: Sequence[int], tile: int, causal: bool = True, seed: int = 0):
     """``kernel_runs.run_kernel``'s counters for one launch on ``kernel_runs.kernel_qkv``'s q, k, v for ``seq_lens``
     (one head of 64, ``tile x tile`` tiles; on a CPU Triton's interpreter runs each program in NumPy: keep the
-    lengths to a few tiles), beside ``tiling.predict_work``'s for the same launch.
-
-    Returns ``(counted, predicted)``, two ``tiling.WorkCounts``, or ``(None, why)`` where the kernel does not run."""
+    lengths to a few tiles), beside ``tiling.predict_work``'s for the same launch: ``(counted, predicted)``, two
+    ``tiling.WorkCounts``, or ``(None, why)`` where the kernel does not run."""
     lens = check_lengths(seq_lens)
     if KERNEL_MISSING:
         return None, KERNEL_MISSING
@@ -348,8 +343,7 @@ def _kib(nbytes: int | None) -> str:
 
 
 def run_label(state: dict, name: str) -> str:
-    backend = state["rows"][name]["backend"]
-    return {"loop": "loop (one call per request)", "varlen": f"varlen ({backend})"}.get(name, name)
+    return {"loop": "loop (one call per request)", "varlen": f"varlen ({state['rows'][name]['backend']})"}.get(name, name)
 
 
 RUN_COLUMNS = ("backend", "cells computed (sdpa: handed in)", "predicted", "score matrices", "largest stored", "max err vs fp64",
@@ -373,9 +367,8 @@ def attention_run_summary_html(state: dict) -> str:
     html = (f"<div>lengths {lens} | T = {sum(lens)} rows | {RUN_HEADS} heads of {RUN_D_HEAD}, float32 | cells per head | "
             f"{mask}: {state['useful']} | error bound {state['bound']:.2e} | time: this CPU, one thread, fastest of "
             f"{RUN_REPEATS} calls, noisy</div><div>a tiled kernel (128 x 128 tiles, predicted by tiling.predict_work, "
-            f"not run here): {t.tiles} tiles, {t.executed_cells} cells executed, {t.cells} in-bounds cells of computed "
-            "tiles</div>"
-            f"<div>measured waste outside the requests' blocks (cells computed minus the loop's {state['in_blocks']}): "
+            f"not run here): {t.tiles} tiles, {t.executed_cells} cells executed, {t.cells} in-bounds cells of computed tiles"
+            f"</div><div>measured waste outside the requests' blocks (cells computed minus the loop's {state['in_blocks']}): "
             f"masked {m} cross-request cells, padded {p} pad cells per head: {verdict}</div>")
     if not state["causal"]:
         return html
@@ -405,8 +398,7 @@ def attention_run_figure(state: dict) -> Figure:
     """Score cells per head of each backend, stacked on a linear axis: useful, thrown away above the causal
     diagonal (cross-hatched), thrown away outside the blocks; a fused kernel's bar (sdpa) white and hatched: what
     it was handed, not what it executed. Beside each bar: the largest score tensor stored and the time."""
-    names = list(state["rows"])
-    rows = [state["rows"][n] for n in names]
+    rows = list(state["rows"].values())
     useful = state["useful"]
     fig = Figure(figsize=(8.4, 3.6))
     ax = fig.add_subplot()
@@ -427,7 +419,7 @@ def attention_run_figure(state: dict) -> Figure:
                 transform=ax.get_yaxis_transform())
     ax.set_xlim(0, max(r["cells"] for r in rows) * 1.2)
     ax.xaxis.set_major_locator(MaxNLocator(5))
-    ax.set_yticks(range(len(names)), [run_label(state, n) for n in names], fontsize=MIN_FONT)
+    ax.set_yticks(range(len(rows)), [run_label(state, n) for n in state["rows"]], fontsize=MIN_FONT)
     ax.invert_yaxis()
     ax.tick_params(labelsize=MIN_FONT)
     ax.set_xlabel(f"score cells per head (OpRecorder), linear; useful: {useful}", fontsize=MIN_FONT)
@@ -615,8 +607,7 @@ COUNTER_RULES = {  # rule: (the rule of thumb, the question asked when a batch k
                 "Many requests do not make pairs costly if most of them are small: what does one long request "
                 "among them do to padding, and what to masking?"),
 }
-COUNTER_CASES = (("unequal", 10), ("unequal", 100), ("unequal", 500), ("crowded", 8), ("crowded", 16),
-                 ("crowded", 48))
+COUNTER_CASES = (("unequal", 10), ("unequal", 100), ("unequal", 500), ("crowded", 8), ("crowded", 16), ("crowded", 48))
 COUNTER_MAX_TOKENS, COUNTER_MAX_REQUESTS = 2048, 64
 
 
