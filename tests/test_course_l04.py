@@ -209,7 +209,7 @@ def test_c12_rank_partials_of_a_request_ignore_a_request_before_it_but_not_a_cut
 def test_packing_state_sum_check_can_fail():
     """A rank that sent twice its partial sums would be caught by the sum row."""
     s = L.tp_packing_state(40, 2)
-    rank0 = L._explorer_ranks(ModelConfig(vocab_size=1000, max_position=2048), 2, L.ENGINE_CUT)[0]
+    rank0 = L._explorer_models(ModelConfig(vocab_size=1000, max_position=2048), 2, L.ENGINE_CUT)[0][0]
     layer = rank0.layers[0].attn.out_proj
     with torch.no_grad():
         layer.weight.mul_(2)
@@ -604,7 +604,7 @@ def test_layout_checker_accepts_the_reference_and_explains_the_replication_trap(
     assert "got None, but 4 K/V heads fit" in attempt(L.check_layout, lambda *a: None)
     assert "use each once" in attempt(L.check_layout, lambda *a: (4, 4, 1, 1))
     assert "must divide n_heads" in attempt(L.check_layout, lambda *a: (3, 1, 1, 8))
-    assert "expected (n_kv_heads, tp, pp, dp)" in attempt(L.check_layout, lambda *a: "tp=4")
+    assert "expected a tuple (n_kv_heads, tp, pp, dp)" in attempt(L.check_layout, lambda *a: "tp=4")
 
 
 # --- Exercise 04.3: which cut is broken ----------------------------------------------------------

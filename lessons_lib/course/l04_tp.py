@@ -1,10 +1,7 @@
-"""What lesson 04 (TP=2 does not care how the tokens are packed) draws, explores and checks.
-
-Figures ``04_two_axes`` (requests cut the flat rows, TP cuts the heads), ``04_trace_timeline`` (one TP=2 forward
-per rank, the same for 1, 2 and 40 requests), ``04_gqa_replicas``. The broken cuts of the control rows are the
-engine's named faults (``CUTS``, ``cut_faults``). Explorer ``tp_packing_explorer`` (``tp_packing_state``).
-Exercise checkers ``check_vocab_trace`` (04.1), ``check_kv_plan`` (04.2), ``check_cut_diagnosis`` (04.3),
-``check_layout`` (04.4).
+"""What lesson 04 (TP=2 does not care how the tokens are packed) draws, explores and checks: figures
+``04_two_axes``, ``04_trace_timeline``, ``04_gqa_replicas``; the broken cuts of the control rows as the engine's
+named faults (``CUTS``, ``cut_faults``); explorer ``tp_packing_explorer``; exercise checkers ``check_vocab_trace``
+(04.1), ``check_kv_plan`` (04.2), ``check_cut_diagnosis`` (04.3), ``check_layout`` (04.4).
 
 Taught in notebooks/04_tp2_invariance.ipynb.
 """
@@ -34,7 +31,7 @@ from ..validate import check_choice, check_int, check_lengths
 from .check import Bound
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import ARTICLE_LENS, register
-from .grading import grade
+from .grading import grade, int_tuple
 from .trace_figures import short_cu, tp_trace_timeline
 
 Tensor = torch.Tensor
@@ -61,8 +58,9 @@ def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | N
              "tensor parallelism cuts the heads and the features. Neither cut needs the other.",
              fontsize=MIN_FONT + 2, color=TEXT, va="top")
 
-    ax = fig.add_axes((0.1, 0.07, 0.44, 0.72))
+    ax, bx = fig.add_axes((0.1, 0.07, 0.44, 0.72)), fig.add_axes((0.58, 0.07, 0.41, 0.72))  # attention, a linear
     ax.axis("off")
+    bx.axis("off")
     gap = 0.8
 
     def hx(j):  # x of head j: a gap between the ranks
@@ -71,6 +69,7 @@ def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | N
     for i, n in enumerate(lens):
         y = t - cu[i + 1]                      # the first request on top
         ax.add_patch(Rectangle((-1.6, y), 1.1, n, facecolor=request_color(i), edgecolor="white"))
+        bx.add_patch(Rectangle((-0.9, y), 0.7, n, facecolor=request_color(i), edgecolor="white"))
         ax.text(-1.7, y + n / 2, f"request {request_name(i)}\n{n} tokens", ha="right", va="center",
                 fontsize=MIN_FONT, color=TEXT)
         for j in range(h):  # head j's score matrix, keys across: request i's causal block, its own keys only
@@ -85,6 +84,8 @@ def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | N
         a = hx(r * hl)
         ax.text(a + (hl - 0.1) / 2, t + 1.2, f"rank {r}: heads {r * hl}-{(r + 1) * hl - 1}", ha="center",
                 va="bottom", fontsize=MIN_FONT + 1, color=TEXT)
+        _box(bx, r * 3.4, 0, 2.6, t, LINEAR, f"rank {r}: input\n[T, {hl * cfg.d_head}], its\n"
+             f"heads {r * hl}-{(r + 1) * hl - 1}\n→ partial sum\nof every row\n[T, {cfg.d_model}]", fontsize=MIN_FONT + 1)
         if r:
             mid = a - gap / 2 - 0.05
             ax.plot([mid, mid], [-0.5, t + 0.5], color=TEXT, linewidth=1.2, linestyle=(0, (4, 2)))
@@ -94,32 +95,20 @@ def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | N
     ax.set_title("Attention in one layer, per head the T x T scores (queries down, keys across): one blue\n"
                  "block per request and head. The white cells between requests are never computed.",
                  fontsize=MIN_FONT + 1, pad=26)
-    ax.set_xlim(-4.6, hx(h - 1) + 3.2)
-    ax.set_ylim(-3.2, t + 4)
+    ax.set(xlim=(-4.6, hx(h - 1) + 3.2), ylim=(-3.2, t + 4))
 
-    ax = fig.add_axes((0.58, 0.07, 0.41, 0.72))
-    ax.axis("off")
-    for i, n in enumerate(lens):
-        y = t - cu[i + 1]
-        ax.add_patch(Rectangle((-0.9, y), 0.7, n, facecolor=request_color(i), edgecolor="white"))
-    for r in range(tp):
-        x = r * 3.4
-        _box(ax, x, 0, 2.6, t, LINEAR, f"rank {r}: input\n[T, {hl * cfg.d_head}], its\n"
-             f"heads {r * hl}-{(r + 1) * hl - 1}\n→ partial sum\n"
-             f"of every row\n[T, {cfg.d_model}]", fontsize=MIN_FONT + 1)
     xa = tp * 3.4 - 0.4
-    ax.add_patch(Rectangle((xa, 0), 0.8, t, facecolor=COMM, edgecolor="white", gid="allreduce"))
-    ax.text(xa + 0.4, t + 1.2, "all-reduce", ha="center", va="bottom", fontsize=MIN_FONT + 1, color=TEXT)
-    ax.add_patch(Rectangle((xa + 1.2, t / 2), 2.6, t / 2, facecolor=NEVER, edgecolor=TEXT, linewidth=0.8))
-    ax.text(xa + 2.5, 3 * t / 4, f"the sum\n[T, {cfg.d_model}]", ha="center", va="center", fontsize=MIN_FONT + 1,
+    bx.add_patch(Rectangle((xa, 0), 0.8, t, facecolor=COMM, edgecolor="white", gid="allreduce"))
+    bx.text(xa + 0.4, t + 1.2, "all-reduce", ha="center", va="bottom", fontsize=MIN_FONT + 1, color=TEXT)
+    bx.add_patch(Rectangle((xa + 1.2, t / 2), 2.6, t / 2, facecolor=NEVER, edgecolor=TEXT, linewidth=0.8))
+    bx.text(xa + 2.5, 3 * t / 4, f"the sum\n[T, {cfg.d_model}]", ha="center", va="center", fontsize=MIN_FONT + 1,
             color=TEXT)                        # an activation: white, as in 00_tp_split
-    _box(ax, xa + 1.2, 0, 2.6, t / 2 - 0.5, LINEAR, "+ bias once:\nthe same on\nevery rank", fontsize=MIN_FONT + 1,
+    _box(bx, xa + 1.2, 0, 2.6, t / 2 - 0.5, LINEAR, "+ bias once:\nthe same on\nevery rank", fontsize=MIN_FONT + 1,
          gid="bias-once")                      # the bias step: green (linear work), as in 00_tp_split
-    ax.set_title("A row-parallel layer (out proj, FFN-down): one all-reduce\n"
+    bx.set_title("A row-parallel layer (out proj, FFN-down): one all-reduce\n"
                  "adds the ranks' partial sums of ALL the rows at once.", fontsize=MIN_FONT + 1, pad=26)
-    ax.text(-0.9, -1.0, "It never asks which request a row belongs to.", va="top", fontsize=MIN_FONT + 1, color=TEXT)
-    ax.set_xlim(-1.2, xa + 4.2)
-    ax.set_ylim(-3.2, t + 4)
+    bx.text(-0.9, -1.0, "It never asks which request a row belongs to.", va="top", fontsize=MIN_FONT + 1, color=TEXT)
+    bx.set(xlim=(-1.2, xa + 4.2), ylim=(-3.2, t + 4))
     return fig
 
 
@@ -154,14 +143,12 @@ CUTS = (ENGINE_CUT, NAIVE_CUT, BIAS_CUT)  # the explorer's "cut" dropdown; the l
 TP_SIZES = (1, 2, 4, 8)                   # the explorer's tp dropdown: 8 heads, so 8, 4, 2 or 1 heads per rank
 CAUGHT = Bound("> 1: fails the bound (✗ expected)", lambda v: v > 1)  # a control row: a broken variant is caught
 
-
 # The engine's named faults behind each broken cut (``faults.FAULTS[name].what`` says the bug)
 CUT_FAULTS = {ENGINE_CUT: (), NAIVE_CUT: ("qkv_sharded_as_one_block",), BIAS_CUT: ("row_parallel_bias_on_every_rank",)}
 
 
 def cut_faults(cut: str):
-    """A context manager that turns on ``cut``'s faults (``CUT_FAULTS``), for the models built and the
-    forwards run inside it: the lesson's control rows and the explorer's "cut" show that the checks can fail."""
+    """A context manager that turns on ``cut``'s faults (``CUT_FAULTS``) for the models built and run inside it."""
     check_choice("cut", cut, CUTS)
     return faults.injected(*CUT_FAULTS[cut])
 
@@ -171,23 +158,15 @@ TAPPED = "layers.0.attn.out_proj"  # the all-reduce whose inputs (each rank's pa
 SHOWN = 6  # numbers of one token's partial sums printed per rank (of d_model)
 
 
-@functools.lru_cache(maxsize=1)
-def _explorer_weights(cfg: ModelConfig) -> dict:
-    return init_weights(cfg, seed=0)
-
-
 @functools.lru_cache(maxsize=6)  # a few (tp, cut) pairs: going back to one costs no rebuild
-def _explorer_ranks(cfg: ModelConfig, tp: int, cut: str) -> list[Transformer]:
-    """One model per rank on a ``tp.threads.TapGroup``, built once per (cfg, tp, cut) under ``cut_faults(cut)``."""
+def _explorer_models(cfg: ModelConfig, tp: int, cut: str) -> tuple[list[Transformer], tuple[Transformer, Transformer]]:
+    """One model per rank on a ``tp.threads.TapGroup``, built under ``cut_faults(cut)``, and layer 0 alone at TP=1
+    in float32 and in float64 (loop attention): the reference of the ranks' sum. Weights ``init_weights(seed=0)``."""
+    weights = init_weights(cfg, seed=0)
+    one, w1 = layer0_model(cfg, weights)
     with cut_faults(cut):
-        return [Transformer(cfg, _explorer_weights(cfg), group=TapGroup(r, tp, TAPPED)) for r in range(tp)]
-
-
-@functools.lru_cache(maxsize=2)
-def _explorer_tp1(cfg: ModelConfig, dtype: torch.dtype) -> Transformer:
-    """Layer 0 alone at TP=1, the reference of the ranks' sum, built once per (cfg, dtype); float64 runs the loop."""
-    one, w1 = layer0_model(cfg, _explorer_weights(cfg))
-    return Transformer(one, w1, dtype=dtype, attn_backend="loop" if dtype == torch.float64 else "auto")
+        ranks = [Transformer(cfg, weights, group=TapGroup(r, tp, TAPPED)) for r in range(tp)]
+    return ranks, (Transformer(one, w1), Transformer(one, w1, dtype=torch.float64, attn_backend="loop"))
 
 
 def explorer_batch(cfg: ModelConfig, seq_lens: Sequence[int]) -> PackedBatch:
@@ -201,30 +180,28 @@ def explorer_batch(cfg: ModelConfig, seq_lens: Sequence[int]) -> PackedBatch:
 
 def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str = "equal",
                      cfg: ModelConfig | None = None, tp_size: int = 2, cut: str = ENGINE_CUT) -> dict:
-    """The same T tokens packed as R requests (``packing_lens``), run on ``tp_size`` thread ranks that really
-    add, built and run under ``cut_faults(cut)``. Keys: ``seq_lens``, ``cu_seqlens``, ``positions``, ``max_seqlen``;
+    """The same T tokens packed as R requests (``packing_lens``), run on ``tp_size`` thread ranks that really add,
+    built and run under ``cut_faults(cut)``. Keys: ``seq_lens``, ``cu_seqlens``, ``positions``, ``max_seqlen``;
     ``traces`` (each rank's collectives), ``trace_text``, ``same_as_one_request`` (per rank: the trace equals
-    ``expected_trace`` of T tokens, one request's); ``heads`` (per rank: first, last), ``cells`` (score cells per head per layer,
-    whole blocks), ``cells_per_rank`` (per forward); ``token`` (T - 1), ``token_request``, ``token_position``;
-    ``partials`` (per rank, the first ``SHOWN`` numbers it handed to layer 0's out-proj all-reduce for that token),
-    ``partial_norms``; ``token_errors`` (per token, max |the ranks' sum, plus the bias once unless the cut added it
-    on every rank, - TP=1's out proj in float64|), ``sum_err`` (their max), ``sum_allowed`` (the tolerance rule's
-    bound), ``extra_bias`` ((tp - 1)·max|bias|); ``cut``, ``tp``, ``d_model``; ``outputs_equal`` (every rank ended
-    with the same hidden states)."""
+    ``expected_trace`` of T tokens, one request's); ``heads`` (per rank: first, last), ``cells`` (score cells per
+    head per layer, whole blocks), ``cells_per_rank`` (per forward); ``token`` (T - 1), ``token_request``,
+    ``token_position``; ``partials`` (per rank, the first ``SHOWN`` numbers it handed to layer 0's out-proj
+    all-reduce for that token), ``partial_norms``; ``token_errors`` (per token, max |the ranks' sum, plus the bias
+    once unless the cut added it on every rank, - TP=1's out proj in float64|), ``sum_err`` (their max),
+    ``sum_allowed`` (the tolerance rule's bound), ``extra_bias`` ((tp - 1)·max|bias|); ``cut``, ``tp``, ``d_model``;
+    ``outputs_equal`` (every rank ended with the same hidden states)."""
     cfg = cfg or ModelConfig(vocab_size=1000, max_position=2048)
     lens = packing_lens(total_tokens, num_requests, pattern)
     tp = check_int("tp_size", tp_size, 1, 16)
-    check_choice("cut", cut, CUTS)
     hl = cfg.heads_per_rank(tp)
-    ranks, weights = _explorer_ranks(cfg, tp, cut), _explorer_weights(cfg)
+    ranks, tp1 = _explorer_models(cfg, tp, cut)
     batch = explorer_batch(cfg, lens)
-
     with cut_faults(cut):
         runs = tapped_forward(ranks, batch)
     traces, partials = [trace for *_, trace in runs], [sent for _, sent, _ in runs]
-    bias = weights["layers.0.attn.out_proj.bias"]  # TP=1's layer 0 out proj, in float32 and float64:
-    with torch.no_grad():
-        ref, ref64 = (out_proj_partials(_explorer_tp1(cfg, d), batch) + bias.to(d) for d in (torch.float32, torch.float64))
+    bias = tp1[1].layers[0].attn.out_proj.bias.detach()  # float64
+    with torch.no_grad():  # TP=1's layer 0 out proj, in float32 and float64
+        ref, ref64 = (out_proj_partials(model, batch) + model.layers[0].attn.out_proj.bias for model in tp1)
     total = torch.stack([p.double() for p in partials]).sum(0) + (0 if cut == BIAS_CUT else bias.double())
     one = trace_signature(expected_trace(cfg, sum(lens), 0, tp))  # a signature carries no rank: rank 0's for all
     cells = attention_cells(lens, "varlen").computed
@@ -244,10 +221,8 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
 
 
 def tp_trace_html(state: dict) -> str:
-    """What TP sees: one line per rank, then whether it equals one request's trace.
-
-    ``rank 0: 16 × all_reduce [40, 512] float32, 81,920 B each`` ... ``same as 1 request of 40
-    tokens: yes``."""
+    """What TP sees: ``rank 0: 16 × all_reduce [40, 512] float32, 81,920 B each`` per rank, then ``same as 1
+    request of 40 tokens: yes``."""
     lines = [f"<div>rank {r}: {text}</div>" for r, text in enumerate(state["trace_text"])]
     same = "yes" if all(state["same_as_one_request"]) else "no"
     return "".join(lines) + f"<div>same as 1 request of {sum(state['seq_lens'])} tokens: {same}</div>"
@@ -264,12 +239,10 @@ def tp_attention_html(state: dict) -> str:
 
 
 def tp_ranks_html(state: dict) -> str:
-    """What each rank holds and sends, one line per rank: ``rank 0: heads 0-3 | sum L_i^2 = 800
-    cells per head per layer (whole blocks; causal computes about half), 25600 per forward | out
-    proj partial, token 39: norm 1.2345 [+0.1234, ...]``, then the
-    measured sum: ``rank 0 + rank 1, + bias once = TP=1 out proj, all 40 tokens: max |sum -
-    float64| = 1.2e-07, allowed 2.4e-07: yes`` (red ``NO`` when the cut is broken; with the bias
-    on every rank the line says ``bias on every rank`` instead of ``bias once``)."""
+    """What each rank holds and sends, one line per rank: ``rank 0: heads 0-3 | sum L_i^2 = 800 cells per head per
+    layer (whole blocks; causal computes about half), 25600 per forward | out proj partial, token 39: norm 1.2345
+    [+0.1234, ...]``, then the measured sum: ``rank 0 + rank 1, bias once = TP=1 out proj, all 40 tokens: max |sum -
+    float64| = 1.2e-07, allowed 2.4e-07: yes`` (red ``NO`` when the cut is broken; ``bias on every rank`` then)."""
     t, name = state["token"], request_name(state["token_request"])
     lines = [f"<div>rank {r}: heads {a}-{b} | sum L_i^2 = {state['cells']} cells per head per layer (whole blocks; "
              f"causal computes about half), {state['cells_per_rank']} per forward | out proj partial, token {t}: norm "
@@ -285,18 +258,14 @@ def tp_ranks_html(state: dict) -> str:
 
 
 def tp_packing_figure(state: dict) -> Figure:
-    """The explorer's picture of ``tp_packing_state``: top, the all-reduces of one forward (purple; "no
-    collectives" at tp = 1); middle, the flat tokens by request, a 0 under each request's first token; bottom, per
-    rank the first ``SHOWN`` numbers it sent to layer 0's out-proj all-reduce for the last token (green) and their
-    sum (purple); underneath, every token's error / allowed on a log scale, the bound dashed, ``extra_bias``
-    dotted at tp > 1."""
+    """The explorer's picture of ``tp_packing_state``: the all-reduces of one forward, the flat tokens by request,
+    each rank's partial sums for the last token and their sum, every token's error / allowed on a log scale."""
     lens, tp = state["seq_lens"], len(state["traces"])
     t, n_ar, d_model = sum(lens), len(state["traces"][0]), state["d_model"]
     fig = Figure(figsize=(8.4, 6.4))
     ax = fig.add_axes((0, 0, 1, 1))
     ax.axis("off")
-    ax.set_xlim(0, 100)
-    ax.set_ylim(-17, 60)
+    ax.set(xlim=(0, 100), ylim=(-17, 60))
     _error_panel(fig, state)
     x0, width = 8.0, 90.0
     if n_ar:
@@ -304,12 +273,11 @@ def tp_packing_figure(state: dict) -> Figure:
         top = f"what TP sees: {n_ar} all-reduces of [{rec.shape[0]}, {rec.shape[1]}] on each rank"
     else:
         top = "what TP sees: nothing (tp = 1: one rank holds every head)"
-    ax.text(x0 + width / 2, 58.5, f"{top} (1 request of {t} tokens: the same)", ha="center", va="top",
-            fontsize=MIN_FONT + 1, color=TEXT)
-    if not n_ar:
         ax.add_patch(Rectangle((x0, 49), width, 5, facecolor=NEVER, edgecolor=TEXT, linewidth=0.8, hatch="//"))
         ax.text(x0 + width / 2, 51.5, "no collectives", ha="center", va="center", fontsize=MIN_FONT + 1, color=TEXT,
                 bbox={"facecolor": NEVER, "edgecolor": "none", "pad": 1.5})
+    ax.text(x0 + width / 2, 58.5, f"{top} (1 request of {t} tokens: the same)", ha="center", va="top",
+            fontsize=MIN_FONT + 1, color=TEXT)
     step = width / max(n_ar, 1)
     for k in range(n_ar):
         ax.add_patch(Rectangle((x0 + k * step, 49), 0.85 * step, 5, facecolor=COMM, edgecolor="white"))
@@ -331,33 +299,26 @@ def tp_packing_figure(state: dict) -> Figure:
     groups = parts + [[sum(c) for c in zip(*parts)]] if tp > 1 else parts  # each rank's partials, then their sum
     n = len(parts[0])
     lim = max(abs(v) for g in groups for v in g) or 1.0
-    base, half = 12.0, 9.0                                # the bars' zero line and the height of +-lim
     sends = "each rank sends to all-reduce 1" if tp > 1 else "rank 0 computes (no all-reduce)"
     ax.text(x0 + width / 2, 30.5, f"layer 0, out proj, token {state['token']} (the last): the first {n} of "
             f"{d_model} numbers {sends}", ha="center", va="top", fontsize=MIN_FONT + 1, color=TEXT)
-    slot = width / (len(groups) * (n + 2) - 2)
+    bars = fig.add_axes((0.08, 0.26, 0.9, 0.234))   # the bars: the same numbers on every group's scale
+    bars.set(ylim=(-lim, lim), xlim=(-0.2, len(groups) * (n + 2) - 2), xticks=[])
     for r, values in enumerate(groups):
-        g0 = x0 + r * (n + 2) * slot
-        for i, v in enumerate(values):
-            ax.add_patch(Rectangle((g0 + i * slot, base), 0.75 * slot, v / lim * half,
-                                   facecolor=LINEAR if r < tp else COMM, edgecolor="none"))
-        if r < tp:
-            a, b = state["heads"][r]
-            if tp == 1:
-                label = f"rank 0 (heads {a}-{b}) holds every\nhead: nothing to add"
-            else:
-                label = f"rank {r} (heads {a}-{b}) sends\nits partial sums" if tp <= 2 else f"rank {r}\nheads {a}-{b}"
-        else:
-            label = "after the all-reduce: their\nsum, the same on every rank" if tp <= 2 else "all-reduce:\nthe sum"
-        ax.text(g0 + (n * slot) / 2, base + half + 1.0, label, ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
+        g0 = r * (n + 2)
+        bars.bar([g0 + i for i in range(n)], values, 0.75, align="edge", color=LINEAR if r < tp else COMM)
+        a, b = state["heads"][min(r, tp - 1)]
+        label = (f"rank 0 (heads {a}-{b}) holds every\nhead: nothing to add" if tp == 1 else
+                 f"rank {r}\nheads {a}-{b}" if r < tp and tp > 2 else
+                 f"rank {r} (heads {a}-{b}) sends\nits partial sums" if r < tp else
+                 "all-reduce:\nthe sum" if tp > 2 else "after the all-reduce: their\nsum, the same on every rank")
+        bars.text(g0 + n / 2, 1.1 * lim, label, ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
         if r:
-            ax.text(g0 - 1.1 * slot, base, "+" if r < tp else "=", ha="center", va="center", fontsize=MIN_FONT + 3,
-                    color=TEXT)
-    ax.plot([x0, x0 + width], [base, base], color=TEXT, linewidth=0.8)
-    ax.plot([x0 - 0.8] * 2, [base - half, base + half], color=TEXT, linewidth=0.8)
-    for sign in (1, -1):
-        ax.text(x0 - 1.2, base + sign * half, f"{sign * lim:+.3f}", ha="right", va="center", fontsize=MIN_FONT,
-                color=TEXT)
+            bars.text(g0 - 1.1, 0, "+" if r < tp else "=", ha="center", va="center", fontsize=MIN_FONT + 3, color=TEXT)
+    bars.axhline(0, color=TEXT, linewidth=0.8)
+    bars.set_yticks([-lim, lim], labels=[f"{-lim:+.3f}", f"{lim:+.3f}"])
+    bars.tick_params(labelsize=MIN_FONT, colors=TEXT)
+    bars.spines[["top", "right", "bottom"]].set_visible(False)
     return fig
 
 
@@ -366,9 +327,7 @@ def _error_panel(fig: Figure, state: dict) -> None:
     ratios = [e / state["sum_allowed"] for e in state["token_errors"]]
     t = len(ratios)
     ax = fig.add_axes((0.08, 0.02, 0.9, 0.13))
-    ax.set_yscale("log")
-    ax.set_ylim(1e-2, 1e6)
-    ax.set_xlim(-0.5, t - 0.5)
+    ax.set(yscale="log", ylim=(1e-2, 1e6), xlim=(-0.5, t - 0.5), xticks=[])
     ax.vlines(range(t), 1e-2, [min(max(r, 1e-2), 1e6) for r in ratios], colors=TEXT, linewidth=max(0.4, min(2.0, 45 / t)))
     what = "every token after the all-reduce: max |sum" if state["tp"] > 1 else "every token (tp = 1): max |out proj"
     ax.set_title(f"{what} - float64| / allowed (log scale); least {min(ratios):.1e}, worst {max(ratios):.1e}",
@@ -381,7 +340,6 @@ def _error_panel(fig: Figure, state: dict) -> None:
         ax.axhline(y, color=TEXT, linewidth=0.8, linestyle=style)
         ax.text(t - 0.5, y, label, ha="right", va="bottom", fontsize=MIN_FONT, color=TEXT,
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
-    ax.set_xticks([])
     ax.set_yticks([1e-2, 1, 1e6], labels=["1e-2", "1", "1e+6"])
     ax.minorticks_off()
     ax.tick_params(labelsize=MIN_FONT, colors=TEXT)
@@ -391,10 +349,9 @@ def _error_panel(fig: Figure, state: dict) -> None:
 def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: str = "quarter first", tp_size: int = 2,
                         cut: str = ENGINE_CUT):
     """VBox class ``tpx``: IntSliders ``tpx-tokens`` (T, 1..MAX_TOKENS) and ``tpx-num-requests`` (R, 1..T),
-    Dropdowns ``tpx-pattern``, ``tpx-tp`` (``TP_SIZES``) and ``tpx-cut`` (``CUTS``);
-    HTML ``tpx-trace`` (``tp_trace_html``: stays while R and the pattern
-    move), HTML ``tpx-attention`` (``tp_attention_html``) and ``tpx-ranks`` (``tp_ranks_html``: each
-    rank's own heads and partial sums, and their measured sum), Output ``tpx-figure``."""
+    Dropdowns ``tpx-pattern``, ``tpx-tp`` (``TP_SIZES``) and ``tpx-cut`` (``CUTS``); HTML ``tpx-trace``
+    (``tp_trace_html``), ``tpx-attention`` (``tp_attention_html``), ``tpx-ranks`` (``tp_ranks_html``); Output
+    ``tpx-figure`` (``tp_packing_figure``)."""
     w = ipywidgets_module()
     total = tagged(w.IntSlider(value=total_tokens, min=1, max=MAX_TOKENS, description="tokens T"), "tpx-tokens")
     reqs = tagged(w.IntSlider(value=min(num_requests, total_tokens), min=1, max=total_tokens, description="requests R"),
@@ -440,59 +397,54 @@ def _vocab_problem(got: list, want: list, cfg: ModelConfig, lens: list, tp: int)
                    (True, "two per layer (out proj, FFN-down)"))
     if nb != n:
         return f"got {nb} all-reduces in the blocks, expected {n}: " + next(hint for seen, hint in count_hints if seen)
-    wte = [g for g in got if g[1] == "wte"]
-    head = [g for g in got if g[1] == "lm_head"]
     others = [g for g in got if not g[1].startswith("layers.") and g[1] not in ("wte", "lm_head")]
-    if others:
-        if any("wpe" in g[1] or "pos" in g[1] for g in others):
-            return "the position table stays whole on every rank (it is small): no collective for the positions"
-        return f"unexpected records {others[:2]}: besides the blocks' all-reduces, only 'wte' and 'lm_head' communicate"
-    if not wte:
-        return (f"no collective for the embedding: rank r keeps only the rows of ids [r·V/tp, (r+1)·V/tp), so a token "
-                f"whose id another rank keeps gets zeros here. What turns {tp} such [T, d_model] tensors into every "
-                f"token's embedding on every rank?")
-    if wte[0][0] == "all_gather":
-        return ("the embedding's pieces are whole rows (all d_model columns) for the ranks' own ids and zeros "
-                "elsewhere: they must be ADDED (all_reduce), not put side by side")
-    if wte[0][2] != (t, d):
-        if wte[0][2] == (t, d // tp):
-            return "the table is split by rows (token ids), not by columns: every rank's rows are d_model wide, [T, d_model]"
-        return f"the embedding's all-reduce carries {wte[0][2]}, expected {(t, d)}: every flat token, d_model wide"
-    if not head:
-        return (f"no collective for the LM head: it is tied to the split table, so rank r computes only the logits of "
-                f"its own ids, [T, V/tp] = {(t, vl)}; every rank needs all {v}")
-    if head[0][0] == "all_reduce":
-        if head[0][2] == (t, v):
-            return ("an all-reduce of [T, V] with zeros outside each rank's columns gives the right logits, but a ring "
-                    "all-reduce moves 2 times the bytes of a ring all-gather of the same [T, V] (per rank 2(tp-1)/tp "
-                    "of it, against (tp-1)/tp). Both are fixed-shape here: unlike the embedding, where the rank that "
-                    "holds a token's row depends on its id (so the zero-filled all-reduce is the fixed-shape way), "
-                    "rank r's logits are always the same V/tp columns for every token: gather them "
-                    "(all_gather of [T, V/tp])")
-        return "the LM head's pieces are different columns (different ids), not partial sums: gather them (all_gather)"
-    if head[0][2] == (t, v):
-        return f"record what this rank contributes to the all-gather: its own logits, {(t, vl)}, not the gathered {(t, v)}"
-    if head[0][2] != (t, vl):
-        return f"the LM head's all-gather carries {head[0][2]}, expected {(t, vl)}: every flat token, V/tp columns"
+    (w_op, _, w_shape), (h_op, _, h_shape) = (([g for g in got if g[1] == name] or [(None,) * 3])[0]
+                                              for name in ("wte", "lm_head"))
     shapes = {g[2] for g in blocks}
-    if shapes != {(t, d)}:
-        if (max(lens), d) in shapes:
-            return f"the blocks' payload is every flat token: T = sum(seq_lens) = {t} rows, not the longest request"
-        return f"the blocks' all-reduces carry {sorted(shapes)}, expected {(t, d)}: [T, d_model]"
-    if len(got) != len(want):
-        return f"got {len(got)} records, expected {len(want)}"
-    first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-    return (f"record {first} is {got[first]}, expected {want[first]}: in the order of the forward, embedding first, "
-            f"then layer 0's out proj and FFN-down, layer 1's, ..., the LM head last")
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), 0)
+    hints = (  # the first that applies: what the wrong answer most likely got wrong, in the order of the forward
+        (any("wpe" in g[1] or "pos" in g[1] for g in others),
+         "the position table stays whole on every rank (it is small): no collective for the positions"),
+        (bool(others), f"unexpected records {others[:2]}: besides the blocks' all-reduces, only 'wte' and 'lm_head' "
+                       f"communicate"),
+        (w_op is None, f"no collective for the embedding: rank r keeps only the rows of ids [r·V/tp, (r+1)·V/tp), so a "
+                       f"token whose id another rank keeps gets zeros here. What turns {tp} such [T, d_model] tensors "
+                       f"into every token's embedding on every rank?"),
+        (w_op == "all_gather", "the embedding's pieces are whole rows (all d_model columns) for the ranks' own ids and "
+                               "zeros elsewhere: they must be ADDED (all_reduce), not put side by side"),
+        (w_shape == (t, d // tp), "the table is split by rows (token ids), not by columns: every rank's rows are "
+                                  "d_model wide, [T, d_model]"),
+        (w_shape != (t, d), f"the embedding's all-reduce carries {w_shape}, expected {(t, d)}: every flat token, "
+                            f"d_model wide"),
+        (h_op is None, f"no collective for the LM head: it is tied to the split table, so rank r computes only the "
+                       f"logits of its own ids, [T, V/tp] = {(t, vl)}; every rank needs all {v}"),
+        (h_op == "all_reduce" and h_shape == (t, v),
+         "an all-reduce of [T, V] with zeros outside each rank's columns gives the right logits, but a ring "
+         "all-reduce moves 2 times the bytes of a ring all-gather of the same [T, V] (per rank 2(tp-1)/tp "
+         "of it, against (tp-1)/tp). Both are fixed-shape here: unlike the embedding, where the rank that "
+         "holds a token's row depends on its id (so the zero-filled all-reduce is the fixed-shape way), "
+         "rank r's logits are always the same V/tp columns for every token: gather them "
+         "(all_gather of [T, V/tp])"),
+        (h_op == "all_reduce",
+         "the LM head's pieces are different columns (different ids), not partial sums: gather them (all_gather)"),
+        (h_shape == (t, v), f"record what this rank contributes to the all-gather: its own logits, {(t, vl)}, not the "
+                            f"gathered {(t, v)}"),
+        (h_shape != (t, vl), f"the LM head's all-gather carries {h_shape}, expected {(t, vl)}: every flat token, V/tp "
+                             f"columns"),
+        (shapes != {(t, d)} and (max(lens), d) in shapes,
+         f"the blocks' payload is every flat token: T = sum(seq_lens) = {t} rows, not the longest request"),
+        (shapes != {(t, d)}, f"the blocks' all-reduces carry {sorted(shapes)}, expected {(t, d)}: [T, d_model]"),
+        (len(got) != len(want), f"got {len(got)} records, expected {len(want)}"),
+        (True, f"record {first} is {got[first]}, expected {want[first]}: in the order of the forward, embedding first, "
+               f"then layer 0's out proj and FFN-down, layer 1's, ..., the LM head last"))
+    return next(text for seen, text in hints if seen)
 
 
 def check_vocab_trace(fn: Callable[[ModelConfig, list, int], list]) -> bool:
-    """Exercise 04.1: ``fn(cfg, seq_lens, tp) -> [(op, layer, shape), ...]``, the collectives rank 0
-    makes in one forward when the embedding and the tied LM head are split by vocabulary over
-    ``tp`` ranks (``tp.vocab.vocab_parallel_logits``), in call order; ``op`` is "all_reduce" or
-    "all_gather", ``shape`` what the rank sends. Compared with a dry run of that forward on a
-    stand-in rank (``vocab_parallel_trace``): the article's model, a 3-layer model at tp = 3, a
-    2-layer one at tp = 4, and tp = 1."""
+    """Exercise 04.1: ``fn(cfg, seq_lens, tp) -> [(op, layer, shape), ...]``, the collectives rank 0 makes in one
+    forward with the embedding and the tied LM head split by vocabulary over ``tp`` ranks
+    (``tp.vocab.vocab_parallel_logits``), in call order; ``op`` "all_reduce" or "all_gather", ``shape`` what the
+    rank sends. Compared with ``vocab_parallel_trace``."""
     cases = [(_CFG_V, [1] * 12, 2), (_CFG_V, [10, 30], 2), (_CFG_B, [3, 1, 5], 3), (_CFG_C, [9], 4),
              (_CFG_C, [2] * 6, 1)]
 
@@ -511,34 +463,28 @@ def check_vocab_trace(fn: Callable[[ModelConfig, list, int], list]) -> bool:
 
 def gqa_replicas_figure(n_heads: int = 32, n_kv_heads: int = 8, d_head: int = 128, n_layers: int = 32,
                         tp: int = 16) -> Figure:
-    """Grouped-query attention past tp = n_kv_heads, drawn FROM the engine's plan (``engine_kv_plan``, bf16),
-    nothing placed by hand: one column per rank, its query heads (blue, gid ``q-<rank>-<head>``) over the K/V
-    head(s) its QKV shard keeps (green, gid ``kv-<rank>-<head>``); a bracket under the ranks that hold the same
-    K/V head (its replicas), and the cache a token leaves on one rank."""
+    """Grouped-query attention drawn from the engine's plan (``engine_kv_plan``, bf16): one column per rank, its
+    query heads (gid ``q-<rank>-<head>``) over the K/V heads its QKV shard keeps (gid ``kv-<rank>-<head>``), a
+    bracket under each K/V head's replicas, and the cache a token leaves on one rank."""
     plan = engine_kv_plan(n_heads, n_kv_heads, d_head, n_layers, tp, 2)
     fig = Figure(figsize=(13, 4))
     ax = fig.add_axes((0.01, 0.02, 0.98, 0.7))
     ax.axis("off")
-    width = 1.0
-    for r, (qs, kvs) in enumerate(zip(plan.q_heads, plan.kv_heads)):
-        x = r * (width + 0.25)
-        for i, q in enumerate(qs):
-            w = width / len(qs)
-            _box(ax, x + i * w, 2.1, w, 0.8, ATTENTION, f"q{q}", gid=f"q-{r}-{q}")
-        for i, j in enumerate(kvs):
-            w = width / len(kvs)
-            _box(ax, x + i * w, 1.0, w, 0.8, LINEAR, f"K/V {j}", gid=f"kv-{r}-{j}")
-        ax.text(x + width / 2, 3.0, f"rank {r}", ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
+    for r, (qs, kvs) in enumerate(zip(plan.q_heads, plan.kv_heads)):  # rank r's column: x = 1.25 r, 1 wide
+        x = r * 1.25
+        for y, heads, color, kind, name in ((2.1, qs, ATTENTION, "q", "q"), (1.0, kvs, LINEAR, "kv", "K/V ")):
+            w = 1 / len(heads)
+            for i, j in enumerate(heads):
+                _box(ax, x + i * w, y, w, 0.8, color, f"{name}{j}", gid=f"{kind}-{r}-{j}")
+        ax.text(x + 0.5, 3.0, f"rank {r}", ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
     for j, ranks in sorted(plan.holders.items()):
-        x0, x1 = ranks[0] * (width + 0.25), ranks[-1] * (width + 0.25) + width
+        x0, x1 = ranks[0] * 1.25, ranks[-1] * 1.25 + 1
         ax.plot([x0, x0, x1, x1], [0.85, 0.7, 0.7, 0.85], color=COMM, linewidth=1.5)
         ax.text((x0 + x1) / 2, 0.6, f"K/V head {j}: {len(ranks)} cop{'ies' if len(ranks) > 1 else 'y'}", ha="center",
                 va="top", fontsize=MIN_FONT, color=TEXT)
-    ax.set_xlim(-0.1, tp * (width + 0.25))
-    ax.set_ylim(0.1, 3.5)
-    group = n_heads // n_kv_heads
-    fig.text(0.01, 0.97, f"{n_heads} query heads in {n_kv_heads} groups of {group} over {tp} ranks, as the engine "
-             f"shards them (QKVParallelLinear): a rank's query heads read\nthe K/V head(s) of their group, which every "
+    ax.set(xlim=(-0.1, tp * 1.25), ylim=(0.1, 3.5))
+    fig.text(0.01, 0.97, f"{n_heads} query heads in {n_kv_heads} groups of {n_heads // n_kv_heads} over {tp} ranks, as the "
+             f"engine shards them (QKVParallelLinear): a rank's query heads read\nthe K/V head(s) of their group, which every "
              f"rank of that group holds whole", fontsize=MIN_FONT + 2, color=TEXT, va="top")
     fig.text(0.01, 0.83, f"num_kv_head_replicas = {plan.replicas}; one token leaves {plan.bytes_per_token:,} B in each "
              f"rank's cache ({n_layers} layers, d_head {d_head}, bf16): K and V of its {len(plan.kv_heads[0])} head(s), "
@@ -561,12 +507,10 @@ _KV_CASES = ((32, 8, 128, 32, 2, 2), (32, 8, 128, 32, 8, 2), (16, 1, 64, 24, 4, 
 
 
 def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes, again: Callable[[int], object] | None = None) -> str | None:
-    """What is wrong with ``got`` for one case, or None. ``again(bytes_per_number)``: the learner's kv_bytes for
-    the same case at another number size, asked only to tell "K alone" from "numbers, not bytes" (both halve
-    the bytes in bf16)."""
+    """What is wrong with ``got`` for one case, or None. ``again(bytes_per_number)``: the learner's kv_bytes for the
+    same case at another number size, to tell "K alone" from "numbers, not bytes" (both halve the bytes in bf16)."""
     try:
-        heads = [sorted(int(x) for x in rank) for rank in got[0]]
-        total = got[1]
+        heads, total = [sorted(int(x) for x in rank) for rank in got[0]], got[1]
         if isinstance(total, bool) or not float(total).is_integer():
             raise TypeError
         total = int(total)
@@ -597,12 +541,11 @@ def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes, again: Callabl
     want, held, local = plan.bytes_per_token, len(plan.kv_heads[0]), len(plan.q_heads[0])
     if total == want:
         return None
-    replicated = (f"a replicated head is stored whole on each of the {plan.replicas} ranks that hold it: a rank's "
-                  f"share cannot shrink below one head")
     hints = []
     if plan.replicas > 1:  # the heads are right: the likeliest slip is the replication, so it comes first
         hints += [(0, f"n_kv_heads // tp = {kv} // {tp} = 0 here; a replicated rank holds one whole head"),
-                  (want * kv // tp, replicated)]
+                  (want * kv // tp, f"a replicated head is stored whole on each of the {plan.replicas} ranks that "
+                                    f"hold it: a rank's share cannot shrink below one head")]
     k_alone = (want // 2, "that is K alone: the cache keeps K AND V, two numbers per head per dimension")
     numbers = (want // nbytes, f"that counts numbers, not bytes: x {nbytes} bytes per number")
     if k_alone[0] == numbers[0] and total == k_alone[0] and again is not None:  # bf16: both halve; ask at 4 B
@@ -656,12 +599,10 @@ def _layout_problem(got, h, dh, layers, gpus, nbytes, reqs, tokens, budget) -> s
                 f"{gib(layout_cache_bytes(h, want[0], dh, layers, nbytes, reqs, tokens, *want[1:]))}")
     if got is None:
         return None if want is None else f"got None, but {want[0]} K/V heads fit: {best} of a {gib(budget)} budget"
-    try:
-        kv, tp, pp, dp = (int(x) for x in got)
-        if any(isinstance(x, bool) for x in got):
-            raise TypeError
-    except (TypeError, ValueError):
-        return f"expected (n_kv_heads, tp, pp, dp) or None, got {got!r}"[:300]
+    ints, bad = int_tuple(got, "n_kv_heads, tp, pp, dp")
+    if bad:
+        return f"{bad[:300]}; or None when no layout fits"
+    kv, tp, pp, dp = ints
     if kv < 1 or h % kv:
         return f"n_kv_heads = {kv} must divide n_heads = {h}: each K/V head serves a whole group"
     if tp * pp * dp != gpus:
@@ -732,25 +673,24 @@ def _cut_problem(got, want: str, error: Tensor, bias: Tensor, allowed: float, tp
     worst = float(error.abs().max())
     spread = float((error - error[0]).abs().max())             # how much the error differs between tokens
     extra = float((error - (tp - 1) * bias.double()).abs().max())
-    if tp == 1:
-        return (f"at tp = 1 there is nothing to cut: one rank holds the whole QKV and adds the bias once; the error "
-                f"{worst:.1e} is within the bound {allowed:.1e}, so the answer is {ENGINE_CUT!r}")
-    if want == ENGINE_CUT:
-        return f"max |error| = {worst:.1e} is within the allowed {allowed:.1e}: the ranks computed the right out proj"
-    if got == ENGINE_CUT:
-        return f"max |error| = {worst:.1e} is {worst / allowed:,.0f} times the allowed {allowed:.1e}: something is broken"
-    if want == BIAS_CUT:
-        return (f"the error is the same row for every token (rows differ by at most {spread:.1e}) and equals "
-                f"(tp - 1) x the bias to within {extra:.1e}: tp - 1 extra biases, not wrong heads (wrong heads give "
-                f"every token its own error)")
-    return (f"the error differs from token to token (rows differ by up to {spread:.1e}) and is not (tp - 1) x the "
-            f"bias (off by {extra:.1e}): an extra bias would add the same row to every token; the heads are wrong")
+    hints = ((tp == 1, f"at tp = 1 there is nothing to cut: one rank holds the whole QKV and adds the bias once; the "
+                       f"error {worst:.1e} is within the bound {allowed:.1e}, so the answer is {ENGINE_CUT!r}"),
+             (want == ENGINE_CUT, f"max |error| = {worst:.1e} is within the allowed {allowed:.1e}: the ranks computed "
+                                  f"the right out proj"),
+             (got == ENGINE_CUT, f"max |error| = {worst:.1e} is {worst / allowed:,.0f} times the allowed "
+                                 f"{allowed:.1e}: something is broken"),
+             (want == BIAS_CUT, f"the error is the same row for every token (rows differ by at most {spread:.1e}) and "
+                                f"equals (tp - 1) x the bias to within {extra:.1e}: tp - 1 extra biases, not wrong heads "
+                                f"(wrong heads give every token its own error)"),
+             (True, f"the error differs from token to token (rows differ by up to {spread:.1e}) and is not (tp - 1) x "
+                    f"the bias (off by {extra:.1e}): an extra bias would add the same row to every token; the heads are "
+                    f"wrong"))
+    return next(text for seen, text in hints if seen)
 
 
 def check_cut_diagnosis(fn: Callable[[Tensor, Tensor, float, int], str]) -> bool:
-    """Exercise 04.3: ``fn(error, bias, allowed, tp) -> cut``, one of ``CUTS``: which cut explains the
-    evidence of ``cut_evidence`` (the engine's when the result is right, also at tp = 1, where both
-    broken cuts compute the right thing). Cases: tp = 2 and 4 with each cut, and tp = 1."""
+    """Exercise 04.3: ``fn(error, bias, allowed, tp) -> cut``, one of ``CUTS``: which cut explains the evidence of
+    ``cut_evidence`` (the engine's when the result is right, also at tp = 1, where every cut computes the right thing)."""
     cases = [(tp, list(lens), f"mystery {i + 1}") for i, (tp, lens, _) in enumerate(_CUT_CASES)]
     evidence = {case[2]: (e.clone(), b.clone(), a, tp) for case, (e, b, a, tp) in zip(cases, _cut_evidences())}
     truth = {case[2]: cut for case, (*_, cut) in zip(cases, _CUT_CASES)}
