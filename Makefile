@@ -16,12 +16,13 @@ course: setup
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 $(ALLOW_ROOT) notebooks/
 
 # make test runs the tests in TEST_WORKERS processes (pytest-xdist), one test file per process at a time, so a
-# file's shared fixtures (the classroom's grading, the browser's JupyterLab) are built once. TEST_WORKERS=0: one process.
+# file's shared fixtures (the classroom's grading, the browser's JupyterLab) are built once; the files that run whole
+# lessons go first (tests/conftest.py), each worker on its share of the cores. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 unit: setup
 	$(PY) -m pytest tests

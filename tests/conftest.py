@@ -1,6 +1,7 @@
 """Shared test fixtures: a tiny model config, random flat q/k/v, a model and its float64 twin, random requests."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -24,9 +25,39 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "device: runs on the device of --device (cpu by default, cuda on a GPU)")
+    share_the_cores()
     if config.getoption("--device") == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError(f"--device cuda but torch.cuda.is_available() is False (torch {torch.__version__}, "
                                 f"built for CUDA {torch.version.cuda})")
+
+
+# ---- make test's workers (pytest-xdist, --dist loadfile): the cores shared out, the longest files first
+def share_the_cores() -> None:
+    """In an xdist worker (PYTEST_XDIST_WORKER_COUNT set), give this worker and every process it starts (notebook
+    kernels, nbgrader's runs, TP ranks, JupyterLab's kernels) its share of the cores: ``OMP_NUM_THREADS`` and torch's
+    thread count. Two workers, each running PyTorch on every core, would make each other's threads wait.
+    A value already in the environment is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+# Files that run whole lessons, longest first (measured on 2 cores): handed out before the many short files, so
+# that the short ones fill in beside them instead of one long file running alone at the end.
+LONG_FILES = ("tests/test_claims_can_fail.py", "tests/test_classroom.py", "tests/browser/test_widgets_browser.py",
+              "tests/test_site.py", "notebooks/06_prefill_engine.ipynb", "notebooks/08_chunked_prefill.ipynb")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``--no-loadscope-reorder`` (make test) xdist hands out files in this order: LONG_FILES first, then the
+    notebooks, then the rest as collected."""
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0]
+        return LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES) + (not path.startswith("notebooks/"))
+    items.sort(key=rank)  # stable: the order inside a file, and among the rest, is kept
 
 
 @pytest.fixture(autouse=True)
