@@ -406,6 +406,25 @@ def test_a_kernel_line_of_your_own_changes_the_kernel_inside_the_block_only():
             pass
 
 
+def test_kernel_faults_compose_and_a_later_change_of_the_same_line_wins():
+    from lessons_lib.faults.kernel import LINE_CHANGES, changed_source
+    no_rescale, exp_e = LINE_CHANGES["kernel_sum_not_rescaled"], LINE_CHANGES["kernel_exp_in_base_e"]
+    both = changed_source(*exp_e, no_rescale)
+    assert f"# CHANGED, was: {no_rescale[0]}" in both and f"# CHANGED, was: {exp_e[0]}" in both
+    mask_all, unmasked = LINE_CHANGES["kernel_every_key_tile_masked"], LINE_CHANGES["kernel_diagonal_tile_unmasked"]
+    last_wins = changed_source(*unmasked, mask_all)
+    assert f"{unmasked[1]}  # CHANGED, was: {unmasked[0]}" in last_wins and mask_all[1] + " " not in last_wins
+    alone = {name: None for name in ("kernel_sum_not_rescaled", "kernel_exp_in_base_e")}
+    for name in alone:
+        with faults.injected(name):
+            alone[name] = kernel_runs()
+    with faults.injected("kernel_sum_not_rescaled"), faults.injected("kernel_exp_in_base_e"):
+        together = kernel_runs()
+    with faults.injected("kernel_sum_not_rescaled"):
+        assert same(kernel_runs(), alone["kernel_sum_not_rescaled"])  # the inner one undone, the outer still on
+    assert not any(same(together, one) for one in alone.values())
+
+
 def _coverage_tool():
     spec = importlib.util.spec_from_file_location("claims_coverage", REPO / "tools" / "claims_coverage.py")
     module = importlib.util.module_from_spec(spec)

@@ -4,7 +4,9 @@ call time, so swapping the module's ``_varlen_fwd_kernel`` changes every launch,
 
 ``LINE_CHANGES[fault name] = (the kernel's line, as code without its comment, what it becomes)``;
 ``with kernel_with_line(old, new):`` does the same for a pair of your own (in this process; ``line_changed``
-returns the undo instead); ``changed_source`` shows the changed kernel.
+returns the undo instead); ``changed_source`` shows the changed kernel. Line changes compose: with one in force,
+the next is made on top of it (a later change of the same line wins), so a kernel fault turned on for a whole run
+stays on inside ``faults.injected`` of another.
 """
 from __future__ import annotations
 
@@ -98,25 +100,31 @@ def kernel_source_part(start: str | None = None, stop: str | None = None) -> tup
     return f"{where}, lines {first + lo + 1}-{first + hi}: {KERNEL_NAME}", "\n".join(body[lo:hi])
 
 
-def changed_source(old: str, new: str) -> str:
+def changed_source(old: str, new: str, *earlier: tuple[str, str]) -> str:
     """The kernel's source with the one line whose code (comment stripped) is ``old`` replaced by ``new``,
-    indentation kept and marked ``# CHANGED``; ValueError unless exactly one line matches."""
+    indentation kept and marked ``# CHANGED``; ValueError unless exactly one line matches. ``earlier``: ``(old,
+    new)`` changes made first (a line they changed matches by its ``was:`` code too)."""
     lines = kernel_source().splitlines()
-    hits = [i for i, line in enumerate(lines) if line.split("#", 1)[0].strip() == old.strip()]
-    if len(hits) != 1:
-        raise ValueError(f"the kernel has {len(hits)} lines whose code is {old!r}; name exactly one")
-    i = hits[0]
-    indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
-    lines[i] = f"{indent}{new.strip()}  # CHANGED, was: {old.strip()}"
+    for was, now in (*earlier, (old, new)):
+        hits = [i for i, line in enumerate(lines) if was.strip() in
+                (line.split("#", 1)[0].strip(), line.partition("# CHANGED, was: ")[2].strip())]
+        if len(hits) != 1:
+            raise ValueError(f"the kernel has {len(hits)} lines whose code is {was!r}; name exactly one")
+        i = hits[0]
+        indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+        lines[i] = f"{indent}{now.strip()}  # CHANGED, was: {was.strip()}"
     return "\n".join(lines) + "\n"
 
 
+_IN_FORCE: list[tuple[str, str]] = []   # the line changes on in this process, oldest first
+
+
 @functools.cache
-def broken_kernel(old: str, new: str):
-    """The kernel rebuilt from ``changed_source(old, new)``: a new ``@triton.jit`` function, imported from a
-    file of its own (Triton reads a kernel's source from its file)."""
+def broken_kernel(old: str, new: str, *earlier: tuple[str, str]):
+    """The kernel rebuilt from ``changed_source(old, new, *earlier)``: a new ``@triton.jit`` function, imported
+    from a file of its own (Triton reads a kernel's source from its file)."""
     kernel_module()
-    text = "import triton\nimport triton.language as tl\n\n\n" + changed_source(old, new)
+    text = "import triton\nimport triton.language as tl\n\n\n" + changed_source(old, new, *earlier)
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]
     path = Path(tempfile.mkdtemp(prefix="lessons_kernel_")) / f"kernel_{digest}.py"
     path.write_text(text)
@@ -127,8 +135,15 @@ def broken_kernel(old: str, new: str):
 
 
 def line_changed(old: str, new: str) -> Callable[[], None]:
-    """Make the engine launch the kernel with the line ``old`` replaced by ``new``; returns the undo."""
-    return swap_attr(kernel_module(), KERNEL_NAME, broken_kernel(old, new))
+    """Make the engine launch the kernel with the line ``old`` replaced by ``new``, on top of the line changes
+    already in force; returns the undo (undo in the reverse order of the changes)."""
+    undo = swap_attr(kernel_module(), KERNEL_NAME, broken_kernel(old, new, *_IN_FORCE))
+    _IN_FORCE.append((old, new))
+
+    def undo_change() -> None:
+        _IN_FORCE.remove((old, new))
+        undo()
+    return undo_change
 
 
 @contextlib.contextmanager
