@@ -1,5 +1,5 @@
 """measure.machines' pricing of lesson 05's measurements (``throughput_roof``, ``sweep_verdict``, ``forward_parts``,
-``beside_roofline``) and measure.recorded's ``timed_forward`` (a real engine forward, recorded and timed)."""
+``forward_roofline``, ``beside_roofline``) and measure.recorded's ``timed_forward`` (a real engine forward, recorded and timed)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,14 @@ import torch
 
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.measure.flops import forward_flops, linear_intensity
-from lessons_lib.measure.machines import Machine, beside_roofline, forward_parts, sweep_verdict, throughput_roof
+from lessons_lib.measure.machines import (
+    Machine,
+    beside_roofline,
+    forward_parts,
+    forward_roofline,
+    sweep_verdict,
+    throughput_roof,
+)
 from lessons_lib.measure.recorded import timed_forward
 from lessons_lib.serve.workloads import packing_lens
 
@@ -37,6 +44,17 @@ def test_forward_parts_are_causal_flops_over_bytes_on_the_machine():
     assert (lin.flops, att.flops) == (f.linear, f.attention)
     assert att.bytes == 2 * 4 * 40 * (2 * 64 + 2 * 32)             # Q and O all heads, K and V 2 K/V heads, per layer
     assert att.seconds == max(att.flops / 100e9, att.bytes / 10e9) and lin.intensity == lin.flops / lin.bytes
+
+
+def test_forward_roofline_adds_one_gemm_per_linear_layer_and_one_attention_kernel_per_layer():
+    slow = Machine("launch-heavy", 100e9, 10e9, launch_s=1e-3, dtype=torch.float32)
+    r = forward_roofline(SMALL, [30, 10], slow, nbytes=4)
+    lin, att = forward_parts(SMALL, [30, 10], slow, nbytes=4)
+    assert (r["linear"], r["attention"], r["seconds"]) == (lin, att, lin.seconds + att.seconds)
+    assert r["kernels"] == 2 * 5 and r["floor"] == pytest.approx(10e-3)     # 2 layers: 4 GEMMs + 1 attention each
+    assert r["binds"] == "launch latency" and r["floor"] >= r["seconds"]
+    fast = forward_roofline(SMALL, [30, 10], CPU, nbytes=4)                # no launch cost known: floor 0
+    assert fast["floor"] == 0.0 and fast["binds"] == "the roofline"
 
 
 def test_timed_forward_times_the_engine_on_the_lengths_given_and_refuses_too_many():

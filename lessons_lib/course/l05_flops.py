@@ -37,7 +37,7 @@ from ..measure.flops import (
     most_compute_bound_requests,
     prefill_attention_intensity,
 )
-from ..measure.machines import H200, REFERENCE_CPU, Machine, beside_roofline, forward_parts
+from ..measure.machines import H200, REFERENCE_CPU, Machine, beside_roofline, forward_roofline
 from ..measure.profile import wall_scaled
 from ..measure.recorded import TIMED_MAX_FLOPS, TIMED_MAX_TOKENS, timed_forward
 from ..measure.recorder import BF16
@@ -100,16 +100,6 @@ def flops_bars(ax, cases: Sequence[tuple[str, Sequence[int]]], cfg: ModelConfig,
     _dress(ax, "", "GFLOP per forward", title, loc="upper right")
 
 
-def _blocks(ax, lens: list[int], title: str) -> None:
-    """The T x T score matrix: each request's diagonal block (blue, computed), the rest never computed."""
-    t = sum(lens)
-    ax.add_patch(Rectangle((0, 0), t, t, facecolor=NEVER, edgecolor=TEXT, linewidth=0.8))
-    for s, n in zip(cumulative(lens)[:-1], lens):
-        ax.add_patch(Rectangle((s, t - s - n), n, n, facecolor=ATTENTION, edgecolor="none"))
-    ax.set(xlim=(0, t), ylim=(0, t), aspect="equal", xticks=[], yticks=[])
-    ax.set_title(title, fontsize=MIN_FONT + 1)
-
-
 @register("05_flops_1x1000_vs_10x100", lesson="05",
           caption="the same 1000 tokens as 1 x 1000, 10 x 100, 100 x 10: score blocks and whole-forward FLOPs (C14)")
 def same_tokens_figure(cfg: ModelConfig | None = None, total: int = 1000, mix: Sequence[int] = (1, 10, 100)) -> Figure:
@@ -119,8 +109,13 @@ def same_tokens_figure(cfg: ModelConfig | None = None, total: int = 1000, mix: S
     fig = Figure(figsize=(10, 6.6))
     gs = fig.add_gridspec(2, len(mix), height_ratios=(1, 1.25), hspace=0.45, left=0.08, right=0.98, top=0.9, bottom=0.07)
     cases = [(f"{r} x {total // r}", [total // r] * r) for r in mix]
-    for i, (label, lens) in enumerate(cases):       # the cells: measure.flops.attention_cells, whole blocks
-        _blocks(fig.add_subplot(gs[0, i]), lens, f"{label}: {label}² = {attention_cells(lens, 'varlen').computed:,} cells")
+    for i, (label, lens) in enumerate(cases):   # the T x T score matrix: each request's block computed, the rest never
+        ax, t = fig.add_subplot(gs[0, i]), sum(lens)
+        ax.add_patch(Rectangle((0, 0), t, t, facecolor=NEVER, edgecolor=TEXT, linewidth=0.8))
+        for s, n in zip(cumulative(lens)[:-1], lens):
+            ax.add_patch(Rectangle((s, t - s - n), n, n, facecolor=ATTENTION, edgecolor="none"))
+        ax.set(xlim=(0, t), ylim=(0, t), aspect="equal", xticks=[], yticks=[])
+        ax.set_title(f"{label}: {label}² = {attention_cells(lens, 'varlen').computed:,} cells", fontsize=MIN_FONT + 1)
     flops_bars(fig.add_subplot(gs[1, :]), cases, cfg,
                f"whole forward of the article's model ({cfg.n_layers} layers, d_model {cfg.d_model}), varlen, "
                "whole blocks:\nthe linear work is the same, the attention work drops 10x per step to the right")
@@ -328,12 +323,11 @@ def model_of(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads
 def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv_heads: int = 8, n_layers: int = 8,
                    nbytes: int = BF16, machine: Machine = H200, total: int = 1000, requests: int = 10,
                    lengths: Sequence[int] | str = "300, 40", here: dict | None = None) -> dict:
-    """Per packing (``1 x T``, ``R x T/R``, the ``lengths`` typed) of ``model_of``'s model, the linear and attention
-    parts on ``machine`` (``machines.forward_parts``: causal FLOPs over bytes at ``nbytes``) and the
-    launch floor: at least 5 kernels per layer (4 GEMMs, 1 attention) of ``machine.launch_s`` each (0 when unknown).
+    """Per packing (``1 x T``, ``R x T/R``, the ``lengths`` typed) of ``model_of``'s model on ``machine``, at
+    ``nbytes`` per number: ``machines.forward_roofline`` (causal FLOPs over bytes, the launch floor).
     ``here`` = ``{"machine", "forward"}`` (``timed_forward``'s result) adds ``measured``: that forward beside its
     roofline time and its recorded ops' launch floor. Keys: ``cfg``, ``n_kv_heads``, ``nbytes``, ``machine``,
-    ``rows`` (``{"label", "seq_lens", "linear", "attention", "seconds", "floor"}``), ``measured`` (or None)."""
+    ``rows`` (``{"label", "seq_lens"}`` and ``forward_roofline``'s keys), ``measured`` (or None)."""
     cfg = model_of(d_model, d_ffn, n_heads, n_kv_heads, n_layers)
     if not isinstance(machine, Machine):
         raise ValueError(f"machine must be a measure.machines.Machine, got {machine!r}")
@@ -347,12 +341,7 @@ def roofline_state(d_model: int = 512, d_ffn: int = 2048, n_heads: int = 8, n_kv
         raise ValueError(f"requests R = {r} is more than the tokens T = {t}: every request needs a token")
     packs = [(f"1 x {t}", [t]), (f"{r} x {t // r}" if t % r == 0 else f"{r} x ~{t / r:.0f}", packing_lens(t, r)),
              ("typed " + ", ".join(map(str, typed)), list(typed))]
-    floor = 5 * cfg.n_layers * (machine.launch_s or 0.0)
-    rows = []
-    for label, lens in packs:
-        lin, att = forward_parts(cfg, lens, machine, nbytes)
-        rows.append({"label": label, "seq_lens": lens, "linear": lin, "attention": att,
-                     "seconds": lin.seconds + att.seconds, "floor": floor})
+    rows = [{"label": label, "seq_lens": lens} | forward_roofline(cfg, lens, machine, nbytes) for label, lens in packs]
     measured = beside_roofline(here["forward"], here["machine"]) if here and here.get("forward") else None
     return {"cfg": cfg, "n_kv_heads": cfg.n_kv_heads, "nbytes": nbytes, "machine": machine, "rows": rows,
             "measured": measured}
@@ -373,9 +362,8 @@ def roofline_lines(state: dict) -> list[str]:
     for row in state["rows"]:
         parts = [f"{p} {_num(row[p].flops)}FLOP {_num(row[p].bytes)}B {row[p].intensity:.1f} FLOP/B "
                  f"{row[p].bound} {row[p].seconds * 1e3:.4g} ms" for p in ("linear", "attention")]
-        binds = "launch latency" if row["floor"] >= row["seconds"] else "the roofline"
         out.append(f"{row['label']}: " + " | ".join(parts) + f" | predicted {row['seconds'] * 1e3:.4g} ms | launch "
-                   f"floor {row['floor'] * 1e3:.4g} ms ({5 * state['cfg'].n_layers} kernels at least): {binds} binds first")
+                   f"floor {row['floor'] * 1e3:.4g} ms ({row['kernels']} kernels at least): {row['binds']} binds first")
     return out
 
 
@@ -409,11 +397,10 @@ def roofline_figure(state: dict) -> Figure:
     name, peak, bw, ridge = machine.name, machine.peak_flops, machine.bytes_per_s, machine.ridge
     fig = Figure(figsize=(7.6, 4.2))
     ax = fig.add_subplot()
-    pts = [row[p].intensity for row in state["rows"] for p in ("linear", "attention")]
-    m = state["measured"]
-    if m is not None and m["machine"] == machine:
-        pts.append(m["causal_flops"] / m["bytes"])
-    lo, hi = min(pts + [ridge]) / 4, max(pts + [ridge]) * 4
+    m = state["measured"] if state["measured"] is not None and state["measured"]["machine"] == machine else None
+    mx = [] if m is None else [m["causal_flops"] / m["bytes"]]      # the measured forward's intensity, when drawn
+    pts = [row[p].intensity for row in state["rows"] for p in ("linear", "attention")] + mx + [ridge]
+    lo, hi = min(pts) / 4, max(pts) * 4
     xs = np.logspace(np.log10(lo), np.log10(hi), 200)
     ax.plot(xs, np.minimum(peak, xs * bw), "-", color=TEXT, linewidth=1.5, label=f"roof of {name}")
     ax.axvline(ridge, color=TEXT, linestyle=":", linewidth=1)
@@ -426,10 +413,9 @@ def roofline_figure(state: dict) -> Figure:
     fig.text(0.62, 0.3, "packings (marker shapes):\n" + "\n".join(
         f"{s} {row['label'] if len(row['label']) <= 26 else row['label'][:25] + '…'}"
         for s, row in zip("●■▲", state["rows"])), fontsize=MIN_FONT, color=TEXT, va="top")
-    if m is not None and m["machine"] == machine:
-        x = m["causal_flops"] / m["bytes"]
-        ax.plot([x], [m["causal_flops"] / m["predicted"]], "x", color=TEXT, markersize=9, label="engine forward: predicted")
-        ax.plot([x], [m["causal_flops"] / m["seconds"]], "o", markerfacecolor=NEVER, markeredgecolor=TEXT, markersize=9,
+    if m is not None:
+        ax.plot(mx, [m["causal_flops"] / m["predicted"]], "x", color=TEXT, markersize=9, label="engine forward: predicted")
+        ax.plot(mx, [m["causal_flops"] / m["seconds"]], "o", markerfacecolor=NEVER, markeredgecolor=TEXT, markersize=9,
                 label="engine forward: measured here")
     ylo, yhi = peak / 2e3, peak * 3
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(ylo, yhi))
@@ -533,12 +519,9 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[ModelConfig,
 # ---------------------------------------------------------------------------------------------
 # Exercises
 
-_CFG_SMALL = ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=32, d_ffn=1024)
 _CFG_6 = ModelConfig(n_layers=3, d_model=384, n_heads=6, d_head=64, d_ffn=1536)   # 6 heads: K/V groups of 1, 2, 3, 6
-_GQA_CASES = ((ModelConfig(), [1000], H200.ridge), (ModelConfig(), [700], H200.ridge),
-              (ModelConfig(), [500], H200.ridge), (ModelConfig(), [300], H200.ridge),
-              (ModelConfig(), [100] * 10, H200.ridge), (_CFG_6, [600, 16, 16], H200.ridge),
-              (ModelConfig(), [100] * 10, 30.0))
+_GQA_CASES = tuple((ModelConfig(), lens, H200.ridge) for lens in ([1000], [700], [500], [300], [100] * 10)) + (
+    (_CFG_6, [600, 16, 16], H200.ridge), (ModelConfig(), [100] * 10, 30.0))
 
 
 def check_gqa(fn: Callable[[ModelConfig, list, float], int | None]) -> bool:
@@ -548,29 +531,27 @@ def check_gqa(fn: Callable[[ModelConfig, list, float], int | None]) -> bool:
         want = gqa_heads_for_ridge(cfg, lens, ridge)
         if got == want and (got is None or isinstance(got, int)):
             return None
-        h = cfg.n_heads
-        plain = prefill_attention_intensity(cfg, lens, h)
-        by_group = max((kv for kv in range(1, h + 1) if h % kv == 0 and plain * h / kv >= ridge), default=None)
-        trap = (f" - grouping divides only the K and V bytes, not by the group factor: Q and O keep all {h} heads, "
-                f"so one K/V head raises the intensity at most {gqa_intensity_ceiling(cfg):.2f}x ({plain:.0f} -> "
-                f"{prefill_attention_intensity(cfg, lens, 1):.0f} FLOP/byte here); x group is decode's factor, where the "
-                f"cache is read for one query") if got == by_group and by_group != want else ""
+        h, ai = cfg.n_heads, lambda kv: prefill_attention_intensity(cfg, lens, kv)
         if got is not None and (isinstance(got, bool) or not isinstance(got, int) or not 1 <= got <= h or h % got):
             return f"expected None or a divisor of n_heads = {h} (each K/V head serves a whole group), got {got!r}"
         if got is None:
-            return (f"got None, expected {want} - with {want} K/V heads attention reaches "
-                    f"{prefill_attention_intensity(cfg, lens, want):.0f} FLOP/byte, at or above the ridge {ridge:g}")
-        x = prefill_attention_intensity(cfg, lens, got)
+            return (f"got None, expected {want} - with {want} K/V heads attention reaches {ai(want):.0f} FLOP/byte, at or "
+                    f"above the ridge {ridge:g}")
+        by_group = max((kv for kv in range(1, h + 1) if h % kv == 0 and ai(h) * h / kv >= ridge), default=None)
+        trap = (f" - grouping divides only the K and V bytes, not by the group factor: Q and O keep all {h} heads, "
+                f"so one K/V head raises the intensity at most {gqa_intensity_ceiling(cfg):.2f}x ({ai(h):.0f} -> "
+                f"{ai(1):.0f} FLOP/byte here); x group is decode's factor, where the cache is read for one query"
+                ) if got == by_group and by_group != want else ""
         if want is None:
-            return (f"got {got}, expected None - with {got} K/V heads attention reaches {x:.0f} FLOP/byte, below the "
-                    f"ridge {ridge:g}, and even one K/V head only {prefill_attention_intensity(cfg, lens, 1):.0f}: no grouping "
-                    f"is enough; only longer requests can get there{trap}")
-        if x < ridge:
-            return (f"got {got}, expected {want} - with {got} K/V heads attention reaches {x:.0f} FLOP/byte "
+            return (f"got {got}, expected None - with {got} K/V heads attention reaches {ai(got):.0f} FLOP/byte, below "
+                    f"the ridge {ridge:g}, and even one K/V head only {ai(1):.0f}: no grouping is enough; only longer "
+                    f"requests can get there{trap}")
+        if ai(got) < ridge:
+            return (f"got {got}, expected {want} - with {got} K/V heads attention reaches {ai(got):.0f} FLOP/byte "
                     f"< ridge {ridge:g}{trap}")
-        return (f"got {got}, expected {want} - compute-bound ({x:.0f} FLOP/byte), but {want} K/V heads already reach "
-                f"the ridge ({prefill_attention_intensity(cfg, lens, want):.0f}): every extra head shared gives away quality "
-                f"for nothing" + (" - here no grouping at all is needed" if want == h else ""))
+        return (f"got {got}, expected {want} - compute-bound ({ai(got):.0f} FLOP/byte), but {want} K/V heads already reach "
+                f"the ridge ({ai(want):.0f}): every extra head shared gives away quality for nothing"
+                + (" - here no grouping at all is needed" if want == h else ""))
     return grade("gqa", fn, list(_GQA_CASES), judge,
                  "7 cases: one already compute-bound, some carried over by grouping, two that no grouping can rescue")
 
@@ -616,9 +597,9 @@ def check_packing(fn: Callable[[int, int], Sequence[int] | None]) -> bool:
                  "5 cases: 512 to 8,192 tokens, 1 to 8 K/V heads, one where no packing works")
 
 
-_KV_CASES = ((ModelConfig(), H200.ridge, 2, 128), (ModelConfig(), H200.ridge, 2, 1000),
-             (ModelConfig(), H200.ridge, 2, 8), (ModelConfig(), H200.ridge, 2, 1),
-             (ModelConfig(), 9.0, 4, 128), (ModelConfig(), 9.0, 4, 1024), (_CFG_SMALL, H200.ridge, 2, 64))
+_KV_CASES = tuple((ModelConfig(), H200.ridge, 2, n) for n in (128, 1000, 8, 1)) + (
+    (ModelConfig(), 9.0, 4, 128), (ModelConfig(), 9.0, 4, 1024),
+    (ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=32, d_ffn=1024), H200.ridge, 2, 64))
 
 
 def check_kv_overtakes(fn: Callable[[ModelConfig, float, int, int], int | None]) -> bool:

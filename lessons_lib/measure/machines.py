@@ -12,7 +12,8 @@ beta, ``measure.comm``).
 - ``this_cpu()``: this machine, measured once per process (``measure.profile``); varies run to run.
 
 Priced on a machine: a linear layer's roof against T and a measured sweep's verdict (``throughput_roof``,
-``sweep_verdict``), a forward's parts (``forward_parts``) and a timed forward beside its roofline (``beside_roofline``).
+``sweep_verdict``), a forward's parts (``forward_parts``), with its launch floor
+(``forward_roofline``), and a timed forward beside its roofline (``beside_roofline``).
 
 Taught in notebooks/05_flop_regimes.ipynb.
 """
@@ -28,6 +29,7 @@ import torch
 from ..core.config import ModelConfig
 from ..validate import check_int
 from .flops import (
+    LINEAR_LAYERS,
     RooflinePart,
     forward_bytes,
     forward_flops,
@@ -200,6 +202,18 @@ def forward_parts(cfg: ModelConfig, seq_lens: Sequence[int], machine: Machine,
     f = forward_flops(cfg, seq_lens, "varlen", causal=True)
     b = forward_bytes(cfg, seq_lens, bytes_per_element=nbytes)
     return machine.roofline_part(f.linear, b.linear), machine.roofline_part(f.attention, b.attention)
+
+
+def forward_roofline(cfg: ModelConfig, seq_lens: Sequence[int], machine: Machine, nbytes: int = 2) -> dict:
+    """A whole varlen forward on ``machine``: ``{"linear", "attention"}`` (``forward_parts``), ``"seconds"`` (the
+    two one after the other), ``"kernels"`` (the fewest launches: per layer one GEMM per ``flops.LINEAR_LAYERS``
+    entry and one attention kernel), ``"floor"`` (those launches at ``machine.launch_s``, 0 when unknown) and
+    ``"binds"``: ``"launch latency"`` when the floor reaches the roofline's time, else ``"the roofline"``."""
+    lin, att = forward_parts(cfg, seq_lens, machine, nbytes)
+    kernels = cfg.n_layers * (len(LINEAR_LAYERS) + 1)
+    seconds, floor = lin.seconds + att.seconds, kernels * (machine.launch_s or 0.0)
+    return {"linear": lin, "attention": att, "seconds": seconds, "kernels": kernels, "floor": floor,
+            "binds": "launch latency" if floor >= seconds else "the roofline"}
 
 
 def beside_roofline(forward: dict, machine: Machine) -> dict:
