@@ -1,11 +1,21 @@
-"""measure.comm's cost of a forward's all-reduces (comm_cost_state), its fit read-outs (fit_misses, about), the
-all-reduce bench's refusals, and tp.dryrun.record_requests: the engine's forward recorded for equal requests."""
+"""measure.comm's cost of a forward's all-reduces (comm_cost_state, packing_saving), its fit read-outs (fit_misses,
+about), the all-reduce bench's refusals and one timing beside the model (measure_point), and
+tp.dryrun.record_requests: the engine's forward recorded for equal requests."""
 from __future__ import annotations
 
 import pytest
 
 from lessons_lib.course import l00_setup as L
-from lessons_lib.measure.comm import AllReduceBench, AlphaBeta, about, all_reduce_seconds, comm_cost_state, fit_misses
+from lessons_lib.measure.comm import (
+    AllReduceBench,
+    AlphaBeta,
+    about,
+    all_reduce_seconds,
+    comm_cost_state,
+    fit_misses,
+    measure_point,
+    packing_saving,
+)
 from lessons_lib.tp.dryrun import RECORD_MAX_TOKENS, record_requests
 
 
@@ -77,3 +87,30 @@ def test_all_reduce_bench_refuses_bad_sizes_before_spawning():
     with pytest.raises(ValueError, match="distinct"):
         bench.measure([4, 4])
     assert bench.pool is None  # nothing was spawned
+
+
+def test_c1_packing_saving_is_the_ring_models_ratio():
+    fit = AlphaBeta(80e-6, 2e9)
+    one = _ring(80e-6, 2e9, 64 * 512 * 4, 2)
+    packed = _ring(80e-6, 2e9, 8 * 64 * 512 * 4, 2)
+    assert packing_saving(fit, 64, 8) == pytest.approx(8 * one / packed)
+    assert packing_saving(fit, 64, 1) == pytest.approx(1.0)
+    ring4 = 8 * _ring(80e-6, 2e9, 64 * 512 * 4, 4) / _ring(80e-6, 2e9, 8 * 64 * 512 * 4, 4)
+    assert packing_saving(fit, 64, 8, world_size=4) == pytest.approx(ring4)
+    with pytest.raises(ValueError, match="requests"):
+        packing_saving(fit, 64, 0)
+
+
+class _FakeBench:
+    """Stands in for AllReduceBench's ranks: a fixed time per payload, no processes."""
+    world_size = 2
+
+    def measure(self, tokens, d_model, repeats=5, warmup=2, first_warmup=2):
+        return {"tokens": list(tokens), "bytes": [n * d_model * 4 for n in tokens], "seconds": [1e-3] * len(tokens),
+                "backend": "fake", "world_size": 2}
+
+
+def test_c1_measure_point_puts_the_model_beside_the_measurement():
+    point = measure_point(_FakeBench(), 100, 512, AlphaBeta(80e-6, 2e9))
+    assert point == {"tokens": 100, "d_model": 512, "bytes": 100 * 512 * 4, "seconds": 1e-3,
+                     "model_s": pytest.approx(_ring(80e-6, 2e9, 204_800, 2)), "backend": "fake", "world_size": 2}

@@ -14,7 +14,7 @@ from lessons_lib.core.groups import LocalGroup
 from lessons_lib.core.model import Transformer
 from lessons_lib.course import l00_setup as L
 from lessons_lib.course.grading import score
-from lessons_lib.measure.comm import NVLINK, AlphaBeta, comm_cost_state
+from lessons_lib.measure.comm import NVLINK, AlphaBeta, comm_cost_state, measure_point, packing_saving
 from lessons_lib.tp.plan import rank_params, smallest_tp, tp_sizes
 
 
@@ -215,14 +215,6 @@ def _factor(fit, n, k, t, p, p_used=None):
     return u * k * (t - 1) / (k - t)
 
 
-def test_c1_packing_saving_is_the_ring_models_ratio():
-    fit = AlphaBeta(80e-6, 2e9)
-    one = _ring(80e-6, 2e9, 64 * 512 * 4, 2)
-    packed = _ring(80e-6, 2e9, 8 * 64 * 512 * 4, 2)
-    assert L.packing_saving(fit, 64, 8) == pytest.approx(8 * one / packed)
-    assert L.packing_saving(fit, 64, 1) == pytest.approx(1.0)
-
-
 def test_c1_packing_factor_checker(capsys):
     assert L.check_packing_factor(_factor)
     assert L.check_packing_factor(stub) is False and "not attempted" in capsys.readouterr().out
@@ -234,7 +226,7 @@ def test_c1_packing_factor_checker(capsys):
     assert "upside down" in upside
     assert "no all-reduce" in attempt(L.check_packing_factor, lambda f, n, k, t, p: _factor(f, n, k, t, max(p, 2)))
     assert "must be a positive number" in attempt(L.check_packing_factor, lambda f, n, k, t, p: -1.0)
-    naive = attempt(L.check_packing_factor, lambda f, n, k, t, p: None if p == 1 else t / L.packing_saving(f, n, k, p))
+    naive = attempt(L.check_packing_factor, lambda f, n, k, t, p: None if p == 1 else t / packing_saving(f, n, k, p))
     assert "depends only on u" in naive and "not like the saving itself" in naive  # a diagnosis, not only a number
     capsys.readouterr()
     earned = score(L.check_packing_factor, lambda f, n, k, t, p: _factor(f, n, k, t, p, p_used=2), points=7)
@@ -250,10 +242,10 @@ class _FakeBench:
                 "backend": "fake", "world_size": 2}
 
 
-def test_c1_measure_point_puts_the_model_beside_the_measurement_and_the_figure_draws_it():
+def test_c1_measure_text_and_the_figure_show_the_measurement_beside_the_model():
     fit = AlphaBeta(80e-6, 2e9)
-    point = L.measure_point(_FakeBench(), 100, 512, fit)
-    assert point["bytes"] == 100 * 512 * 4 and point["model_s"] == pytest.approx(_ring(80e-6, 2e9, 204_800, 2))
+    point = measure_point(_FakeBench(), 100, 512, fit)
+    assert point["model_s"] == pytest.approx(_ring(80e-6, 2e9, 204_800, 2))
     assert "took 1,000.0 us" in L.measure_text(point) and "[100, 512] float32" in L.measure_text(point)
     assert "probe" in gids(L.comm_cost_figure(comm_cost_state(100, fit), probe=point))
     assert "probe" not in gids(L.comm_cost_figure(comm_cost_state(100, fit, world_size=4), probe=point))

@@ -6,9 +6,9 @@ layers (``00_tp_split``), the all-reduces of one request against its length and 
 (``00_alpha_beta_model``; the model itself is ``measure.comm``).
 What the all-reduces of a forward cost: the explorer ``comm_cost_explorer``, which records the engine's
 forward on the learner's requests (``tp.dryrun.record_requests``) and prices it (``measure.comm.comm_cost_state``),
-and times real all-reduces on request (``measure_point`` on ``measure.comm.AllReduceBench``).
+and times real all-reduces on request (``measure.comm.measure_point`` on ``measure.comm.AllReduceBench``).
 Exercise checkers: ``check_tp_plan`` (00.1, on ``tp.plan.rank_params``: what rank 0's real shard holds) and
-``check_packing_factor`` (00.2, on ``packing_saving``).
+``check_packing_factor`` (00.2, on ``measure.comm.packing_saving``).
 
 Taught in notebooks/00_setup_one_request.ipynb.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -31,15 +32,16 @@ from ..measure.comm import (
     AllReduceBench,
     AlphaBeta,
     about,
-    all_reduce_seconds,
     comm_cost_state,
     crossover_tokens,
+    measure_point,
+    packing_saving,
     ring_bytes_sent,
     ring_time_terms,
 )
 from ..style import ATTENTION, COMM, LINEAR, MIN_FONT, NEVER, REQUEST, TEXT
 from ..tp.dryrun import RECORD_MAX_TOKENS, record_requests
-from ..tp.plan import held_by_name, rank_params, smallest_tp, tp_sizes
+from ..tp.plan import held_by_name, rank_params, tp_sizes
 from ..validate import check_int, dtype_name
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
@@ -83,8 +85,7 @@ def course_map() -> Figure:
     height = 0.2 + rows * (h + row_gap) - row_gap + 0.65
     fig = Figure(figsize=(width, height))
     ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, width)
-    ax.set_ylim(0, height)
+    ax.set(xlim=(0, width), ylim=(0, height))
     ax.axis("off")
     for i, (num, title, shows, claims, minutes) in enumerate(LESSONS):
         row, col = divmod(i, per_row)
@@ -145,8 +146,7 @@ def tp_split(cfg: ModelConfig | None = None) -> Figure:
     d, k, f, tp = cfg.d_model, cfg.qkv_dim, cfg.d_ffn, 2  # the figure draws two ranks
     fig = Figure(figsize=(13, 5.6))
     ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, 23)
-    ax.set_ylim(0, 10)
+    ax.set(xlim=(0, 23), ylim=(0, 10))
     ax.axis("off")
     ax.text(0.2, 9.65, f"Tensor parallelism, TP={tp}: how one block's four linear layers are cut", fontsize=MIN_FONT + 4,
             fontweight="bold", color=TEXT, va="center")
@@ -171,12 +171,10 @@ def tp_split(cfg: ModelConfig | None = None) -> Figure:
     ax.text(4.3, 2.95, f"rank 0: Q, K and V of heads 0-{hr - 1}; the bias is split with its outputs\n"
             f"(FFN-up: simply the first {f // tp} of the {f} hidden units to rank 0)", ha="center", va="top",
             fontsize=MIN_FONT, color=TEXT)
-    _arrow(ax, (6.0, 6.3), (6.8, 6.3))
-    _arrow(ax, (6.0, 4.6), (6.8, 4.6))
-    _box(ax, 6.9, 5.6, 2.5, 1.4, NEVER, "y0 = x W0^T + b0\n[T x out/2]")
-    _box(ax, 6.9, 3.9, 2.5, 1.4, NEVER, "y1 = x W1^T + b1\n[T x out/2]", hatched=True)
-    ax.text(9.5, 6.3, "rank 0", va="center", fontsize=MIN_FONT, color=TEXT)
-    ax.text(9.5, 4.6, "rank 1", va="center", fontsize=MIN_FONT, color=TEXT)
+    for r, y0 in ((0, 5.6), (1, 3.9)):
+        _arrow(ax, (6.0, y0 + 0.7), (6.8, y0 + 0.7))
+        _box(ax, 6.9, y0, 2.5, 1.4, NEVER, f"y{r} = x W{r}^T + b{r}\n[T x out/2]", hatched=bool(r))
+        ax.text(9.5, y0 + 0.7, f"rank {r}", va="center", fontsize=MIN_FONT, color=TEXT)
     ax.text(0.2, 1.3, f"QKV: [T x {d}] -> [T x {3 * k // tp}] on each rank: Q, K, V of its {cfg.heads_per_rank(tp)} heads\n"
             f"FFN-up: [T x {d}] -> [T x {f // tp}] on each rank: half the FFN\n"
             "no communication: the next layer reads the shard", va="center", fontsize=MIN_FONT + 1, color=TEXT)
@@ -238,14 +236,11 @@ def allreduce_growth(cfg: ModelConfig | None = None, tokens: Sequence[int] | Non
     right.set_ylabel(f"bytes per forward, all ranks together ({dtype})")
     right.set_title("per forward: what all ranks send together (ring)", fontsize=MIN_FONT + 1)
     for ax in (left, right):
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens N in the request")
+        ax.set(xscale="log", yscale="log", xlabel="tokens N in the request")
         ax.tick_params(labelsize=MIN_FONT)
+        ax.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
     fig.suptitle(f"One request of N tokens: {count} all-reduces per forward for every N at TP >= 2, none at TP = 1",
                  fontsize=MIN_FONT + 2)
-    left.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
-    right.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
     fig.subplots_adjust(left=0.09, right=0.98, bottom=0.14, top=0.84, wspace=0.3)
     return fig
 
@@ -263,8 +258,8 @@ def alpha_beta_model() -> Figure:
     ns = np.unique(np.logspace(0, np.log10(65536), 120).astype(int))
     fig = Figure(figsize=(9.6, 4.6))
     ax = fig.subplots()
-    terms = {dt: [ring_time_terms(fit, int(n) * d_model * getattr(torch, dt).itemsize, p) for n in ns]
-             for dt in ("float32", "bfloat16")}
+    items = {dt: getattr(torch, dt).itemsize for dt in ("float32", "bfloat16")}
+    terms = {dt: [ring_time_terms(fit, int(n) * d_model * item, p) for n in ns] for dt, item in items.items()}
     lat = [1e6 * t[0] for t in terms["float32"]]
     ax.plot(ns, [1e6 * sum(t) for t in terms["float32"]], color=COMM, linewidth=2.8, gid="total-float32",
             label="model total, float32: latency + bandwidth")
@@ -272,22 +267,19 @@ def alpha_beta_model() -> Figure:
             label=f"latency term 2(p-1) alpha = {lat[0]:.3g} us (any N, any dtype)")
     for dt, style, width in (("float32", ":", 1.8), ("bfloat16", "-.", 1.4)):
         ax.plot(ns, [1e6 * t[1] for t in terms[dt]], style, color=TEXT, linewidth=width, gid=f"bandwidth-{dt}",
-                label=f"bandwidth term 2(p-1)/p S/beta, {dt} (S = N x {d_model} x {getattr(torch, dt).itemsize} B)")
+                label=f"bandwidth term 2(p-1)/p S/beta, {dt} (S = N x {d_model} x {items[dt]} B)")
     ax.plot(ns, [1e6 * sum(t) for t in terms["bfloat16"]], "-.", color=COMM, linewidth=1.8, gid="total-bfloat16",
             label="model total, bfloat16: the same latency, half the bandwidth term")
     for dt, y in (("float32", 0.06), ("bfloat16", 0.012)):
-        star = crossover_tokens(fit, d_model, getattr(torch, dt).itemsize, p)
+        star = crossover_tokens(fit, d_model, items[dt], p)
         ax.axvline(star, color=TEXT, linestyle=(0, (1, 3)) if dt == "float32" else (0, (4, 2, 1, 2)), linewidth=1,
                    gid=f"crossover-{dt}")
         ax.text(star * 1.1, lat[0] * y, f"N* = {star:,.0f} tokens\n({dt})", fontsize=MIN_FONT, color=TEXT, va="center",
                 bbox={"facecolor": NEVER, "edgecolor": "none", "pad": 1})
     ax.text(1.3, lat[0] * 1.35, "left of N*: latency-dominated; right of it: bandwidth-dominated", fontsize=MIN_FONT,
             color=TEXT)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_ylim(1e-3 * lat[0], 400 * lat[0])  # room for the legend above the curves
-    ax.set_xlabel(f"tokens N in the forward (payload [N x {d_model}] on each rank)")
-    ax.set_ylabel("us for ONE all-reduce (model)")
+    ax.set(xscale="log", yscale="log", ylim=(1e-3 * lat[0], 400 * lat[0]),  # room for the legend above the curves
+           xlabel=f"tokens N in the forward (payload [N x {d_model}] on each rank)", ylabel="us for ONE all-reduce (model)")
     ax.tick_params(labelsize=MIN_FONT)
     ax.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
     fig.suptitle(f"A model, not a measurement: one ring all-reduce, TP = {p}, alpha = {fit.alpha_s * 1e6:.3g} us per "
@@ -336,11 +328,9 @@ def comm_cost_figure(state: dict, measured: Mapping | None = None, probe: Mappin
     Right: the state's tokens packed in one forward vs one forward per request, latency (hatched) + bandwidth."""
     s = state
     fit = AlphaBeta(s["alpha_s"], s["beta"])
-    p, count, item = s["world_size"], s["count"], torch.empty((), dtype=getattr(torch, s["dtype"])).element_size()
-    row = s["d_model"] * item
+    p, count, row = s["world_size"], s["count"], s["bytes_each"] // s["num_tokens"]  # row: bytes of one token
     ns = np.unique(np.logspace(0, np.log10(max(16384, s["num_tokens"])), 80).astype(int))
-    lat = [1e3 * count * ring_time_terms(fit, int(n) * row, p)[0] for n in ns]  # ms
-    bw = [1e3 * count * ring_time_terms(fit, int(n) * row, p)[1] for n in ns]
+    lat, bw = (1e3 * count * np.array([ring_time_terms(fit, int(n) * row, p) for n in ns])).T  # ms
     fig = Figure(figsize=(10.4, 4.3))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.1, 1]})
     left.plot(ns, np.add(lat, bw), color=COMM, linewidth=2.5, label="alpha-beta model: latency + bandwidth", gid="model")
@@ -356,8 +346,7 @@ def comm_cost_figure(state: dict, measured: Mapping | None = None, probe: Mappin
         left.plot(xs, [1e3 * count * t for t in measured["seconds"]], "o", color=TEXT, markersize=5, gid="measured",
                   label=f"measured here ({measured['backend']}, TP={measured['world_size']}): one all-reduce x {count}, "
                         "placed by bytes")
-    left.set_xscale("log")
-    left.set_yscale("log")
+    left.set(xscale="log", yscale="log")
     for axis in (left.xaxis, left.yaxis):  # no minor ticks, plain labels: mathtext ticks are most of the drawing time
         axis.set_minor_locator(NullLocator())
         axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -385,15 +374,6 @@ def comm_cost_figure(state: dict, measured: Mapping | None = None, probe: Mappin
                  f"(TP={p}): N = {s['num_tokens']} is {s['dominated']}-dominated", fontsize=MIN_FONT + 2)
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.16, top=0.86, wspace=0.28)
     return fig
-
-
-def measure_point(bench: AllReduceBench, num_tokens: int, d_model: int, fit: AlphaBeta) -> dict:
-    """Time real all-reduces of ``[num_tokens, d_model]`` float32 on ``bench``'s ranks (5 timed after 2 untimed;
-    refused above ``MAX_MEASURE_ELEMENTS``) and put the alpha-beta model's time of the same payload beside it."""
-    m = bench.measure([num_tokens], d_model, repeats=5, warmup=2, first_warmup=2)
-    return {"tokens": m["tokens"][0], "d_model": d_model, "bytes": m["bytes"][0], "seconds": m["seconds"][0],
-            "model_s": all_reduce_seconds(fit, m["bytes"][0], m["world_size"]), "backend": m["backend"],
-            "world_size": m["world_size"]}
 
 
 def measure_text(point: Mapping) -> str:
@@ -476,9 +456,8 @@ def comm_cost_explorer(measured: Mapping, measured_fit: AlphaBeta, num_tokens: i
         rec_text.value = f"<div>{record_text(point)}</div>"
 
     button.on_click(measure)
-    box = explorer("abx", [tokens, reqs, d_model, kind, layers, tp, net],
-                   [rec_text, w.HBox([button, probe_text]), text, out], update)
-    return box
+    return explorer("abx", [tokens, reqs, d_model, kind, layers, tp, net],
+                    [rec_text, w.HBox([button, probe_text]), text, out], update)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,17 +476,6 @@ def tp_plan(cfg: ModelConfig, budget: int, count=None) -> tuple[int, bool] | Non
     check_int("budget", budget, 1)
     count = count or rank_params
     return next(((p, vp) for p in tp_sizes(cfg) for vp in (False, True) if count(cfg, p, vp) <= budget), None)
-
-
-def _all_split(cfg: ModelConfig, tp_size: int, vocab_parallel: bool) -> float:
-    """The usual slip: every parameter cut ``tp_size`` ways."""
-    return sum(held_by_name(cfg, 1).values()) / tp_size
-
-
-def _wpe_cut_too(cfg: ModelConfig, tp_size: int, vocab_parallel: bool) -> int:
-    """The other slip: a vocab-parallel embedding that cuts the position table as well."""
-    return rank_params(cfg, tp_size, vocab_parallel) - (held_by_name(cfg, 1)["wpe"] * (tp_size - 1) // tp_size
-                                                        if vocab_parallel else 0)
 
 
 def _plan_hint(got, cfg: ModelConfig, budget: int) -> str:
@@ -536,15 +504,17 @@ def _plan_hint(got, cfg: ModelConfig, budget: int) -> str:
         facts.append(f"no plan fits: even at tp_size={sizes[-1]} with a vocab-parallel embedding rank 0 holds "
                      f"{rank_params(cfg, sizes[-1], True):,}, because the rest of the replicated part does not shrink "
                      "with the TP size (return None)")
-    slips = [(tp_plan(cfg, budget, _wpe_cut_too), "a vocab-parallel embedding cuts the token table only: the "
-                                                  "position table wpe stays whole"),
-             (tp_plan(cfg, budget, _all_split), "not everything is split: the embeddings, the LayerNorms and the "
-                                                "row-parallel biases are whole on every rank, so a rank's share never "
-                                                "falls below that replicated part"),
-             ((smallest_tp(cfg, budget, False), False) if smallest_tp(cfg, budget, False) else None,
-              "the vocab-parallel embedding is yours to choose: cutting wte (and the tied LM head) into "
-              "ceil(vocab_size / tp_size) rows lets a smaller TP size fit")]
-    facts += [hint for value, hint in slips if got == value][:1]
+    wpe = held_by_name(cfg, 1)["wpe"]
+    slips = (  # (a slip's count of rank 0's parameters, what it misses): the first whose plan is ``got`` is said
+        (lambda c, t, vp: rank_params(c, t, vp) - (wpe * (t - 1) // t if vp else 0),
+         "a vocab-parallel embedding cuts the token table only: the position table wpe stays whole"),
+        (lambda c, t, vp: rank_params(c, 1) / t,  # every parameter cut t ways
+         "not everything is split: the embeddings, the LayerNorms and the row-parallel biases are whole on every "
+         "rank, so a rank's share never falls below that replicated part"),
+        (lambda c, t, vp: budget + 1 if vp else rank_params(c, t),  # never vocab-parallel
+         "the vocab-parallel embedding is yours to choose: cutting wte (and the tied LM head) into "
+         "ceil(vocab_size / tp_size) rows lets a smaller TP size fit"))
+    facts += [hint for count, hint in slips if got == tp_plan(cfg, budget, count)][:1]
     return "; ".join(facts)
 
 
@@ -578,26 +548,12 @@ def check_tp_plan(fn: Callable[[ModelConfig, int], tuple[int, bool] | None]) -> 
                  f"the plan matches rank 0's real shard on {len(cases)} cases")
 
 
-def packing_saving(fit: AlphaBeta, num_tokens: int, requests: int, world_size: int = 2) -> float:
-    """How many times more all-reduce time ``requests`` requests of ``num_tokens`` tokens each cost as separate
-    forwards than packed into one forward (the article's model, float32), from ``comm_cost_state``."""
-    n, k = check_int("num_tokens", num_tokens, 1), check_int("requests", requests, 1, 4096)
-    state = comm_cost_state(n * k, fit, requests=k, world_size=world_size)
-    return state["separate_s"] / state["forward_s"]
-
-
-def _scaled(fit: AlphaBeta, factor: float, which: str) -> AlphaBeta:
-    if which == "alpha":
-        return AlphaBeta(fit.alpha_s * factor, fit.beta, fit.source)
-    return AlphaBeta(fit.alpha_s, fit.beta * factor, fit.source)
-
-
 def _packing_hint(got: float, fit: AlphaBeta, n: int, k: int, target: float, p: int) -> str:
     """What saving the reader's factor really gives, and the usual slip behind it."""
     if not got > 0:
         return "alpha and beta stay positive: the factor must be a positive number"
     try:
-        saving = packing_saving(_scaled(fit, got, "alpha"), n, k, p)
+        saving = packing_saving(replace(fit, alpha_s=fit.alpha_s * got), n, k, p)
     except ValueError:
         return ""
     lines = [f"with alpha x {got:.4g} packing saves {saving:.4g}x, not {target:g}x"]
@@ -609,14 +565,12 @@ def _packing_hint(got: float, fit: AlphaBeta, n: int, k: int, target: float, p: 
              (u / want_u * p, f"p = {p} is missing from the ratio: each ring step moves only S/p bytes, so one "
                               "request's bytes term over its latency term is S / (p x alpha x beta) = N / N*, not "
                               "S / (alpha x beta); your ratio is p times too large")]
-    for value, hint in slips:
-        if np.isclose(got, value, rtol=1e-6):
-            lines.append(hint)
-            break
-    else:  # no known slip: say what the factor did to the one number the saving depends on
-        lines.append(f"the saving k (1 + u) / (1 + k u) depends only on u, one request's bytes term over its latency "
-                     f"term (here k = {k}); your factor moves u from {u:.4g} to {u / got:.4g}, and {target:g}x needs "
-                     f"u = {want_u:.4g}; u scales like 1 / alpha and like 1 / beta, not like the saving itself")
+    known = next((hint for value, hint in slips if np.isclose(got, value, rtol=1e-6)), None)
+    # no known slip: say what the factor did to the one number the saving depends on
+    lines.append(known or f"the saving k (1 + u) / (1 + k u) depends only on u, one request's bytes term over its "
+                          f"latency term (here k = {k}); your factor moves u from {u:.4g} to {u / got:.4g}, and "
+                          f"{target:g}x needs u = {want_u:.4g}; u scales like 1 / alpha and like 1 / beta, not like "
+                          "the saving itself")
     return "; ".join(lines)
 
 
@@ -632,15 +586,13 @@ def check_packing_factor(fn: Callable[[AlphaBeta, int, int, float, int], float |
 
     def judge(got, fit, n, k, target, p):
         if p == 1:
-            if got is None:
-                return None
-            return (f"got {got!r}, expected None - at TP=1 a forward makes no all-reduce (LocalGroup.all_reduce "
-                    "returns its tensor untouched), so there is no communication for packing to save")
+            return None if got is None else (f"got {got!r}, expected None - at TP=1 a forward makes no all-reduce "
+                                             "(LocalGroup.all_reduce returns its tensor untouched), so there is no "
+                                             "communication for packing to save")
         if got is None or isinstance(got, bool) or not isinstance(got, (int, float)) or not np.isfinite(got):
             return f"return a number (the factor), got {got!r}"
-        savings = [packing_saving(_scaled(fit, got, which), n, k, p) if got > 0 else float("nan")
-                   for which in ("alpha", "beta")]
-        if all(np.isclose(x, target, rtol=1e-6) for x in savings):
+        scaled = [replace(fit, alpha_s=fit.alpha_s * got), replace(fit, beta=fit.beta * got)] if got > 0 else []
+        if scaled and all(np.isclose(packing_saving(f, n, k, p), target, rtol=1e-6) for f in scaled):
             return None
         return _packing_hint(got, fit, n, k, target, p)
     return grade("packing_factor", fn, cases, judge,

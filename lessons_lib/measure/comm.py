@@ -11,8 +11,10 @@ all-gather); in each step every rank sends S/p bytes to its neighbour, which cos
 - ``crossover_tokens``: the rows N of a ``[N, d_model]`` payload from which bandwidth outweighs latency.
 - ``fit_alpha_beta``: alpha and beta read off measured times (relative least squares); ``fit_misses``, how far
   the fit misses its own points, and ``about``, a number printed to the digits that mean anything.
-- ``comm_cost_state``: count, payloads and modelled time of one TP forward's all-reduces, packed or one per request.
-- ``AllReduceBench``: real all-reduces timed on spawned ranks (``time_all_reduces`` on each rank).
+- ``comm_cost_state``: count, payloads and modelled time of one TP forward's all-reduces, packed or one per request;
+  ``packing_saving``: how many times more the all-reduces of separate forwards cost than one packed forward.
+- ``AllReduceBench``: real all-reduces timed on spawned ranks (``time_all_reduces`` on each rank); ``measure_point``:
+  one such timing beside the model's time of the same payload.
 
 Taught in notebooks/00_setup_one_request.ipynb and notebooks/08_chunked_prefill.ipynb.
 """
@@ -214,6 +216,15 @@ def comm_cost_state(num_tokens: int, fit: AlphaBeta, d_model: int = 512, dtype: 
             "extrapolated": fitted if fitted not in (None, p) else None}
 
 
+def packing_saving(fit: AlphaBeta, num_tokens: int, requests: int, world_size: int = 2) -> float:
+    """How many times more all-reduce time ``requests`` requests of ``num_tokens`` tokens each cost as separate
+    forwards than packed into one forward (the article's model, float32): ``comm_cost_state``'s ``separate_s``
+    over its ``forward_s``. ValueError on bad sizes, as ``comm_cost_state``."""
+    n, k = check_int("num_tokens", num_tokens, 1), check_int("requests", requests, 1, 4096)
+    state = comm_cost_state(n * k, fit, requests=k, world_size=world_size)
+    return state["separate_s"] / state["forward_s"]
+
+
 # ---- real all-reduces, timed on spawned ranks ------------------------------------------------------------
 
 AR_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)  # the [N, 512] float32 payloads AllReduceBench.measure times by default
@@ -303,3 +314,14 @@ class AllReduceBench:
         if self.pool is not None and not self.pool.closed:
             self.pool.broadcast(("close",))
             self.pool.close()
+
+
+def measure_point(bench: AllReduceBench, num_tokens: int, d_model: int, fit: AlphaBeta) -> dict:
+    """Time real all-reduces of ``[num_tokens, d_model]`` float32 on ``bench``'s ranks (5 timed after 2 untimed;
+    refused above ``MAX_MEASURE_ELEMENTS``) and put the alpha-beta model's time of the same payload beside it.
+    Keys: ``tokens``, ``d_model``, ``bytes``, ``seconds`` (measured), ``model_s`` (``all_reduce_seconds`` on
+    ``fit``), ``backend``, ``world_size``."""
+    m = bench.measure([num_tokens], d_model, repeats=5, warmup=2, first_warmup=2)
+    return {"tokens": m["tokens"][0], "d_model": d_model, "bytes": m["bytes"][0], "seconds": m["seconds"][0],
+            "model_s": all_reduce_seconds(fit, m["bytes"][0], m["world_size"]), "backend": m["backend"],
+            "world_size": m["world_size"]}
