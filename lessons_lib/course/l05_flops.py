@@ -23,6 +23,7 @@ from ..core.batch import cumulative
 from ..core.config import ModelConfig
 from ..measure.flops import (
     ForwardFlops,
+    GpuVerdict,
     attention_cells,
     attention_crossover_length,
     block_linear_intensity,
@@ -53,21 +54,21 @@ from .grading import grade
 
 
 def decode_parts_table(cfg: ModelConfig, kv_lens: Sequence[int], requests: Sequence[int]) -> list[str]:
-    """One line per (cache length, R): per layer on the H200 (``decode_step_parts``), each part's roofline time and
-    bound, then its GPU floor (``decode_step_verdicts``: thread blocks and launches)."""
-    out = []
-    for n in kv_lens:
-        for r in requests:
-            p = decode_step_parts(cfg, r, n, H200)
-            lin, att = decode_step_verdicts(cfg, r, n, H200)
-            out.append(f"{n:5d} cached, R = {r:5d}: linear {p.linear.seconds * 1e6:8.3g} us ({p.linear.bound}, "
-                       f"{p.linear.intensity:5.1f} FLOP/B; {lin.binds} binds: >= {lin.seconds * 1e6:.3g} us) | attention "
-                       f"{p.attention.seconds * 1e6:8.3g} us ({p.attention.bound}, {p.attention.intensity:.2f} FLOP/B; "
-                       f"{att.binds} binds: >= {att.seconds * 1e6:.3g} us) | longer: {p.longer}")
-    return out
+    """One line per (cache length, R): per layer on the H200, each part's roofline time and bound, then its GPU
+    floor (``decode_step_verdicts``: thread blocks and launches), and the longer part (``decode_step_parts``)."""
+    def part(v: GpuVerdict, digits: str) -> str:
+        p = v.part
+        return (f"{p.seconds * 1e6:8.3g} us ({p.bound}, {p.intensity:{digits}} FLOP/B; {v.binds} binds: >= "
+                f"{v.seconds * 1e6:.3g} us)")
+    verdicts = {(n, r): decode_step_verdicts(cfg, r, n, H200) for n in kv_lens for r in requests}
+    return [f"{n:5d} cached, R = {r:5d}: linear {part(lin, '5.1f')} | attention {part(att, '.2f')} | longer: "
+            f"{decode_step_parts(cfg, r, n, H200).longer}" for (n, r), (lin, att) in verdicts.items()]
 
 # ---------------------------------------------------------------------------------------------
 # Figures
+
+
+_ARROW = {"arrowstyle": "-", "color": TEXT, "linewidth": 0.8}   # a label's thin line to its point
 
 
 def _dress(ax, xlabel: str, ylabel: str, title: str = "", size: int = MIN_FONT + 1, **legend) -> None:
@@ -148,7 +149,7 @@ def attention_share_curve(cfg: ModelConfig | None = None, lengths: Sequence[int]
         ax.plot([n], [s], "o", color=ATTENTION)
         at = (n / 5, s + 8) if s < 50 else (n * 2.5, s - 30)
         ax.annotate(f"L = {n:,}: {s:.1f}%", (n, s), xytext=at, ha="left", va="bottom", fontsize=MIN_FONT, color=TEXT,
-                    arrowprops={"arrowstyle": "-", "color": TEXT, "linewidth": 0.8})
+                    arrowprops=_ARROW)
     ax.set(xscale="log", ylim=(0, 100))
     _dress(ax, "tokens per request L (any number of requests of this length)", "attention's share of the FLOPs (%)",
            f"Attention's share of one forward's FLOPs ({cfg.n_layers} layers, d_model {cfg.d_model}, FFN {cfg.d_ffn}):"
@@ -176,15 +177,10 @@ def intensity_figure(cfg: ModelConfig | None = None, decode_r: Sequence[int] = (
     for r in decode_r:  # R = 1: under the attention line; small R: above-left of the bf16 curve; large R: below-right
         y = block_linear_intensity(cfg, r)
         ax.plot([r], [y], "o", color=LINEAR)
-        label = f"decode step, R = {r}: {y:.1f}"
-        if r < 4:
-            ax.annotate(label, (r, y), xytext=(1.12, 0.46), ha="left", va="top", fontsize=MIN_FONT, color=TEXT,
-                        arrowprops={"arrowstyle": "-", "color": TEXT, "linewidth": 0.8})
-        else:
-            below = r >= 128
-            ax.annotate(label, (r, y), textcoords="offset points", xytext=(18, -58) if below else (-8, 10),
-                        ha="left" if below else "right", va="top" if below else "bottom", fontsize=MIN_FONT, color=TEXT,
-                        arrowprops={"arrowstyle": "-", "color": TEXT, "linewidth": 0.8} if below else None)
+        at = ({"xytext": (1.12, 0.46), "va": "top", "arrowprops": _ARROW} if r < 4 else
+              {"xytext": (-8, 10), "textcoords": "offset points", "ha": "right", "va": "bottom"} if r < 128 else
+              {"xytext": (18, -58), "textcoords": "offset points", "va": "top", "arrowprops": _ARROW})
+        ax.annotate(f"decode step, R = {r}: {y:.1f}", (r, y), **{"ha": "left"} | at, fontsize=MIN_FONT, color=TEXT)
     att = decode_attention_intensity(kv_len, cfg.d_head, BF16)
     ax.axhline(att, color=ATTENTION, linewidth=2,
                label=f"decode attention of each request, {kv_len:,} cached tokens (bf16): {att:.2f}, any R")
