@@ -443,15 +443,6 @@ def test_a_grade_gives_partial_credit_with_the_explanation(capsys):
     assert 0 < points < 2 and "re-reads" in out
 
 
-def test_the_loop_dispatches_nine_ops_per_causal_request_five_without_the_mask():
-    # lesson 03's loop, views left out: what K1 and the figure count as its launches, one request at a time
-    assert L.loop_ops_per_request() == ["bmm", "mul", "ones", "tril", "bitwise_not", "masked_fill_", "_softmax", "bmm",
-                                        "copy_"]
-    assert L.loop_ops_per_request(causal=False) == ["bmm", "mul", "_softmax", "bmm", "copy_"]
-    lens = [1 + (7 * i + 5) % 13 for i in range(50)]
-    assert len(L.loop_ops(lens)) == len(L.loop_ops(lens[:1])) + 49 * 9
-
-
 def test_every_kernel_run_of_the_lesson_takes_bfloat16_on_cuda_and_float32_on_the_cpu(monkeypatch):
     kd = kernel_runs.kernel_dtype
     assert kd("cuda") == kd(torch.device("cuda", 1)) == torch.bfloat16

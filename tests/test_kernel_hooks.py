@@ -1,8 +1,9 @@
 """Engine hooks lesson 07 calls: the online-softmax replay (ops.online_softmax), the float64 log-sum-exp reference
 (measure.tolerance.reference_lse), the compile report's limits table and PTX counts (ops.compile_report), the
 window truth, the flat grid and the occupancy model (tile_costs, best_block_m) of ops.tiling, the recorder's view filter,
-the launch picture's cells and totals (ops.tile_picture), the kernel's code cut (faults.kernel.kernel_source_part) and its
-runs (measure.kernel_runs)."""
+the launch picture's cells and totals (ops.tile_picture), the kernel's code cut (faults.kernel.kernel_source_part), its
+runs (measure.kernel_runs), the compile claim's builds (compile_report.launcher_and_avoided) and the ops lesson 03's loop
+dispatches (measure.loop_dispatch)."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from lessons_lib.core.attention import attention_ref
 from lessons_lib.course import l07_kernel as L
 from lessons_lib.faults import kernel as kernel_faults
+from lessons_lib.measure.loop_dispatch import loop_ops, loop_ops_per_request
 from lessons_lib.measure.profile import random_qkv
 from lessons_lib.measure.recorder import OpRecorder, is_view_op
 from lessons_lib.measure.tolerance import reference_lse
@@ -78,6 +80,35 @@ def test_compiler_table_puts_each_targets_limits_beside_its_build():
     assert lines[0].endswith("max regs  max shared  fits") and len(lines) == 3
     assert lines[1].split()[-3:] == ["255", str(cr.MAX_SHARED[80]), "yes"]
     assert lines[2].split()[-3:] == ["255", str(cr.MAX_SHARED[90]), "NO"] and "8/8" in lines[2]
+
+
+def test_the_compile_claim_compiles_the_launchers_builds_and_the_avoided_tiles(monkeypatch):
+    calls = []
+
+    def compile_builds(builds, processes=1, timeout=600, tiles=None):
+        calls.append((builds, tiles))
+        return ["avoided" if tiles else "launcher's"]
+
+    monkeypatch.setattr(compile_report, "compile_builds", compile_builds)
+    assert compile_report.launcher_and_avoided.__wrapped__((80, 90), (64, 128)) == (["launcher's"], ["avoided"])
+    builds = {tiles is None: builds for builds, tiles in calls}
+    assert [tiles for _, tiles in calls if tiles] == [compile_report.AVOIDED_TILES]
+    assert {(b.arch, b.head_dim) for b in builds[True]} == {(80, 64), (80, 128), (90, 64), (90, 128)}
+    assert {(b.arch, b.head_dim) for b in builds[False]} == {(80, 128), (80, 64)}
+    assert all((b.dtype, b.causal, b.pack_gqa) == ("bfloat16", True, False) for bs in builds.values() for b in bs)
+    if not _triton_missing():   # the avoided tiles are not the launcher's own
+        tv = kernel_faults.kernel_module()
+        for d, tile in compile_report.AVOIDED_TILES[80].items():
+            assert tuple(tv.launch_config(d, torch.bfloat16, 80)) != tile
+
+
+def test_the_loop_dispatches_nine_ops_per_causal_request_five_without_the_mask():
+    # lesson 03's loop, views left out: what K1 and the figure count as its launches, one request at a time
+    assert loop_ops_per_request() == ["bmm", "mul", "ones", "tril", "bitwise_not", "masked_fill_", "_softmax", "bmm",
+                                      "copy_"]
+    assert loop_ops_per_request(causal=False) == ["bmm", "mul", "_softmax", "bmm", "copy_"]
+    lens = [1 + (7 * i + 5) % 13 for i in range(50)]
+    assert len(loop_ops(lens)) == len(loop_ops(lens[:1])) + 49 * 9
 
 
 @needs_triton

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -22,14 +21,14 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from .. import faults
-from ..core.attention import varlen_attention
 from ..faults import kernel as kernel_faults
 from ..measure.kernel_runs import causal_counts, kernel_missing, kernel_module, kernel_qkv, kernel_refs, run_kernel, run_layout
+from ..measure.loop_dispatch import loop_ops, loop_ops_per_request  # noqa: F401 (loop_ops: claim K1)
 from ..measure.machines import H200
 from ..measure.profile import random_qkv
-from ..measure.recorder import record_ops
 from ..measure.tolerance import max_abs_diff, tolerance
-from ..ops import compile_report, tiling
+from ..ops import tiling
+from ..ops.compile_report import launcher_and_avoided as compiler_reports  # noqa: F401 (the compile claim)
 from ..ops.online_softmax import max_growths, online_softmax
 from ..ops.tile_picture import RETURNED, SKIPPED, USEFUL, WASTED, picture_totals, program_cells, program_tiles
 from ..ops.tiling import WorkCounts, cdiv
@@ -195,26 +194,6 @@ def guess_report(guess: dict, seen: dict) -> str:
     return "\n".join(lines)
 
 
-# ---- what the compiler made of the loop (native builds, no GPU needed) ---------------------------------------
-
-# The launcher's builds the lesson compiles: sm_80 (A100) and sm_90 (H100, H200), bf16, causal, head dims 64 and 128;
-# and launches it does NOT make on an A100: 64 keys a tile at head dim 128, 4 warps at head dim 64.
-COMPILE_ARCHS, COMPILE_HEAD_DIMS = (80, 90), (64, 128)
-TRIED_TILES = {80: {128: (128, 64, 8, 3), 64: (128, 64, 4, 3)}}
-
-
-@functools.cache
-def compiler_reports() -> tuple[list, list]:
-    """``(launcher's, tried)``: ``compile_report.compile_builds`` of the launcher's bf16 causal per-head builds for
-    ``COMPILE_ARCHS`` x ``COMPILE_HEAD_DIMS`` and of ``TRIED_TILES``' (fresh subprocesses, no GPU; cached)."""
-    mine = [compile_report.Build(a, "bfloat16", d, True, False) for a in COMPILE_ARCHS for d in COMPILE_HEAD_DIMS]
-    tried = [compile_report.Build(a, "bfloat16", d, True, False) for a, by_d in TRIED_TILES.items() for d in by_d]
-    with ThreadPoolExecutor(2) as pool:
-        ours = pool.submit(compile_report.compile_builds, mine, 2)
-        other = pool.submit(compile_report.compile_builds, tried, 1, 600, TRIED_TILES)
-        return ours.result(), other.result()
-
-
 # ---- grouped-query attention: the two layouts -------------------------------------------------------------------
 
 GQA_HEADS, GQA_KV_HEADS = 8, 2          # G = 4 query heads per K/V head
@@ -231,15 +210,12 @@ def run_gqa(lens_q: Sequence[int], lens_k: Sequence[int], pack_gqa: bool | None,
 
 # ---- figures --------------------------------------------------------------------------------------------------
 
-GRID_LENS = [100, 20, 60]
-GRID_NAMES = ("C", "D", "E")   # not the course's A (10 tokens) and B (30)
-
-
 @register("07_launch_grid", lesson="07",
           caption="one causal launch over requests of 100, 20 and 60 tokens at 32 x 32 tiles: 12 programs, each a band "
                   "of key tiles computed, partly thrown away, skipped above the diagonal, or returned at once")
 def _launch_grid() -> Figure:
-    fig = launch_picture(GRID_LENS, block_m=32, block_n=32, causal=True, figsize=(9.0, 5.0), names=GRID_NAMES)
+    # named C, D, E: not the course's A (10 tokens) and B (30)
+    fig = launch_picture([100, 20, 60], block_m=32, block_n=32, causal=True, figsize=(9.0, 5.0), names=("C", "D", "E"))
     a = fig.axes[0]  # C's last program: rows 96-127 of its tile, of which only 96-99 exist
     a.annotate("rows 96-99: C's only\n4 real rows here", xy=(64, 98), xytext=(64, 116), ha="center", va="center",
                fontsize=MIN_FONT, color=TEXT, arrowprops={"arrowstyle": "->", "color": TEXT},
@@ -262,22 +238,10 @@ def _short_tile() -> Figure:
                           title="non-causal, 64 x 64 tiles: a 10-token request still executes a whole tile")
 
 
-def loop_ops(seq_lens: Sequence[int], *, causal: bool = True) -> list[str]:
-    """The ops lesson 03's loop (``varlen_attention(..., backend="loop")``, one head of 16) dispatches for
-    requests of ``seq_lens``, recorded by ``OpRecorder``, views left out: each op left runs on the device
-    (on a GPU a kernel launch, or, ``_local_scalar_dense``, a read back to the host), one after the other."""
-    q, k, v, cu = random_qkv(list(seq_lens), n_heads=1, d_head=16, seed=0)
-    return record_ops(lambda: varlen_attention(q, k, v, cu, causal=causal, backend="loop")).launched()
-
-
-def loop_ops_per_request(*, causal: bool = True) -> list[str]:
-    """The ops the loop adds for one more request: those of two requests past those of one (in order)."""
-    extra = loop_ops([6, 13], causal=causal)
-    for name in loop_ops([6], causal=causal):
-        extra.remove(name)
-    return extra
-
-
+@register("07_fifty_launches", lesson="07",
+          caption="50 requests served one launch per request (each paying the launch cost; lesson 03's causal loop "
+                  "launches 9 kernels per request, loop_ops_per_request) and by the kernel (one launch, 50 programs side "
+                  "by side); schematic")
 def launches_picture(n_requests: int = 50) -> Figure:
     """Lesson 03's loop against the kernel, as launches: the loop's ``n_requests`` launches of grid
     ``(1, 1, 1)``, one after the other, each preceded by the host's launch cost; the kernel's one launch of
@@ -304,21 +268,12 @@ def launches_picture(n_requests: int = 50) -> Figure:
             "side (zoomed)", fontsize=MIN_FONT, color=TEXT, va="center")
     ax.set(xlim=(-0.5, n_requests * (cost + work) + 0.5), ylim=(-0.35, 2.75), xticks=[], yticks=[])
     ax.set_xlabel("time (schematic, not to scale)", fontsize=MIN_FONT)
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
+    ax.spines[["top", "right", "left"]].set_visible(False)
     fig.legend(handles=[Patch(facecolor=OTHER, label="a launch (host cost)"),
                         Patch(facecolor=ATTENTION, label="the programs' work")], loc="upper right", ncol=2,
                fontsize=MIN_FONT, frameon=False)
     fig.subplots_adjust(left=0.02, right=0.98, bottom=0.14, top=0.86)
     return fig
-
-
-@register("07_fifty_launches", lesson="07",
-          caption="50 requests served one launch per request (each paying the launch cost; lesson 03's causal loop "
-                  "launches 9 kernels per request, loop_ops_per_request) and by the kernel (one launch, 50 programs side "
-                  "by side); schematic")
-def _fifty_launches() -> Figure:
-    return launches_picture(50)
 
 
 # ---- the kernel explorer ----------------------------------------------------------------------------------
@@ -558,8 +513,8 @@ def check_flat_worse(fn: Callable[[], tuple]) -> bool:
 
 # ---- exercise 07.3: tile size, K/V traffic and occupancy -------------------------------------------------
 
-TILE_D, TILE_BYTES, TILE_BN = 64, 2, 64   # d_head, bf16, BLOCK_N held fixed in exercise 07.3
-TILE = {"block_n": TILE_BN, "d_head": TILE_D, "nbytes": TILE_BYTES}   # tiling.tile_costs / best_block_m's
+TILE_BN = 64   # BLOCK_N held fixed in exercise 07.3, with d_head 64 in bf16 (tiling.tile_costs / best_block_m's)
+TILE = {"block_n": TILE_BN, "d_head": 64, "nbytes": 2}
 TILE_CASES = [(lens, heads, H200.n_sms) for lens, heads in (([300, 20, 20, 20], 8), ([4096], 8), ([10] * 12, 8),
               ([2000], 1), ([500, 3], 16), ([1000, 50, 50, 50], 4), ([700] + [20] * 7, 4), ([1000, 50], 32))]
 TRAP_MAX_TOKENS, TRAP_MAX_HEADS = 16384, 64   # the counter-example's bounds
@@ -567,14 +522,8 @@ TRAP_MAX_TOKENS, TRAP_MAX_HEADS = 16384, 64   # the counter-example's bounds
 
 def tile_work(lens, n_heads, block_m) -> WorkCounts:
     """``tiling.predict_work`` of a causal launch at ``block_m`` x ``TILE_BN`` (exercise 07.3's counters: programs,
-    early_exits, tiles, ``kv_bytes_read(TILE_D, TILE_BYTES)``, executed_cells)."""
+    early_exits, tiles, ``kv_bytes_read(64, 2)``, executed_cells)."""
     return tiling.predict_work(lens, n_heads=n_heads, block_m=block_m, block_n=TILE_BN, causal=True)
-
-
-def longest_program(lens, block_m) -> int:
-    """``tiling.longest_program`` of a causal launch at ``block_m`` x ``TILE_BN``: the key tiles its busiest program
-    walks."""
-    return tiling.longest_program(lens, block_m, TILE_BN)
 
 
 def check_tiles(fn: Callable[[list, int, int], int]) -> bool:
@@ -592,7 +541,7 @@ def check_tiles(fn: Callable[[list, int, int], int]) -> bool:
         want = tiling.best_block_m(lens, heads, n_sms, TILE_SIZES, **TILE)
         if ans == want:
             return None
-        w, span = tile_work(lens, heads, ans), longest_program(lens, ans)
+        w, span = tile_work(lens, heads, ans), tiling.longest_program(lens, ans, TILE_BN)
         (p, kv, cells), (wp, wkv, wcells) = (tiling.tile_costs(lens, heads, bm, **TILE) for bm in (ans, want))
         working = w.programs - w.early_exits
         mine = (f"BLOCK_M = {ans}: {w.tiles} key tiles, the longest program {span} of them, {p:.1f} SMs busy on average, "

@@ -24,6 +24,7 @@ Taught in notebooks/07_inside_the_kernel.ipynb ("what the compiler made of the l
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -144,6 +145,22 @@ def limits_table(reports: Sequence[BuildReport]) -> str:
     return "\n".join([head] + [f"{line}  {MAX_REGISTERS:>8}  {r.max_shared:>10}  {'yes' if r.fits else 'NO'}"
                                for line, r in zip(lines[1:], reports)])
 
+
+# Launches the launcher does NOT make on an A100, (BLOCK_M, BLOCK_N, warps, stages) per head dim: 64 keys a tile at
+# head dim 128, 4 warps at head dim 64.
+AVOIDED_TILES = {80: {128: (128, 64, 8, 3), 64: (128, 64, 4, 3)}}
+
+
+@functools.cache
+def launcher_and_avoided(archs: tuple[int, ...] = (80, 90), head_dims: tuple[int, ...] = (64, 128)) -> tuple[list, list]:
+    """``(launcher's, avoided)``: ``compile_builds`` of the launcher's bfloat16 causal per-head builds for ``archs`` x
+    ``head_dims``, and of the same builds at ``AVOIDED_TILES`` (fresh subprocesses, no GPU; cached)."""
+    mine = [Build(a, "bfloat16", d, True, False) for a in archs for d in head_dims]
+    avoided = [Build(a, "bfloat16", d, True, False) for a, by_d in AVOIDED_TILES.items() for d in by_d]
+    with ThreadPoolExecutor(2) as pool:
+        ours = pool.submit(compile_builds, mine, 2)
+        other = pool.submit(compile_builds, avoided, 1, 600, AVOIDED_TILES)
+        return ours.result(), other.result()
 
 # The kernel's exponential, and the line an unfolded kernel would have (compiled only, never run).
 EXP_LINE = ("p = tl.exp2(s - m_safe[:, None])", "p = tl.exp(s - m_safe[:, None])")
