@@ -11,6 +11,7 @@ Taught in notebooks/05_flop_regimes.ipynb.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -441,7 +442,6 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[ModelConfig,
     the typed lengths, recorded and timed, once per model and lengths), ``frx-error``, ``frx-figure``. The dtype
     follows the machine's peak; a mismatch is flagged."""
     timer = timer or timed_forward
-    timed: dict = {}
     w = ipywidgets_module()
     machines = {m.name: m for m in ((here, H200) if here is not None else (H200,))}
     dm = tagged(w.Dropdown(options=list(D_MODELS), value=512, description="d_model"), "frx-dmodel")
@@ -457,22 +457,14 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[ModelConfig,
     mline, table = tagged(w.HTML(), "frx-machine-line"), tagged(w.HTML(), "frx-table")
     meas, err, out = tagged(w.HTML(), "frx-measured"), tagged(w.HTML(), "frx-error"), tagged(w.Output(), "frx-figure")
 
-    def measured_for(typed: str):
-        """``{"machine": here, "forward": the engine's forward of the knobs' model on the typed lengths}`` (cached),
-        or None (no ``here``, bad input, or past the timed forward's bounds)."""
-        try:
-            key = (model_of(dm.value, ffn.value, heads.value, kvh.value, layers.value),
-                   tuple(parse_lengths(typed, max_requests=256, max_length=1 << 16)))
-        except ValueError:
+    @functools.cache
+    def timed(cfg: ModelConfig, typed: tuple[int, ...]) -> dict | None:
+        """``timer``'s forward of ``cfg`` on the ``typed`` lengths, once per model and lengths; None past the timed
+        forward's bounds."""
+        if sum(typed) > TIMED_MAX_TOKENS or forward_flops(cfg, typed).total > TIMED_MAX_FLOPS:
             return None
-        if here is None:
-            return None
-        if key not in timed:
-            timed[key] = None
-            if sum(key[1]) <= TIMED_MAX_TOKENS and forward_flops(*key).total <= TIMED_MAX_FLOPS:
-                meas.value = "<div>measured here: running…</div>"
-                timed[key] = timer(*key)
-        return None if timed[key] is None else {"machine": here, "forward": timed[key]}
+        meas.value = "<div>measured here: running…</div>"
+        return timer(cfg, typed)
 
     def update(change=None):
         if change is not None and change.get("owner") is mach:   # the dtype the machine's peak is for
@@ -488,11 +480,14 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[ModelConfig,
         machine = machines[mach.value]
         try:
             state = roofline_state(dm.value, ffn.value, heads.value, kvh.value, layers.value, nb.value, machine,
-                                   tokens.value, reqs.value, lens.value, measured_for(lens.value))
+                                   tokens.value, reqs.value, lens.value)
         except ValueError as exc:
             err.value = f"<div style='color:{WASTE}'>{exc}</div>"
             return
         err.value = ""
+        forward = None if here is None else timed(state["cfg"], tuple(state["rows"][-1]["seq_lens"]))
+        if forward is not None:                  # the typed lengths' forward, timed here: roofline_state's ``here``
+            state["measured"] = beside_roofline(forward, here)
         warn = "" if nb.value == machine.itemsize else (
             f"<div style='color:{WASTE}'>this machine's peak is for {str(machine.dtype).removeprefix('torch.')}: "
             f"the bytes use {nb.value} B per number, so the ridge comparison mixes dtypes</div>")
