@@ -4,7 +4,10 @@ linear layers' ridge (measure.flops.linear_ridge_tokens) and one TP forward pric
 (measure.comm.tp_forward_parts). Each checked against a hand count or an independent computation."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from lessons_lib import ModelConfig, init_weights
 from lessons_lib.measure.comm import NVLINK, all_reduce_seconds, tp_forward_parts, tp_run_prices
@@ -205,3 +208,31 @@ def test_payloads_match_and_other_collectives_read_a_tp_run_s_traces():
     assert not payloads_match({"stats": stats, "traces": []}, 64)
     kv = CollectiveRecord("all_gather", (9, 4, 16), "float32", 0, "layers.0.attn.kv", 0, 2)
     assert other_collectives([*trace, kv, ar(9, "layers.0.attn.qkv")]) == 2
+
+
+def test_draft_finish_by_hand():
+    from lessons_lib.serve.chunk_costs import draft_finish
+    # request 0 (the long one) in chunks of 4; request 1 passes it in forward 2, request 2 finishes with it
+    forwards = [[(0, 4)], [(0, 2), (1, 2)], [(0, 4), (2, 1)]]
+    assert draft_finish(forwards, 0, [1, 2]) == {"draft": 3, "before": 1, "forwards": 3}
+    assert draft_finish([[(0, 0, 4)], [(0, 4, 2), (1, 0, 2)]], 0, [1]) == {"draft": 2, "before": 0, "forwards": 2}
+    assert draft_finish([[(1, 5)], [(0, 9)]], 0, [1]) == {"draft": 2, "before": 1, "forwards": 2}
+
+
+def test_stacked_outputs_same_argmax_and_score_blocks_read_a_run():
+    from lessons_lib.serve.runs import run_summary, same_argmax, score_blocks, serve_prompts, stacked_outputs
+    prompts = [[t % SMALL.vocab_size for t in range(12)], [5] * 7]
+    chunked = serve_prompts(prompts, 5, True, SMALL, record=True)
+    whole = serve_prompts(prompts, 16, False, SMALL)
+    logits = stacked_outputs(chunked, "logits")
+    assert logits.shape == (2, SMALL.vocab_size)
+    assert torch.equal(logits[1], chunked["outputs"][1].logits)
+    assert torch.equal(stacked_outputs(chunked, "logits", [1, 0])[0], logits[1])
+    assert same_argmax(chunked, whole)
+    flipped = {"outputs": {i: dataclasses.replace(o, logits=-o.logits) for i, o in whole["outputs"].items()}}
+    assert not same_argmax(chunked, flipped)
+    # chunks of request 0: 5 x 5, 5 x 10, 2 x 12; request 1: 3 x 3, 4 x 7; one block per layer per chunk
+    assert sorted(set(score_blocks(chunked))) == [(2, 12), (3, 3), (4, 7), (5, 5), (5, 10)]
+    assert len(score_blocks(chunked)) == 5 * SMALL.n_layers
+    assert run_summary(chunked, [1])["chunks"] == {0: 3, 1: 2}
+    assert run_summary(whole, [1])["chunks"] == {}

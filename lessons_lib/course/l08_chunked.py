@@ -36,9 +36,8 @@ from ..core.model import init_weights
 from ..measure.comm import NVLINK, REPEATED_PARTS, crossover_tokens, tp_forward_parts, tp_run_prices
 from ..measure.flops import LINEAR_LAYERS, linear_intensity, linear_ridge_tokens, linear_shapes
 from ..measure.machines import H200
-from ..measure.tolerance import max_abs_diff, tolerance
 from ..serve import workloads
-from ..serve.chunk_costs import causal_cells_from_masks, fewest_forwards_budget, forward_score_cells, plan_prices
+from ..serve.chunk_costs import causal_cells_from_masks, draft_finish, fewest_forwards_budget, forward_score_cells, plan_prices
 from ..serve.chunk_costs import chunk_mask as chunk_mask  # the engine's, shown by the lesson
 from ..serve.chunk_costs import chunk_spans as chunk_spans
 from ..serve.chunk_costs import planned_forwards as planned_timeline
@@ -48,12 +47,16 @@ from ..serve.runs import forward_tokens as timeline
 from ..serve.runs import other_collectives as other_collectives
 from ..serve.runs import payloads_match as payloads_match
 from ..serve.runs import run_summary
+from ..serve.runs import same_argmax as same_argmax
+from ..serve.runs import score_blocks as recorded_blocks
 from ..serve.runs import serve_prompts as serve
+from ..serve.runs import stacked_outputs as stacked
 from ..serve.scheduler import DEFAULT_MAX_NUM_SEQS, Request, Scheduler, chunked_schedule_problem, plan_batches
 from ..serve.scheduler import mean_prefill_wait as mean_wait
 from ..serve.scheduler import prefill_waits as waits_of
 from ..style import ATTENTION, MIN_FONT, NEVER, OTHER, REQUEST, TEXT, WASTE, request_color
 from ..validate import check_int
+from .check import close as error_and_bound  # the claim rows' (error, bound)
 from .explore import explorer, ipywidgets_module, show_figure, tagged
 from .figures import register
 from .grading import grade
@@ -114,29 +117,6 @@ def chunk_rows_error(start: int = 4, length: int = 4, heads: int = 2, d_head: in
     chunk = varlen_attention(q[start:], k, v, torch.tensor([0, length], dtype=torch.int32), cu_whole)
     truth = varlen_attention(q.double(), k.double(), v.double(), cu_whole)[start:]
     return error_and_bound(chunk, varlen_attention(q, k, v, cu_whole)[start:], truth)
-
-
-def error_and_bound(out: Tensor, ref: Tensor, ref64: Tensor) -> tuple[float, float]:
-    """``(max |out - ref64|, the tolerance rule's bound)`` without raising, for a claim table's row."""
-    return max_abs_diff(out, ref64), tolerance(ref, ref64, out.dtype)
-
-
-# ---- the engine, chunked and not ------------------------------------------------------------------------
-
-def stacked(run: dict, what: str, requests: Sequence | None = None) -> Tensor:
-    """``[R, ...]``: each request's ``RequestOutput.<what>`` (``last_hidden`` or ``logits``), in request order."""
-    outs = run["outputs"]
-    return torch.stack([getattr(outs[i], what) for i in (sorted(outs) if requests is None else requests)])
-
-
-def same_argmax(a: dict, b: dict) -> bool:
-    """Do two runs pick the same next token (argmax of the logits) for every request?"""
-    return bool((stacked(a, "logits").argmax(-1) == stacked(b, "logits").argmax(-1)).all())
-
-
-def recorded_blocks(run: dict) -> list[tuple[int, int]]:
-    """``(L_q, L_k)`` of every score matrix the op recorder saw attention compute in ``run``, every layer."""
-    return [tuple(shape[-2:]) for shape in run["recorder"].scores]
 
 
 # ---- what a forward costs on H200s (TP=2, bf16) -----------------------------------------------------------
@@ -363,12 +343,15 @@ def recorded_draft_blocks() -> list[tuple[int, int]]:
     return recorded_blocks(run)[::cfg.n_layers]
 
 
-@functools.lru_cache(maxsize=8)
-def _unchunked_rows(cfg: ModelConfig, prompt: tuple) -> dict:
-    """The final hidden rows of ``prompt`` prefilled whole, float32 and float64 (no chunking bug touches them)."""
-    return {name: serve([prompt], WHOLE_BUDGET, False, cfg, weights_of(cfg), dtype=dt, compute_logits=False,
-                        return_hidden=True)["outputs"][0].hidden for name, dt in (("whole", torch.float32),
-                                                                                 ("truth", torch.float64))}
+@functools.lru_cache(maxsize=32)
+def _unchunked(cfg: ModelConfig, prompts: tuple, return_hidden: bool = False) -> dict:
+    """``prompts`` (a tuple of token-id tuples) prefilled whole on ``cfg``, computed once: ``{"budget": the smallest
+    power of two that admits the longest, "whole": float32 run, "truth": float64 run}`` (no chunking bug touches
+    them)."""
+    budget = 1 << (max(map(len, prompts)) - 1).bit_length()
+    runs = {key: serve(prompts, budget, False, cfg, weights_of(cfg), dtype=dt, compute_logits=False,
+                       return_hidden=return_hidden) for key, dt in (("whole", torch.float32), ("truth", torch.float64))}
+    return {"budget": budget, **runs}
 
 
 def chunk_error_table(prompt: Sequence[int] | None = None) -> str:
@@ -378,28 +361,18 @@ def chunk_error_table(prompt: Sequence[int] | None = None) -> str:
     cfg = EXPLORER_CFG
     ids = tuple(t % cfg.vocab_size for t in (prompt if prompt is not None else stream(cfg)[1][draft_index()]))
     chunked = serve([ids], BUDGET, True, cfg, weights_of(cfg), compute_logits=False, return_hidden=True)
-    rows = {"chunked": chunked["outputs"][0].hidden, **_unchunked_rows(cfg, ids)}
+    whole = _unchunked(cfg, (ids,), True)
     spans = [(s, n) for st in chunked["stats"] for _, s, n in st.chunks]
     lines = [f"{len(ids):,} tokens in {len(spans)} chunks ({cfg.n_layers} layers, d_model {cfg.d_model}, "
              f"{cfg.n_heads} heads of {cfg.d_head}):"]
     for c, (s, n) in enumerate(spans):
-        err, bound = error_and_bound(*(rows[k][s:s + n] for k in ("chunked", "whole", "truth")))
+        err, bound = error_and_bound(*(r["outputs"][0].hidden[s:s + n] for r in (chunked, whole["whole"], whole["truth"])))
         lines.append(f"  chunk {c} (rows {s:4d}..{s + n - 1:4d}): max |chunked - fp64| = {err:8.1e}, allowed "
                      f"{bound:.1e} {'✓' if err <= bound else '✗'}")
     return "\n".join(lines)
 
 
 # ---- the explorer: the engine's chunked run of a workload, against whole prompts ---------------------------
-
-
-@functools.lru_cache(maxsize=32)
-def _whole_runs(name: str, n: int, seed: int) -> tuple:
-    """``(lengths, prompts, whole budget, {"whole": run, "truth": float64 run})`` of one stream, computed once."""
-    lens, prompts = workloads.preset_stream(name, n, seed, EXPLORE_RUN_CFG.vocab_size)
-    whole_budget = 1 << (max(lens) - 1).bit_length()
-    runs = {key: serve(prompts, whole_budget, False, EXPLORE_RUN_CFG, weights_of(EXPLORE_RUN_CFG), dtype=dt,
-                       compute_logits=False) for key, dt in (("whole", torch.float32), ("truth", torch.float64))}
-    return lens, prompts, whole_budget, runs
 
 
 def chunked_plan_state(workload: str = "long-tail", num_requests: int = 16, max_num_batched_tokens: int = 512,
@@ -415,7 +388,8 @@ def chunked_plan_state(workload: str = "long-tail", num_requests: int = 16, max_
         raise ValueError(f"bug must be one of {EXPLORER_BUGS}, got {bug!r}")
     n = check_int("num_requests", num_requests, 1, 256)
     budget = check_int("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 16)
-    lens, prompts, whole_budget, whole = _whole_runs(workload, n, seed)   # checks the workload
+    lens, prompts = workloads.preset_stream(workload, n, seed, EXPLORE_RUN_CFG.vocab_size)   # checks the workload
+    whole = _unchunked(EXPLORE_RUN_CFG, tuple(map(tuple, prompts)))
     longest = max(range(n), key=lambda i: (lens[i], -i))
     after = list(range(longest + 1, n))
     with contextlib.nullcontext() if bug == "none" else broken(bug):
@@ -423,11 +397,10 @@ def chunked_plan_state(workload: str = "long-tail", num_requests: int = 16, max_
                     compute_logits=False)
         masks_causal = causal_cells_from_masks(run["stats"])
     state = {"workload": workload, "seq_lens": lens, "longest": longest, "behind": after, "bug": bug,
-             "max_num_batched_tokens": budget, "whole_budget": whole_budget,
+             "max_num_batched_tokens": budget, "whole_budget": whole["budget"],
              "chunked": {**run_summary(run, after), "budget": budget, "cells_causal_masks": masks_causal},
-             "whole": {**run_summary(whole["whole"], after), "budget": whole_budget}}
-    counts = Counter(i for fwd in state["chunked"]["timeline"] for i, _ in fwd)
-    state["chunks"] = {i: counts[i] for i in sorted(counts) if counts[i] > 1}
+             "whole": {**run_summary(whole["whole"], after), "budget": whole["budget"]}}
+    state["chunks"] = state["chunked"]["chunks"]
     state["errors"] = {i: error_and_bound(*(r["outputs"][i].last_hidden for r in (run, whole["whole"], whole["truth"])))
                        for i in state["chunks"]}
     return state
@@ -512,13 +485,11 @@ def check_capped_scheduler(fn) -> bool:
 
 
 def capped_finish(fn, cap: int, max_num_batched_tokens: int = BUDGET) -> dict:
-    """The stream under ``fn``'s capped scheduler: ``{"draft": forward its last chunk runs in, "before": how many
-    of the questions behind it finish in an earlier forward, "forwards": how many forwards}`` (counted from 1)."""
+    """The stream under ``fn``'s capped scheduler, read by ``serve.chunk_costs.draft_finish``: ``{"draft": forward
+    its last chunk runs in, "before": how many of the questions behind it finish in an earlier forward, "forwards":
+    how many forwards}`` (counted from 1)."""
     lens = stream()[0]
-    waits = waits_of(fn(lens, max_num_batched_tokens, DEFAULT_MAX_NUM_SEQS, cap))
-    d = draft_index()
-    return {"draft": waits[d][0], "forwards": max(w[0] for w in waits.values()),
-            "before": sum(waits[i][0] < waits[d][0] for i in behind(lens))}
+    return draft_finish(fn(lens, max_num_batched_tokens, DEFAULT_MAX_NUM_SEQS, cap), draft_index(), behind(lens))
 
 
 def engine_capped_finish(cap: int, max_num_batched_tokens: int = BUDGET) -> dict:
@@ -528,7 +499,7 @@ def engine_capped_finish(cap: int, max_num_batched_tokens: int = BUDGET) -> dict
                       long_prefill_token_threshold=cap or None)
     run = serve(stream(EXPLORER_CFG)[1], max_num_batched_tokens, True, EXPLORER_CFG, weights_of(EXPLORER_CFG),
                 compute_logits=False, scheduler=sched)
-    return capped_finish(lambda *_: timeline(run["stats"]), cap, max_num_batched_tokens)
+    return draft_finish(timeline(run["stats"]), draft_index(), behind(stream()[0]))
 
 
 # ---- exercise 08.2: a budget chosen for what chunking really costs ----------------------------------------
@@ -647,8 +618,8 @@ def _draft_with_positions(fn) -> dict:
     prompt = stream(EXPLORER_CFG)[1][draft_index()]
     run = serve([prompt], BUDGET, True, EXPLORER_CFG, weights_of(EXPLORER_CFG), compute_logits=False,
                 engine_class=LearnersPositions)
-    rows = _unchunked_rows(EXPLORER_CFG, tuple(prompt))
-    return {"chunked": stacked(run, "last_hidden"), "whole": rows["whole"][-1:], "truth": rows["truth"][-1:]}
+    whole = _unchunked(EXPLORER_CFG, (tuple(prompt),), True)
+    return {"chunked": stacked(run, "last_hidden"), **{k: whole[k]["outputs"][0].hidden[-1:] for k in ("whole", "truth")}}
 
 
 def check_bug_report_fix(fn) -> bool:

@@ -8,6 +8,7 @@
   forward_score_cells     each forward's score cells per head per layer, whole blocks
   plan_prices             a schedule's forwards, all-reduces, largest forward, cache rows held and waits
   fewest_forwards_budget  the token budget with the fewest forwards within a cache limit (a search over plans)
+  draft_finish            where one long request finishes in a schedule, and how many of those behind it pass it
 
 A schedule is a list of forwards, each a list of chunks ``(request, start, length)`` (a chunked ``plan_batches``
 plan, or ``BatchStats.chunks``); ``forward_score_cells`` also takes ``(request, length)`` pairs.
@@ -101,3 +102,12 @@ def fewest_forwards_budget(seq_lens: Sequence[int], behind: Sequence[int], max_b
     if not fits:
         raise ValueError(f"no budget up to {max_budget} keeps the cache within {max_cache_rows} rows")
     return min(fits, key=lambda b: (prices[b]["forwards"], round(prices[b]["wait_tokens"], 6), b))
+
+
+def draft_finish(forwards: Sequence[Sequence[tuple]], draft: int, behind: Sequence[int]) -> dict:
+    """``prefill_waits`` of a schedule (chunks ``(request, tokens)`` or ``(request, start, tokens)``) read for one
+    long request ``draft``: ``{"draft": the forward its last chunk runs in, "before": how many requests of ``behind``
+    finish in an earlier forward, "forwards": the forward the last request finishes in}``, forwards counted from 1."""
+    waits = prefill_waits(forwards)
+    return {"draft": waits[draft][0], "forwards": max(w[0] for w in waits.values()),
+            "before": sum(waits[i][0] < waits[draft][0] for i in behind)}

@@ -2,16 +2,21 @@
 
   serve_prompts      prompts through ``Engine`` (chunked or whole), optionally under the op recorder
   forward_tokens     each forward as ``(request, tokens)`` pairs
-  run_summary        a run's forwards, waits, cells, cache rows and times, summed from its ``BatchStats``
+  run_summary        a run's forwards, waits, cells, cache rows, chunks and times, summed from its ``BatchStats``
+  stacked_outputs    one field of every request's ``RequestOutput``, stacked in request order
+  same_argmax        do two runs pick the same next token for every request?
+  score_blocks       ``(L_q, L_k)`` of every score matrix a recorded run's attention computed
   payloads_match     is every all-reduce of a TP run ``[tokens in that forward, d_model]``?
   other_collectives  a forward's collectives that are not the blocks' two all-reduces
 """
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 from ..core.config import ModelConfig
 from ..core.model import init_weights
@@ -70,14 +75,36 @@ def run_summary(run: dict, behind: Sequence[int]) -> dict:
     """A ``serve_prompts`` run from its ``BatchStats``: ``timeline`` (each forward's ``(request, tokens)``),
     ``waits`` (``prefill_waits``), ``mean_behind`` (the mean wait of the requests ``behind``, forwards and tokens;
     ``(0.0, 0.0)`` if none), ``max_forward`` (tokens), ``cells_whole`` / ``cells_causal`` (score cells per head per
-    layer), ``cached_tokens`` (cache rows read), ``kv_cache_peak_bytes`` and ``forward_ms`` (measured)."""
+    layer), ``cached_tokens`` (cache rows read), ``chunks`` (``{request: chunks}`` of the requests cut into more than
+    one chunk), ``kv_cache_peak_bytes`` and ``forward_ms`` (measured)."""
     stats = run["stats"]
     steps = forward_tokens(stats)
     waits = prefill_waits(steps)
+    counts = Counter(i for fwd in steps for i, _ in fwd)
     return {"timeline": steps, "waits": waits,
             "mean_behind": mean_prefill_wait(waits, list(behind)) if behind else (0.0, 0.0),
             "max_forward": max(s.num_tokens for s in stats),
             "cells_whole": sum(s.cells_whole_computed for s in stats),
             "cells_causal": sum(s.cells_causal_useful for s in stats),
             "cached_tokens": sum(s.num_cached_tokens for s in stats),
+            "chunks": {i: counts[i] for i in sorted(counts) if counts[i] > 1},
             "kv_cache_peak_bytes": run["kv_cache_peak_bytes"], "forward_ms": [1e3 * s.wall_s for s in stats]}
+
+
+def stacked_outputs(run: dict, what: str, requests: Sequence[int] | None = None) -> Tensor:
+    """``[R, ...]``: each request's ``RequestOutput.<what>`` (``last_hidden``, ``logits``, ...) of a ``serve_prompts``
+    run, in request order (``requests`` if given, else every request the run served, sorted)."""
+    outs = run["outputs"]
+    return torch.stack([getattr(outs[i], what) for i in (sorted(outs) if requests is None else requests)])
+
+
+def same_argmax(a: dict, b: dict) -> bool:
+    """Do two ``serve_prompts`` runs (with logits) pick the same next token, the argmax of the logits, for every
+    request?"""
+    return bool((stacked_outputs(a, "logits").argmax(-1) == stacked_outputs(b, "logits").argmax(-1)).all())
+
+
+def score_blocks(run: dict) -> list[tuple[int, int]]:
+    """``(L_q, L_k)`` of every score matrix the op recorder of a ``serve_prompts(..., record=True)`` run saw
+    attention compute, in order, every layer of every forward."""
+    return [tuple(shape[-2:]) for shape in run["recorder"].scores]
