@@ -561,10 +561,9 @@ def check_packing(fn: Callable[[int, int], Sequence[int] | None]) -> bool:
         most = most_compute_bound_requests(ModelConfig(), total, kv, ridge, PACK_MIN_LEN)
         one = prefill_attention_intensity(ModelConfig(), [total], kv)
         if most is None:
-            if got is None:
-                return None
-            return (f"got {got!r}, expected None - even one request of all {total} tokens reaches only {one:.0f} "
-                    f"FLOP/byte, below the H200's ridge {ridge:.0f}: no packing of {total} tokens is compute-bound")
+            return None if got is None else (f"got {got!r}, expected None - even one request of all {total} tokens reaches "
+                                             f"only {one:.0f} FLOP/byte, below the H200's ridge {ridge:.0f}: no packing of "
+                                             f"{total} tokens is compute-bound")
         if got is None:
             return (f"got None, expected a packing - one request of {total} tokens reaches {one:.0f} FLOP/byte, "
                     f"above the ridge {ridge:.0f}")
@@ -603,16 +602,14 @@ def check_kv_overtakes(fn: Callable[[ModelConfig, float, int, int], int | None])
             return None
         if got is not None and (isinstance(got, bool) or not isinstance(got, int) or got < 1):
             return f"expected a positive int (or None), got {got!r}"
-        unit = Machine("ridge", ridge, 1.0)                 # time in units of bytes / bandwidth
-        if want is None and got is not None:
-            p = decode_step_parts(cfg, got, kv_len, unit, nbytes)
+        p = decode_step_parts(cfg, want or got, kv_len, Machine("ridge", ridge, 1.0), nbytes)  # time in byte-times
+        if want is None:
             why = (f" - at R = {got} the linear layers are compute-bound (from R = "
                    f"{min_decode_batch(cfg, ridge, nbytes)}): their time is their FLOPs at peak, 2 R W, and grows "
                    f"with R exactly as fast as the KV read, which stays shorter ({p.attention.seconds:.4g} "
                    f"against {p.linear.seconds:.4g} byte-times)") if p.linear.bound == "compute-bound" else ""
             return f"got {got}, expected None{why}"
         if got is None:
-            p = decode_step_parts(cfg, want, kv_len, unit, nbytes)
             return (f"got None, expected {want} - at R = {want} attention takes {p.attention.seconds:.4g} "
                     f"byte-times, the linear layers {p.linear.seconds:.4g}")
         if abs(got - want) == 1:
