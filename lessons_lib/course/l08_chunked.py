@@ -2,9 +2,9 @@
 
   the stream        ``stream`` (``serve.workloads.prefill_stream``), ``draft_index``, ``behind``, ``refusal``
   one chunk         ``chunk_mask`` / ``staircase_cells`` (``serve.chunk_costs``), ``mask_text``, ``chunk_rows_error``
-  the engine        ``serve``, ``timeline``, ``payloads_match``, ``other_collectives`` (``serve.runs``),
-                    ``planned_timeline`` (``serve.chunk_costs.planned_forwards``), ``stacked``, ``error_and_bound``,
-                    ``recorded_blocks`` (what attention really ran; counts: ``OpRecorder.score_counts``),
+  the engine        ``serve``, ``timeline``, ``payloads_match``, ``other_collectives``, ``stacked``, ``same_argmax``,
+                    ``recorded_blocks`` (``serve.runs``; what attention really ran, counts: ``OpRecorder.score_counts``),
+                    ``planned_timeline`` (``serve.chunk_costs.planned_forwards``), ``error_and_bound`` (``check.close``),
                     ``intensity_table``, ``forward_prices_text`` (H200s, TP=2)
   figures           ``chunk_staircase`` (08_chunk_staircase), ``chunk_timeline`` (08_chunk_timeline)
   break it          ``BUGS`` (the engine's named faults), ``broken``, ``reported_bug``, ``chunk_error_table``
