@@ -22,23 +22,7 @@ from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
 from ..core.batch import cumulative
 from ..core.config import ModelConfig
-from ..measure.flops import (
-    ForwardFlops,
-    GpuVerdict,
-    attention_cells,
-    attention_crossover_length,
-    block_linear_intensity,
-    decode_attention_intensity,
-    decode_kv_overtakes_from,
-    decode_step_parts,
-    decode_step_verdicts,
-    forward_flops,
-    gqa_heads_for_ridge,
-    gqa_intensity_ceiling,
-    min_decode_batch,
-    most_compute_bound_requests,
-    prefill_attention_intensity,
-)
+from ..measure import flops as fl
 from ..measure.machines import H200, REFERENCE_CPU, Machine, beside_roofline, forward_roofline
 from ..measure.profile import wall_scaled
 from ..measure.recorded import TIMED_MAX_FLOPS, TIMED_MAX_TOKENS, timed_forward
@@ -57,13 +41,13 @@ from .grading import grade
 def decode_parts_table(cfg: ModelConfig, kv_lens: Sequence[int], requests: Sequence[int]) -> list[str]:
     """One line per (cache length, R): per layer on the H200, each part's roofline time and bound, then its GPU
     floor (``decode_step_verdicts``: thread blocks and launches), and the longer part (``decode_step_parts``)."""
-    def part(v: GpuVerdict, digits: str) -> str:
+    def part(v: fl.GpuVerdict, digits: str) -> str:
         p = v.part
         return (f"{p.seconds * 1e6:8.3g} us ({p.bound}, {p.intensity:{digits}} FLOP/B; {v.binds} binds: >= "
                 f"{v.seconds * 1e6:.3g} us)")
-    verdicts = {(n, r): decode_step_verdicts(cfg, r, n, H200) for n in kv_lens for r in requests}
+    verdicts = {(n, r): fl.decode_step_verdicts(cfg, r, n, H200) for n in kv_lens for r in requests}
     return [f"{n:5d} cached, R = {r:5d}: linear {part(lin, '5.1f')} | attention {part(att, '.2f')} | longer: "
-            f"{decode_step_parts(cfg, r, n, H200).longer}" for (n, r), (lin, att) in verdicts.items()]
+            f"{fl.decode_step_parts(cfg, r, n, H200).longer}" for (n, r), (lin, att) in verdicts.items()]
 
 # ---------------------------------------------------------------------------------------------
 # Figures
@@ -88,13 +72,13 @@ def flops_bars(ax, cases: Sequence[tuple[str, Sequence[int]]], cfg: ModelConfig,
     below, attention on top, the attention share above each bar."""
     if not cases:
         raise ValueError("cases is empty: give at least one (label, seq_lens)")
-    fl = [forward_flops(cfg, lens, "varlen") for _, lens in cases]
-    lin = np.array([f.linear for f in fl], dtype=float) / 1e9
-    att = np.array([f.attention for f in fl], dtype=float) / 1e9
+    fwd = [fl.forward_flops(cfg, lens, "varlen") for _, lens in cases]
+    lin = np.array([f.linear for f in fwd], dtype=float) / 1e9
+    att = np.array([f.attention for f in fwd], dtype=float) / 1e9
     x = np.arange(len(cases))
     ax.bar(x, lin, color=LINEAR, label="linear layers (QKV, out proj, FFN-up, FFN-down)")
     ax.bar(x, att, bottom=lin, color=ATTENTION, label="attention (QKᵀ and PV)")
-    for xi, f, top in zip(x, fl, lin + att):
+    for xi, f, top in zip(x, fwd, lin + att):
         ax.text(xi, top, f"{100 * f.attention_fraction:.1f}% attention", ha="center", va="bottom", fontsize=MIN_FONT,
                 color=TEXT)
     ax.set_xticks(x, [label for label, _ in cases], fontsize=MIN_FONT + 1)
@@ -117,7 +101,7 @@ def same_tokens_figure(cfg: ModelConfig | None = None, total: int = 1000, mix: S
         for s, n in zip(cumulative(lens)[:-1], lens):
             ax.add_patch(Rectangle((s, t - s - n), n, n, facecolor=ATTENTION, edgecolor="none"))
         ax.set(xlim=(0, t), ylim=(0, t), aspect="equal", xticks=[], yticks=[])
-        ax.set_title(f"{label}: {label}² = {attention_cells(lens, 'varlen').computed:,} cells", fontsize=MIN_FONT + 1)
+        ax.set_title(f"{label}: {label}² = {fl.attention_cells(lens, 'varlen').computed:,} cells", fontsize=MIN_FONT + 1)
     flops_bars(fig.add_subplot(gs[1, :]), cases, cfg,
                f"whole forward of the article's model ({cfg.n_layers} layers, d_model {cfg.d_model}), varlen, "
                "whole blocks:\nthe linear work is the same, the attention work drops 10x per step to the right")
@@ -137,16 +121,16 @@ def attention_share_curve(cfg: ModelConfig | None = None, lengths: Sequence[int]
     fig = Figure(figsize=(8, 4.2))
     ax = fig.add_subplot()
     for causal, style in ((False, "-"), (True, "--")):
-        share = [100 * forward_flops(cfg, [n], "varlen", causal).attention_fraction for n in lengths]
+        share = [100 * fl.forward_flops(cfg, [n], "varlen", causal).attention_fraction for n in lengths]
         ax.plot(lengths, share, style, color=ATTENTION, label="causal (useful cells only)" if causal
                 else "whole blocks (the article's count)")
-        cross = attention_crossover_length(cfg, causal)
+        cross = fl.attention_crossover_length(cfg, causal)
         ax.axvline(cross, color=TEXT, linestyle=style, linewidth=1)
         ax.text(cross * (1.08 if causal else 0.93), 3, f"L = {cross:,}\n({'12' if causal else '6'} x d_model"
                 f"{' - 1' if causal else ''})", fontsize=MIN_FONT, color=TEXT, ha="left" if causal else "right")
     ax.axhline(50, color=TEXT, linestyle=":", linewidth=0.8)
     for n in marks:  # below 50 %: the label above-left of the curves; above: right of them, lower down
-        s = 100 * forward_flops(cfg, [n], "varlen").attention_fraction
+        s = 100 * fl.forward_flops(cfg, [n], "varlen").attention_fraction
         ax.plot([n], [s], "o", color=ATTENTION)
         at = (n / 5, s + 8) if s < 50 else (n * 2.5, s - 30)
         ax.annotate(f"L = {n:,}: {s:.1f}%", (n, s), xytext=at, ha="left", va="bottom", fontsize=MIN_FONT, color=TEXT,
@@ -173,16 +157,16 @@ def intensity_figure(cfg: ModelConfig | None = None, decode_r: Sequence[int] = (
     fig = Figure(figsize=(8.6, 4.8))
     ax = fig.add_subplot()
     for nbytes, style, name in ((BF16, "-", "bf16"), (4, "--", "fp32")):
-        ax.plot(tokens, [block_linear_intensity(cfg, int(t), nbytes) for t in tokens], style, color=LINEAR,
+        ax.plot(tokens, [fl.block_linear_intensity(cfg, int(t), nbytes) for t in tokens], style, color=LINEAR,
                 label=f"a block's 4 linear layers (d_model {cfg.d_model}, FFN {cfg.d_ffn}), {name}")
     for r in decode_r:  # R = 1: under the attention line; small R: above-left of the bf16 curve; large R: below-right
-        y = block_linear_intensity(cfg, r)
+        y = fl.block_linear_intensity(cfg, r)
         ax.plot([r], [y], "o", color=LINEAR)
         at = ({"xytext": (1.12, 0.46), "va": "top", "arrowprops": _ARROW} if r < 4 else
               {"xytext": (-8, 10), "textcoords": "offset points", "ha": "right", "va": "bottom"} if r < 128 else
               {"xytext": (18, -58), "textcoords": "offset points", "va": "top", "arrowprops": _ARROW})
         ax.annotate(f"decode step, R = {r}: {y:.1f}", (r, y), **{"ha": "left"} | at, fontsize=MIN_FONT, color=TEXT)
-    att = decode_attention_intensity(kv_len, cfg.d_head, BF16)
+    att = fl.decode_attention_intensity(kv_len, cfg.d_head, BF16)
     ax.axhline(att, color=ATTENTION, linewidth=2,
                label=f"decode attention of each request, {kv_len:,} cached tokens (bf16): {att:.2f}, any R")
     for m, style in zip(ridges, (":", "-.")):  # high ridges labelled above-left, low ones below-right
@@ -246,7 +230,7 @@ def weight_reuse_figure(d_in: int = 512, d_out: int = 2048, lens: Sequence[int] 
 # Measured here (shown, never asserted): one linear layer's throughput against T, a forward's time split
 
 
-def time_split_figure(splits: Mapping[str, Mapping[str, float]], flops: Mapping[str, ForwardFlops],
+def time_split_figure(splits: Mapping[str, Mapping[str, float]], flops: Mapping[str, fl.ForwardFlops],
                       where: str) -> Figure:
     """One bar per packing: the measured time in ms (``wall_scaled``), linear / attention / other (left); the
     causal FLOPs in GFLOP (right)."""
@@ -461,7 +445,7 @@ def roofline_explorer(here: Machine | None = None, timer: Callable[[ModelConfig,
     def timed(cfg: ModelConfig, typed: tuple[int, ...]) -> dict | None:
         """``timer``'s forward of ``cfg`` on the ``typed`` lengths, once per model and lengths; None past the timed
         forward's bounds."""
-        if sum(typed) > TIMED_MAX_TOKENS or forward_flops(cfg, typed).total > TIMED_MAX_FLOPS:
+        if sum(typed) > TIMED_MAX_TOKENS or fl.forward_flops(cfg, typed).total > TIMED_MAX_FLOPS:
             return None
         meas.value = "<div>measured here: running…</div>"
         return timer(cfg, typed)
@@ -519,10 +503,10 @@ def check_gqa(fn: Callable[[ModelConfig, list, float], int | None]) -> bool:
     """Exercise 05.1: ``fn(cfg, seq_lens, ridge) -> n_kv_heads or None``, ``measure.flops.gqa_heads_for_ridge``'s
     answer: the largest K/V head count (a divisor of ``cfg.n_heads``) whose causal prefill attention reaches ``ridge``."""
     def judge(got, cfg, lens, ridge):
-        want = gqa_heads_for_ridge(cfg, lens, ridge)
+        want = fl.gqa_heads_for_ridge(cfg, lens, ridge)
         if got == want and (got is None or isinstance(got, int)):
             return None
-        h, ai = cfg.n_heads, lambda kv: prefill_attention_intensity(cfg, lens, kv)
+        h, ai = cfg.n_heads, lambda kv: fl.prefill_attention_intensity(cfg, lens, kv)
         if got is not None and (isinstance(got, bool) or not isinstance(got, int) or not 1 <= got <= h or h % got):
             return f"expected None or a divisor of n_heads = {h} (each K/V head serves a whole group), got {got!r}"
         if got is None:
@@ -530,7 +514,7 @@ def check_gqa(fn: Callable[[ModelConfig, list, float], int | None]) -> bool:
                     f"above the ridge {ridge:g}")
         by_group = max((kv for kv in range(1, h + 1) if h % kv == 0 and ai(h) * h / kv >= ridge), default=None)
         trap = (f" - grouping divides only the K and V bytes, not by the group factor: Q and O keep all {h} heads, "
-                f"so one K/V head raises the intensity at most {gqa_intensity_ceiling(cfg):.2f}x ({ai(h):.0f} -> "
+                f"so one K/V head raises the intensity at most {fl.gqa_intensity_ceiling(cfg):.2f}x ({ai(h):.0f} -> "
                 f"{ai(1):.0f} FLOP/byte here); x group is decode's factor, where the cache is read for one query"
                 ) if got == by_group and by_group != want else ""
         if want is None:
@@ -558,8 +542,8 @@ def check_packing(fn: Callable[[int, int], Sequence[int] | None]) -> bool:
     ridge = H200.ridge
 
     def judge(got, total, kv):
-        most = most_compute_bound_requests(ModelConfig(), total, kv, ridge, PACK_MIN_LEN)
-        one = prefill_attention_intensity(ModelConfig(), [total], kv)
+        most = fl.most_compute_bound_requests(ModelConfig(), total, kv, ridge, PACK_MIN_LEN)
+        one = fl.prefill_attention_intensity(ModelConfig(), [total], kv)
         if most is None:
             return None if got is None else (f"got {got!r}, expected None - even one request of all {total} tokens reaches "
                                              f"only {one:.0f} FLOP/byte, below the H200's ridge {ridge:.0f}: no packing of "
@@ -573,7 +557,7 @@ def check_packing(fn: Callable[[int, int], Sequence[int] | None]) -> bool:
         if sum(got) != total or not got or min(got) < PACK_MIN_LEN:
             return (f"got {len(got)} requests summing to {sum(got)}, shortest {min(got) if got else None} - the packing "
                     f"must hold exactly {total} tokens, every request at least {PACK_MIN_LEN}")
-        x = prefill_attention_intensity(ModelConfig(), got, kv)
+        x = fl.prefill_attention_intensity(ModelConfig(), got, kv)
         if x < ridge:
             return (f"got {len(got)} requests, attention {x:.0f} FLOP/byte < ridge {ridge:.0f}: memory-bound - "
                     f"attention's intensity is the token-weighted mean of each request's (about L/4 with 8 K/V heads): "
@@ -597,15 +581,15 @@ def check_kv_overtakes(fn: Callable[[ModelConfig, float, int, int], int | None])
     the H200 with short and long caches, a CPU-like ridge of 9 in fp32, another model; in two of them the
     linear layers turn compute-bound before the KV read catches up, and a bytes-only comparison gives a number."""
     def judge(got, cfg, ridge, nbytes, kv_len):
-        want = decode_kv_overtakes_from(cfg, ridge, nbytes, kv_len)
+        want = fl.decode_kv_overtakes_from(cfg, ridge, nbytes, kv_len)
         if got == want and (got is None or (isinstance(got, int) and not isinstance(got, bool))):
             return None
         if got is not None and (isinstance(got, bool) or not isinstance(got, int) or got < 1):
             return f"expected a positive int (or None), got {got!r}"
-        p = decode_step_parts(cfg, want or got, kv_len, Machine("ridge", ridge, 1.0), nbytes)  # time in byte-times
+        p = fl.decode_step_parts(cfg, want or got, kv_len, Machine("ridge", ridge, 1.0), nbytes)  # time in byte-times
         if want is None:
             why = (f" - at R = {got} the linear layers are compute-bound (from R = "
-                   f"{min_decode_batch(cfg, ridge, nbytes)}): their time is their FLOPs at peak, 2 R W, and grows "
+                   f"{fl.min_decode_batch(cfg, ridge, nbytes)}): their time is their FLOPs at peak, 2 R W, and grows "
                    f"with R exactly as fast as the KV read, which stays shorter ({p.attention.seconds:.4g} "
                    f"against {p.linear.seconds:.4g} byte-times)") if p.linear.bound == "compute-bound" else ""
             return f"got {got}, expected None{why}"
