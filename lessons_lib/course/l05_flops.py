@@ -42,9 +42,8 @@ def decode_parts_table(cfg: ModelConfig, kv_lens: Sequence[int], requests: Seque
     """One line per (cache length, R): per layer on the H200, each part's roofline time and bound, then its GPU
     floor (``decode_step_verdicts``: thread blocks and launches), and the longer part (``decode_step_parts``)."""
     def part(v: fl.GpuVerdict, digits: str) -> str:
-        p = v.part
-        return (f"{p.seconds * 1e6:8.3g} us ({p.bound}, {p.intensity:{digits}} FLOP/B; {v.binds} binds: >= "
-                f"{v.seconds * 1e6:.3g} us)")
+        return (f"{v.part.seconds * 1e6:8.3g} us ({v.part.bound}, {v.part.intensity:{digits}} FLOP/B; {v.binds} binds: "
+                f">= {v.seconds * 1e6:.3g} us)")
     verdicts = {(n, r): fl.decode_step_verdicts(cfg, r, n, H200) for n in kv_lens for r in requests}
     return [f"{n:5d} cached, R = {r:5d}: linear {part(lin, '5.1f')} | attention {part(att, '.2f')} | longer: "
             f"{fl.decode_step_parts(cfg, r, n, H200).longer}" for (n, r), (lin, att) in verdicts.items()]
@@ -221,8 +220,7 @@ def weight_reuse_figure(d_in: int = 512, d_out: int = 2048, lens: Sequence[int] 
                 fontsize=MIN_FONT + 1, color=TEXT)
         ax.text(8.4, y0 + 0.9, f"numbers moved: {d_in} · {d_out} (W, once)\n      + {t} · ({d_in} + {d_out}) (x and y)"
                 + ("" if k == 0 else "\nW's part does not grow with T"), fontsize=MIN_FONT + 1, color=TEXT, va="center")
-    ax.set_xlim(-0.1, 14.2)
-    ax.set_ylim(0.0, 7.2)
+    ax.set(xlim=(-0.1, 14.2), ylim=(0.0, 7.2))
     return fig
 
 
@@ -253,8 +251,7 @@ def time_split_figure(splits: Mapping[str, Mapping[str, float]], flops: Mapping[
         ax.set_yticks(range(len(names)), names if ax is ax_t else [""] * len(names), fontsize=MIN_FONT)
         ax.invert_yaxis()
         ax.set_xlim(0, ax.get_xlim()[1] * 1.25)
-        ax.set_xlabel(xlabel, fontsize=MIN_FONT)
-        ax.tick_params(labelsize=MIN_FONT)
+        _dress(ax, xlabel, "", size=MIN_FONT)
     ax_t.legend(fontsize=MIN_FONT, ncol=3, frameon=False, loc="lower left", bbox_to_anchor=(0.0, 1.0))
     fig.suptitle("Time (profiled, this machine) vs FLOPs (causal), same 1,000 tokens", fontsize=MIN_FONT + 1, y=0.98)
     fig.subplots_adjust(left=0.1, right=0.97, bottom=0.5 / (1.9 + 0.45 * len(names)) + 0.12, top=0.72, wspace=0.12)
