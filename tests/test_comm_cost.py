@@ -4,6 +4,7 @@ tp.dryrun.record_requests: the engine's forward recorded for equal requests."""
 from __future__ import annotations
 
 import pytest
+from helpers import FakeBench
 
 from lessons_lib.course import l00_setup as L
 from lessons_lib.measure.comm import (
@@ -101,16 +102,7 @@ def test_c1_packing_saving_is_the_ring_models_ratio():
         packing_saving(fit, 64, 0)
 
 
-class _FakeBench:
-    """Stands in for AllReduceBench's ranks: a fixed time per payload, no processes."""
-    world_size = 2
-
-    def measure(self, tokens, d_model, repeats=5, warmup=2, first_warmup=2):
-        return {"tokens": list(tokens), "bytes": [n * d_model * 4 for n in tokens], "seconds": [1e-3] * len(tokens),
-                "backend": "fake", "world_size": 2}
-
-
 def test_c1_measure_point_puts_the_model_beside_the_measurement():
-    point = measure_point(_FakeBench(), 100, 512, AlphaBeta(80e-6, 2e9))
+    point = measure_point(FakeBench(), 100, 512, AlphaBeta(80e-6, 2e9))
     assert point == {"tokens": 100, "d_model": 512, "bytes": 100 * 512 * 4, "seconds": 1e-3,
                      "model_s": pytest.approx(_ring(80e-6, 2e9, 204_800, 2)), "backend": "fake", "world_size": 2}

@@ -7,7 +7,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
-from helpers import attempt, by_class, gids, png_of, stub
+from helpers import FakeBench, attempt, by_class, gids, png_of, stub
 
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.groups import LocalGroup
@@ -233,18 +233,9 @@ def test_c1_packing_factor_checker(capsys):
     assert 0 < earned < 7
 
 
-class _FakeBench:
-    """Stands in for AllReduceBench's ranks: a fixed time per payload, no processes."""
-    world_size = 2
-
-    def measure(self, tokens, d_model, repeats=5, warmup=2, first_warmup=2):
-        return {"tokens": list(tokens), "bytes": [n * d_model * 4 for n in tokens], "seconds": [1e-3] * len(tokens),
-                "backend": "fake", "world_size": 2}
-
-
 def test_c1_measure_text_and_the_figure_show_the_measurement_beside_the_model():
     fit = AlphaBeta(80e-6, 2e9)
-    point = measure_point(_FakeBench(), 100, 512, fit)
+    point = measure_point(FakeBench(), 100, 512, fit)
     assert point["model_s"] == pytest.approx(_ring(80e-6, 2e9, 204_800, 2))
     assert "took 1,000.0 us" in L.measure_text(point) and "[100, 512] float32" in L.measure_text(point)
     assert "probe" in gids(L.comm_cost_figure(comm_cost_state(100, fit), probe=point))
