@@ -5,8 +5,15 @@ import torch
 from lessons_lib.core.config import ModelConfig
 from lessons_lib.core.model import init_weights
 from lessons_lib.serve.engine import batch_stats
-from lessons_lib.serve.recording import BatchRecord, record_batches, record_scale, recorded_totals
-from lessons_lib.serve.scheduler import Request
+from lessons_lib.serve.recording import (
+    BatchRecord,
+    record_batches,
+    record_scale,
+    record_scaled,
+    record_served,
+    recorded_totals,
+)
+from lessons_lib.serve.scheduler import Request, Scheduler
 
 TINY = ModelConfig(n_layers=1, d_model=8, n_heads=1, d_head=8, d_ffn=16, vocab_size=97, max_position=256)
 WEIGHTS = init_weights(TINY, 0)
@@ -66,3 +73,19 @@ def test_recorded_totals_sum_the_records_and_flag_those_that_are_not_the_predict
     assert got["padded"]["useful_rows"] == 40 and got["padded"]["useful_cells"] == 1000
     lie = {m: [(BatchRecord(m, (0, 1), (40,), 1000, ()), 1)] for m in recorded}   # varlen's counts for every method
     assert [m for m, c in recorded_totals(TINY, [10, 30], [[0, 1]], lie).items() if c["differs"]] == ["padded", "masked"]
+
+
+def test_record_scaled_runs_the_batch_once_per_method_shrunk_alike_when_too_big():
+    got = record_scaled(TINY, WEIGHTS, (10, 30), 64, 10_000)
+    assert {m: (r.rows, r.cells, k) for m, (r, k) in got.items()} == {
+        "padded": (60, 1800, 1), "masked": (40, 1600, 1), "varlen": (40, 1000, 1)}
+    small = record_scaled(TINY, WEIGHTS, (10, 30), 64, 500)    # padded 1800 cells: k = 2 shrinks it to 2 x 15^2
+    assert {m: (r.rows, r.cells, k) for m, (r, k) in small.items()} == {
+        "padded": (30, 450, 2), "masked": (20, 400, 2), "varlen": (20, 250, 2)}
+
+
+def test_record_served_reads_the_rows_of_every_forward_the_scheduler_formed():
+    got = record_served(TINY, WEIGHTS, Scheduler(40, 256), [10, 30, 20, 5])
+    assert got["served"] == [0, 1, 2, 3] and got["batches"] == [[0, 1], [2, 3]]
+    assert got["rows"] == 2 * 30 + 2 * 20                          # padded: R x Lmax per forward
+    assert record_served(TINY, WEIGHTS, Scheduler(40, 256), [10, 30, 20, 5], method="varlen")["rows"] == 65

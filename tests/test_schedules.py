@@ -10,7 +10,9 @@ from lessons_lib.serve.schedules import (
     schedule_measures,
     schedule_problem,
     schedule_table,
+    schedule_within,
     shortest_first_batches,
+    totals_text,
 )
 
 
@@ -87,3 +89,22 @@ def test_passed_over_counts_only_batches_formed_after_the_arrival():
     batches = [[1], [2], [3, 4], [0]]
     assert passed_over(batches, arrivals) == {1: 0, 2: 0, 3: 0, 4: 0, 0: 3}
     assert passed_over([[0, 1], [2]], [[5, 5], [5]]) == {0: 0, 1: 0, 2: 0}
+
+
+def test_totals_text_prints_one_line_per_method_with_what_it_counts():
+    text = totals_text(plan_totals(ModelConfig(), [[10, 30], [5, 5, 40]])).splitlines()
+    assert [ln.split()[0] for ln in text] == ["padded", "masked", "varlen"]
+    assert all("whole blocks" in ln for ln in text) and "1.00x the useful" in text[2]
+    assert "(pad      90)" in text[0] and "(pad       0)" in text[2]
+
+
+def test_schedule_within_refuses_the_oversize_and_keeps_the_stream_ids():
+    lens = [300, 20, 900, 20, 300]                       # request 2 is over the 600-token budget
+    batches, m = schedule_within("FCFS", lens, 600)
+    assert batches == [[0, 1, 3], [4]]
+    assert [i for i, _ in m["delays"]] == [0, 1, 3, 4] and m["max_delay"] == 0
+    batches, m = schedule_within("shortest first", [20, 300, 900, 300, 20], 600)
+    assert batches == [[0, 4, 1], [3]] and m["pad_rows"] == 2 * 280
+    assert dict(m["delays"]) == {0: 0, 1: 0, 3: 0, 4: -1} and m["overtakes"] == 1
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        schedule_within("random", lens, 600)

@@ -78,3 +78,18 @@ def test_prefill_stream_is_the_preset_long_tail_with_one_draft_over_the_budget()
 def test_preset_stream_refuses_a_workload_without_preset():
     with pytest.raises(ValueError, match="workload must be one of"):
         W.preset_stream("constant", 4, 0)
+
+
+def test_preset_lengths_are_the_preset_streams_lengths():
+    assert W.preset_lengths("long-tail", 24, 3) == W.prefill_stream()[0]
+    assert W.preset_lengths("bimodal", 40, 0) == W.workload_lengths("bimodal", 40, 0, **W.WORKLOAD_PRESETS["bimodal"])
+    with pytest.raises(ValueError, match="workload must be one of"):
+        W.preset_lengths("zipf", 4, 0)
+
+
+def test_trickle_arrivals_lead_with_one_long_request_then_short_waves():
+    waves = W.trickle_arrivals()
+    assert len(waves) == 12 and waves[0][0] == 400 and len(waves[0]) == 7
+    assert all(len(w) == 6 for w in waves[1:]) and all(8 <= n < 40 for n in waves[0][1:] + sum(waves[1:], []))
+    assert waves == W.trickle_arrivals() != W.trickle_arrivals(seed=6)
+    assert W.trickle_arrivals(first=50, per_step=1, steps=2, low=3, high=4) == [[50, 3], [3]]

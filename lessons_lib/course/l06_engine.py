@@ -1,7 +1,6 @@
 """What lesson 06 (the prefill engine, the capstone) draws, explores and checks.
 
   the stream   ``serve.workloads.prefill_stream`` under ``BUDGET``; ``stream_reference`` (its varlen answer)
-  counts       ``totals_text``: ``serve.schedules.plan_totals`` as lines
   figures      ``fcfs_batches`` (06_fcfs_batches), ``batch_waste`` (06_batch_waste), 06_tp_trace
   explorer     ``prefill_plan_state`` / ``prefill_plan_html`` / ``prefill_plan_explorer``
   C9           ``masked_waste_sweep`` (recorded)
@@ -18,7 +17,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from html import escape
 
-import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
@@ -28,16 +26,17 @@ from matplotlib.ticker import EngFormatter
 from ..core.config import ModelConfig
 from ..core.model import init_weights
 from ..measure.flops import METHODS
-from ..measure.recorder import OpRecorder
 from ..serve.engine import Engine, batch_stats
-from ..serve.recording import record_batches, record_scale, recorded_totals
+from ..serve.recording import record_batches, record_scaled, record_served, recorded_totals
 from ..serve.scheduler import Request, Scheduler, plan_batches
 from ..serve.schedules import (
+    SCHEDULES,
     drive_scheduler,
     passed_over,
     schedule_measures,
     schedule_problem,
     schedule_table,
+    schedule_within,
     shortest_first_batches,
     stats_totals,
     with_schedule,
@@ -48,6 +47,8 @@ from ..serve.workloads import (
     WORKLOAD_PRESETS,
     make_requests,
     prefill_stream,
+    preset_lengths,
+    trickle_arrivals,
     workload_lengths,
 )
 from ..serve.workloads import PREFILL_STREAM_PROMPT_SEED as PROMPT_SEED
@@ -92,19 +93,6 @@ def stream_reference(dtype: torch.dtype = torch.float32) -> dict:
 def stack(outputs: Mapping) -> Tensor:
     """``{request_id: [L, d]}`` → ``[Σ L, d]`` in request-id order (the stream's flat rows)."""
     return torch.cat([outputs[i] for i in sorted(outputs)])
-
-
-# ---- counts per method, one convention --------------------------------------------------------------
-
-def totals_text(totals: Mapping[str, Mapping]) -> str:
-    """One line per method of ``serve.schedules.plan_totals``: rows (pad rows), cells and FLOPs, each with what it counts."""
-    lines = []
-    for m, t in totals.items():
-        fl = t["flops_executed"] / t["flops_useful"] if t["flops_useful"] else 0.0
-        lines.append(f"{m:7s} rows {t['rows']:>9,} (pad {t['pad_rows']:>7,}) | score cells, whole blocks "
-                     f"{t['cells_computed']:>13,} ({t['cells_computed'] / t['cells_useful']:.2f}x the useful) | "
-                     f"FLOPs, whole blocks: {fl:.2f}x the useful")
-    return "\n".join(lines)
 
 
 # ---- figure: how FCFS packs the stream -------------------------------------------------------------
@@ -262,15 +250,9 @@ RECORD_LIMIT = 1_000_000  # score cells per head per layer above which the explo
 
 @functools.lru_cache(maxsize=256)
 def record_batch(lens: tuple, max_num_batched_tokens: int) -> dict:
-    """A batch of lengths ``lens`` run as one forward of ``Engine(TINY, method=m)`` per method under ``OpRecorder``:
-    ``{method: (BatchRecord, k)}``. ``k``, the largest ``serve.recording.record_scale``, is the same for all three: a batch
-    over ``RECORD_LIMIT`` cells under some method runs as one copy with every length divided by ``k``, rounded up
-    (the same mix, the same layout). Kept: an explorer move records only the batches it has not run before."""
-    k = max(record_scale(TINY, lens, m, RECORD_LIMIT) for m in METHODS)
-    scaled = [-(-n // k) for n in lens]
-    reqs = [Request(i, p) for i, p in enumerate(make_requests(scaled, TINY.vocab_size, seed=PROMPT_SEED))]
-    budget = max(max_num_batched_tokens, sum(scaled))
-    return {m: (record_batches(TINY, _tiny_weights(), m, [reqs], budget)[1][0], k) for m in METHODS}
+    """``serve.recording.record_scaled`` on ``Engine(TINY)`` under ``RECORD_LIMIT``: ``{method: (BatchRecord, k)}``.
+    Kept: an explorer move records only the batches it has not run before."""
+    return record_scaled(TINY, _tiny_weights(), lens, max_num_batched_tokens, RECORD_LIMIT, PROMPT_SEED)
 
 
 def record_stream(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int) -> dict:
@@ -280,24 +262,10 @@ def record_stream(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max
     return {m: [run[m] for run in runs] for m in METHODS}
 
 
-EXPLORER_SCHEDULERS = ("FCFS", "shortest first")  # plan_batches, shortest_first_batches (06.1's bucketing is the exercise)
-
-
-def _schedule(scheduler: str, lens: Sequence[int], budget: int) -> tuple[list[list[int]], dict]:
-    """``(batches of request ids, schedule_measures)`` for the requests of ``lens`` that fit ``budget`` (the others
-    are refused, S3) under ``scheduler``; ``delays`` become ``(request id, batches later than under FCFS)``."""
-    kept = [i for i, n in enumerate(lens) if n <= budget]
-    sub = [lens[i] for i in kept]
-    local = plan_batches(sub, budget) if scheduler == "FCFS" else shortest_first_batches(sub, budget)
-    measures = schedule_measures(sub, local, budget)
-    measures["delays"] = [(kept[i], d) for i, d in enumerate(measures["delays"])]
-    return [[kept[i] for i in ids] for ids in local], measures
-
-
 def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_num_batched_tokens: int = 768,
                        seed: int = 0, batch: int | None = 0, scheduler: str = "FCFS", record: bool = True) -> dict:
-    """A seeded stream of ``workload`` requests (``WORKLOAD_PRESETS``), scheduled by ``scheduler``
-    (``EXPLORER_SCHEDULERS``: FCFS = ``plan_batches``, shortest first = ``shortest_first_batches``), costed per method.
+    """A seeded stream of ``workload`` requests (``preset_lengths``), scheduled by ``scheduler`` (``schedule_within``:
+    FCFS = ``plan_batches``, shortest first = ``shortest_first_batches``), costed per method.
 
     Keys: ``workload``, ``seq_lens``, ``batches`` (lists of request ids), ``rejected`` (ids),
     ``max_num_batched_tokens``, ``scheduler``; ``stats`` ({method: [BatchStats]}, ``batch_stats``) and ``totals``
@@ -309,14 +277,10 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     ``record=False`` only the plan and its predictions (nothing runs): no ``measures``, ``counts``, ``recorded``,
     ``readout``.
     """
-    if scheduler not in EXPLORER_SCHEDULERS:
-        raise ValueError(f"scheduler must be one of {EXPLORER_SCHEDULERS}, got {scheduler!r}")
-    if workload not in WORKLOAD_PRESETS:
-        raise ValueError(f"workload must be one of {tuple(WORKLOAD_PRESETS)}, got {workload!r}")
     n = check_int("num_requests", num_requests, 1, 4096)
     budget = check_int("max_num_batched_tokens", max_num_batched_tokens, 1, 1 << 20)
-    lens = workload_lengths(workload, n, seed, **WORKLOAD_PRESETS[workload])
-    batches, measures = _schedule(scheduler, lens, budget)
+    lens = preset_lengths(workload, n, seed)
+    batches, measures = schedule_within(scheduler, lens, budget)
     cfg = ModelConfig()
     stats = {m: [batch_stats(cfg, [lens[i] for i in ids], m, b, request_ids=ids) for b, ids in enumerate(batches)]
              for m in METHODS}
@@ -329,7 +293,7 @@ def prefill_plan_state(workload: str = "long-tail", num_requests: int = 48, max_
     stream = record_stream(lens, batches, budget)
     schedules = {scheduler: (batches, measures, stream)}
     if scheduler != "FCFS" and batches:
-        fcfs, fcfs_measures = _schedule("FCFS", lens, budget)
+        fcfs, fcfs_measures = schedule_within("FCFS", lens, budget)
         schedules = {"FCFS": (fcfs, fcfs_measures, record_stream(lens, fcfs, budget)), **schedules}
     state.update(measures={k: v[1] for k, v in schedules.items()},
                  counts={k: recorded_totals(TINY, lens, v[0], v[2]) for k, v in schedules.items()},
@@ -442,7 +406,7 @@ def prefill_plan_explorer(workload: str = "long-tail", num_requests: int = 48, m
     empty when every request was refused)."""
     w = ipywidgets_module()
     kind = tagged(w.Dropdown(options=list(WORKLOAD_PRESETS), value=workload, description="workload"), "ppx-workload")
-    sched = tagged(w.Dropdown(options=list(EXPLORER_SCHEDULERS), value=scheduler, description="scheduler"), "ppx-scheduler")
+    sched = tagged(w.Dropdown(options=list(SCHEDULES), value=scheduler, description="scheduler"), "ppx-scheduler")
     reqs = tagged(w.IntSlider(value=num_requests, min=1, max=256, description="requests"), "ppx-num-requests")
     budget = tagged(w.IntSlider(value=max_num_batched_tokens, min=16, max=8192, step=16, description="token budget"),
                     "ppx-budget")
@@ -521,12 +485,6 @@ def _tp_trace() -> Figure:
 MAX_PASSED_OVER = 2  # 06.1's fairness bound: a request may see at most this many batches serve later arrivals first
 
 
-def _steady_trickle() -> list[list[int]]:
-    """One 400-token request, then 6 short ones arriving at every step for 12 steps (a starvation probe)."""
-    rng = np.random.default_rng(5)
-    return [[400] + rng.integers(8, 40, 6).tolist()] + [rng.integers(8, 40, 6).tolist() for _ in range(11)]
-
-
 IN_ENGINE = "lesson 06's stream served by Engine(TINY, method='padded') with your scheduler, under OpRecorder"
 
 
@@ -538,7 +496,7 @@ def _bucket_cases() -> list[tuple]:
                 "bimodal", 40, 2, short=50, long=1500, p_long=0.2)], 2048, 256),
             ("long-tail, at most 6 requests per batch", [workload_lengths("long-tail", 48, 1, median=64, sigma=1.0,
                                                                           max_len=1024)], 1024, 6),
-            ("a 400-token request, then 6 short ones arriving at every step", _steady_trickle(), 512, 256),
+            ("a 400-token request, then 6 short ones arriving at every step", trickle_arrivals(), 512, 256),
             (IN_ENGINE, [kept], budget, 256)]
 
 
@@ -566,28 +524,15 @@ def _bucket_problem(batches, arrivals, budget, max_seqs) -> str | None:
     return None
 
 
-def _serve_in_engine(cls: type, lens: Sequence[int], budget: int, max_seqs: int) -> dict:
-    """``lens`` served by ``Engine(TINY, method='padded', scheduler=cls(budget, max_seqs))`` under the recorder:
-    ``{"served": request ids, "batches": request ids per forward, "rows": rows through the linear layers}``."""
-    engine = Engine(TINY, weights=_tiny_weights(), method="padded", device="cpu", dtype=torch.float32,
-                    compute_logits=False, scheduler=cls(budget, max_seqs))
-    with OpRecorder() as rec:
-        outputs = engine.prefill(make_requests(lens, TINY.vocab_size, seed=PROMPT_SEED))
-    rows = sum(m.m for m in rec.matmuls if m.kind == "linear") // (4 * TINY.n_layers)
-    return {"served": sorted(o.request_id for o in outputs), "batches": [list(s.request_ids) for s in engine.stats],
-            "rows": rows}
-
-
 def _engine_problem(got: dict, lens: Sequence[int], budget: int, max_seqs: int) -> str | None:
     if got["served"] != list(range(len(lens))):
         return f"the engine served requests {got['served'][:10]}..., not each of the {len(lens)} exactly once"
     problem = _bucket_problem(got["batches"], [lens], budget, max_seqs)
     if problem:
         return "inside the engine: " + problem
-    fcfs = sum(len(b) * max(lens[i] for i in b) for b in plan_batches(lens, budget, max_seqs))
-    if got["rows"] >= fcfs:
+    if got["rows"] >= got["fcfs_rows"]:
         return (f"the padded engine ran {got['rows']:,} rows through its linear layers with your scheduler, "
-                f"{fcfs:,} with FCFS's batches: no saving where it counts")
+                f"{got['fcfs_rows']:,} with FCFS's batches: no saving where it counts")
     return None
 
 
@@ -608,7 +553,10 @@ def check_bucket_scheduler(answer) -> bool:
 
     def run(what, arrivals, budget, seqs):
         if what == IN_ENGINE:
-            in_engine.update(_serve_in_engine(cls, arrivals[0], budget, seqs))
+            lens = arrivals[0]
+            fcfs_rows = sum(len(b) * max(lens[i] for i in b) for b in plan_batches(lens, budget, seqs))
+            in_engine.update(record_served(TINY, _tiny_weights(), cls(budget, seqs), lens, prompt_seed=PROMPT_SEED),
+                             fcfs_rows=fcfs_rows)
             return in_engine
         return drive_scheduler(cls, arrivals, budget, seqs)
 
@@ -623,27 +571,20 @@ def check_bucket_scheduler(answer) -> bool:
     if ok:
         lens, budget, seqs = cases[0][1][0], cases[0][2], cases[0][3]
         print("lesson 06's stream:\n" + schedule_table(lens, drive_scheduler(cls, [lens], budget, seqs), budget, seqs))
-        fcfs = sum(len(b) * max(lens[i] for i in b) for b in plan_batches(lens, budget, seqs))
-        print(f"rows recorded through the padded engine's linear layers: yours {in_engine['rows']:,}, FCFS {fcfs:,}")
+        print(f"rows recorded through the padded engine's linear layers: yours {in_engine['rows']:,}, "
+              f"FCFS {in_engine['fcfs_rows']:,}")
     return ok
 
 
 # ---- exercise 06.2: a counter-example, measured ------------------------------------------------------
 
-def measure_schedule(seq_lens: Sequence[int], batches: Sequence[Sequence[int]], max_num_batched_tokens: int) -> dict:
-    """Run ``batches`` through ``Engine(TINY)`` padded and masked, one forward each, under ``OpRecorder``:
-    ``{"padded_rows", "masked_cells"}`` as EXECUTED (rows through the linears, score cells per head per layer)."""
-    reqs = [Request(i, p) for i, p in enumerate(make_requests(list(seq_lens), TINY.vocab_size, seed=PROMPT_SEED))]
-    runs = {m: record_batches(TINY, _tiny_weights(), m, [[reqs[i] for i in b] for b in batches], max_num_batched_tokens)[1]
-            for m in ("padded", "masked")}
-    return {"padded_rows": sum(r.rows for r in runs["padded"]), "masked_cells": sum(r.cells for r in runs["masked"])}
-
-
 @functools.lru_cache(maxsize=16)
 def _both_schedules(lens: tuple, budget: int) -> tuple:
-    """``(FCFS's batches, shortest first's, measure_schedule of each)`` for a stream, kept per stream."""
-    fcfs, srt = plan_batches(list(lens), budget), shortest_first_batches(lens, budget)
-    return fcfs, srt, measure_schedule(lens, fcfs, budget), measure_schedule(lens, srt, budget)
+    """``(FCFS's batches, shortest first's, (padded rows, masked cells) of each)`` for a stream, kept per stream:
+    the counts as EXECUTED, every batch run by ``record_stream`` (rows through the linears, cells per head per layer)."""
+    plans = plan_batches(list(lens), budget), shortest_first_batches(lens, budget)
+    counts = [recorded_totals(TINY, lens, p, record_stream(lens, p, budget)) for p in plans]
+    return *plans, *({"padded_rows": c["padded"]["rows"], "masked_cells": c["masked"]["cells"]} for c in counts)
 
 
 _CE_CASES = [("a valid stream: 1 to 12 requests, none over the budget, budget 1..256",),
@@ -654,7 +595,7 @@ _CE_CASES = [("a valid stream: 1 to 12 requests, none over the budget, budget 1.
 def check_masked_counterexample(fn: Callable[[], tuple]) -> bool:
     """Exercise 06.2: ``fn() -> (seq_lens, max_num_batched_tokens)``: at most 12 requests, each at most the
     budget, budget at most 256. Both schedules, FCFS (``plan_batches``) and shortest-first (``shortest_first_batches``),
-    are RUN through the padded and the masked engine under the recorder (``measure_schedule``); three checks,
+    are RUN through the padded and the masked engine under the recorder (``record_stream``); three checks,
     one point each: a valid stream, sorting pads fewer rows, and sorting makes masked compute MORE cells."""
     answers = []
 

@@ -4,7 +4,9 @@
 one ``BatchRecord`` per batch: the rows of every linear-layer matmul and the attention score cells per head per
 layer, to be held against ``serve.engine.batch_stats``' prediction for the same lengths. ``record_scale`` says how
 far to shrink a batch too big to run here (every length divided by ``k``, rounded up: the same mix and layout), and
-``recorded_totals`` sums a whole plan's records per method beside the prediction, batch by batch.
+``recorded_totals`` sums a whole plan's records per method beside the prediction, batch by batch. ``record_scaled``
+records one batch under every method, shrunk alike when too big; ``record_served`` serves a stream with any
+``Scheduler`` and reads the rows the linear layers saw.
 
 Taught in notebooks/06_prefill_engine.ipynb.
 """
@@ -20,7 +22,8 @@ from ..measure.flops import METHODS
 from ..measure.recorder import OpRecorder
 from ..measure.search import first_where
 from .engine import Engine, batch_stats
-from .scheduler import Request
+from .scheduler import Request, Scheduler
+from .workloads import make_requests
 
 
 @dataclass(frozen=True)
@@ -104,3 +107,30 @@ def recorded_totals(cfg: ModelConfig, seq_lens: Sequence[int], batches: Sequence
             c["scaled"] += k > 1
         out[m] = c
     return out
+
+
+def record_scaled(cfg: ModelConfig, weights: dict, lens: Sequence[int], max_num_batched_tokens: int, limit: int,
+                  prompt_seed: int = 0) -> dict:
+    """The batch of lengths ``lens`` run as ONE forward per method (``record_batches``, prompts by ``make_requests``
+    with ``prompt_seed``): ``{method: (BatchRecord, k)}``, ``k`` the largest ``record_scale`` over the methods, the
+    same for all: a batch over ``limit`` cells per head per layer under some method runs as one copy with every
+    length divided by ``k``, rounded up (the same mix, the same layout)."""
+    k = max(record_scale(cfg, lens, m, limit) for m in METHODS)
+    scaled = [-(-n // k) for n in lens]
+    reqs = [Request(i, p) for i, p in enumerate(make_requests(scaled, cfg.vocab_size, seed=prompt_seed))]
+    budget = max(max_num_batched_tokens, sum(scaled))
+    return {m: (record_batches(cfg, weights, m, [reqs], budget)[1][0], k) for m in METHODS}
+
+
+def record_served(cfg: ModelConfig, weights: dict, scheduler: Scheduler, seq_lens: Sequence[int],
+                  method: str = "padded", prompt_seed: int = 0) -> dict:
+    """Requests of ``seq_lens`` (prompts by ``make_requests`` with ``prompt_seed``) served by ``Engine(cfg,
+    method=method, scheduler=scheduler)`` on CPU in float32 under ``OpRecorder``: ``{"served": request ids, sorted,
+    "batches": request ids per forward, "rows": rows through the linear layers, summed over the forwards}``."""
+    engine = Engine(cfg, weights=weights, method=method, device="cpu", dtype=torch.float32, compute_logits=False,
+                    scheduler=scheduler)
+    with OpRecorder() as rec:
+        outputs = engine.prefill(make_requests(list(seq_lens), cfg.vocab_size, seed=prompt_seed))
+    rows = sum(m.m for m in rec.matmuls if m.kind == "linear") // (4 * cfg.n_layers)
+    return {"served": sorted(o.request_id for o in outputs), "batches": [list(s.request_ids) for s in engine.stats],
+            "rows": rows}

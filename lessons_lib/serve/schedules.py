@@ -6,7 +6,8 @@ order). ``plan_batches`` (``serve.scheduler``) is FCFS; ``shortest_first_batches
 makes a schedule invalid (S3: every request once, whole; every batch within both budgets) and
 ``schedule_measures`` prices a valid one against FCFS: pad rows, masked cells wasted, delays, overtakes
 (``schedule_table`` prints both); ``passed_over`` counts, with arrivals, how often a request watched later arrivals
-served first; ``plan_totals`` sums ``batch_stats``' rows, cells and FLOPs per method over a plan.
+served first; ``plan_totals`` sums ``batch_stats``' rows, cells and FLOPs per method over a plan (``totals_text``
+prints it); ``schedule_within`` plans a stream by name (``SCHEDULES``), refusing the requests over the budget.
 
 Taught in notebooks/06_prefill_engine.ipynb.
 """
@@ -159,3 +160,31 @@ def plan_totals(cfg, batches: Sequence[Sequence[int]]) -> dict:
     """``{method: stats_totals}`` over ``batches`` (lists of request lengths) for ``ModelConfig`` ``cfg``,
     predicted by ``batch_stats`` (nothing runs)."""
     return {m: stats_totals([batch_stats(cfg, b, m) for b in batches]) for m in METHODS}
+
+
+def totals_text(totals: dict) -> str:
+    """One line per method of ``plan_totals``: rows (pad rows), cells and FLOPs, each with what it counts."""
+    lines = []
+    for m, t in totals.items():
+        fl = t["flops_executed"] / t["flops_useful"] if t["flops_useful"] else 0.0
+        lines.append(f"{m:7s} rows {t['rows']:>9,} (pad {t['pad_rows']:>7,}) | score cells, whole blocks "
+                     f"{t['cells_computed']:>13,} ({t['cells_computed'] / t['cells_useful']:.2f}x the useful) | "
+                     f"FLOPs, whole blocks: {fl:.2f}x the useful")
+    return "\n".join(lines)
+
+
+SCHEDULES = {"FCFS": plan_batches, "shortest first": shortest_first_batches}  # name -> (seq_lens, budget) -> batches
+
+
+def schedule_within(scheduler: str, seq_lens: Sequence[int], max_num_batched_tokens: int) -> tuple[list[list[int]], dict]:
+    """``(batches of request ids into seq_lens, schedule_measures)`` of the requests that fit the budget (the others
+    are refused, S3) planned by ``SCHEDULES[scheduler]``; ``delays`` become ``(request id, batches later than under
+    FCFS)`` pairs. ValueError for a scheduler not in ``SCHEDULES``."""
+    if scheduler not in SCHEDULES:
+        raise ValueError(f"scheduler must be one of {tuple(SCHEDULES)}, got {scheduler!r}")
+    kept = [i for i, n in enumerate(seq_lens) if n <= max_num_batched_tokens]
+    sub = [seq_lens[i] for i in kept]
+    local = SCHEDULES[scheduler](sub, max_num_batched_tokens)
+    measures = schedule_measures(sub, local, max_num_batched_tokens)
+    measures["delays"] = [(kept[i], d) for i, d in enumerate(measures["delays"])]
+    return [[kept[i] for i in ids] for ids in local], measures

@@ -142,10 +142,25 @@ def preset_stream(name: str, num_requests: int, seed: int, vocab_size: int = 502
     """A seeded stream of workload ``name`` under its ``WORKLOAD_PRESETS`` settings: ``(lengths in arrival order,
     token-id prompts)``, prompt ``i`` a list of ``lengths[i]`` Python ints in ``[0, vocab_size)`` drawn with
     ``prompt_seed``. ValueError for a workload with no preset."""
+    lens = preset_lengths(name, num_requests, seed)
+    return lens, make_requests(lens, vocab_size, seed=prompt_seed)
+
+
+def preset_lengths(name: str, num_requests: int, seed: int) -> list[int]:
+    """``num_requests`` seeded lengths of workload ``name`` under its ``WORKLOAD_PRESETS`` settings, in arrival
+    order. ValueError for a workload with no preset."""
     if name not in WORKLOAD_PRESETS:
         raise ValueError(f"workload must be one of {tuple(WORKLOAD_PRESETS)}, got {name!r}")
-    lens = workload_lengths(name, num_requests, seed, **WORKLOAD_PRESETS[name])
-    return lens, make_requests(lens, vocab_size, seed=prompt_seed)
+    return workload_lengths(name, num_requests, seed, **WORKLOAD_PRESETS[name])
+
+
+def trickle_arrivals(first: int = 400, per_step: int = 6, steps: int = 12, low: int = 8, high: int = 40,
+                     seed: int = 5) -> list[list[int]]:
+    """A starvation probe for a scheduler: ``steps`` waves of arrivals (lengths), each ``per_step`` integers in
+    ``[low, high)`` drawn with ``seed``, the first wave led by one ``first``-token request."""
+    rng = np.random.default_rng(seed)
+    waves = [rng.integers(low, high, per_step).tolist() for _ in range(steps)]
+    return [[first] + waves[0]] + waves[1:]
 
 
 def prefill_stream(vocab_size: int = 50257) -> tuple[list[int], list[list[int]]]:
