@@ -45,6 +45,9 @@ def _box(ax, x, y, w, h, color, text="", text_color="white", gid=None, fontsize=
         ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize, color=text_color)
 
 
+@register("04_two_axes", lesson="04",
+          caption="two cuts of one TP=2 forward: requests cut the flat rows, TP cuts the heads; attention is one "
+                  "problem per (request, head), one all-reduce carries every row (C11, C12)")
 def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | None = None, tp: int = 2) -> Figure:
     """Claims C11, C12, before any count: the flat rows cut by request (``cu_seqlens``), the heads and features
     by rank. Left: attention in one layer, per head its T x T scores (ink outline) with one blue causal block per
@@ -110,13 +113,6 @@ def two_axes_figure(seq_lens: Sequence[int] = ARTICLE_LENS, cfg: ModelConfig | N
     bx.text(-0.9, -1.0, "It never asks which request a row belongs to.", va="top", fontsize=MIN_FONT + 1, color=TEXT)
     bx.set(xlim=(-1.2, xa + 4.2), ylim=(-3.2, t + 4))
     return fig
-
-
-@register("04_two_axes", lesson="04",
-          caption="two cuts of one TP=2 forward: requests cut the flat rows, TP cuts the heads; attention is one "
-                  "problem per (request, head), one all-reduce carries every row (C11, C12)")
-def _two_axes() -> Figure:
-    return two_axes_figure()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +262,24 @@ def tp_packing_figure(state: dict) -> Figure:
     ax = fig.add_axes((0, 0, 1, 1))
     ax.axis("off")
     ax.set(xlim=(0, 100), ylim=(-17, 60))
-    _error_panel(fig, state)
+    ratios = [e / state["sum_allowed"] for e in state["token_errors"]]  # every token's error / allowed, on a log axis
+    err = fig.add_axes((0.08, 0.02, 0.9, 0.13))
+    err.set(yscale="log", ylim=(1e-2, 1e6), xlim=(-0.5, t - 0.5), xticks=[])
+    err.vlines(range(t), 1e-2, [min(max(r, 1e-2), 1e6) for r in ratios], colors=TEXT, linewidth=max(0.4, min(2.0, 45 / t)))
+    what = "every token after the all-reduce: max |sum" if tp > 1 else "every token (tp = 1): max |out proj"
+    err.set_title(f"{what} - float64| / allowed (log scale); least {min(ratios):.1e}, worst {max(ratios):.1e}",
+                  fontsize=MIN_FONT + 1, color=TEXT)
+    lines = [(1.0, (0, (4, 2)), "allowed")]
+    if tp > 1:  # what adding the bias on every rank puts on every token: (tp - 1)·max|bias|
+        extra = state["extra_bias"] / state["sum_allowed"]
+        lines.append((extra, (0, (1, 1.5)), f"(tp-1)·max|bias| = {extra:.1e}"))
+    for y, style, label in lines:
+        err.axhline(y, color=TEXT, linewidth=0.8, linestyle=style)
+        err.text(t - 0.5, y, label, ha="right", va="bottom", fontsize=MIN_FONT, color=TEXT,
+                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+    err.set_yticks([1e-2, 1, 1e6], labels=["1e-2", "1", "1e+6"])
+    err.minorticks_off()
+    err.spines[["top", "right"]].set_visible(False)
     x0, width = 8.0, 90.0
     if n_ar:
         rec = state["traces"][0][0]
@@ -317,33 +330,10 @@ def tp_packing_figure(state: dict) -> Figure:
             bars.text(g0 - 1.1, 0, "+" if r < tp else "=", ha="center", va="center", fontsize=MIN_FONT + 3, color=TEXT)
     bars.axhline(0, color=TEXT, linewidth=0.8)
     bars.set_yticks([-lim, lim], labels=[f"{-lim:+.3f}", f"{lim:+.3f}"])
-    bars.tick_params(labelsize=MIN_FONT, colors=TEXT)
     bars.spines[["top", "right", "bottom"]].set_visible(False)
+    for axes in (err, bars):
+        axes.tick_params(labelsize=MIN_FONT, colors=TEXT)
     return fig
-
-
-def _error_panel(fig: Figure, state: dict) -> None:
-    """Every flat token's max |sum - float64| / allowed after layer 0's out proj, on a log axis under the figure."""
-    ratios = [e / state["sum_allowed"] for e in state["token_errors"]]
-    t = len(ratios)
-    ax = fig.add_axes((0.08, 0.02, 0.9, 0.13))
-    ax.set(yscale="log", ylim=(1e-2, 1e6), xlim=(-0.5, t - 0.5), xticks=[])
-    ax.vlines(range(t), 1e-2, [min(max(r, 1e-2), 1e6) for r in ratios], colors=TEXT, linewidth=max(0.4, min(2.0, 45 / t)))
-    what = "every token after the all-reduce: max |sum" if state["tp"] > 1 else "every token (tp = 1): max |out proj"
-    ax.set_title(f"{what} - float64| / allowed (log scale); least {min(ratios):.1e}, worst {max(ratios):.1e}",
-                 fontsize=MIN_FONT + 1, color=TEXT)
-    lines = [(1.0, (0, (4, 2)), "allowed")]
-    if state["tp"] > 1:  # what adding the bias on every rank puts on every token: (tp - 1)·max|bias|
-        extra = state["extra_bias"] / state["sum_allowed"]
-        lines.append((extra, (0, (1, 1.5)), f"(tp-1)·max|bias| = {extra:.1e}"))
-    for y, style, label in lines:
-        ax.axhline(y, color=TEXT, linewidth=0.8, linestyle=style)
-        ax.text(t - 0.5, y, label, ha="right", va="bottom", fontsize=MIN_FONT, color=TEXT,
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
-    ax.set_yticks([1e-2, 1, 1e6], labels=["1e-2", "1", "1e+6"])
-    ax.minorticks_off()
-    ax.tick_params(labelsize=MIN_FONT, colors=TEXT)
-    ax.spines[["top", "right"]].set_visible(False)
 
 
 def tp_packing_explorer(total_tokens: int = 40, num_requests: int = 2, pattern: str = "quarter first", tp_size: int = 2,
@@ -461,6 +451,9 @@ def check_vocab_trace(fn: Callable[[ModelConfig, list, int], list]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Exercise 04.2: grouped-query attention under TP, which K/V heads each rank holds, measured on the engine
 
+@register("04_gqa_replicas", lesson="04",
+          caption="grouped-query attention at TP = 16: 32 query heads in 8 groups, each K/V head held whole on the 2 "
+                  "ranks of its group, from the engine's plan (C11, Exercise 04.2)")
 def gqa_replicas_figure(n_heads: int = 32, n_kv_heads: int = 8, d_head: int = 128, n_layers: int = 32,
                         tp: int = 16) -> Figure:
     """Grouped-query attention drawn from the engine's plan (``engine_kv_plan``, bf16): one column per rank, its
@@ -492,13 +485,6 @@ def gqa_replicas_figure(n_heads: int = 32, n_kv_heads: int = 8, d_head: int = 12
     return fig
 
 
-@register("04_gqa_replicas", lesson="04",
-          caption="grouped-query attention at TP = 16: 32 query heads in 8 groups, each K/V head held whole on the 2 "
-                  "ranks of its group, from the engine's plan (C11, Exercise 04.2)")
-def _gqa_replicas() -> Figure:
-    return gqa_replicas_figure()
-
-
 # (n_heads, n_kv_heads, d_head, n_layers, tp, bytes_per_number): Llama-3-8B-like at tp = 2 and 8, one K/V head
 # for all (multi-query: 4 replicas, the plainest replication, first), a 70B-like at tp = 16 (more ranks than K/V
 # heads), groups of 3 (float32), and the course's own model (every head its own K/V, float32) at tp = 2.
@@ -506,9 +492,9 @@ _KV_CASES = ((32, 8, 128, 32, 2, 2), (32, 8, 128, 32, 8, 2), (16, 1, 64, 24, 4, 
              (12, 4, 64, 10, 2, 4), (8, 8, 64, 8, 2, 4))
 
 
-def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes, again: Callable[[int], object] | None = None) -> str | None:
-    """What is wrong with ``got`` for one case, or None. ``again(bytes_per_number)``: the learner's kv_bytes for the
-    same case at another number size, to tell "K alone" from "numbers, not bytes" (both halve the bytes in bf16)."""
+def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes, fn: Callable | None = None) -> str | None:
+    """What is wrong with ``got`` for one case, or None. ``fn``: the learner's function, asked again at 4 bytes per
+    number to tell "K alone" from "numbers, not bytes" (both halve the bytes in bf16)."""
     try:
         heads, total = [sorted(int(x) for x in rank) for rank in got[0]], got[1]
         if isinstance(total, bool) or not float(total).is_integer():
@@ -548,8 +534,11 @@ def _kv_problem(got, plan: KVPlan, h, kv, dh, layers, tp, nbytes, again: Callabl
                                     f"hold it: a rank's share cannot shrink below one head")]
     k_alone = (want // 2, "that is K alone: the cache keeps K AND V, two numbers per head per dimension")
     numbers = (want // nbytes, f"that counts numbers, not bytes: x {nbytes} bytes per number")
-    if k_alone[0] == numbers[0] and total == k_alone[0] and again is not None:  # bf16: both halve; ask at 4 B
-        other = again(4)
+    if k_alone[0] == numbers[0] and total == k_alone[0] and fn is not None:  # bf16: both halve; ask at 4 B
+        try:
+            other = int(fn(h, kv, dh, layers, tp, 4)[1])
+        except Exception:  # the learner's code at another size: any failure just leaves both hints
+            other = None
         k_alone, numbers = ((k_alone, (None, "")) if other == want * 4 // nbytes // 2 else
                             ((None, ""), numbers) if other == want // nbytes else (k_alone, numbers))
     hints += [k_alone,
@@ -569,14 +558,7 @@ def check_kv_plan(fn: Callable[[int, int, int, int, int, int], tuple]) -> bool:
     (kv_heads, kv_bytes)``: the K/V heads each rank holds (one list per rank) and the bytes of K and
     V one token adds to a rank's cache, all layers. ``kv_heads`` is run in the engine (``run_kv_plan``),
     ``kv_bytes`` compared with a prefill's cache on the engine's ranks (``engine_kv_plan``)."""
-    def judge(got, *case):
-        def again(nbytes):
-            try:
-                return int(fn(*case[:-1], nbytes)[1])
-            except Exception:  # the learner's code at another size: any failure just leaves both hints
-                return None
-        return _kv_problem(got, engine_kv_plan(*case), *case, again=again)
-    return grade("kv_plan", fn, [tuple(c) for c in _KV_CASES], judge,
+    return grade("kv_plan", fn, list(_KV_CASES), lambda got, *case: _kv_problem(got, engine_kv_plan(*case), *case, fn=fn),
                  "the engine's ranks and caches: tp below, equal to and above the K/V heads, multi-query, groups of 3, "
                  "the course's model")
 
