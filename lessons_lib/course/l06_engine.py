@@ -27,7 +27,7 @@ from ..core.config import ModelConfig
 from ..core.model import init_weights
 from ..measure.flops import METHODS
 from ..serve.engine import Engine, batch_stats
-from ..serve.recording import record_batches, record_scaled, record_served, recorded_totals
+from ..serve.recording import record_scaled, record_served, recorded_totals
 from ..serve.scheduler import Request, Scheduler, plan_batches
 from ..serve.schedules import (
     SCHEDULES,
@@ -45,7 +45,6 @@ from ..serve.workloads import (
     PREFILL_STREAM,
     PREFILL_STREAM_BUDGET,
     WORKLOAD_PRESETS,
-    make_requests,
     prefill_stream,
     preset_lengths,
     trickle_arrivals,
@@ -210,12 +209,9 @@ def batch_waste(stats: Mapping[str, Sequence], max_num_batched_tokens: int | Non
             bottom.bar(x, s.cells_whole_useful, width * 0.92, color=ATTENTION, gid=f"cells-{m}-useful-{b}")
             bottom.bar(x, s.cells_whole_wasted, width * 0.92, bottom=s.cells_whole_useful, color=WASTE,
                        hatch=_HATCH.get(m, ""), edgecolor="white", gid=f"cells-{m}-wasted-{b}")
-    tallest = max(s.cells_whole_computed for m in methods for s in runs[m])
-    for j, m in enumerate(methods):
-        for b, s in enumerate(runs[m]):
             if n <= 12:
-                bottom.text(b - 0.4 + (j + 0.5) * width, s.cells_whole_computed, m[0].upper(), ha="center",
-                            va="bottom", fontsize=MIN_FONT)
+                bottom.text(x, s.cells_whole_computed, m[0].upper(), ha="center", va="bottom", fontsize=MIN_FONT)
+    tallest = max(s.cells_whole_computed for m in methods for s in runs[m])
     for b in range(n if n <= 12 else 0):  # a batch whose bars are too short to see gets its counts written
         counts = [runs[m][b].cells_whole_computed for m in methods]
         if max(counts) < 0.04 * tallest:
@@ -431,14 +427,10 @@ def prefill_plan_explorer(workload: str = "long-tail", num_requests: int = 48, m
 
 def masked_waste_sweep(length: int = 32, requests: Sequence[int] = (1, 2, 4, 8)) -> dict[int, float]:
     """C9 measured: for each ``R`` in ``requests``, ``R`` requests of ``length`` tokens run as ONE forward of
-    ``Engine(TINY)`` masked and varlen under the op recorder: ``{R: (masked cells - varlen cells) / varlen cells}``,
-    both counts recorded, the waste per useful cell of masking R equal lengths."""
-    out = {}
-    for r in requests:
-        reqs = [Request(i, p) for i, p in enumerate(make_requests([length] * r, TINY.vocab_size, seed=PROMPT_SEED))]
-        cells = {m: record_batches(TINY, _tiny_weights(), m, [reqs], r * length)[1][0].cells for m in ("masked", "varlen")}
-        out[r] = (cells["masked"] - cells["varlen"]) / cells["varlen"]
-    return out
+    ``Engine(TINY)`` per method under the op recorder (``record_batch``): ``{R: (masked cells - varlen cells) /
+    varlen cells}``, both counts recorded, the waste per useful cell of masking R equal lengths."""
+    cells = {r: {m: rec.cells for m, (rec, _) in record_batch((length,) * r, r * length).items()} for r in requests}
+    return {r: (c["masked"] - c["varlen"]) / c["varlen"] for r, c in cells.items()}
 
 
 # ---- TP=2: one batch as each rank ran it -------------------------------------------------------------
@@ -483,7 +475,6 @@ def _tp_trace() -> Figure:
 # ---- exercise 06.1: a budget-aware bucketing scheduler, plugged into the engine ---------------------
 
 MAX_PASSED_OVER = 2  # 06.1's fairness bound: a request may see at most this many batches serve later arrivals first
-
 
 IN_ENGINE = "lesson 06's stream served by Engine(TINY, method='padded') with your scheduler, under OpRecorder"
 
@@ -580,11 +571,10 @@ def check_bucket_scheduler(answer) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _both_schedules(lens: tuple, budget: int) -> tuple:
-    """``(FCFS's batches, shortest first's, (padded rows, masked cells) of each)`` for a stream, kept per stream:
-    the counts as EXECUTED, every batch run by ``record_stream`` (rows through the linears, cells per head per layer)."""
+    """``(FCFS's batches, shortest first's, recorded_totals of each)`` for a stream, kept per stream: the counts as
+    EXECUTED, every batch run by ``record_stream`` (rows through the linears, cells per head per layer)."""
     plans = plan_batches(list(lens), budget), shortest_first_batches(lens, budget)
-    counts = [recorded_totals(TINY, lens, p, record_stream(lens, p, budget)) for p in plans]
-    return *plans, *({"padded_rows": c["padded"]["rows"], "masked_cells": c["masked"]["cells"]} for c in counts)
+    return *plans, *(recorded_totals(TINY, lens, p, record_stream(lens, p, budget)) for p in plans)
 
 
 _CE_CASES = [("a valid stream: 1 to 12 requests, none over the budget, budget 1..256",),
@@ -616,14 +606,14 @@ def check_masked_counterexample(fn: Callable[[], tuple]) -> bool:
             return None
         _, _, a, b = _both_schedules(tuple(lens), budget)
         if what == _CE_CASES[1][0]:
-            if b["padded_rows"] < a["padded_rows"]:
+            if b["padded"]["rows"] < a["padded"]["rows"]:
                 return None
-            return (f"sorting did not pad fewer rows: {b['padded_rows']} recorded against FCFS's {a['padded_rows']} - "
+            return (f"sorting did not pad fewer rows: {b['padded']['rows']} recorded against FCFS's {a['padded']['rows']} - "
                     "FCFS must put a short request beside a long one")
-        if b["masked_cells"] > a["masked_cells"]:
+        if b["masked"]["cells"] > a["masked"]["cells"]:
             return None
-        return (f"the masked engine computed {b['masked_cells']:,} cells for the sorted batches against FCFS's "
-                f"{a['masked_cells']:,}: not more. Masked pays T^2 per batch, so for the same tokens it pays most when "
+        return (f"the masked engine computed {b['masked']['cells']:,} cells for the sorted batches against FCFS's "
+                f"{a['masked']['cells']:,}: not more. Masked pays T^2 per batch, so for the same tokens it pays most when "
                 "they sit in few, full batches: find lengths where FCFS leaves batches half empty and sorting packs "
                 "the short requests together")
 
@@ -633,6 +623,6 @@ def check_masked_counterexample(fn: Callable[[], tuple]) -> bool:
         lens, budget = answers[-1]
         fcfs, srt, a, b = _both_schedules(tuple(lens), budget)
         print(f"stream {list(lens)}, budget {budget}\n  FCFS    {[[lens[i] for i in x] for x in fcfs]}: padded rows "
-              f"{a['padded_rows']}, masked cells {a['masked_cells']:,}\n  sorted  {[[lens[i] for i in x] for x in srt]}: "
-              f"padded rows {b['padded_rows']}, masked cells {b['masked_cells']:,}")
+              f"{a['padded']['rows']}, masked cells {a['masked']['cells']:,}\n  sorted  {[[lens[i] for i in x] for x in srt]}: "
+              f"padded rows {b['padded']['rows']}, masked cells {b['masked']['cells']:,}")
     return ok
