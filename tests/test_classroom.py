@@ -2,11 +2,9 @@
 
 On the fixture lesson tests/classroom_fixture/99_fixture.ipynb, always: the layout check, a release
 without solution code that runs under nbval, and grading three submissions (the reference answers,
-the untouched stubs, a typical wrong answer). On every real lesson in notebooks/: the same with two
-submissions, the reference answers and the wrong ones (each grading runs the whole lesson); the reference
-submission, the release with only its answer cells filled in, shows that the release runs top to bottom
-(executed by nbclient with this venv's kernel). A stub scores 0 through the kit's one path for every
-checker (``course.grading``: a ``NotImplementedError`` is "not attempted"), shown end to end on the fixture.
+the untouched stubs, a typical wrong answer). On every real lesson in notebooks/: the same, where
+the untouched release is the stub submission, so its autograded copy (executed by nbclient with
+this venv's kernel) shows that the release runs top to bottom.
 
 A lesson that does not follow the exercise layout yet, or an exercise without an entry in
 WRONG_ANSWERS, fails under CI and is skipped (with the reason) elsewhere.
@@ -265,8 +263,7 @@ def wrong(num_computed_tokens, seq_lens):  # positions restart in every chunk, a
 ''', "restart at 0 in every chunk"),
 }
 
-STUDENTS = ("reference", "stub", "wrong")  # the fixture's; a real lesson is graded for LESSON_STUDENTS
-LESSON_STUDENTS = ("reference", "wrong")
+STUDENTS = ("reference", "stub", "wrong")
 
 
 def under_ci() -> bool:
@@ -291,13 +288,11 @@ def wrong_answers(lesson: C.Lesson) -> tuple[dict[str, tuple[str, str]], list[st
     return answers, missing
 
 
-def write_submissions(build: Path, lessons: list[C.Lesson], folder: Path, students=STUDENTS) -> None:
-    """folder/<student>/<lesson>.ipynb for the fake ``students`` (of STUDENTS), from the student release."""
+def write_submissions(build: Path, lessons: list[C.Lesson], folder: Path) -> None:
+    """folder/<student>/<lesson>.ipynb for the three fake students, from the student release."""
     for lesson in lessons:
         released = C.read_notebook(build / "release" / lesson.name / lesson.path.name)
-        every = {"reference": C.reference_answers(lesson), "stub": {}, "wrong": wrong_answers(lesson)[0]}
-        for student in students:
-            answers = every[student]
+        for student, answers in zip(STUDENTS, (C.reference_answers(lesson), {}, wrong_answers(lesson)[0])):
             out = folder / student / lesson.path.name
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(C.submission(released, lesson, answers), indent=1, ensure_ascii=False),
@@ -332,27 +327,23 @@ def assert_no_solution(release_nb: dict, source_nb: dict, lesson: C.Lesson) -> N
     assert all(not c.get("outputs") for c in release_nb["cells"]), "the release carries outputs"
 
 
-def assert_graded(grading: C.Grading, lesson: C.Lesson, students=STUDENTS) -> None:
-    """Reference: full marks; stubs (where graded): zero; wrong: partial marks with the checker's explanation
-    in the feedback."""
-    assert not [f for f in grading.failed if f[1] == lesson.name and f[0] in students], grading.failed
+def assert_graded(grading: C.Grading, lesson: C.Lesson) -> None:
+    """Reference: full marks; stubs: zero; wrong: partial marks with the checker's explanation in the feedback."""
+    assert not [f for f in grading.failed if f[1] == lesson.name and f[0] in STUDENTS], grading.failed
     full = sum(e.points for e in lesson.exercises)
-    got = {s: grading.of(s, lesson.name) for s in students}
+    ref, stub, wrong = (grading.of(s, lesson.name) for s in STUDENTS)
     for e in lesson.exercises:
-        r = got["reference"][e.grade_id]
+        r, s = ref[e.grade_id], stub[e.grade_id]
         assert r.points == e.points, f"{e.grade_id}: the reference answer got {r.points} of {e.points}:\n{r.explanation}"
-        if "stub" in got:
-            s = got["stub"][e.grade_id]
-            assert s.points == 0, f"{e.grade_id}: the untouched stub got {s.points}:\n{s.explanation}"
-            assert "not attempted" in s.explanation, s.explanation
+        assert s.points == 0, f"{e.grade_id}: the untouched stub got {s.points}:\n{s.explanation}"
+        assert "not attempted" in s.explanation, s.explanation
         if e.grade_id in WRONG_ANSWERS:
-            w, phrase = got["wrong"][e.grade_id], WRONG_ANSWERS[e.grade_id][1]
+            w, phrase = wrong[e.grade_id], WRONG_ANSWERS[e.grade_id][1]
             assert 0 < w.points < e.points, f"{e.grade_id}: the typical wrong answer got {w.points} of {e.points}:\n{w.explanation}"
             assert phrase in w.explanation, f"{e.grade_id}: the feedback lacks the checker's explanation {phrase!r}:\n{w.explanation}"
-    assert sum(x.points for x in got["reference"].values()) == full
-    assert "stub" not in got or sum(x.points for x in got["stub"].values()) == 0
+    assert sum(x.points for x in ref.values()) == full and sum(x.points for x in stub.values()) == 0
     build = grading.build
-    for student in students:
+    for student in STUDENTS:
         fb = build / "feedback" / student / lesson.name
         assert (fb / f"{lesson.name}.html").is_file(), f"no HTML feedback for {student} / {lesson.name}"
         summary = (fb / f"{lesson.name}.txt").read_text(encoding="utf-8")
@@ -367,20 +358,20 @@ def assert_graded(grading: C.Grading, lesson: C.Lesson, students=STUDENTS) -> No
             assert WRONG_ANSWERS[e.grade_id][1] in page, f"{e.grade_id}: the HTML feedback lacks the explanation"
     with open(build / "scores.csv", encoding="utf-8") as f:
         rows = {r["student"]: r for r in csv.DictReader(f)}
-    assert float(rows["reference"][lesson.name]) == full and 0 < float(rows["wrong"][lesson.name]) < full
-    assert "stub" not in got or float(rows["stub"][lesson.name]) == 0
+    assert float(rows["reference"][lesson.name]) == full and float(rows["stub"][lesson.name]) == 0
+    assert 0 < float(rows["wrong"][lesson.name]) < full
 
 
-def assert_release_ran(grading: C.Grading, lesson: C.Lesson, student: str = "stub") -> None:
-    """The release with ``student``'s answer cells (the untouched stubs, or the reference answers) ran top to
-    bottom: no error in any cell, and every answer cell's checker said "not attempted" (stubs) or ✓."""
-    graded = C.read_notebook(grading.build / "autograded" / student / lesson.name / lesson.path.name)
+def assert_release_ran(grading: C.Grading, lesson: C.Lesson) -> None:
+    """The untouched release (the stub submission) ran top to bottom: no error in any cell, every answer
+    cell's checker said "not attempted"."""
+    graded = C.read_notebook(grading.build / "autograded" / "stub" / lesson.name / lesson.path.name)
     errors = [(i, o.get("ename"), o.get("evalue")) for i, c in enumerate(graded["cells"]) for o in c.get("outputs", [])
               if o["output_type"] == "error"]
     assert not errors, f"{lesson.name}: the student release fails in cells {errors}"
     for e in lesson.exercises:
         said = "".join(C.source({"source": o.get("text", "")}) for o in graded["cells"][e.answer_index]["outputs"])
-        assert ("not attempted yet" if student == "stub" else "✓") in said, f"{e.number}: {student}'s checker said {said!r}"
+        assert "not attempted yet" in said, f"{e.number}: the stub's checker said {said!r}"
 
 
 # ---- the layout check and the helpers, without nbgrader runs ---------------------------------------------
@@ -543,7 +534,7 @@ def _selected() -> list[Path]:
 
 @pytest.fixture(scope="module")
 def lessons_run(tmp_path_factory):
-    """Release every selected lesson that follows the layout, then grade the fake students (LESSON_STUDENTS) on all of them."""
+    """Release every selected lesson that follows the layout, then grade the three fake students on all of them."""
     build = tmp_path_factory.mktemp("classroom_lessons") / "build"
     lessons, errors = {}, {}
     for path in _selected():
@@ -556,7 +547,7 @@ def lessons_run(tmp_path_factory):
             errors[lesson.name] = str(exc)
     grading = None
     if lessons:
-        write_submissions(build, list(lessons.values()), build.parent / "submissions", LESSON_STUDENTS)
+        write_submissions(build, list(lessons.values()), build.parent / "submissions")
         grading = C.grade(build, build.parent / "submissions", echo=lambda *_: None)
     return lessons, errors, grading, build
 
@@ -603,10 +594,10 @@ def test_lesson_release_has_no_solution_code(lessons_run, path):
 @pytest.mark.parametrize("path", _selected(), ids=[p.stem for p in _selected()])
 def test_lesson_release_runs_top_to_bottom(lessons_run, path):
     lesson, grading = _lesson(lessons_run, path)
-    assert_release_ran(grading, lesson, "reference")
+    assert_release_ran(grading, lesson)
 
 
 @pytest.mark.parametrize("path", _selected(), ids=[p.stem for p in _selected()])
 def test_lesson_is_graded(lessons_run, path):
     lesson, grading = _lesson(lessons_run, path)
-    assert_graded(grading, lesson, LESSON_STUDENTS)
+    assert_graded(grading, lesson)
