@@ -15,6 +15,7 @@ from helpers import make_qkv as _make_qkv
 from lessons_lib import ModelConfig, Transformer, init_weights
 from lessons_lib.measure.tolerance import float64_twin
 from lessons_lib.serve import workloads
+from lessons_lib.tp.workers import threads_per_worker
 
 
 # ---- --device: the tests marked `device` (tests/test_device.py) run there; tools/gpu_check.py runs them
@@ -39,8 +40,7 @@ def share_the_cores() -> None:
     A value already in the environment is kept."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cores // workers)
+        threads = threads_per_worker(workers)  # the cores shared out as among TP ranks
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
 

@@ -148,6 +148,9 @@ def main(argv=None) -> int:
     json_path = args.out.with_suffix(".json")
     runs: dict[str, dict] = {n: {} for n in notebooks}
     t0 = time.perf_counter()
+    if args.jobs > 1 and "OMP_NUM_THREADS" not in os.environ:  # each kernel (and its TP ranks) its share of the cores
+        from lessons_lib.tp.workers import threads_per_worker
+        os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(args.jobs))
     with ProcessPoolExecutor(args.jobs) as pool:
         futures = [(n, f, pool.submit(run_lesson, n, f, args.timeout)) for n, f in plan]
         for n, f, fut in futures:
