@@ -240,6 +240,7 @@ PROBES = {
     "scheduler_splits_requests": lambda: plan(chunked=False),
     "chunk_positions_restart_at_zero": chunked_engine,
     "chunk_takes_whole_budget": plan,
+    "chunk_rounded_down_to_16_tokens": plan,
     "chunk_ignores_cached_keys": chunked_engine,
     "chunked_request_to_the_back": plan,
     "chunked_scheduler_ignores_max_num_seqs": lambda: outcome(lambda: scheduler.plan_batches(

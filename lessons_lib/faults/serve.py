@@ -71,6 +71,24 @@ def _chunk_takes_whole_budget():
     return [swap_attr(scheduler.Scheduler, "schedule_chunks", schedule_chunks)]
 
 
+@fault("chunk_rounded_down_to_16_tokens", "the chunked scheduler rounds a chunk that does not end its prompt down to a "
+       "multiple of 16 tokens (block-aligned chunks; one shorter than 16 waits for the next forward): a forward can "
+       "close with room left, and a long prompt takes more forwards", AREA)
+def _chunk_rounded_down_to_16_tokens():
+    from ..serve import scheduler
+    real = scheduler.Scheduler.schedule_chunks
+
+    def schedule_chunks(self):
+        kept = []
+        for c in real(self):
+            cut = 0 if c.is_last else c.length % 16
+            c.request.num_computed_tokens -= cut  # still waiting at the head (real() put it back): it resumes there
+            if c.length > cut:
+                kept.append(scheduler.ScheduledChunk(c.request, c.start, c.length - cut))
+        return kept
+    return [swap_attr(scheduler.Scheduler, "schedule_chunks", schedule_chunks)]
+
+
 @fault("chunk_ignores_cached_keys", "the KV cache is never put in front of a chunk: the chunk's keys are cached, but "
        "each chunk attends to its own keys only (cu_seqlens_k is cu_seqlens_q)", AREA)
 def _chunk_ignores_cached_keys():
