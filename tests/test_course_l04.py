@@ -230,8 +230,8 @@ def test_packing_html_formats():
     assert "R = 3 | cu_seqlens [0, 14, 27, 40] | positions 0..13, 0..12, 0..12 | max_seqlen 14" in attn
     ranks = L.tp_ranks_html(s)
     assert "token 39 = request C, position 12" in ranks
-    assert re.search(r"rank 1: heads 4-7 \| sum L_i\^2 = 534 cells per head per layer \(whole blocks; causal computes "
-                     r"about half\), 17088 per forward \| "
+    assert re.search(r"rank 1: heads 4-7 \| sum L_i\^2 = 534 cells per head per layer \(whole blocks; the causal mask "
+                     r"keeps 287\), 17088 per forward \| "
                      r"out proj partial, token 39: norm \d\.\d{4} \[([+-]\d\.\d{4}, ){6}\.\.\.\]", ranks)
     assert "rank 0 + rank 1, bias once = TP=1 out proj, all 40 tokens" in ranks and ranks.endswith(": yes</div>")
     fig = L.tp_packing_figure(s)

@@ -1,9 +1,8 @@
 """What lesson 04 (TP=2 does not care how the tokens are packed) draws, explores and checks: figures
 ``04_two_axes``, ``04_trace_timeline``, ``04_gqa_replicas``; the broken cuts of the control rows as the engine's
 named faults (``CUTS``, ``cut_faults``); explorer ``tp_packing_explorer``; exercise checkers ``check_vocab_trace``
-(04.1), ``check_kv_plan`` (04.2), ``check_cut_diagnosis`` (04.3), ``check_layout`` (04.4).
-
-Taught in notebooks/04_tp2_invariance.ipynb.
+(04.1), ``check_kv_plan`` (04.2), ``check_cut_diagnosis`` (04.3), ``check_layout`` (04.4). Taught in
+notebooks/04_tp2_invariance.ipynb.
 """
 from __future__ import annotations
 
@@ -180,10 +179,11 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
     built and run under ``cut_faults(cut)``. Keys: ``seq_lens``, ``cu_seqlens``, ``positions``, ``max_seqlen``;
     ``traces`` (each rank's collectives), ``trace_text``, ``same_as_one_request`` (per rank: the trace equals
     ``expected_trace`` of T tokens, one request's); ``heads`` (per rank: first, last), ``cells`` (score cells per
-    head per layer, whole blocks), ``cells_per_rank`` (per forward); ``token`` (T - 1), ``token_request``,
-    ``token_position``; ``partials`` (per rank, the first ``SHOWN`` numbers it handed to layer 0's out-proj
-    all-reduce for that token), ``partial_norms``; ``token_errors`` (per token, max |the ranks' sum, plus the bias
-    once unless the cut added it on every rank, - TP=1's out proj in float64|), ``sum_err`` (their max),
+    head per layer, whole blocks), ``causal_cells`` (those the causal mask keeps), ``cells_per_rank`` (per
+    forward); ``token`` (T - 1), ``token_request``, ``token_position``; ``partials`` (per rank, the first ``SHOWN``
+    numbers it handed to layer 0's out-proj all-reduce for that token), ``partial_norms``; ``token_errors`` (per
+    token, max |the ranks' sum, plus the bias once unless the cut added it on every rank, - TP=1's out proj in
+    float64|), ``sum_err`` (their max),
     ``sum_allowed`` (the tolerance rule's bound), ``extra_bias`` ((tp - 1)·max|bias|); ``cut``, ``tp``, ``d_model``;
     ``outputs_equal`` (every rank ended with the same hidden states)."""
     cfg = cfg or ModelConfig(vocab_size=1000, max_position=2048)
@@ -200,13 +200,13 @@ def tp_packing_state(total_tokens: int = 40, num_requests: int = 2, pattern: str
         ref, ref64 = (out_proj_partials(model, batch) + model.layers[0].attn.out_proj.bias for model in tp1)
     total = torch.stack([p.double() for p in partials]).sum(0) + (0 if cut == BIAS_CUT else bias.double())
     one = trace_signature(expected_trace(cfg, sum(lens), 0, tp))  # a signature carries no rank: rank 0's for all
-    cells = attention_cells(lens, "varlen").computed
+    cells, kept = (attention_cells(lens, "varlen", causal=c) for c in (False, True))
     token = sum(lens) - 1
     return {"seq_lens": lens, "cu_seqlens": cumulative(lens), "positions": batch.positions.tolist(),
             "max_seqlen": max(lens), "traces": traces, "trace_text": [summarize_trace(t) for t in traces],
             "same_as_one_request": [trace_signature(t) == one for t in traces],
-            "heads": [(r * hl, (r + 1) * hl - 1) for r in range(tp)], "cells": cells,
-            "cells_per_rank": cells * hl * cfg.n_layers, "token": token, "token_request": len(lens) - 1,
+            "heads": [(r * hl, (r + 1) * hl - 1) for r in range(tp)], "cells": cells.computed, "causal_cells": kept.useful,
+            "cells_per_rank": cells.computed * hl * cfg.n_layers, "token": token, "token_request": len(lens) - 1,
             "token_position": lens[-1] - 1, "partials": [p[token, :SHOWN].tolist() for p in partials],
             "partial_norms": [float(p[token].norm()) for p in partials],
             "sum_err": float((total - ref64).abs().max()), "sum_allowed": tolerance(ref, ref64),
@@ -236,13 +236,13 @@ def tp_attention_html(state: dict) -> str:
 
 def tp_ranks_html(state: dict) -> str:
     """What each rank holds and sends, one line per rank: ``rank 0: heads 0-3 | sum L_i^2 = 800 cells per head per
-    layer (whole blocks; causal computes about half), 25600 per forward | out proj partial, token 39: norm 1.2345
+    layer (whole blocks; the causal mask keeps 420), 25600 per forward | out proj partial, token 39: norm 1.2345
     [+0.1234, ...]``, then the measured sum: ``rank 0 + rank 1, bias once = TP=1 out proj, all 40 tokens: max |sum -
     float64| = 1.2e-07, allowed 2.4e-07: yes`` (red ``NO`` when the cut is broken; ``bias on every rank`` then)."""
     t, name = state["token"], request_name(state["token_request"])
-    lines = [f"<div>rank {r}: heads {a}-{b} | sum L_i^2 = {state['cells']} cells per head per layer (whole blocks; "
-             f"causal computes about half), {state['cells_per_rank']} per forward | out proj partial, token {t}: norm "
-             f"{state['partial_norms'][r]:.4f} [{', '.join(f'{v:+.4f}' for v in state['partials'][r])}, ...]</div>"
+    lines = [f"<div>rank {r}: heads {a}-{b} | sum L_i^2 = {state['cells']} cells per head per layer (whole blocks; the "
+             f"causal mask keeps {state['causal_cells']}), {state['cells_per_rank']} per forward | out proj partial, token "
+             f"{t}: norm {state['partial_norms'][r]:.4f} [{', '.join(f'{v:+.4f}' for v in state['partials'][r])}, ...]</div>"
              for r, (a, b) in enumerate(state["heads"])]
     ranks = " + ".join(f"rank {r}" for r in range(len(state["heads"])))
     ok = state["sum_err"] <= state["sum_allowed"]

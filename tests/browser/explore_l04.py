@@ -22,7 +22,7 @@ from lessons_lib.tp.trace import summarize_trace
 CFG = ModelConfig(vocab_size=1000, max_position=2048)  # the explorer's model: the article's, a small vocabulary
 ATTN_RE = re.compile(r"R = (\d+) \| cu_seqlens (\[[^\]]*\](?: \(\d+ requests\))?) \| positions (.+) \| max_seqlen (\d+)")
 RANK_RE = re.compile(r"rank (\d): heads (\d+)-(\d+) \| sum L_i\^2 = (\d+) cells per head per layer \(whole blocks; "
-                     r"causal computes about half\), (\d+) per forward \| "
+                     r"the causal mask keeps (\d+)\), (\d+) per forward \| "
                      r"out proj partial, token (\d+): norm ([\d.]+) \[([^\]]*), \.\.\.\]")
 SUM_RE = re.compile(r"rank 0(?: \+ rank \d)*, (?:bias once|bias on every rank) = TP=1 out proj, all (\d+) tokens: "
                     r"max \|sum - float64\| = (\S+), allowed (\S+): (yes|NO)")
@@ -52,8 +52,9 @@ def _expected(total: int, num_requests: int, pattern: str, tp: int = 2, cut: str
     trace_text = "\n".join(f"rank {rank}: {summarize_trace(t)}" for rank, t in enumerate(traces))
     trace_text += f"\nsame as 1 request of {total} tokens: yes"
     cells = flops.attention_cells(lens, "varlen").computed
+    kept = sum(n * (n + 1) // 2 for n in lens)                  # the causal triangles, diagonals included
     partials = [_partials(lens, rank, tp, cut)[total - 1] for rank in range(tp)]
-    return trace_text, {"R": num_requests, "cu": cumulative(lens), "max_seqlen": max(lens), "cells": cells, "tp": tp,
+    return trace_text, {"R": num_requests, "cu": cumulative(lens), "max_seqlen": max(lens), "cells": cells, "kept": kept, "tp": tp,
                         "ok": "yes" if cut == l04_tp.ENGINE_CUT else "NO",
                         "per_forward": cells * CFG.heads_per_rank(tp) * CFG.n_layers, "token": total - 1,
                         "partials": [p[:l04_tp.SHOWN] for p in partials], "norms": [float(p.norm()) for p in partials]}
@@ -69,9 +70,10 @@ def _check(page, want: dict) -> list[list[float]]:
     tp, hl = want["tp"], 8 // want["tp"]
     assert len(ranks) == tp, f"per-rank readout not in the documented format: {text!r}"
     shown = []
-    for rank, (r, a, b, cells, per_forward, token, norm, numbers) in enumerate(ranks):
+    for rank, (r, a, b, cells, kept, per_forward, token, norm, numbers) in enumerate(ranks):
         assert (int(r), int(a), int(b)) == (rank, hl * rank, hl * rank + hl - 1)
-        assert (int(cells), int(per_forward), int(token)) == (want["cells"], want["per_forward"], want["token"])
+        assert (int(cells), int(kept), int(per_forward), int(token)) == (want["cells"], want["kept"],
+                                                                         want["per_forward"], want["token"])
         values = [float(v) for v in numbers.split(", ")]
         assert torch.allclose(torch.tensor(values), want["partials"][rank], atol=6e-5), (values, want["partials"][rank])
         assert abs(float(norm) - want["norms"][rank]) < 6e-5
