@@ -363,7 +363,7 @@ def prefill_plan_readout(state: dict) -> dict:
                              "= \u2713" if ok else "differs \u2717",
                              ", ".join(map(str, sides[:4])) + (" ..." if len(sides) > 4 else "")])
         tables.append({"name": "recorded", "caption": f"batch {b} ({len(state['batches'][b])} requests, "
-                       f"{state['stats']['varlen'][b].num_tokens} tokens) as EXECUTED: one forward per backend "
+                       f"{state['stats']['varlen'][b].num_tokens:,} tokens) as EXECUTED: one forward per backend "
                        "under OpRecorder (Engine(L.TINY)), beside batch_stats' prediction for the lengths run "
                        f"(a batch over {RECORD_LIMIT:,} cells under any backend runs as one scaled-down copy, "
                        "the same for all three)",
