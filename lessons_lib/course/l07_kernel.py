@@ -278,7 +278,7 @@ def launches_picture(n_requests: int = 50) -> Figure:
 
 # ---- the kernel explorer ----------------------------------------------------------------------------------
 
-MAX_PROGRAMS = 48     # ~10-30 ms each under the interpreter: an update stays well under a second
+MAX_PROGRAMS = 48     # the interpreter runs programs one by one: a bigger launch would stall the widget
 EXPLORER_HEADS, EXPLORER_D = 1, 16
 NO_BUG = "none (the real kernel)"
 COUNTER_FIELDS = ("programs", "early_exits", "tiles", "tiles_skipped", "cells")
@@ -305,7 +305,7 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
     predicted = tiling.predict_work(lens, lens_k, n_heads=EXPLORER_HEADS, block_m=bm, block_n=bn, causal=causal)
     why, measured, error, bound, ms = kernel_missing(), None, None, None, None
     if why is None and kernel_module().INTERPRETED and predicted.programs > MAX_PROGRAMS:
-        why = (f"{predicted.programs} programs: more than {MAX_PROGRAMS} under the CPU interpreter (~10-30 ms each); "
+        why = (f"{predicted.programs} programs: more than {MAX_PROGRAMS} under the CPU interpreter (one at a time); "
                "shorter lengths or bigger tiles")
     if why is None:
         q, k, v, cu_q, cu_k, ref, ref64 = _explorer_inputs(tuple(lens), tuple(lens_k), bool(causal))
