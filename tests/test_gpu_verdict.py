@@ -32,7 +32,7 @@ def test_gpu_verdict_says_what_binds_first():
     assert few.binds == "occupancy" and few.seconds == pytest.approx(40e-6) and few.occupancy == 0.25
     full = gpu_verdict(1e9, 1e8, gpu, blocks=400)                     # 10 FLOP/byte: memory-bound, 100 us
     assert full.binds == "memory-bound" and full.seconds == pytest.approx(100e-6)
-    assert "400 thread blocks for 100 SMs" in str(full) and "memory-bound binds first" in str(full)
+    assert "400 thread blocks for 100 SMs" in str(full) and "the roofline (memory-bound) binds first" in str(full)
     with pytest.raises(ValueError, match="n_sms and launch_s"):
         gpu_verdict(1e9, 1e6, Machine("cpu", 1e9, 1e9), blocks=1)
 

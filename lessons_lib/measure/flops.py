@@ -468,7 +468,11 @@ class GpuVerdict:
     def __str__(self) -> str:
         return (f"{self.part.bound} by the roofline ({self.part.intensity:.1f} FLOP/B): {self.part.seconds * 1e6:.3g} us; "
                 f"{self.blocks} thread blocks for {self.n_sms} SMs, {self.kernels} launch{'es' * (self.kernels > 1)} "
-                f"of {self.launch_s * 1e6:.3g} us: {self.binds} binds first, at least {self.seconds * 1e6:.3g} us")
+                f"of {self.launch_s * 1e6:.3g} us: {self._first} binds first, at least {self.seconds * 1e6:.3g} us")
+
+    @property
+    def _first(self) -> str:  # a bound reads "the roofline (compute-bound)"
+        return self.binds if self.binds in ("launch latency", "occupancy") else f"the roofline ({self.binds})"
 
 
 def gpu_verdict(flops: float, nbytes: float, machine: Machine, blocks: int, kernels: int = 1) -> GpuVerdict:

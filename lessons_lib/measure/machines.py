@@ -141,7 +141,7 @@ def this_cpu(repeats: int = 5) -> Machine:
             torch.add(one, one)
     launch = time_call(launches, repeats=n) / _LAUNCHES
     threads = torch.get_num_threads()
-    return Machine(f"this CPU, {threads} threads (measured)", peak, bandwidth, n_sms=threads, launch_s=launch,
+    return Machine(f"this CPU, {threads} thread{'s' * (threads > 1)} (measured)", peak, bandwidth, n_sms=threads, launch_s=launch,
                    dtype=torch.float32)
 
 
