@@ -101,6 +101,12 @@ def attend(backend: str, causal: bool = True) -> torch.Tensor:
     return varlen_attention(q, k, v, torch.tensor([0, 3, 8], dtype=torch.int32), causal=causal, backend=backend)
 
 
+def ampere_launches() -> list[tuple]:
+    """The launcher's configurations for bfloat16 at head dim 64 and 128 on an A100 (sm_80)."""
+    from lessons_lib.ops.triton_varlen import launch_config
+    return [tuple(launch_config(d, torch.bfloat16, 80)) for d in (64, 128)]
+
+
 def tile_sizes_launched(tile: int) -> tuple[int, int]:
     """The tile sizes the Triton kernel's counters record for one launch asked for ``tile x tile`` tiles."""
     from lessons_lib.ops.triton_varlen import count_work, triton_varlen_attention
@@ -207,6 +213,7 @@ PROBES = {
     "padded_unpad_keeps_pad_rows": lambda: attend("padded"),
     "random_qkv_rows_all_equal": lambda: profile.random_qkv([3, 5], 2, 8)[:3],
     "triton_launch_ignores_tile_sizes": lambda: tile_sizes_launched(32),
+    "cuda_tiles_hopper_on_ampere": lambda: ampere_launches(),
     "pad_mask_all_true": lambda: flat.pad(ids((5, 9)))[1],
     "positions_do_not_restart": lambda: flat.pack(ids((5, 9))).positions,
     "pack_refused": lambda: outcome(lambda: flat.pack(ids((5, 9))).cu_seqlens),

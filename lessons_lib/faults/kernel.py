@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .registry import fault, swap_attr, swap_function
+from .registry import fault, swap_attr, swap_function, swap_item
 
 AREA = "kernel"
 KERNEL_FILE = Path(__file__).resolve().parents[1] / "ops" / "triton_varlen.py"
@@ -186,3 +186,10 @@ def _launch_ignores_tile_sizes():
     def launch_config(head_dim, dtype, arch, block_m=None, block_n=None):
         return real(head_dim, dtype, arch)
     return [swap_function(module, "launch_config", launch_config)]
+
+
+@fault("cuda_tiles_hopper_on_ampere", "the launcher's tile table gives an A100 (sm_80) the H100's tiles, warps and stages: "
+       "at head dim 64 and 128 those builds spill registers there", AREA)
+def _hopper_tiles_on_ampere():
+    tiles = kernel_module().CUDA_TILES
+    return [swap_item(tiles, 80, dict(tiles[90]))]

@@ -114,7 +114,7 @@ def compile_builds(builds: Sequence[Build], processes: int = 1, timeout: float =
         if not chunk:
             return []
         payload = json.dumps({"builds": [asdict(b) for b in chunk], "tiles": tiles})
-        done = subprocess.run([sys.executable, "-m", "lessons_lib.ops.compile_report"], input=payload, text=True,
+        done = subprocess.run([sys.executable, "-c", _PTX_PROGRAM], input=payload, text=True,  # LESSONS_FAULTS on there
                               capture_output=True, env=env, cwd=root, timeout=timeout)
         if done.returncode:
             raise RuntimeError(f"native compile failed:\n{done.stderr[-3000:]}")
