@@ -309,7 +309,7 @@ def comm_cost_text(state: dict) -> str:
              + (f" (extrapolated: alpha and beta were fitted to a ring of {s['extrapolated']} ranks, not measured "
                 f"at TP={s['world_size']})" if s.get("extrapolated") else ""),
              f"per forward: {s['count']} x {_us(s['one_s'])} = {_us(s['forward_s'])}",
-             f"crossover: N* ~ {about(s['crossover'], 2)} tokens (latency dominates below, bandwidth above; the same for "
+             f"crossover: N* ~ {about(s['crossover'])} tokens (latency dominates below, bandwidth above; the same for "
              "any number of layers)"]
     if r > 1:
         lens = s["lens"]
@@ -352,7 +352,7 @@ def comm_cost_figure(state: dict, measured: Mapping | None = None, probe: Mappin
         axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     left.set_xlabel(f"tokens N in the forward ([N, {s['d_model']}] {s['dtype']} per all-reduce)")
     left.set_ylabel("ms of all-reduce per forward")
-    left.set_title(f"{count} all-reduces per forward: N* = {s['crossover']:,.0f} tokens", fontsize=MIN_FONT + 1)
+    left.set_title(f"{count} all-reduces per forward: N* ~ {about(s['crossover'])} tokens", fontsize=MIN_FONT + 1)
     left.legend(fontsize=MIN_FONT, frameon=False, loc="upper left")
     r = s["requests"]
     sep_lat = s["separate_count"] * s["latency_s"]
