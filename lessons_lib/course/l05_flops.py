@@ -363,8 +363,9 @@ def measured_line(state: dict) -> str:
             f"heads ({c.n_kv_heads} K/V), FFN {c.d_ffn}, fp32) on lengths {', '.join(map(str, m['seq_lens']))} "
             f"({m['machine'].name}): {m['seconds'] * 1e3:.3f} ms measured, {m['predicted'] * 1e3:.3f} ms predicted by "
             f"its roofline, a lower bound: measured = {m['seconds'] / m['predicted']:.1f} x the bound. Recorded: "
-            f"{rec.total / 1e9:.2f} GFLOP of matmuls ({same} forward_flops' whole blocks, {whole.total / 1e9:.2f}: the "
-            f"kernel computes each block whole) and {m['ops']} ops, {m['floor'] * 1e3:.3f} ms at this CPU's cost per op "
+            f"{rec.total / 1e9:.2f} GFLOP of matmuls ({same} forward_flops' whole blocks, {whole.total / 1e9:.2f}: the attention "
+            f"kernel was handed whole blocks; what it executes is not visible here, lesson 03) and {m['ops']} ops, "
+            f"{m['floor'] * 1e3:.3f} ms at this CPU's cost per op "
             "(LayerNorm, GeLU, residuals, copies and per-op overhead are what the roofline leaves out)")
 
 
