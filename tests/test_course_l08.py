@@ -207,6 +207,18 @@ def test_chunked_plan_explorer_output_changes_with_the_budget():
     assert "bug: causal top-left" in w["cpx-counts"].value
 
 
+
+@pytest.mark.parametrize("workload, n", [("long-tail", 1), ("long-tail", 10), ("uniform", 32)])
+def test_chunked_plan_explorer_draws_a_stream_whose_longest_request_is_the_last(workload, n):
+    s = L.chunked_plan_state(workload, n, 512)
+    assert s["longest"] == n - 1 and s["behind"] == []
+    fig = L.chunk_timeline({"chunked": s["chunked"]["timeline"], "whole": s["whole"]["timeline"]},
+                           s["seq_lens"], s["longest"], s["behind"])
+    assert "mean-0" not in set(gids(fig))
+    assert "no request arrived after the longest" in L.chunked_plan_html(s)
+    w = by_class(L.chunked_plan_explorer(workload, n, 512))
+    assert "no request arrived after the longest" in w["cpx-counts"].value and png_of(w["cpx-figure"])
+
 # ---- exercise 08.2 ---------------------------------------------------------------------------------
 
 def test_budget_prices_of_the_stream_are_the_scheduler_s():

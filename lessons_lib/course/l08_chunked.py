@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import html
 from collections import Counter
 from collections.abc import Sequence
 
@@ -229,42 +230,45 @@ def chunk_timeline(runs: dict, seq_lens: Sequence[int], draft: int, behind: Sequ
     request of ``behind`` finishes (``done-<lane>-<request>``) and their mean (``mean-<lane>``); under each wide
     enough forward its number and score cells per head per layer (``serve.chunk_costs.forward_score_cells``).
     """
-    total, height = sum(seq_lens), 2.0 * len(runs) + 1.7
+    total, pitch = sum(seq_lens), 1.5   # lanes 1.5 apart: a run's title clears the forward labels above it
+    height = 1.7 * (pitch * (len(runs) - 1) + 1.65) + 1.65
     fig = Figure(figsize=(10, height))
     ax = fig.add_subplot()
     bar, small = 0.42, {"va": "center", "fontsize": MIN_FONT, "color": TEXT}
     for lane, (label, steps) in enumerate(runs.items()):
+        y = lane * pitch
         x, start = 0, 0
         cells = forward_score_cells(steps)
         for f, fwd in enumerate(steps):
             for i, t in fwd:
-                ax.add_patch(Rectangle((x, lane - bar / 2), t, bar, facecolor=request_color(i),
+                ax.add_patch(Rectangle((x, y - bar / 2), t, bar, facecolor=request_color(i),
                                        hatch="///" if i == draft else None, edgecolor="white", linewidth=0.5,
                                        gid=f"chunk-{lane}-{f}-{i}"))
                 if t >= total / 60:
-                    ax.text(x + t / 2, lane, str(i), ha="center", **small,
+                    ax.text(x + t / 2, y, str(i), ha="center", **small,
                             bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6} if i == draft else None)
                 x += t
-            ax.vlines(x, lane - bar / 2 - 0.06, lane + bar / 2 + 0.06, colors=TEXT, linewidth=1.6, gid=f"fwd-{lane}-{f}")
+            ax.vlines(x, y - bar / 2 - 0.06, y + bar / 2 + 0.06, colors=TEXT, linewidth=1.6, gid=f"fwd-{lane}-{f}")
             if x - start >= total / 40:  # the forward's number (from 0, as the engine's stats count), below its boxes
-                name = f"f{f}: {cells[f] / 1000:,.0f}k cells" if x - start >= total / 9 else f"f{f}"
-                ax.text((start + x) / 2, lane + bar / 2 + 0.32, name, ha="center", gid=f"fnum-{lane}-{f}", **small)
+                name = f"f{f}: {cells[f] / 1000:,.0f}k cells" if x - start >= total / 9 else f"f{f}\n{cells[f] / 1000:,.0f}k"
+                ax.text((start + x) / 2, y + bar / 2 + 0.36, name, ha="center", gid=f"fnum-{lane}-{f}", **{**small, "va": "top"})
             start = x
         done = waits_of(steps)
         for i in behind:
-            ax.plot([done[i][1]], [lane + bar / 2 + 0.12], marker="v", color=TEXT, markersize=5, gid=f"done-{lane}-{i}")
+            ax.plot([done[i][1]], [y + bar / 2 + 0.12], marker="v", color=TEXT, markersize=5, gid=f"done-{lane}-{i}")
         for x_done, count in Counter(done[i][1] for i in behind).items():  # marks in one forward overlap: count them
             if count > 1:
-                ax.text(x_done + total * 0.004, lane + bar / 2 + 0.12, f"×{count}", ha="left",
+                ax.text(x_done + total * 0.004, y + bar / 2 + 0.12, f"×{count}", ha="left",
                         gid=f"count-{lane}-{x_done}", **small)
-        _, mean_tokens = mean_wait(done, behind)
-        ax.plot([mean_tokens], [lane + bar / 2 + 0.2], marker="|", color=TEXT, markersize=14, markeredgewidth=2.5,
-                gid=f"mean-{lane}")
-        sizes = [sum(t for _, t in fwd) for fwd in steps]
-        ax.text(0, lane - bar / 2 - 0.1, f"{label}: {len(sizes)} forwards, largest {max(sizes):,} tokens; "
-                f"the {len(behind)} questions behind the draft finish after {mean_tokens:,.0f} tokens on average",
+        sizes, waits = [sum(t for _, t in fwd) for fwd in steps], "no request arrived after the longest"
+        if behind:  # the longest last: nothing behind it, no mean to mark
+            _, mean_tokens = mean_wait(done, behind)
+            ax.plot([mean_tokens], [y + bar / 2 + 0.2], marker="|", color=TEXT, markersize=14, markeredgewidth=2.5,
+                    gid=f"mean-{lane}")
+            waits = f"the {len(behind)} questions behind the draft finish after {mean_tokens:,.0f} tokens on average"
+        ax.text(0, y - bar / 2 - 0.1, f"{label}: {len(sizes)} forwards, largest {max(sizes):,} tokens; {waits}",
                 ha="left", va="bottom", fontsize=MIN_FONT, color=TEXT)
-    ax.set(xlim=(0, total * 1.04), ylim=(len(runs) - 0.35, -0.75), yticks=[])
+    ax.set(xlim=(0, total * 1.04), ylim=((len(runs) - 1) * pitch + 0.9, -0.75), yticks=[])
     ax.set_xlabel("prompt tokens run so far (forwards one after another, numbered f0, f1, ...; a black tick ends "
                   "a forward)", fontsize=MIN_FONT)
     ax.tick_params(axis="x", labelsize=MIN_FONT)
@@ -418,9 +422,13 @@ def chunked_plan_html(state: dict) -> str:
         if name == "chunked":
             masks = (f" | causal cells its chunks' masks keep (the engine's mask function, bug "
                      f"{'off' if state['bug'] == 'none' else 'on'}): {r['cells_causal_masks']:,}")
+        if name == "whole" and r["budget"] < state["chunked"]["budget"]:
+            masks = (f" | the whole run's budget is the smallest power of two admitting the longest prompt, "
+                     f"{r['budget']:,}: smaller than the chunk budget here")
+        wait = (f"the {len(state['behind'])} requests behind the longest wait {f:.1f} forwards, {t:,.0f} tokens on "
+                f"average" if state["behind"] else "no request arrived after the longest")
         lines.append(f"<div>{name} (budget {r['budget']:,}): {len(r['timeline'])} forwards, largest {r['max_forward']:,} "
-                     f"tokens | the {len(state['behind'])} requests behind the longest wait {f:.1f} forwards, "
-                     f"{t:,.0f} tokens on average | score cells {r['cells_whole']:,} (whole blocks), "
+                     f"tokens | {wait} | score cells {r['cells_whole']:,} (whole blocks), "
                      f"{r['cells_causal']:,} causal | cache read {r['cached_tokens']:,} rows, peak "
                      f"{r['kv_cache_peak_bytes']:,} B | scheduled (BatchStats): forwards, cells, cache rows{masks}</div>")
     ch = [f for f, fwd in enumerate(state["chunked"]["timeline"]) if i in dict(fwd)]
@@ -455,11 +463,16 @@ def chunked_plan_explorer(workload: str = "long-tail", num_requests: int = 16, m
 
     def update(change=None):
         text.value = "<div>running...</div>" + text.value
-        state = chunked_plan_state(kind.value, reqs.value, budget.value, bug=bug.value)
+        try:
+            state = chunked_plan_state(kind.value, reqs.value, budget.value, bug=bug.value)
+            fig = chunk_timeline({f"chunked, {state['max_num_batched_tokens']:,}": state["chunked"]["timeline"],
+                                  f"whole, {state['whole_budget']:,}": state["whole"]["timeline"]},
+                                 state["seq_lens"], state["longest"], state["behind"])
+        except ValueError as e:  # say so, rather than leave the last figure under a new readout
+            text.value, out.outputs = f"<div>error: {html.escape(str(e))}</div>", ()
+            return
         text.value = chunked_plan_html(state)
-        show_figure(out, chunk_timeline({f"chunked, {state['max_num_batched_tokens']:,}": state["chunked"]["timeline"],
-                                         f"whole, {state['whole_budget']:,}": state["whole"]["timeline"]},
-                                        state["seq_lens"], state["longest"], state["behind"]))
+        show_figure(out, fig)
 
     return explorer("cpx", [kind, reqs, budget, bug], [text, out], update)
 
