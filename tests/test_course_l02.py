@@ -235,9 +235,13 @@ def test_modules_that_mix_rows_are_drawn_in_their_own_colour_and_the_residual_ad
         "BatchNorm1d, training mode", "yours: mean over the tokens", "yours: cumsum over the tokens",
         "residual adds (block, attention's output zeroed)", "yours: softmax over each row", "BatchNorm1d, eval mode (running stats)")}
     assert list(kinds.values()) == [L.MIXES_ROWS] * 3 + ["per token"] * 3, kinds
-    assert L.KIND_COLORS[L.MIXES_ROWS] == L.WASTE and L.KIND_COLORS["per token"] == L.OTHER
+    assert L.KIND_COLORS[L.MIXES_ROWS] == L.KIND_COLORS["per token"] == L.OTHER  # grey, told apart by a hatch (not waste)
     fig = L.module_reach_figure(L.module_reach_state("yours: mean over the tokens", [3, 4]))
     assert "mixes requests" in fig.legends[0].get_texts()[0].get_text()
+    assert fig.legends[0].get_patches()[0].get_hatch() == L.MIXES_HATCH
+    assert {p.get_hatch() for p in fig.axes[1].patches} == {L.MIXES_HATCH}
+    fig = L.module_reach_figure(L.module_reach_state("LayerNorm (block.ln_1)", [3, 4]))
+    assert {p.get_hatch() for p in fig.axes[1].patches} == {None} and fig.axes[1].get_xscale() == "log"
 
 
 def test_module_reach_colour_follows_the_verdict():

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
-from matplotlib.ticker import FuncFormatter, MaxNLocator
+from matplotlib.ticker import FuncFormatter
 
 from .. import faults
 from ..core.batch import cumulative
@@ -34,7 +34,7 @@ from ..core.groups import LocalGroup
 from ..core.linear import QKVParallelLinear
 from ..core.model import Transformer, init_weights
 from ..measure import batch_invariance as bi
-from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, WASTE, request_name
+from ..style import ATTENTION, LINEAR, MIN_FONT, NEVER, OTHER, TEXT, request_name
 from ..tp.threads import row_parallel_in_threads
 from ..validate import check_choice, check_int, check_lengths
 from .explore import explorer, ipywidgets_module, parse_lengths, show_figure, tagged
@@ -43,9 +43,9 @@ from .grading import grade, matches, tensor_problem
 from .probe import row_dependency
 
 Tensor = torch.Tensor
-MIXES_ROWS = "mixes rows"  # the explorer's verdict "mixes requests" (BatchNorm training, a mean or cumsum over tokens)
+MIXES_ROWS, MIXES_HATCH = "mixes rows", "xx"  # verdict "mixes requests" (BatchNorm training, a mean over tokens...)
 OWN_REQUEST = "own request"  # a learner's module that reads other rows of its own request only, and passes both tests
-KIND_COLORS = {"per token": OTHER, "linear": LINEAR, "attention": ATTENTION, MIXES_ROWS: WASTE, OWN_REQUEST: OTHER}
+KIND_COLORS = {"per token": OTHER, "linear": LINEAR, "attention": ATTENTION, MIXES_ROWS: OTHER, OWN_REQUEST: OTHER}
 KIND_LABELS = {"per token": "other work, row by row", "linear": "linear layer, row by row",
                "attention": "attention (reads rows by cu_seqlens)", MIXES_ROWS: "mixes requests (fails a test)",
                OWN_REQUEST: "reads rows of its own request only"}
@@ -372,15 +372,15 @@ def module_reach_figure(state: dict) -> Figure:
     # in units of the bound (a bound of 0, all outputs 0: any gap is infinitely many bounds, drawn at 2)
     ratio = np.where(gap == 0, 0.0, gap / bound if bound > 0 else np.inf)
     ratio = np.nan_to_num(ratio, nan=2.0, posinf=2.0)  # a NaN fails the test too: drawn past the bound
-    ax.barh(np.arange(t) + 0.5, ratio, height=1.0, color=KIND_COLORS[state["kind"]], edgecolor=TEXT, linewidth=0.3)
+    ax.barh(np.arange(t) + 0.5, ratio, height=1.0, color=KIND_COLORS[state["kind"]], edgecolor=TEXT, linewidth=0.3,
+            hatch=MIXES_HATCH if state["kind"] == MIXES_ROWS else None)  # mixing: grey, hatched (vermillion is waste)
     ax.axvline(1.0, color=TEXT, linewidth=0.9, linestyle="--")
     for e in state["cu_seqlens"][1:-1]:
         ax.axhline(e, color=TEXT, linewidth=0.8, linestyle="--")
-    ax.set_xlim(0, max(2.0, float(ratio.max()) * 1.1))
-    ax.set_ylim(t, 0)
-    ax.set_yticks(state["cu_seqlens"], [])
-    ax.xaxis.set_major_locator(MaxNLocator(2))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set(xscale="log", xlim=(min(0.1, float(ratio[ratio > 0].min(initial=0.2)) / 2), max(2.0, float(ratio.max()) * 2)))
+    ax.set(ylim=(t, 0), yticks=state["cu_seqlens"], yticklabels=[])
+    ax.xaxis.set_major_formatter(FuncFormatter(  # short labels: 1e5, not 100000, on a log axis of many decades
+        lambda v, _: f"{v:g}" if 0.01 <= v < 1000 else f"{v:.0e}".replace("e+0", "e").replace("e-0", "e-")))
     ax.tick_params(labelsize=MIN_FONT)
     ax.set_title("test 2, row by row:\n|alone - flat| / bound", fontsize=MIN_FONT + 1)
     ax.set_xlabel("- - the bound (1)", fontsize=MIN_FONT)
@@ -389,7 +389,7 @@ def module_reach_figure(state: dict) -> Figure:
     verdict = f"{state['verdict']}: {state['other_requests']} pairs across requests, {alone}"
     fig.suptitle("\n".join(textwrap.wrap(verdict, 46)), fontsize=MIN_FONT + 1, color=TEXT, fontweight="bold", y=0.98)
     fig.legend(handles=[Patch(facecolor=KIND_COLORS[state["kind"]], edgecolor=TEXT, linewidth=0.6,
-                              label=f"pair changes; kind: {KIND_LABELS[state['kind']]}")],
+                              hatch=ax.patches[0].get_hatch(), label=f"pair changes; kind: {KIND_LABELS[state['kind']]}")],
                loc="lower center", fontsize=MIN_FONT, frameon=False)
     return fig
 
