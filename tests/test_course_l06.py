@@ -159,6 +159,8 @@ def test_s3_prefill_plan_refuses_requests_over_the_budget():
     assert sum(len(b) for b in s["batches"]) + len(s["rejected"]) == 48
     assert f"refused (longer than the budget, S3): {len(s['rejected'])}" in L.prefill_plan_html(s)
     assert s["readout"]["title"].endswith(f"{len(s['rejected'])} refused")
+    none = L.prefill_plan_state("uniform", 2, 64, seed=0)   # every request refused: no vacuous "= ✓ 0/0"
+    assert none["batches"] == [] and [table(none, "backends")[m][-1] for m in ("padded", "masked", "varlen")] == ["nothing ran"] * 3
     with pytest.raises(ValueError, match="workload"):
         L.prefill_plan_state("zipf")
     with pytest.raises(ValueError, match="num_requests"):

@@ -318,7 +318,7 @@ def prefill_plan_readout(state: dict) -> dict:
     for m, t in state["totals"].items():
         c = counts[m]
         ratio = f"{t['flops_executed'] / t['flops_useful']:.2f}x" if t["flops_useful"] else "-"
-        check = (f"= \u2713 {c['checked']}/{nb}" if not c["differs"] else
+        check = ("nothing ran" if not nb else f"= \u2713 {c['checked']}/{nb}" if not c["differs"] else
                  f"differs \u2717 batch {', '.join(map(str, c['differs'][:4]))}")
         rows.append([m, f"{c['rows']:,}", f"{c['useful_rows']:,}", f"{c['cells']:,}", f"{c['useful_cells']:,}",
                      f"{c['cells'] - c['useful_cells']:,}", ratio, check])
