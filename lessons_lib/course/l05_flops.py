@@ -370,8 +370,9 @@ def measured_line(state: dict) -> str:
 
 
 def roofline_figure(state: dict) -> Figure:
-    """Log-log roofline of ``state``'s machine (ridge dotted), each packing's linear and attention points on the
-    roof; the measured forward (ring) beside its prediction (cross) when measured on that machine."""
+    """Log-log roofline of ``state``'s machine (ridge dotted), each packing's linear and attention points at FLOPs /
+    max(roofline time, its launches at ``launch_s``): under the roof where launch latency binds; the
+    measured forward (ring) beside its prediction (cross) when measured on that machine."""
     machine = state["machine"]
     name, peak, bw, ridge = machine.name, machine.peak_flops, machine.bytes_per_s, machine.ridge
     fig = Figure(figsize=(7.6, 4.2))
@@ -384,10 +385,14 @@ def roofline_figure(state: dict) -> Figure:
     ax.plot(xs, np.minimum(peak, xs * bw), "-", color=TEXT, linewidth=1.5, label=f"roof of {name}")
     ax.axvline(ridge, color=TEXT, linestyle=":", linewidth=1)
     ax.text(ridge * 1.1, peak * 0.02, f"ridge\n{ridge:.1f} FLOP/B", fontsize=MIN_FONT, color=TEXT, ha="left")
+    launches = {"linear": len(fl.LINEAR_LAYERS), "attention": 1}         # kernels per layer and part
+    ys = []
     for i, (row, mk) in enumerate(zip(state["rows"], ("o", "s", "^"))):   # one shape per packing, one colour per part
         for part, color in (("linear", LINEAR), ("attention", ATTENTION)):
-            x = row[part].intensity
-            ax.plot([x], [min(peak, x * bw)], mk, color=color, markersize=8,
+            x, p = row[part].intensity, row[part]
+            floor = state["cfg"].n_layers * launches[part] * (machine.launch_s or 0.0)
+            ys.append(min(peak, x * bw) if p.seconds >= floor else p.flops / floor)
+            ax.plot([x], [ys[-1]], mk, color=color, markersize=8,
                     label=("linear layers" if part == "linear" else "attention") if i == 0 else None)
     fig.text(0.62, 0.3, "packings (marker shapes):\n" + "\n".join(
         f"{s} {row['label'] if len(row['label']) <= 26 else row['label'][:25] + '…'}"
@@ -396,7 +401,7 @@ def roofline_figure(state: dict) -> Figure:
         ax.plot(mx, [m["causal_flops"] / m["predicted"]], "x", color=TEXT, markersize=9, label="engine forward: predicted")
         ax.plot(mx, [m["causal_flops"] / m["seconds"]], "o", markerfacecolor=NEVER, markeredgecolor=TEXT, markersize=9,
                 label="engine forward: measured here")
-    ylo, yhi = peak / 2e3, peak * 3
+    ylo, yhi = min([peak / 2e3] + [y / 2 for y in ys]), peak * 3
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(ylo, yhi))
     # fixed decade ticks, no minor ones: the explorer redraws on every knob move, automatic log ticks cost most of it
     for axis, (a, b) in ((ax.xaxis, (lo, hi)), (ax.yaxis, (ylo, yhi))):
@@ -404,7 +409,8 @@ def roofline_figure(state: dict) -> Figure:
         axis.set_major_locator(FixedLocator(decades))
         axis.set_major_formatter(FixedFormatter([_num(v).replace(".00", "").strip() for v in decades]))
         axis.set_minor_locator(NullLocator())
-    _dress(ax, "arithmetic intensity (FLOP per byte moved)", "attainable FLOP/s = min(peak, intensity x bandwidth)",
+    _dress(ax, "arithmetic intensity (FLOP per byte moved)",
+           "FLOP/s (points: FLOPs / max(roofline, launches))",
            size=MIN_FONT, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     c = state["cfg"]
     fig.text(0.02, 0.97, f"Roofline of {name}: d_model {c.d_model}, {c.n_heads} heads ({state['n_kv_heads']} K/V), FFN "
