@@ -105,7 +105,12 @@ def test_launch_picture_says_whether_the_kernels_counters_agree():
     assert f"{useful} useful (blue)" in text and f"in-bounds (masked ones included): {total.cells}" in text
     off = WorkCounts(program_tiles=(tuple(max(t, 1) for request in tiles for t in request),))  # no program returns
     fig = L.launch_picture(lens, block_m=32, block_n=32, causal=True, measured=off)
-    assert "DIFFER" in " ".join(t.get_text() for t in fig.texts)
+    text = " ".join(t.get_text() for t in fig.texts)
+    assert "DIFFER" in text
+    # the footer agrees with the panels: no program returned, though 5 pass the early-return test
+    assert "0 return at once (5 pass the early-return test" in text
+    assert all(a.get_title().endswith("4 work, 0 return") for a in fig.axes)
+    assert (L.pct(0.004), L.pct(0.06), L.pct(0)) == ("0.4%", "6%", "0%")
 
 
 

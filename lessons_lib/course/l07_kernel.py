@@ -82,28 +82,30 @@ def launch_picture(seqlens_q: Sequence[int], seqlens_k: Sequence[int] | None = N
         busy = sum(t >= 0 for t in tiles[r])
         name = request_name(r) if names is None else names[r]
         ax.set_title(f"{name}: {nq} tokens\n{busy} work, {grid_m - busy} return", fontsize=MIN_FONT)
-        ax.set_xlabel(f"{nk} keys: {w // block_n} key tile{'s' if w > block_n else ''} of {block_n}", fontsize=MIN_FONT)
+        ax.set_xlabel(f"{nk} keys:\n{w // block_n} key tile{'s' if w > block_n else ''} of {block_n}", fontsize=MIN_FONT)
         ax.tick_params(labelsize=MIN_FONT, length=0)
     axes[0].set_ylabel(f"query tile m ({block_m} rows each)", fontsize=MIN_FONT)
     total = picture_totals(lq, lk, tiles, block_m=block_m, block_n=block_n, causal=causal, n_heads=n_heads)
     useful = n_heads * sum(int((pic == USEFUL).sum()) for pic in pics)
-    foot = (f"grid ({grid_m}, {n_heads}, {len(lq)}) = {total.programs} programs: {total.early_exits} return at once | "
+    returned = n_heads * sum(t < 0 for ts in tiles for t in ts)   # what the panels draw hatched
+    exits = "" if returned == total.early_exits else f" ({total.early_exits} pass the early-return test, its return gone)"
+    foot = (f"grid ({grid_m}, {n_heads}, {len(lq)}) = {total.programs} programs: {returned} return at once{exits} | "
             f"{total.tiles} tiles computed, {total.tiles_skipped} skipped\n"
             f"{total.executed_cells} executed cells: {useful} useful (blue); the kernel's cells counter, "
             f"in-bounds (masked ones included): {total.cells}")
     if measured is not None:
         pred = tiling.predict_work(lq, lk, n_heads=n_heads, block_m=block_m, block_n=block_n, causal=causal)
-        foot = ("drawn from the kernel's own per-program key tiles (head 0) | " + foot + "\nprediction: "
+        foot = ("drawn from the kernel's own per-program key tiles (head 0)\n" + foot + "\nprediction: "
                 + ("the same" if pred == total else f"DIFFER: {pred.tiles} tiles, {pred.cells} cells predicted"))
     fig.legend(handles=[Patch(facecolor=CODE_COLORS[c], edgecolor=TEXT, linewidth=0.6, label=CODE_LABELS[c],
                               hatch=RETURNED_HATCH if c == RETURNED else None)
                         for c in (USEFUL, WASTED, SKIPPED, RETURNED)], loc="lower center", ncol=2, fontsize=MIN_FONT,
                frameon=False)
-    fig.text(0.5, 0.14, foot, ha="center", fontsize=MIN_FONT, color=TEXT)
+    fig.text(0.5, 0.13, foot, ha="center", va="bottom", fontsize=MIN_FONT, color=TEXT)
     what = "measured by the kernel" if measured is not None else "predicted"
     fig.suptitle(title or f"one launch ({what}), {'causal' if causal else 'non-causal'}, BLOCK_M = {block_m}, "
-                 f"BLOCK_N = {block_n}: each band is one program (query tile m, head, request)", fontsize=MIN_FONT + 1)
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.3, top=0.8, wspace=0.15)
+                 f"BLOCK_N = {block_n}:\neach band is one program (query tile m, head, request)", fontsize=MIN_FONT + 1)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.38, top=0.8, wspace=0.15)
     return fig
 
 
@@ -215,7 +217,7 @@ def run_gqa(lens_q: Sequence[int], lens_k: Sequence[int], pack_gqa: bool | None,
                   "of key tiles computed, partly thrown away, skipped above the diagonal, or returned at once")
 def _launch_grid() -> Figure:
     # named C, D, E: not the course's A (10 tokens) and B (30)
-    fig = launch_picture([100, 20, 60], block_m=32, block_n=32, causal=True, figsize=(9.0, 5.0), names=("C", "D", "E"))
+    fig = launch_picture([100, 20, 60], block_m=32, block_n=32, causal=True, figsize=(9.0, 5.6), names=("C", "D", "E"))
     a = fig.axes[0]  # C's last program: rows 96-127 of its tile, of which only 96-99 exist
     a.annotate("rows 96-99: C's only\n4 real rows here", xy=(64, 98), xytext=(64, 116), ha="center", va="center",
                fontsize=MIN_FONT, color=TEXT, arrowprops={"arrowstyle": "->", "color": TEXT},
@@ -234,7 +236,7 @@ def _online_softmax() -> Figure:
 @register("07_short_request_tile", lesson="07",
           caption="A's 10 tokens in one 64 x 64 tile beside a 250-token request: whole tiles either way")
 def _short_tile() -> Figure:
-    return launch_picture([ARTICLE_LENS[0], 250], block_m=64, block_n=64, causal=False, figsize=(9.0, 4.4), names=("A", "F"),
+    return launch_picture([ARTICLE_LENS[0], 250], block_m=64, block_n=64, causal=False, figsize=(9.0, 5.0), names=("A", "F"),
                           title="non-causal, 64 x 64 tiles: a 10-token request still executes a whole tile")
 
 
@@ -320,6 +322,11 @@ def kernel_state(lengths: str, block_m: int = 16, block_n: int = 16, causal: boo
             "tiles": program_tiles(lens, lens_k, block_m=bm, block_n=bn, causal=causal, measured=own)}
 
 
+def pct(x: float) -> str:
+    """A share as a percent, one significant digit under 1 % (never a nonzero share printed as 0%)."""
+    return f"{x:.0%}" if x >= 0.01 or x == 0 else f"{100 * x:.1g}%"
+
+
 def kernel_counts_html(state: dict) -> str:
     """One ``<div>`` per counter: ``programs: measured 4 | predicted 4 | picture 4``, then the executed cells."""
     pic = picture_totals(state["seq_lens"], state["seq_lens_k"], state["tiles"], block_m=state["block_m"],
@@ -327,7 +334,7 @@ def kernel_counts_html(state: dict) -> str:
     p, m = state["predicted"], state["measured"]
     rows = [f"<div>{f}: measured {'not run' if m is None else getattr(m, f)} | predicted {getattr(p, f)} | "
             f"picture {getattr(pic, f)}</div>" for f in COUNTER_FIELDS]
-    share = [f"{w.executed_cells} for {w.cells} inside the requests ({w.cells / max(1, w.executed_cells):.0%})"
+    share = [f"{w.executed_cells} for {w.cells} inside the requests ({pct(w.cells / max(1, w.executed_cells))})"
              for w in (m, p) if w is not None]
     rows.append(f"<div>executed cells (tiles x {p.block_m} x {p.block_n}): measured "
                 f"{'not run' if m is None else share[0]} | predicted {share[-1]}</div>")
@@ -367,7 +374,7 @@ def kernel_explorer(lengths: str = "10, 30", block_m: int = 16, block_n: int = 1
         counts.value = kernel_counts_html(state)
         show_figure(out, launch_picture(state["seq_lens"], state["seq_lens_k"], block_m=state["block_m"],
                                         block_n=state["block_n"], causal=state["causal"], measured=state["measured"],
-                                        figsize=(8.6, 4.4)))
+                                        figsize=(8.6, 5.2)))
 
     return explorer("k7x", [text, bm, bn, causal_box, bug_box], [status, counts, out], update)
 
