@@ -216,6 +216,9 @@ def test_chunked_plan_explorer_draws_a_stream_whose_longest_request_is_the_last(
                            s["seq_lens"], s["longest"], s["behind"])
     assert "mean-0" not in set(gids(fig))
     assert "no request arrived after the longest" in L.chunked_plan_html(s)
+    assert ("smaller than the chunk budget" in L.chunked_plan_html(s)) == (s["whole_budget"] < 512)
+    wide = L.chunked_plan_state(workload, n, 4096)   # a chunk budget above the whole run's power of two
+    assert wide["whole_budget"] < 4096 and "smaller than the chunk budget" in L.chunked_plan_html(wide)
     w = by_class(L.chunked_plan_explorer(workload, n, 512))
     assert "no request arrived after the longest" in w["cpx-counts"].value and png_of(w["cpx-figure"])
 
