@@ -213,7 +213,7 @@ PROBES = {
     "padded_unpad_keeps_pad_rows": lambda: attend("padded"),
     "random_qkv_rows_all_equal": lambda: profile.random_qkv([3, 5], 2, 8)[:3],
     "triton_launch_ignores_tile_sizes": lambda: tile_sizes_launched(32),
-    "cuda_tiles_hopper_on_ampere": lambda: ampere_launches(),
+    "cuda_tiles_hopper_on_ampere": ampere_launches,
     "pad_mask_all_true": lambda: flat.pad(ids((5, 9)))[1],
     "positions_do_not_restart": lambda: flat.pack(ids((5, 9))).positions,
     "pack_refused": lambda: outcome(lambda: flat.pack(ids((5, 9))).cu_seqlens),

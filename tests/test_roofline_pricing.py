@@ -52,6 +52,7 @@ def test_forward_roofline_adds_one_gemm_per_linear_layer_and_one_attention_kerne
     lin, att = forward_parts(SMALL, [30, 10], slow, nbytes=4)
     assert (r["linear"], r["attention"], r["seconds"]) == (lin, att, lin.seconds + att.seconds)
     assert r["kernels"] == 2 * 5 and r["floor"] == pytest.approx(10e-3)     # 2 layers: 4 GEMMs + 1 attention each
+    assert r["part_floor"] == pytest.approx({"linear": 8e-3, "attention": 2e-3})
     assert r["binds"] == "launch latency" and r["floor"] >= r["seconds"]
     fast = forward_roofline(SMALL, [30, 10], CPU, nbytes=4)                # no launch cost known: floor 0
     assert fast["floor"] == 0.0 and fast["binds"] == "the roofline"

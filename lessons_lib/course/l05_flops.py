@@ -385,12 +385,10 @@ def roofline_figure(state: dict) -> Figure:
     ax.plot(xs, np.minimum(peak, xs * bw), "-", color=TEXT, linewidth=1.5, label=f"roof of {name}")
     ax.axvline(ridge, color=TEXT, linestyle=":", linewidth=1)
     ax.text(ridge * 1.1, peak * 0.02, f"ridge\n{ridge:.1f} FLOP/B", fontsize=MIN_FONT, color=TEXT, ha="left")
-    launches = {"linear": len(fl.LINEAR_LAYERS), "attention": 1}         # kernels per layer and part
     ys = []
     for i, (row, mk) in enumerate(zip(state["rows"], ("o", "s", "^"))):   # one shape per packing, one colour per part
         for part, color in (("linear", LINEAR), ("attention", ATTENTION)):
-            x, p = row[part].intensity, row[part]
-            floor = state["cfg"].n_layers * launches[part] * (machine.launch_s or 0.0)
+            x, p, floor = row[part].intensity, row[part], row["part_floor"][part]
             ys.append(min(peak, x * bw) if p.seconds >= floor else p.flops / floor)
             ax.plot([x], [ys[-1]], mk, color=color, markersize=8,
                     label=("linear layers" if part == "linear" else "attention") if i == 0 else None)

@@ -207,13 +207,16 @@ def forward_parts(cfg: ModelConfig, seq_lens: Sequence[int], machine: Machine,
 def forward_roofline(cfg: ModelConfig, seq_lens: Sequence[int], machine: Machine, nbytes: int = 2) -> dict:
     """A whole varlen forward on ``machine``: ``{"linear", "attention"}`` (``forward_parts``), ``"seconds"`` (the
     two one after the other), ``"kernels"`` (the fewest launches: per layer one GEMM per ``flops.LINEAR_LAYERS``
-    entry and one attention kernel), ``"floor"`` (those launches at ``machine.launch_s``, 0 when unknown) and
-    ``"binds"``: ``"launch latency"`` when the floor reaches the roofline's time, else ``"the roofline"``."""
+    entry and one attention kernel), ``"floor"`` (those launches at ``machine.launch_s``, 0 when unknown),
+    ``"part_floor"`` (the same per part: ``{"linear", "attention"}``) and ``"binds"``: ``"launch latency"`` when
+    the floor reaches the roofline's time, else ``"the roofline"``."""
     lin, att = forward_parts(cfg, seq_lens, machine, nbytes)
-    kernels = cfg.n_layers * (len(LINEAR_LAYERS) + 1)
+    per_layer = {"linear": len(LINEAR_LAYERS), "attention": 1}
+    kernels = cfg.n_layers * sum(per_layer.values())
+    part_floor = {part: cfg.n_layers * k * (machine.launch_s or 0.0) for part, k in per_layer.items()}
     seconds, floor = lin.seconds + att.seconds, kernels * (machine.launch_s or 0.0)
     return {"linear": lin, "attention": att, "seconds": seconds, "kernels": kernels, "floor": floor,
-            "binds": "launch latency" if floor >= seconds else "the roofline"}
+            "part_floor": part_floor, "binds": "launch latency" if floor >= seconds else "the roofline"}
 
 
 def beside_roofline(forward: dict, machine: Machine) -> dict:
